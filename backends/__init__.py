@@ -1,0 +1,9 @@
+"""Storage tiers of lightning-snapshot (installed as ``lightning_snapshot.backends``)."""
+
+from __future__ import annotations
+
+from lightning_snapshot.backends.base import Backend
+from lightning_snapshot.backends.local import LocalTier
+from lightning_snapshot.backends.registry import parse_tier
+
+__all__ = ["Backend", "LocalTier", "parse_tier"]

@@ -1,0 +1,133 @@
+"""The backend interface every tier implements: small, byte-oriented, key/value.
+
+A backend stores opaque objects under '/'-separated keys relative to its root and knows nothing about tensors or
+manifests. The engine asks it what it is (:attr:`Backend.tier`, :attr:`Backend.durable`) and when it is due
+(:meth:`Backend.is_due`); it never checks concrete classes.
+"""
+
+from __future__ import annotations
+
+import abc
+import datetime as _dt
+from collections.abc import Iterable
+from typing import ClassVar
+
+from lightning_snapshot.errors import ConfigError
+
+__all__ = ["Backend", "DEFAULT_EVERY_N_TRAIN_STEPS", "DEFAULT_KEEP_LAST"]
+
+DEFAULT_EVERY_N_TRAIN_STEPS = 100
+DEFAULT_KEEP_LAST = 3
+
+Buffer = "bytes | bytearray | memoryview"
+
+
+class Backend(abc.ABC):
+    """A storage tier: where snapshots go, how often, and how many are kept.
+
+    Args:
+        every_n_train_steps: snapshot when ``global_step`` is a multiple of this (>= 1). When neither this nor
+            ``train_time_interval`` is given, it defaults to ``DEFAULT_EVERY_N_TRAIN_STEPS`` (100).
+        train_time_interval: also snapshot when this much wall time passed since the last snapshot of the tier
+            (a ``datetime.timedelta`` or seconds as a number).
+        keep_last: how many committed snapshots the tier keeps (>= 1), or ``None`` to keep all. The newest
+            snapshot is never deleted.
+
+    Thread-safety: the engine calls one backend from one thread at a time.
+    """
+
+    #: Short tier name used in logs and metric names (``local``, ``ram``, ``s3``...).
+    tier: ClassVar[str] = "backend"
+    #: Whether data survives the loss of the training process and the node's memory.
+    durable: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        *,
+        every_n_train_steps: int | None = None,
+        train_time_interval: _dt.timedelta | float | None = None,
+        keep_last: int | None = DEFAULT_KEEP_LAST,
+    ) -> None:
+        if every_n_train_steps is not None and (
+            isinstance(every_n_train_steps, bool) or not isinstance(every_n_train_steps, int) or every_n_train_steps < 1
+        ):
+            raise ConfigError(
+                f"every_n_train_steps must be an integer >= 1 (or None), got {every_n_train_steps!r}"
+            )
+        if train_time_interval is not None:
+            if isinstance(train_time_interval, (int, float)) and not isinstance(train_time_interval, bool):
+                train_time_interval = _dt.timedelta(seconds=train_time_interval)
+            if not isinstance(train_time_interval, _dt.timedelta) or train_time_interval.total_seconds() <= 0:
+                raise ConfigError(
+                    "train_time_interval must be a positive datetime.timedelta or a number of seconds,"
+                    f" got {train_time_interval!r}"
+                )
+        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+            raise ConfigError(f"keep_last must be an integer >= 1, or None to keep every snapshot, got {keep_last!r}")
+        if every_n_train_steps is None and train_time_interval is None:
+            every_n_train_steps = DEFAULT_EVERY_N_TRAIN_STEPS
+        self.every_n_train_steps = every_n_train_steps
+        self.train_time_interval: _dt.timedelta | None = train_time_interval
+        self.keep_last = keep_last
+
+    # ------------------------------------------------------------------------------------------- schedule
+    def is_due(self, step: int, seconds_since_last: float | None) -> bool:
+        """Whether a snapshot of ``step`` is due in this tier.
+
+        Args:
+            step: the trainer's ``global_step`` after the optimizer step that just finished.
+            seconds_since_last: wall time since this tier's last snapshot (or since training started).
+        """
+        if self.every_n_train_steps is not None and step % self.every_n_train_steps == 0:
+            return True
+        return (
+            self.train_time_interval is not None
+            and seconds_since_last is not None
+            and seconds_since_last >= self.train_time_interval.total_seconds()
+        )
+
+    # ------------------------------------------------------------------------------------------- identity
+    @property
+    @abc.abstractmethod
+    def url(self) -> str:
+        """Where the tier lives, safe to log (no credentials)."""
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self.url!r}, every_n_train_steps={self.every_n_train_steps},"
+            f" train_time_interval={self.train_time_interval}, keep_last={self.keep_last})"
+        )
+
+    # ------------------------------------------------------------------------------------------- bytes
+    @abc.abstractmethod
+    def write(self, key: str, buffers: Iterable[bytes | bytearray | memoryview]) -> int:
+        """Create or replace the object ``key`` with the concatenation of ``buffers``; durable on return.
+
+        Returns the number of bytes written. Raises ``StorageFullError`` when the tier is out of space and
+        ``SnapshotWriteError`` for other failures; a failed write leaves no object behind.
+        """
+
+    @abc.abstractmethod
+    def commit(self, key: str, data: bytes) -> None:
+        """Publish ``key`` atomically and durably: readers see the old object or the whole new one, never a part."""
+
+    @abc.abstractmethod
+    def read(self, key: str) -> bytes:
+        """The whole object ``key``. Raises ``FileNotFoundError`` when it does not exist."""
+
+    @abc.abstractmethod
+    def read_into(self, key: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with the bytes of ``key`` starting at ``offset``; raises ``EOFError`` on a short object."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> list[str]:
+        """Names of the objects and sub-prefixes directly under ``prefix`` (no recursion), sorted."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Delete ``key`` and everything under it; deleting what does not exist is not an error."""
+
+    def exists(self, key: str) -> bool:
+        """Whether the object ``key`` exists."""
+        parent, _, name = key.rpartition("/")
+        return name in self.list(parent)

@@ -1,0 +1,168 @@
+"""Local (NVMe) tier: snapshots as files under a directory."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import errno
+import os
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+from lightning_snapshot.backends.base import DEFAULT_KEEP_LAST, Backend
+from lightning_snapshot.errors import ConfigError, SnapshotWriteError, StorageFullError, UnsafePathError
+from lightning_snapshot.manifest import validate_key
+
+__all__ = ["LocalTier"]
+
+
+class LocalTier(Backend):
+    """Snapshots as files on a local filesystem (node-local NVMe, or any POSIX path).
+
+    Commit rule: data objects are written and fsynced first; the manifest is written to a temporary file, fsynced
+    and moved into place with ``os.replace``, then the directory is fsynced. A step without a manifest does not
+    exist for the loader.
+
+    Args:
+        path: the tier's root directory (created if missing). ``~`` is expanded.
+        every_n_train_steps, train_time_interval, keep_last: see :class:`~lightning_snapshot.backends.base.Backend`.
+
+    URL form: ``"/path?every=100&keep=3&interval=600"`` or ``"file:///path?..."``.
+    """
+
+    tier = "local"
+    durable = True
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        every_n_train_steps: int | None = None,
+        train_time_interval: _dt.timedelta | float | None = None,
+        keep_last: int | None = DEFAULT_KEEP_LAST,
+    ) -> None:
+        super().__init__(
+            every_n_train_steps=every_n_train_steps, train_time_interval=train_time_interval, keep_last=keep_last
+        )
+        if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+            raise ConfigError(f"LocalTier path must be a non-empty path, got {path!r}")
+        self.root = Path(os.path.expanduser(os.fspath(path))).absolute()
+        if self.root.exists() and not self.root.is_dir():
+            raise ConfigError(f"LocalTier path {str(self.root)!r} exists and is not a directory: choose another path")
+
+    @property
+    def url(self) -> str:
+        return str(self.root)
+
+    # ------------------------------------------------------------------------------------------- paths
+    def _path(self, key: str, *, allow_root: bool = False) -> Path:
+        if allow_root and key == "":
+            return self.root
+        validate_key(key)
+        path = self.root / key
+        # a symlink inside the tier must not lead out of it
+        real_root = os.path.realpath(self.root)
+        real = os.path.realpath(path)
+        if real != real_root and not real.startswith(real_root + os.sep):
+            raise UnsafePathError(
+                f"{key!r} resolves to {real!r}, outside the tier root {real_root!r} (a symlink?). Remove the link"
+                " or use another snapshot"
+            )
+        return path
+
+    def _fail(self, key: str, e: OSError, nbytes: int | None = None) -> SnapshotWriteError:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            need = f" ({nbytes} bytes)" if nbytes is not None else ""
+            return StorageFullError(
+                e.errno,
+                f"no space left on device while writing {key!r}{need} to the local tier {str(self.root)!r}:"
+                " free disk space, lower keep_last or snapshot less often. Earlier snapshots are intact",
+            )
+        return SnapshotWriteError(e.errno, f"writing {key!r} to the local tier {str(self.root)!r} failed: {e}")
+
+    @staticmethod
+    def _fsync_dir(path: Path) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # ------------------------------------------------------------------------------------------- bytes
+    def write(self, key: str, buffers: Iterable[bytes | bytearray | memoryview]) -> int:
+        path = self._path(key)
+        total = 0
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            try:
+                for buf in buffers:
+                    view = memoryview(buf).cast("B")
+                    while view.nbytes:
+                        n = os.write(fd, view)
+                        total += n
+                        view = view[n:]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            try:
+                path.unlink()
+            except OSError:
+                pass
+            raise self._fail(key, e, total) from e
+        return total
+
+    def commit(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            try:
+                view = memoryview(data)
+                while view.nbytes:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+            self._fsync_dir(path.parent)
+        except OSError as e:
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
+            raise self._fail(key, e, len(data)) from e
+
+    def read(self, key: str) -> bytes:
+        return self._path(key).read_bytes()
+
+    def read_into(self, key: str, offset: int, out: memoryview) -> None:
+        view = memoryview(out).cast("B")
+        with open(self._path(key), "rb", buffering=0) as f:
+            f.seek(offset)
+            while view.nbytes:
+                n = f.readinto(view)
+                if not n:
+                    raise EOFError(f"{key!r} in {str(self.root)!r} ends before byte {offset + len(out)}")
+                view = view[n:]
+
+    def list(self, prefix: str = "") -> list[str]:
+        path = self._path(prefix, allow_root=True)
+        try:
+            return sorted(p.name for p in path.iterdir() if not p.name.startswith("."))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()

@@ -1,0 +1,94 @@
+"""Select a tier by URL: ``"/path?every=100&keep=3"``, ``"file:///path?..."``.
+
+The scheme picks the backend class lazily (as fsspec's registry does), so a LightningCLI YAML can list tiers as
+strings. Query options: ``every`` (``every_n_train_steps``), ``interval`` (``train_time_interval``: seconds, or a
+number with an ``s``/``m``/``h`` suffix) and ``keep`` (``keep_last``; ``all`` keeps every snapshot).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib
+import re
+import urllib.parse
+from typing import Any
+
+from lightning_snapshot.backends.base import Backend
+from lightning_snapshot.errors import ConfigError
+
+__all__ = ["parse_tier", "KNOWN_SCHEMES"]
+
+#: scheme -> (module, class). Schemes of later tiers are listed with the release that brings them.
+KNOWN_SCHEMES: dict[str, tuple[str, str]] = {
+    "": ("lightning_snapshot.backends.local", "LocalTier"),
+    "file": ("lightning_snapshot.backends.local", "LocalTier"),
+}
+_PLANNED = {"ram": "the RAM tier", "s3": "the object-store tier", "gs": "the object-store tier",
+            "az": "the object-store tier", "memory": "the object-store tier"}
+_OPTIONS = {"every": "every_n_train_steps", "interval": "train_time_interval", "keep": "keep_last"}
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smh]?)$")
+
+
+def _int_option(name: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"tier URL option {name}={value!r} must be an integer") from None
+
+
+def _options(query: str, url: str) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {}
+    try:
+        pairs = urllib.parse.parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
+    except ValueError as e:
+        raise ConfigError(f"tier URL {url!r} has a malformed query {query!r}: {e}") from None
+    for name, value in pairs:
+        if name not in _OPTIONS:
+            raise ConfigError(
+                f"unknown tier URL option {name!r} in {url!r}; accepted options: {', '.join(sorted(_OPTIONS))}"
+                " (every=<steps>, interval=<seconds or 10m/2h>, keep=<count or all>)"
+            )
+        if _OPTIONS[name] in kwargs:
+            raise ConfigError(f"tier URL option {name!r} is given twice in {url!r}")
+        if name == "every":
+            kwargs["every_n_train_steps"] = _int_option(name, value)
+        elif name == "keep":
+            kwargs["keep_last"] = None if value == "all" else _int_option(name, value)
+        else:
+            m = _DURATION.match(value)
+            if not m:
+                raise ConfigError(
+                    f"tier URL option interval={value!r} must be seconds or a number with s/m/h, e.g. 600 or 10m"
+                )
+            scale = {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
+            kwargs["train_time_interval"] = _dt.timedelta(seconds=float(m.group(1)) * scale)
+    return kwargs
+
+
+def parse_tier(spec: str | Backend) -> Backend:
+    """Turn a tier URL into a backend (a backend is returned unchanged).
+
+    Raises:
+        ConfigError: unknown scheme or option, or an invalid option value; the message lists what is accepted.
+    """
+    if isinstance(spec, Backend):
+        return spec
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError(f"a tier must be a Backend or a URL string, got {spec!r}")
+    parsed = urllib.parse.urlsplit(spec)
+    scheme = parsed.scheme.lower()
+    if len(scheme) == 1:  # a Windows drive letter, not a scheme
+        scheme = ""
+    if scheme not in KNOWN_SCHEMES:
+        if scheme in _PLANNED:
+            raise ConfigError(f"{scheme}:// ({_PLANNED[scheme]}) is not available in this release; use a local path")
+        raise ConfigError(
+            f"unknown tier URL scheme {scheme!r} in {spec!r}; known: a plain path or file://"
+        )
+    module, cls_name = KNOWN_SCHEMES[scheme]
+    cls = getattr(importlib.import_module(module), cls_name)
+    if scheme == "file" and parsed.netloc not in ("", "localhost"):
+        raise ConfigError(f"file:// URL {spec!r} names host {parsed.netloc!r}; use file:///absolute/path")
+    path = urllib.parse.unquote(parsed.path) if scheme else spec.split("?", 1)[0]
+    query = parsed.query if scheme else (spec.split("?", 1)[1] if "?" in spec else "")
+    return cls(path, **_options(query, spec))

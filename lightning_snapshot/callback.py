@@ -1,0 +1,306 @@
+"""SnapshotCallback: the Lightning side. Hooks only; capture, staging, writing and loading live elsewhere."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+from lightning_snapshot import data as _data
+from lightning_snapshot.backends.base import Backend
+from lightning_snapshot.backends.registry import parse_tier
+from lightning_snapshot.capture import capture_rng, capture_shared, check_model, restore_rng, restore_shared
+from lightning_snapshot.comm import Comm, LocalComm, StrategyComm
+from lightning_snapshot.errors import (
+    ConfigError,
+    FormatVersionError,
+    SnapshotError,
+    SnapshotNotFoundError,
+    StateMismatchError,
+)
+from lightning_snapshot.loader import read_manifest, read_section, resolve_source
+from lightning_snapshot.staging import StagedState, stage
+from lightning_snapshot.writer import SnapshotJob, apply_retention, committed_steps, write_snapshot
+
+__all__ = ["SnapshotCallback"]
+
+log = logging.getLogger(__name__)
+
+_ON_ERROR = ("raise", "warn")
+
+
+class SnapshotCallback(Checkpoint):
+    """Take snapshots of the complete training state into one or more tiers, and resume from them.
+
+    Args:
+        tiers: where snapshots go: a backend (e.g. ``LocalTier("/nvme/snap", every_n_train_steps=100)``), a tier URL
+            (``"/nvme/snap?every=100&keep=3"``, ``"file:///nvme/snap?every=100"``), or a list of them. Each tier has
+            its own schedule and retention.
+        resume: what ``trainer.fit`` resumes from. ``True`` (default): the newest committed snapshot that loads and
+            verifies, across all tiers, falling back to older ones with a warning. ``False``: start fresh. An ``int``:
+            that step, from the first tier that has it. A string: one snapshot directory or tier URL
+            (``"/nvme/snap/step-000000001200"``). An explicit ``ckpt_path`` given to ``fit`` wins over all of these.
+        on_error: ``"raise"`` (default) stops training when a snapshot cannot be written; ``"warn"`` warns and keeps
+            training. Earlier snapshots stay intact either way.
+
+    Snapshots are taken after the optimizer step of every scheduled ``global_step`` (with gradient accumulation,
+    only when ``global_step`` moved). Supported strategies: single device and DDP (``ddp``, ``ddp_spawn``).
+    """
+
+    def __init__(
+        self,
+        tiers: str | Backend | Sequence[str | Backend],
+        *,
+        resume: bool | int | str = True,
+        on_error: str = "raise",
+    ) -> None:
+        if isinstance(tiers, (str, Backend)):
+            tiers = [tiers]
+        if not isinstance(tiers, Sequence) or not tiers:
+            raise ConfigError(f"tiers must be a tier URL, a Backend or a non-empty list of them, got {tiers!r}")
+        self.tiers: list[Backend] = [parse_tier(t) for t in tiers]
+        if not isinstance(resume, (bool, int, str)) or (
+            isinstance(resume, int) and not isinstance(resume, bool) and resume < 0
+        ):
+            raise ConfigError(
+                f"resume must be True, False, a step number >= 0 or a snapshot path/URL, got {resume!r}"
+            )
+        if on_error not in _ON_ERROR:
+            raise ConfigError(f"on_error must be one of {', '.join(map(repr, _ON_ERROR))}, got {on_error!r}")
+        self.resume = resume
+        self.on_error = on_error
+        self._comm: Comm = LocalComm()
+        self._run_id = ""
+        self._last_step = -1
+        self._last_time: list[float] = []
+        self._pending: tuple[int, int, StagedState | None, list[Backend]] | None = None
+        self._pending_rng: dict[str, Any] | None = None
+        self._pending_loaders: list[dict[str, Any] | None] = []
+        self._warned_loaders: set[int] = set()
+        self._patched_strategy: Any = None
+        #: (tier url, step, seconds) of the restore done by the last ``fit``, or None.
+        self.restored_from: tuple[str, int, float] | None = None
+
+    @property
+    def state_key(self) -> str:
+        return f"SnapshotCallback{{tiers={[t.url for t in self.tiers]}}}"
+
+    # ------------------------------------------------------------------------------------------- set-up
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage != "fit":
+            return
+        strategy = trainer.strategy
+        if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
+            raise ConfigError(
+                f"SnapshotCallback does not support the {type(strategy).__name__} strategy in this release; use a"
+                " single device or DDP ('ddp', 'ddp_spawn')"
+            )
+        self._comm = StrategyComm(strategy) if strategy.world_size > 1 else LocalComm()
+        self._run_id = str(self._comm.broadcast(uuid.uuid4().hex[:12]))
+        self._last_time = [time.monotonic()] * len(self.tiers)
+        self._last_step = -1
+        self._pending = None
+        # Wrap train loaders' samplers as Lightning builds them, before their first iterator exists.
+        original = strategy.process_dataloader
+
+        def process_dataloader(dataloader: object) -> object:
+            dataloader = original(dataloader)
+            if trainer.training:
+                self._on_train_loader(dataloader)
+            return dataloader
+
+        strategy.process_dataloader = process_dataloader
+        self._patched_strategy = strategy
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self._patched_strategy is not None:
+            self._patched_strategy.__dict__.pop("process_dataloader", None)
+            self._patched_strategy = None
+        self._pending = None
+
+    def _on_train_loader(self, loader: object) -> None:
+        wrapper = _data.install(loader)
+        if wrapper is not None and self._pending_loaders:
+            wrapper.pending = self._pending_loaders.pop(0)
+        reason = _data.unsupported_reason(loader)
+        if reason is not None and id(type(loader)) not in self._warned_loaders:
+            self._warned_loaders.add(id(type(loader)))
+            warnings.warn(f"lightning-snapshot cannot restore the exact position of a train dataloader: {reason}.",
+                          stacklevel=2)
+
+    # ------------------------------------------------------------------------------------------- resume
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.resume is False:
+            return
+        if trainer.ckpt_path:
+            log.info("lightning-snapshot: fit(ckpt_path=%r) was given; not resuming from a snapshot",
+                     trainer.ckpt_path)
+            return
+        t0 = time.monotonic()
+        candidates = self._candidates()
+        if not candidates:
+            if self.resume is not True:
+                raise SnapshotNotFoundError(f"resume={self.resume!r}: no committed snapshot matches it in"
+                                            f" {[t.url for t in self.tiers]}")
+            return
+        reasons = []
+        for backend, step in candidates:
+            where = f"snapshot of step {step} in the {backend.tier} tier {backend.url!r}"
+            loaded, fatal, error = None, None, None
+            try:
+                loaded = self._read(backend, step, pl_module)
+            except (FormatVersionError, StateMismatchError) as e:
+                fatal = e
+            except (SnapshotError, OSError) as e:
+                error = e
+            if not self._comm.all_true(fatal is None):
+                raise fatal or SnapshotError(f"restoring the {where} failed on another rank (see its log)")
+            if self._comm.all_true(error is None):
+                shared, rank_state = loaded
+                restore_shared(trainer, pl_module, shared, where)
+                self._apply_rank_state(rank_state)
+                self._last_step = step
+                seconds = time.monotonic() - t0
+                self.restored_from = (backend.url, step, seconds)
+                if self._comm.rank == 0:
+                    log.info("lightning-snapshot: restored step %d from the %s tier %s in %.2f s", step,
+                             backend.tier, backend.url, seconds)
+                return
+            reason = str(error) if error is not None else "it failed to load on another rank"
+            reasons.append(f"step {step} ({backend.tier} {backend.url}): {reason}")
+            if self.resume is not True:
+                break
+            warnings.warn(f"lightning-snapshot: skipping the {where}: {reason}. Falling back to an earlier snapshot.",
+                          stacklevel=2)
+        raise SnapshotError(
+            "no snapshot could be restored; tried " + "; ".join(reasons)
+            + ". The snapshots were left untouched: fix or move them, or pass resume=False to start fresh"
+        )
+
+    def _candidates(self) -> list[tuple[Backend, int]]:
+        """Snapshots to try, newest first (ties: tier order). Rank 0 decides; every rank gets the same list."""
+        if isinstance(self.resume, str):
+            backend, step = resolve_source(self.resume)
+            steps = [step] if step is not None else committed_steps(backend)[:1]
+            return [(backend, s) for s in steps]
+        found: list[tuple[int, int]] = []
+        if self._comm.rank == 0:
+            for i, tier in enumerate(self.tiers):
+                found += [(step, i) for step in committed_steps(tier)]
+            found.sort(key=lambda x: (-x[0], x[1]))
+            if not isinstance(self.resume, bool):
+                found = [f for f in found if f[0] == self.resume][:1]
+        found = self._comm.broadcast(found)
+        return [(self.tiers[i], step) for step, i in found]
+
+    def _read(self, backend: Backend, step: int, pl_module: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        manifest = read_manifest(backend, step)
+        shared = read_section(backend, manifest, manifest.tensors, manifest.state)
+        where = f"snapshot of step {step} in the {backend.tier} tier {backend.url!r}"
+        if not isinstance(shared, dict) or "loops" not in shared:
+            raise SnapshotError(f"{where} holds no training state")
+        check_model(pl_module, shared.get("state_dict"), where)
+        rank_state = None
+        section = manifest.rank_section(self._comm.rank)
+        if manifest.world_size != self._comm.world_size:
+            warnings.warn(
+                f"lightning-snapshot: the {where} was taken with {manifest.world_size} process(es), this run has"
+                f" {self._comm.world_size}: weights, optimizer and loop state are restored, but per-rank RNG and data"
+                " position are not, so the run will not be bitwise identical to an uninterrupted one.",
+                stacklevel=2,
+            )
+        elif section is not None:
+            rank_state = read_section(backend, manifest, section.tensors, section.state)
+        return shared, rank_state
+
+    def _apply_rank_state(self, rank_state: dict[str, Any] | None) -> None:
+        if rank_state is None:
+            return
+        self._pending_rng = rank_state.get("rng")
+        self._pending_loaders = list(rank_state.get("loaders", []))
+
+    # ------------------------------------------------------------------------------------------- capture
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self._pending_rng is not None:
+            # the point where the interrupted run took its RNG state (right before training_step of step N+1)
+            restore_rng(self._pending_rng)
+            self._pending_rng = None
+        if self._pending is not None:
+            self._finish(trainer, consumed_offset=1)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        if step == self._last_step:  # no optimizer step happened (gradient accumulation)
+            return
+        self._last_step = step
+        now = time.monotonic()
+        due = [i for i, t in enumerate(self.tiers) if t.is_due(step, now - self._last_time[i])]
+        if any(t.train_time_interval is not None for t in self.tiers):
+            due = self._comm.broadcast(due)  # wall clocks differ across ranks; rank 0 decides
+        if not due:
+            return
+        for i in due:
+            self._last_time[i] = now
+        # Parameters, optimizer, schedulers and loops are frozen from here until the next optimizer.step; buffers
+        # are not (forward changes them), so everything is copied now. The rank state follows at the next batch.
+        shared = None
+        try:
+            if self._comm.rank == 0:
+                shared = stage(capture_shared(trainer, pl_module))
+        except SnapshotError as e:
+            self._handle(e, step)
+            return
+        self._pending = (step, trainer.current_epoch, shared, [self.tiers[i] for i in due])
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._pending is not None:
+            self._finish(trainer, consumed_offset=0)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._pending = None
+
+    def _rank_state(self, trainer: Any, consumed_offset: int) -> dict[str, Any]:
+        ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        loaders = [
+            _data.position(dl, trainer.current_epoch, max(0, ready - consumed_offset))
+            for dl in _data.flatten_loaders(trainer.train_dataloader)
+        ]
+        return {"rng": capture_rng(), "loaders": loaders}
+
+    def _finish(self, trainer: Any, consumed_offset: int) -> None:
+        assert self._pending is not None
+        step, epoch, shared, tiers = self._pending
+        self._pending = None
+        try:
+            private = stage(self._rank_state(trainer, consumed_offset), "rank")
+        except SnapshotError as e:
+            self._handle(e, step)
+            return
+        job = SnapshotJob(step, epoch, shared, private)
+        for tier in tiers:
+            try:
+                write_snapshot(tier, self._comm, job, self._run_id)
+                if self._comm.rank == 0:
+                    apply_retention(tier, step)
+            except (SnapshotError, OSError) as e:
+                self._handle(e, step, tier)
+
+    def _handle(self, error: BaseException, step: int, tier: Backend | None = None) -> None:
+        where = f" to the {tier.tier} tier {tier.url!r}" if tier is not None else ""
+        if self.on_error == "raise":
+            raise error
+        warnings.warn(f"lightning-snapshot: the snapshot of step {step}{where} failed and training goes on"
+                      f" (on_error='warn'): {error}", stacklevel=2)
+
+    # ------------------------------------------------------------------------------------------- checkpoint state
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass

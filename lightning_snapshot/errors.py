@@ -1,0 +1,66 @@
+"""The error tree of lightning-snapshot.
+
+Every error the library raises on purpose is a :class:`SnapshotError`. Most also derive from the builtin
+exception a caller would naturally catch (``ValueError``, ``OSError``, ``FileNotFoundError``), so either works.
+Messages name the problem and the fix.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "SnapshotError",
+    "ConfigError",
+    "ManifestError",
+    "FormatVersionError",
+    "ChecksumError",
+    "SnapshotNotFoundError",
+    "StateMismatchError",
+    "UnsafePathError",
+    "CaptureError",
+    "SnapshotWriteError",
+    "StorageFullError",
+]
+
+
+class SnapshotError(Exception):
+    """Base class of every error raised by lightning-snapshot."""
+
+
+class ConfigError(SnapshotError, ValueError):
+    """An option, URL or argument given by the user is invalid."""
+
+
+class ManifestError(SnapshotError, ValueError):
+    """A manifest is malformed, truncated or inconsistent."""
+
+
+class FormatVersionError(ManifestError):
+    """A manifest was written by a newer format than this library reads."""
+
+
+class ChecksumError(SnapshotError):
+    """Data read back from a tier does not match the checksum recorded in the manifest."""
+
+
+class SnapshotNotFoundError(SnapshotError, FileNotFoundError):
+    """No committed snapshot matches the request."""
+
+
+class StateMismatchError(SnapshotError, RuntimeError):
+    """A snapshot does not fit the model/optimizers/trainer it is being restored into."""
+
+
+class UnsafePathError(SnapshotError, ValueError):
+    """A key or path would escape the root of its tier."""
+
+
+class CaptureError(SnapshotError, TypeError):
+    """Training state contains a value that the snapshot format cannot store."""
+
+
+class SnapshotWriteError(SnapshotError, OSError):
+    """Writing a snapshot to a tier failed; earlier snapshots are untouched."""
+
+
+class StorageFullError(SnapshotWriteError):
+    """The tier ran out of space while writing a snapshot; earlier snapshots are untouched."""

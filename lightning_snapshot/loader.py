@@ -1,0 +1,162 @@
+"""Find committed snapshots and read them back, verifying every chunk. Never unpickles."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import xxhash
+
+from lightning_snapshot import tree as _tree
+from lightning_snapshot.backends.base import Backend
+from lightning_snapshot.backends.registry import parse_tier
+from lightning_snapshot.errors import ChecksumError, ConfigError, ManifestError, SnapshotNotFoundError
+from lightning_snapshot.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    TensorEntry,
+    dtype_from_name,
+    parse_step_dirname,
+    step_dirname,
+)
+from lightning_snapshot.planner import chunk_ranges
+from lightning_snapshot.staging import tensor_bytes
+from lightning_snapshot.writer import committed_steps
+
+__all__ = ["read_manifest", "read_section", "load_snapshot", "resolve_source", "committed_steps"]
+
+log = logging.getLogger(__name__)
+
+
+def _where(backend: Backend, step: int) -> str:
+    return f"{backend.tier} tier {backend.url!r}, {step_dirname(step)}"
+
+
+def read_manifest(backend: Backend, step: int) -> Manifest:
+    """Read and validate the manifest of ``step``.
+
+    Raises:
+        SnapshotNotFoundError: the step has no committed manifest.
+        ManifestError / FormatVersionError: the manifest is malformed or too new.
+    """
+    key = f"{step_dirname(step)}/{MANIFEST_NAME}"
+    try:
+        data = backend.read(key)
+    except FileNotFoundError:
+        raise SnapshotNotFoundError(
+            f"no committed snapshot of step {step} in the {backend.tier} tier {backend.url!r}"
+        ) from None
+    manifest = Manifest.from_json(data, where=f"manifest of {_where(backend, step)}")
+    if manifest.step != step:
+        raise ManifestError(f"manifest of {_where(backend, step)} says it is step {manifest.step}")
+    return manifest
+
+
+def read_section(
+    backend: Backend, manifest: Manifest, entries: Sequence[TensorEntry], tree: Any
+) -> Any:
+    """Read, verify and decode one section (the shared state or a rank's) of a snapshot.
+
+    Raises:
+        ChecksumError: a chunk does not match its checksum; the message names tensor, object and step.
+    """
+    prefix = step_dirname(manifest.step)
+    tensors: dict[str, torch.Tensor] = {}
+    for entry in entries:
+        if entry.alias_of is not None:
+            continue
+        dtype = dtype_from_name(entry.dtype)
+        out = torch.empty(entry.global_shape, dtype=dtype)
+        for frag in entry.fragments:
+            whole = frag.local_shape == entry.global_shape
+            buf = out if whole else torch.empty(frag.local_shape, dtype=dtype)
+            view = tensor_bytes(buf)
+            try:
+                backend.read_into(f"{prefix}/{frag.object}", frag.offset, view)
+            except (EOFError, FileNotFoundError) as e:
+                raise ChecksumError(
+                    f"tensor {entry.name!r}: object {frag.object!r} of step {manifest.step} in the {backend.tier} tier"
+                    f" {backend.url!r} is missing or truncated ({e})"
+                ) from e
+            for (a, b), expected in zip(chunk_ranges(frag.nbytes, manifest.chunk_bytes), frag.checksums):
+                if xxhash.xxh3_64_hexdigest(view[a:b]) != expected:
+                    raise ChecksumError(
+                        f"checksum mismatch in tensor {entry.name!r}, object {frag.object!r}, bytes [{frag.offset + a},"
+                        f" {frag.offset + b}) of step {manifest.step} in the {backend.tier} tier {backend.url!r}:"
+                        " the data is corrupted. Use an earlier snapshot"
+                    )
+            if not whole:
+                box = tuple(slice(o, o + n) for o, n in zip(frag.global_offsets, frag.local_shape))
+                out[box] = buf
+        tensors[entry.name] = out
+    for entry in entries:
+        if entry.alias_of is not None:
+            tensors[entry.name] = tensors[entry.alias_of]
+    return _tree.decode(tree, tensors)
+
+
+def resolve_source(source: str | os.PathLike[str] | Backend) -> tuple[Backend, int | None]:
+    """A backend (plus a step, when ``source`` names one snapshot directory) from a URL, path or backend.
+
+    ``"/snaps/run-1"`` -> that tier, newest step; ``"/snaps/run-1/step-000000000200"`` -> that tier, step 200.
+    """
+    if isinstance(source, Backend):
+        return source, None
+    if not isinstance(source, (str, os.PathLike)):
+        raise ConfigError(f"a snapshot source must be a tier URL, a path or a Backend, got {source!r}")
+    text = os.fspath(source)
+    base, _, query = text.partition("?")
+    head, _, last = base.rstrip("/").rpartition("/")
+    step = parse_step_dirname(last)
+    if step is not None:
+        return parse_tier(head + ("?" + query if query else "")), step
+    return parse_tier(text), None
+
+
+def load_snapshot(
+    source: str | os.PathLike[str] | Backend, step: int | None = None, *, rank: int | None = None
+) -> dict[str, Any]:
+    """Load a snapshot as a plain dict, outside Lightning (evaluation, export, inspection).
+
+    Args:
+        source: a tier URL or path (newest committed step), a path to one ``step-*`` directory, or a backend.
+        step: the step to load; the newest committed one when None.
+        rank: also return that rank's private state (RNG, data position) under ``"rank_state"``.
+
+    Returns:
+        A dict shaped like a Lightning checkpoint: ``state_dict``, ``optimizer_states``, ``lr_schedulers``,
+        ``loops``, ``callbacks``, ``epoch``, ``global_step``... with full CPU tensors.
+
+    Raises:
+        SnapshotNotFoundError, ManifestError, FormatVersionError, ChecksumError.
+    """
+    backend, named_step = resolve_source(source)
+    if step is None:
+        step = named_step
+    if step is None:
+        steps = committed_steps(backend)
+        if not steps:
+            raise SnapshotNotFoundError(f"the {backend.tier} tier {backend.url!r} holds no committed snapshot")
+        step = steps[0]
+    manifest = read_manifest(backend, step)
+    state = read_section(backend, manifest, manifest.tensors, manifest.state)
+    if not isinstance(state, dict):
+        raise ManifestError(f"shared state of {_where(backend, step)} is not a dict")
+    if rank is not None:
+        section = manifest.rank_section(rank)
+        if section is None:
+            raise SnapshotNotFoundError(f"{_where(backend, step)} has no state for rank {rank}")
+        state["rank_state"] = read_section(backend, manifest, section.tensors, section.state)
+    return state
+
+
+def state_bytes(manifest: Manifest) -> int:
+    """Bytes of tensor data in a manifest (for logs)."""
+    return sum(
+        math.prod(f.local_shape) * torch.empty((), dtype=dtype_from_name(t.dtype)).element_size()
+        for t in manifest.tensors for f in t.fragments
+    )

@@ -1,0 +1,486 @@
+"""The snapshot format: typed, versioned manifest dataclasses and their JSON form.
+
+A snapshot is ``<tier root>/step-<global_step:012d>/`` holding ``manifest.json`` and data objects. Data objects
+are raw tensor bytes, each fragment aligned to ``alignment`` bytes, with one checksum per ``chunk_bytes`` chunk.
+The manifest is written last and atomically: a step without a manifest does not exist.
+
+Parsing is strict. Every field is type-checked, every cross reference is resolved, unknown entry types and unknown
+fields are errors, and every failure is a :class:`~lightning_snapshot.errors.ManifestError` (or its subclass
+:class:`~lightning_snapshot.errors.FormatVersionError`). Nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_snapshot.errors import FormatVersionError, ManifestError, UnsafePathError
+
+__all__ = [
+    "FORMAT_VERSION",
+    "CHECKSUM_ALGORITHM",
+    "DTYPES",
+    "Fragment",
+    "TensorEntry",
+    "ObjectEntry",
+    "RankSection",
+    "Manifest",
+    "dtype_name",
+    "dtype_from_name",
+    "step_dirname",
+    "parse_step_dirname",
+    "validate_key",
+]
+
+FORMAT_VERSION = 1
+CHECKSUM_ALGORITHM = "xxh3_64"
+MANIFEST_NAME = "manifest.json"
+
+_DTYPE_NAMES = [
+    "float64", "float32", "float16", "bfloat16",
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "complex64", "complex128",
+    "int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64", "bool",
+]
+#: Every dtype the format stores, by its name in the manifest (only those this torch build has).
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name) for name in _DTYPE_NAMES if isinstance(getattr(torch, name, None), torch.dtype)
+}
+_DTYPE_TO_NAME = {dt: name for name, dt in DTYPES.items()}
+
+_STEP_RE = re.compile(r"^step-(\d{12})$")
+_KEY_PART_RE = re.compile(r"^[A-Za-z0-9._-]+$")
+_HEX_RE = re.compile(r"^[0-9a-f]{16}$")
+_MAX_DIMS = 64
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Name of ``dtype`` in the manifest; raises ``KeyError`` for dtypes the format does not store."""
+    return _DTYPE_TO_NAME[dtype]
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """The torch dtype for a manifest dtype name."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ManifestError(
+            f"unknown dtype {name!r}; this build of torch supports {sorted(DTYPES)}. The snapshot may come from a"
+            " newer torch or lightning-snapshot: upgrade both"
+        ) from None
+
+
+def step_dirname(step: int) -> str:
+    """Directory name of the snapshot of ``step``: ``step-000000000042``."""
+    if not isinstance(step, int) or step < 0 or step >= 10**12:
+        raise ValueError(f"step must be an int in [0, 10**12), got {step!r}")
+    return f"step-{step:012d}"
+
+
+def parse_step_dirname(name: str) -> int | None:
+    """The step of a snapshot directory name, or None when ``name`` is not one."""
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def validate_key(key: str) -> str:
+    """Check that ``key`` is a relative, '/'-separated key that cannot escape its root.
+
+    Raises:
+        UnsafePathError: for absolute keys, ``..``/``.`` parts, empty parts, backslashes or odd characters.
+    """
+    if not isinstance(key, str) or not key:
+        raise UnsafePathError(f"storage key {key!r} is empty or not a string")
+    for part in key.split("/"):
+        if part in ("", ".", "..") or not _KEY_PART_RE.match(part):
+            raise UnsafePathError(
+                f"storage key {key!r} would escape the tier root or holds characters outside [A-Za-z0-9._-]"
+                " (absolute paths, '..', empty parts and backslashes are refused). The manifest or the path was"
+                " tampered with or corrupted: use another snapshot"
+            )
+    return key
+
+
+# ---------------------------------------------------------------------------------------------------- dataclasses
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """A contiguous run of a tensor's bytes stored in one data object.
+
+    ``global_offsets``/``local_shape`` place the fragment inside the tensor's ``global_shape`` (a box); a fragment
+    that is the whole tensor has zero offsets and ``local_shape == global_shape``.
+    """
+
+    object: str
+    offset: int
+    nbytes: int
+    global_offsets: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    checksums: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """A tensor: dtype, global shape and where its fragments live; or an alias of another entry (tied weights)."""
+
+    name: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    fragments: tuple[Fragment, ...] = ()
+    alias_of: str | None = None
+
+
+@dataclass(frozen=True)
+class ObjectEntry:
+    """A data object of the snapshot: its key (relative to the step directory), size and writing rank."""
+
+    key: str
+    nbytes: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class RankSection:
+    """State private to one rank (RNG, data position): a JSON tree plus its tensors."""
+
+    rank: int
+    state: Any
+    tensors: tuple[TensorEntry, ...] = ()
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The manifest of one snapshot. ``state`` is a JSON tree whose tensors are ``{"$tensor": name}`` refs."""
+
+    step: int
+    epoch: int
+    world_size: int
+    created_unix: float
+    library_version: str
+    objects: tuple[ObjectEntry, ...]
+    tensors: tuple[TensorEntry, ...]
+    state: Any
+    ranks: tuple[RankSection, ...]
+    chunk_bytes: int = 8 << 20
+    alignment: int = 64
+    checksum: str = CHECKSUM_ALGORITHM
+    format_version: int = FORMAT_VERSION
+
+    # -- lookups
+    def object(self, key: str) -> ObjectEntry:
+        for o in self.objects:
+            if o.key == key:
+                return o
+        raise KeyError(key)
+
+    def rank_section(self, rank: int) -> RankSection | None:
+        for section in self.ranks:
+            if section.rank == rank:
+                return section
+        return None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(o.nbytes for o in self.objects)
+
+    # -- JSON
+    def to_json(self) -> str:
+        """Serialize to JSON text (standard JSON: no NaN/Infinity literals)."""
+        return json.dumps(_manifest_to_dict(self), separators=(",", ":"), allow_nan=False)
+
+    @classmethod
+    def from_json(cls, text: str | bytes, *, where: str = "manifest") -> Manifest:
+        """Parse and validate manifest JSON.
+
+        Args:
+            text: the manifest's bytes or text.
+            where: a description used in error messages (e.g. the tier and step).
+
+        Raises:
+            FormatVersionError: the manifest was written by a newer format.
+            ManifestError: anything else is wrong with it.
+        """
+        try:
+            if isinstance(text, (bytes, bytearray, memoryview)):
+                text = bytes(text).decode("utf-8")
+            raw = json.loads(text, parse_constant=_reject_constant)
+        except ManifestError:
+            raise
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            raise ManifestError(
+                f"{where} is not valid JSON (truncated or corrupted?): {e}. Use another snapshot or re-create it"
+            ) from e
+        try:
+            return _manifest_from_dict(raw, where)
+        except ManifestError:
+            raise
+        except (TypeError, ValueError, KeyError, AttributeError, OverflowError, RecursionError) as e:  # safety net
+            raise ManifestError(f"{where} is malformed: {type(e).__name__}: {e}") from e
+
+
+def _reject_constant(name: str) -> Any:
+    raise ManifestError(f"manifest holds the non-standard JSON constant {name}")
+
+
+# ---------------------------------------------------------------------------------------------------- encoding
+
+
+def _fragment_to_dict(f: Fragment) -> dict[str, Any]:
+    return {
+        "object": f.object,
+        "offset": f.offset,
+        "nbytes": f.nbytes,
+        "global_offsets": list(f.global_offsets),
+        "local_shape": list(f.local_shape),
+        "checksums": list(f.checksums),
+    }
+
+
+def _tensor_to_dict(t: TensorEntry) -> dict[str, Any]:
+    d: dict[str, Any] = {"type": "alias" if t.alias_of is not None else "tensor", "name": t.name, "dtype": t.dtype,
+                         "global_shape": list(t.global_shape)}
+    if t.alias_of is not None:
+        d["alias_of"] = t.alias_of
+    else:
+        d["fragments"] = [_fragment_to_dict(f) for f in t.fragments]
+    return d
+
+
+def _manifest_to_dict(m: Manifest) -> dict[str, Any]:
+    return {
+        "format_version": m.format_version,
+        "step": m.step,
+        "epoch": m.epoch,
+        "world_size": m.world_size,
+        "created_unix": m.created_unix,
+        "library_version": m.library_version,
+        "checksum": m.checksum,
+        "chunk_bytes": m.chunk_bytes,
+        "alignment": m.alignment,
+        "objects": [{"type": "object", "key": o.key, "nbytes": o.nbytes, "rank": o.rank} for o in m.objects],
+        "tensors": [_tensor_to_dict(t) for t in m.tensors],
+        "state": m.state,
+        "ranks": [
+            {"rank": r.rank, "state": r.state, "tensors": [_tensor_to_dict(t) for t in r.tensors]} for r in m.ranks
+        ],
+    }
+
+
+# ---------------------------------------------------------------------------------------------------- decoding
+
+
+class _Reader:
+    """Typed field access with the JSON path in every error message."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def fail(self, path: str, msg: str) -> ManifestError:
+        return ManifestError(f"{self.where}: {path}: {msg}")
+
+    def obj(self, value: Any, path: str, keys: set[str], optional: set[str] = frozenset()) -> Mapping[str, Any]:
+        if not isinstance(value, dict):
+            raise self.fail(path, f"expected an object, got {type(value).__name__}")
+        missing = keys - value.keys()
+        if missing:
+            raise self.fail(path, f"missing field(s) {sorted(missing)}")
+        unknown = value.keys() - keys - optional
+        if unknown:
+            raise self.fail(path, f"unknown field(s) {sorted(unknown)}; written by a newer lightning-snapshot?")
+        return value
+
+    def int_(self, value: Any, path: str, lo: int = 0, hi: int = 2**63 - 1) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(path, f"expected an integer, got {type(value).__name__}")
+        if not lo <= value <= hi:
+            raise self.fail(path, f"{value} is outside [{lo}, {hi}]")
+        return value
+
+    def str_(self, value: Any, path: str) -> str:
+        if not isinstance(value, str):
+            raise self.fail(path, f"expected a string, got {type(value).__name__}")
+        return value
+
+    def list_(self, value: Any, path: str) -> list[Any]:
+        if not isinstance(value, list):
+            raise self.fail(path, f"expected a list, got {type(value).__name__}")
+        return value
+
+    def shape(self, value: Any, path: str) -> tuple[int, ...]:
+        items = self.list_(value, path)
+        if len(items) > _MAX_DIMS:
+            raise self.fail(path, f"{len(items)} dimensions is more than {_MAX_DIMS}")
+        return tuple(self.int_(v, f"{path}[{i}]", 0, 2**62) for i, v in enumerate(items))
+
+
+def _parse_tensors(r: _Reader, value: Any, path: str, m_objects: Mapping[str, int], chunk_bytes: int,
+                   alignment: int) -> tuple[TensorEntry, ...]:
+    out: list[TensorEntry] = []
+    names: set[str] = set()
+    for i, raw in enumerate(r.list_(value, path)):
+        p = f"{path}[{i}]"
+        if not isinstance(raw, dict):
+            raise r.fail(p, f"expected an object, got {type(raw).__name__}")
+        kind = raw.get("type")
+        if kind == "tensor":
+            d = r.obj(raw, p, {"type", "name", "dtype", "global_shape", "fragments"})
+        elif kind == "alias":
+            d = r.obj(raw, p, {"type", "name", "dtype", "global_shape", "alias_of"})
+        else:
+            raise r.fail(p, f"unknown entry type {kind!r} (known: 'tensor', 'alias'); this snapshot needs a newer"
+                            " lightning-snapshot")
+        name = r.str_(d["name"], f"{p}.name")
+        if name in names:
+            raise r.fail(p, f"duplicate tensor name {name!r}")
+        names.add(name)
+        dtype = r.str_(d["dtype"], f"{p}.dtype")
+        torch_dtype = dtype_from_name(dtype)
+        global_shape = r.shape(d["global_shape"], f"{p}.global_shape")
+        if kind == "alias":
+            out.append(TensorEntry(name, dtype, global_shape, (), r.str_(d["alias_of"], f"{p}.alias_of")))
+            continue
+        itemsize = torch.empty((), dtype=torch_dtype).element_size()
+        frags = []
+        for j, fraw in enumerate(r.list_(d["fragments"], f"{p}.fragments")):
+            fp = f"{p}.fragments[{j}]"
+            fd = r.obj(fraw, fp, {"object", "offset", "nbytes", "global_offsets", "local_shape", "checksums"})
+            obj = r.str_(fd["object"], f"{fp}.object")
+            try:
+                validate_key(obj)
+            except UnsafePathError as e:
+                raise r.fail(fp + ".object", str(e)) from None
+            if obj not in m_objects:
+                raise r.fail(fp + ".object", f"refers to object {obj!r} that the manifest does not list")
+            offset = r.int_(fd["offset"], f"{fp}.offset")
+            nbytes = r.int_(fd["nbytes"], f"{fp}.nbytes")
+            offs = r.shape(fd["global_offsets"], f"{fp}.global_offsets")
+            local = r.shape(fd["local_shape"], f"{fp}.local_shape")
+            if len(offs) != len(global_shape) or len(local) != len(global_shape):
+                raise r.fail(fp, "global_offsets/local_shape do not have the rank of global_shape")
+            if any(o + n > g for o, n, g in zip(offs, local, global_shape)):
+                raise r.fail(fp, f"box {offs}+{local} lies outside global_shape {global_shape}")
+            if nbytes != math.prod(local) * itemsize:
+                raise r.fail(fp, f"nbytes {nbytes} does not match local_shape {local} of {dtype}")
+            if offset % alignment:
+                raise r.fail(fp, f"offset {offset} is not aligned to {alignment}")
+            if offset + nbytes > m_objects[obj]:
+                raise r.fail(fp, f"bytes [{offset}, {offset + nbytes}) lie outside object {obj!r}"
+                                 f" of {m_objects[obj]} bytes")
+            sums = tuple(r.str_(s, f"{fp}.checksums[{k}]") for k, s in enumerate(r.list_(fd["checksums"],
+                                                                                         f"{fp}.checksums")))
+            if len(sums) != max(1, -(-nbytes // chunk_bytes)) or not all(_HEX_RE.match(s) for s in sums):
+                raise r.fail(fp + ".checksums", f"expected {max(1, -(-nbytes // chunk_bytes))} 16-digit hex"
+                                                " checksums (one per chunk)")
+            frags.append(Fragment(obj, offset, nbytes, offs, local, sums))
+        covered = sum(math.prod(f.local_shape) for f in frags)
+        if covered != math.prod(global_shape):
+            raise r.fail(p, f"fragments cover {covered} of {math.prod(global_shape)} elements of {name!r}")
+        out.append(TensorEntry(name, dtype, global_shape, tuple(frags)))
+    by_name = {t.name: t for t in out}
+    for t in out:
+        if t.alias_of is not None:
+            target = by_name.get(t.alias_of)
+            if target is None or target.alias_of is not None:
+                raise r.fail(path, f"{t.name!r} is an alias of {t.alias_of!r}, which is not a stored tensor")
+            if target.dtype != t.dtype or target.global_shape != t.global_shape:
+                raise r.fail(path, f"alias {t.name!r} does not match dtype/shape of {t.alias_of!r}")
+    return tuple(out)
+
+
+def _check_refs(r: _Reader, tree: Any, path: str, names: set[str], depth: int = 0) -> None:
+    """Every ``{"$tensor": name}`` in a state tree must name a tensor of that section."""
+    if depth > 200:
+        raise r.fail(path, "state is nested deeper than 200 levels")
+    if isinstance(tree, dict):
+        if len(tree) == 1 and "$tensor" in tree:
+            ref = tree["$tensor"]
+            if not isinstance(ref, str) or ref not in names:
+                raise r.fail(path, f"refers to tensor {ref!r} that is not in the manifest")
+            return
+        for k, v in tree.items():
+            _check_refs(r, v, f"{path}.{k}", names, depth + 1)
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            _check_refs(r, v, f"{path}[{i}]", names, depth + 1)
+
+
+def _manifest_from_dict(raw: Any, where: str) -> Manifest:
+    r = _Reader(where)
+    if isinstance(raw, dict) and "format_version" in raw:
+        version = raw["format_version"]
+        if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
+            raise FormatVersionError(
+                f"{where}: format_version {version} is newer than this lightning-snapshot reads ({FORMAT_VERSION})."
+                " Upgrade with: pip install -U lightning-snapshot"
+            )
+    d = r.obj(raw, "$", {"format_version", "step", "epoch", "world_size", "created_unix", "library_version",
+                         "checksum", "chunk_bytes", "alignment", "objects", "tensors", "state", "ranks"})
+    r.int_(d["format_version"], "format_version", 1, FORMAT_VERSION)
+    checksum = r.str_(d["checksum"], "checksum")
+    if checksum != CHECKSUM_ALGORITHM:
+        raise r.fail("checksum", f"unknown checksum algorithm {checksum!r} (known: {CHECKSUM_ALGORITHM!r})")
+    chunk_bytes = r.int_(d["chunk_bytes"], "chunk_bytes", 1)
+    alignment = r.int_(d["alignment"], "alignment", 1, 1 << 30)
+    if alignment & (alignment - 1):
+        raise r.fail("alignment", f"{alignment} is not a power of two")
+    created = d["created_unix"]
+    if isinstance(created, bool) or not isinstance(created, (int, float)):
+        raise r.fail("created_unix", "expected a number")
+    world_size = r.int_(d["world_size"], "world_size", 1, 1 << 24)
+    objects: list[ObjectEntry] = []
+    sizes: dict[str, int] = {}
+    for i, raw_o in enumerate(r.list_(d["objects"], "objects")):
+        p = f"objects[{i}]"
+        if not isinstance(raw_o, dict) or raw_o.get("type") != "object":
+            kind = raw_o.get("type") if isinstance(raw_o, dict) else type(raw_o).__name__
+            raise r.fail(p, f"unknown entry type {kind!r} (known: 'object'); this snapshot needs a newer"
+                            " lightning-snapshot")
+        od = r.obj(raw_o, p, {"type", "key", "nbytes", "rank"})
+        key = r.str_(od["key"], f"{p}.key")
+        try:
+            validate_key(key)
+        except UnsafePathError as e:
+            raise UnsafePathError(f"{where}: {p}.key: {e}") from None
+        if key in sizes or key == MANIFEST_NAME:
+            raise r.fail(p, f"duplicate or reserved object key {key!r}")
+        sizes[key] = r.int_(od["nbytes"], f"{p}.nbytes")
+        objects.append(ObjectEntry(key, sizes[key], r.int_(od["rank"], f"{p}.rank", 0, world_size - 1)))
+    tensors = _parse_tensors(r, d["tensors"], "tensors", sizes, chunk_bytes, alignment)
+    _check_refs(r, d["state"], "state", {t.name for t in tensors})
+    ranks: list[RankSection] = []
+    for i, raw_r in enumerate(r.list_(d["ranks"], "ranks")):
+        p = f"ranks[{i}]"
+        rd = r.obj(raw_r, p, {"rank", "state", "tensors"})
+        rank = r.int_(rd["rank"], f"{p}.rank", 0, world_size - 1)
+        if any(s.rank == rank for s in ranks):
+            raise r.fail(p, f"duplicate section for rank {rank}")
+        rt = _parse_tensors(r, rd["tensors"], f"{p}.tensors", sizes, chunk_bytes, alignment)
+        _check_refs(r, rd["state"], f"{p}.state", {t.name for t in rt})
+        ranks.append(RankSection(rank, rd["state"], rt))
+    return Manifest(
+        step=r.int_(d["step"], "step", 0, 10**12 - 1),
+        epoch=r.int_(d["epoch"], "epoch", 0),
+        world_size=world_size,
+        created_unix=float(created),
+        library_version=r.str_(d["library_version"], "library_version"),
+        objects=tuple(objects),
+        tensors=tensors,
+        state=d["state"],
+        ranks=tuple(ranks),
+        chunk_bytes=chunk_bytes,
+        alignment=alignment,
+        checksum=checksum,
+        format_version=d["format_version"],
+    )
+
+
+def tensors_by_name(entries: Sequence[TensorEntry]) -> dict[str, TensorEntry]:
+    """Index a section's tensor entries by name."""
+    return {t.name: t for t in entries}

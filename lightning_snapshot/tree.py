@@ -1,0 +1,202 @@
+"""Nested training state <-> JSON tree plus named tensors.
+
+Lightning's checkpoint pieces are nested dicts/lists/tuples of tensors and plain values. :func:`encode` turns such a
+structure into standard JSON, replacing each tensor by ``{"$tensor": name}`` and returning the tensors by name;
+:func:`decode` is the inverse. Types JSON lacks are tagged with one-key objects whose key starts with ``$``:
+
+======================  ===========================================
+``{"$tensor": name}``   a tensor (the same object twice decodes to the same tensor)
+``{"$tuple": [...]}``   a tuple (``torch.Size`` too)
+``{"$dict": [[k, v]]}`` a dict with non-string keys (optimizer state is keyed by int) or ``$``-prefixed keys
+``{"$float": "nan"}``   ``nan``, ``inf`` or ``-inf``
+``{"$ndarray": [name, dtype]}``  a numpy array, stored as a tensor
+``{"$dtype": "float32"}``, ``{"$device": "cpu"}``, ``{"$bytes": base64}``
+======================  ===========================================
+
+Anything else is a :class:`~lightning_snapshot.errors.CaptureError` naming where it was found. Decoding never
+evaluates or unpickles anything.
+"""
+
+from __future__ import annotations
+
+import base64
+import enum
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from lightning_snapshot.errors import CaptureError, ManifestError
+from lightning_snapshot.manifest import DTYPES
+
+__all__ = ["encode", "decode"]
+
+_MAX_DEPTH = 200
+
+
+def encode(obj: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
+    """Encode ``obj`` as a JSON tree; returns ``(tree, tensors)`` with tensors keyed by a path-derived name.
+
+    The same tensor object reached twice gets one name (both refs decode to one tensor).
+
+    Raises:
+        CaptureError: a value of a type the format cannot store, with its path in the structure.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    seen: dict[int, str] = {}
+
+    def name_for(t: torch.Tensor, path: str) -> str:
+        if id(t) in seen:
+            return seen[id(t)]
+        name = path or "tensor"
+        if name in tensors:
+            i = 1
+            while f"{name}#{i}" in tensors:
+                i += 1
+            name = f"{name}#{i}"
+        tensors[name] = t
+        seen[id(t)] = name
+        return name
+
+    def walk(x: Any, path: str, depth: int) -> Any:
+        if depth > _MAX_DEPTH:
+            raise CaptureError(f"state at {path!r} is nested deeper than {_MAX_DEPTH} levels")
+        if x is None or isinstance(x, bool):
+            return x
+        if isinstance(x, torch.Tensor):
+            return {"$tensor": name_for(x, path)}
+        if isinstance(x, enum.Enum):
+            x = x.value
+        if isinstance(x, int):
+            return int(x)
+        if isinstance(x, float):
+            return float(x) if math.isfinite(x) else {"$float": repr(float(x))}
+        if isinstance(x, str):
+            return str(x)
+        if isinstance(x, np.ndarray):
+            arr = np.ascontiguousarray(x)
+            kind = str(arr.dtype)
+            if kind in ("uint32", "uint64", "uint16"):
+                arr = arr.astype(np.int64) if kind != "uint64" else arr.view(np.int64)
+            try:
+                t = torch.from_numpy(arr.copy())
+            except TypeError as e:
+                raise CaptureError(f"numpy array at {path!r} has dtype {kind}, which cannot be stored") from e
+            return {"$ndarray": [name_for(t, path), kind]}
+        if isinstance(x, np.generic):
+            return walk(x.item(), path, depth + 1)
+        if isinstance(x, torch.dtype):
+            return {"$dtype": str(x).removeprefix("torch.")}
+        if isinstance(x, torch.device):
+            return {"$device": str(x)}
+        if isinstance(x, (bytes, bytearray)):
+            return {"$bytes": base64.b64encode(bytes(x)).decode("ascii")}
+        if isinstance(x, os.PathLike):
+            return os.fspath(x)
+        if isinstance(x, tuple):
+            return {"$tuple": [walk(v, f"{path}/{i}", depth + 1) for i, v in enumerate(x)]}
+        if isinstance(x, list):
+            return [walk(v, f"{path}/{i}", depth + 1) for i, v in enumerate(x)]
+        if isinstance(x, Mapping):
+            if all(isinstance(k, str) and not k.startswith("$") for k in x):
+                return {k: walk(v, f"{path}/{k}" if path else k, depth + 1) for k, v in x.items()}
+            return {"$dict": [[walk(k, f"{path}/<key>", depth + 1), walk(v, f"{path}/{k}", depth + 1)]
+                              for k, v in x.items()]}
+        raise CaptureError(
+            f"cannot store the value at {path!r} of type {type(x).__module__}.{type(x).__qualname__}: snapshots hold"
+            " tensors, numbers, strings, bools, None, bytes and lists/tuples/dicts of them. Convert it in your"
+            " state_dict()/on_save_checkpoint (no pickle is ever used)"
+        )
+
+    return walk(obj, prefix, 0), tensors
+
+
+def decode(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """Rebuild the structure encoded by :func:`encode` from its JSON tree and tensors.
+
+    Raises:
+        ManifestError: an unknown ``$`` tag or a malformed tagged value.
+    """
+
+    def bad(msg: str) -> ManifestError:
+        return ManifestError(f"state tree: {msg}")
+
+    def walk(x: Any, depth: int) -> Any:
+        if depth > _MAX_DEPTH:
+            raise bad(f"nested deeper than {_MAX_DEPTH} levels")
+        if isinstance(x, list):
+            return [walk(v, depth + 1) for v in x]
+        if not isinstance(x, dict):
+            if isinstance(x, (str, int, float, bool)) or x is None:
+                return x
+            raise bad(f"unexpected JSON value of type {type(x).__name__}")
+        tags = [k for k in x if k.startswith("$")]
+        if not tags:
+            return {k: walk(v, depth + 1) for k, v in x.items()}
+        if len(x) != 1:
+            raise bad(f"tagged object with extra keys {sorted(x)}")
+        tag, val = next(iter(x.items()))
+        if tag == "$tensor":
+            if not isinstance(val, str) or val not in tensors:
+                raise bad(f"reference to unknown tensor {val!r}")
+            return tensors[val]
+        if tag == "$tuple":
+            if not isinstance(val, list):
+                raise bad("$tuple must hold a list")
+            return tuple(walk(v, depth + 1) for v in val)
+        if tag == "$dict":
+            if not isinstance(val, list) or not all(isinstance(p, list) and len(p) == 2 for p in val):
+                raise bad("$dict must hold [key, value] pairs")
+            out = {}
+            for k, v in val:
+                key = walk(k, depth + 1)
+                try:
+                    hash(key)
+                except TypeError:
+                    raise bad(f"unhashable dict key {key!r}") from None
+                out[key] = walk(v, depth + 1)
+            return out
+        if tag == "$float":
+            if val not in ("nan", "inf", "-inf"):
+                raise bad(f"$float must be 'nan', 'inf' or '-inf', got {val!r}")
+            return float(val)
+        if tag == "$ndarray":
+            if not (isinstance(val, list) and len(val) == 2 and all(isinstance(v, str) for v in val)):
+                raise bad("$ndarray must hold [tensor name, numpy dtype]")
+            name, kind = val
+            if name not in tensors:
+                raise bad(f"reference to unknown tensor {name!r}")
+            if kind not in _NUMPY_KINDS:
+                raise bad(f"unsupported numpy dtype {kind!r}")
+            arr = tensors[name].numpy()
+            return arr.view(np.uint64) if kind == "uint64" else arr.astype(kind, copy=False)
+        if tag == "$dtype":
+            if val not in DTYPES:
+                raise bad(f"unknown dtype {val!r}")
+            return DTYPES[val]
+        if tag == "$device":
+            if not isinstance(val, str):
+                raise bad("$device must hold a string")
+            try:
+                return torch.device(val)
+            except (RuntimeError, ValueError) as e:
+                raise bad(f"invalid device {val!r}") from e
+        if tag == "$bytes":
+            if not isinstance(val, str):
+                raise bad("$bytes must hold base64 text")
+            try:
+                return base64.b64decode(val, validate=True)
+            except ValueError as e:
+                raise bad("invalid base64 in $bytes") from e
+        raise bad(f"unknown tag {tag!r}; written by a newer lightning-snapshot?")
+
+    return walk(tree, 0)
+
+
+_NUMPY_KINDS = {
+    "float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64", "bool",
+    "complex64", "complex128",
+}

@@ -1,0 +1,238 @@
+"""Persist staged state to a backend under the commit rule: data objects first, manifest last and atomically.
+
+Every rank writes its own data objects (rank 0 also the shared state) and, when there are several ranks, a small
+JSON *part* describing them. After all ranks agree that their data is durable, rank 0 merges the parts into the
+manifest, validates it with the same parser the loader uses, and commits it. Object names carry a per-run nonce, so
+re-writing a step (a resumed run passing the same step again) never touches the bytes of the committed one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+import lightning_snapshot
+from lightning_snapshot.backends.base import Backend
+from lightning_snapshot.comm import Comm
+from lightning_snapshot.errors import SnapshotError, SnapshotWriteError
+from lightning_snapshot.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    dtype_name,
+    parse_step_dirname,
+    step_dirname,
+)
+from lightning_snapshot.planner import chunk_ranges, plan_layout
+from lightning_snapshot.staging import StagedState, tensor_bytes
+
+__all__ = ["SnapshotJob", "write_snapshot", "apply_retention", "committed_steps", "DEFAULT_CHUNK_BYTES",
+           "DEFAULT_ALIGNMENT"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_BYTES = 8 << 20
+DEFAULT_ALIGNMENT = 64
+_ZEROS = bytes(4096)
+
+
+@dataclass
+class SnapshotJob:
+    """What one rank contributes to the snapshot of ``step``: shared state (written by rank 0) and its own."""
+
+    step: int
+    epoch: int
+    shared: StagedState | None
+    private: StagedState
+
+
+def _section(staged: StagedState, object_key: str, alignment: int, chunk_bytes: int
+             ) -> tuple[list[memoryview | bytes], list[dict[str, Any]], int]:
+    """Lay out one section's tensors in one object; returns (buffers, tensor entries as JSON, object size)."""
+    names = list(staged.tensors)
+    views = {n: tensor_bytes(staged.tensors[n]) for n in names}
+    placed, size = plan_layout([(n, views[n].nbytes) for n in names], alignment)
+    buffers: list[memoryview | bytes] = []
+    entries: list[dict[str, Any]] = []
+    pos = 0
+    for name, offset in placed:
+        if offset > pos:
+            buffers.append(_ZEROS[: offset - pos])
+        view = views[name]
+        buffers.append(view)
+        pos = offset + view.nbytes
+        t = staged.tensors[name]
+        shape = list(t.shape)
+        entries.append({
+            "type": "tensor", "name": name, "dtype": dtype_name(t.dtype), "global_shape": shape,
+            "fragments": [{
+                "object": object_key, "offset": offset, "nbytes": view.nbytes,
+                "global_offsets": [0] * len(shape), "local_shape": shape,
+                "checksums": [xxhash.xxh3_64_hexdigest(view[a:b]) for a, b in chunk_ranges(view.nbytes, chunk_bytes)],
+            }],
+        })
+    for name, target in staged.aliases.items():
+        t = staged.tensors[target]
+        entries.append({"type": "alias", "name": name, "dtype": dtype_name(t.dtype), "global_shape": list(t.shape),
+                        "alias_of": target})
+    return buffers, entries, size
+
+
+def _write_part(backend: Backend, job: SnapshotJob, rank: int, run_id: str, alignment: int, chunk_bytes: int
+                ) -> dict[str, Any]:
+    """Write this rank's data objects; returns its manifest part (objects, shared section, rank section)."""
+    prefix = step_dirname(job.step)
+    part: dict[str, Any] = {"rank": rank, "objects": [], "tensors": None, "state": None}
+    sections = [("rank", job.private)] + ([("shared", job.shared)] if job.shared is not None else [])
+    for kind, staged in sections:
+        obj = f"{run_id}-{kind}-{rank:05d}.bin"
+        buffers, entries, size = _section(staged, obj, alignment, chunk_bytes)
+        written = backend.write(f"{prefix}/{obj}", buffers)
+        if written != size:
+            raise SnapshotWriteError(f"wrote {written} of {size} bytes of {obj!r}")
+        part["objects"].append({"type": "object", "key": obj, "nbytes": size, "rank": rank})
+        if kind == "rank":
+            part["rank_section"] = {"rank": rank, "state": staged.tree, "tensors": entries}
+        else:
+            part["tensors"], part["state"] = entries, staged.tree
+    return part
+
+
+def _merge(parts: list[dict[str, Any]], job: SnapshotJob, world_size: int, alignment: int, chunk_bytes: int
+           ) -> dict[str, Any]:
+    shared = [p for p in parts if p["tensors"] is not None]
+    if len(shared) != 1:
+        raise SnapshotWriteError(f"expected exactly one rank to write the shared state, got {len(shared)}")
+    return {
+        "format_version": 1,
+        "step": job.step,
+        "epoch": job.epoch,
+        "world_size": world_size,
+        "created_unix": time.time(),
+        "library_version": lightning_snapshot.__version__,
+        "checksum": "xxh3_64",
+        "chunk_bytes": chunk_bytes,
+        "alignment": alignment,
+        "objects": [o for p in parts for o in p["objects"]],
+        "tensors": shared[0]["tensors"],
+        "state": shared[0]["state"],
+        "ranks": [p["rank_section"] for p in sorted(parts, key=lambda p: p["rank"])],
+    }
+
+
+def write_snapshot(
+    backend: Backend,
+    comm: Comm,
+    job: SnapshotJob,
+    run_id: str,
+    *,
+    alignment: int = DEFAULT_ALIGNMENT,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> Manifest:
+    """Write and commit the snapshot of ``job.step``. Called by every rank, at the same point.
+
+    Every rank raises when any rank failed (the same kind of error, so no rank is left waiting in a collective),
+    and the step stays uncommitted: the loader never sees it and earlier snapshots are untouched.
+
+    Returns:
+        the committed manifest (as parsed back, so what was committed is known to be loadable).
+    """
+    prefix = step_dirname(job.step)
+    error: BaseException | None = None
+    part: dict[str, Any] | None = None
+    try:
+        part = _write_part(backend, job, comm.rank, run_id, alignment, chunk_bytes)
+        if comm.world_size > 1:
+            backend.write(f"{prefix}/{run_id}-part-{comm.rank:05d}.json", [json.dumps(part).encode()])
+    except Exception as e:  # noqa: BLE001 - re-raised below on every rank
+        error = e
+    if not comm.all_true(error is None):
+        if comm.rank == 0:
+            _discard_run_objects(backend, prefix, run_id)
+        if error is not None:
+            raise error
+        raise SnapshotWriteError(f"the snapshot of step {job.step} failed on another rank (see its log)")
+    manifest: Manifest | None = None
+    if comm.rank == 0:
+        try:
+            parts = [part] + [
+                json.loads(backend.read(f"{prefix}/{run_id}-part-{r:05d}.json")) for r in range(1, comm.world_size)
+            ]
+            raw = _merge(parts, job, comm.world_size, alignment, chunk_bytes)
+            text = json.dumps(raw, separators=(",", ":"), allow_nan=False)
+            manifest = Manifest.from_json(text, where=f"new manifest of {prefix}")
+            backend.commit(f"{prefix}/{MANIFEST_NAME}", text.encode())
+        except Exception as e:  # noqa: BLE001 - re-raised below on every rank
+            error = e
+            _discard_run_objects(backend, prefix, run_id)
+    if not comm.all_true(error is None):
+        if error is not None:
+            raise error
+        raise SnapshotWriteError(f"committing the snapshot of step {job.step} failed on rank 0 (see its log)")
+    if comm.rank == 0:
+        assert manifest is not None
+        _remove_unreferenced(backend, prefix, manifest)
+        return manifest
+    return Manifest.from_json(backend.read(f"{prefix}/{MANIFEST_NAME}"), where=f"manifest of {prefix}")
+
+
+def _discard_run_objects(backend: Backend, prefix: str, run_id: str) -> None:
+    """Best-effort removal of this run's objects of an uncommitted step."""
+    for name in backend.list(prefix):
+        if name.startswith(run_id + "-"):
+            try:
+                backend.delete(f"{prefix}/{name}")
+            except OSError:
+                pass
+    if not backend.list(prefix):
+        backend.delete(prefix)
+
+
+def _remove_unreferenced(backend: Backend, prefix: str, manifest: Manifest) -> None:
+    """After a commit: drop parts and objects the manifest does not reference (older writes of the same step)."""
+    keep = {o.key for o in manifest.objects} | {MANIFEST_NAME}
+    for name in backend.list(prefix):
+        if name not in keep:
+            backend.delete(f"{prefix}/{name}")
+
+
+def committed_steps(backend: Backend) -> list[int]:
+    """Steps that have a committed manifest in ``backend``, newest first."""
+    steps = []
+    for name in backend.list(""):
+        step = parse_step_dirname(name)
+        if step is not None and backend.exists(f"{name}/{MANIFEST_NAME}"):
+            steps.append(step)
+    return sorted(steps, reverse=True)
+
+
+def apply_retention(backend: Backend, newest: int) -> list[int]:
+    """Delete committed snapshots beyond ``keep_last`` and uncommitted leftovers older than ``newest``.
+
+    ``newest`` (the step just committed and verified) is never deleted, whatever ``keep_last`` says. Called by
+    rank 0 only, after the commit, when no write of this run is in flight.
+
+    Returns the deleted steps.
+    """
+    deleted: list[int] = []
+    committed = committed_steps(backend)
+    keep = set(committed if backend.keep_last is None else committed[: backend.keep_last]) | {newest}
+    for name in backend.list(""):
+        step = parse_step_dirname(name)
+        if step is None or step in keep:
+            continue
+        if step in committed or step < newest:  # old snapshot, or a crashed write's leftovers
+            try:
+                backend.delete(name)
+                deleted.append(step)
+            except OSError as e:  # retention must never break training
+                log.warning("lightning-snapshot: could not delete %s from %s: %s", name, backend.url, e)
+    return deleted
+
+
+def describe_error(e: BaseException) -> str:
+    return str(e) if isinstance(e, SnapshotError) else f"{type(e).__name__}: {e}"

@@ -1,0 +1,133 @@
+"""Training run used by the resume tests: a small model, real Lightning, real snapshots, optional SIGKILL.
+
+Usage: python train.py --dir SNAPDIR --out RESULT.pt [--max-steps N] [--every K] [--crash-at S] [--devices 2] ...
+Writes the final weights and optimizer state to RESULT.pt (torch.save of plain tensors, read back by the test
+with weights_only=True).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from lightning_snapshot import SnapshotCallback
+from lightning_snapshot.backends import LocalTier
+
+
+class Squares(Dataset):
+    def __init__(self, n: int = 64) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = torch.randn(n, 1, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        data = Squares()
+        return iter([data[i] for i in range(len(data))])
+
+
+class Model(L.LightningModule):
+    def __init__(self, dropout: float, tied: bool = False) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(dropout), nn.Linear(16, 1))
+        self.seen = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.9)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class Crash(L.Callback):
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.at:
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--dir", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--max-steps", type=int, default=20)
+    p.add_argument("--every", type=int, default=3)
+    p.add_argument("--crash-at", type=int, default=-1)
+    p.add_argument("--devices", type=int, default=1)
+    p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--loader", choices=["plain", "stateful", "iterable"], default="plain")
+    p.add_argument("--shuffle", action="store_true")
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--no-resume", action="store_true")
+    a = p.parse_args()
+
+    L.seed_everything(42, verbose=False)
+    model = Model(a.dropout)
+    if a.loader == "plain":
+        loader = DataLoader(Squares(), batch_size=a.batch_size, shuffle=a.shuffle, num_workers=a.workers)
+    elif a.loader == "stateful":
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        loader = StatefulDataLoader(Squares(), batch_size=a.batch_size, shuffle=a.shuffle, num_workers=a.workers)
+    else:
+        loader = DataLoader(Stream(), batch_size=a.batch_size)
+    callbacks = [SnapshotCallback(LocalTier(a.dir, every_n_train_steps=a.every, keep_last=2),
+                                  resume=not a.no_resume)]
+    if a.crash_at >= 0:
+        callbacks.append(Crash(a.crash_at))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=a.devices,
+        strategy="ddp" if a.devices > 1 else "auto",
+        max_steps=a.max_steps,
+        accumulate_grad_batches=a.accumulate,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        deterministic=True,
+    )
+    trainer.fit(model, loader)
+    opt = trainer.optimizers[0]
+    result = {
+        "global_step": trainer.global_step,
+        "model": {k: v.clone() for k, v in model.state_dict().items()},
+        "optimizer": {f"{pid}/{k}": v.clone() for pid, st in opt.state_dict()["state"].items()
+                      for k, v in st.items()},
+        "lr": torch.tensor(opt.param_groups[0]["lr"], dtype=torch.float64),
+        "rng": torch.get_rng_state(),
+    }
+    out = a.out if trainer.global_rank == 0 else f"{a.out}.rank{trainer.global_rank}"
+    torch.save(result, out)
+    cb = callbacks[0]
+    if cb.restored_from is not None:
+        print(f"RESTORED step={cb.restored_from[1]}", flush=True)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
