@@ -56,6 +56,20 @@ class Model(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class CrashBeforeManifest(LocalTier):
+    """A real local tier that SIGKILLs the process after the data of step ``at`` is durable, before its manifest."""
+
+    def __init__(self, path, at: int, **kw) -> None:
+        super().__init__(path, **kw)
+        self.at = at
+
+    def commit(self, key: str, data: bytes) -> None:
+        if key == f"step-{self.at:012d}/manifest.json":
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        super().commit(key, data)
+
+
 class Crash(L.Callback):
     def __init__(self, at: int) -> None:
         self.at = at
@@ -81,6 +95,7 @@ def main() -> None:
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--no-resume", action="store_true")
+    p.add_argument("--kill-before-commit", type=int, default=-1)
     a = p.parse_args()
 
     L.seed_everything(42, verbose=False)
@@ -93,8 +108,11 @@ def main() -> None:
         loader = StatefulDataLoader(Squares(), batch_size=a.batch_size, shuffle=a.shuffle, num_workers=a.workers)
     else:
         loader = DataLoader(Stream(), batch_size=a.batch_size)
-    callbacks = [SnapshotCallback(LocalTier(a.dir, every_n_train_steps=a.every, keep_last=2),
-                                  resume=not a.no_resume)]
+    if a.kill_before_commit >= 0:
+        tier = CrashBeforeManifest(a.dir, a.kill_before_commit, every_n_train_steps=a.every, keep_last=2)
+    else:
+        tier = LocalTier(a.dir, every_n_train_steps=a.every, keep_last=2)
+    callbacks = [SnapshotCallback(tier, resume=not a.no_resume)]
     if a.crash_at >= 0:
         callbacks.append(Crash(a.crash_at))
     trainer = L.Trainer(

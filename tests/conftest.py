@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPTS = Path(__file__).parent / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+
+def run_train(snapshot_dir: Path, out: Path, *args: str, expect_kill: bool = False, timeout: int = 300
+              ) -> subprocess.CompletedProcess[str]:
+    """Run tests/scripts/train.py in a fresh process; SIGKILL (rc -9) is expected when ``expect_kill``."""
+    cmd = [sys.executable, str(SCRIPTS / "train.py"), "--dir", str(snapshot_dir), "--out", str(out), *args]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                          start_new_session=True)
+    if expect_kill:
+        assert proc.returncode == -9, f"expected SIGKILL, got rc={proc.returncode}\n{proc.stderr[-3000:]}"
+    else:
+        assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def assert_bitwise_equal(ref_path: Path, got_path: Path) -> int:
+    """Compare two result files of train.py bitwise; returns the number of tensors compared."""
+    ref = torch.load(ref_path, weights_only=True)
+    got = torch.load(got_path, weights_only=True)
+    assert got["global_step"] == ref["global_step"]
+    n = 0
+    for section in ("model", "optimizer"):
+        assert got[section].keys() == ref[section].keys()
+        for k, v in ref[section].items():
+            assert torch.equal(v.view(torch.uint8) if v.dim() else v, got[section][k].view(torch.uint8)
+                               if v.dim() else got[section][k]), f"{section}/{k} differs after resume"
+            n += 1
+    assert torch.equal(ref["lr"], got["lr"]), "learning rate differs"
+    assert torch.equal(ref["rng"], got["rng"]), "torch RNG state differs at the end of training"
+    return n
+
+
+@pytest.fixture(scope="session")
+def reference_runs(tmp_path_factory: pytest.TempPathFactory):
+    """Uninterrupted reference runs of train.py, cached per argument list for the session."""
+    cache: dict[tuple[str, ...], Path] = {}
+    root = tmp_path_factory.mktemp("reference")
+
+    def get(*args: str) -> Path:
+        if args not in cache:
+            d = root / f"run{len(cache)}"
+            run_train(d / "snaps", d / "out.pt", *args)
+            cache[args] = d / "out.pt"
+        return cache[args]
+
+    return get

@@ -1,0 +1,70 @@
+"""Bitwise-exact resume in real subprocesses: an uninterrupted run vs. the same run SIGKILLed and restarted."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from conftest import assert_bitwise_equal, run_train
+
+from lightning_snapshot.backends import LocalTier
+from lightning_snapshot.writer import committed_steps
+
+_rng = random.Random()
+
+# (id, train.py arguments, range of the crash step)
+CASES = [
+    ("shuffle-dropout-mid-epoch", ("--shuffle", "--dropout", "0.2"), (5, 15)),
+    ("no-shuffle", (), (5, 19)),
+    ("epoch-boundary", ("--shuffle", "--dropout", "0.2", "--every", "4"), (17, 19)),
+    ("grad-accumulation", ("--shuffle", "--dropout", "0.2", "--accumulate", "2", "--every", "2",
+                           "--max-steps", "12"), (5, 11)),
+    ("stateful-dataloader", ("--loader", "stateful", "--shuffle", "--dropout", "0.2"), (5, 19)),
+    ("loader-workers", ("--shuffle", "--workers", "2"), (5, 19)),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args,crash_range", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_sigkill_and_resume_is_bitwise_exact(tmp_path, reference_runs, args, crash_range):
+    ref = reference_runs(*args)
+    crash_at = _rng.randint(*crash_range)
+    snaps = tmp_path / "snaps"
+    run_train(snaps, tmp_path / "crashed.pt", *args, "--crash-at", str(crash_at), expect_kill=True)
+    assert committed_steps(LocalTier(snaps)), "the killed run committed no snapshot"
+    proc = run_train(snaps, tmp_path / "resumed.pt", *args)
+    assert "RESTORED step=" in proc.stdout, f"crash at {crash_at}: the restarted run did not resume"
+    try:
+        assert_bitwise_equal(ref, tmp_path / "resumed.pt")
+    except AssertionError as e:
+        raise AssertionError(f"crash at global_step {crash_at} ({args}): {e}") from None
+
+
+@pytest.mark.slow
+def test_ddp_two_ranks_sigkill_and_resume_is_bitwise_exact(tmp_path, reference_runs):
+    args = ("--devices", "2", "--shuffle", "--dropout", "0.2", "--max-steps", "12", "--every", "2")
+    ref = reference_runs(*args)
+    crash_at = _rng.randint(5, 11)
+    snaps = tmp_path / "snaps"
+    run_train(snaps, tmp_path / "crashed.pt", *args, "--crash-at", str(crash_at), expect_kill=True)
+    proc = run_train(snaps, tmp_path / "resumed.pt", *args)
+    assert proc.stdout.count("RESTORED step=") == 2, f"both ranks must resume: {proc.stdout}"
+    assert_bitwise_equal(ref, tmp_path / "resumed.pt")
+    assert_bitwise_equal(ref.with_name("out.pt.rank1"), tmp_path / "resumed.pt.rank1")
+
+
+@pytest.mark.slow
+def test_crash_between_data_and_manifest_leaves_step_invisible(tmp_path, reference_runs):
+    args = ("--shuffle", "--dropout", "0.2")
+    snaps = tmp_path / "snaps"
+    run_train(snaps, tmp_path / "crashed.pt", *args, "--kill-before-commit", "9", expect_kill=True)
+    step_dir = snaps / "step-000000000009"
+    assert step_dir.is_dir() and any(p.suffix == ".bin" for p in step_dir.iterdir()), "data was written"
+    assert not (step_dir / "manifest.json").exists()
+    assert committed_steps(LocalTier(snaps)) == [6, 3]
+    proc = run_train(snaps, tmp_path / "resumed.pt", *args)
+    assert "RESTORED step=6" in proc.stdout
+    assert_bitwise_equal(reference_runs(*args), tmp_path / "resumed.pt")
+    # the re-run committed its own snapshots, and retention (keep_last=2) removed the rest, crashed write included
+    assert committed_steps(LocalTier(snaps)) == [18, 15]
+    assert sorted(p.name for p in snaps.iterdir()) == ["step-000000000015", "step-000000000018"]
