@@ -224,6 +224,9 @@ class SnapshotCallback(Checkpoint):
             return
         self._pending_rng = rank_state.get("rng")
         self._pending_loaders = list(rank_state.get("loaders", []))
+        if self._pending_loaders and all(p is not None for p in self._pending_loaders):
+            # Lightning cannot see that our sampler restores the position of plain DataLoaders, and would warn
+            warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
 
     # ------------------------------------------------------------------------------------------- capture
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:

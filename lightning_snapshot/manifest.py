@@ -219,7 +219,7 @@ class Manifest:
             ) from e
         try:
             return _manifest_from_dict(raw, where)
-        except ManifestError:
+        except (ManifestError, UnsafePathError):
             raise
         except (TypeError, ValueError, KeyError, AttributeError, OverflowError, RecursionError) as e:  # safety net
             raise ManifestError(f"{where} is malformed: {type(e).__name__}: {e}") from e
