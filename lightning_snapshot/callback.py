@@ -9,10 +9,12 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from lightning_snapshot import data as _data
+from lightning_snapshot.arena import AsyncStaged, HostArena
 from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.backends.registry import parse_tier
 from lightning_snapshot.capture import capture_rng, capture_shared, check_model, restore_rng, restore_shared
@@ -25,14 +27,29 @@ from lightning_snapshot.errors import (
     StateMismatchError,
 )
 from lightning_snapshot.loader import read_manifest, read_section, resolve_source
-from lightning_snapshot.staging import StagedState, stage
-from lightning_snapshot.writer import SnapshotJob, apply_retention, committed_steps, write_snapshot
+from lightning_snapshot.metrics import MetricsSink, tier_metric_names
+from lightning_snapshot.persist import GroupComm, Persister, PersistJob
+from lightning_snapshot.staging import stage
+from lightning_snapshot.writer import committed_steps
 
 __all__ = ["SnapshotCallback"]
 
 log = logging.getLogger(__name__)
 
 _ON_ERROR = ("raise", "warn")
+
+
+def _frozen_predicate(trainer: Any) -> Any:
+    """Tensors that stay unchanged until the next optimizer.step: parameters and optimizer state."""
+    storages: set[int] = set()
+    for p in trainer.lightning_module.parameters():
+        storages.add(p.untyped_storage().data_ptr())
+    for opt in trainer.optimizers:
+        for state in opt.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor) and v.numel():
+                    storages.add(v.untyped_storage().data_ptr())
+    return lambda t: t.numel() > 0 and t.untyped_storage().data_ptr() in storages
 
 
 class SnapshotCallback(Checkpoint):
@@ -46,8 +63,13 @@ class SnapshotCallback(Checkpoint):
             verifies, across all tiers, falling back to older ones with a warning. ``False``: start fresh. An ``int``:
             that step, from the first tier that has it. A string: one snapshot directory or tier URL
             (``"/nvme/snap/step-000000001200"``). An explicit ``ckpt_path`` given to ``fit`` wins over all of these.
-        on_error: ``"raise"`` (default) stops training when a snapshot cannot be written; ``"warn"`` warns and keeps
-            training. Earlier snapshots stay intact either way.
+        on_error: ``"raise"`` (default) stops training when a snapshot cannot be written (at the next scheduled
+            snapshot, or at the end of training, on every rank together); ``"warn"`` warns and keeps training. Earlier
+            snapshots stay intact either way, and every failure is also a warning and a ``snapshot/failed`` metric.
+        max_host_bytes: the most host memory the staging arena may use (bytes). The arena holds two buffers of the
+            state's size (staging snapshot N+1 while N is persisted); with room for only one, a snapshot due while
+            the buffer is still being persisted is skipped with a warning and counted in ``snapshot/skipped``; with
+            room for none, every snapshot is skipped that way. None: no limit.
 
     Snapshots are taken after the optimizer step of every scheduled ``global_step`` (with gradient accumulation,
     only when ``global_step`` moved). Supported strategies: single device and DDP (``ddp``, ``ddp_spawn``).
@@ -59,6 +81,7 @@ class SnapshotCallback(Checkpoint):
         *,
         resume: bool | int | str = True,
         on_error: str = "raise",
+        max_host_bytes: int | None = None,
     ) -> None:
         if isinstance(tiers, (str, Backend)):
             tiers = [tiers]
@@ -73,13 +96,28 @@ class SnapshotCallback(Checkpoint):
             )
         if on_error not in _ON_ERROR:
             raise ConfigError(f"on_error must be one of {', '.join(map(repr, _ON_ERROR))}, got {on_error!r}")
+        if max_host_bytes is not None and (
+            isinstance(max_host_bytes, bool) or not isinstance(max_host_bytes, int) or max_host_bytes < 1
+        ):
+            raise ConfigError(f"max_host_bytes must be a positive number of bytes or None, got {max_host_bytes!r}")
         self.resume = resume
         self.on_error = on_error
+        self.max_host_bytes = max_host_bytes
+        self._arena: HostArena | None = None
+        self._persister: Persister | None = None
+        self._inflight: AsyncStaged | None = None
+        self._metrics = MetricsSink()
+        self._metric_names = tier_metric_names(self.tiers)
+        self._committed: dict[int, int] = {}
+        self._stall = 0.0
+        self._skipped = 0
+        self._failed = 0
+        self._errors: list[BaseException] = []
         self._comm: Comm = LocalComm()
         self._run_id = ""
         self._last_step = -1
         self._last_time: list[float] = []
-        self._pending: tuple[int, int, StagedState | None, list[Backend]] | None = None
+        self._pending: tuple[int, int, AsyncStaged | None, list[Backend]] | None = None
         self._pending_rng: dict[str, Any] | None = None
         self._pending_loaders: list[dict[str, Any] | None] = []
         self._warned_loaders: set[int] = set()
@@ -104,8 +142,16 @@ class SnapshotCallback(Checkpoint):
         self._comm = StrategyComm(strategy) if strategy.world_size > 1 else LocalComm()
         self._run_id = str(self._comm.broadcast(uuid.uuid4().hex[:12]))
         self._last_time = [time.monotonic()] * len(self.tiers)
-        self._last_step = -1
+        self._last_step = trainer.global_step  # a snapshot needs an optimizer step since this one
         self._pending = None
+        self._arena = HostArena(max_host_bytes=self.max_host_bytes)
+        background = LocalComm()
+        if strategy.world_size > 1:
+            import torch.distributed as dist
+
+            # the persist thread's own group: background collectives never touch the trainer's main group
+            background = GroupComm(dist.new_group(backend="gloo"))
+        self._persister = Persister(background, self._run_id, self._arena)
         # Wrap train loaders' samplers as Lightning builds them, before their first iterator exists.
         original = strategy.process_dataloader
 
@@ -123,6 +169,18 @@ class SnapshotCallback(Checkpoint):
             self._patched_strategy.__dict__.pop("process_dataloader", None)
             self._patched_strategy = None
         self._pending = None
+        if self._inflight is not None:
+            try:
+                self._inflight.fence_training()
+            except Exception:  # noqa: BLE001 - reported by the persist thread
+                pass
+            self._inflight = None
+        if self._persister is not None:
+            self._persister.close()
+            self._persister = None
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
 
     def _on_train_loader(self, loader: object) -> None:
         wrapper = _data.install(loader)
@@ -168,6 +226,10 @@ class SnapshotCallback(Checkpoint):
                 self._last_step = step
                 seconds = time.monotonic() - t0
                 self.restored_from = (backend.url, step, seconds)
+                self._metrics.add("restore/ms", seconds * 1000)
+                self._metrics.add("restore/step", step)
+                if backend in self.tiers:
+                    self._metrics.add("restore/tier_index", self.tiers.index(backend))
                 if self._comm.rank == 0:
                     log.info("lightning-snapshot: restored step %d from the %s tier %s in %.2f s", step,
                              backend.tier, backend.url, seconds)
@@ -235,35 +297,84 @@ class SnapshotCallback(Checkpoint):
             restore_rng(self._pending_rng)
             self._pending_rng = None
         if self._pending is not None:
+            t0 = time.perf_counter()
             self._finish(trainer, consumed_offset=1)
+            self._stall += time.perf_counter() - t0
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if self._inflight is not None:
+            # parameters and optimizer state change in the step that follows: the copy must be complete
+            t0 = time.perf_counter()
+            try:
+                self._inflight.fence_training()
+            except Exception:  # noqa: BLE001 - the persist thread reports it
+                pass
+            self._stall += time.perf_counter() - t0
+            self._metrics.add("snapshot/stall_ms", self._stall * 1000)
+            self._inflight = None
+            self._stall = 0.0
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
-        if step == self._last_step:  # no optimizer step happened (gradient accumulation)
-            return
-        self._last_step = step
+        self._collect_results(step)
+        if step != self._last_step:
+            self._last_step = step
+            self._maybe_snapshot(trainer, pl_module, step)
+        self._metrics.flush(trainer)
+
+    def _maybe_snapshot(self, trainer: Any, pl_module: Any, step: int) -> None:
         now = time.monotonic()
         due = [i for i, t in enumerate(self.tiers) if t.is_due(step, now - self._last_time[i])]
         if any(t.train_time_interval is not None for t in self.tiers):
             due = self._comm.broadcast(due)  # wall clocks differ across ranks; rank 0 decides
         if not due:
             return
+        t0 = time.perf_counter()
+        # background failures stop every rank together, at this collective point
+        if not self._comm.all_true(not (self._errors and self.on_error == "raise")):
+            self._raise_background_error()
         for i in due:
             self._last_time[i] = now
-        # Parameters, optimizer, schedulers and loops are frozen from here until the next optimizer.step; buffers
-        # are not (forward changes them), so everything is copied now. The rank state follows at the next batch.
-        shared = None
-        try:
-            if self._comm.rank == 0:
-                shared = stage(capture_shared(trainer, pl_module))
-        except SnapshotError as e:
-            self._handle(e, step)
+        # Parameters, optimizer state, schedulers and loops stay frozen until the next optimizer.step: they are
+        # copied in the background. Buffers (forward changes them) are copied now. The rank state follows at the
+        # next batch, right before training_step.
+        staged: AsyncStaged | None = None
+        error: SnapshotError | None = None
+        if self._comm.rank == 0:
+            assert self._arena is not None
+            try:
+                staged = self._arena.stage_async(capture_shared(trainer, pl_module), _frozen_predicate(trainer), step)
+            except SnapshotError as e:
+                error = e
+        if not self._comm.all_true(error is None and (self._comm.rank != 0 or staged is not None)):
+            if staged is not None:
+                self._arena.release(staged.slot)
+            if error is not None:
+                self._handle(error, step)
+                return
+            self._skipped += 1
+            self._metrics.add("snapshot/skipped", self._skipped)
+            reason = self._arena.last_skip_reason if self._comm.rank == 0 else "rank 0 could not stage it"
+            warnings.warn(f"lightning-snapshot: skipped the snapshot of step {step}: {reason}. Raise"
+                          " max_host_bytes or snapshot less often.", stacklevel=2)
             return
-        self._pending = (step, trainer.current_epoch, shared, [self.tiers[i] for i in due])
+        if staged is not None:
+            self._metrics.add("snapshot/bytes", staged.state.nbytes)
+        self._inflight = staged
+        self._pending = (step, trainer.current_epoch, staged, [self.tiers[i] for i in due])
+        self._stall = time.perf_counter() - t0
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self._pending is not None:
             self._finish(trainer, consumed_offset=0)
+        if self._inflight is not None:
+            self._inflight = None
+        if self._persister is not None:
+            self._persister.drain()  # fit returns once every snapshot is durable (or failed)
+        self._collect_results(trainer.global_step)
+        self._metrics.flush(trainer)
+        if not self._comm.all_true(not (self._errors and self.on_error == "raise")):
+            self._raise_background_error()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self._pending = None
@@ -277,22 +388,48 @@ class SnapshotCallback(Checkpoint):
         return {"rng": capture_rng(), "loaders": loaders}
 
     def _finish(self, trainer: Any, consumed_offset: int) -> None:
-        assert self._pending is not None
+        """Add this rank's RNG and data position to the pending snapshot and hand it to the persist thread."""
+        assert self._pending is not None and self._persister is not None
         step, epoch, shared, tiers = self._pending
         self._pending = None
         try:
             private = stage(self._rank_state(trainer, consumed_offset), "rank")
-        except SnapshotError as e:
+        except SnapshotError as e:  # the same state shape on every rank: they all fail here together
+            if shared is not None and self._arena is not None:
+                shared.fence_training()
+                self._arena.release(shared.slot)
             self._handle(e, step)
             return
-        job = SnapshotJob(step, epoch, shared, private)
-        for tier in tiers:
-            try:
-                write_snapshot(tier, self._comm, job, self._run_id)
-                if self._comm.rank == 0:
-                    apply_retention(tier, step)
-            except (SnapshotError, OSError) as e:
-                self._handle(e, step, tier)
+        self._persister.submit(PersistJob(step, epoch, shared, private, tiers))
+
+    def _collect_results(self, step: int) -> None:
+        """Turn what the persist thread finished into metrics, and failures into warnings."""
+        if self._persister is None:
+            return
+        while not self._persister.results.empty():
+            r = self._persister.results.get_nowait()
+            name = self._metric_names[self.tiers.index(r.tier)] if r.tier in self.tiers else r.tier.tier
+            if r.error is not None:
+                self._failed += 1
+                self._errors.append(r.error)
+                self._metrics.add("snapshot/failed", self._failed)
+                policy = "training goes on (on_error='warn')" if self.on_error == "warn" else "training will stop"
+                warnings.warn(f"lightning-snapshot: the snapshot of step {r.step} to the {r.tier.tier} tier"
+                              f" {r.tier.url!r} failed; {policy}: {r.error}", stacklevel=2)
+                continue
+            self._committed[self.tiers.index(r.tier)] = r.step
+            self._metrics.add(f"snapshot/{name}/persist_ms", r.seconds * 1000)
+            self._metrics.add(f"snapshot/{name}/throughput_MBps", r.nbytes / 1e6 / max(r.seconds, 1e-9))
+            if r.stage_seconds is not None:
+                self._metrics.add("snapshot/stage_ms", r.stage_seconds * 1000)
+        for i, last in self._committed.items():
+            self._metrics.add(f"snapshot/{self._metric_names[i]}/lag_steps", step - last)
+
+    def _raise_background_error(self) -> None:
+        errors, self._errors = self._errors, []
+        if errors:
+            raise errors[0]
+        raise SnapshotError("a snapshot failed to persist on another rank (see its log); stopping (on_error='raise')")
 
     def _handle(self, error: BaseException, step: int, tier: Backend | None = None) -> None:
         where = f" to the {tier.tier} tier {tier.url!r}" if tier is not None else ""

@@ -25,11 +25,17 @@ class StagedState:
         tree: the JSON tree (tensors as ``{"$tensor": name}``).
         tensors: host tensors by name, contiguous, one per distinct storage view.
         aliases: ``name -> canonical name`` for tensors that were views of the very same memory (tied weights).
+        packed, alignment, checksums: set by the arena (see below).
     """
 
     tree: Any
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
+    #: When the tensors are laid out back to back in one region (the arena): that region, its alignment, and the
+    #: checksums taken at staging time (name -> one per chunk). The writer then writes the region as it is.
+    packed: memoryview | None = None
+    alignment: int = 64
+    checksums: dict[str, list[str]] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -54,16 +60,11 @@ def _identity(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
-def stage(obj: Any, prefix: str = "") -> StagedState:
-    """Encode ``obj`` and copy every tensor in it to fresh contiguous host memory.
-
-    Tensors that are the very same view of the same memory (tied weights) are copied once and recorded as aliases.
-
-    Raises:
-        CaptureError: a value or tensor the format cannot store.
-    """
+def _prepare(obj: Any, prefix: str) -> tuple[Any, list[tuple[str, torch.Tensor]], dict[str, str]]:
+    """Encode ``obj``; returns (tree, [(name, tensor to copy)], aliases) with tied views found and checked."""
     tree, tensors = _tree.encode(obj, prefix)
-    staged = StagedState(tree)
+    items: list[tuple[str, torch.Tensor]] = []
+    aliases: dict[str, str] = {}
     canonical: dict[tuple[Any, ...], str] = {}
     for name, t in tensors.items():
         _check(t, name)
@@ -74,13 +75,28 @@ def stage(obj: Any, prefix: str = "") -> StagedState:
             t = t.resolve_neg()
         key = _identity(t) if t.numel() else None
         if key is not None and key in canonical:
-            staged.aliases[name] = canonical[key]
+            aliases[name] = canonical[key]
             continue
+        items.append((name, t))
+        if key is not None:
+            canonical[key] = name
+    return tree, items, aliases
+
+
+def stage(obj: Any, prefix: str = "") -> StagedState:
+    """Encode ``obj`` and copy every tensor in it to fresh contiguous host memory (synchronously).
+
+    Tensors that are the very same view of the same memory (tied weights) are copied once and recorded as aliases.
+
+    Raises:
+        CaptureError: a value or tensor the format cannot store.
+    """
+    tree, items, aliases = _prepare(obj, prefix)
+    staged = StagedState(tree, aliases=aliases)
+    for name, t in items:
         host = torch.empty(t.shape, dtype=t.dtype, device="cpu")
         host.copy_(t)
         staged.tensors[name] = host
-        if key is not None:
-            canonical[key] = name
     return staged
 
 

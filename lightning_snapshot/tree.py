@@ -77,18 +77,21 @@ def encode(obj: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
         if isinstance(x, str):
             return str(x)
         if isinstance(x, np.ndarray):
-            arr = np.ascontiguousarray(x)
-            kind = str(arr.dtype)
-            if kind in ("uint32", "uint64", "uint16"):
-                arr = arr.astype(np.int64) if kind != "uint64" else arr.view(np.int64)
-            try:
-                t = torch.from_numpy(arr.copy())
-            except TypeError as e:
-                raise CaptureError(f"numpy array at {path!r} has dtype {kind}, which cannot be stored") from e
-            return {"$ndarray": [name_for(t, path), kind]}
+            kind = str(x.dtype.newbyteorder("="))
+            if kind not in _NUMPY_KINDS:
+                raise CaptureError(f"numpy array at {path!r} has dtype {x.dtype}, which cannot be stored;"
+                                   f" supported: {sorted(_NUMPY_KINDS)}")
+            arr = x.astype(x.dtype.newbyteorder("="), order="C", copy=True)  # native order, C layout, 0-d kept
+            if kind in ("uint32", "uint16"):
+                arr = arr.astype(np.int64)
+            elif kind == "uint64":
+                arr = arr.view(np.int64)
+            return {"$ndarray": [name_for(torch.from_numpy(arr), path), kind]}
         if isinstance(x, np.generic):
             return walk(x.item(), path, depth + 1)
         if isinstance(x, torch.dtype):
+            if x not in DTYPES.values():
+                raise CaptureError(f"the dtype at {path!r} ({x}) is not one the format stores: {sorted(DTYPES)}")
             return {"$dtype": str(x).removeprefix("torch.")}
         if isinstance(x, torch.device):
             return {"$device": str(x)}
@@ -160,7 +163,7 @@ def decode(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
                 out[key] = walk(v, depth + 1)
             return out
         if tag == "$float":
-            if val not in ("nan", "inf", "-inf"):
+            if not isinstance(val, str) or val not in ("nan", "inf", "-inf"):
                 raise bad(f"$float must be 'nan', 'inf' or '-inf', got {val!r}")
             return float(val)
         if tag == "$ndarray":
@@ -171,10 +174,14 @@ def decode(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
                 raise bad(f"reference to unknown tensor {name!r}")
             if kind not in _NUMPY_KINDS:
                 raise bad(f"unsupported numpy dtype {kind!r}")
-            arr = tensors[name].numpy()
+            t = tensors[name]
+            stored = _NUMPY_STORAGE[kind]
+            if t.dtype != stored:
+                raise bad(f"$ndarray {name!r} of numpy dtype {kind} must be stored as {stored}, not {t.dtype}")
+            arr = t.numpy()
             return arr.view(np.uint64) if kind == "uint64" else arr.astype(kind, copy=False)
         if tag == "$dtype":
-            if val not in DTYPES:
+            if not isinstance(val, str) or val not in DTYPES:
                 raise bad(f"unknown dtype {val!r}")
             return DTYPES[val]
         if tag == "$device":
@@ -196,7 +203,11 @@ def decode(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     return walk(tree, 0)
 
 
-_NUMPY_KINDS = {
-    "float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64", "bool",
-    "complex64", "complex128",
+#: numpy dtype -> the torch dtype it is stored as (unsigned wider types widen to, or reinterpret as, int64)
+_NUMPY_STORAGE = {
+    "float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "int64": torch.int64,
+    "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "uint16": torch.int64,
+    "uint32": torch.int64, "uint64": torch.int64, "bool": torch.bool, "complex64": torch.complex64,
+    "complex128": torch.complex128,
 }
+_NUMPY_KINDS = set(_NUMPY_STORAGE)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,27 +53,38 @@ class SnapshotJob:
 
 def _section(staged: StagedState, object_key: str, alignment: int, chunk_bytes: int
              ) -> tuple[list[memoryview | bytes], list[dict[str, Any]], int]:
-    """Lay out one section's tensors in one object; returns (buffers, tensor entries as JSON, object size)."""
+    """Lay out one section's tensors in one object; returns (buffers, tensor entries as JSON, object size).
+
+    A staged state that is already packed (the arena) is written as its region, with its staging checksums.
+    """
+    if staged.packed is not None:
+        alignment = staged.alignment
     names = list(staged.tensors)
     views = {n: tensor_bytes(staged.tensors[n]) for n in names}
     placed, size = plan_layout([(n, views[n].nbytes) for n in names], alignment)
     buffers: list[memoryview | bytes] = []
+    if staged.packed is not None:
+        buffers.append(staged.packed[:size])
     entries: list[dict[str, Any]] = []
     pos = 0
     for name, offset in placed:
-        if offset > pos:
-            buffers.append(_ZEROS[: offset - pos])
         view = views[name]
-        buffers.append(view)
+        if staged.packed is None:
+            if offset > pos:
+                buffers.append(_ZEROS[: offset - pos])
+            buffers.append(view)
         pos = offset + view.nbytes
         t = staged.tensors[name]
         shape = list(t.shape)
+        if staged.checksums is not None:
+            sums = staged.checksums[name]
+        else:
+            sums = [xxhash.xxh3_64_hexdigest(view[a:b]) for a, b in chunk_ranges(view.nbytes, chunk_bytes)]
         entries.append({
             "type": "tensor", "name": name, "dtype": dtype_name(t.dtype), "global_shape": shape,
             "fragments": [{
                 "object": object_key, "offset": offset, "nbytes": view.nbytes,
-                "global_offsets": [0] * len(shape), "local_shape": shape,
-                "checksums": [xxhash.xxh3_64_hexdigest(view[a:b]) for a, b in chunk_ranges(view.nbytes, chunk_bytes)],
+                "global_offsets": [0] * len(shape), "local_shape": shape, "checksums": sums,
             }],
         })
     for name, target in staged.aliases.items():
@@ -132,11 +144,17 @@ def write_snapshot(
     *,
     alignment: int = DEFAULT_ALIGNMENT,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    prepare: Callable[[], None] | None = None,
+    before_commit: Callable[[], None] | None = None,
 ) -> Manifest:
     """Write and commit the snapshot of ``job.step``. Called by every rank, at the same point.
 
     Every rank raises when any rank failed (the same kind of error, so no rank is left waiting in a collective),
     and the step stays uncommitted: the loader never sees it and earlier snapshots are untouched.
+
+    ``prepare`` runs first on every rank (waiting for an asynchronous copy); its failure counts as a failed write.
+    ``before_commit`` runs on every rank once its data is durable and before any manifest is committed; raising from
+    it keeps the step uncommitted (the arena re-checks there that the staged bytes were not torn).
 
     Returns:
         the committed manifest (as parsed back, so what was committed is known to be loadable).
@@ -145,7 +163,11 @@ def write_snapshot(
     error: BaseException | None = None
     part: dict[str, Any] | None = None
     try:
+        if prepare is not None:
+            prepare()
         part = _write_part(backend, job, comm.rank, run_id, alignment, chunk_bytes)
+        if before_commit is not None:
+            before_commit()
         if comm.world_size > 1:
             backend.write(f"{prefix}/{run_id}-part-{comm.rank:05d}.json", [json.dumps(part).encode()])
     except Exception as e:  # noqa: BLE001 - re-raised below on every rank

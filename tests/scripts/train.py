@@ -11,6 +11,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 
 import lightning as L
 import torch
@@ -71,11 +72,20 @@ class CrashBeforeManifest(LocalTier):
 
 
 class Crash(L.Callback):
-    def __init__(self, at: int) -> None:
+    """SIGKILL this process at ``global_step == at``, once at least one snapshot is durable (persisting is
+    asynchronous: on a slow disk the first commit may land a few steps after it was taken)."""
+
+    def __init__(self, at: int, snapshot_dir: str) -> None:
         self.at = at
+        self.dir = snapshot_dir
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == self.at:
+            from lightning_snapshot.writer import committed_steps
+
+            deadline = time.monotonic() + 30
+            while not committed_steps(LocalTier(self.dir)) and time.monotonic() < deadline:
+                time.sleep(0.01)
             sys.stdout.flush()
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -114,7 +124,7 @@ def main() -> None:
         tier = LocalTier(a.dir, every_n_train_steps=a.every, keep_last=2)
     callbacks = [SnapshotCallback(tier, resume=not a.no_resume)]
     if a.crash_at >= 0:
-        callbacks.append(Crash(a.crash_at))
+        callbacks.append(Crash(a.crash_at, a.dir))
     trainer = L.Trainer(
         accelerator="cpu",
         devices=a.devices,
