@@ -165,10 +165,23 @@ class SnapshotCallback(Checkpoint):
         self._patched_strategy = strategy
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._shutdown()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        # Lightning skips teardown hooks after an exception: stop here. Snapshots already handed to the persist
+        # thread are still written (nothing staged is lost); the pending one, without its rank state, is dropped.
+        self._pending = None
+        self._shutdown()
+
+    def _shutdown(self) -> None:
         if self._patched_strategy is not None:
             self._patched_strategy.__dict__.pop("process_dataloader", None)
             self._patched_strategy = None
-        self._pending = None
+        if self._pending is not None:
+            _, _, staged, _ = self._pending
+            self._pending = None
+            if staged is not None and self._arena is not None:
+                self._arena.release(staged.slot)
         if self._inflight is not None:
             try:
                 self._inflight.fence_training()
@@ -375,9 +388,6 @@ class SnapshotCallback(Checkpoint):
         self._metrics.flush(trainer)
         if not self._comm.all_true(not (self._errors and self.on_error == "raise")):
             self._raise_background_error()
-
-    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        self._pending = None
 
     def _rank_state(self, trainer: Any, consumed_offset: int) -> dict[str, Any]:
         ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready

@@ -57,3 +57,25 @@ def reference_runs(tmp_path_factory: pytest.TempPathFactory):
         return cache[args]
 
     return get
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_threads_or_shm():
+    """Like Lightning's own suite: a test must not leave our background threads or shared memory behind."""
+    import threading
+
+    yield
+    leaked = [t.name for t in threading.enumerate() if t.name.startswith("lightning-snapshot") and t.is_alive()]
+    assert not leaked, f"background threads left running: {leaked}"
+    if os.path.isdir("/dev/shm"):
+        shm = [n for n in os.listdir("/dev/shm") if n.startswith(f"lightning-snapshot-{os.getpid()}-")]
+        assert not shm, f"shared-memory files left behind: {shm}"

@@ -1,0 +1,246 @@
+"""Asynchronous staging: point-in-time copies, the arena, the metrics, O_DIRECT, the memory budget."""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+import warnings
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
+from torch.utils.data import DataLoader
+from train import Model, Squares
+
+from lightning_snapshot import SnapshotCallback, load_snapshot
+from lightning_snapshot.arena import HostArena
+from lightning_snapshot.backends import LocalTier
+from lightning_snapshot.comm import LocalComm
+from lightning_snapshot.staging import stage
+from lightning_snapshot.writer import SnapshotJob, committed_steps, write_snapshot
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8).clone() if t.numel() else t.detach().clone()
+
+
+def _state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    return {"model": model.state_dict(), "opt": opt.state_dict()}
+
+
+def _trained(seed: int = 0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(256, 256), nn.BatchNorm1d(256), nn.Linear(256, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for _ in range(2):
+        model(torch.randn(8, 256)).sum().backward()
+        opt.step()
+    return model, opt
+
+
+def _frozen(model, opt):
+    ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    ptrs |= {v.untyped_storage().data_ptr() for s in opt.state.values() for v in s.values() if v.numel()}
+    return lambda t: t.numel() > 0 and t.untyped_storage().data_ptr() in ptrs
+
+
+@pytest.mark.parametrize("fence", [True, False], ids=["fenced", "negative-control-unfenced"])
+def test_slowed_copy_with_optimizer_step_right_behind_is_point_in_time(fence):
+    model, opt = _trained()
+    expected = {k: _bits(v) for k, v in stage(_state(model, opt)).tensors.items()}  # synchronous reference
+    arena = HostArena()
+    try:
+        handle = arena.stage_async(_state(model, opt), _frozen(model, opt), step=2,
+                                   copy_hook=lambda: time.sleep(0.3))
+        if fence:
+            handle.fence_training()  # what the callback does in on_before_optimizer_step
+        model(torch.randn(8, 256)).sum().backward()  # forward changes BN buffers, the step changes the rest
+        opt.step()
+        handle.wait()
+        got = {k: _bits(v) for k, v in handle.state.tensors.items()}
+    finally:
+        arena.close()
+    torn = [k for k in expected if not torch.equal(expected[k], got[k])]
+    if fence:
+        assert torn == [], f"snapshot is torn: {torn}"
+    else:  # proves the test can fail: without the fence the optimizer step lands in the copy
+        assert torn, "the unfenced copy should have seen the optimizer step"
+
+
+def test_stamp_and_checksums_are_verified_before_commit(tmp_path):
+    model, opt = _trained()
+    arena = HostArena()
+    try:
+        handle = arena.stage_async(_state(model, opt), _frozen(model, opt), step=7)
+        handle.wait()
+        handle.verify()  # intact
+        handle.state.packed[100] ^= 0xFF  # something overwrote the slot after staging
+        with pytest.raises(RuntimeError, match="changed after staging"):
+            handle.verify()
+        tier = LocalTier(tmp_path)
+        with pytest.raises(RuntimeError, match="changed after staging"):
+            write_snapshot(tier, LocalComm(), SnapshotJob(7, 0, handle.state, stage({}, "rank")), "run",
+                           before_commit=handle.verify)
+        assert committed_steps(tier) == []  # never committed
+        handle.state.packed[100] ^= 0xFF
+        handle.slot.step = 8  # the slot now holds another snapshot
+        with pytest.raises(RuntimeError, match="reused by step 8"):
+            handle.verify()
+    finally:
+        arena.close()
+
+
+def test_arena_is_allocated_once_and_reused_and_private(tmp_path):
+    model, opt = _trained()
+    arena = HostArena()
+    try:
+        seen = set()
+        for step in range(6):
+            h = arena.stage_async(_state(model, opt), _frozen(model, opt), step)
+            h.wait()
+            seen.add(h.slot.buffer.data_ptr())
+            if h.slot.path:
+                assert os.stat(h.slot.path).st_mode & 0o777 == 0o600
+            arena.release(h.slot)
+        assert len(seen) == 1 and len(arena.slots) == 1
+    finally:
+        arena.close()
+
+
+class Slow(L.Callback):
+    """Slow every background copy down, and record a synchronous copy of the state at each snapshot step."""
+
+    def __init__(self, cb: SnapshotCallback, steps: set[int]) -> None:
+        self.cb, self.steps, self.expected = cb, steps, {}
+
+    def on_fit_start(self, trainer, pl_module):
+        arena = self.cb._arena
+        original = arena.stage_async
+        arena.stage_async = lambda *a, **k: original(*a, copy_hook=lambda: time.sleep(0.2), **k)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step in self.steps:  # runs before SnapshotCallback (Lightning orders it last)
+            self.expected[trainer.global_step] = {
+                "state_dict": copy.deepcopy(pl_module.state_dict()),
+                "opt": copy.deepcopy(trainer.optimizers[0].state_dict()["state"]),
+            }
+
+
+def test_lightning_run_with_slowed_copy_gives_point_in_time_snapshots(tmp_path):
+    L.seed_everything(0, verbose=False)
+    cb = SnapshotCallback(LocalTier(tmp_path, every_n_train_steps=2, keep_last=None))
+    slow = Slow(cb, {2, 4, 6})
+    trainer = L.Trainer(accelerator="cpu", max_steps=6, callbacks=[cb, slow], logger=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Model(0.2), DataLoader(Squares(), batch_size=4, shuffle=True))
+    for step, expected in slow.expected.items():
+        snap = load_snapshot(str(tmp_path), step=step)
+        for k, v in expected["state_dict"].items():
+            assert torch.equal(_bits(v), _bits(snap["state_dict"][k])), f"step {step}: {k} torn"
+        for pid, st in expected["opt"].items():
+            for k, v in st.items():
+                assert torch.equal(_bits(v), _bits(snap["optimizer_states"][0]["state"][pid][k])), (step, pid, k)
+
+
+def test_metrics_reach_tensorboard(tmp_path):
+    def run(max_steps):
+        L.seed_everything(0, verbose=False)
+        logger = TensorBoardLogger(tmp_path / "logs", name="", version=f"v{max_steps}")
+        cb = SnapshotCallback(LocalTier(tmp_path / "snaps", every_n_train_steps=2, keep_last=3))
+        trainer = L.Trainer(accelerator="cpu", max_steps=max_steps, callbacks=[cb], logger=logger,
+                            log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(Model(0.2), DataLoader(Squares(), batch_size=4, shuffle=True))
+        logger.finalize("success")
+        acc = EventAccumulator(logger.log_dir)
+        acc.Reload()
+        return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+    first = run(8)
+    for tag in ("snapshot/stall_ms", "snapshot/stage_ms", "snapshot/bytes", "snapshot/local/persist_ms",
+                "snapshot/local/throughput_MBps", "snapshot/local/lag_steps"):
+        assert tag in first, f"{tag} missing from {sorted(first)}"
+    state_bytes = sum(p.numel() * 4 for p in Model(0.2).state_dict().values())
+    assert all(v >= state_bytes for v in first["snapshot/bytes"])  # weights + optimizer state
+    assert all(0 <= v < 60_000 for v in first["snapshot/stall_ms"])
+    assert all(v > 0 for v in first["snapshot/local/persist_ms"] + first["snapshot/local/throughput_MBps"])
+    assert all(0 <= v <= 8 for v in first["snapshot/local/lag_steps"])
+    assert len(first["snapshot/stall_ms"]) >= 3
+    second = run(10)  # resumes from step 8
+    assert second["restore/step"] == [8.0] and second["restore/tier_index"] == [0.0]
+    assert 0 < second["restore/ms"][0] < 60_000
+
+
+class Wide(Model):
+    def __init__(self) -> None:
+        super().__init__(0.2)
+        self.net = nn.Sequential(nn.Linear(8, 1024), nn.BatchNorm1d(1024), nn.ReLU(), nn.Linear(1024, 1))
+
+
+def test_local_tier_writes_the_arena_with_o_direct(tmp_path):
+    tier = LocalTier(tmp_path / "snaps", every_n_train_steps=2)
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(accelerator="cpu", max_steps=4, callbacks=[SnapshotCallback(tier)], logger=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Wide(), DataLoader(Squares(), batch_size=4))
+    if not tier.direct_io:
+        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    assert tier.direct_bytes > 0
+    assert committed_steps(tier) == [4, 2]
+    load_snapshot(str(tmp_path / "snaps"), rank=0)  # what O_DIRECT wrote verifies
+
+
+def _state_bytes() -> int:
+    model = Model(0.2)
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values()) * 3
+
+
+def test_budget_below_one_snapshot_skips_with_warning_and_metric(tmp_path):
+    class Rec(L.pytorch.loggers.Logger):
+        name, version = "rec", 0
+
+        def __init__(self):
+            super().__init__()
+            self.metrics = []
+
+        def log_metrics(self, metrics, step=None):
+            self.metrics.append(dict(metrics))
+
+        def log_hyperparams(self, *a, **k):
+            pass
+
+    rec = Rec()
+    L.seed_everything(0, verbose=False)
+    cb = SnapshotCallback(LocalTier(tmp_path, every_n_train_steps=2), max_host_bytes=1024)
+    trainer = L.Trainer(accelerator="cpu", max_steps=6, callbacks=[cb], logger=rec, enable_progress_bar=False,
+                        enable_model_summary=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(Model(0.2), DataLoader(Squares(), batch_size=4))
+    msgs = [str(w.message) for w in caught if "skipped the snapshot" in str(w.message)]
+    assert len(msgs) == 3 and "max_host_bytes is 1024" in msgs[0]
+    assert committed_steps(LocalTier(tmp_path)) == []
+    assert [m["snapshot/skipped"] for m in rec.metrics if "snapshot/skipped" in m] == [1.0, 2.0, 3.0]
+
+
+def test_budget_of_one_buffer_never_holds_two(tmp_path):
+    budget = 4 << 20  # one 2 MiB-rounded slot fits, two do not
+    L.seed_everything(0, verbose=False)
+    cb = SnapshotCallback(LocalTier(tmp_path, every_n_train_steps=1, keep_last=None), max_host_bytes=budget,
+                          on_error="raise")
+    peak = []
+
+    class Watch(L.Callback):
+        def on_train_batch_end(self, *a):
+            peak.append(cb._arena.allocated_bytes)
+
+    trainer = L.Trainer(accelerator="cpu", max_steps=12, callbacks=[cb, Watch()], logger=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Model(0.2), DataLoader(Squares(), batch_size=4))
+    assert max(peak) <= budget
+    assert committed_steps(LocalTier(tmp_path))  # some snapshots still made it
