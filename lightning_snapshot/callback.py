@@ -276,7 +276,9 @@ class SnapshotCallback(Checkpoint):
 
     def _read(self, backend: Backend, step: int, pl_module: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
         manifest = read_manifest(backend, step)
-        shared = read_section(backend, manifest, manifest.tensors, manifest.state)
+        # the model's own tensors are read into directly (verified chunk by chunk); the rest is allocated
+        live = {f"state_dict/{k}": v for k, v in pl_module.state_dict().items()}
+        shared = read_section(backend, manifest, manifest.tensors, manifest.state, targets=live)
         where = f"snapshot of step {step} in the {backend.tier} tier {backend.url!r}"
         if not isinstance(shared, dict) or "loops" not in shared:
             raise SnapshotError(f"{where} holds no training state")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -57,9 +57,18 @@ def read_manifest(backend: Backend, step: int) -> Manifest:
 
 
 def read_section(
-    backend: Backend, manifest: Manifest, entries: Sequence[TensorEntry], tree: Any
+    backend: Backend,
+    manifest: Manifest,
+    entries: Sequence[TensorEntry],
+    tree: Any,
+    targets: Mapping[str, torch.Tensor] | None = None,
 ) -> Any:
     """Read, verify and decode one section (the shared state or a rank's) of a snapshot.
+
+    Args:
+        targets: live tensors by entry name (e.g. the model's parameters). A target of the right dtype and shape,
+            contiguous and on the CPU, is read into directly (no fresh allocation, no extra copy); the decoded
+            state then holds that very tensor. Its contents are undefined if this raises.
 
     Raises:
         ChecksumError: a chunk does not match its checksum; the message names tensor, object and step.
@@ -70,7 +79,14 @@ def read_section(
         if entry.alias_of is not None:
             continue
         dtype = dtype_from_name(entry.dtype)
-        out = torch.empty(entry.global_shape, dtype=dtype)
+        target = targets.get(entry.name) if targets is not None else None
+        if (
+            isinstance(target, torch.Tensor) and target.dtype == dtype and tuple(target.shape) == entry.global_shape
+            and target.device.type == "cpu" and target.is_contiguous() and target.layout == torch.strided
+        ):
+            out = target.detach()
+        else:
+            out = torch.empty(entry.global_shape, dtype=dtype)
         for frag in entry.fragments:
             whole = frag.local_shape == entry.global_shape
             buf = out if whole else torch.empty(frag.local_shape, dtype=dtype)

@@ -98,6 +98,7 @@ def main() -> None:
     p.add_argument("--every", type=int, default=3)
     p.add_argument("--crash-at", type=int, default=-1)
     p.add_argument("--devices", type=int, default=1)
+    p.add_argument("--accelerator", default="cpu")
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--loader", choices=["plain", "stateful", "iterable"], default="plain")
@@ -126,7 +127,7 @@ def main() -> None:
     if a.crash_at >= 0:
         callbacks.append(Crash(a.crash_at, a.dir))
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=a.accelerator,
         devices=a.devices,
         strategy="ddp" if a.devices > 1 else "auto",
         max_steps=a.max_steps,
@@ -141,8 +142,8 @@ def main() -> None:
     opt = trainer.optimizers[0]
     result = {
         "global_step": trainer.global_step,
-        "model": {k: v.clone() for k, v in model.state_dict().items()},
-        "optimizer": {f"{pid}/{k}": v.clone() for pid, st in opt.state_dict()["state"].items()
+        "model": {k: v.cpu().clone() for k, v in model.state_dict().items()},
+        "optimizer": {f"{pid}/{k}": v.cpu().clone() for pid, st in opt.state_dict()["state"].items()
                       for k, v in st.items()},
         "lr": torch.tensor(opt.param_groups[0]["lr"], dtype=torch.float64),
         "rng": torch.get_rng_state(),
