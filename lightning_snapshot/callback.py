@@ -9,7 +9,6 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
@@ -17,7 +16,14 @@ from lightning_snapshot import data as _data
 from lightning_snapshot.arena import AsyncStaged, HostArena
 from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.backends.registry import parse_tier
-from lightning_snapshot.capture import capture_rng, capture_shared, check_model, restore_rng, restore_shared
+from lightning_snapshot.capture import (
+    capture_rng,
+    capture_shared,
+    check_model,
+    frozen_predicate,
+    restore_rng,
+    restore_shared,
+)
 from lightning_snapshot.comm import Comm, LocalComm, StrategyComm
 from lightning_snapshot.errors import (
     ConfigError,
@@ -37,19 +43,6 @@ __all__ = ["SnapshotCallback"]
 log = logging.getLogger(__name__)
 
 _ON_ERROR = ("raise", "warn")
-
-
-def _frozen_predicate(trainer: Any) -> Any:
-    """Tensors that stay unchanged until the next optimizer.step: parameters and optimizer state."""
-    storages: set[int] = set()
-    for p in trainer.lightning_module.parameters():
-        storages.add(p.untyped_storage().data_ptr())
-    for opt in trainer.optimizers:
-        for state in opt.state.values():
-            for v in state.values():
-                if isinstance(v, torch.Tensor) and v.numel():
-                    storages.add(v.untyped_storage().data_ptr())
-    return lambda t: t.numel() > 0 and t.untyped_storage().data_ptr() in storages
 
 
 class SnapshotCallback(Checkpoint):
@@ -358,7 +351,7 @@ class SnapshotCallback(Checkpoint):
         if self._comm.rank == 0:
             assert self._arena is not None
             try:
-                staged = self._arena.stage_async(capture_shared(trainer, pl_module), _frozen_predicate(trainer), step)
+                staged = self._arena.stage_async(capture_shared(trainer, pl_module), frozen_predicate(trainer.lightning_module.parameters(), trainer.optimizers), step)
             except SnapshotError as e:
                 error = e
         if not self._comm.all_true(error is None and (self._comm.rank != 0 or staged is not None)):

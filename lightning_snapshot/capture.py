@@ -12,6 +12,7 @@ position at ``on_train_batch_start`` of step N+1 (or at ``on_train_end``), the p
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import lightning
@@ -20,7 +21,7 @@ import torch
 
 from lightning_snapshot.errors import StateMismatchError
 
-__all__ = ["capture_shared", "restore_shared", "capture_rng", "restore_rng", "check_model"]
+__all__ = ["capture_shared", "restore_shared", "capture_rng", "restore_rng", "check_model", "frozen_predicate"]
 
 
 def capture_shared(trainer: Any, pl_module: Any) -> dict[str, Any]:
@@ -49,6 +50,19 @@ def capture_shared(trainer: Any, pl_module: Any) -> dict[str, Any]:
             ckpt[type(datamodule).__qualname__] = dm_state
     pl_module.on_save_checkpoint(ckpt)
     return ckpt
+
+
+def frozen_predicate(parameters: Iterable[torch.Tensor], optimizers: Iterable[Any]) -> Callable[[torch.Tensor], bool]:
+    """Which tensors stay unchanged until the next ``optimizer.step``: parameters and optimizer state.
+
+    Everything else (buffers such as BatchNorm statistics) may change in the next forward and must be copied at once.
+    """
+    storages: set[int] = {p.untyped_storage().data_ptr() for p in parameters}
+    for opt in optimizers:
+        for state in opt.state.values():
+            storages.update(v.untyped_storage().data_ptr() for v in state.values()
+                            if isinstance(v, torch.Tensor) and v.numel())
+    return lambda t: t.numel() > 0 and t.untyped_storage().data_ptr() in storages
 
 
 def _shapes(sd: dict[str, Any]) -> dict[str, tuple[int, ...]]:

@@ -18,6 +18,7 @@ from train import Model, Squares
 
 from lightning_snapshot import SnapshotCallback, load_snapshot
 from lightning_snapshot.arena import HostArena
+from lightning_snapshot.capture import frozen_predicate
 from lightning_snapshot.backends import LocalTier
 from lightning_snapshot.comm import LocalComm
 from lightning_snapshot.staging import stage
@@ -43,9 +44,7 @@ def _trained(seed: int = 0):
 
 
 def _frozen(model, opt):
-    ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    ptrs |= {v.untyped_storage().data_ptr() for s in opt.state.values() for v in s.values() if v.numel()}
-    return lambda t: t.numel() > 0 and t.untyped_storage().data_ptr() in ptrs
+    return frozen_predicate(model.parameters(), [opt])
 
 
 @pytest.mark.parametrize("fence", [True, False], ids=["fenced", "negative-control-unfenced"])

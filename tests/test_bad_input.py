@@ -10,7 +10,6 @@ from pathlib import Path
 
 import lightning as L
 import pytest
-import torch
 from torch import nn
 from torch.utils.data import DataLoader
 from train import Model, Squares, Stream

@@ -11,15 +11,13 @@ from conftest import assert_bitwise_equal, run_train
 from torch import nn
 
 from lightning_snapshot.arena import HostArena
-from lightning_snapshot.capture import capture_rng, restore_rng
+from lightning_snapshot.capture import capture_rng, frozen_predicate, restore_rng
 
 pytestmark = pytest.mark.gpu
 
 
 def _frozen(model, opt):
-    ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    ptrs |= {v.untyped_storage().data_ptr() for s in opt.state.values() for v in s.values() if v.numel()}
-    return lambda t: t.numel() > 0 and t.untyped_storage().data_ptr() in ptrs
+    return frozen_predicate(model.parameters(), [opt])
 
 
 def test_cuda_state_is_staged_into_pinned_memory_point_in_time():
