@@ -115,6 +115,10 @@ class Backend(abc.ABC):
     def read(self, key: str) -> bytes:
         """The whole object ``key``. Raises ``FileNotFoundError`` when it does not exist."""
 
+    def read_view(self, key: str) -> memoryview:
+        """The whole object ``key`` as a read-only buffer (a backend may map it instead of copying it)."""
+        return memoryview(self.read(key))
+
     @abc.abstractmethod
     def read_into(self, key: str, offset: int, out: memoryview) -> None:
         """Fill ``out`` with the bytes of ``key`` starting at ``offset``; raises ``EOFError`` on a short object."""

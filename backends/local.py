@@ -6,6 +6,7 @@ import ctypes
 import datetime as _dt
 import errno
 import logging
+import mmap
 import os
 import shutil
 from collections.abc import Iterable
@@ -191,6 +192,14 @@ class LocalTier(Backend):
 
     def read(self, key: str) -> bytes:
         return self._path(key).read_bytes()
+
+    def read_view(self, key: str) -> memoryview:
+        """The object mapped read-only into memory (no copy; pages come from the page cache or the disk)."""
+        with open(self._path(key), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                return memoryview(b"")
+            return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
 
     def read_into(self, key: str, offset: int, out: memoryview) -> None:
         view = memoryview(out).cast("B")

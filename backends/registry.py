@@ -19,12 +19,13 @@ from lightning_snapshot.errors import ConfigError
 __all__ = ["parse_tier", "KNOWN_SCHEMES"]
 
 #: scheme -> (module, class). Schemes of later tiers are listed with the release that brings them.
+_OBJECT = ("lightning_snapshot.backends.object_store", "ObjectStoreTier")
 KNOWN_SCHEMES: dict[str, tuple[str, str]] = {
     "": ("lightning_snapshot.backends.local", "LocalTier"),
     "file": ("lightning_snapshot.backends.local", "LocalTier"),
+    **{scheme: _OBJECT for scheme in ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory")},
 }
-_PLANNED = {"ram": "the RAM tier", "s3": "the object-store tier", "gs": "the object-store tier",
-            "az": "the object-store tier", "memory": "the object-store tier"}
+_PLANNED = {"ram": "the RAM tier"}
 _OPTIONS = {"every": "every_n_train_steps", "interval": "train_time_interval", "keep": "keep_last"}
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smh]?)$")
 
@@ -83,12 +84,15 @@ def parse_tier(spec: str | Backend) -> Backend:
         if scheme in _PLANNED:
             raise ConfigError(f"{scheme}:// ({_PLANNED[scheme]}) is not available in this release; use a local path")
         raise ConfigError(
-            f"unknown tier URL scheme {scheme!r} in {spec!r}; known: a plain path or file://"
+            f"unknown tier URL scheme {scheme!r} in {spec!r}; known: a plain path, "
+            + ", ".join(f"{k}://" for k in sorted(KNOWN_SCHEMES) if k)
         )
     module, cls_name = KNOWN_SCHEMES[scheme]
     cls = getattr(importlib.import_module(module), cls_name)
     if scheme == "file" and parsed.netloc not in ("", "localhost"):
         raise ConfigError(f"file:// URL {spec!r} names host {parsed.netloc!r}; use file:///absolute/path")
-    path = urllib.parse.unquote(parsed.path) if scheme else spec.split("?", 1)[0]
-    query = parsed.query if scheme else (spec.split("?", 1)[1] if "?" in spec else "")
+    base, _, query = spec.partition("?")
+    if (module, cls_name) == _OBJECT:
+        return cls(base, **_options(query, spec))
+    path = urllib.parse.unquote(parsed.path) if scheme else base
     return cls(path, **_options(query, spec))

@@ -24,7 +24,7 @@ from lightning_snapshot.capture import (
     restore_rng,
     restore_shared,
 )
-from lightning_snapshot.comm import Comm, LocalComm, StrategyComm
+from lightning_snapshot.comm import Comm, GroupComm, LocalComm, StrategyComm
 from lightning_snapshot.errors import (
     ConfigError,
     FormatVersionError,
@@ -34,7 +34,7 @@ from lightning_snapshot.errors import (
 )
 from lightning_snapshot.loader import read_manifest, read_section, resolve_source
 from lightning_snapshot.metrics import MetricsSink, tier_metric_names
-from lightning_snapshot.persist import GroupComm, Persister, PersistJob
+from lightning_snapshot.persist import Persister, PersistJob
 from lightning_snapshot.staging import stage
 from lightning_snapshot.writer import committed_steps
 
@@ -110,7 +110,8 @@ class SnapshotCallback(Checkpoint):
         self._run_id = ""
         self._last_step = -1
         self._last_time: list[float] = []
-        self._pending: tuple[int, int, AsyncStaged | None, list[Backend]] | None = None
+        self._pending: tuple[int, int, AsyncStaged | None, list[int]] | None = None
+        self._tier_skipped = [0] * len(self.tiers)
         self._pending_rng: dict[str, Any] | None = None
         self._pending_loaders: list[dict[str, Any] | None] = []
         self._warned_loaders: set[int] = set()
@@ -138,13 +139,18 @@ class SnapshotCallback(Checkpoint):
         self._last_step = trainer.global_step  # a snapshot needs an optimizer step since this one
         self._pending = None
         self._arena = HostArena(max_host_bytes=self.max_host_bytes)
-        background = LocalComm()
+        comms: list[Comm] = [LocalComm() for _ in self.tiers]
         if strategy.world_size > 1:
             import torch.distributed as dist
 
-            # the persist thread's own group: background collectives never touch the trainer's main group
-            background = GroupComm(dist.new_group(backend="gloo"))
-        self._persister = Persister(background, self._run_id, self._arena)
+            # each tier's persist thread has a group of its own: background collectives never touch the trainer's
+            # main group, and a tier in an outage never blocks another's commits
+            comms = [GroupComm(dist.new_group(backend="gloo")) for _ in self.tiers]
+        self._persister = Persister(self.tiers, comms, self._run_id, self._arena)
+        for tier in self.tiers:
+            abort = getattr(tier, "abort_incomplete_uploads", None)
+            if abort is not None and self._comm.rank == 0:
+                abort()  # multipart uploads left behind by a crashed run
         # Wrap train loaders' samplers as Lightning builds them, before their first iterator exists.
         original = strategy.process_dataloader
 
@@ -369,7 +375,7 @@ class SnapshotCallback(Checkpoint):
         if staged is not None:
             self._metrics.add("snapshot/bytes", staged.state.nbytes)
         self._inflight = staged
-        self._pending = (step, trainer.current_epoch, staged, [self.tiers[i] for i in due])
+        self._pending = (step, trainer.current_epoch, staged, due)
         self._stall = time.perf_counter() - t0
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
@@ -378,7 +384,12 @@ class SnapshotCallback(Checkpoint):
         if self._inflight is not None:
             self._inflight = None
         if self._persister is not None:
-            self._persister.drain()  # fit returns once every snapshot is durable (or failed)
+            # fit returns once every snapshot is durable (or failed); tiers with a drain_timeout (object stores)
+            # are waited for that long at most
+            for tier in self._persister.drain():
+                warnings.warn(f"lightning-snapshot: the {tier.tier} tier {tier.url!r} did not finish its uploads within"
+                              f" drain_timeout={getattr(tier, 'drain_timeout', None)} s; the newest snapshots are in"
+                              " the other tiers", stacklevel=2)
         self._collect_results(trainer.global_step)
         self._metrics.flush(trainer)
         if not self._comm.all_true(not (self._errors and self.on_error == "raise")):
@@ -395,7 +406,7 @@ class SnapshotCallback(Checkpoint):
     def _finish(self, trainer: Any, consumed_offset: int) -> None:
         """Add this rank's RNG and data position to the pending snapshot and hand it to the persist thread."""
         assert self._pending is not None and self._persister is not None
-        step, epoch, shared, tiers = self._pending
+        step, epoch, shared, due = self._pending
         self._pending = None
         try:
             private = stage(self._rank_state(trainer, consumed_offset), "rank")
@@ -405,7 +416,16 @@ class SnapshotCallback(Checkpoint):
                 self._arena.release(shared.slot)
             self._handle(e, step)
             return
-        self._persister.submit(PersistJob(step, epoch, shared, private, tiers))
+        # a tier whose queue is full (an object store in an outage) skips this snapshot; every rank agrees
+        room = self._comm.all_true_each([self._persister.has_room(i) for i in due])
+        accepted = [i for i, ok in zip(due, room) if ok]
+        for i, ok in zip(due, room):
+            if not ok:
+                self._tier_skipped[i] += 1
+                self._metrics.add(f"snapshot/{self._metric_names[i]}/skipped", self._tier_skipped[i])
+                log.info("lightning-snapshot: step %d skipped for the %s tier %s: %d snapshot(s) still pending there",
+                         step, self.tiers[i].tier, self.tiers[i].url, self._persister.pending(i))
+        self._persister.submit(PersistJob(step, epoch, shared, private, [self.tiers[i] for i in accepted]), accepted)
 
     def _collect_results(self, step: int) -> None:
         """Turn what the persist thread finished into metrics, and failures into warnings."""

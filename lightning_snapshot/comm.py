@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-__all__ = ["Comm", "LocalComm", "StrategyComm"]
+__all__ = ["Comm", "LocalComm", "StrategyComm", "GroupComm"]
 
 
 class Comm(Protocol):
@@ -21,6 +21,9 @@ class Comm(Protocol):
 
     def all_true(self, flag: bool) -> bool:
         """True on every rank iff ``flag`` is true on every rank."""
+
+    def all_true_each(self, flags: list[bool]) -> list[bool]:
+        """Element-wise :meth:`all_true` of equally long lists, in one collective."""
 
 
 class LocalComm:
@@ -37,6 +40,9 @@ class LocalComm:
 
     def all_true(self, flag: bool) -> bool:
         return bool(flag)
+
+    def all_true_each(self, flags: list[bool]) -> list[bool]:
+        return [bool(f) for f in flags]
 
 
 class StrategyComm:
@@ -55,3 +61,43 @@ class StrategyComm:
 
     def all_true(self, flag: bool) -> bool:
         return bool(self.strategy.reduce_boolean_decision(bool(flag), all=True))
+
+    def all_true_each(self, flags: list[bool]) -> list[bool]:
+        if not flags:
+            return []
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32, device=self.strategy.root_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return [bool(v) for v in t.tolist()]
+
+
+class GroupComm:
+    """:class:`~lightning_snapshot.comm.Comm` over a dedicated torch.distributed group (used by a persist thread)."""
+
+    def __init__(self, group: Any) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+
+    def barrier(self) -> None:
+        self._dist.barrier(group=self.group)
+
+    def broadcast(self, obj: Any) -> Any:
+        box = [obj]
+        self._dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def all_true(self, flag: bool) -> bool:
+        return self.all_true_each([flag])[0]
+
+    def all_true_each(self, flags: list[bool]) -> list[bool]:
+        import torch
+
+        t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
+        self._dist.all_reduce(t, op=self._dist.ReduceOp.MIN, group=self.group)
+        return [bool(v) for v in t.tolist()]

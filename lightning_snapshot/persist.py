@@ -1,8 +1,10 @@
-"""The persist thread: writes staged snapshots to their tiers, off the training thread, in order.
+"""Persist threads: write staged snapshots to their tiers, off the training thread.
 
-Every rank runs one. Under DDP they agree on each commit through a dedicated gloo process group created for this
-purpose (never the trainer's main group from a background thread). Results, failures included, go to a queue that
-the training thread reads at its next step, so a background failure is never silent.
+One thread per tier and rank, so a slow or unreachable tier (an object store during an outage) never holds up the
+others. Under DDP the ranks agree on each commit through a gloo process group per tier, created for this purpose
+(never the trainer's main group from a background thread). A tier that snapshots the same step as a local tier
+uploads the local tier's committed files, byte for byte, so the staging buffer is free as soon as the local tier is
+done (DESIGN.md §4: promotion is a byte copy). Results go to a queue the training thread reads at its next step.
 """
 
 from __future__ import annotations
@@ -11,16 +13,16 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
 from lightning_snapshot.arena import AsyncStaged, HostArena
 from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.comm import Comm
+from lightning_snapshot.errors import SnapshotError, SnapshotWriteError
 from lightning_snapshot.staging import StagedState
-from lightning_snapshot.writer import SnapshotJob, apply_retention, write_snapshot
+from lightning_snapshot.writer import SnapshotJob, apply_retention, copy_snapshot, write_snapshot
 
-__all__ = ["Persister", "PersistJob", "PersistResult", "GroupComm"]
+__all__ = ["Persister", "PersistJob", "PersistResult"]
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,10 @@ class PersistJob:
     shared: AsyncStaged | StagedState | None
     private: StagedState
     tiers: list[Backend]
+    done: dict[int, threading.Event] = field(default_factory=dict)
+    ok: dict[int, bool] = field(default_factory=dict)
+    refs: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 @dataclass
@@ -44,103 +50,173 @@ class PersistResult:
     error: BaseException | None = None
 
 
-class GroupComm:
-    """:class:`~lightning_snapshot.comm.Comm` over a dedicated torch.distributed group (used by the persist thread)."""
-
-    def __init__(self, group: Any) -> None:
-        import torch.distributed as dist
-
-        self._dist = dist
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-
-    def barrier(self) -> None:
-        self._dist.barrier(group=self.group)
-
-    def broadcast(self, obj: Any) -> Any:
-        box = [obj]
-        self._dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
-
-    def all_true(self, flag: bool) -> bool:
-        import torch
-
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-        self._dist.all_reduce(t, op=self._dist.ReduceOp.MIN, group=self.group)
-        return bool(t.item())
+def _retryable(e: BaseException) -> bool:
+    return isinstance(e, (OSError, SnapshotWriteError)) and "already committed" not in str(e)
 
 
-class Persister:
-    """One background thread that persists :class:`PersistJob`s in submission order.
-
-    Args:
-        comm: collectives for the commit (a :class:`GroupComm` under DDP, ``LocalComm`` otherwise).
-        run_id: nonce of this run, part of every object name.
-        arena: where staged slots are released once persisted.
-
-    Thread-safety: ``submit``, ``results`` and ``drain`` are called from the training thread only.
-    """
-
-    def __init__(self, comm: Comm, run_id: str, arena: HostArena) -> None:
-        self.comm = comm
-        self.run_id = run_id
-        self.arena = arena
-        self.results: queue.Queue[PersistResult] = queue.Queue()
-        self._jobs: queue.Queue[PersistJob | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="lightning-snapshot-persist", daemon=True)
-        self._thread.start()
-
-    def submit(self, job: PersistJob) -> None:
-        self._jobs.put(job)
-
-    def pending(self) -> int:
-        return self._jobs.unfinished_tasks
-
-    def drain(self) -> None:
-        """Wait until every submitted job is persisted (or failed)."""
-        self._jobs.join()
-
-    def close(self) -> None:
-        """Finish the queued jobs, then stop the thread."""
-        if self._thread.is_alive():
-            self._jobs.put(None)
-            self._thread.join()
+class _TierWorker:
+    def __init__(self, persister: Persister, index: int, tier: Backend, comm: Comm) -> None:
+        self.p, self.index, self.tier, self.comm = persister, index, tier, comm
+        self.jobs: queue.Queue[PersistJob | None] = queue.Queue()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=f"lightning-snapshot-persist-{index}", daemon=True)
+        self.thread.start()
 
     def _run(self) -> None:
         while True:
-            job = self._jobs.get()
+            job = self.jobs.get()
             try:
                 if job is None:
                     return
                 self._persist(job)
             finally:
-                self._jobs.task_done()
+                self.jobs.task_done()
+
+    def _source(self, job: PersistJob) -> int | None:
+        """A local tier of the same job whose committed copy this (slower) tier can upload byte for byte."""
+        if self.tier.tier == "local":
+            return None
+        for i, t in enumerate(self.p.tiers):
+            if i != self.index and t.tier == "local" and i in job.done:
+                return i
+        return None
 
     def _persist(self, job: PersistJob) -> None:
         staged = job.shared
-        prepare = verify = None
-        state: StagedState | None
-        if isinstance(staged, AsyncStaged):
-            state, prepare, verify = staged.state, staged.wait, staged.verify
-        else:
-            state = staged
+        state = staged.state if isinstance(staged, AsyncStaged) else staged
+        holding = True
+        t0 = time.monotonic()
+        outage_since: float | None = None
+        delay = getattr(self.tier, "retry_initial", 0.0)
         try:
-            for tier in job.tiers:
-                t0 = time.monotonic()
+            source = self._source(job)
+            if source is not None:
+                job.done[source].wait()
+                if job.ok.get(source):
+                    self.p.unref(job)  # the staging buffer is no longer needed by this tier
+                    holding = False
+                else:
+                    source = None
+            while True:
                 try:
-                    manifest = write_snapshot(tier, self.comm, SnapshotJob(job.step, job.epoch, state, job.private),
-                                              self.run_id, prepare=prepare, before_commit=verify)
-                    prepare = None  # the copy is done once, for every tier
-                    if self.comm.rank == 0:
-                        apply_retention(tier, job.step)
-                    stage_s = staged.copy_seconds if isinstance(staged, AsyncStaged) else None
-                    self.results.put(PersistResult(tier, job.step, time.monotonic() - t0, manifest.total_bytes,
-                                                   stage_s))
-                except Exception as e:  # noqa: BLE001 - reported to the training thread
-                    log.debug("lightning-snapshot: persisting step %d to %s failed", job.step, tier.url,
-                              exc_info=True)
-                    self.results.put(PersistResult(tier, job.step, time.monotonic() - t0, 0, None, e))
+                    if source is not None:
+                        manifest = copy_snapshot(self.p.tiers[source], self.tier, job.step, self.comm)
+                    else:
+                        manifest = write_snapshot(
+                            self.tier, self.comm, SnapshotJob(job.step, job.epoch, state, job.private), self.p.run_id,
+                            prepare=staged.wait if isinstance(staged, AsyncStaged) else None,
+                            before_commit=staged.verify if isinstance(staged, AsyncStaged) else None,
+                        )
+                    break
+                except Exception as e:  # noqa: BLE001 - retried or reported to the training thread
+                    if not (getattr(self.tier, "retry_initial", None) and _retryable(e)) or self.stop.is_set():
+                        raise
+                    if outage_since is None:
+                        outage_since = time.monotonic()
+                        log.warning("lightning-snapshot: the %s tier %s is failing (%s); retrying with backoff,"
+                                    " training goes on (logged once per outage)", self.tier.tier, self.tier.url,
+                                    _describe(self.tier, e))
+                    if self.stop.wait(delay):
+                        raise
+                    delay = min(delay * 2, self.tier.retry_max)  # type: ignore[attr-defined]
+            if outage_since is not None:
+                log.info("lightning-snapshot: the %s tier %s is back after %.0f s", self.tier.tier, self.tier.url,
+                         time.monotonic() - outage_since)
+            if self.comm.rank == 0:
+                apply_retention(self.tier, job.step)
+            job.ok[self.index] = True
+            stage_s = staged.copy_seconds if isinstance(staged, AsyncStaged) else None
+            self.p.results.put(PersistResult(self.tier, job.step, time.monotonic() - t0, manifest.total_bytes,
+                                             stage_s))
+        except Exception as e:  # noqa: BLE001 - reported to the training thread
+            job.ok[self.index] = False
+            log.debug("lightning-snapshot: persisting step %d to %s failed", job.step, self.tier.url, exc_info=True)
+            if not isinstance(e, SnapshotError):
+                e = SnapshotWriteError(_describe(self.tier, e))
+            self.p.results.put(PersistResult(self.tier, job.step, time.monotonic() - t0, 0, None, e))
         finally:
-            if isinstance(staged, AsyncStaged):
-                self.arena.release(staged.slot)
+            job.done[self.index].set()
+            if holding:
+                self.p.unref(job)
+
+
+def _describe(tier: Backend, e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}" if not isinstance(e, SnapshotError) else str(e)
+    redact = getattr(tier, "redact", None)
+    return redact(text) if redact is not None else text
+
+
+class Persister:
+    """Persist threads for a list of tiers.
+
+    Args:
+        tiers: the callback's tiers; a worker thread each.
+        comms: one collective channel per tier (a :class:`GroupComm` under DDP, ``LocalComm`` otherwise).
+        run_id: nonce of this run, part of every object name.
+        arena: where a staged slot is released once every tier that took the snapshot is done with it.
+
+    Thread-safety: ``pending``, ``submit``, ``drain`` and ``close`` are called from the training thread only.
+    """
+
+    def __init__(self, tiers: list[Backend], comms: list[Comm], run_id: str, arena: HostArena) -> None:
+        self.tiers = tiers
+        self.run_id = run_id
+        self.arena = arena
+        self.results: queue.Queue[PersistResult] = queue.Queue()
+        self._workers = [_TierWorker(self, i, t, c) for i, (t, c) in enumerate(zip(tiers, comms))]
+
+    def pending(self, index: int) -> int:
+        """Snapshots queued or being written for tier ``index``."""
+        return self._workers[index].jobs.unfinished_tasks
+
+    def has_room(self, index: int) -> bool:
+        limit = getattr(self.tiers[index], "max_pending", None)
+        return limit is None or self.pending(index) < limit
+
+    def submit(self, job: PersistJob, indices: list[int]) -> None:
+        """Hand ``job`` to the workers of the tiers ``indices`` (all ranks pass the same indices)."""
+        if not indices:
+            self._release(job)
+            return
+        job.refs = len(indices)
+        for i in indices:
+            job.done[i] = threading.Event()
+        for i in indices:
+            self._workers[i].jobs.put(job)
+
+    def unref(self, job: PersistJob) -> None:
+        with job.lock:
+            job.refs -= 1
+            last = job.refs == 0
+        if last:
+            self._release(job)
+
+    def _release(self, job: PersistJob) -> None:
+        if isinstance(job.shared, AsyncStaged):
+            self.arena.release(job.shared.slot)
+
+    def drain(self, timeout: float | None = None) -> list[Backend]:
+        """Wait for the queued snapshots; tiers with a ``drain_timeout`` are waited for that long at most.
+
+        Returns the tiers still busy when their wait ran out (their retries are stopped).
+        """
+        late = []
+        for w in self._workers:
+            limit = getattr(w.tier, "drain_timeout", None) if timeout is None else timeout
+            deadline = None if limit is None else time.monotonic() + limit
+            while w.jobs.unfinished_tasks and (deadline is None or time.monotonic() < deadline):
+                time.sleep(0.01)
+            if w.jobs.unfinished_tasks:
+                w.stop.set()
+                late.append(w.tier)
+        return late
+
+    def close(self) -> None:
+        """Stop every worker after what it has queued (stopping retries of unreachable tiers)."""
+        for w in self._workers:
+            if w.jobs.unfinished_tasks and getattr(w.tier, "retry_initial", None):
+                w.stop.set()
+            w.jobs.put(None)
+        for w in self._workers:
+            # a worker stopped mid-outage may wait in a collective for a peer that already gave up: bounded join
+            w.thread.join(timeout=60 if w.stop.is_set() else None)

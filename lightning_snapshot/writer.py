@@ -31,7 +31,7 @@ from lightning_snapshot.manifest import (
 from lightning_snapshot.planner import chunk_ranges, plan_layout
 from lightning_snapshot.staging import StagedState, tensor_bytes
 
-__all__ = ["SnapshotJob", "write_snapshot", "apply_retention", "committed_steps", "DEFAULT_CHUNK_BYTES",
+__all__ = ["SnapshotJob", "write_snapshot", "copy_snapshot", "apply_retention", "committed_steps", "DEFAULT_CHUNK_BYTES",
            "DEFAULT_ALIGNMENT"]
 
 log = logging.getLogger(__name__)
@@ -200,6 +200,37 @@ def write_snapshot(
         _remove_unreferenced(backend, prefix, manifest)
         return manifest
     return Manifest.from_json(backend.read(f"{prefix}/{MANIFEST_NAME}"), where=f"manifest of {prefix}")
+
+
+def copy_snapshot(src: Backend, dst: Backend, step: int, comm: Comm) -> Manifest:
+    """Copy the committed snapshot of ``step`` from ``src`` to ``dst`` byte for byte, under ``dst``'s commit rule.
+
+    Each rank copies the objects it wrote; rank 0 commits the very same manifest bytes once all are durable.
+    Called by every rank, at the same point.
+    """
+    prefix = step_dirname(step)
+    error: BaseException | None = None
+    manifest: Manifest | None = None
+    text = b""
+    try:
+        text = src.read(f"{prefix}/{MANIFEST_NAME}")
+        manifest = Manifest.from_json(text, where=f"manifest of {prefix} in {src.url!r}")
+        for obj in manifest.objects:
+            if obj.rank % comm.world_size == comm.rank:
+                dst.write(f"{prefix}/{obj.key}", [src.read_view(f"{prefix}/{obj.key}")])
+    except Exception as e:  # noqa: BLE001 - re-raised below on every rank
+        error = e
+    if comm.all_true(error is None) and comm.rank == 0:
+        try:
+            dst.commit(f"{prefix}/{MANIFEST_NAME}", text)
+        except Exception as e:  # noqa: BLE001
+            error = e
+    if not comm.all_true(error is None):
+        if error is not None:
+            raise error
+        raise SnapshotWriteError(f"copying step {step} to {dst.url!r} failed on another rank (see its log)")
+    assert manifest is not None
+    return manifest
 
 
 def _discard_run_objects(backend: Backend, prefix: str, run_id: str) -> None:

@@ -106,10 +106,35 @@ def test_unknown_scheme(url):
         parse_tier(url)
 
 
-@pytest.mark.parametrize("url", ["s3://bucket/prefix", "gs://b/p", "ram://x", "az://c/p"])
-def test_later_tiers_are_not_available_in_this_release(url):
+def test_the_ram_tier_is_not_available_in_this_release():
     with pytest.raises(ConfigError, match="not available in this release"):
+        parse_tier("ram://x")
+
+
+@pytest.mark.parametrize("url,hint", [("gs://b/p", "pip install gcsfs"), ("az://c/p", "pip install adlfs")])
+def test_object_store_without_its_fsspec_package_names_the_pip_command(url, hint):
+    pytest.importorskip("fsspec")
+    try:
+        __import__({"gs": "gcsfs", "az": "adlfs"}[url[:2]])
+        pytest.skip("the package is installed here")
+    except ImportError:
+        pass
+    with pytest.raises(ConfigError, match=hint):
         parse_tier(url)
+
+
+def test_object_store_url_with_options():
+    tier = parse_tier("memory://bucket/run?every=1000&keep=5")
+    assert type(tier).__name__ == "ObjectStoreTier"
+    assert (tier.every_n_train_steps, tier.keep_last, tier.tier, tier.url) == (1000, 5, "memory", "memory://bucket/run")
+
+
+def test_credentials_in_an_object_store_url_are_refused_and_redacted():
+    with pytest.raises(ConfigError) as err:
+        from lightning_snapshot.backends import ObjectStoreTier
+
+        ObjectStoreTier("s3://AKIAXXXX:hunter2secret@bucket/p")
+    assert "hunter2secret" not in str(err.value) and "storage_options" in str(err.value)
 
 
 def test_file_url_with_a_remote_host_is_refused():

@@ -1,0 +1,259 @@
+"""Object-store tier: any fsspec URL (``s3://``, ``gs://``, ``az://``, ``memory://`` ...), s3fs for S3.
+
+Commit rule for a store with no rename: data objects first, the manifest last, written with a conditional create
+(``If-None-Match: *``) where the store supports it, so a committed step is never overwritten; a step without a
+manifest is invisible to the loader, and retention removes it. Large objects go up as concurrent multipart uploads
+(aborted on failure) read straight from the staging buffer.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import inspect
+import logging
+import re
+import urllib.parse
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from lightning_snapshot.backends.base import DEFAULT_KEEP_LAST, Backend
+from lightning_snapshot.errors import ConfigError, SnapshotWriteError
+from lightning_snapshot.manifest import validate_key
+
+__all__ = ["ObjectStoreTier", "redact"]
+
+log = logging.getLogger(__name__)
+
+#: pip commands for the fsspec implementations users meet most
+_INSTALL_HINTS = {
+    "s3": 'pip install "lightning-snapshot[s3]"  (installs s3fs)',
+    "s3a": 'pip install "lightning-snapshot[s3]"  (installs s3fs)',
+    "gs": "pip install gcsfs",
+    "gcs": "pip install gcsfs",
+    "az": "pip install adlfs",
+    "abfs": "pip install adlfs",
+    "abfss": "pip install adlfs",
+}
+_SECRET_NAMES = re.compile(r"(secret|password|passwd|token|credential|key|signature|sas)", re.IGNORECASE)
+
+
+def _secret_values(options: Mapping[str, Any]) -> list[str]:
+    """Values in ``storage_options`` (nested too) whose names look like credentials."""
+    found: list[str] = []
+    for name, value in options.items():
+        if isinstance(value, Mapping):
+            found += _secret_values(value)
+        elif isinstance(value, str) and _SECRET_NAMES.search(str(name)) and len(value) >= 4:
+            found.append(value)
+    return found
+
+
+def redact(text: str, secrets: Iterable[str] = ()) -> str:
+    """``text`` with URL userinfo, credential-like query parameters and the given secret values replaced by ***."""
+    text = re.sub(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@", r"\g<scheme>***@", text)
+    text = re.sub(r"(?i)([?&][^=&\s]*(?:secret|token|key|signature|sig|password|credential)[^=&\s]*=)[^&\s]+",
+                  r"\1***", text)
+    for s in sorted(set(secrets), key=len, reverse=True):
+        text = text.replace(s, "***")
+    return text
+
+
+class _Parts:
+    """A memoryview that s3fs can slice into upload parts: each slice is the part's bytes (no whole-object copy)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+
+    def __len__(self) -> int:
+        return self.view.nbytes
+
+    def __getitem__(self, item: slice) -> bytes:
+        return bytes(self.view[item])
+
+
+class ObjectStoreTier(Backend):
+    """Snapshots in an object store or any other fsspec filesystem.
+
+    Args:
+        url: where the tier lives, e.g. ``"s3://bucket/runs/run-42"``. Credentials never go in the URL: use
+            ``storage_options``, the environment or the provider's usual chain.
+        storage_options: passed to the fsspec filesystem (s3fs: ``key``, ``secret``, ``client_kwargs={"endpoint_url":
+            ...}``, ...). Never logged, never written to a manifest, a metric or an error.
+        every_n_train_steps, train_time_interval, keep_last: see :class:`~lightning_snapshot.backends.base.Backend`.
+        part_size: multipart upload part size in bytes (>= 5 MiB, the S3 minimum).
+        max_concurrency: parts uploaded at once.
+        max_pending: snapshots that may wait for this tier at once (the one being uploaded included). When that many
+            are pending, a newly scheduled snapshot is skipped for this tier and counted in
+            ``snapshot/<tier>/skipped``: training never waits for a slow or unreachable store.
+        retry_initial, retry_max: a failed upload is retried after ``retry_initial`` seconds, doubling up to
+            ``retry_max``, until it succeeds; one warning per outage, one info line when the store is back.
+
+    URL form (LightningCLI): ``"s3://bucket/run-42?every=1000&keep=5"``; pass ``storage_options`` with the object
+    form when you need them.
+    """
+
+    tier = "object"
+    durable = True
+
+    def __init__(
+        self,
+        url: str,
+        storage_options: Mapping[str, Any] | None = None,
+        every_n_train_steps: int | None = None,
+        train_time_interval: _dt.timedelta | float | None = None,
+        keep_last: int | None = DEFAULT_KEEP_LAST,
+        *,
+        part_size: int = 64 << 20,
+        max_concurrency: int = 8,
+        max_pending: int = 1,
+        retry_initial: float = 1.0,
+        retry_max: float = 60.0,
+    ) -> None:
+        super().__init__(
+            every_n_train_steps=every_n_train_steps, train_time_interval=train_time_interval, keep_last=keep_last
+        )
+        import fsspec
+
+        if not isinstance(url, str) or "://" not in url:
+            raise ConfigError(f"ObjectStoreTier needs a URL with a scheme such as s3://bucket/path, got {url!r}")
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise ConfigError(f"storage_options must be a dict, got {type(storage_options).__name__}")
+        for name, value, lo in (("part_size", part_size, 5 << 20), ("max_concurrency", max_concurrency, 1),
+                                ("max_pending", max_pending, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+                raise ConfigError(f"{name} must be an integer >= {lo}, got {value!r}")
+        if not (isinstance(retry_initial, (int, float)) and isinstance(retry_max, (int, float))
+                and 0 < retry_initial <= retry_max):
+            raise ConfigError("retry_initial and retry_max must be numbers with 0 < retry_initial <= retry_max")
+        self.scheme = url.split("://", 1)[0].lower()
+        self._options = dict(storage_options or {})
+        self._secrets = _secret_values(self._options)
+        parsed = urllib.parse.urlsplit(url)
+        if parsed.username or parsed.password or parsed.query:
+            raise ConfigError(
+                f"{redact(url)}: put credentials and options in storage_options, not in the URL"
+                " (URL options every/interval/keep are only for tier URL strings)"
+            )
+        try:
+            self.fs, root = fsspec.core.url_to_fs(url, **self._options)
+        except ImportError as e:
+            hint = _INSTALL_HINTS.get(self.scheme, f"install the fsspec implementation for {self.scheme}://")
+            raise ConfigError(f"{self.scheme}:// needs a package that is not installed: {hint}") from e
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"cannot open {redact(url, self._secrets)}: {redact(str(e), self._secrets)}") from None
+        if self.scheme in ("file", "local"):
+            raise ConfigError("use LocalTier (or a plain path) for local files, not ObjectStoreTier")
+        self.tier = self.scheme
+        self.root = root.rstrip("/")
+        self._url = redact(url, self._secrets)
+        self.part_size = part_size
+        self.max_concurrency = max_concurrency
+        self.max_pending = max_pending
+        self.retry_initial = float(retry_initial)
+        self.retry_max = float(retry_max)
+        #: bytes read with ranged reads (a counter: resharding asserts each rank reads only what it needs)
+        self.bytes_read = 0
+        self._pipe_params = set(inspect.signature(self.fs.pipe_file).parameters) | set(
+            inspect.signature(getattr(self.fs, "_pipe_file", self.fs.pipe_file)).parameters
+        )
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    def redact(self, text: str) -> str:
+        """``text`` with this tier's credentials removed."""
+        return redact(text, self._secrets)
+
+    def _path(self, key: str, *, allow_root: bool = False) -> str:
+        if allow_root and key == "":
+            return self.root
+        return f"{self.root}/{validate_key(key)}"
+
+    def _error(self, what: str, key: str, e: BaseException) -> SnapshotWriteError:
+        return SnapshotWriteError(f"{what} {key!r} in the {self.scheme} tier {self.url!r} failed:"
+                                  f" {type(e).__name__}: {self.redact(str(e))}")
+
+    # ------------------------------------------------------------------------------------------- bytes
+    def write(self, key: str, buffers: Iterable[bytes | bytearray | memoryview]) -> int:
+        views = [memoryview(b).cast("B") for b in buffers]
+        view = views[0] if len(views) == 1 else memoryview(b"".join(views))
+        path = self._path(key)
+        try:
+            if "chunksize" in self._pipe_params and view.nbytes >= 2 * self.part_size:
+                self.fs.pipe_file(path, _Parts(view), chunksize=self.part_size, max_concurrency=self.max_concurrency)
+            else:
+                self.fs.pipe_file(path, bytes(view))
+        except Exception as e:  # noqa: BLE001 - any client error is a failed write, with credentials redacted
+            raise self._error("uploading", key, e) from None
+        return view.nbytes
+
+    def commit(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        try:
+            if "mode" in self._pipe_params:  # conditional create: never overwrite a committed manifest
+                self.fs.pipe_file(path, bytes(data), mode="create")
+            else:
+                if self.fs.exists(path):
+                    raise FileExistsError(path)
+                self.fs.pipe_file(path, bytes(data))
+        except FileExistsError:
+            raise SnapshotWriteError(f"{key!r} is already committed in the {self.scheme} tier {self.url!r};"
+                                     " a committed snapshot is never overwritten") from None
+        except Exception as e:  # noqa: BLE001
+            if "PreconditionFailed" in str(e) or "412" in str(e):
+                raise SnapshotWriteError(f"{key!r} is already committed in the {self.scheme} tier {self.url!r};"
+                                         " a committed snapshot is never overwritten") from None
+            raise self._error("committing", key, e) from None
+
+    def read(self, key: str) -> bytes:
+        data = self.fs.cat_file(self._path(key))
+        self.bytes_read += len(data)
+        return data
+
+    def read_into(self, key: str, offset: int, out: memoryview) -> None:
+        view = memoryview(out).cast("B")
+        data = self.fs.cat_file(self._path(key), start=offset, end=offset + view.nbytes)
+        self.bytes_read += len(data)
+        if len(data) != view.nbytes:
+            raise EOFError(f"{key!r} in {self.url!r} ends before byte {offset + view.nbytes}")
+        view[:] = data
+
+    def list(self, prefix: str = "") -> list[str]:
+        path = self._path(prefix, allow_root=True)
+        self.fs.invalidate_cache(path)
+        try:
+            entries = self.fs.ls(path, detail=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        names = sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries})
+        return [n for n in names if n and not n.startswith(".")]
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            self.fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass
+        self.fs.invalidate_cache(path)
+
+    def exists(self, key: str) -> bool:
+        path = self._path(key)
+        self.fs.invalidate_cache(path)
+        return bool(self.fs.exists(path))
+
+    def abort_incomplete_uploads(self) -> int:
+        """Abort multipart uploads left under the tier root by a crashed writer (S3 only); returns how many."""
+        call = getattr(self.fs, "call_s3", None)
+        if call is None:
+            return 0
+        bucket, _, prefix = self.root.partition("/")
+        aborted = 0
+        try:
+            listing = call("list_multipart_uploads", Bucket=bucket, Prefix=prefix)
+            for upload in listing.get("Uploads", []):
+                call("abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                aborted += 1
+        except Exception as e:  # noqa: BLE001 - cleanup is best effort
+            log.info("lightning-snapshot: could not list multipart uploads in %s: %s", self.url, self.redact(str(e)))
+        return aborted
