@@ -87,6 +87,8 @@ class ObjectStoreTier(Backend):
             ``snapshot/<tier>/skipped``: training never waits for a slow or unreachable store.
         retry_initial, retry_max: a failed upload is retried after ``retry_initial`` seconds, doubling up to
             ``retry_max``, until it succeeds; one warning per outage, one info line when the store is back.
+        drain_timeout: at the end of ``fit``, how long to wait for this tier's pending uploads (seconds; None waits
+            as long as it takes). Past it the uploads are abandoned with a warning; the other tiers hold the state.
 
     URL form (LightningCLI): ``"s3://bucket/run-42?every=1000&keep=5"``; pass ``storage_options`` with the object
     form when you need them.
@@ -108,6 +110,7 @@ class ObjectStoreTier(Backend):
         max_pending: int = 1,
         retry_initial: float = 1.0,
         retry_max: float = 60.0,
+        drain_timeout: float | None = 300.0,
     ) -> None:
         super().__init__(
             every_n_train_steps=every_n_train_steps, train_time_interval=train_time_interval, keep_last=keep_last
@@ -151,6 +154,9 @@ class ObjectStoreTier(Backend):
         self.max_pending = max_pending
         self.retry_initial = float(retry_initial)
         self.retry_max = float(retry_max)
+        if drain_timeout is not None and (not isinstance(drain_timeout, (int, float)) or drain_timeout < 0):
+            raise ConfigError(f"drain_timeout must be a number of seconds >= 0 or None, got {drain_timeout!r}")
+        self.drain_timeout = drain_timeout
         #: bytes read with ranged reads (a counter: resharding asserts each rank reads only what it needs)
         self.bytes_read = 0
         self._pipe_params = set(inspect.signature(self.fs.pipe_file).parameters) | set(

@@ -266,7 +266,13 @@ class SnapshotCallback(Checkpoint):
         found: list[tuple[int, int]] = []
         if self._comm.rank == 0:
             for i, tier in enumerate(self.tiers):
-                found += [(step, i) for step in committed_steps(tier)]
+                try:
+                    found += [(step, i) for step in committed_steps(tier)]
+                except Exception as e:  # noqa: BLE001 - an unreachable tier must not stop the others
+                    redact = getattr(tier, "redact", str)
+                    warnings.warn(f"lightning-snapshot: cannot list the {tier.tier} tier {tier.url!r} to resume"
+                                  f" ({type(e).__name__}: {redact(str(e))}); looking in the other tiers",
+                                  stacklevel=2)
             found.sort(key=lambda x: (-x[0], x[1]))
             if not isinstance(self.resume, bool):
                 found = [f for f in found if f[0] == self.resume][:1]

@@ -123,7 +123,11 @@ class _TierWorker:
                 log.info("lightning-snapshot: the %s tier %s is back after %.0f s", self.tier.tier, self.tier.url,
                          time.monotonic() - outage_since)
             if self.comm.rank == 0:
-                apply_retention(self.tier, job.step)
+                try:
+                    apply_retention(self.tier, job.step)
+                except Exception as e:  # noqa: BLE001 - the snapshot is committed; cleanup waits for the next one
+                    log.warning("lightning-snapshot: retention in the %s tier %s failed: %s", self.tier.tier,
+                                self.tier.url, _describe(self.tier, e))
             job.ok[self.index] = True
             stage_s = staged.copy_seconds if isinstance(staged, AsyncStaged) else None
             self.p.results.put(PersistResult(self.tier, job.step, time.monotonic() - t0, manifest.total_bytes,

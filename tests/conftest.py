@@ -79,3 +79,51 @@ def no_leaked_threads_or_shm():
     if os.path.isdir("/dev/shm"):
         shm = [n for n in os.listdir("/dev/shm") if n.startswith(f"lightning-snapshot-{os.getpid()}-")]
         assert not shm, f"shared-memory files left behind: {shm}"
+
+
+class S3Server:
+    """moto's S3 server on 127.0.0.1 (port 0 first, then the same port after a restart)."""
+
+    def __init__(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        self._cls = ThreadedMotoServer
+        self.port = 0
+        self.server = None
+        self.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.server = self._cls(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self.server.start()
+        self.port = self.server._server.server_port
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def create_bucket(self, name: str) -> None:
+        import boto3
+
+        boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id="testing-key",
+                     aws_secret_access_key="testing-secret", region_name="us-east-1").create_bucket(Bucket=name)
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    pytest.importorskip("moto")
+    pytest.importorskip("s3fs")
+    server = S3Server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def bucket(s3_server, request):
+    import re
+
+    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + "-b"
+    s3_server.create_bucket(name)
+    return name

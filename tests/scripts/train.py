@@ -57,6 +57,11 @@ class Model(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+def s3_options(endpoint: str) -> dict:
+    return {"key": "testing-key", "secret": "testing-secret",
+            "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+
+
 class CrashBeforeManifest(LocalTier):
     """A real local tier that SIGKILLs the process after the data of step ``at`` is durable, before its manifest."""
 
@@ -75,16 +80,16 @@ class Crash(L.Callback):
     """SIGKILL this process at ``global_step == at``, once at least one snapshot is durable (persisting is
     asynchronous: on a slow disk the first commit may land a few steps after it was taken)."""
 
-    def __init__(self, at: int, snapshot_dir: str) -> None:
+    def __init__(self, at: int, tiers) -> None:
         self.at = at
-        self.dir = snapshot_dir
+        self.tiers = tiers
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == self.at:
             from lightning_snapshot.writer import committed_steps
 
             deadline = time.monotonic() + 30
-            while not committed_steps(LocalTier(self.dir)) and time.monotonic() < deadline:
+            while not all(committed_steps(t) for t in self.tiers) and time.monotonic() < deadline:
                 time.sleep(0.01)
             sys.stdout.flush()
             os.kill(os.getpid(), signal.SIGKILL)
@@ -107,6 +112,9 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--no-resume", action="store_true")
     p.add_argument("--kill-before-commit", type=int, default=-1)
+    p.add_argument("--s3", default=None, help="also snapshot to this s3:// URL (with --endpoint)")
+    p.add_argument("--endpoint", default=None)
+    p.add_argument("--s3-every", type=int, default=None)
     a = p.parse_args()
 
     L.seed_everything(42, verbose=False)
@@ -123,9 +131,15 @@ def main() -> None:
         tier = CrashBeforeManifest(a.dir, a.kill_before_commit, every_n_train_steps=a.every, keep_last=2)
     else:
         tier = LocalTier(a.dir, every_n_train_steps=a.every, keep_last=2)
-    callbacks = [SnapshotCallback(tier, resume=not a.no_resume)]
+    tiers = [tier]
+    if a.s3:
+        from lightning_snapshot.backends import ObjectStoreTier
+
+        tiers.append(ObjectStoreTier(a.s3, storage_options=s3_options(a.endpoint),
+                                     every_n_train_steps=a.s3_every or a.every, keep_last=2, retry_initial=0.1))
+    callbacks = [SnapshotCallback(tiers, resume=not a.no_resume)]
     if a.crash_at >= 0:
-        callbacks.append(Crash(a.crash_at, a.dir))
+        callbacks.append(Crash(a.crash_at, tiers))
     trainer = L.Trainer(
         accelerator=a.accelerator,
         devices=a.devices,
@@ -152,7 +166,7 @@ def main() -> None:
     torch.save(result, out)
     cb = callbacks[0]
     if cb.restored_from is not None:
-        print(f"RESTORED step={cb.restored_from[1]}", flush=True)
+        print(f"RESTORED step={cb.restored_from[1]} from={cb.restored_from[0]}", flush=True)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
