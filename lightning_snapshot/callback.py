@@ -386,6 +386,8 @@ class SnapshotCallback(Checkpoint):
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self._pending is not None:
+            assert self._persister is not None
+            self._persister.drain()  # the last snapshot waits for room in every tier instead of being skipped
             self._finish(trainer, consumed_offset=0)
         if self._inflight is not None:
             self._inflight = None
