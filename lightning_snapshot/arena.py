@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import xxhash
 
-from lightning_snapshot.planner import align_up, chunk_ranges, plan_layout
+from lightning_snapshot.planner import align_up, assign_writers, chunk_ranges, plan_layout
 from lightning_snapshot.staging import StagedState, _prepare, tensor_bytes
 
 __all__ = ["HostArena", "ArenaSlot", "AsyncStaged", "PAGE"]
@@ -211,14 +211,27 @@ class HostArena:
 
     # ------------------------------------------------------------------------------------------- staging
     def stage_async(self, obj: Any, frozen: Callable[[torch.Tensor], bool], step: int,
-                    copy_hook: Callable[[], None] | None = None) -> AsyncStaged | None:
+                    copy_hook: Callable[[], None] | None = None, rank: int = 0, world_size: int = 1
+                    ) -> AsyncStaged | None:
         """Stage ``obj`` into a slot. Tensors for which ``frozen(t)`` holds are copied in the background.
+
+        With ``world_size`` > 1, ``obj`` is replicated on every rank (DDP) and this rank stages only its share of the
+        frozen tensors, as :func:`~lightning_snapshot.planner.assign_writers` decides (the same on every rank); rank
+        0 keeps the rest, the tree and the aliases.
 
         Returns None (and sets ``last_skip_reason``) when no slot is free within the budget.
         ``copy_hook`` runs in the copy thread before copying (tests use it to slow the copy down).
         """
         started = time.monotonic()
         tree, items, aliases = _prepare(obj, "")
+        if world_size > 1:
+            # only parameters and optimizer state are identical on every DDP rank; buffers (BatchNorm statistics)
+            # are not, so rank 0 writes those, as Lightning's own checkpoint would
+            owners = assign_writers([t.numel() * t.element_size() for _, t in items], world_size,
+                                    pinned=[None if frozen(t) else 0 for _, t in items])
+            items = [item for item, owner in zip(items, owners) if owner == rank]
+            if rank != 0:
+                aliases = {}
         sizes = [(name, t.numel() * t.element_size()) for name, t in items]
         # tensors 64-byte aligned inside the slot; the slot itself is page-aligned, so the whole region can be
         # written with O_DIRECT in one go

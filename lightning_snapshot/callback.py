@@ -360,13 +360,14 @@ class SnapshotCallback(Checkpoint):
         # next batch, right before training_step.
         staged: AsyncStaged | None = None
         error: SnapshotError | None = None
-        if self._comm.rank == 0:
-            assert self._arena is not None
-            try:
-                staged = self._arena.stage_async(capture_shared(trainer, pl_module), frozen_predicate(trainer.lightning_module.parameters(), trainer.optimizers), step)
-            except SnapshotError as e:
-                error = e
-        if not self._comm.all_true(error is None and (self._comm.rank != 0 or staged is not None)):
+        assert self._arena is not None
+        try:  # every rank stages (and later writes) its own share of the replicated state
+            frozen = frozen_predicate(trainer.lightning_module.parameters(), trainer.optimizers)
+            staged = self._arena.stage_async(capture_shared(trainer, pl_module), frozen, step,
+                                             rank=self._comm.rank, world_size=self._comm.world_size)
+        except SnapshotError as e:
+            error = e
+        if not self._comm.all_true(error is None and staged is not None):
             if staged is not None:
                 self._arena.release(staged.slot)
             if error is not None:
@@ -374,7 +375,7 @@ class SnapshotCallback(Checkpoint):
                 return
             self._skipped += 1
             self._metrics.add("snapshot/skipped", self._skipped)
-            reason = self._arena.last_skip_reason if self._comm.rank == 0 else "rank 0 could not stage it"
+            reason = self._arena.last_skip_reason if staged is None else "another rank could not stage it"
             warnings.warn(f"lightning-snapshot: skipped the snapshot of step {step}: {reason}. Raise"
                           " max_host_bytes or snapshot less often.", stacklevel=2)
             return

@@ -43,7 +43,7 @@ _ZEROS = bytes(4096)
 
 @dataclass
 class SnapshotJob:
-    """What one rank contributes to the snapshot of ``step``: shared state (written by rank 0) and its own."""
+    """What one rank contributes to the snapshot of ``step``: its share of the shared state and its own state."""
 
     step: int
     epoch: int
@@ -110,15 +110,21 @@ def _write_part(backend: Backend, job: SnapshotJob, rank: int, run_id: str, alig
         if kind == "rank":
             part["rank_section"] = {"rank": rank, "state": staged.tree, "tensors": entries}
         else:
-            part["tensors"], part["state"] = entries, staged.tree
+            part["tensors"], part["state"] = entries, staged.tree if rank == 0 else None
     return part
 
 
 def _merge(parts: list[dict[str, Any]], job: SnapshotJob, world_size: int, alignment: int, chunk_bytes: int
            ) -> dict[str, Any]:
-    shared = [p for p in parts if p["tensors"] is not None]
-    if len(shared) != 1:
-        raise SnapshotWriteError(f"expected exactly one rank to write the shared state, got {len(shared)}")
+    """One manifest from every rank's part: the shared tensors are the union of the ranks' shares (each rank wrote a
+    disjoint share of the replicated state); the shared JSON tree is rank 0's."""
+    parts = sorted(parts, key=lambda p: p["rank"])
+    if parts[0]["rank"] != 0 or parts[0]["state"] is None:
+        raise SnapshotWriteError("rank 0 did not contribute the shared state tree")
+    tensors = [t for p in parts if p["tensors"] is not None for t in p["tensors"]]
+    names = [t["name"] for t in tensors]
+    if len(set(names)) != len(names):
+        raise SnapshotWriteError("two ranks wrote the same shared tensor; the write plans disagree")
     return {
         "format_version": 1,
         "step": job.step,
@@ -130,9 +136,9 @@ def _merge(parts: list[dict[str, Any]], job: SnapshotJob, world_size: int, align
         "chunk_bytes": chunk_bytes,
         "alignment": alignment,
         "objects": [o for p in parts for o in p["objects"]],
-        "tensors": shared[0]["tensors"],
-        "state": shared[0]["state"],
-        "ranks": [p["rank_section"] for p in sorted(parts, key=lambda p: p["rank"])],
+        "tensors": tensors,
+        "state": parts[0]["state"],
+        "ranks": [p["rank_section"] for p in parts],
     }
 
 

@@ -8,6 +8,7 @@ import pytest
 from conftest import assert_bitwise_equal, run_train
 
 from lightning_snapshot.backends import LocalTier
+from lightning_snapshot.loader import read_manifest
 from lightning_snapshot.writer import committed_steps
 
 _rng = random.Random()
@@ -51,6 +52,11 @@ def test_ddp_two_ranks_sigkill_and_resume_is_bitwise_exact(tmp_path, reference_r
     assert proc.stdout.count("RESTORED step=") == 2, f"both ranks must resume: {proc.stdout}"
     assert_bitwise_equal(ref, tmp_path / "resumed.pt")
     assert_bitwise_equal(ref.with_name("out.pt.rank1"), tmp_path / "resumed.pt.rank1")
+    # the replicated state was written once, by both ranks, each a disjoint share
+    tier = LocalTier(snaps)
+    manifest = read_manifest(tier, committed_steps(tier)[0])
+    writers = {o.rank for o in manifest.objects if "-shared-" in o.key}
+    assert writers == {0, 1}, manifest.objects
 
 
 @pytest.mark.slow
