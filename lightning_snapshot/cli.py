@@ -3,6 +3,7 @@
     lightning-snapshot list /nvme/snap/run-42
     lightning-snapshot inspect /nvme/snap/run-42 [--step 1200]
     lightning-snapshot verify /nvme/snap/run-42 [--step 1200 | --all]
+    lightning-snapshot export /nvme/snap/run-42 model.safetensors [--format safetensors|torch] [--step 1200]
 """
 
 from __future__ import annotations
@@ -81,6 +82,14 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from lightning_snapshot.export import export_snapshot
+
+    out = export_snapshot(args.source, args.out, fmt=args.format, step=args.step, progress=not args.quiet)
+    print(f"wrote {out} ({out.stat().st_size} bytes)")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lightning-snapshot", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -97,6 +106,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--step", type=int, default=None, help="step to verify (default: newest)")
     p.add_argument("--all", action="store_true", help="verify every committed snapshot")
     p.set_defaults(fn=_cmd_verify)
+    p = sub.add_parser("export", help="one consolidated file: safetensors (weights) or torch (full state)")
+    p.add_argument("source", help="tier path/URL, or a step-* directory")
+    p.add_argument("out", help="file to write")
+    p.add_argument("--format", choices=["safetensors", "torch"], default="safetensors",
+                   help="safetensors: model weights; torch: the full training state for torch.load(weights_only=True)")
+    p.add_argument("--step", type=int, default=None, help="step to export (default: newest)")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.set_defaults(fn=_cmd_export)
     args = parser.parse_args(argv)
     try:
         return int(args.fn(args))
