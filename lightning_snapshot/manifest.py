@@ -381,7 +381,9 @@ def _parse_tensors(r: _Reader, value: Any, path: str, m_objects: Mapping[str, in
             frags.append(Fragment(obj, offset, nbytes, offs, local, sums))
         covered = sum(math.prod(f.local_shape) for f in frags)
         if covered != math.prod(global_shape):
-            raise r.fail(p, f"fragments cover {covered} of {math.prod(global_shape)} elements of {name!r}")
+            raise r.fail(p, f"fragments cover {covered} of {math.prod(global_shape)} elements of tensor {name!r};"
+                            f" missing region: {_missing_region(global_shape, frags)}. The snapshot is incomplete"
+                            " (a lost shard?): use another snapshot")
         out.append(TensorEntry(name, dtype, global_shape, tuple(frags)))
     by_name = {t.name: t for t in out}
     for t in out:
@@ -392,6 +394,22 @@ def _parse_tensors(r: _Reader, value: Any, path: str, m_objects: Mapping[str, in
             if target.dtype != t.dtype or target.global_shape != t.global_shape:
                 raise r.fail(path, f"alias {t.name!r} does not match dtype/shape of {t.alias_of!r}")
     return tuple(out)
+
+
+def _missing_region(global_shape: tuple[int, ...], frags: list[Fragment]) -> str:
+    """Bounding box of the elements no fragment covers (or of the overlap when fragments overlap)."""
+    if not frags:
+        return f"offsets {[0] * len(global_shape)} shape {list(global_shape)} (the whole tensor)"
+    if math.prod(global_shape) > 1 << 24:
+        return "not computed for tensors this large"
+    import numpy as np
+
+    count = np.zeros(global_shape, dtype=np.int32)
+    for f in frags:
+        count[tuple(slice(o, o + n) for o, n in zip(f.global_offsets, f.local_shape))] += 1
+    bad = np.argwhere(count != 1)
+    lo, hi = bad.min(axis=0), bad.max(axis=0) + 1
+    return f"offsets {lo.tolist()} shape {(hi - lo).tolist()}"
 
 
 def _check_refs(r: _Reader, tree: Any, path: str, names: set[str], depth: int = 0) -> None:
