@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -133,19 +133,70 @@ def resolve_source(source: str | os.PathLike[str] | Backend) -> tuple[Backend, i
     return parse_tier(text), None
 
 
+def _select(tree: Any, keys: Collection[str]) -> dict[str, Any]:
+    """The parts of the shared state tree named by ``keys``: '/'-separated paths through dicts and list indices.
+
+    The result nests the selected parts under dicts keyed by the path's components (``"optimizer_states/0"`` ->
+    ``{"optimizer_states": {"0": ...}}``).
+    """
+    if not isinstance(tree, dict):
+        raise ManifestError("the shared state is not a dict")
+    out: dict[str, Any] = {}
+    for key in keys:
+        node: Any = tree
+        parts = key.split("/")
+        # state_dict keys contain dots, not slashes: a path is a top-level key, then nested dict keys
+        for i, part in enumerate(parts):
+            if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            elif isinstance(node, dict) and part in node and not part.startswith("$"):
+                node = node[part]
+            else:
+                raise SnapshotNotFoundError(
+                    f"the snapshot has no {'/'.join(parts[: i + 1])!r}; top-level keys: {sorted(tree)}"
+                )
+        cursor = out
+        for part in parts[:-1]:
+            cursor = cursor.setdefault(part, {})
+        cursor[parts[-1]] = node
+    return out
+
+
+def _refs(tree: Any) -> set[str]:
+    if isinstance(tree, dict):
+        if len(tree) == 1 and "$tensor" in tree:
+            return {tree["$tensor"]}
+        if len(tree) == 1 and "$ndarray" in tree and isinstance(tree["$ndarray"], list) and tree["$ndarray"]:
+            return {str(tree["$ndarray"][0])}
+        return set().union(*(_refs(v) for v in tree.values())) if tree else set()
+    if isinstance(tree, list):
+        return set().union(*(_refs(v) for v in tree)) if tree else set()
+    return set()
+
+
 def load_snapshot(
-    source: str | os.PathLike[str] | Backend, step: int | None = None, *, rank: int | None = None
+    source: str | os.PathLike[str] | Backend,
+    step: int | None = None,
+    *,
+    keys: Collection[str] | None = None,
+    into: Mapping[str, torch.Tensor] | None = None,
+    rank: int | None = None,
 ) -> dict[str, Any]:
     """Load a snapshot as a plain dict, outside Lightning (evaluation, export, inspection).
 
     Args:
         source: a tier URL or path (newest committed step), a path to one ``step-*`` directory, or a backend.
         step: the step to load; the newest committed one when None.
+        keys: load only these parts of the state: top-level keys (``"state_dict"``) or '/'-separated paths through
+            nested dicts (``"state_dict/encoder.layer.0.weight"``, ``"optimizer_states"``). Only their tensors are
+            read. None: everything.
+        into: a model ``state_dict()`` to fill in place: each snapshot weight of the same name, dtype and shape, on
+            the CPU and contiguous, is read straight into that tensor (others are returned as new tensors).
         rank: also return that rank's private state (RNG, data position) under ``"rank_state"``.
 
     Returns:
-        A dict shaped like a Lightning checkpoint: ``state_dict``, ``optimizer_states``, ``lr_schedulers``,
-        ``loops``, ``callbacks``, ``epoch``, ``global_step``... with full CPU tensors.
+        A dict shaped like a Lightning checkpoint (``state_dict``, ``optimizer_states``, ``lr_schedulers``, ``loops``,
+        ``callbacks``, ``epoch``, ``global_step``...), or its ``keys``, with full CPU tensors.
 
     Raises:
         SnapshotNotFoundError, ManifestError, FormatVersionError, ChecksumError.
@@ -159,7 +210,15 @@ def load_snapshot(
             raise SnapshotNotFoundError(f"the {backend.tier} tier {backend.url!r} holds no committed snapshot")
         step = steps[0]
     manifest = read_manifest(backend, step)
-    state = read_section(backend, manifest, manifest.tensors, manifest.state)
+    tree = manifest.state if keys is None else _select(manifest.state, keys)
+    entries = manifest.tensors
+    if keys is not None:
+        wanted = _refs(tree)
+        by_name = {t.name: t for t in manifest.tensors}
+        wanted |= {by_name[n].alias_of for n in wanted if n in by_name and by_name[n].alias_of}
+        entries = tuple(t for t in manifest.tensors if t.name in wanted)
+    targets = {f"state_dict/{k}": v for k, v in into.items()} if into is not None else None
+    state = read_section(backend, manifest, entries, tree, targets=targets)
     if not isinstance(state, dict):
         raise ManifestError(f"shared state of {_where(backend, step)} is not a dict")
     if rank is not None:

@@ -91,3 +91,23 @@ def test_unknown_format_is_refused(tmp_path):
 
     with pytest.raises(ConfigError, match="safetensors, torch"):
         export_snapshot(str(tmp_path), tmp_path / "x", fmt="onnx")
+
+
+def test_load_snapshot_reads_only_the_keys_asked_for_and_fills_a_state_dict_in_place(tmp_path):
+    snaps = tmp_path / "snaps"
+    _, _, model = fit(snaps, 6)
+    tier = LocalTier(snaps)
+    full = load_snapshot(tier)
+    part = load_snapshot(tier, keys=["state_dict", "optimizer_states/0/param_groups"])
+    assert set(part) == {"state_dict", "optimizer_states"}
+    assert part["optimizer_states"]["0"]["param_groups"] == full["optimizer_states"][0]["param_groups"]
+    assert all(torch.equal(part["state_dict"][k], v) for k, v in full["state_dict"].items())
+    target = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+    out = load_snapshot(tier, keys=["state_dict"], into=target)
+    for k, v in target.items():
+        assert out["state_dict"][k] is not None and torch.equal(v, full["state_dict"][k])
+        assert out["state_dict"][k].data_ptr() == v.data_ptr()  # read straight into the given tensor
+    from lightning_snapshot.errors import SnapshotNotFoundError
+
+    with pytest.raises(SnapshotNotFoundError, match="no 'nothing'"):
+        load_snapshot(tier, keys=["nothing"])
