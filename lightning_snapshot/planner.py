@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["align_up", "plan_layout", "chunk_ranges", "assign_writers"]
+__all__ = ["align_up", "plan_layout", "chunk_ranges", "assign_writers",
+           "Box", "shard_boxes", "even_shards", "ReadItem", "plan_tensor_reads", "bytes_needed", "bytes_planned"]
 
 
 def align_up(n: int, alignment: int) -> int:
@@ -54,3 +58,426 @@ def assign_writers(sizes: Sequence[int], world_size: int, pinned: Sequence[int |
         owner[i] = rank
         load[rank] += sizes[i]
     return owner
+
+
+# ---------------------------------------------------------------------------------------------------- resharding
+#
+# Geometry for loading a snapshot into a different world size or parallelism than it was saved with, modelled on
+# torch DCP's ``planner_helpers.create_read_items_for_chunk_list``: every saved fragment and every rank's target
+# shard is a box of the global tensor; a rank reads, from each fragment that overlaps its box, the bytes of the
+# overlap (expanded to whole checksum chunks so that every byte read is verified) and copies the overlap across.
+# Pure: no I/O, no process group, no torch.distributed.
+
+
+@dataclass(frozen=True)
+class Box:
+    """An axis-aligned box of a tensor: ``offsets`` (its first index) and ``shape``, one entry per dimension.
+
+    A 0-d tensor is the box ``Box((), ())`` with one element. A box with a zero in ``shape`` is empty.
+    """
+
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "offsets", tuple(int(o) for o in self.offsets))
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        if len(self.offsets) != len(self.shape):
+            raise ValueError(f"Box offsets {self.offsets} and shape {self.shape} have different lengths")
+        if any(o < 0 for o in self.offsets) or any(s < 0 for s in self.shape):
+            raise ValueError(f"Box offsets {self.offsets} and shape {self.shape} must be non-negative")
+
+    @classmethod
+    def whole(cls, shape: Sequence[int]) -> Box:
+        """The box of a whole tensor of ``shape``."""
+        return cls((0,) * len(shape), tuple(shape))
+
+    @property
+    def ndim(self) -> int:
+        """Number of dimensions."""
+        return len(self.shape)
+
+    @property
+    def end(self) -> tuple[int, ...]:
+        """One past the last index, per dimension."""
+        return tuple(o + s for o, s in zip(self.offsets, self.shape))
+
+    @property
+    def numel(self) -> int:
+        """Number of elements (1 for a 0-d box, 0 for an empty one)."""
+        return math.prod(self.shape)
+
+    def intersect(self, other: Box) -> Box | None:
+        """The overlap of two boxes, or None when they do not share an element.
+
+        Raises:
+            ValueError: the boxes have different numbers of dimensions.
+        """
+        if self.ndim != other.ndim:
+            raise ValueError(f"cannot intersect a {self.ndim}-d box with a {other.ndim}-d box")
+        lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets))
+        hi = tuple(min(a, b) for a, b in zip(self.end, other.end))
+        if any(h <= low for low, h in zip(lo, hi)):
+            return None
+        return Box(lo, tuple(h - low for low, h in zip(lo, hi)))
+
+    def contains(self, other: Box) -> bool:
+        """Whether ``other`` lies inside this box (an empty box lies inside any box whose bounds hold it)."""
+        if self.ndim != other.ndim:
+            return False
+        return all(a <= b and be <= ae for a, b, ae, be in zip(self.offsets, other.offsets, self.end, other.end))
+
+    def translate(self, origin: Sequence[int]) -> Box:
+        """This box in the coordinates of a box that starts at ``origin`` (``offsets - origin``)."""
+        return Box(tuple(o - g for o, g in zip(self.offsets, origin)), self.shape)
+
+    def slices(self) -> tuple[slice, ...]:
+        """Index this box out of an array: ``array[box.slices()]``."""
+        return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.shape))
+
+    def __str__(self) -> str:
+        return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.shape)) + "]"
+
+
+# -- which box each rank of a device mesh owns
+
+
+def _shard_dim(placement: Any, ndim: int) -> int | None:
+    """The tensor dim a placement shards (None for replicate); accepts tuples or torch's Shard/Replicate."""
+    if isinstance(placement, str):
+        placement = (placement,)
+    if isinstance(placement, (tuple, list)) and placement:
+        kind = placement[0]
+        if kind == "replicate" and len(placement) == 1:
+            return None
+        if kind == "shard" and len(placement) == 2 and isinstance(placement[1], int):
+            dim = placement[1]
+        else:
+            raise ValueError(f"unknown placement {placement!r}; expected ('shard', dim) or ('replicate',)")
+    else:
+        kind = type(placement).__name__  # duck-typed torch.distributed.tensor placements, without importing them
+        if kind == "Replicate":
+            return None
+        if kind != "Shard" or not isinstance(getattr(placement, "dim", None), int):
+            raise ValueError(
+                f"placement {placement!r} is not supported by the resharding planner: only Shard(dim) and"
+                " Replicate() are (no _StridedShard, no Partial)"
+            )
+        dim = placement.dim
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"placement {placement!r} shards dim {dim} of a {ndim}-d tensor")
+    return dim % ndim
+
+
+def shard_boxes(global_shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Any]) -> list[Box]:
+    """The box of the global tensor that each rank of a device mesh owns, following DTensor ``Shard`` exactly.
+
+    One placement per mesh dimension: ``("shard", dim)`` or ``("replicate",)`` (torch's ``Shard(dim)`` and
+    ``Replicate()`` objects are accepted too). Mesh dimensions are applied left to right, as
+    ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset`` does; a dim sharded by several mesh
+    dimensions is split again inside the previous split.
+
+    Splitting follows ``torch.chunk``: ``n`` elements over ``k`` ranks give chunks of ``ceil(n / k)``; the last
+    non-empty chunk may be smaller and later ranks get EMPTY shards (5 over 4 is 2, 2, 1, 0, not
+    ``torch.tensor_split``'s 2, 1, 1, 1). Like torch, an empty shard's offset in the split dim is that dim's global
+    size (``Box((5, 0), (0, 3))`` for rank 3 above).
+
+    ``_StridedShard`` (the FSDP2 x TP layout of 2-D meshes, where the shard of one mesh dimension is interleaved
+    with another's) and ``Partial`` are not supported: the planner's boxes are contiguous, so a strided layout
+    would need one box per stride. Such placements raise ``ValueError``.
+
+    Args:
+        global_shape: shape of the global tensor.
+        mesh_shape: sizes of the device mesh's dimensions.
+        placements: one placement per mesh dimension.
+
+    Returns:
+        One box per rank, ranks enumerated row-major over the mesh (rank = ravel of its mesh coordinate).
+
+    Raises:
+        ValueError: mismatched lengths, a mesh dimension below 1, a dim out of range or an unknown placement.
+    """
+    global_shape = tuple(int(g) for g in global_shape)
+    mesh_shape = tuple(int(m) for m in mesh_shape)
+    if len(mesh_shape) != len(placements):
+        raise ValueError(f"mesh_shape {mesh_shape} has {len(mesh_shape)} dims but {len(placements)} placements")
+    if any(m < 1 for m in mesh_shape):
+        raise ValueError(f"mesh_shape {mesh_shape} has a dimension below 1")
+    if any(g < 0 for g in global_shape):
+        raise ValueError(f"global_shape {global_shape} has a negative dimension")
+    dims = [_shard_dim(p, len(global_shape)) for p in placements]
+    boxes = []
+    for rank in range(math.prod(mesh_shape)):
+        coord = []
+        r = rank
+        for m in reversed(mesh_shape):
+            coord.append(r % m)
+            r //= m
+        coord.reverse()
+        start = [0] * len(global_shape)
+        size = list(global_shape)
+        for mesh_dim, dim in enumerate(dims):
+            if dim is None:
+                continue
+            k = mesh_shape[mesh_dim]
+            chunk = -(-size[dim] // k)
+            lo = min(size[dim], chunk * coord[mesh_dim])
+            hi = min(size[dim], lo + chunk)
+            if hi > lo:
+                start[dim] += lo
+                size[dim] = hi - lo
+            else:  # torch puts an empty shard at the end of the dim
+                start[dim] = global_shape[dim]
+                size[dim] = 0
+        boxes.append(Box(tuple(start), tuple(size)))
+    return boxes
+
+
+def even_shards(global_shape: Sequence[int], world: int, dim: int = 0) -> list[Box]:
+    """The boxes of ``Shard(dim)`` over a 1-D mesh of ``world`` ranks (FSDP2's layout); see :func:`shard_boxes`."""
+    return shard_boxes(global_shape, (world,), [("shard", dim)])
+
+
+# -- which bytes to read
+
+
+@dataclass(frozen=True)
+class ReadItem:
+    """What a rank reads from one saved fragment, and where the bytes go.
+
+    Attributes:
+        tensor: name of the tensor.
+        object: key of the data object holding the fragment.
+        offset: byte offset of the fragment in that object; ``read_ranges`` are relative to it.
+        fragment_index: index of the fragment in the entry's fragments (for its checksums).
+        fragment_shape: the fragment's ``local_shape`` (its bytes are this shape, row-major).
+        nbytes: the fragment's size in bytes.
+        chunk_bytes: the snapshot's checksum chunk size.
+        read_ranges: byte ranges ``[start, end)`` of the fragment to read: the row-major runs of the overlap,
+            expanded to whole checksum chunks and merged, sorted.
+        chunk_indices: the checksum chunks that ``read_ranges`` consist of, sorted (every byte read is verified).
+        src_box: the overlap, in the fragment's local coordinates.
+        dst_box: the same overlap, in the target shard's local coordinates.
+    """
+
+    tensor: str
+    object: str
+    offset: int
+    fragment_index: int
+    fragment_shape: tuple[int, ...]
+    nbytes: int
+    chunk_bytes: int
+    read_ranges: tuple[tuple[int, int], ...]
+    chunk_indices: tuple[int, ...]
+    src_box: Box
+    dst_box: Box
+
+    @property
+    def bytes_planned(self) -> int:
+        """Bytes this item reads."""
+        return sum(e - s for s, e in self.read_ranges)
+
+    def object_ranges(self) -> tuple[tuple[int, int], ...]:
+        """``read_ranges`` as byte ranges of the data object."""
+        return tuple((self.offset + s, self.offset + e) for s, e in self.read_ranges)
+
+    def chunk_range(self, index: int) -> tuple[int, int]:
+        """Byte range ``[start, end)`` of checksum chunk ``index``, relative to the fragment."""
+        return index * self.chunk_bytes, min((index + 1) * self.chunk_bytes, self.nbytes)
+
+
+class _Runs:
+    """The row-major contiguous runs (in elements) of a non-empty ``src`` box inside an array of ``shape``.
+
+    Dims after ``j`` are full, so a run spans ``src.shape[j]`` rows of dim ``j``; there is one run per index of
+    dims ``< j`` inside ``src`` (an overlap full in all but the first dim is one run).
+    """
+
+    def __init__(self, shape: tuple[int, ...], src: Box) -> None:
+        self.strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+        self.shape = shape
+        self.numel = math.prod(shape)
+        j = max(len(shape) - 1, 0)
+        while j > 0 and src.offsets[j] == 0 and src.shape[j] == shape[j]:
+            j -= 1
+        self.j = j
+        self.lo = src.offsets[:j] if j > 0 else ()
+        self.hi = src.end[:j] if j > 0 else ()
+        if shape:
+            self.run_lo = src.offsets[j] * self.strides[j]
+            self.run_hi = src.end[j] * self.strides[j]
+        else:  # 0-d: one element
+            self.run_lo, self.run_hi = 0, 1
+
+    @property
+    def count(self) -> int:
+        return math.prod(h - lo for lo, h in zip(self.lo, self.hi))
+
+    def _bump(self, t: list[int], d: int) -> list[int] | None:
+        """Lexicographic successor of ``t[:d]`` inside the box (remaining dims at their lowest), or None."""
+        for k in range(d - 1, -1, -1):
+            if t[k] + 1 < self.hi[k]:
+                return t[:k] + [t[k] + 1] + list(self.lo[k + 1:])
+        return None
+
+    def _run(self, t: Sequence[int]) -> tuple[int, int]:
+        base = sum(i * s for i, s in zip(t, self.strides))
+        return base + self.run_lo, base + self.run_hi
+
+    def first_ending_after(self, e: int) -> tuple[int, int] | None:
+        """The first run (element range) whose end is past element ``e``, or None."""
+        if e >= self.numel:
+            return None
+        x = []
+        rem = e
+        for s in self.strides[: self.j]:
+            x.append(rem // s)
+            rem %= s
+        t: list[int] | None = []
+        for d in range(len(x)):
+            if x[d] < self.lo[d]:
+                t = t + list(self.lo[d:])
+                break
+            if x[d] >= self.hi[d]:
+                t = self._bump(t, d)
+                break
+            t.append(x[d])
+        if t is None:
+            return None
+        run = self._run(t)
+        if run[1] > e:
+            return run
+        t = self._bump(t, len(t))
+        return None if t is None else self._run(t)
+
+
+def _read_ranges(shape: tuple[int, ...], src: Box, itemsize: int, chunk_bytes: int,
+                 nbytes: int) -> list[tuple[int, int]]:
+    """The runs of ``src`` in bytes, expanded to checksum chunks and merged.
+
+    Walks the runs by jumping: each step takes the first run not yet covered, so the cost is bounded by both the
+    number of runs and the number of chunks read, however many rows a column-sharded overlap has.
+    """
+    runs = _Runs(shape, src)
+    out: list[list[int]] = []
+    pos = 0
+    while True:
+        run = runs.first_ending_after(pos // itemsize)
+        if run is None:
+            break
+        start, end = max(run[0] * itemsize, pos), run[1] * itemsize
+        a = start // chunk_bytes * chunk_bytes
+        b = min(-(-end // chunk_bytes) * chunk_bytes, nbytes)
+        if b <= pos:  # cannot happen for a consistent geometry; never loop forever
+            raise AssertionError(f"read planning made no progress at byte {pos} of a {nbytes}-byte fragment")
+        if out and a <= out[-1][1]:
+            out[-1][1] = b
+        else:
+            out.append([a, b])
+        pos = b
+    return [(a, b) for a, b in out]
+
+
+def _subtract(box: Box, cut: Box) -> list[Box]:
+    """The parts of ``box`` outside ``cut``, as disjoint boxes."""
+    inter = box.intersect(cut)
+    if inter is None:
+        return [box]
+    pieces = []
+    lo, hi = list(box.offsets), list(box.end)
+    for d in range(box.ndim):
+        if lo[d] < inter.offsets[d]:
+            phi = hi[:d] + [inter.offsets[d]] + hi[d + 1:]
+            pieces.append(Box(tuple(lo), tuple(h - low for low, h in zip(lo, phi))))
+        if inter.end[d] < hi[d]:
+            plo = lo[:d] + [inter.end[d]] + lo[d + 1:]
+            pieces.append(Box(tuple(plo), tuple(h - low for low, h in zip(plo, hi))))
+        lo[d], hi[d] = inter.offsets[d], inter.end[d]
+    return pieces
+
+
+def plan_tensor_reads(entry_fragments: Any, global_shape: Sequence[int], itemsize: int, target: Box,
+                      chunk_bytes: int, *, name: str | None = None) -> list[ReadItem]:
+    """Plan the reads that fill ``target`` (a box of the global tensor) from a tensor's saved fragments.
+
+    For every fragment overlapping ``target``: the row-major contiguous runs of the overlap inside the fragment
+    (an overlap full in all but its first dimension is one run), expanded to whole checksum chunks (chunk ``i``
+    covers fragment bytes ``[i * chunk_bytes, min((i + 1) * chunk_bytes, nbytes))``) and merged. A fragment whose
+    overlap is already covered by earlier fragments (a replicated save) is skipped, so no region is read twice
+    from identical copies; a fragment that only partly overlaps earlier ones is read for its whole overlap.
+
+    Read volume: each run grows by less than one chunk at each end, so the bytes planned for one fragment are at
+    most the bytes needed from it plus ``2 * (chunk_bytes - 1)`` per run (per fragment when the overlap is one
+    run, as for ``Shard(0)`` layouts), and never more than the fragment.
+
+    Args:
+        entry_fragments: a :class:`~lightning_snapshot.manifest.TensorEntry` (its name and fragments are used)
+            or a sequence of :class:`~lightning_snapshot.manifest.Fragment`. Aliases must be resolved first.
+        global_shape: the tensor's global shape.
+        itemsize: bytes per element of its dtype.
+        target: the box this rank needs, in global coordinates.
+        chunk_bytes: the snapshot's checksum chunk size.
+        name: the tensor's name for plan items and errors (default: the entry's name).
+
+    Returns:
+        One :class:`ReadItem` per fragment read, in fragment order; empty for an empty target.
+
+    Raises:
+        ValueError: the fragments do not cover ``target`` (the message names the tensor and the uncovered
+            regions: a missing fragment), or a fragment or ``target`` does not fit ``global_shape``.
+    """
+    fragments = getattr(entry_fragments, "fragments", entry_fragments)
+    if name is None:
+        name = getattr(entry_fragments, "name", "<tensor>")
+    global_shape = tuple(int(g) for g in global_shape)
+    whole = Box.whole(global_shape)
+    if chunk_bytes < 1 or itemsize < 1:
+        raise ValueError(f"tensor {name!r}: chunk_bytes {chunk_bytes} and itemsize {itemsize} must be positive")
+    if target.ndim != len(global_shape) or not whole.contains(target):
+        raise ValueError(f"tensor {name!r}: target box {target} does not fit global shape {global_shape}")
+    if target.numel == 0:
+        return []
+    remaining = [target]
+    items: list[ReadItem] = []
+    for index, frag in enumerate(fragments):
+        fbox = Box(tuple(frag.global_offsets), tuple(frag.local_shape))
+        if fbox.ndim != len(global_shape) or not whole.contains(fbox):
+            raise ValueError(f"tensor {name!r}: fragment {index} box {fbox} does not fit global shape {global_shape}")
+        if frag.nbytes != fbox.numel * itemsize:
+            raise ValueError(f"tensor {name!r}: fragment {index} has {frag.nbytes} bytes, but its box {fbox} of"
+                             f" {itemsize}-byte elements has {fbox.numel * itemsize}")
+        n_chunks = max(1, -(-frag.nbytes // chunk_bytes))
+        if len(frag.checksums) != n_chunks:
+            raise ValueError(f"tensor {name!r}: fragment {index} has {len(frag.checksums)} checksums, but"
+                             f" {n_chunks} chunks of {chunk_bytes} bytes")
+        overlap = fbox.intersect(target)
+        if overlap is None or not any(overlap.intersect(r) for r in remaining):
+            continue
+        remaining = [piece for r in remaining for piece in _subtract(r, overlap)]
+        src = overlap.translate(fbox.offsets)
+        ranges = _read_ranges(fbox.shape, src, itemsize, chunk_bytes, frag.nbytes)
+        chunks = tuple(i for a, b in ranges for i in range(a // chunk_bytes, -(-b // chunk_bytes)))
+        items.append(ReadItem(
+            tensor=name, object=frag.object, offset=frag.offset, fragment_index=index, fragment_shape=fbox.shape,
+            nbytes=frag.nbytes, chunk_bytes=chunk_bytes, read_ranges=tuple(ranges), chunk_indices=chunks,
+            src_box=src, dst_box=overlap.translate(target.offsets),
+        ))
+    if remaining:
+        shown = ", ".join(str(r) for r in remaining[:4]) + (f" and {len(remaining) - 4} more" if len(remaining) > 4
+                                                             else "")
+        raise ValueError(
+            f"missing fragment: tensor {name!r} has no saved fragment for region(s) {shown} (global coordinates)"
+            f" of the requested box {target} of global shape {global_shape}; {sum(r.numel for r in remaining)}"
+            " element(s) are not in the snapshot"
+        )
+    return items
+
+
+def bytes_needed(target: Box, itemsize: int) -> int:
+    """Bytes a rank needs for ``target``: the lower bound on what it must read."""
+    return target.numel * itemsize
+
+
+def bytes_planned(items: Iterable[ReadItem]) -> int:
+    """Bytes the plan reads (checksum-chunk expansion included)."""
+    return sum(item.bytes_planned for item in items)
