@@ -8,6 +8,7 @@ manifest is invisible to the loader, and retention removes it. Large objects go 
 
 from __future__ import annotations
 
+import ctypes
 import datetime as _dt
 import inspect
 import logging
@@ -59,16 +60,28 @@ def redact(text: str, secrets: Iterable[str] = ()) -> str:
 
 
 class _Parts:
-    """A memoryview that s3fs can slice into upload parts: each slice is the part's bytes (no whole-object copy)."""
+    """A buffer that s3fs can slice into upload parts without a whole-object copy.
+
+    Each slice is copied into a fresh ``bytearray`` with ``memmove``, which releases the GIL, so uploading never
+    holds the training thread up for the length of a part copy.
+    """
 
     def __init__(self, view: memoryview) -> None:
         self.view = view
+        import numpy as np
+
+        self.address = int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else None
 
     def __len__(self) -> int:
         return self.view.nbytes
 
-    def __getitem__(self, item: slice) -> bytes:
-        return bytes(self.view[item])
+    def __getitem__(self, item: slice) -> bytes | bytearray:
+        start, stop, _ = item.indices(self.view.nbytes)
+        if self.address is None or stop <= start:
+            return bytes(self.view[item])
+        out = bytearray(stop - start)
+        ctypes.memmove((ctypes.c_char * len(out)).from_buffer(out), self.address + start, len(out))
+        return out
 
 
 class ObjectStoreTier(Backend):
@@ -105,7 +118,7 @@ class ObjectStoreTier(Backend):
         train_time_interval: _dt.timedelta | float | None = None,
         keep_last: int | None = DEFAULT_KEEP_LAST,
         *,
-        part_size: int = 64 << 20,
+        part_size: int = 16 << 20,
         max_concurrency: int = 8,
         max_pending: int = 1,
         retry_initial: float = 1.0,

@@ -443,6 +443,11 @@ class SnapshotCallback(Checkpoint):
         while not self._persister.results.empty():
             r = self._persister.results.get_nowait()
             name = self._metric_names[self.tiers.index(r.tier)] if r.tier in self.tiers else r.tier.tier
+            if r.abandoned:
+                warnings.warn(f"lightning-snapshot: gave up uploading step {r.step} to the {r.tier.tier} tier"
+                              f" {r.tier.url!r} at the end of training (drain_timeout); the other tiers hold it:"
+                              f" {r.error}", stacklevel=2)
+                continue
             if r.error is not None:
                 self._failed += 1
                 self._errors.append(r.error)

@@ -48,6 +48,9 @@ class PersistResult:
     nbytes: int
     stage_seconds: float | None = None
     error: BaseException | None = None
+    #: True when the upload was given up at the end of training (drain_timeout) during an outage: not a failure of
+    #: the snapshot, which the faster tiers hold, but worth a warning.
+    abandoned: bool = False
 
 
 def _retryable(e: BaseException) -> bool:
@@ -109,15 +112,20 @@ class _TierWorker:
                         )
                     break
                 except Exception as e:  # noqa: BLE001 - retried or reported to the training thread
-                    if not (getattr(self.tier, "retry_initial", None) and _retryable(e)) or self.stop.is_set():
+                    if not (getattr(self.tier, "retry_initial", None) and _retryable(e)):
                         raise
+                    if self.stop.is_set():
+                        self.p.results.put(PersistResult(self.tier, job.step, time.monotonic() - t0, 0,
+                                                         error=SnapshotWriteError(_describe(self.tier, e)),
+                                                         abandoned=True))
+                        job.ok[self.index] = False
+                        return
                     if outage_since is None:
                         outage_since = time.monotonic()
                         log.warning("lightning-snapshot: the %s tier %s is failing (%s); retrying with backoff,"
                                     " training goes on (logged once per outage)", self.tier.tier, self.tier.url,
                                     _describe(self.tier, e))
-                    if self.stop.wait(delay):
-                        raise
+                    self.stop.wait(delay)
                     delay = min(delay * 2, self.tier.retry_max)  # type: ignore[attr-defined]
             if outage_since is not None:
                 log.info("lightning-snapshot: the %s tier %s is back after %.0f s", self.tier.tier, self.tier.url,
