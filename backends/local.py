@@ -71,6 +71,8 @@ class LocalTier(Backend):
         self.direct_io = hasattr(os, "O_DIRECT")
         #: Bytes written with O_DIRECT so far (a counter for tests and benchmarks).
         self.direct_bytes = 0
+        #: Bytes read with ranged reads (``read_into``; a counter: resharding reads only what each rank needs).
+        self.bytes_read = 0
         if self.root.exists() and not self.root.is_dir():
             raise ConfigError(f"LocalTier path {str(self.root)!r} exists and is not a directory: choose another path")
 
@@ -209,6 +211,7 @@ class LocalTier(Backend):
                 n = f.readinto(view)
                 if not n:
                     raise EOFError(f"{key!r} in {str(self.root)!r} ends before byte {offset + len(out)}")
+                self.bytes_read += n
                 view = view[n:]
 
     def list(self, prefix: str = "") -> list[str]:

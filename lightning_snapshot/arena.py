@@ -217,21 +217,26 @@ class HostArena:
 
         With ``world_size`` > 1, ``obj`` is replicated on every rank (DDP) and this rank stages only its share of the
         frozen tensors, as :func:`~lightning_snapshot.planner.assign_writers` decides (the same on every rank); rank
-        0 keeps the rest, the tree and the aliases.
+        0 keeps the rest, the tree and the aliases. DTensors (ModelParallel) are staged as this rank's local shard,
+        with its box of the global tensor (``StagedState.shards``); a shard held by several ranks is staged by one.
 
         Returns None (and sets ``last_skip_reason``) when no slot is free within the budget.
         ``copy_hook`` runs in the copy thread before copying (tests use it to slow the copy down).
         """
         started = time.monotonic()
-        tree, items, aliases = _prepare(obj, "")
+        tree, items, aliases, shards = _prepare(obj, "")
         if world_size > 1:
-            # only parameters and optimizer state are identical on every DDP rank; buffers (BatchNorm statistics)
-            # are not, so rank 0 writes those, as Lightning's own checkpoint would
-            owners = assign_writers([t.numel() * t.element_size() for _, t in items], world_size,
-                                    pinned=[None if frozen(t) else 0 for _, t in items])
-            items = [item for item, owner in zip(items, owners) if owner == rank]
-            if rank != 0:
-                aliases = {}
+            # Shards of sharded (DTensor) state are this rank's own and always written by it (_prepare already
+            # dropped the replicas other ranks write). The rest is replicated: only parameters and optimizer state
+            # are identical on every rank; buffers (BatchNorm statistics) are not, so rank 0 writes those, as
+            # Lightning's own checkpoint would.
+            replicated = [i for i, (name, _) in enumerate(items) if name not in shards]
+            owners = assign_writers([items[i][1].numel() * items[i][1].element_size() for i in replicated],
+                                    world_size, pinned=[None if frozen(items[i][1]) else 0 for i in replicated])
+            dropped = {i for i, owner in zip(replicated, owners) if owner != rank}
+            items = [item for i, item in enumerate(items) if i not in dropped]
+            if rank != 0:  # rank 0 records the aliases of replicated tensors; every rank those of its shards
+                aliases = {a: c for a, c in aliases.items() if c in shards}
         sizes = [(name, t.numel() * t.element_size()) for name, t in items]
         # tensors 64-byte aligned inside the slot; the slot itself is page-aligned, so the whole region can be
         # written with O_DIRECT in one go
@@ -242,7 +247,8 @@ class HostArena:
             return None
         slot.step = step
         region = slot.buffer[:size]
-        state = StagedState(tree, aliases=aliases, packed=tensor_bytes(region), alignment=_ALIGN)
+        state = StagedState(tree, aliases=aliases, packed=tensor_bytes(region), alignment=_ALIGN,
+                            chunk_bytes=self.chunk_bytes, shards=shards)
         later: list[tuple[torch.Tensor, torch.Tensor]] = []
         cuda_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         for (name, t), (_, offset) in zip(items, placed):

@@ -12,30 +12,40 @@ from typing import Any
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
+try:
+    from lightning.pytorch.strategies import ModelParallelStrategy
+except ImportError:  # pragma: no cover - lightning without it
+    ModelParallelStrategy = None
+
 from lightning_snapshot import data as _data
 from lightning_snapshot.arena import AsyncStaged, HostArena
 from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.backends.registry import parse_tier
 from lightning_snapshot.capture import (
+    Templates,
     capture_rng,
     capture_shared,
     check_model,
     frozen_predicate,
+    is_sharded,
     restore_rng,
     restore_shared,
+    restore_targets,
+    templates,
 )
 from lightning_snapshot.comm import Comm, GroupComm, LocalComm, StrategyComm
 from lightning_snapshot.errors import (
+    CaptureError,
     ConfigError,
     FormatVersionError,
     SnapshotError,
     SnapshotNotFoundError,
     StateMismatchError,
 )
-from lightning_snapshot.loader import read_manifest, read_section, resolve_source
+from lightning_snapshot.loader import ReadStats, read_manifest, read_section, resolve_source
 from lightning_snapshot.metrics import MetricsSink, tier_metric_names
 from lightning_snapshot.persist import Persister, PersistJob
-from lightning_snapshot.staging import stage
+from lightning_snapshot.staging import dtensor_box, is_dtensor, stage
 from lightning_snapshot.writer import committed_steps
 
 __all__ = ["SnapshotCallback"]
@@ -63,9 +73,16 @@ class SnapshotCallback(Checkpoint):
             state's size (staging snapshot N+1 while N is persisted); with room for only one, a snapshot due while
             the buffer is still being persisted is skipped with a warning and counted in ``snapshot/skipped``; with
             room for none, every snapshot is skipped that way. None: no limit.
+        chunk_bytes: the checksum chunk size of the snapshots written (bytes; default 8 MiB). Every read is
+            verified in whole chunks, so a resharded load (each rank reading only its shard) reads up to about two
+            chunks more than it needs per tensor and shard boundary: smaller chunks mean less read amplification,
+            at the cost of a longer manifest.
 
     Snapshots are taken after the optimizer step of every scheduled ``global_step`` (with gradient accumulation,
-    only when ``global_step`` moved). Supported strategies: single device and DDP (``ddp``, ``ddp_spawn``).
+    only when ``global_step`` moved). Supported strategies: single device, DDP (``ddp``, ``ddp_spawn``) and
+    ``ModelParallelStrategy`` (FSDP2 ``fully_shard``, and tensor parallelism with plain ``Shard``/``Replicate``
+    placements), whose DTensor state every rank saves as its own shards, never gathered. A snapshot restores into
+    any of them, at any world size: each rank reads only the bytes of its own shards.
     """
 
     def __init__(
@@ -75,6 +92,7 @@ class SnapshotCallback(Checkpoint):
         resume: bool | int | str = True,
         on_error: str = "raise",
         max_host_bytes: int | None = None,
+        chunk_bytes: int = 8 << 20,
     ) -> None:
         if isinstance(tiers, (str, Backend)):
             tiers = [tiers]
@@ -93,9 +111,12 @@ class SnapshotCallback(Checkpoint):
             isinstance(max_host_bytes, bool) or not isinstance(max_host_bytes, int) or max_host_bytes < 1
         ):
             raise ConfigError(f"max_host_bytes must be a positive number of bytes or None, got {max_host_bytes!r}")
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 64:
+            raise ConfigError(f"chunk_bytes must be a number of bytes >= 64, got {chunk_bytes!r}")
         self.resume = resume
         self.on_error = on_error
         self.max_host_bytes = max_host_bytes
+        self.chunk_bytes = chunk_bytes
         self._arena: HostArena | None = None
         self._persister: Persister | None = None
         self._inflight: AsyncStaged | None = None
@@ -118,6 +139,10 @@ class SnapshotCallback(Checkpoint):
         self._patched_strategy: Any = None
         #: (tier url, step, seconds) of the restore done by the last ``fit``, or None.
         self.restored_from: tuple[str, int, float] | None = None
+        #: What this rank read for that restore: bytes of the shared tensors it needed (its shards, or whole
+        #: tensors), bytes planned to read, and the bytes the tier counted (``tier_bytes_read``; None when the tier
+        #: does not count), or None.
+        self.restore_stats: dict[str, int | None] | None = None
 
     @property
     def state_key(self) -> str:
@@ -128,17 +153,18 @@ class SnapshotCallback(Checkpoint):
         if stage != "fit":
             return
         strategy = trainer.strategy
-        if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
+        supported = (SingleDeviceStrategy, DDPStrategy) + ((ModelParallelStrategy,) if ModelParallelStrategy else ())
+        if not isinstance(strategy, supported):
             raise ConfigError(
                 f"SnapshotCallback does not support the {type(strategy).__name__} strategy in this release; use a"
-                " single device or DDP ('ddp', 'ddp_spawn')"
+                " single device, DDP ('ddp', 'ddp_spawn') or ModelParallelStrategy (FSDP2)"
             )
         self._comm = StrategyComm(strategy) if strategy.world_size > 1 else LocalComm()
         self._run_id = str(self._comm.broadcast(uuid.uuid4().hex[:12]))
         self._last_time = [time.monotonic()] * len(self.tiers)
         self._last_step = trainer.global_step  # a snapshot needs an optimizer step since this one
         self._pending = None
-        self._arena = HostArena(max_host_bytes=self.max_host_bytes)
+        self._arena = HostArena(max_host_bytes=self.max_host_bytes, chunk_bytes=self.chunk_bytes)
         comms: list[Comm] = [LocalComm() for _ in self.tiers]
         if strategy.world_size > 1:
             import torch.distributed as dist
@@ -206,6 +232,8 @@ class SnapshotCallback(Checkpoint):
 
     # ------------------------------------------------------------------------------------------- resume
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        if is_sharded(trainer.strategy):
+            self._check_placements(pl_module)
         if self.resume is False:
             return
         if trainer.ckpt_path:
@@ -220,11 +248,14 @@ class SnapshotCallback(Checkpoint):
                                             f" {[t.url for t in self.tiers]}")
             return
         reasons = []
+        live: Templates | None = None
         for backend, step in candidates:
             where = f"snapshot of step {step} in the {backend.tier} tier {backend.url!r}"
             loaded, fatal, error = None, None, None
             try:
-                loaded = self._read(backend, step, pl_module)
+                if live is None:  # (sharded: creates the optimizer state, so only once there is one to restore)
+                    live = templates(trainer, pl_module)
+                loaded = self._read(backend, step, trainer, pl_module, live)
             except (FormatVersionError, StateMismatchError) as e:
                 fatal = e
             except (SnapshotError, OSError) as e:
@@ -233,13 +264,15 @@ class SnapshotCallback(Checkpoint):
                 raise fatal or SnapshotError(f"restoring the {where} failed on another rank (see its log)")
             if self._comm.all_true(error is None):
                 shared, rank_state = loaded
-                restore_shared(trainer, pl_module, shared, where)
+                restore_shared(trainer, pl_module, shared, where, live)
                 self._apply_rank_state(rank_state)
                 self._last_step = step
                 seconds = time.monotonic() - t0
                 self.restored_from = (backend.url, step, seconds)
                 self._metrics.add("restore/ms", seconds * 1000)
                 self._metrics.add("restore/step", step)
+                if self.restore_stats is not None:
+                    self._metrics.add("restore/bytes_read", self.restore_stats["bytes_read"])
                 if backend in self.tiers:
                     self._metrics.add("restore/tier_index", self.tiers.index(backend))
                 if self._comm.rank == 0:
@@ -256,6 +289,16 @@ class SnapshotCallback(Checkpoint):
             "no snapshot could be restored; tried " + "; ".join(reasons)
             + ". The snapshots were left untouched: fix or move them, or pass resume=False to start fresh"
         )
+
+    @staticmethod
+    def _check_placements(pl_module: Any) -> None:
+        """Fail at the start of fit, not at the first snapshot, when a sharded layout cannot be stored as boxes."""
+        for name, param in pl_module.named_parameters():
+            if is_dtensor(param):
+                try:
+                    dtensor_box(param, name)
+                except CaptureError as e:
+                    raise ConfigError(f"SnapshotCallback cannot snapshot this model's sharding: {e}") from None
 
     def _candidates(self) -> list[tuple[Backend, int]]:
         """Snapshots to try, newest first (ties: tier order). Rank 0 decides; every rank gets the same list."""
@@ -279,12 +322,22 @@ class SnapshotCallback(Checkpoint):
         found = self._comm.broadcast(found)
         return [(self.tiers[i], step) for step, i in found]
 
-    def _read(self, backend: Backend, step: int, pl_module: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    def _read(self, backend: Backend, step: int, trainer: Any, pl_module: Any, live: Templates
+              ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         manifest = read_manifest(backend, step)
-        # the model's own tensors are read into directly (verified chunk by chunk); the rest is allocated
-        live = {f"state_dict/{k}": v for k, v in pl_module.state_dict().items()}
-        shared = read_section(backend, manifest, manifest.tensors, manifest.state, targets=live)
         where = f"snapshot of step {step} in the {backend.tier} tier {backend.url!r}"
+        # the model's own tensors are read into directly (verified chunk by chunk); under a sharded strategy the
+        # optimizer state too, and each rank reads only its shards; the rest is allocated
+        targets = restore_targets(trainer, live, manifest.state, where)
+        stats = ReadStats()
+        counted = getattr(backend, "bytes_read", None)
+        shared = read_section(backend, manifest, manifest.tensors, manifest.state, targets=targets, stats=stats)
+        after = getattr(backend, "bytes_read", None)
+        self.restore_stats = {
+            "bytes_needed": stats.bytes_needed, "bytes_read": stats.bytes_read,
+            "tier_bytes_read": after - counted if isinstance(counted, int) and isinstance(after, int) else None,
+            "tensors_resharded": stats.tensors_resharded,
+        }
         if not isinstance(shared, dict) or "loops" not in shared:
             raise SnapshotError(f"{where} holds no training state")
         check_model(pl_module, shared.get("state_dict"), where)

@@ -19,21 +19,62 @@ import lightning
 import numpy as np
 import torch
 
-from lightning_snapshot.errors import StateMismatchError
+from lightning_snapshot import tree as _tree
+from lightning_snapshot.errors import ManifestError, StateMismatchError
+from lightning_snapshot.staging import dtensor_box, is_dtensor, local_tensor
 
-__all__ = ["capture_shared", "restore_shared", "capture_rng", "restore_rng", "check_model", "frozen_predicate"]
+__all__ = ["capture_shared", "restore_shared", "capture_rng", "restore_rng", "check_model", "frozen_predicate",
+           "is_sharded", "Templates", "templates", "restore_targets"]
+
+
+def is_sharded(strategy: Any) -> bool:
+    """Whether ``strategy`` holds model and optimizer state as DTensors (``ModelParallelStrategy``: FSDP2/TP)."""
+    try:
+        from lightning.pytorch.strategies import ModelParallelStrategy
+    except ImportError:  # pragma: no cover - lightning without it
+        return False
+    return isinstance(strategy, ModelParallelStrategy)
+
+
+def _raw_optimizer(opt: Any) -> Any:
+    return getattr(opt, "_optimizer", opt)  # a LightningOptimizer wraps the torch optimizer
+
+
+def _sharded_state_dicts(trainer: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Model and optimizer state of a sharded strategy, as each rank's DTensor shards: no gather, no copy (the
+    values are the live parameters and optimizer state), optimizer state keyed by parameter name."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=False, cpu_offload=False)
+    model = trainer.strategy.model
+    return (get_model_state_dict(model, options=options),
+            [get_optimizer_state_dict(model, _raw_optimizer(opt), options=options) for opt in trainer.optimizers])
 
 
 def capture_shared(trainer: Any, pl_module: Any) -> dict[str, Any]:
-    """The checkpoint-shaped shared state. Tensors are live views: stage them before training goes on."""
+    """The checkpoint-shaped shared state. Tensors are live views: stage them before training goes on.
+
+    Under a sharded strategy (``ModelParallelStrategy``) the model and optimizer state are this rank's DTensor
+    shards, never gathered (whatever the strategy's ``save_distributed_checkpoint`` says), and the optimizer state
+    is keyed by parameter name (``torch.distributed.checkpoint.state_dict``'s layout) rather than by index.
+    """
+    if is_sharded(trainer.strategy):
+        state_dict, optimizer_states = _sharded_state_dicts(trainer)
+    else:
+        state_dict = trainer.strategy.lightning_module_state_dict()
+        optimizer_states = [trainer.strategy.optimizer_state(opt) for opt in trainer.optimizers]
     ckpt: dict[str, Any] = {
         "epoch": trainer.current_epoch,
         "global_step": trainer.global_step,
         "pytorch-lightning_version": lightning.__version__,
-        "state_dict": trainer.strategy.lightning_module_state_dict(),
+        "state_dict": state_dict,
         "loops": {"fit_loop": trainer.fit_loop.state_dict()},
         "callbacks": {},
-        "optimizer_states": [trainer.strategy.optimizer_state(opt) for opt in trainer.optimizers],
+        "optimizer_states": optimizer_states,
         "lr_schedulers": [cfg.scheduler.state_dict() for cfg in trainer.lr_scheduler_configs],
     }
     for cb in trainer.callbacks:
@@ -57,12 +98,17 @@ def frozen_predicate(parameters: Iterable[torch.Tensor], optimizers: Iterable[An
 
     Everything else (buffers such as BatchNorm statistics) may change in the next forward and must be copied at once.
     """
-    storages: set[int] = {p.untyped_storage().data_ptr() for p in parameters}
+    storages: set[int] = {local_tensor(p).untyped_storage().data_ptr() for p in parameters}
     for opt in optimizers:
         for state in opt.state.values():
-            storages.update(v.untyped_storage().data_ptr() for v in state.values()
+            storages.update(local_tensor(v).untyped_storage().data_ptr() for v in state.values()
                             if isinstance(v, torch.Tensor) and v.numel())
-    return lambda t: t.numel() > 0 and t.untyped_storage().data_ptr() in storages
+
+    def frozen(t: torch.Tensor) -> bool:
+        t = local_tensor(t)  # a DTensor's storage is its local shard's
+        return t.numel() > 0 and t.untyped_storage().data_ptr() in storages
+
+    return frozen
 
 
 def _shapes(sd: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -97,8 +143,169 @@ def check_model(pl_module: Any, state_dict: Any, where: str) -> None:
     )
 
 
-def restore_shared(trainer: Any, pl_module: Any, ckpt: dict[str, Any], where: str) -> None:
-    """Load the shared state into a trainer whose strategy is set up (optimizers exist): at ``on_fit_start``."""
+class _Ref:
+    """Stands for a stored tensor while the snapshot's structure is matched against the live state."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class _Refs(dict):  # type: ignore[type-arg]
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str)
+
+    def __missing__(self, name: str) -> _Ref:
+        return _Ref(name)
+
+
+def _skeleton(tree: Any) -> Any:
+    """A part of the stored state tree decoded with :class:`_Ref` in place of its tensors (None if it cannot be)."""
+    try:
+        return _tree.decode(tree, _Refs())
+    except (ManifestError, AttributeError, TypeError):
+        return None
+
+
+class Templates:
+    """The live state a restore fills, computed once per ``fit`` (see :func:`templates`)."""
+
+    def __init__(self, model: dict[str, Any], optimizers: list[dict[str, Any]] | None) -> None:
+        self.model = model
+        self.optimizers = optimizers
+
+
+def templates(trainer: Any, pl_module: Any) -> Templates:
+    """The live tensors a restore reads into.
+
+    Sharded strategy: ``get_model_state_dict(model)`` and ``get_optimizer_state_dict(model, opt)`` (DTensors; the
+    latter creates the optimizer state with a zero-learning-rate step if it does not exist yet, so call this only
+    when a snapshot is going to be restored). Otherwise the model's ``state_dict()`` (plain tensors).
+    """
+    if is_sharded(trainer.strategy):
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        model = trainer.strategy.model
+        return Templates(get_model_state_dict(model),
+                         [get_optimizer_state_dict(model, _raw_optimizer(opt)) for opt in trainer.optimizers])
+    return Templates(pl_module.state_dict(), None)
+
+
+def _optimizer_keys(trainer: Any, live: Templates) -> list[list[list[Any]]]:
+    """Per optimizer, per parameter group, the keys its state is stored under in this strategy (names or ids)."""
+    if live.optimizers is not None:
+        return [[list(g["params"]) for g in osd["param_groups"]] for osd in live.optimizers]
+    return [[list(g["params"]) for g in _raw_optimizer(opt).state_dict()["param_groups"]] for opt in trainer.optimizers]
+
+
+def _key_map(saved: Any, keys: list[list[Any]], where: str) -> dict[Any, Any]:
+    """Stored optimizer-state key -> this strategy's key, by position in the parameter groups.
+
+    A snapshot taken under DDP keys optimizer state by parameter index, one taken under ModelParallel by parameter
+    name; both list the keys of every group in the order of the optimizer's parameters, so position maps them.
+    """
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not isinstance(groups, list) or len(groups) != len(keys) or any(
+        not isinstance(g, dict) or not isinstance(g.get("params"), list) or len(g["params"]) != len(k)
+        for g, k in zip(groups, keys)
+    ):
+        have = [len(g.get("params", [])) if isinstance(g, dict) else "?" for g in groups or []]
+        raise StateMismatchError(
+            f"{where}: the optimizer state does not fit this optimizer: the snapshot has parameter groups of"
+            f" {have} parameters, the optimizer {[len(k) for k in keys]}. Restore into the same optimizer setup, or"
+            " pass resume=False"
+        )
+    return {s: t for g, k in zip(groups, keys) for s, t in zip(g["params"], k)}
+
+
+def _rekey(saved: dict[str, Any], keys: list[list[Any]], where: str) -> dict[str, Any]:
+    """``saved`` (an optimizer state dict) keyed the way this strategy's optimizer state is."""
+    mapping = _key_map(saved, keys, where)
+    state = saved.get("state", {})
+    unknown = [k for k in state if k not in mapping]
+    if unknown:
+        raise StateMismatchError(f"{where}: optimizer state for parameter(s) {unknown[:5]} that no parameter group"
+                                 " lists")
+    return {**saved, "state": {mapping[k]: v for k, v in state.items()},
+            "param_groups": [{**g, "params": list(k)} for g, k in zip(saved["param_groups"], keys)]}
+
+
+def restore_targets(trainer: Any, live: Templates, tree: Any, where: str) -> dict[str, Any]:
+    """Stored tensor name -> the live tensor to read it into, for the model and (sharded) the optimizer state.
+
+    Under a sharded strategy the targets are DTensors, so each rank reads only its shard, from whatever layout the
+    snapshot was saved with (DDP's whole tensors, another sharding).
+    """
+    targets: dict[str, Any] = {}
+    if not isinstance(tree, dict):
+        return targets
+    saved_model = _skeleton(tree.get("state_dict"))
+    if isinstance(saved_model, dict):
+        for k, ref in saved_model.items():
+            t = live.model.get(k)
+            if isinstance(ref, _Ref) and isinstance(t, torch.Tensor):
+                targets[ref.name] = t
+    if live.optimizers is None:
+        return targets
+    saved_opts = tree.get("optimizer_states")
+    if not isinstance(saved_opts, list) or len(saved_opts) != len(live.optimizers):
+        return targets  # restore_shared reports the mismatch
+    for saved_tree, osd, keys in zip(saved_opts, live.optimizers, _optimizer_keys(trainer, live)):
+        saved = _skeleton(saved_tree)
+        if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict):
+            continue
+        mapping = _key_map(saved, keys, where)
+        for key, values in saved["state"].items():
+            template = osd["state"].get(mapping.get(key), {}) if key in mapping else {}
+            if not isinstance(values, dict):
+                continue
+            for name, ref in values.items():
+                t = template.get(name)
+                if isinstance(ref, _Ref) and isinstance(t, torch.Tensor):
+                    targets[ref.name] = t
+    return targets
+
+
+def _into_template(template: Any, value: Any, where: str, what: str) -> Any:
+    """A loaded value for a DTensor template: the template itself once it holds the value's data."""
+    if not is_dtensor(template) or value is template:
+        return value
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(template.shape):
+        raise StateMismatchError(f"{where}: {what} has shape {getattr(value, 'shape', None)}, the model"
+                                 f" {tuple(template.shape)}")
+    box, _ = dtensor_box(template, what)
+    with torch.no_grad():
+        template.to_local().copy_(local_tensor(value)[box.slices()])
+    return template
+
+
+def _restore_sharded(trainer: Any, ckpt: dict[str, Any], live: Templates, where: str) -> None:
+    """Model and optimizer state into a sharded strategy, through torch.distributed.checkpoint.state_dict."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    model = trainer.strategy.model
+    model_sd = {k: _into_template(live.model.get(k), v, where, k) for k, v in ckpt["state_dict"].items()}
+    set_model_state_dict(model, model_sd)
+    for opt, saved, osd, keys in zip(trainer.optimizers, ckpt["optimizer_states"], live.optimizers or [],
+                                     _optimizer_keys(trainer, live)):
+        state = _rekey(saved, keys, where)
+        for key, values in state["state"].items():
+            template = osd["state"].get(key, {})
+            for name, v in list(values.items()):
+                values[name] = _into_template(template.get(name), v, where, f"optimizer state {key}/{name}")
+        set_optimizer_state_dict(model, _raw_optimizer(opt), state)
+
+
+def restore_shared(trainer: Any, pl_module: Any, ckpt: dict[str, Any], where: str,
+                   live: Templates | None = None) -> None:
+    """Load the shared state into a trainer whose strategy is set up (optimizers exist): at ``on_fit_start``.
+
+    Works across strategies: optimizer state stored by parameter index (DDP, single device) or by parameter name
+    (ModelParallel) is re-keyed to what this strategy's optimizer uses. Under a sharded strategy ``live`` are the
+    templates the state was read into (see :func:`restore_targets`), applied with ``set_model_state_dict`` and
+    ``set_optimizer_state_dict`` (Lightning's own loading hooks do nothing there).
+    """
     check_model(pl_module, ckpt.get("state_dict"), where)
     optimizer_states = ckpt.get("optimizer_states", [])
     schedulers = ckpt.get("lr_schedulers", [])
@@ -109,7 +316,18 @@ def restore_shared(trainer: Any, pl_module: Any, ckpt: dict[str, Any], where: st
             " Restore into the same optimizer setup, or pass resume=False"
         )
     pl_module.on_load_checkpoint(ckpt)
-    trainer.strategy.load_model_state_dict(ckpt, strict=True)
+    sharded = is_sharded(trainer.strategy)
+    if sharded:
+        if live is None or live.optimizers is None:
+            live = templates(trainer, pl_module)
+        try:
+            _restore_sharded(trainer, ckpt, live, where)
+        except (ValueError, KeyError, RuntimeError) as e:
+            if isinstance(e, StateMismatchError):
+                raise
+            raise StateMismatchError(f"{where}: the state does not fit this model and optimizer: {e}") from e
+    else:
+        trainer.strategy.load_model_state_dict(ckpt, strict=True)
     datamodule = trainer.datamodule
     if datamodule is not None and type(datamodule).__qualname__ in ckpt:
         datamodule.load_state_dict(ckpt[type(datamodule).__qualname__])
@@ -122,10 +340,13 @@ def restore_shared(trainer: Any, pl_module: Any, ckpt: dict[str, Any], where: st
     if precision_key in ckpt:
         trainer.precision_plugin.load_state_dict(ckpt[precision_key])
     trainer.fit_loop.load_state_dict(ckpt["loops"]["fit_loop"])
-    try:
-        trainer.strategy.load_optimizer_state_dict(ckpt)
-    except (ValueError, KeyError) as e:
-        raise StateMismatchError(f"{where}: the optimizer state does not fit this optimizer: {e}") from e
+    if not sharded:
+        keys = _optimizer_keys(trainer, Templates({}, None))
+        try:
+            rekeyed = [_rekey(saved, k, where) for saved, k in zip(optimizer_states, keys)]
+            trainer.strategy.load_optimizer_state_dict({**ckpt, "optimizer_states": rekeyed})
+        except (ValueError, KeyError) as e:
+            raise StateMismatchError(f"{where}: the optimizer state does not fit this optimizer: {e}") from e
     for cfg, state in zip(trainer.lr_scheduler_configs, schedulers):
         cfg.scheduler.load_state_dict(state)
 

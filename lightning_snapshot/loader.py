@@ -6,6 +6,7 @@ import logging
 import math
 import os
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,11 +24,37 @@ from lightning_snapshot.manifest import (
     parse_step_dirname,
     step_dirname,
 )
-from lightning_snapshot.planner import chunk_ranges
-from lightning_snapshot.staging import tensor_bytes
+from lightning_snapshot.planner import Box, bytes_planned, chunk_ranges, plan_tensor_reads
+from lightning_snapshot.staging import dtensor_box, is_dtensor, tensor_bytes
 from lightning_snapshot.writer import committed_steps
 
-__all__ = ["read_manifest", "read_section", "load_snapshot", "resolve_source", "committed_steps"]
+__all__ = ["read_manifest", "read_section", "load_snapshot", "resolve_source", "committed_steps", "ShardTarget",
+           "ReadStats"]
+
+
+@dataclass(frozen=True)
+class ShardTarget:
+    """A target of :func:`read_section` that wants one box of a tensor, not all of it.
+
+    Attributes:
+        box: the box of the global tensor to read (global coordinates).
+        out: where it goes: a tensor of ``box.shape`` (any device and dtype; values are cast like ``copy_``).
+        value: what the decoded state holds for this tensor (default: ``out``).
+    """
+
+    box: Box
+    out: torch.Tensor
+    value: Any = None
+
+
+@dataclass
+class ReadStats:
+    """What a :func:`read_section` call read: ``bytes_needed`` (the bytes of the tensors or boxes asked for) and
+    ``bytes_read`` (the bytes planned and read from the tier: box reads are expanded to whole checksum chunks)."""
+
+    bytes_needed: int = 0
+    bytes_read: int = 0
+    tensors_resharded: int = 0
 
 log = logging.getLogger(__name__)
 
@@ -56,30 +83,106 @@ def read_manifest(backend: Backend, step: int) -> Manifest:
     return manifest
 
 
+def _shard_target(target: Any, entry: TensorEntry) -> ShardTarget | None:
+    """The box a target wants, when it wants a box (a DTensor of the entry's global shape, or a ShardTarget)."""
+    if isinstance(target, ShardTarget):
+        return target
+    if is_dtensor(target) and tuple(target.shape) == entry.global_shape:
+        box, _ = dtensor_box(target, entry.name)
+        return ShardTarget(box, target.to_local(), target)
+    return None
+
+
+def _read_box(backend: Backend, manifest: Manifest, entry: TensorEntry, shard: ShardTarget,
+              stats: ReadStats | None) -> Any:
+    """Fill ``shard.out`` with ``shard.box`` of ``entry``, reading only the checksum chunks that overlap it."""
+    prefix = step_dirname(manifest.step)
+    dtype = dtype_from_name(entry.dtype)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    box, out = shard.box, shard.out
+    if tuple(out.shape) != box.shape:
+        raise ValueError(f"tensor {entry.name!r}: the target of box {box} has shape {tuple(out.shape)}")
+    try:
+        items = plan_tensor_reads(entry, entry.global_shape, itemsize, box, manifest.chunk_bytes)
+    except ValueError as e:
+        raise ManifestError(f"step {manifest.step} in the {backend.tier} tier {backend.url!r}: {e}") from e
+    direct = (out.dtype == dtype and out.device.type == "cpu" and out.layout == torch.strided
+              and out.is_contiguous())
+    dst = out.detach() if direct else torch.empty(box.shape, dtype=dtype)
+    for item in items:
+        frag = entry.fragments[item.fragment_index]
+        # a fragment-sized buffer whose pages are only touched where the planned ranges land (lazily allocated)
+        buf = torch.empty(frag.nbytes, dtype=torch.uint8)
+        view = tensor_bytes(buf)
+        for a, b in item.read_ranges:
+            try:
+                backend.read_into(f"{prefix}/{frag.object}", frag.offset + a, view[a:b])
+            except (EOFError, FileNotFoundError) as e:
+                raise ChecksumError(
+                    f"tensor {entry.name!r}: object {frag.object!r} of step {manifest.step} in the {backend.tier} tier"
+                    f" {backend.url!r} is missing or truncated ({e})"
+                ) from e
+        for i in item.chunk_indices:
+            a, b = item.chunk_range(i)
+            if xxhash.xxh3_64_hexdigest(view[a:b]) != frag.checksums[i]:
+                raise ChecksumError(
+                    f"checksum mismatch in tensor {entry.name!r}, object {frag.object!r}, bytes [{frag.offset + a},"
+                    f" {frag.offset + b}) of step {manifest.step} in the {backend.tier} tier {backend.url!r}:"
+                    " the data is corrupted. Use an earlier snapshot"
+                )
+        src = buf.view(dtype).view(frag.local_shape)[item.src_box.slices()]
+        dst[item.dst_box.slices()] = src
+    if not direct:
+        with torch.no_grad():
+            out.copy_(dst)
+    if stats is not None:
+        stats.bytes_needed += box.numel * itemsize
+        stats.bytes_read += bytes_planned(items)
+        stats.tensors_resharded += 1
+    return shard.value if shard.value is not None else out
+
+
 def read_section(
     backend: Backend,
     manifest: Manifest,
     entries: Sequence[TensorEntry],
     tree: Any,
-    targets: Mapping[str, torch.Tensor] | None = None,
+    targets: Mapping[str, Any] | None = None,
+    *,
+    stats: ReadStats | None = None,
 ) -> Any:
     """Read, verify and decode one section (the shared state or a rank's) of a snapshot.
 
     Args:
-        targets: live tensors by entry name (e.g. the model's parameters). A target of the right dtype and shape,
-            contiguous and on the CPU, is read into directly (no fresh allocation, no extra copy); the decoded
-            state then holds that very tensor. Its contents are undefined if this raises.
+        targets: tensors to fill, by entry name:
+
+            * a plain tensor (e.g. a model parameter) wants the whole tensor: one of the right dtype and shape,
+              contiguous and on the CPU, is read into directly (no fresh allocation, no extra copy), and the
+              decoded state then holds that very tensor; otherwise a new tensor is returned;
+            * a ``DTensor`` of the tensor's global shape wants only its local shard (load-time resharding): the box
+              of the global tensor this rank's shard covers is computed from its mesh, placements and this
+              rank's coordinate, only the checksum chunks of the saved fragments that overlap it are read (and
+              verified), and the overlaps are copied into its local tensor, whatever the layout it was saved
+              with (another world size, DDP's whole tensors, other shards). The decoded state holds the DTensor;
+            * a :class:`ShardTarget` wants one box, read the same way into its ``out``.
+
+            Contents of targets are undefined if this raises.
+        stats: if given, the bytes needed and read are added to it.
 
     Raises:
         ChecksumError: a chunk does not match its checksum; the message names tensor, object and step.
     """
     prefix = step_dirname(manifest.step)
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, Any] = {}
     for entry in entries:
         if entry.alias_of is not None:
             continue
         dtype = dtype_from_name(entry.dtype)
         target = targets.get(entry.name) if targets is not None else None
+        shard = _shard_target(target, entry)
+        if shard is not None:
+            tensors[entry.name] = _read_box(backend, manifest, entry, shard, stats)
+            continue
         if (
             isinstance(target, torch.Tensor) and target.dtype == dtype and tuple(target.shape) == entry.global_shape
             and target.device.type == "cpu" and target.is_contiguous() and target.layout == torch.strided
@@ -109,6 +212,9 @@ def read_section(
                 box = tuple(slice(o, o + n) for o, n in zip(frag.global_offsets, frag.local_shape))
                 out[box] = buf
         tensors[entry.name] = out
+        if stats is not None:
+            stats.bytes_needed += out.numel() * out.element_size()
+            stats.bytes_read += sum(f.nbytes for f in entry.fragments)
     for entry in entries:
         if entry.alias_of is not None:
             tensors[entry.name] = tensors[entry.alias_of]
@@ -191,7 +297,10 @@ def load_snapshot(
             nested dicts (``"state_dict/encoder.layer.0.weight"``, ``"optimizer_states"``). Only their tensors are
             read. None: everything.
         into: a model ``state_dict()`` to fill in place: each snapshot weight of the same name, dtype and shape, on
-            the CPU and contiguous, is read straight into that tensor (others are returned as new tensors).
+            the CPU and contiguous, is read straight into that tensor (others are returned as new tensors). A
+            ``DTensor`` value (a sharded model's state dict, e.g. ``get_model_state_dict(model)`` under FSDP2)
+            gets only its local shard, read from whatever layout the snapshot was saved with; see
+            :func:`read_section`.
         rank: also return that rank's private state (RNG, data position) under ``"rank_state"``.
 
     Returns:

@@ -36,6 +36,7 @@ __all__ = [
     "step_dirname",
     "parse_step_dirname",
     "validate_key",
+    "overlapping_boxes",
 ]
 
 FORMAT_VERSION = 1
@@ -380,6 +381,12 @@ def _parse_tensors(r: _Reader, value: Any, path: str, m_objects: Mapping[str, in
                                                 " checksums (one per chunk)")
             frags.append(Fragment(obj, offset, nbytes, offs, local, sums))
         covered = sum(math.prod(f.local_shape) for f in frags)
+        pair = overlapping_boxes([(f.global_offsets, f.local_shape) for f in frags]) if len(frags) > 1 else None
+        if pair is not None:
+            a, b = (frags[k] for k in pair)
+            raise r.fail(p, f"fragments {pair[0]} and {pair[1]} of tensor {name!r} overlap (boxes at"
+                            f" {list(a.global_offsets)} shape {list(a.local_shape)} and {list(b.global_offsets)}"
+                            f" shape {list(b.local_shape)}); each element must be stored exactly once")
         if covered != math.prod(global_shape):
             raise r.fail(p, f"fragments cover {covered} of {math.prod(global_shape)} elements of tensor {name!r};"
                             f" missing region: {_missing_region(global_shape, frags)}. The snapshot is incomplete"
@@ -394,6 +401,30 @@ def _parse_tensors(r: _Reader, value: Any, path: str, m_objects: Mapping[str, in
             if target.dtype != t.dtype or target.global_shape != t.global_shape:
                 raise r.fail(path, f"alias {t.name!r} does not match dtype/shape of {t.alias_of!r}")
     return tuple(out)
+
+
+def overlapping_boxes(boxes: Sequence[tuple[Sequence[int], Sequence[int]]]) -> tuple[int, int] | None:
+    """Indices of two non-empty boxes (``(offsets, shape)``) that share an element, or None when none do.
+
+    A sweep along the dimension where the boxes start at the most distinct places (dim 0 for row shards, dim 1 for
+    column shards): each box is only compared with the boxes that start before it ends there.
+    """
+    live = [(tuple(o), tuple(s), i) for i, (o, s) in enumerate(boxes) if math.prod(s) > 0]
+    if len(live) < 2:
+        return None
+    ndim = len(live[0][0])
+    if ndim == 0:
+        return live[0][2], live[1][2]
+    dim = max(range(ndim), key=lambda d: len({o[d] for o, _, _ in live}))
+    live.sort(key=lambda b: b[0][dim])
+    for n, (o, s, i) in enumerate(live):
+        end = o[dim] + s[dim]
+        for o2, s2, j in live[n + 1:]:
+            if o2[dim] >= end:
+                break
+            if all(a < b2 + c2 and b2 < a + c for a, c, b2, c2 in zip(o, s, o2, s2)):
+                return (i, j) if i < j else (j, i)
+    return None
 
 
 def _missing_region(global_shape: tuple[int, ...], frags: list[Fragment]) -> str:

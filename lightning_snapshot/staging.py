@@ -1,10 +1,15 @@
 """Staging: copy captured tensors into host memory so training can go on mutating the originals.
 
 This is the synchronous stager; the asynchronous arena builds on the same :class:`StagedState`.
+
+Sharded tensors (``DTensor``, as ``ModelParallelStrategy``/FSDP2 hold them) are never gathered: each rank stages its
+local shard only, recorded with the box of the global tensor it covers (:func:`dtensor_box`). A shard that several
+ranks hold (replicated over a mesh dimension) is staged by one of them only, and empty shards stage nothing.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,8 +18,9 @@ import torch
 from lightning_snapshot import tree as _tree
 from lightning_snapshot.errors import CaptureError
 from lightning_snapshot.manifest import DTYPES, dtype_name
+from lightning_snapshot.planner import Box, shard_boxes
 
-__all__ = ["StagedState", "stage", "tensor_bytes"]
+__all__ = ["StagedState", "dtensor_box", "is_dtensor", "local_tensor", "stage", "tensor_bytes"]
 
 
 @dataclass
@@ -36,10 +42,106 @@ class StagedState:
     packed: memoryview | None = None
     alignment: int = 64
     checksums: dict[str, list[str]] | None = None
+    #: The checksum chunk size ``checksums`` were taken with (the manifest records it); None: the writer's default.
+    chunk_bytes: int | None = None
+    #: Tensors that are one shard of a larger global tensor (a rank's part of a DTensor): name -> (global shape,
+    #: global offsets of the shard). The others are whole tensors.
+    shards: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+_DTENSOR: Any = None
+
+
+def _dtensor_type() -> Any:
+    """torch's DTensor class, or False where torch.distributed is not built in (imported once, lazily)."""
+    global _DTENSOR
+    if _DTENSOR is None:
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:  # pragma: no cover - torch without distributed
+            DTensor = False
+        _DTENSOR = DTensor
+    return _DTENSOR
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (a sharded or replicated distributed tensor)."""
+    cls = _dtensor_type()
+    return bool(cls) and isinstance(t, cls)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The local part of a DTensor (no copy), or ``t`` itself."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def dtensor_box(t: Any, name: str = "<tensor>") -> tuple[Box, bool]:
+    """The box of the global tensor that this rank's shard of DTensor ``t`` covers, and whether this rank writes it.
+
+    The box follows DTensor's own ``Shard``/``Replicate`` geometry (:func:`~lightning_snapshot.planner.shard_boxes`,
+    indexed by this rank's mesh coordinate). Of the ranks holding the same box (replicated mesh dimensions, or
+    copies on sibling sub-meshes of the world mesh) only the one at coordinate 0 on those dimensions writes it;
+    nobody writes an empty shard, except that the rank at coordinate 0 of an empty global tensor writes its
+    (empty) box so the tensor is still recorded.
+
+    Raises:
+        CaptureError: a placement the format cannot describe as boxes (``_StridedShard``, ``Partial``), a rank not
+            in the tensor's mesh, or a local shard whose shape is not the one DTensor's geometry gives.
+    """
+    mesh = t.device_mesh
+    placements = tuple(t.placements)
+    try:
+        boxes = shard_boxes(tuple(t.shape), tuple(mesh.shape), placements)
+    except ValueError as e:
+        raise CaptureError(
+            f"tensor {name!r} is a DTensor with placements {placements}: {e}. Snapshots store shards as boxes of the"
+            " global tensor; a 2-D (data x tensor parallel) FSDP2 layout whose placements include _StridedShard is"
+            " not supported yet: use a 1-D data-parallel mesh or plain Shard/Replicate placements"
+        ) from None
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise CaptureError(f"tensor {name!r}: this rank is not part of the DTensor's device mesh {mesh}")
+    index = 0
+    for c, m in zip(coord, mesh.shape):
+        index = index * int(m) + int(c)
+    box = boxes[index]
+    local = t.to_local()
+    if tuple(local.shape) != box.shape:
+        raise CaptureError(
+            f"tensor {name!r}: the local shard has shape {tuple(local.shape)}, but DTensor's geometry for placements"
+            f" {placements} on mesh {tuple(mesh.shape)} gives {box.shape} at coordinate {tuple(coord)} (uneven"
+            " sharding the format cannot describe)"
+        )
+    writer = all(c == 0 for c, p in zip(coord, placements) if type(p).__name__ == "Replicate")
+    writer = writer and _first_copy_in_world(mesh, name)
+    if box.numel == 0:
+        writer = writer and math.prod(t.shape) == 0 and all(int(c) == 0 for c in coord)
+    return box, writer
+
+
+def _first_copy_in_world(mesh: Any, name: str) -> bool:
+    """Whether this rank's mesh is the first of its copies in the world: a DTensor on a sub-mesh (the data-parallel
+    dimension of a 2-D mesh) is held, identically, by the ranks of every sibling sub-mesh."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or mesh.size() == dist.get_world_size():
+        return True
+    root_of = getattr(mesh, "_get_root_mesh", None)
+    root = root_of() if callable(root_of) else None
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    root_names = getattr(root, "mesh_dim_names", None) or ()
+    root_coord = root.get_coordinate() if root is not None else None
+    if root is None or root_coord is None or not names or any(n not in root_names for n in names):
+        raise CaptureError(
+            f"tensor {name!r} is a DTensor on a sub-mesh {mesh} of the world that cannot be related to the world"
+            " mesh; which rank writes its shard is unknown. Use a mesh whose dimensions are named sub-dimensions of"
+            " the world mesh (as ModelParallelStrategy's are)"
+        )
+    return all(int(c) == 0 for n, c in zip(root_names, root_coord) if n not in names)
 
 
 def _check(t: torch.Tensor, name: str) -> None:
@@ -49,38 +151,45 @@ def _check(t: torch.Tensor, name: str) -> None:
         raise CaptureError(f"tensor {name!r} is on the meta device and holds no data")
     if t.is_quantized or t.dtype not in DTYPES.values():
         raise CaptureError(f"tensor {name!r} has dtype {t.dtype}, which the format does not store: {sorted(DTYPES)}")
-    if type(t).__name__ == "DTensor":
-        raise CaptureError(
-            f"tensor {name!r} is a DTensor; sharded strategies are not supported by this release (use DDP or a"
-            " single device)"
-        )
 
 
 def _identity(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
-def _prepare(obj: Any, prefix: str) -> tuple[Any, list[tuple[str, torch.Tensor]], dict[str, str]]:
-    """Encode ``obj``; returns (tree, [(name, tensor to copy)], aliases) with tied views found and checked."""
+def _prepare(obj: Any, prefix: str) -> tuple[Any, list[tuple[str, torch.Tensor]], dict[str, str],
+                                           dict[str, tuple[tuple[int, ...], tuple[int, ...]]]]:
+    """Encode ``obj``; returns (tree, [(name, tensor to copy)], aliases, shards) with tied views found and checked.
+
+    DTensors become their local shard, listed in ``shards`` as (global shape, global offsets); shards this rank does
+    not write (a replica another rank writes, an empty shard) are left out of the tensors to copy.
+    """
     tree, tensors = _tree.encode(obj, prefix)
     items: list[tuple[str, torch.Tensor]] = []
     aliases: dict[str, str] = {}
+    shards: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
     canonical: dict[tuple[Any, ...], str] = {}
     for name, t in tensors.items():
+        if is_dtensor(t):
+            box, writer = dtensor_box(t, name)
+            if not writer:
+                continue
+            shards[name] = (tuple(int(g) for g in t.shape), box.offsets)
+            t = t.to_local()
         _check(t, name)
         t = t.detach()
         if t.is_conj():
             t = t.resolve_conj()
         if t.is_neg():
             t = t.resolve_neg()
-        key = _identity(t) if t.numel() else None
+        key = (_identity(t), shards.get(name)) if t.numel() else None  # a shard only ties to the same box
         if key is not None and key in canonical:
             aliases[name] = canonical[key]
             continue
         items.append((name, t))
         if key is not None:
             canonical[key] = name
-    return tree, items, aliases
+    return tree, items, aliases, shards
 
 
 def stage(obj: Any, prefix: str = "") -> StagedState:
@@ -91,8 +200,8 @@ def stage(obj: Any, prefix: str = "") -> StagedState:
     Raises:
         CaptureError: a value or tensor the format cannot store.
     """
-    tree, items, aliases = _prepare(obj, prefix)
-    staged = StagedState(tree, aliases=aliases)
+    tree, items, aliases, shards = _prepare(obj, prefix)
+    staged = StagedState(tree, aliases=aliases, shards=shards)
     for name, t in items:
         host = torch.empty(t.shape, dtype=t.dtype, device="cpu")
         host.copy_(t)

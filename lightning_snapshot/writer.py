@@ -25,6 +25,7 @@ from lightning_snapshot.manifest import (
     MANIFEST_NAME,
     Manifest,
     dtype_name,
+    overlapping_boxes,
     parse_step_dirname,
     step_dirname,
 )
@@ -76,21 +77,23 @@ def _section(staged: StagedState, object_key: str, alignment: int, chunk_bytes: 
         pos = offset + view.nbytes
         t = staged.tensors[name]
         shape = list(t.shape)
+        global_shape, offsets = staged.shards.get(name, (shape, [0] * len(shape)))
         if staged.checksums is not None:
             sums = staged.checksums[name]
         else:
             sums = [xxhash.xxh3_64_hexdigest(view[a:b]) for a, b in chunk_ranges(view.nbytes, chunk_bytes)]
         entries.append({
-            "type": "tensor", "name": name, "dtype": dtype_name(t.dtype), "global_shape": shape,
+            "type": "tensor", "name": name, "dtype": dtype_name(t.dtype), "global_shape": list(global_shape),
             "fragments": [{
                 "object": object_key, "offset": offset, "nbytes": view.nbytes,
-                "global_offsets": [0] * len(shape), "local_shape": shape, "checksums": sums,
+                "global_offsets": list(offsets), "local_shape": shape, "checksums": sums,
             }],
         })
     for name, target in staged.aliases.items():
         t = staged.tensors[target]
-        entries.append({"type": "alias", "name": name, "dtype": dtype_name(t.dtype), "global_shape": list(t.shape),
-                        "alias_of": target})
+        global_shape = staged.shards[target][0] if target in staged.shards else tuple(t.shape)
+        entries.append({"type": "alias", "name": name, "dtype": dtype_name(t.dtype),
+                        "global_shape": list(global_shape), "alias_of": target})
     return buffers, entries, size
 
 
@@ -114,17 +117,50 @@ def _write_part(backend: Backend, job: SnapshotJob, rank: int, run_id: str, alig
     return part
 
 
+def _merge_tensors(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The shared tensor entries of all parts, one per name: the fragments that several ranks wrote of one tensor
+    (each its shard of a DTensor) become the fragments of one entry; their dtype and global shape must agree and
+    their boxes must not overlap. Alias entries that several ranks recorded are kept once."""
+    merged: dict[str, dict[str, Any]] = {}
+    for p in parts:
+        for t in p["tensors"] or ():
+            name = t["name"]
+            have = merged.get(name)
+            if have is None:
+                merged[name] = {**t, "fragments": list(t["fragments"])} if t["type"] == "tensor" else dict(t)
+                continue
+            if have["type"] != t["type"] or have["dtype"] != t["dtype"] or have["global_shape"] != t["global_shape"]:
+                raise SnapshotWriteError(
+                    f"ranks disagree about shared tensor {name!r}: {have['type']} {have['dtype']}"
+                    f" {have['global_shape']} vs {t['type']} {t['dtype']} {t['global_shape']} (rank {p['rank']}); the"
+                    " ranks captured different state"
+                )
+            if t["type"] == "alias":
+                if have["alias_of"] != t["alias_of"]:
+                    raise SnapshotWriteError(f"ranks disagree about what shared tensor {name!r} is an alias of")
+                continue
+            have["fragments"].extend(t["fragments"])
+    for entry in merged.values():
+        if entry["type"] == "tensor" and len(entry["fragments"]) > 1:
+            pair = overlapping_boxes([(f["global_offsets"], f["local_shape"]) for f in entry["fragments"]])
+            if pair is not None:
+                a, b = (entry["fragments"][i] for i in pair)
+                raise SnapshotWriteError(
+                    f"two ranks wrote the same shared tensor {entry['name']!r} (fragments at {a['global_offsets']}"
+                    f" and {b['global_offsets']} overlap); the write plans disagree"
+                )
+    return list(merged.values())
+
+
 def _merge(parts: list[dict[str, Any]], job: SnapshotJob, world_size: int, alignment: int, chunk_bytes: int
            ) -> dict[str, Any]:
     """One manifest from every rank's part: the shared tensors are the union of the ranks' shares (each rank wrote a
-    disjoint share of the replicated state); the shared JSON tree is rank 0's."""
+    disjoint share of the replicated state, and its own shards of sharded state); the shared JSON tree is rank
+    0's."""
     parts = sorted(parts, key=lambda p: p["rank"])
     if parts[0]["rank"] != 0 or parts[0]["state"] is None:
         raise SnapshotWriteError("rank 0 did not contribute the shared state tree")
-    tensors = [t for p in parts if p["tensors"] is not None for t in p["tensors"]]
-    names = [t["name"] for t in tensors]
-    if len(set(names)) != len(names):
-        raise SnapshotWriteError("two ranks wrote the same shared tensor; the write plans disagree")
+    tensors = _merge_tensors(parts)
     return {
         "format_version": 1,
         "step": job.step,
@@ -166,6 +202,8 @@ def write_snapshot(
         the committed manifest (as parsed back, so what was committed is known to be loadable).
     """
     prefix = step_dirname(job.step)
+    if job.shared is not None and job.shared.chunk_bytes is not None:
+        chunk_bytes = job.shared.chunk_bytes  # the checksums were taken while staging, with the arena's chunk size
     error: BaseException | None = None
     part: dict[str, Any] | None = None
     try:

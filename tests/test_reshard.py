@@ -1,0 +1,415 @@
+"""Load-time resharding: sharded capture under ModelParallelStrategy (FSDP2), and loading a snapshot into another
+strategy or world size, each rank reading only the bytes of its own shards.
+
+End to end in real subprocesses (tests/scripts/reshard_train.py): every loaded model and optimizer state is compared
+bitwise with the consolidated state the saving run wrote at the same step. In process: box reads against
+simulated multi-rank snapshots, with the tier's byte counter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import SCRIPTS, assert_bitwise_equal
+
+from lightning_snapshot import load_snapshot
+from lightning_snapshot.backends import LocalTier
+from lightning_snapshot.comm import LocalComm
+from lightning_snapshot.errors import CaptureError, ManifestError, SnapshotWriteError
+from lightning_snapshot.loader import ReadStats, ShardTarget, read_manifest, read_section
+from lightning_snapshot.manifest import MANIFEST_NAME, Manifest, step_dirname
+from lightning_snapshot.planner import Box, shard_boxes
+from lightning_snapshot.staging import dtensor_box, stage
+from lightning_snapshot.writer import SnapshotJob, _merge, _merge_tensors, _write_part, committed_steps, write_snapshot
+
+_rng = random.Random()
+MAX_AMPLIFICATION = 1.05
+
+
+def run(*args: str, expect_kill: bool = False, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, str(SCRIPTS / "reshard_train.py"), *args]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, start_new_session=True,
+                          check=False)
+    if expect_kill:
+        assert proc.returncode == -9, f"expected SIGKILL, got rc={proc.returncode}\n{proc.stderr[-3000:]}"
+    else:
+        assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def assert_state_equal(ref_path: Path, got_path: Path) -> int:
+    """Model and optimizer state of two consolidated dumps are bitwise equal (and the learning rate)."""
+    ref = torch.load(ref_path, weights_only=True)
+    got = torch.load(got_path, weights_only=True)
+    n = 0
+    for section in ("model", "optimizer"):
+        assert got[section].keys() == ref[section].keys(), section
+        for k, v in ref[section].items():
+            g = got[section][k]
+            assert v.dtype == g.dtype and v.shape == g.shape, k
+            assert torch.equal(v.view(torch.uint8) if v.dim() else v, g.view(torch.uint8) if g.dim() else g), \
+                f"{section}/{k} differs from the consolidated state of the saving run"
+            n += 1
+    assert torch.equal(ref["lr"], got["lr"])
+    return n
+
+
+def restore_stats(proc: subprocess.CompletedProcess[str]) -> dict[int, dict[str, int]]:
+    stats = {}
+    for m in re.finditer(r"RESTORE_STATS rank=(\d+) needed=(\d+) planned=(\d+) tier=(\d+) resharded=(\d+)",
+                         proc.stdout):
+        rank, needed, planned, tier, resharded = map(int, m.groups())
+        stats[rank] = {"needed": needed, "planned": planned, "tier": tier, "resharded": resharded}
+    return stats
+
+
+def assert_reads_only_its_shards(proc: subprocess.CompletedProcess[str], world: int) -> list[float]:
+    stats = restore_stats(proc)
+    assert sorted(stats) == list(range(world)), proc.stdout
+    ratios = []
+    for rank, s in stats.items():
+        assert s["resharded"] > 0, f"rank {rank} read no tensor by its shard"
+        assert s["tier"] == s["planned"], f"rank {rank}: the tier counted {s['tier']}, the plan {s['planned']}"
+        ratios.append(s["tier"] / s["needed"])
+        assert s["tier"] <= MAX_AMPLIFICATION * s["needed"], \
+            f"rank {rank} read {s['tier']} bytes for {s['needed']} needed ({s['tier'] / s['needed']:.3f}x)"
+    return ratios
+
+
+@pytest.fixture(scope="module")
+def mp_run(tmp_path_factory):
+    """An uninterrupted ModelParallel(2) run: snapshots every 3 steps (9 and 12 kept), the consolidated state at
+    steps 9 and 12, and the final state."""
+    d = tmp_path_factory.mktemp("mp-save")
+    (d / "dumps").mkdir()
+    run("--dir", str(d / "snaps"), "--out", str(d / "out.pt"), "--strategy", "mp", "--max-steps", "12",
+        "--dump-steps", "9,12", "--dump-dir", str(d / "dumps"))
+    return d
+
+
+# ---------------------------------------------------------------------------------------------------- end to end
+
+
+@pytest.mark.slow
+def test_model_parallel_snapshot_is_sharded_not_gathered(mp_run):
+    tier = LocalTier(mp_run / "snaps")
+    assert committed_steps(tier) == [12, 9]
+    manifest = read_manifest(tier, 9)
+    assert manifest.world_size == 2
+    by_name = {t.name: t for t in manifest.tensors}
+    for name in ("state_dict/net.0.weight", "state_dict/net.5.weight",
+                 "optimizer_states/0/state/net.3.weight/exp_avg_sq"):
+        entry = by_name[name]
+        objects = {f.object for f in entry.fragments}
+        assert len(entry.fragments) == 2 and len(objects) == 2, entry  # one shard per rank, each in its own object
+        assert {manifest.object(o).rank for o in objects} == {0, 1}
+    # the uneven shard: 5 rows over 2 ranks are 3 + 2, as DTensor's Shard(0) makes them
+    w5 = by_name["state_dict/net.5.weight"]
+    assert sorted((f.global_offsets, f.local_shape) for f in w5.fragments) == [((0, 0), (3, 256)), ((3, 0), (2, 256))]
+    # each rank wrote about half the state
+    shared = {o.rank: o.nbytes for o in manifest.objects if "-shared-" in o.key}
+    assert 0.9 < shared[0] / shared[1] < 1.1, shared
+
+
+@pytest.mark.slow
+def test_model_parallel_sigkill_and_resume_is_bitwise_exact(tmp_path, mp_run):
+    crash_at = _rng.randint(5, 11)
+    snaps = tmp_path / "snaps"
+    common = ("--dir", str(snaps), "--strategy", "mp", "--max-steps", "12")
+    run(*common, "--out", str(tmp_path / "crashed.pt"), "--crash-at", str(crash_at), expect_kill=True)
+    assert committed_steps(LocalTier(snaps)), "the killed run committed no snapshot"
+    proc = run(*common, "--out", str(tmp_path / "resumed.pt"))
+    assert proc.stdout.count("RESTORED step=") == 2, f"both ranks must resume: {proc.stdout}"
+    try:
+        assert_bitwise_equal(mp_run / "out.pt", tmp_path / "resumed.pt")
+    except AssertionError as e:
+        raise AssertionError(f"crash at global_step {crash_at}: {e}") from None
+    ref1 = torch.load(mp_run / "out.pt.rank1", weights_only=True)
+    got1 = torch.load(tmp_path / "resumed.pt.rank1", weights_only=True)
+    assert torch.equal(ref1["rng"], got1["rng"]), "rank 1's RNG differs at the end of training"
+    # same layout: every rank read exactly its own shards
+    ratios = assert_reads_only_its_shards(proc, 2)
+    assert ratios == [1.0, 1.0], ratios
+
+
+@pytest.mark.slow
+def test_model_parallel_snapshot_loads_in_one_process_as_full_tensors(mp_run):
+    for step, ref_path in ((9, mp_run / "dumps" / "step-9.pt"), (12, mp_run / "out.pt")):
+        ref = torch.load(ref_path, weights_only=True)
+        state = load_snapshot(str(mp_run / "snaps"), step)
+        assert state["global_step"] == step
+        assert state["state_dict"].keys() == ref["model"].keys()
+        for k, v in ref["model"].items():
+            assert torch.equal(v, state["state_dict"][k]), k
+        got = {f"{name}/{k}": v for name, st in state["optimizer_states"][0]["state"].items() for k, v in st.items()}
+        assert got.keys() == ref["optimizer"].keys()
+        for k, v in ref["optimizer"].items():
+            assert torch.equal(v, got[k]), k
+        assert state["optimizer_states"][0]["param_groups"][0]["lr"] == ref["lr"].item()
+
+
+@pytest.mark.slow
+def test_model_parallel_to_ddp(tmp_path, mp_run):
+    proc = run("--dir", str(tmp_path / "snaps"), "--out", str(tmp_path / "out.pt"), "--strategy", "ddp",
+               "--max-steps", "10", "--resume", str(mp_run / "snaps" / step_dirname(9)),
+               "--dump-at-start", str(tmp_path / "start.pt"))
+    assert proc.stdout.count("RESTORED step=9") == 2, proc.stdout
+    assert assert_state_equal(mp_run / "dumps" / "step-9.pt", tmp_path / "start.pt") == 6 + 6 * 3
+
+
+@pytest.mark.slow
+def test_ddp_to_model_parallel_reads_only_each_ranks_shards(tmp_path):
+    save = tmp_path / "ddp"
+    (save / "dumps").mkdir(parents=True)
+    run("--dir", str(save / "snaps"), "--out", str(save / "out.pt"), "--strategy", "ddp", "--max-steps", "9",
+        "--dump-steps", "9", "--dump-dir", str(save / "dumps"))
+    manifest = read_manifest(LocalTier(save / "snaps"), 9)
+    assert all(len(t.fragments) == 1 for t in manifest.tensors if t.alias_of is None)  # DDP: whole tensors
+    proc = run("--dir", str(tmp_path / "snaps"), "--out", str(tmp_path / "out.pt"), "--strategy", "mp",
+               "--max-steps", "10", "--resume", str(save / "snaps" / step_dirname(9)),
+               "--dump-at-start", str(tmp_path / "start.pt"))
+    assert proc.stdout.count("RESTORED step=9") == 2, proc.stdout
+    assert_state_equal(save / "dumps" / "step-9.pt", tmp_path / "start.pt")
+    ratios = assert_reads_only_its_shards(proc, 2)
+    print("DDP(2) -> ModelParallel(2) bytes read / needed per rank:", ratios)
+
+
+@pytest.mark.slow
+def test_model_parallel_two_to_four_ranks(tmp_path, mp_run):
+    """A world-size change: 2 -> 4 ranks (the 5-row layer gives rank 3 an empty shard). RNG and data position are
+    not restored, with a warning; weights and optimizer state are, bitwise."""
+    proc = run("--dir", str(tmp_path / "snaps"), "--out", str(tmp_path / "out.pt"), "--strategy", "mp",
+               "--devices", "4", "--max-steps", "10", "--resume", str(mp_run / "snaps" / step_dirname(9)),
+               "--dump-at-start", str(tmp_path / "start.pt"))
+    assert proc.stdout.count("RESTORED step=9") == 4, proc.stdout
+    assert "was taken with 2 process(es), this run has 4" in proc.stderr
+    assert_state_equal(mp_run / "dumps" / "step-9.pt", tmp_path / "start.pt")
+    ratios = assert_reads_only_its_shards(proc, 4)
+    print("ModelParallel(2) -> ModelParallel(4) bytes read / needed per rank:", ratios)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_to_fsdp(tmp_path):
+    """Tensor parallel (Shard(0) column-wise, Shard(1) row-wise, Replicate biases) saved; FSDP2 (Shard(0)) loaded."""
+    save = tmp_path / "tp"
+    (save / "dumps").mkdir(parents=True)
+    run("--dir", str(save / "snaps"), "--out", str(save / "out.pt"), "--strategy", "mp", "--tp", "2",
+        "--max-steps", "9", "--dump-steps", "9", "--dump-dir", str(save / "dumps"))
+    by_name = {t.name: t for t in read_manifest(LocalTier(save / "snaps"), 9).tensors}
+    row_wise = by_name["state_dict/net.3.weight"]
+    assert sorted((f.global_offsets, f.local_shape) for f in row_wise.fragments) == [
+        ((0, 0), (256, 128)), ((0, 128), (256, 128))]
+    assert len(by_name["state_dict/net.3.bias"].fragments) == 1  # replicated: written once
+    proc = run("--dir", str(tmp_path / "snaps"), "--out", str(tmp_path / "out.pt"), "--strategy", "mp",
+               "--max-steps", "10", "--resume", str(save / "snaps" / step_dirname(9)),
+               "--dump-at-start", str(tmp_path / "start.pt"))
+    assert proc.stdout.count("RESTORED step=9") == 2, proc.stdout
+    assert_state_equal(save / "dumps" / "step-9.pt", tmp_path / "start.pt")
+    print("TP(2) -> FSDP(2) bytes read / needed per rank:", assert_reads_only_its_shards(proc, 2))
+
+
+@pytest.mark.slow
+def test_model_parallel_to_one_process_through_the_callback(tmp_path, mp_run):
+    proc = run("--dir", str(tmp_path / "snaps"), "--out", str(tmp_path / "out.pt"), "--strategy", "single",
+               "--max-steps", "10", "--resume", str(mp_run / "snaps" / step_dirname(9)),
+               "--dump-at-start", str(tmp_path / "start.pt"))
+    assert "RESTORED step=9" in proc.stdout
+    assert "was taken with 2 process(es), this run has 1" in proc.stderr
+    assert_state_equal(mp_run / "dumps" / "step-9.pt", tmp_path / "start.pt")
+
+
+# ---------------------------------------------------------------------------------------------------- in process
+
+
+def _sharded_snapshot(root: Path, tensors: dict[str, torch.Tensor], world: int, chunk_bytes: int,
+                      mesh: tuple[int, ...] | None = None, placements: tuple = (("shard", 0),)) -> Manifest:
+    """Write a snapshot as ``world`` ranks of a mesh would, each staging its box of every tensor (a DTensor shard),
+    and commit the merged manifest: the writer's own part and merge code, without processes."""
+    backend = LocalTier(root)
+    mesh = mesh or (world,)
+    parts = []
+    for rank in range(world):
+        shard, shards = {}, {}
+        for name, t in tensors.items():
+            box = shard_boxes(t.shape, mesh, placements)[rank]
+            if box.numel:  # empty shards are not written
+                shard[name] = t[box.slices()].contiguous()
+                shards[f"state_dict/{name}"] = (tuple(t.shape), box.offsets)
+        staged = stage({"state_dict": shard})
+        staged.shards = shards
+        job = SnapshotJob(step=1, epoch=0, shared=staged, private=stage({"rank": rank}, "rank"))
+        parts.append(_write_part(backend, job, rank, "run", 64, chunk_bytes))
+    parts[0]["state"] = {"state_dict": {name: {"$tensor": f"state_dict/{name}"} for name in tensors}}
+    raw = _merge(parts, job, world, 64, chunk_bytes)
+    text = json.dumps(raw)
+    manifest = Manifest.from_json(text)
+    backend.commit(f"{step_dirname(1)}/{MANIFEST_NAME}", text.encode())
+    return manifest
+
+
+@pytest.mark.parametrize("src_world,dst_world", [(4, 3), (2, 5), (3, 1), (1, 4)])
+def test_box_reads_from_sharded_snapshot_read_only_what_each_rank_needs(tmp_path, src_world, dst_world):
+    chunk = 4096
+    g = torch.Generator().manual_seed(src_world * 10 + dst_world)
+    tensors = {"big": torch.randn(1000, 300, generator=g), "wide": torch.randn(64, 2048, generator=g).double(),
+               "bias": torch.randn(37, generator=g), "ints": torch.randint(0, 1 << 40, (501, 7), generator=g)}
+    manifest = _sharded_snapshot(tmp_path, tensors, src_world, chunk)
+    backend = LocalTier(tmp_path)
+    entries = [t for t in manifest.tensors if t.name.startswith("state_dict/")]
+    assert len(next(t for t in entries if t.name == "state_dict/big").fragments) == src_world
+    for rank in range(dst_world):
+        targets, expect = {}, {}
+        for name, t in tensors.items():
+            box = shard_boxes(t.shape, (dst_world,), [("shard", 0)])[rank]
+            out = torch.full(box.shape, -1, dtype=t.dtype)
+            targets[f"state_dict/{name}"] = ShardTarget(box, out)
+            expect[name] = t[box.slices()]
+        stats = ReadStats()
+        before = backend.bytes_read
+        state = read_section(backend, manifest, entries, manifest.state, targets=targets, stats=stats)
+        read = backend.bytes_read - before
+        for name, want in expect.items():
+            assert torch.equal(state["state_dict"][name], want), (name, rank)
+        big = sum(e.numel() * e.element_size() for n, e in expect.items() if n in ("big", "wide", "ints"))
+        assert stats.bytes_read == read
+        # every byte needed, plus at most ~2 chunks per tensor and shard boundary: below 5% for these shards
+        assert read <= MAX_AMPLIFICATION * stats.bytes_needed, (rank, read, stats.bytes_needed)
+        assert stats.bytes_needed >= big
+
+
+def test_box_reads_verify_every_chunk_they_read(tmp_path):
+    t = torch.arange(4096, dtype=torch.float32).reshape(256, 16)
+    manifest = _sharded_snapshot(tmp_path, {"w": t}, 2, 1024)
+    frag = next(f for f in manifest.tensors[0].fragments if f.global_offsets == (128, 0))
+    path = tmp_path / step_dirname(1) / frag.object
+    data = bytearray(path.read_bytes())
+    data[frag.offset + 3000] ^= 0xFF  # inside chunk 2 of the second fragment: rows 128 + [46, 64)
+    path.write_bytes(bytes(data))
+    backend = LocalTier(tmp_path)
+    ok = ShardTarget(Box((0, 0), (128, 16)), torch.empty(128, 16))  # the first fragment only: untouched
+    read_section(backend, manifest, manifest.tensors, manifest.state, targets={"state_dict/w": ok})
+    assert torch.equal(ok.out, t[:128])
+    bad = ShardTarget(Box((170, 0), (10, 16)), torch.empty(10, 16))
+    with pytest.raises(Exception, match="checksum mismatch in tensor 'state_dict/w'"):
+        read_section(backend, manifest, manifest.tensors, manifest.state, targets={"state_dict/w": bad})
+
+
+def test_box_reads_cast_into_targets_of_another_dtype(tmp_path):
+    t = torch.randn(40, 8, dtype=torch.float64)
+    manifest = _sharded_snapshot(tmp_path, {"w": t}, 3, 256)
+    out = torch.empty(13, 8, dtype=torch.float32)
+    state = read_section(LocalTier(tmp_path), manifest, manifest.tensors, manifest.state,
+                         targets={"state_dict/w": ShardTarget(Box((14, 0), (13, 8)), out)})
+    assert state["state_dict"]["w"] is out and torch.equal(out, t[14:27].float())
+
+
+def test_whole_tensor_load_assembles_the_shards_of_every_rank(tmp_path):
+    tensors = {"w": torch.randn(7, 5), "v": torch.randn(3)}
+    _sharded_snapshot(tmp_path, tensors, 4, 64)  # 7 rows over 4: 2, 2, 2, 1; v: 1, 1, 1, 0
+    # a 2x2 mesh, Shard(1) x Shard(0): blocks
+    blocks = {"w": torch.randn(7, 5), "v": torch.randn(3, 6)}
+    _sharded_snapshot(tmp_path / "2d", blocks, 4, 64, (2, 2), (("shard", 1), ("shard", 0)))
+    state2 = load_snapshot(str(tmp_path / "2d"), 1)
+    for name, t in blocks.items():
+        assert torch.equal(state2["state_dict"][name], t)
+    state = load_snapshot(str(tmp_path), 1)
+    for name, t in tensors.items():
+        assert torch.equal(state["state_dict"][name], t)
+
+
+def test_merge_refuses_overlapping_or_disagreeing_shards(tmp_path):
+    def part(rank: int, offsets, shape, dtype="float32", global_shape=(4, 2)):
+        frag = {"object": f"o{rank}", "offset": 0, "nbytes": 4 * shape[0] * shape[1], "global_offsets": list(offsets),
+                "local_shape": list(shape), "checksums": ["0" * 16]}
+        return {"rank": rank, "objects": [], "tensors": [{"type": "tensor", "name": "w", "dtype": dtype,
+                                                          "global_shape": list(global_shape), "fragments": [frag]}],
+                "state": {"w": {"$tensor": "w"}} if rank == 0 else None, "rank_section": {}}
+
+    merged = _merge_tensors([part(0, (0, 0), (2, 2)), part(1, (2, 0), (2, 2))])
+    assert len(merged) == 1 and len(merged[0]["fragments"]) == 2
+    with pytest.raises(SnapshotWriteError, match="two ranks wrote the same shared tensor 'w'"):
+        _merge_tensors([part(0, (0, 0), (3, 2)), part(1, (2, 0), (2, 2))])
+    with pytest.raises(SnapshotWriteError, match="ranks disagree about shared tensor 'w'"):
+        _merge_tensors([part(0, (0, 0), (2, 2)), part(1, (2, 0), (2, 2), dtype="float64")])
+    with pytest.raises(SnapshotWriteError, match="ranks disagree"):
+        _merge_tensors([part(0, (0, 0), (2, 2)), part(1, (2, 0), (2, 2), global_shape=(5, 2))])
+
+
+def test_manifest_with_overlapping_fragments_is_refused(tmp_path):
+    manifest = _sharded_snapshot(tmp_path, {"w": torch.randn(4, 3)}, 2, 64)
+    raw = json.loads(manifest.to_json())
+    frags = raw["tensors"][0]["fragments"]
+    # same element count, but [0:2] and [1:3] overlap and row 3 is missing
+    frags[1]["global_offsets"] = [1, 0]
+    with pytest.raises(ManifestError, match="overlap"):
+        Manifest.from_json(json.dumps(raw))
+
+
+class _FakeMesh:
+    def __init__(self, shape, coord):
+        self.shape, self._coord = tuple(shape), list(coord)
+
+    def get_coordinate(self):
+        return self._coord
+
+    def size(self):
+        return int(torch.tensor(self.shape).prod())
+
+
+def _fake_dtensor(global_shape, mesh_shape, coord, placements):
+    mesh = _FakeMesh(mesh_shape, coord)
+    index = 0
+    for c, m in zip(coord, mesh_shape):
+        index = index * m + c
+    box = shard_boxes(global_shape, mesh_shape, placements)[index]
+    local = torch.zeros(box.shape)
+    return SimpleNamespace(device_mesh=mesh, placements=placements, shape=torch.Size(global_shape),
+                           to_local=lambda: local)
+
+
+def test_dtensor_box_writers_and_refused_placements():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    # 2-D mesh (dp=2, tp=2), Shard(0) on dp, Replicate on tp: the tp coordinate-0 rank of each dp group writes
+    writers = {}
+    for dp in range(2):
+        for tp in range(2):
+            box, writer = dtensor_box(_fake_dtensor((6, 4), (2, 2), (dp, tp), (Shard(0), Replicate())))
+            writers[(dp, tp)] = (box, writer)
+    assert [k for k, (_, w) in writers.items() if w] == [(0, 0), (1, 0)]
+    assert writers[(1, 1)][0] == Box((3, 0), (3, 4))
+    # 2-D Shard(0) x Shard(1): every rank writes its own block
+    assert all(dtensor_box(_fake_dtensor((6, 4), (2, 2), (a, b), (Shard(0), Shard(1))))[1]
+               for a in range(2) for b in range(2))
+    # an empty shard writes nothing (5 rows over 4 ranks: 2, 2, 1, 0)
+    assert dtensor_box(_fake_dtensor((5, 2), (4,), (3,), (Shard(0),))) == (Box((5, 0), (0, 2)), False)
+    strided = SimpleNamespace(device_mesh=_FakeMesh((2,), (0,)), placements=(_StridedShard(0, split_factor=2),),
+                              shape=torch.Size((6, 4)), to_local=lambda: torch.zeros(3, 4))
+    with pytest.raises(CaptureError, match="_StridedShard"):
+        dtensor_box(strided)
+
+
+def test_write_snapshot_records_the_arena_chunk_size(tmp_path):
+    from lightning_snapshot.arena import HostArena
+
+    arena = HostArena(chunk_bytes=256)
+    try:
+        staged = arena.stage_async({"w": torch.randn(100, 10)}, lambda t: True, step=1)
+        manifest = write_snapshot(LocalTier(tmp_path), LocalComm(), SnapshotJob(1, 0, staged.state, stage({}, "rank")),
+                                  "run", prepare=staged.wait)
+        assert manifest.chunk_bytes == 256
+        assert len(manifest.tensors[0].fragments[0].checksums) == 4000 // 256 + 1
+        assert torch.equal(load_snapshot(str(tmp_path), 1)["w"], staged.state.tensors["w"])
+    finally:
+        arena.close()
