@@ -98,7 +98,7 @@ class LocalTier(Backend):
 
     def _fail(self, key: str, e: OSError, nbytes: int | None = None) -> SnapshotWriteError:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            need = f" ({nbytes} bytes)" if nbytes is not None else ""
+            need = f" (after {nbytes} bytes)" if nbytes is not None else ""
             return StorageFullError(
                 e.errno,
                 f"no space left on device while writing {key!r}{need} to the local tier {str(self.root)!r}:"
