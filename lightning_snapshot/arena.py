@@ -147,7 +147,12 @@ class HostArena:
                 os.ftruncate(fd, nbytes)
             finally:
                 os.close(fd)
-            buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+            try:
+                buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+            finally:
+                # the mapping stays; the name goes at once, so a killed trainer leaves no shared memory behind
+                os.unlink(path)
+            path = None
         else:
             buf, path = torch.empty(nbytes, dtype=torch.uint8), None
         buf.zero_()  # fault every page in now, not on the hot path

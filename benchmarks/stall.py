@@ -1,0 +1,1289 @@
+"""How much a training-state snapshot costs the training loop: lightning-snapshot against its peers.
+
+One process trains a GPT-style decoder-only transformer with AdamW under Lightning (CPU), once per method, and
+snapshots it every ``--every`` optimizer steps:
+
+=====================  ===========================================================================================
+``none``               no snapshots (the baseline; run first and again last: the spread shows the noise)
+``ours-ram``           lightning-snapshot, RAM arena only: a tier that keeps nothing, so staging and the persist
+                       thread's bookkeeping run but no byte reaches a disk
+``ours-local``         lightning-snapshot, arena + ``LocalTier`` on a real disk (the reference row for the ratios)
+``ours-local-1buf``    the same with ``max_host_bytes`` set to one arena buffer (snapshots skipped if it is busy)
+``torch-save``         synchronous ``torch.save``, as ``ModelCheckpoint(every_n_train_steps=K, save_top_k=-1)`` does
+``async-io``           Lightning ``AsyncCheckpointIO`` with the same ``ModelCheckpoint``
+``dcp``                ``torch.distributed.checkpoint.async_save`` with one reused ``DefaultStager`` (asynchronous
+                       staging into shared memory; pinned memory and non-blocking copies need CUDA), single-process
+                       gloo group; the staging future is awaited before the next optimizer step and the previous
+                       upload before the next save, as its contract requires
+``torchsnapshot``      ``torchsnapshot.Snapshot.async_take`` (if it installs next to this torch; otherwise reported)
+=====================  ===========================================================================================
+
+Measured per method
+-------------------
+* **stall**: time the training thread is blocked per snapshot. For lightning-snapshot the ``snapshot/stall_ms``
+  metric it logs; for every method (ours included, as a cross-check) also measured from outside: the time spent
+  inside the method's own callback hooks from ``on_train_batch_end`` of the snapshot step up to and including
+  ``on_before_optimizer_step`` of the next step (for ModelCheckpoint that is the save call itself).
+* **overhead**: added wall time per snapshot, ``(wall_method - wall_baseline) / n_snapshots``. The wall clock runs
+  from the start of the second batch (the first allocates the optimizer state) to the end of the last batch,
+  after every callback. ``--steps`` leaves ``--every - 1`` steps after the last snapshot so that each snapshot's
+  background work lands inside the window (what is still running after the last batch, e.g. a final drain, is
+  not counted). The time the benchmark itself spends fingerprinting and mutating the state (below) is subtracted.
+  Because other processes on a shared machine and one-off costs (the first snapshot allocates buffers) weigh on
+  that figure, **ovh p50** is shown as well: the median duration of a *snapshot period* (the ``--every`` batches
+  from the one that ends with the snapshot, so one stall plus the background work that follows it) among the
+  periods other processes left quiet, minus the same median of the baseline runs.
+* **durable**: from the save call until the bytes are on disk: ours, until ``LocalTier.commit`` of the step's
+  ``manifest.json`` returned (it runs after every data object is fsynced, and fsyncs the manifest, renames it into
+  place and fsyncs the directory); DCP, until its upload future is done (``FileSystemWriter`` fsyncs). Lightning's
+  ``torch.save`` path and torchsnapshot never fsync: there the benchmark fsyncs each file in a background thread as
+  soon as it is written and reports save call -> fsync done (marked ``+`` in the table). ``n/a`` for the RAM arena.
+* **peak extra RSS**: resident set size sampled every 10 ms from ``/proc/self/statm`` during ``fit`` (and the
+  kernel's exact high-water mark ``VmHWM``, reset before each fit through ``/proc/self/clear_refs``, the larger wins):
+  ``(peak - RSS before fit) - the same for the baseline`` (so the optimizer state, gradients and activations that
+  every run allocates cancel out; the smaller of the two baseline runs is used), in GB and as a multiple of the
+  state size (fp32 params + AdamW moments).
+  Shared-memory buffers (our arena, DCP's stager) count once their pages are touched; the page cache does not.
+* **restore**: loading the newest snapshot into a fresh model + optimizer (ours: ``load_snapshot`` +
+  ``load_state_dict``; torch.save: ``torch.load`` + ``load_state_dict``; DCP: ``get_state_dict`` + ``dcp.load`` +
+  ``set_state_dict``; torchsnapshot: ``Snapshot.restore``), cold: the snapshot's files are dropped from the page
+  cache (``posix_fadvise(DONTNEED)`` after fsync) before reading.
+* **consistency**: at ``on_train_batch_end`` of the last snapshot step (before any method's save call; Lightning
+  runs ``Checkpoint`` callbacks after plain ones) the benchmark takes an xxh3-128 fingerprint of every parameter
+  and optimizer-state tensor, a stand-in for a deep copy that keeps the copy's memory out of the RSS figures.
+  Then it mutates every one of those tensors in place (``add_(1)``) in ``on_before_optimizer_step`` of the next
+  step, after all other callbacks (its callback is the last ``Checkpoint``): exactly where the optimizer step
+  would mutate them, which is the documented contract of every asynchronous method here (parameters and optimizer
+  state stay frozen until ``optimizer.step``), while a background copy or write of that snapshot may still be
+  running; the optimizer step that follows changes them again. After training, the restored state's fingerprint
+  must equal the one taken at save time, bitwise: PASS, else FAIL with the number of differing tensors.
+
+Snapshots go to a temporary directory under ``--dir`` (default ``/tmp``), removed at the end; ours keep the last
+2 (``keep_last=2``), ModelCheckpoint all of them (``save_top_k=-1``). A short untimed run comes first so that
+one-time costs (lazy imports, thread pools) land in no row. Ratios against ``ours-local`` read ``ref~0`` where its
+overhead is within the baseline spread (no ratio is meaningful then).
+
+The one-off "memcpy of the state into a preallocated buffer" above the table copies every parameter and
+optimizer-state tensor with ``ctypes.memmove`` on one thread into one touched buffer (median of 3); a
+``torch`` ``copy_`` (all intra-op threads) is shown too.
+
+Usage::
+
+    python benchmarks/stall.py              # full: ~124M params (GPT-2 small, tied embeddings), 1.49 GB state
+    python benchmarks/stall.py --quick      # ~21M params, under 2 minutes on 2 cores
+    python benchmarks/stall.py --steps 44 --every 5 --methods ours-local,dcp
+
+Other processes on the machine (a test run, say) show up as noise in the wall-clock columns. The ``noise`` column
+is the share of the CPUs other processes used during each run (from ``/proc/stat``); a run above 10% is flagged
+NOISE (``--retries N`` runs it again up to N times, keeping the quietest run). The baseline runs
+first and last; the quieter one is used and the spread of the two is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import ctypes
+import gc
+import logging
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import xxhash
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import lightning.pytorch as L
+from lightning.pytorch.callbacks import Callback, Checkpoint, ModelCheckpoint
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+
+from lightning_snapshot import SnapshotCallback, load_snapshot
+from lightning_snapshot.backends import Backend, LocalTier
+from lightning_snapshot.manifest import MANIFEST_NAME, parse_step_dirname, step_dirname
+
+GB = 1e9
+MiB = 1 << 20
+METHODS = ["none", "ours-ram", "ours-local", "ours-local-1buf", "torch-save", "async-io", "dcp", "torchsnapshot"]
+REFERENCE = "ours-local"
+NOISY = 0.10  # a run during which other processes used more than this share of the CPUs is flagged (and retried)
+OURS = ("ours-ram", "ours-local", "ours-local-1buf")
+
+
+# ================================================================================================ model and data
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab: int
+    d_model: int
+    layers: int
+    heads: int
+    positions: int
+    batch: int
+    seq: int
+
+
+FULL = ModelConfig(vocab=50257, d_model=768, layers=12, heads=12, positions=1024, batch=2, seq=64)  # 124.4M
+QUICK = ModelConfig(vocab=16384, d_model=512, layers=4, heads=8, positions=1024, batch=2, seq=32)  # 21.5M
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+                   for z in self.qkv(self.ln1(x)).split(c, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+        x = x + self.proj(y)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(L.LightningModule):
+    """Decoder-only transformer, GPT-2 layout, token embedding tied to the output head, AdamW."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
+        self.pos = nn.Embedding(cfg.positions, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg.d_model, cfg.heads) for _ in range(cfg.layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        logits = self(batch[:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=3e-4, weight_decay=0.1)
+
+
+class RandomTokens(torch.utils.data.Dataset):
+    def __init__(self, n: int, seq: int, vocab: int) -> None:
+        self.n, self.seq, self.vocab = n, seq, vocab
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.randint(0, self.vocab, (self.seq + 1,), generator=torch.Generator().manual_seed(i))
+
+
+def fresh_model(cfg: ModelConfig) -> GPT:
+    torch.manual_seed(0)
+    return GPT(cfg)
+
+
+# ================================================================================================ state helpers
+def state_tensors(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every parameter (tied ones once) and every optimizer-state tensor, under stable names."""
+    out: dict[str, torch.Tensor] = {}
+    params = dict(module.named_parameters())
+    for name, p in params.items():
+        out[f"param:{name}"] = p
+    for name, p in params.items():
+        for key, value in optimizer.state.get(p, {}).items():
+            if torch.is_tensor(value):
+                out[f"optim:{name}:{key}"] = value
+    return out
+
+
+def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    return sum(t.numel() * t.element_size() for t in state_tensors(module, optimizer).values())
+
+
+def _digest(t: torch.Tensor) -> str:
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    return f"{t.dtype}{tuple(t.shape)}:{xxhash.xxh3_128_hexdigest(flat.numpy())}"
+
+
+def fingerprint(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, str]:
+    """Bitwise fingerprint (xxh3-128 per tensor) of the parameters and optimizer state."""
+    return {name: _digest(t) for name, t in state_tensors(module, optimizer).items()}
+
+
+def compare(expected: dict[str, str] | None, module: nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    if expected is None:
+        return "no ref"
+    got = fingerprint(module, optimizer)
+    bad = sorted(k for k in expected.keys() | got.keys() if expected.get(k) != got.get(k))
+    if not bad:
+        return "PASS"
+    return f"FAIL({len(bad)}/{len(expected)})"
+
+
+@torch.no_grad()
+def mutate(module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    for t in state_tensors(module, optimizer).values():
+        t.add_(1)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def trim_memory() -> None:
+    """Return freed memory to the OS, so that RSS before the next run starts from what is really in use."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def evict(path: str | Path) -> None:
+    """Drop a (fsynced) snapshot's files from the page cache so that the restore reads the disk."""
+    files = [Path(path)] if Path(path).is_file() else [p for p in Path(path).rglob("*") if p.is_file()]
+    for p in files:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def fsync_tree(path: str | Path) -> None:
+    path = Path(path)
+    for p in ([path] if path.is_file() else [q for q in path.rglob("*") if q.is_file()]):
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fd = os.open(path if path.is_dir() else path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def library_version() -> str:
+    """The commit the library was imported from, and whether its files had uncommitted changes."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10, check=False).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "lightning_snapshot",
+                                "backends"], capture_output=True, text=True, timeout=10, check=False).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    changed = [line[3:] for line in dirty if line.strip()]
+    return head + (f" + uncommitted changes in {', '.join(changed)}" if changed else "")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class gloo_group:
+    """A single-process gloo default group (DCP and torchsnapshot want one), torn down afterwards."""
+
+    def __enter__(self) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.owned = not dist.is_initialized()
+        if self.owned:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.owned:
+            self.dist.destroy_process_group()
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+# ================================================================================================ measurement
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS counter (VmHWM) of this process; False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def kernel_peak_rss() -> int | None:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+class RssSampler:
+    """Peak RSS of this process, sampled every ``interval`` seconds by a background thread.
+
+    Where the kernel's own high-water mark can be reset (``/proc/self/clear_refs``), ``peak`` also takes it into
+    account, so a peak shorter than the sampling interval (or while the sampler waits for the GIL) is not missed.
+    """
+
+    def __init__(self, interval: float = 0.01) -> None:
+        self.interval = interval
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_bytes())
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> RssSampler:
+        self.hwm = reset_peak_rss()
+        self.peak = rss_bytes()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sampled = max(self.peak, rss_bytes())
+        self.peak = max(self.sampled, (kernel_peak_rss() or 0) if self.hwm else 0)
+
+
+class CpuMeter:
+    """CPU seconds used by other processes while this one runs (from /proc/stat): how noisy the timings are."""
+
+    TICK = os.sysconf("SC_CLK_TCK")
+
+    @classmethod
+    def busy_seconds(cls) -> float:
+        """CPU seconds the whole machine spent busy since boot (all but idle and iowait)."""
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return (sum(v) - v[3] - v[4]) / cls.TICK
+
+    @staticmethod
+    def own_seconds() -> float:
+        return sum(os.times()[:2])
+
+    def __enter__(self) -> CpuMeter:
+        self.t0, self.b0, self.o0 = time.perf_counter(), self.busy_seconds(), self.own_seconds()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall = time.perf_counter() - self.t0
+        self.foreign = max(0.0, self.busy_seconds() - self.b0 - (self.own_seconds() - self.o0))
+
+
+class FsyncLater:
+    """Fsyncs what a method wrote (methods that never fsync) in a background thread; records when it is durable."""
+
+    def __init__(self) -> None:
+        self.pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-fsync")
+        self.written: dict[int, float] = {}
+        self.durable: dict[int, float] = {}
+        self.paths: dict[int, str] = {}
+        self.errors: list[str] = []
+
+    def submit(self, step: int, path: str, wait: Callable[[], Any] | None = None) -> None:
+        self.paths[step] = path
+
+        def job() -> None:
+            try:
+                if wait is not None:
+                    wait()
+                self.written[step] = time.perf_counter()
+                fsync_tree(path)
+                self.durable[step] = time.perf_counter()
+            except Exception as e:  # noqa: BLE001 - reported in the row
+                self.errors.append(f"step {step}: {type(e).__name__}: {e}")
+
+        self.pool.submit(job)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+class MemoryLogger(Logger):
+    """Keeps every logged metric in memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[tuple[int, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def version(self) -> str:
+        return "0"
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.records.append((step or 0, dict(metrics)))
+
+    def values(self, key: str) -> list[float]:
+        return [m[key] for _, m in self.records if key in m]
+
+
+HOOKS = ("on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end")
+
+
+class HookTimer:
+    """Time the training thread spends inside a callback's hooks, by the ``global_step`` at the time of the call.
+
+    The key ``s`` collects ``on_train_batch_end`` of step ``s`` plus ``on_train_batch_start`` and
+    ``on_before_optimizer_step`` of the batch after it: the whole blocking cost of a snapshot taken at step ``s``.
+    """
+
+    def __init__(self) -> None:
+        self.by_step: dict[int, float] = {}
+        self.by_hook: dict[tuple[int, str], float] = {}
+
+    def wrap(self, callback: Callback) -> Callback:
+        for hook in HOOKS:
+            original = getattr(callback, hook)
+
+            def timed_hook(trainer: Any, *args: Any, _original: Callable[..., Any] = original, _hook: str = hook,
+                           **kwargs: Any) -> Any:
+                step = trainer.global_step
+                t0 = time.perf_counter()
+                try:
+                    return _original(trainer, *args, **kwargs)
+                finally:
+                    dt = time.perf_counter() - t0
+                    self.by_step[step] = self.by_step.get(step, 0.0) + dt
+                    self.by_hook[step, _hook] = self.by_hook.get((step, _hook), 0.0) + dt
+
+            setattr(callback, hook, timed_hook)
+        return callback
+
+
+class Probe(Callback):
+    """Plain callback, so it runs before every Checkpoint callback: marks save calls, fingerprints the checked step."""
+
+    def __init__(self, schedule: list[int], check_step: int) -> None:
+        self.schedule = set(schedule)
+        self.check_step = check_step
+        self.save_started: dict[int, float] = {}
+        self.reference: dict[str, str] | None = None
+        self.fingerprint_s = 0.0
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        if step not in self.schedule or step in self.save_started:
+            return
+        if step == self.check_step:
+            self.reference, self.fingerprint_s = timed(lambda: fingerprint(pl_module, trainer.optimizers[0]))
+        self.save_started[step] = time.perf_counter()
+
+
+class Tail(Checkpoint):
+    """Last callback of all: the wall-clock window, and the mutation right before the next optimizer step."""
+
+    def __init__(self, check_step: int, start_step: int = 1) -> None:
+        self.check_step = check_step
+        self.start_step = start_step
+        self.t_start: float | None = None
+        self.t_end: float | None = None
+        self.mutate_s = 0.0
+        self.mutated = False
+        self.marks: dict[int, tuple[float, float, float]] = {}
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.start_step and self.t_start is None:
+            self.t_start = time.perf_counter()
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if trainer.global_step == self.check_step and not self.mutated:
+            self.mutated = True
+            _, self.mutate_s = timed(lambda: mutate(pl_module, optimizer))
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.t_end = time.perf_counter()
+        # end of every batch, after every callback: wall clock, machine-wide busy CPU, this process's CPU
+        self.marks[trainer.global_step] = (self.t_end, CpuMeter.busy_seconds(), CpuMeter.own_seconds())
+
+
+# ================================================================================================ one training run
+@dataclass
+class Bench:
+    cfg: ModelConfig
+    steps: int
+    every: int
+    root: Path
+    schedule: list[int] = field(init=False)
+    check_step: int = field(init=False)
+    state_bytes: int = 0
+    memcpy_s: float | None = None
+
+    def __post_init__(self) -> None:
+        self.schedule = [s for s in range(self.every, self.steps + 1, self.every)]
+        before_end = [s for s in self.schedule if s < self.steps]
+        self.check_step = before_end[-1] if before_end else self.schedule[-1]
+
+    def workdir(self, name: str) -> Path:
+        path = self.root / name
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+        return path
+
+
+@dataclass
+class TrainRun:
+    module: GPT
+    optimizer: torch.optim.Optimizer
+    logger: MemoryLogger
+    probe: Probe
+    tail: Tail
+    hooks: HookTimer
+    wall_s: float
+    rss_growth: int
+    warnings: list[str]
+    foreign_cpu_s: float
+    fit_s: float
+    rss_growth_sampled: int
+
+
+@dataclass
+class Row:
+    method: str
+    snapshots: int = 0
+    stall_ms: list[float] = field(default_factory=list)  # per snapshot, as the row reports it
+    ext_stall_ms: list[float] = field(default_factory=list)  # measured around the method's hooks
+    wall_s: float | None = None
+    durable_s: list[float] = field(default_factory=list)
+    durable_mark: str = ""
+    rss_growth: int | None = None
+    restore_s: float | None = None
+    consistency: str = "n/a"
+    skipped: int = 0
+    note: str = ""
+    error: str | None = None
+    foreign_cpu_s: float = 0.0
+    noise: float = 0.0  # share of the machine's CPU time other processes used during the fit
+    periods: list[tuple[float, float]] = field(default_factory=list)  # (seconds, noise) of each snapshot period
+    details: list[str] = field(default_factory=list)
+
+
+def train(bench: Bench, method_callbacks: list[Callback], *, plugins: list[Any] | None = None) -> TrainRun:
+    """Train ``bench.steps`` steps with the method's callbacks between the probe and the tail callback."""
+    trim_memory()
+    module = fresh_model(bench.cfg)
+    probe = Probe(bench.schedule, bench.check_step)
+    tail = Tail(bench.check_step)
+    hooks = HookTimer()
+    logger = MemoryLogger()
+    loader = torch.utils.data.DataLoader(RandomTokens(bench.steps * bench.cfg.batch * 2, bench.cfg.seq,
+                                                      bench.cfg.vocab), batch_size=bench.cfg.batch)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=bench.steps, logger=logger, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1,
+        callbacks=[probe, *(hooks.wrap(cb) for cb in method_callbacks), tail], plugins=plugins or None,
+    )
+    with warnings.catch_warnings(record=True) as caught, CpuMeter() as cpu:
+        warnings.simplefilter("always")
+        pre = rss_bytes()
+        with RssSampler() as rss:
+            trainer.fit(module, train_dataloaders=loader)
+    if tail.t_start is None or tail.t_end is None:
+        raise RuntimeError("the training window was not recorded")
+    wall = tail.t_end - tail.t_start - probe.fingerprint_s - tail.mutate_s
+    ours = [str(w.message) for w in caught if "lightning-snapshot" in str(w.message)]
+    optimizer = trainer.optimizers[0]
+    del trainer
+    return TrainRun(module, optimizer, logger, probe, tail, hooks, wall, rss.peak - pre, ours, cpu.foreign, cpu.wall,
+                    max(0, rss.sampled - pre))
+
+
+def snapshot_periods(bench: Bench, marks: dict[int, tuple[float, float, float]]) -> list[tuple[float, float]]:
+    """Duration and noise of each snapshot's period: the K batches from the one that ends with snapshot ``s``
+    (end of batch ``s - 1`` to end of batch ``s - 1 + K``), so that each period holds one snapshot's stall and the
+    background work that follows it; the same step ranges in the baseline. Noise: share of the CPUs other processes
+    used during the period.
+    """
+    cores = os.cpu_count() or 1
+    out = []
+    for s in bench.schedule:
+        a, b = marks.get(s - 1), marks.get(s - 1 + bench.every)
+        if a is None or b is None:
+            continue
+        wall = b[0] - a[0]
+        foreign = max(0.0, (b[1] - a[1]) - (b[2] - a[2]))
+        out.append((wall, foreign / (wall * cores)))
+    return out
+
+
+def quiet_median(periods: list[tuple[float, float]]) -> tuple[float | None, int]:
+    """Median duration of the periods other processes disturbed least (noise <= NOISY; all if fewer than 3)."""
+    quiet = [w for w, n in periods if n <= NOISY]
+    if len(quiet) < 3:
+        quiet = [w for w, _ in periods]
+    return (statistics.median(quiet) if quiet else None), len(quiet)
+
+
+def fill_common(bench: Bench, row: Row, run: TrainRun, done: dict[int, float] | None) -> None:
+    """Wall time, external stall, durability and memory, the same way for every method."""
+    row.snapshots = len(bench.schedule)
+    row.wall_s = run.wall_s
+    row.rss_growth = run.rss_growth
+    row.ext_stall_ms = [run.hooks.by_step.get(s, 0.0) * 1000 for s in bench.schedule]
+    if not row.stall_ms:
+        row.stall_ms = list(row.ext_stall_ms)
+    parts = []
+    for hook in HOOKS:
+        values = [run.hooks.by_hook.get((s, hook), 0.0) * 1000 for s in bench.schedule]
+        if any(values):
+            parts.append(f"{hook} {statistics.median(values):.2f} (max {max(values):.1f})")
+    if parts:
+        row.details.append("blocking per snapshot by hook, ms median: " + ", ".join(parts))
+    others = [v * 1000 for s, v in run.hooks.by_step.items() if s not in bench.schedule]
+    if others:
+        row.details.append(f"hook time on steps without a snapshot: median {statistics.median(others):.2f} ms,"
+                           f" max {max(others):.2f} ms")
+    if done is not None:
+        started = run.probe.save_started
+        row.durable_s = [done[s] - started[s] for s in bench.schedule if s in done and s in started]
+        missing = [s for s in bench.schedule if s not in done]
+        if missing:
+            row.details.append(f"never durable: steps {missing}")
+    for w in sorted(set(run.warnings)):
+        row.details.append(f"warning: {w[:300]}")
+    row.periods = snapshot_periods(bench, run.tail.marks)
+    row.foreign_cpu_s = run.foreign_cpu_s
+    row.noise = run.foreign_cpu_s / (run.fit_s * (os.cpu_count() or 1))
+    if run.rss_growth > run.rss_growth_sampled + 16 * MiB:
+        row.details.append(f"peak RSS growth {run.rss_growth / GB:.3f} GB (kernel VmHWM) vs"
+                           f" {run.rss_growth_sampled / GB:.3f} GB seen by the 10 ms sampler")
+
+
+def restore_into_fresh(bench: Bench, load: Callable[[GPT, torch.optim.Optimizer], None], path: str | Path,
+                       reference: dict[str, str] | None) -> tuple[float, str]:
+    """Cold-restore into a fresh model + optimizer with ``load``; returns (seconds, consistency verdict)."""
+    trim_memory()
+    module = fresh_model(bench.cfg)
+    optimizer = module.configure_optimizers()
+    evict(path)
+    _, seconds = timed(lambda: load(module, optimizer))
+    return seconds, compare(reference, module, optimizer)
+
+
+# ================================================================================================ methods
+def run_none(bench: Bench) -> Row:
+    row = Row("none")
+    run = train(bench, [])
+    fill_common(bench, row, run, None)
+    row.stall_ms = [0.0] * len(bench.schedule)
+    if not bench.state_bytes:
+        bench.state_bytes = state_bytes(run.module, run.optimizer)
+        bench.memcpy_s, line = memcpy(run.module, run.optimizer)
+        print(line, flush=True)
+    return row
+
+
+def memcpy(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[float, str]:
+    """One copy of the state into a preallocated, touched buffer: memmove on one thread, and torch copy_."""
+    tensors = [t.detach() for t in state_tensors(module, optimizer).values()]
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    buf = torch.zeros(total, dtype=torch.uint8)
+    base = buf.data_ptr()
+
+    def memmove() -> None:
+        pos = 0
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            ctypes.memmove(base + pos, t.data_ptr(), n)
+            pos += n
+
+    def torch_copy() -> None:
+        pos = 0
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            buf[pos:pos + n].copy_(t.reshape(-1).view(torch.uint8))
+            pos += n
+
+    one = statistics.median(timed(memmove)[1] for _ in range(3))
+    threads = statistics.median(timed(torch_copy)[1] for _ in range(3))
+    return one, (f"state: {total / GB:.3f} GB ({len(tensors)} tensors: fp32 params + AdamW exp_avg/exp_avg_sq/step)\n"
+            f"one memcpy of the state into a preallocated buffer: {one:.3f} s (ctypes.memmove, 1 thread,"
+            f" {total / one / GB:.1f} GB/s); torch copy_ with {torch.get_num_threads()} threads: {threads:.3f} s")
+
+
+class NullTier(Backend):
+    """A tier that keeps nothing: staging and persist bookkeeping run, no byte is stored."""
+
+    tier = "null"
+    durable = False
+
+    @property
+    def url(self) -> str:
+        return "null://"
+
+    def write(self, key: str, buffers: Any) -> int:
+        return sum(memoryview(b).nbytes for b in buffers)
+
+    def commit(self, key: str, data: bytes) -> None:
+        pass
+
+    def read(self, key: str) -> bytes:
+        raise FileNotFoundError(key)
+
+    def read_into(self, key: str, offset: int, out: memoryview) -> None:
+        raise FileNotFoundError(key)
+
+    def list(self, prefix: str = "") -> list[str]:
+        return []
+
+    def delete(self, key: str) -> None:
+        pass
+
+    def exists(self, key: str) -> bool:
+        return False
+
+
+def record_manifest_commits(tier: Backend) -> dict[int, float]:
+    """When each step's manifest commit returned: for LocalTier that is after the data objects were fsynced and the
+    manifest was fsynced, renamed into place and its directory fsynced, i.e. durable. (Wraps the instance's method.)
+    """
+    done: dict[int, float] = {}
+    commit = tier.commit
+
+    def timed_commit(key: str, data: bytes) -> None:
+        commit(key, data)
+        head, _, name = key.rpartition("/")
+        step = parse_step_dirname(head)
+        if name == MANIFEST_NAME and step is not None:
+            done[step] = time.perf_counter()
+
+    tier.commit = timed_commit  # type: ignore[method-assign]
+    return done
+
+
+def run_ours(bench: Bench, method: str) -> Row:
+    row = Row(method)
+    local = method != "ours-ram"
+    path = bench.workdir(method)
+    tier: Backend = (LocalTier(path, every_n_train_steps=bench.every, keep_last=2) if local
+                     else NullTier(every_n_train_steps=bench.every, keep_last=2))
+    budget = None
+    if method == "ours-local-1buf":
+        # one arena buffer: the state rounded up to 2 MiB (with room for the 64-byte alignment), plus a little
+        budget = -(-(bench.state_bytes + MiB) // (2 * MiB)) * 2 * MiB + MiB
+        row.note = f"max_host_bytes={budget / GB:.3f} GB"
+    callback = SnapshotCallback(tier, resume=False, max_host_bytes=budget)
+    committed = record_manifest_commits(tier)
+    run = train(bench, [callback])
+    row.stall_ms = run.logger.values("snapshot/stall_ms")
+    fill_common(bench, row, run, committed if local else None)
+    if not local and committed:
+        started = run.probe.save_started
+        hand = [committed[s] - started[s] for s in bench.schedule if s in committed and s in started]
+        row.details.append(f"null-tier 'commit' (nothing stored) after median {statistics.median(hand):.3f} s")
+    skipped = run.logger.values("snapshot/skipped")
+    row.skipped = int(max(skipped)) if skipped else 0
+    failed = run.logger.values("snapshot/failed")
+    if failed:
+        row.details.append(f"snapshot/failed = {int(max(failed))}")
+    stage = run.logger.values("snapshot/stage_ms")
+    persist = run.logger.values(f"snapshot/{tier.tier}/persist_ms")
+    mbps = run.logger.values(f"snapshot/{tier.tier}/throughput_MBps")
+    if stage:
+        row.details.append(f"snapshot/stage_ms median {statistics.median(stage):.0f} (n={len(stage)})")
+    if persist:
+        row.details.append(f"snapshot/{tier.tier}/persist_ms median {statistics.median(persist):.0f},"
+                           f" throughput median {statistics.median(mbps):.0f} MB/s (n={len(persist)})")
+    n_stall = len(row.stall_ms)
+    if n_stall != len(bench.schedule) - row.skipped:
+        row.details.append(f"snapshot/stall_ms logged {n_stall} times for {len(bench.schedule)} scheduled and"
+                           f" {row.skipped} skipped snapshots")
+    if row.stall_ms and row.ext_stall_ms:
+        taken = [e for e in row.ext_stall_ms if e > 0.5]
+        diff = statistics.median(taken or row.ext_stall_ms) - statistics.median(row.stall_ms)
+        row.details.append(f"stall measured around the callback's hooks: median"
+                           f" {statistics.median(taken or row.ext_stall_ms):.2f} ms (metric + {diff:.2f} ms),"
+                           f" per snapshot {[round(x, 1) for x in row.ext_stall_ms]}")
+    if local:
+        reference = run.probe.reference
+        del run
+        if (path / step_dirname(bench.check_step) / MANIFEST_NAME).is_file():
+
+            def load(module: GPT, optimizer: torch.optim.Optimizer) -> None:
+                ckpt = load_snapshot(str(path), step=bench.check_step)
+                module.load_state_dict(ckpt["state_dict"])
+                optimizer.load_state_dict(ckpt["optimizer_states"][0])
+
+            row.restore_s, row.consistency = restore_into_fresh(bench, load, path / step_dirname(bench.check_step),
+                                                                reference)
+        else:
+            row.consistency = "SKIPPED"
+            row.details.append(f"step {bench.check_step} (the checked snapshot) is not in the tier")
+    shutil.rmtree(path, ignore_errors=True)
+    return row
+
+
+class TimedTorchIO(TorchCheckpointIO):
+    """Lightning's torch.save IO; hands every written file to the background fsync (Lightning never fsyncs)."""
+
+    def __init__(self, later: FsyncLater) -> None:
+        super().__init__()
+        self.later = later
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        super().save_checkpoint(checkpoint, path, storage_options)
+        self.later.submit(int(checkpoint["global_step"]), str(path))
+
+
+def run_modelcheckpoint(bench: Bench, method: str) -> Row:
+    """``torch-save`` (synchronous) and ``async-io`` (Lightning AsyncCheckpointIO): the same ModelCheckpoint."""
+    row = Row(method, durable_mark="+")
+    path = bench.workdir(method)
+    later = FsyncLater()
+    io = TimedTorchIO(later)
+    plugin = AsyncCheckpointIO(io) if method == "async-io" else io
+    checkpoint = ModelCheckpoint(dirpath=path, every_n_train_steps=bench.every, save_top_k=-1)
+    try:
+        run = train(bench, [checkpoint], plugins=[plugin])
+    finally:
+        later.close()
+    fill_common(bench, row, run, later.durable)
+    row.details += later.errors
+    reference = run.probe.reference
+    del run
+    file = later.paths.get(bench.check_step)
+    if file is None:
+        row.consistency = "SKIPPED"
+    else:
+
+        def load(module: GPT, optimizer: torch.optim.Optimizer) -> None:
+            ckpt = torch.load(file, map_location="cpu", weights_only=False)
+            module.load_state_dict(ckpt["state_dict"])
+            optimizer.load_state_dict(ckpt["optimizer_states"][0])
+
+        row.restore_s, row.consistency = restore_into_fresh(bench, load, file, reference)
+    shutil.rmtree(path, ignore_errors=True)
+    return row
+
+
+class DcpCallback(Checkpoint):
+    """``dcp.async_save`` every K steps with one reused stager; waits for staging before the next optimizer step."""
+
+    def __init__(self, root: Path, every: int, stager: Any) -> None:
+        self.root, self.every, self.stager = root, every, stager
+        self.done: dict[int, float] = {}
+        self.staged: dict[int, float] = {}
+        self.started: dict[int, float] = {}
+        self._staging: cf.Future[Any] | None = None
+        self._upload: cf.Future[Any] | None = None
+        self._last = -1
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        step = trainer.global_step
+        if step % self.every or step == self._last:
+            return
+        self._last = step
+        self.started[step] = time.perf_counter()
+        if self._upload is not None:
+            self._upload.result()  # the reused stager's buffers may still be being written out
+        model_sd, optim_sd = get_state_dict(pl_module, trainer.optimizers[0])
+        response = dcp.async_save({"model": model_sd, "optim": optim_sd},
+                                  storage_writer=dcp.FileSystemWriter(str(self.root / f"step-{step}")),
+                                  async_stager=self.stager)
+        response.staging_completion.add_done_callback(lambda _, s=step: self.staged.__setitem__(s, time.perf_counter()))
+        response.upload_completion.add_done_callback(lambda _, s=step: self.done.__setitem__(s, time.perf_counter()))
+        self._staging, self._upload = response.staging_completion, response.upload_completion
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if self._staging is not None:
+            self._staging.result()  # parameters and optimizer state change in this step
+            self._staging = None
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._upload is not None:
+            self._upload.result()
+
+
+def run_dcp(bench: Bench) -> Row:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    row = Row("dcp")
+    path = bench.workdir("dcp")
+    with gloo_group():
+        # pinned memory and non-blocking copies need CUDA; on CPU the best is async staging into shared memory,
+        # with the stager (and so its cached staging storages) reused across saves
+        stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=True,
+                                              use_async_staging=True, use_non_blocking_copy=False))
+        row.note = "DefaultStager(shm, async, reused)"
+        callback = DcpCallback(path, bench.every, stager)
+        try:
+            run = train(bench, [callback])
+        finally:
+            stager.close()
+        fill_common(bench, row, run, callback.done)
+        staging = [callback.staged[s] - callback.started[s] for s in bench.schedule if s in callback.staged]
+        if staging:
+            row.details.append(f"staging (save call -> staging future done) per snapshot:"
+                               f" {[round(x, 3) for x in staging]} s")
+        reference = run.probe.reference
+        del run, stager, callback
+        target = path / f"step-{bench.check_step}"
+
+        def load(module: GPT, optimizer: torch.optim.Optimizer) -> None:
+            model_sd, optim_sd = get_state_dict(module, optimizer)
+            dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(target))
+            set_state_dict(module, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+        row.restore_s, row.consistency = restore_into_fresh(bench, load, target, reference)
+    shutil.rmtree(path, ignore_errors=True)
+    return row
+
+
+def torchsnapshot_status() -> str | None:
+    """None when torchsnapshot is importable next to this torch, else why not."""
+    try:
+        import torchsnapshot  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return f"not installable without changing torch ({type(e).__name__}: {e})"
+    return None
+
+
+class TorchSnapshotCallback(Checkpoint):
+    """``Snapshot.async_take`` every K steps; the previous one must have completed before the next is taken."""
+
+    def __init__(self, root: Path, every: int, later: FsyncLater) -> None:
+        self.root, self.every, self.later = root, every, later
+        self._pending: Any = None
+        self._last = -1
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        from torchsnapshot import Snapshot
+
+        step = trainer.global_step
+        if step % self.every or step == self._last:
+            return
+        self._last = step
+        if self._pending is not None:
+            self._pending.wait()
+        self._pending = Snapshot.async_take(str(self.root / f"step-{step}"),
+                                            {"model": pl_module, "optim": trainer.optimizers[0]})
+        self.later.submit(step, str(self.root / f"step-{step}"), wait=self._pending.wait)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._pending is not None:
+            self._pending.wait()
+
+
+def run_torchsnapshot(bench: Bench) -> Row:
+    row = Row("torchsnapshot", durable_mark="+")
+    status = torchsnapshot_status()
+    if status is not None:
+        row.error = status
+        return row
+    from torchsnapshot import Snapshot
+
+    path = bench.workdir("torchsnapshot")
+    with gloo_group():
+        later = FsyncLater()
+        callback = TorchSnapshotCallback(path, bench.every, later)
+        try:
+            run = train(bench, [callback])
+        finally:
+            later.close()
+        fill_common(bench, row, run, later.durable)
+        row.details += later.errors
+        reference = run.probe.reference
+        del run, callback
+        target = path / f"step-{bench.check_step}"
+
+        def load(module: GPT, optimizer: torch.optim.Optimizer) -> None:
+            Snapshot(path=str(target)).restore({"model": module, "optim": optimizer})
+
+        row.restore_s, row.consistency = restore_into_fresh(bench, load, target, reference)
+    shutil.rmtree(path, ignore_errors=True)
+    return row
+
+
+RUNNERS: dict[str, Callable[[Bench], Row]] = {
+    "none": run_none,
+    "ours-ram": lambda b: run_ours(b, "ours-ram"),
+    "ours-local": lambda b: run_ours(b, "ours-local"),
+    "ours-local-1buf": lambda b: run_ours(b, "ours-local-1buf"),
+    "torch-save": lambda b: run_modelcheckpoint(b, "torch-save"),
+    "async-io": lambda b: run_modelcheckpoint(b, "async-io"),
+    "dcp": run_dcp,
+    "torchsnapshot": run_torchsnapshot,
+}
+
+
+# ================================================================================================ report
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def _ratio(a: float | None, b: float | None, floor: float = 0.0) -> str:
+    """``a / b``; "ref~0" where the reference ``b`` is within the noise (``|b| <= floor``) or not positive."""
+    if a is None or b is None:
+        return "-"
+    if b <= 0 or abs(b) <= floor:
+        return "ref~0"
+    r = a / b
+    return f"{r:.2f}x" if abs(r) < 1 else (f"{r:.1f}x" if abs(r) < 100 else f"{r:.0f}x")
+
+
+def _fmt(x: float | None, spec: str, missing: str = "-") -> str:
+    return missing if x is None else format(x, spec)
+
+
+@dataclass
+class Baseline:
+    wall_s: float | None  # training window of the quieter baseline run
+    period_s: float | None  # median quiet snapshot period over both baseline runs
+    rss_growth: int | None  # the smaller RSS growth of the two
+
+    @classmethod
+    def from_rows(cls, rows: list[Row]) -> Baseline:
+        bases = [r for r in rows if r.method == "none" and r.error is None and r.wall_s is not None]
+        quieter = min(bases, key=lambda r: r.noise, default=None)
+        period, _ = quiet_median([p for r in bases for p in r.periods])
+        growth = min((r.rss_growth for r in bases if r.rss_growth is not None), default=None)
+        return cls(quieter.wall_s if quieter else None, period, growth)
+
+    def overhead(self, row: Row | None) -> float | None:
+        """Added wall time per snapshot over the whole window (the definition of the issue)."""
+        if row is None or row.wall_s is None or self.wall_s is None or not row.snapshots or row.method == "none":
+            return None
+        return (row.wall_s - self.wall_s) / row.snapshots
+
+    def overhead_p50(self, row: Row | None) -> float | None:
+        """Median quiet snapshot period minus the baseline's: robust to other processes and to one-off costs."""
+        if row is None or self.period_s is None or row.method == "none":
+            return None
+        period, _ = quiet_median(row.periods)
+        return None if period is None else period - self.period_s
+
+    def extra_rss(self, row: Row) -> int | None:
+        if row.rss_growth is None or self.rss_growth is None or row.method == "none":
+            return None
+        return row.rss_growth - self.rss_growth
+
+
+def report(bench: Bench, rows: list[Row]) -> None:
+    base = Baseline.from_rows(rows)
+    ref = next((r for r in rows if r.method == REFERENCE and r.error is None), None)
+    ref_stall = _median(ref.stall_ms) if ref else None
+    ref_over, ref_p50 = base.overhead(ref), base.overhead_p50(ref)
+    state = bench.state_bytes or 1
+    header = (f"{'method':<16} {'snaps':>5} {'stall med':>9} {'stall max':>9} {'overhead':>8} {'ovh p50':>7}"
+              f" {'durable':>8} {'peak extra RSS':>15} {'restore':>7} {'consistency':>11} {'stall/ours':>10}"
+              f" {'ovh/ours':>8} {'p50/ours':>8} {'noise':>5}")
+    print()
+    print(f"{len(bench.schedule)} snapshots per run (steps {bench.schedule[0]}..{bench.schedule[-1]}, every"
+          f" {bench.every}, {bench.steps} steps). stall: ms the training thread was blocked per snapshot."
+          f" overhead: added wall s per snapshot over the run; ovh p50: the same from the median snapshot period"
+          f" ({bench.every} steps) among those other processes left quiet. durable: s from the save call to fsynced."
+          f" restore: cold, s. Ratios against {REFERENCE}. noise: share of the CPUs other processes used during"
+          " the run.")
+    bases = [r for r in rows if r.method == "none" and r.wall_s is not None]
+    spread = 0.0
+    if bases:
+        walls = [r.wall_s or 0.0 for r in bases]
+        spread = (max(walls) - min(walls)) / len(bench.schedule)
+        print(f"baseline windows {', '.join(f'{w:.2f} s ({r.noise:.0%} noise)' for w, r in zip(walls, bases))};"
+              f" the quieter one is used (spread {spread:.3f} s per snapshot); median quiet baseline period"
+              f" {_fmt(base.period_s, '.3f')} s; RSS growth during fit"
+              f" {', '.join(f'{(r.rss_growth or 0) / GB:.2f}' for r in bases)} GB (the smaller is subtracted)")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        if r.error is not None:
+            print(f"{r.method:<16} {r.error}")
+            continue
+        is_base = r.method == "none"
+        stall = None if is_base else _median(r.stall_ms)
+        over, p50 = base.overhead(r), base.overhead_p50(r)
+        durable = _median(r.durable_s)
+        extra = base.extra_rss(r)
+        extra_s = "-" if extra is None else f"{extra / GB:4.2f} GB {extra / state:4.2f}x"
+        durable_s = (f"{durable:.2f}{r.durable_mark}" if durable is not None
+                     else ("n/a" if r.method in ("none", "ours-ram") else "-"))
+        snaps = f"{r.snapshots - r.skipped}" + (f"-{r.skipped}s" if r.skipped else "")
+        print(f"{r.method:<16} {snaps:>5} {_fmt(stall, '.1f'):>9}"
+              f" {_fmt(None if is_base else max(r.stall_ms, default=None), '.1f'):>9} {_fmt(over, '.3f'):>8}"
+              f" {_fmt(p50, '.3f'):>7} {durable_s:>8} {extra_s:>15} {_fmt(r.restore_s, '.2f', 'n/a'):>7}"
+              f" {r.consistency:>11} {'-' if is_base else _ratio(stall, ref_stall):>10}"
+              f" {_ratio(over, ref_over, spread):>8} {_ratio(p50, ref_p50, spread):>8} {r.noise:>5.0%}")
+    print("+: the method never fsyncs; the benchmark fsyncs each file in a background thread once it is written."
+          " 'N-Ms' in snaps: N taken, M skipped. ref~0: the reference's overhead is within the baseline spread"
+          " (or <= 0), so no ratio is meaningful")
+    print()
+    for r in rows:
+        lines = ([r.note] if r.note else []) + r.details
+        if r.periods:
+            lines.append("snapshot periods s (noise): " + ", ".join(f"{w:.2f} ({n:.0%})" for w, n in r.periods))
+        if lines and r.error is None:
+            print(f"[{r.method}] " + f"\n[{r.method}] ".join(lines))
+    targets(bench, rows, base)
+
+
+def targets(bench: Bench, rows: list[Row], base: Baseline) -> None:
+    """The issue's targets, checked against this run (overhead both ways: whole window, and median period)."""
+    by = {r.method: r for r in rows if r.error is None and r.method != "none"}
+    peers = [r for r in by.values() if r.method not in OURS and not r.consistency.startswith("FAIL")]
+    best = min((r for r in peers if base.overhead_p50(r) is not None), key=lambda r: base.overhead_p50(r) or 0.0,
+               default=None)
+    print()
+    print("targets" + (f" (best peer: {best.method}, the consistent peer with the smallest ovh p50)" if best else ""))
+
+    def line(ok: bool | None, text: str) -> None:
+        print(f"  {'PASS' if ok else ('FAIL' if ok is not None else ' -- ')}  {text}")
+
+    for m in OURS:
+        if m in by and by[m].stall_ms:
+            s = statistics.median(by[m].stall_ms)
+            line(s <= 5.0, f"{m}: median stall {s:.1f} ms <= 5 ms")
+    ref = by.get(REFERENCE)
+    if ref and best:
+        for name, fn in (("overhead", base.overhead), ("ovh p50", base.overhead_p50)):
+            o, ob = fn(ref), fn(best)
+            if o is not None and ob is not None:
+                line(o <= 0.2 * ob, f"{REFERENCE}: {name} {o:.3f} s <= 0.2 x {best.method}'s {ob:.3f} s"
+                                    f" = {0.2 * ob:.3f} s")
+        d, db = _median(ref.durable_s), _median(best.durable_s)
+        if d is not None and db is not None:
+            line(d <= 0.5 * db, f"{REFERENCE}: durable in {d:.2f} s <= 0.5 x {best.method}'s {db:.2f} s")
+    if "ours-ram" in by and bench.memcpy_s:
+        for name, fn in (("overhead", base.overhead), ("ovh p50", base.overhead_p50)):
+            o = fn(by["ours-ram"])
+            if o is not None:
+                line(o <= 1.5 * bench.memcpy_s, f"ours-ram: {name} {o:.3f} s <= 1.5 x one memcpy"
+                                                f" ({bench.memcpy_s:.3f} s) = {1.5 * bench.memcpy_s:.3f} s")
+    if ref and "dcp" in by and ref.restore_s and by["dcp"].restore_s:
+        line(ref.restore_s <= 0.5 * by["dcp"].restore_s,
+             f"{REFERENCE}: restore {ref.restore_s:.2f} s <= 0.5 x dcp's {by['dcp'].restore_s:.2f} s")
+    for m in ("ours-local", "ours-local-1buf"):
+        if m in by:
+            line(by[m].consistency == "PASS", f"{m}: consistency {by[m].consistency}")
+    for m, limit in (("ours-local", 2.1), ("ours-ram", 2.1), ("ours-local-1buf", 1.1)):
+        extra = base.extra_rss(by[m]) if m in by else None
+        if extra is not None and bench.state_bytes:
+            line(extra / bench.state_bytes <= limit,
+                 f"{m}: peak extra host memory {extra / bench.state_bytes:.2f}x the state <= {limit}x")
+
+
+# ================================================================================================ main
+def run_method(method: str, bench: Bench, retries: int) -> Row:
+    """Run one method; again (up to ``retries`` times) while other processes disturbed it, keeping the quietest."""
+    kept: Row | None = None
+    for attempt in range(retries + 1):
+        t0 = time.perf_counter()
+        try:
+            row = RUNNERS[method](bench)
+        except Exception as e:  # noqa: BLE001 - one method failing must not hide the others
+            traceback.print_exc()
+            row = Row(method, error=f"ERROR {type(e).__name__}: {str(e)[:200]}")
+        trim_memory()
+        print(f"  {method:<16} {time.perf_counter() - t0:6.1f} s  (wall window {row.wall_s or 0:.2f} s, other"
+              f" processes {row.noise:.0%} of the CPUs)", flush=True)
+        if kept is None or (row.error is None and (kept.error is not None or row.noise < kept.noise)):
+            kept = row
+        if row.error is not None or row.noise <= NOISY or attempt == retries:
+            break
+        print(f"  {method:<16} disturbed by other processes: running it again", flush=True)
+    assert kept is not None
+    if kept.noise > NOISY:
+        kept.details.append(f"NOISE: other processes used {kept.foreign_cpu_s:.1f} CPU-s ({kept.noise:.0%} of the"
+                            " CPUs) during this run: its wall-clock figures are unreliable")
+    return kept
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="~21M-parameter model, fewer steps (< 2 minutes)")
+    parser.add_argument("--steps", type=int, help="optimizer steps per run (default: full 44, quick 14)")
+    parser.add_argument("--every", type=int, help="snapshot every K steps, K >= 2 (default: full 5, quick 3)")
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help=f"comma-separated subset of {','.join(METHODS)} (the baseline always runs)")
+    parser.add_argument("--dir", default=None, help="where snapshots are written (default: a temp dir in /tmp)")
+    parser.add_argument("--retries", type=int, default=0,
+                        help=f"run a method again (keeping the quieter run) when other processes used more than"
+                             f" {NOISY * 100:.0f}%% of the CPUs during it (default 0)")
+    args = parser.parse_args(argv)
+
+    every = args.every or (3 if args.quick else 5)
+    steps = args.steps or (5 * every - 1 if args.quick else 9 * every - 1)
+    if every < 2 or steps < every:
+        parser.error("need --every >= 2 and --steps >= --every")
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        parser.error(f"unknown method(s) {unknown}; choose from {METHODS}")
+    methods = ["none"] + [m for m in METHODS if m in methods and m != "none"]
+    if len(methods) > 1:
+        methods.append("none")  # again at the end: how noisy the wall clock was
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
+    logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+    root = Path(tempfile.mkdtemp(prefix="ls-stall-", dir=args.dir))
+    bench = Bench(QUICK if args.quick else FULL, steps, every, root)
+    n_params = sum(p.numel() for p in fresh_model(bench.cfg).parameters())
+    print(f"lightning-snapshot stall benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads,"
+          f" {os.cpu_count()} CPUs; model {n_params / 1e6:.1f}M params ({bench.cfg}); snapshots in {root};"
+          f" load average {os.getloadavg()[0]:.2f}\nlibrary at {library_version()}", flush=True)
+    started = time.perf_counter()
+    # one short run first, so that one-time costs (lazy imports, thread pools, allocator growth) land in no row
+    train(Bench(bench.cfg, 2, 2, root), [])
+    trim_memory()
+    rows: list[Row] = []
+    try:
+        for method in methods:
+            rows.append(run_method(method, bench, args.retries))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    report(bench, rows)
+    foreign = sum(r.foreign_cpu_s for r in rows)
+    print(f"\ntotal {time.perf_counter() - started:.0f} s; load average {os.getloadavg()[0]:.2f}; other processes"
+          f" used {foreign:.0f} CPU-s during the training runs that were kept")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
