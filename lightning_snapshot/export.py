@@ -21,9 +21,8 @@ import torch
 from lightning_snapshot import tree as _tree
 from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.errors import ConfigError, SnapshotNotFoundError
-from lightning_snapshot.loader import read_manifest, read_section, resolve_source
+from lightning_snapshot.loader import open_snapshot, read_section
 from lightning_snapshot.manifest import Manifest, TensorEntry, dtype_from_name
-from lightning_snapshot.writer import committed_steps
 
 __all__ = ["export_snapshot", "FORMATS"]
 
@@ -168,15 +167,8 @@ def export_snapshot(
     """
     if fmt not in FORMATS:
         raise ConfigError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    backend, named = resolve_source(source)
-    if step is None:
-        step = named
-    if step is None:
-        steps = committed_steps(backend)
-        if not steps:
-            raise SnapshotNotFoundError(f"the {backend.tier} tier {backend.url!r} holds no committed snapshot")
-        step = steps[0]
-    manifest = read_manifest(backend, step)
+    backend, manifest = open_snapshot(source, step)
+    step = manifest.step
     out = Path(out).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "torch":

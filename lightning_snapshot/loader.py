@@ -28,7 +28,7 @@ from lightning_snapshot.planner import Box, bytes_planned, chunk_ranges, plan_te
 from lightning_snapshot.staging import dtensor_box, is_dtensor, tensor_bytes
 from lightning_snapshot.writer import committed_steps
 
-__all__ = ["read_manifest", "read_section", "load_snapshot", "resolve_source", "committed_steps", "ShardTarget",
+__all__ = ["read_manifest", "read_section", "load_snapshot", "open_snapshot", "resolve_source", "committed_steps", "ShardTarget",
            "ReadStats"]
 
 
@@ -280,6 +280,23 @@ def _refs(tree: Any) -> set[str]:
     return set()
 
 
+def open_snapshot(source: str | os.PathLike[str] | Backend, step: int | None = None) -> tuple[Backend, Manifest]:
+    """The backend and validated manifest of a snapshot: ``step``, else the one ``source`` names, else the newest.
+
+    Raises:
+        SnapshotNotFoundError: nothing committed matches.
+    """
+    backend, named_step = resolve_source(source)
+    if step is None:
+        step = named_step
+    if step is None:
+        steps = committed_steps(backend)
+        if not steps:
+            raise SnapshotNotFoundError(f"the {backend.tier} tier {backend.url!r} holds no committed snapshot")
+        step = steps[0]
+    return backend, read_manifest(backend, step)
+
+
 def load_snapshot(
     source: str | os.PathLike[str] | Backend,
     step: int | None = None,
@@ -310,15 +327,8 @@ def load_snapshot(
     Raises:
         SnapshotNotFoundError, ManifestError, FormatVersionError, ChecksumError.
     """
-    backend, named_step = resolve_source(source)
-    if step is None:
-        step = named_step
-    if step is None:
-        steps = committed_steps(backend)
-        if not steps:
-            raise SnapshotNotFoundError(f"the {backend.tier} tier {backend.url!r} holds no committed snapshot")
-        step = steps[0]
-    manifest = read_manifest(backend, step)
+    backend, manifest = open_snapshot(source, step)
+    step = manifest.step
     tree = manifest.state if keys is None else _select(manifest.state, keys)
     entries = manifest.tensors
     if keys is not None:
