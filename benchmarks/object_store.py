@@ -24,7 +24,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
 
 import torch
 
@@ -36,6 +35,7 @@ from lightning_snapshot.backends.base import Backend  # noqa: E402
 from lightning_snapshot.comm import LocalComm  # noqa: E402
 from lightning_snapshot.staging import stage  # noqa: E402
 from lightning_snapshot.writer import SnapshotJob, write_snapshot  # noqa: E402
+from stall import NullTier  # noqa: E402  (the arena-only tier, shared with the stall benchmark)
 
 KEY, SECRET = "bench-key", "bench-secret"
 
@@ -64,34 +64,6 @@ def start_server() -> tuple[subprocess.Popen, str]:
 
 def options(endpoint: str) -> dict:
     return {"key": KEY, "secret": SECRET, "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
-
-
-class NullTier(Backend):
-    """Arena only: the persist thread runs, nothing is stored."""
-
-    tier = "null"
-
-    @property
-    def url(self) -> str:
-        return "null://"
-
-    def write(self, key: str, buffers: Iterable) -> int:
-        return sum(memoryview(b).nbytes for b in buffers)
-
-    def commit(self, key: str, data: bytes) -> None:
-        pass
-
-    def read(self, key: str) -> bytes:
-        raise FileNotFoundError(key)
-
-    def read_into(self, key: str, offset: int, out: memoryview) -> None:
-        raise FileNotFoundError(key)
-
-    def list(self, prefix: str = "") -> list[str]:
-        return []
-
-    def delete(self, key: str) -> None:
-        pass
 
 
 def state_of(nbytes: int) -> dict[str, torch.Tensor]:

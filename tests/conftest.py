@@ -12,10 +12,10 @@ SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
 
-def run_train(snapshot_dir: Path, out: Path, *args: str, expect_kill: bool = False, timeout: int = 300
-              ) -> subprocess.CompletedProcess[str]:
-    """Run tests/scripts/train.py in a fresh process; SIGKILL (rc -9) is expected when ``expect_kill``."""
-    cmd = [sys.executable, str(SCRIPTS / "train.py"), "--dir", str(snapshot_dir), "--out", str(out), *args]
+def run_script(script: str, *args: str, expect_kill: bool = False, timeout: int = 300
+               ) -> subprocess.CompletedProcess[str]:
+    """Run tests/scripts/SCRIPT in a fresh process; SIGKILL (rc -9) is expected when ``expect_kill``."""
+    cmd = [sys.executable, str(SCRIPTS / script), *args]
     env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
                           start_new_session=True)
@@ -24,6 +24,13 @@ def run_train(snapshot_dir: Path, out: Path, *args: str, expect_kill: bool = Fal
     else:
         assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
     return proc
+
+
+def run_train(snapshot_dir: Path, out: Path, *args: str, expect_kill: bool = False, timeout: int = 300
+              ) -> subprocess.CompletedProcess[str]:
+    """Run tests/scripts/train.py in a fresh process; SIGKILL (rc -9) is expected when ``expect_kill``."""
+    return run_script("train.py", "--dir", str(snapshot_dir), "--out", str(out), *args, expect_kill=expect_kill,
+                      timeout=timeout)
 
 
 def assert_bitwise_equal(ref_path: Path, got_path: Path) -> int:

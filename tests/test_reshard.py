@@ -9,17 +9,15 @@ simulated multi-rank snapshots, with the tier's byte counter.
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import SCRIPTS, assert_bitwise_equal
+from conftest import assert_bitwise_equal, run_script
 
 from lightning_snapshot import load_snapshot
 from lightning_snapshot.backends import LocalTier
@@ -36,15 +34,7 @@ MAX_AMPLIFICATION = 1.05
 
 
 def run(*args: str, expect_kill: bool = False, timeout: int = 300) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, str(SCRIPTS / "reshard_train.py"), *args]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, start_new_session=True,
-                          check=False)
-    if expect_kill:
-        assert proc.returncode == -9, f"expected SIGKILL, got rc={proc.returncode}\n{proc.stderr[-3000:]}"
-    else:
-        assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
-    return proc
+    return run_script("reshard_train.py", *args, expect_kill=expect_kill, timeout=timeout)
 
 
 def assert_state_equal(ref_path: Path, got_path: Path) -> int:
