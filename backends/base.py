@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import abc
 import datetime as _dt
+import functools
+import importlib
 from collections.abc import Iterable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from lightning_snapshot.errors import ConfigError
 
@@ -40,6 +42,60 @@ class Backend(abc.ABC):
     tier: ClassVar[str] = "backend"
     #: Whether data survives the loss of the training process and the node's memory.
     durable: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            return
+
+        library = cls.__module__.startswith("lightning_snapshot.backends.")
+
+        @functools.wraps(init)
+        def recording_init(self: Backend, *args: Any, **kw: Any) -> None:
+            # the outermost constructor of a library class is the one to replay (a user's subclass is rebuilt as
+            # the library tier it extends)
+            if library and not hasattr(self, "_spec_args"):
+                self._spec_args = (cls, args, kw)
+            init(self, *args, **kw)
+
+        cls.__init__ = recording_init  # type: ignore[method-assign]
+
+    def spec(self) -> dict[str, Any]:
+        """How to build this tier again in another process (the snapshot agent): plain JSON values.
+
+        It holds the constructor's arguments, ``storage_options`` included, so it is sent only to a process of the
+        same user over a socket only that user can open, and never logged.
+        """
+        cls, args, kw = getattr(self, "_spec_args", (type(self), (), {}))
+
+        def plain(v: Any) -> Any:
+            if isinstance(v, _dt.timedelta):
+                return v.total_seconds()
+            if isinstance(v, (str, int, float, bool)) or v is None:
+                return v
+            if isinstance(v, (list, tuple)):
+                return [plain(x) for x in v]
+            if isinstance(v, dict):
+                return {str(k): plain(x) for k, x in v.items()}
+            return str(v)  # a path
+
+        return {"module": cls.__module__, "class": cls.__qualname__, "args": plain(list(args)),
+                "kwargs": plain(dict(kw))}
+
+    @staticmethod
+    def from_spec(spec: Any) -> Backend:
+        """The tier :meth:`spec` describes. Only classes of ``lightning_snapshot.backends`` are accepted."""
+        if not isinstance(spec, dict) or not isinstance(spec.get("module"), str) or not isinstance(
+                spec.get("class"), str) or not isinstance(spec.get("args"), list) or not isinstance(
+                spec.get("kwargs"), dict):
+            raise ConfigError(f"malformed tier spec {spec!r}")
+        if not spec["module"].startswith("lightning_snapshot.backends."):
+            raise ConfigError(f"tier spec names {spec['module']!r}; only lightning_snapshot.backends tiers are accepted")
+        cls = getattr(importlib.import_module(spec["module"]), spec["class"], None)
+        if not (isinstance(cls, type) and issubclass(cls, Backend)):
+            raise ConfigError(f"tier spec names {spec['module']}.{spec['class']}, which is not a tier class")
+        return cls(*spec["args"], **spec["kwargs"])
 
     def __init__(
         self,

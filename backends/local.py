@@ -53,6 +53,8 @@ class LocalTier(Backend):
 
     tier = "local"
     durable = True
+    #: Permissions of the files the tier creates.
+    file_mode = 0o644
 
     def __init__(
         self,
@@ -126,7 +128,7 @@ class LocalTier(Backend):
         total = 0
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, self.file_mode)
             direct_fd = -1
             try:
                 for buf in buffers:
@@ -175,7 +177,7 @@ class LocalTier(Backend):
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, self.file_mode)
             try:
                 view = memoryview(data)
                 while view.nbytes:

@@ -24,9 +24,12 @@ KNOWN_SCHEMES: dict[str, tuple[str, str]] = {
     "": ("lightning_snapshot.backends.local", "LocalTier"),
     "file": ("lightning_snapshot.backends.local", "LocalTier"),
     **{scheme: _OBJECT for scheme in ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory")},
+    "ram": ("lightning_snapshot.backends.ram", "RamTier"),
 }
-_PLANNED = {"ram": "the RAM tier"}
+_PLANNED: dict[str, str] = {}
 _OPTIONS = {"every": "every_n_train_steps", "interval": "train_time_interval", "keep": "keep_last"}
+#: options only the RAM tier takes (``ram://NAME?erasure=4+2&idle=600``)
+_RAM_OPTIONS = {"erasure": "erasure", "idle": "idle_timeout", "threads": "threads"}
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smh]?)$")
 
 
@@ -37,17 +40,33 @@ def _int_option(name: str, value: str) -> int:
         raise ConfigError(f"tier URL option {name}={value!r} must be an integer") from None
 
 
-def _options(query: str, url: str) -> dict[str, Any]:
+def _options(query: str, url: str, extra: dict[str, str] | None = None) -> dict[str, Any]:
     kwargs: dict[str, Any] = {}
+    extra = extra or {}
     try:
         pairs = urllib.parse.parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
     except ValueError as e:
         raise ConfigError(f"tier URL {url!r} has a malformed query {query!r}: {e}") from None
     for name, value in pairs:
+        if name in extra:
+            if extra[name] in kwargs:
+                raise ConfigError(f"tier URL option {name!r} is given twice in {url!r}")
+            if name == "erasure":
+                kwargs["erasure"] = value
+            elif name == "idle":
+                m = _DURATION.match(value)
+                if not m:
+                    raise ConfigError(f"tier URL option idle={value!r} must be seconds or a number with s/m/h")
+                kwargs["idle_timeout"] = float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
+            else:
+                kwargs[extra[name]] = _int_option(name, value)
+            continue
         if name not in _OPTIONS:
             raise ConfigError(
-                f"unknown tier URL option {name!r} in {url!r}; accepted options: {', '.join(sorted(_OPTIONS))}"
-                " (every=<steps>, interval=<seconds or 10m/2h>, keep=<count or all>)"
+                f"unknown tier URL option {name!r} in {url!r}; accepted options:"
+                f" {', '.join(sorted([*_OPTIONS, *extra]))}"
+                " (every=<steps>, interval=<seconds or 10m/2h>, keep=<count or all>"
+                + (", erasure=<k+m or none>, idle=<seconds>, threads=<count>" if extra else "") + ")"
             )
         if _OPTIONS[name] in kwargs:
             raise ConfigError(f"tier URL option {name!r} is given twice in {url!r}")
@@ -94,5 +113,9 @@ def parse_tier(spec: str | Backend) -> Backend:
     base, _, query = spec.partition("?")
     if (module, cls_name) == _OBJECT:
         return cls(base, **_options(query, spec))
+    if scheme == "ram":
+        if parsed.path not in ("", "/"):
+            raise ConfigError(f"RAM tier URL {spec!r} has a path; write ram://NAME?every=10&erasure=4+2")
+        return cls(name=parsed.netloc or None, **_options(query, spec, _RAM_OPTIONS))
     path = urllib.parse.unquote(parsed.path) if scheme else base
     return cls(path, **_options(query, spec))

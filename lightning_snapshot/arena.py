@@ -53,6 +53,9 @@ class ArenaSlot:
     path: str | None
     step: int = -1
     busy: bool = False
+    #: The shared-memory file behind ``buffer`` (its name is already unlinked), kept open so that the snapshot
+    #: agent can map the same memory; -1 for pinned or anonymous memory.
+    fd: int = -1
 
     @property
     def capacity(self) -> int:
@@ -142,23 +145,27 @@ class HostArena:
             path = None
         elif os.path.isdir(self.shm_dir):
             path = os.path.join(self.shm_dir, f"lightning-snapshot-{os.getpid()}-{next(_counter)}")
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
                 os.ftruncate(fd, nbytes)
-            finally:
-                os.close(fd)
-            try:
                 buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+            except BaseException:
+                os.close(fd)
+                raise
             finally:
                 # the mapping stays; the name goes at once, so a killed trainer leaves no shared memory behind
                 os.unlink(path)
-            path = None
+            buf.zero_()  # fault every page in now, not on the hot path
+            return ArenaSlot(buf, None, fd=fd)
         else:
             buf, path = torch.empty(nbytes, dtype=torch.uint8), None
         buf.zero_()  # fault every page in now, not on the hot path
         return ArenaSlot(buf, path)
 
     def _free(self, slot: ArenaSlot) -> None:
+        if slot.fd >= 0:
+            os.close(slot.fd)
+            slot.fd = -1
         if slot.path is not None:
             try:
                 os.unlink(slot.path)

@@ -99,6 +99,8 @@ class SnapshotCallback(Checkpoint):
         if not isinstance(tiers, Sequence) or not tiers:
             raise ConfigError(f"tiers must be a tier URL, a Backend or a non-empty list of them, got {tiers!r}")
         self.tiers: list[Backend] = [parse_tier(t) for t in tiers]
+        if sum(1 for t in self.tiers if t.tier == "ram") > 1:
+            raise ConfigError("SnapshotCallback takes at most one RAM tier (one agent per node and run)")
         if not isinstance(resume, (bool, int, str)) or (
             isinstance(resume, int) and not isinstance(resume, bool) and resume < 0
         ):
@@ -128,6 +130,8 @@ class SnapshotCallback(Checkpoint):
         self._failed = 0
         self._errors: list[BaseException] = []
         self._comm: Comm = LocalComm()
+        self._tier_comms: list[Comm] = []
+        self._agent: Any = None
         self._run_id = ""
         self._last_step = -1
         self._last_time: list[float] = []
@@ -172,7 +176,9 @@ class SnapshotCallback(Checkpoint):
             # each tier's persist thread has a group of its own: background collectives never touch the trainer's
             # main group, and a tier in an outage never blocks another's commits
             comms = [GroupComm(dist.new_group(backend="gloo")) for _ in self.tiers]
-        self._persister = Persister(self.tiers, comms, self._run_id, self._arena)
+        self._tier_comms = comms
+        self._setup_ram_tier(trainer)
+        self._persister = Persister(self.tiers, comms, self._run_id, self._arena, agent=self._agent)
         for tier in self.tiers:
             abort = getattr(tier, "abort_incomplete_uploads", None)
             if abort is not None and self._comm.rank == 0:
@@ -188,6 +194,35 @@ class SnapshotCallback(Checkpoint):
 
         strategy.process_dataloader = process_dataloader
         self._patched_strategy = strategy
+
+    def _setup_ram_tier(self, trainer: Any) -> None:
+        """Place the RAM tier in the job (which node this rank is on) and attach this rank to its node's agent."""
+        ram = next((t for t in self.tiers if t.tier == "ram"), None)
+        if ram is None:
+            return
+        from lightning_snapshot.agent import AgentClient, ensure_agent
+        from lightning_snapshot.backends.ram import default_run_name
+
+        strategy = trainer.strategy
+        num_nodes = max(1, int(getattr(trainer, "num_nodes", 1) or 1))
+        world = self._comm.world_size
+        if world % num_nodes:
+            raise ConfigError(f"the RAM tier needs the same number of processes on every node ({world} processes on"
+                              f" {num_nodes} nodes)")
+        name = self._comm.broadcast(default_run_name([t.url for t in self.tiers if t is not ram]))
+        ram.bind(node_rank=int(getattr(strategy, "node_rank", 0) or 0), num_nodes=num_nodes,
+                 local_rank=int(getattr(strategy, "local_rank", 0) or 0), ranks_per_node=world // num_nodes,
+                 default_name=name)
+        error: BaseException | None = None
+        if ram.node_leader:
+            try:
+                ensure_agent(ram.node_dir, idle_timeout=ram.idle_timeout)
+            except Exception as e:  # noqa: BLE001 - raised on every rank below
+                error = e
+        if not self._comm.all_true(error is None):
+            raise error or SnapshotError("starting the snapshot agent failed on another node (see its log)")
+        self._agent = AgentClient(ram.node_dir, rank=self._comm.rank, world_size=world, run_id=self._run_id,
+                                  tiers=[t for t in self.tiers if t is not ram and t.durable])
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._shutdown()
@@ -216,6 +251,9 @@ class SnapshotCallback(Checkpoint):
         if self._persister is not None:
             self._persister.close()
             self._persister = None
+        if self._agent is not None:
+            self._agent.close()
+            self._agent = None
         if self._arena is not None:
             self._arena.close()
             self._arena = None
@@ -283,6 +321,8 @@ class SnapshotCallback(Checkpoint):
             reasons.append(f"step {step} ({backend.tier} {backend.url}): {reason}")
             if self.resume is not True:
                 break
+            if self._comm.rank == 0:
+                log.warning("lightning-snapshot: cannot restore the %s (%s); trying the next snapshot", where, reason)
             warnings.warn(f"lightning-snapshot: skipping the {where}: {reason}. Falling back to an earlier snapshot.",
                           stacklevel=2)
         raise SnapshotError(
@@ -307,10 +347,15 @@ class SnapshotCallback(Checkpoint):
             steps = [step] if step is not None else committed_steps(backend)[:1]
             return [(backend, s) for s in steps]
         found: list[tuple[int, int]] = []
+        collective: dict[int, list[int]] = {}
+        for i, tier in enumerate(self.tiers):
+            steps_of = getattr(tier, "collective_steps", None)
+            if steps_of is not None:  # a node-local tier (RAM): what any node holds
+                collective[i] = steps_of(self._tier_comms[i] if self._tier_comms else LocalComm())
         if self._comm.rank == 0:
             for i, tier in enumerate(self.tiers):
                 try:
-                    found += [(step, i) for step in committed_steps(tier)]
+                    found += [(step, i) for step in (collective[i] if i in collective else committed_steps(tier))]
                 except Exception as e:  # noqa: BLE001 - an unreachable tier must not stop the others
                     redact = getattr(tier, "redact", str)
                     warnings.warn(f"lightning-snapshot: cannot list the {tier.tier} tier {tier.url!r} to resume"
@@ -324,6 +369,19 @@ class SnapshotCallback(Checkpoint):
 
     def _read(self, backend: Backend, step: int, trainer: Any, pl_module: Any, live: Templates
               ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        prepare = getattr(backend, "prepare_restore", None)
+        if prepare is None:
+            return self._read_tier(backend, step, trainer, pl_module, live)
+        # a node-local tier (RAM): rebuild the objects on every node first (collective), free the copies after
+        comm = self._tier_comms[self.tiers.index(backend)] if self._tier_comms else LocalComm()
+        prepare(comm, step)
+        try:
+            return self._read_tier(backend, step, trainer, pl_module, live)
+        finally:
+            backend.finish_restore(step)
+
+    def _read_tier(self, backend: Backend, step: int, trainer: Any, pl_module: Any, live: Templates
+                   ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         manifest = read_manifest(backend, step)
         where = f"snapshot of step {step} in the {backend.tier} tier {backend.url!r}"
         # the model's own tensors are read into directly (verified chunk by chunk); under a sharded strategy the

@@ -91,9 +91,15 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["agent"]:  # the snapshot agent has its own options (lightning-snapshot agent --help)
+        from lightning_snapshot.agent import main as agent_main
+
+        return agent_main(argv[1:])
     parser = argparse.ArgumentParser(prog="lightning-snapshot", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("agent", help="run, stop or query a node's snapshot agent (see: lightning-snapshot agent --help)")
     p = sub.add_parser("list", help="committed snapshots of a tier")
     p.add_argument("source", help="tier path or URL")
     p.set_defaults(fn=_cmd_list)

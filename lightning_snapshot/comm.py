@@ -25,6 +25,9 @@ class Comm(Protocol):
     def all_true_each(self, flags: list[bool]) -> list[bool]:
         """Element-wise :meth:`all_true` of equally long lists, in one collective."""
 
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` (small, plain values), in rank order, on rank 0; None on the others."""
+
 
 class LocalComm:
     """One process, no process group."""
@@ -43,6 +46,9 @@ class LocalComm:
 
     def all_true_each(self, flags: list[bool]) -> list[bool]:
         return [bool(f) for f in flags]
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        return [obj]
 
 
 class StrategyComm:
@@ -71,6 +77,13 @@ class StrategyComm:
         t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32, device=self.strategy.root_device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return [bool(v) for v in t.tolist()]
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        import torch.distributed as dist
+
+        box: list[Any] = [None] * self.world_size
+        dist.all_gather_object(box, obj)
+        return box if self.rank == 0 else None
 
 
 class GroupComm:
@@ -101,3 +114,14 @@ class GroupComm:
         t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
         self._dist.all_reduce(t, op=self._dist.ReduceOp.MIN, group=self.group)
         return [bool(v) for v in t.tolist()]
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        box: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        self._dist.gather_object(obj, box, dst=self._dist.get_global_rank(self.group, 0), group=self.group)
+        return box
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` on every rank, in rank order."""
+        box: list[Any] = [None] * self.world_size
+        self._dist.all_gather_object(box, obj, group=self.group)
+        return box

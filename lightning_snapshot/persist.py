@@ -15,6 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from lightning_snapshot.agent import AgentClient
 from lightning_snapshot.arena import AsyncStaged, HostArena
 from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.comm import Comm
@@ -77,8 +78,8 @@ class _TierWorker:
 
     def _source(self, job: PersistJob) -> int | None:
         """A local tier of the same job whose committed copy this (slower) tier can upload byte for byte."""
-        if self.tier.tier == "local":
-            return None
+        if self.tier.tier == "local" or not self.tier.durable:
+            return None  # (the RAM tier encodes from the staging buffer)
         for i, t in enumerate(self.p.tiers):
             if i != self.index and t.tier == "local" and i in job.done:
                 return i
@@ -130,7 +131,7 @@ class _TierWorker:
             if outage_since is not None:
                 log.info("lightning-snapshot: the %s tier %s is back after %.0f s", self.tier.tier, self.tier.url,
                          time.monotonic() - outage_since)
-            if self.comm.rank == 0:
+            if self.comm.rank == 0 or getattr(self.tier, "node_leader", False):  # (RAM: each node its own)
                 try:
                     apply_retention(self.tier, job.step)
                 except Exception as e:  # noqa: BLE001 - the snapshot is committed; cleanup waits for the next one
@@ -170,12 +171,38 @@ class Persister:
     Thread-safety: ``pending``, ``submit``, ``drain`` and ``close`` are called from the training thread only.
     """
 
-    def __init__(self, tiers: list[Backend], comms: list[Comm], run_id: str, arena: HostArena) -> None:
+    def __init__(self, tiers: list[Backend], comms: list[Comm], run_id: str, arena: HostArena,
+                 agent: AgentClient | None = None) -> None:
         self.tiers = tiers
         self.run_id = run_id
         self.arena = arena
+        self.agent = agent
         self.results: queue.Queue[PersistResult] = queue.Queue()
         self._workers = [_TierWorker(self, i, t, c) for i, (t, c) in enumerate(zip(tiers, comms))]
+        # tells the node's snapshot agent about each staged snapshot once its copy finished, and about its release,
+        # in that order (the agent flushes what is not released if this process dies)
+        self._notes: queue.Queue[tuple[str, PersistJob] | None] = queue.Queue()
+        self._notifier: threading.Thread | None = None
+        if agent is not None:
+            self._notifier = threading.Thread(target=self._notify, name="lightning-snapshot-agent-link", daemon=True)
+            self._notifier.start()
+
+    def _notify(self) -> None:
+        assert self.agent is not None
+        while True:
+            item = self._notes.get()
+            if item is None:
+                return
+            what, job = item
+            try:
+                if what == "staged":
+                    if isinstance(job.shared, AsyncStaged):
+                        job.shared.wait()
+                    self.agent.staged(job)
+                elif isinstance(job.shared, AsyncStaged):
+                    self.agent.release(job.shared.slot, ok=all(job.ok.get(i, False) for i in job.done))
+            except Exception as e:  # noqa: BLE001 - a failed copy is reported by the tier workers
+                log.debug("lightning-snapshot: agent link: %s", e)
 
     def pending(self, index: int) -> int:
         """Snapshots queued or being written for tier ``index``."""
@@ -193,6 +220,8 @@ class Persister:
         job.refs = len(indices)
         for i in indices:
             job.done[i] = threading.Event()
+        if self._notifier is not None:
+            self._notes.put(("staged", job))
         for i in indices:
             self._workers[i].jobs.put(job)
 
@@ -205,6 +234,8 @@ class Persister:
 
     def _release(self, job: PersistJob) -> None:
         if isinstance(job.shared, AsyncStaged):
+            if self._notifier is not None:
+                self._notes.put(("release", job))
             self.arena.release(job.shared.slot)
 
     def drain(self, timeout: float | None = None) -> list[Backend]:
@@ -232,3 +263,6 @@ class Persister:
         for w in self._workers:
             # a worker stopped mid-outage may wait in a collective for a peer that already gave up: bounded join
             w.thread.join(timeout=60 if w.stop.is_set() else None)
+        if self._notifier is not None:
+            self._notes.put(None)
+            self._notifier.join(timeout=60)

@@ -204,6 +204,7 @@ def write_snapshot(
     prefix = step_dirname(job.step)
     if job.shared is not None and job.shared.chunk_bytes is not None:
         chunk_bytes = job.shared.chunk_bytes  # the checksums were taken while staging, with the arena's chunk size
+    node_local = bool(getattr(backend, "node_local", False))
     error: BaseException | None = None
     part: dict[str, Any] | None = None
     try:
@@ -212,38 +213,53 @@ def write_snapshot(
         part = _write_part(backend, job, comm.rank, run_id, alignment, chunk_bytes)
         if before_commit is not None:
             before_commit()
-        if comm.world_size > 1:
-            backend.write(f"{prefix}/{run_id}-part-{comm.rank:05d}.json", [json.dumps(part).encode()])
     except Exception as e:  # noqa: BLE001 - re-raised below on every rank
         error = e
-    if not comm.all_true(error is None):
-        if comm.rank == 0:
+
+    def agree(what: str) -> None:
+        if comm.all_true(error is None):
+            return
+        if comm.rank == 0 or node_local:  # a node-local tier (RAM) holds each node's objects on that node only
             _discard_run_objects(backend, prefix, run_id)
         if error is not None:
             raise error
-        raise SnapshotWriteError(f"the snapshot of step {job.step} failed on another rank (see its log)")
-    manifest: Manifest | None = None
-    if comm.rank == 0:
+        raise SnapshotWriteError(f"{what} of the snapshot of step {job.step} failed on another rank (see its log)")
+
+    agree("writing the data")
+    parts = comm.gather(part)
+    # a tier that spreads each rank's objects over nodes (the erasure-coded RAM tier) places them now, once every
+    # rank's data is written and before anything is committed
+    distribute = getattr(backend, "distribute", None)
+    if distribute is not None:
         try:
-            parts = [part] + [
-                json.loads(backend.read(f"{prefix}/{run_id}-part-{r:05d}.json")) for r in range(1, comm.world_size)
-            ]
-            raw = _merge(parts, job, comm.world_size, alignment, chunk_bytes)
-            text = json.dumps(raw, separators=(",", ":"), allow_nan=False)
-            manifest = Manifest.from_json(text, where=f"new manifest of {prefix}")
-            backend.commit(f"{prefix}/{MANIFEST_NAME}", text.encode())
+            distribute(comm, prefix, run_id)
         except Exception as e:  # noqa: BLE001 - re-raised below on every rank
             error = e
-            _discard_run_objects(backend, prefix, run_id)
-    if not comm.all_true(error is None):
-        if error is not None:
-            raise error
-        raise SnapshotWriteError(f"committing the snapshot of step {job.step} failed on rank 0 (see its log)")
+        agree("placing the data")
+    text: str | None = None
     if comm.rank == 0:
-        assert manifest is not None
+        try:
+            assert parts is not None
+            raw = _merge(parts, job, comm.world_size, alignment, chunk_bytes)
+            text = json.dumps(raw, separators=(",", ":"), allow_nan=False)
+            Manifest.from_json(text, where=f"new manifest of {prefix}")
+            if not node_local:
+                backend.commit(f"{prefix}/{MANIFEST_NAME}", text.encode())
+        except Exception as e:  # noqa: BLE001 - re-raised below on every rank
+            error = e
+    agree("committing the manifest")
+    text = comm.broadcast(text)
+    if node_local:
+        # every node holds the manifest of the snapshots it has shares of: one rank per node commits it
+        try:
+            backend.publish(comm, f"{prefix}/{MANIFEST_NAME}", text.encode())
+        except Exception as e:  # noqa: BLE001 - re-raised below on every rank
+            error = e
+        agree("committing the manifest")
+    manifest = Manifest.from_json(text, where=f"manifest of {prefix}")
+    if comm.rank == 0 or node_local:
         _remove_unreferenced(backend, prefix, manifest)
-        return manifest
-    return Manifest.from_json(backend.read(f"{prefix}/{MANIFEST_NAME}"), where=f"manifest of {prefix}")
+    return manifest
 
 
 def copy_snapshot(src: Backend, dst: Backend, step: int, comm: Comm) -> Manifest:

@@ -115,6 +115,10 @@ def main() -> None:
     p.add_argument("--s3", default=None, help="also snapshot to this s3:// URL (with --endpoint)")
     p.add_argument("--endpoint", default=None)
     p.add_argument("--s3-every", type=int, default=None)
+    p.add_argument("--ram-every", type=int, default=None, help="also snapshot to a RAM tier this often")
+    p.add_argument("--ram-erasure", default=None, help="k+m")
+    p.add_argument("--num-nodes", type=int, default=1, help="nodes (processes launched outside, one per node)")
+    p.add_argument("--no-local", action="store_true", help="no local tier (RAM tier only)")
     a = p.parse_args()
 
     L.seed_everything(42, verbose=False)
@@ -131,7 +135,12 @@ def main() -> None:
         tier = CrashBeforeManifest(a.dir, a.kill_before_commit, every_n_train_steps=a.every, keep_last=2)
     else:
         tier = LocalTier(a.dir, every_n_train_steps=a.every, keep_last=2)
-    tiers = [tier]
+    tiers = [] if a.no_local else [tier]
+    if a.ram_every:
+        from lightning_snapshot.backends import RamTier
+
+        tiers.insert(0, RamTier(every_n_train_steps=a.ram_every, keep_last=2, erasure=a.ram_erasure, name="test",
+                                idle_timeout=120))
     if a.s3:
         from lightning_snapshot.backends import ObjectStoreTier
 
@@ -143,7 +152,8 @@ def main() -> None:
     trainer = L.Trainer(
         accelerator=a.accelerator,
         devices=a.devices,
-        strategy="ddp" if a.devices > 1 else "auto",
+        num_nodes=a.num_nodes,
+        strategy="ddp" if a.devices > 1 or a.num_nodes > 1 else "auto",
         max_steps=a.max_steps,
         accumulate_grad_batches=a.accumulate,
         callbacks=callbacks,
@@ -166,7 +176,7 @@ def main() -> None:
     torch.save(result, out)
     cb = callbacks[0]
     if cb.restored_from is not None:
-        print(f"RESTORED step={cb.restored_from[1]} from={cb.restored_from[0]}", flush=True)
+        print(f"RESTORED step={cb.restored_from[1]} from={cb.restored_from[0]} rank={trainer.global_rank}", flush=True)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

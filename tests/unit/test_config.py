@@ -106,9 +106,25 @@ def test_unknown_scheme(url):
         parse_tier(url)
 
 
-def test_the_ram_tier_is_not_available_in_this_release():
-    with pytest.raises(ConfigError, match="not available in this release"):
-        parse_tier("ram://x")
+def test_ram_tier_url():
+    t = parse_tier("ram://run-42?every=10&keep=2&erasure=4+2&idle=5m")
+    assert (t.tier, t.name, t.every_n_train_steps, t.keep_last, t.erasure, t.idle_timeout) == (
+        "ram", "run-42", 10, 2, (4, 2), 300.0)
+    assert parse_tier("ram://?every=3").erasure is None
+
+
+@pytest.mark.parametrize("url,message", [
+    ("ram://x?erasure=4-2", "write it as k\\+m"),
+    ("ram://x?erasure=0+1", "erasure k must be an integer >= 1"),
+    ("ram://x?erasure=200+100", "at most 256"),
+    ("ram://x/path?every=1", "has a path"),
+    ("ram://bad name?every=1", "RamTier name"),
+    ("ram://x?idle=soon", "idle='soon'"),
+    ("ram://x?size=3", "unknown tier URL option 'size'"),
+])
+def test_bad_ram_tier_urls_name_the_problem(url, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_tier(url)
 
 
 @pytest.mark.parametrize("url,hint", [("gs://b/p", "pip install gcsfs"), ("az://c/p", "pip install adlfs")])

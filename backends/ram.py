@@ -1,0 +1,573 @@
+"""RAM tier: snapshots in node memory (shared memory held by the node's snapshot agent), erasure coded across nodes.
+
+Storage: every node has a directory in shared memory (``/dev/shm/lightning-snapshot-<uid>/<run>``, mode 0700, files
+0600) that the node's snapshot agent (:mod:`lightning_snapshot.agent`) owns: it outlives the trainer and frees it
+after an idle time. The snapshot format is the one of every tier (``step-<n>/manifest.json`` + data objects); with
+``erasure=(k, m)`` a data object is stored as ``<object>.ec/<i>`` shares instead, share ``i`` of an object written by
+a rank on node ``n`` living on node ``(n + i) % num_nodes``, with ``<object>.ec/layout.json`` (the share layout and
+the xxh3 checksum of every share) next to it. Each node holds the manifest of the snapshots it has shares of.
+
+Commit rule: the manifest is committed on every node only after every rank's shares were placed (the collective
+agreement of :func:`~lightning_snapshot.writer.write_snapshot`), so a committed step has all ``k + m`` shares of
+every object; it is restorable while at least ``k`` good shares of each are held anywhere.
+
+Restore (:meth:`RamTier.prepare_restore`, collective): the nodes exchange what they hold, every node rebuilds each
+object from ``k`` verified shares (its own first, the missing ones sent by the nodes holding them over
+torch.distributed, gloo) into a whole object the loader then reads; :meth:`RamTier.finish_restore` frees the rebuilt
+copies. Cross-node traffic runs on a gloo group of the trainers made for this tier, never on the trainer's main group
+from a background thread.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import logging
+import mmap
+import os
+import re
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from lightning_snapshot.backends import erasure as _ec
+from lightning_snapshot.backends.base import Backend
+from lightning_snapshot.backends.local import LocalTier
+from lightning_snapshot.errors import ConfigError, SnapshotError, SnapshotNotFoundError, SnapshotWriteError
+
+__all__ = ["RamTier", "default_shm_base"]
+
+log = logging.getLogger(__name__)
+
+SHM_ENV = "LIGHTNING_SNAPSHOT_SHM_DIR"
+_EC = ".ec"
+_LAYOUT = "layout.json"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def default_shm_base() -> str:
+    """Where nodes keep RAM-tier memory: ``$LIGHTNING_SNAPSHOT_SHM_DIR``, else ``/dev/shm/lightning-snapshot-<uid>``."""
+    env = os.environ.get(SHM_ENV)
+    if env:
+        return env
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, f"lightning-snapshot-{os.getuid()}")
+
+
+def parse_erasure(value: Any) -> tuple[int, int] | None:
+    """``None``, ``(k, m)`` or ``"k+m"`` -> ``(k, m)`` or None."""
+    if value is None or value in ("none", "None", ""):
+        return None
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+)\s*[+\s]\s*(\d+)\s*", value)  # (a URL query reads + as a space)
+        if not m:
+            raise ConfigError(f"erasure={value!r}: write it as k+m, e.g. 4+2 (4 data and 2 parity shares), or none")
+        value = (int(m.group(1)), int(m.group(2)))
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise ConfigError(f"erasure must be None or a (k, m) pair such as (4, 2), got {value!r}")
+    return _ec.check_params(value[0], value[1])
+
+
+class _Store(LocalTier):
+    """The node's files: no O_DIRECT (tmpfs), owner-only permissions."""
+
+    tier = "ram"
+    durable = False
+    file_mode = 0o600
+
+
+class RamTier(Backend):
+    """Snapshots in node memory, held by a per-node snapshot agent that outlives the trainer.
+
+    Args:
+        every_n_train_steps, train_time_interval, keep_last: see :class:`~lightning_snapshot.backends.base.Backend`
+            (``keep_last`` defaults to 2 here: memory is precious).
+        erasure: ``None`` keeps a node-local copy of each rank's data (one-node jobs), or ``(k, m)``: each rank's data
+            is split into ``k`` data and ``m`` parity shares (zfec) placed on ``k + m`` distinct nodes, so any ``m``
+            nodes can be lost at ``(k + m) / k`` times the memory. Needs at least ``k + m`` nodes.
+        name: the run's name: one agent and one memory directory per node and name. Default: derived from the other
+            tiers of the callback (the same durable tiers mean the same run).
+        shm_dir: base directory of the node's memory (default ``$LIGHTNING_SNAPSHOT_SHM_DIR`` or
+            ``/dev/shm/lightning-snapshot-<uid>``; simulated multi-node runs give every "node" its own).
+        idle_timeout: seconds the agent keeps the memory once no trainer is attached, then exits and frees it.
+        threads: encoding/decoding threads (default: the cores of the machine, at most 8).
+
+    URL form: ``"ram://?every=10&keep=2&erasure=4+2&name=run-42&idle=600"``.
+    """
+
+    tier = "ram"
+    durable = False
+    #: Each node holds its own objects: the writer commits the manifest on every node (see ``publish``).
+    node_local = True
+
+    def __init__(
+        self,
+        every_n_train_steps: int | None = None,
+        train_time_interval: _dt.timedelta | float | None = None,
+        keep_last: int | None = 2,
+        erasure: tuple[int, int] | str | None = None,
+        *,
+        name: str | None = None,
+        shm_dir: str | None = None,
+        idle_timeout: float = 600.0,
+        threads: int | None = None,
+    ) -> None:
+        super().__init__(
+            every_n_train_steps=every_n_train_steps, train_time_interval=train_time_interval, keep_last=keep_last
+        )
+        self.erasure = parse_erasure(erasure)
+        if name is not None and (not isinstance(name, str) or not _NAME.match(name)):
+            raise ConfigError(f"RamTier name must be 1-128 letters, digits, '.', '_' or '-', got {name!r}")
+        if isinstance(idle_timeout, bool) or not isinstance(idle_timeout, (int, float)) or idle_timeout <= 0:
+            raise ConfigError(f"idle_timeout must be a positive number of seconds, got {idle_timeout!r}")
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ConfigError(f"threads must be an integer >= 1 or None, got {threads!r}")
+        self.name = name
+        self.shm_base = shm_dir
+        self.idle_timeout = float(idle_timeout)
+        self.threads = threads
+        # topology (bind): single node until the callback says otherwise
+        self.node_rank, self.num_nodes, self.local_rank, self.ranks_per_node = 0, 1, 0, 1
+        self._store: _Store | None = None
+        self._pending: dict[str, dict[str, Any]] = {}
+
+    # ------------------------------------------------------------------------------------------- set-up
+    def bind(self, *, node_rank: int, num_nodes: int, local_rank: int, ranks_per_node: int,
+             default_name: str) -> None:
+        """Place this tier in the job: which node this rank is on (called by the callback at set-up)."""
+        if self.erasure is not None:
+            k, m = self.erasure
+            if num_nodes < k + m:
+                raise ConfigError(
+                    f"RamTier(erasure=({k}, {m})) places k + m = {k + m} shares on distinct nodes but the job has"
+                    f" {num_nodes} node(s): use erasure=None on one node, or a smaller k + m"
+                )
+        self.node_rank, self.num_nodes = node_rank, num_nodes
+        self.local_rank, self.ranks_per_node = local_rank, ranks_per_node
+        if self.name is None:
+            self.name = default_name
+        self._store = None
+
+    @property
+    def node_dir(self) -> Path:
+        """This node's memory directory for this run (the agent's directory)."""
+        return Path(self.shm_base or default_shm_base()) / (self.name or "default")
+
+    @property
+    def store(self) -> _Store:
+        if self._store is None:
+            d = self.node_dir
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(d, 0o700)
+            (d / "store").mkdir(mode=0o700, exist_ok=True)
+            self._store = _Store(d / "store", keep_last=None)
+            self._store.direct_io = False
+        return self._store
+
+    @property
+    def node_leader(self) -> bool:
+        return self.local_rank == 0
+
+    @property
+    def url(self) -> str:
+        ec = "none" if self.erasure is None else f"{self.erasure[0]}+{self.erasure[1]}"
+        return f"ram://{self.name or ''}?erasure={ec}"
+
+    # ------------------------------------------------------------------------------------------- bytes
+    def write(self, key: str, buffers: Iterable[bytes | bytearray | memoryview]) -> int:
+        if self.erasure is None or not key.endswith(".bin"):
+            return self.store.write(key, buffers)
+        views = [memoryview(b).cast("B") for b in buffers]
+        data = views[0] if len(views) == 1 else memoryview(b"".join(views))
+        k, m = self.erasure
+        lay = _ec.layout(data.nbytes, k, m)
+        ec_dir = self.store._path(key + _EC)
+        ec_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        maps = []
+        try:
+            for i in range(k + m):
+                maps.append(_map_new(ec_dir / str(i), lay.share_nbytes))
+            _ec.encode(data, lay, [memoryview(mm) if mm is not None else memoryview(bytearray(0)) for mm in maps],
+                       threads=self.threads)
+            sums = [xxhash.xxh3_64_hexdigest(mm if mm is not None else b"") for mm in maps]
+        except OSError as e:
+            raise SnapshotWriteError(e.errno, f"erasure-coding {key!r} into {ec_dir} failed: {e}") from e
+        finally:
+            for mm in maps:
+                _close(mm)
+        self._pending[key] = {"k": k, "m": m, "nbytes": lay.nbytes, "block": lay.block, "stripes": lay.stripes,
+                              "checksums": sums}
+        return data.nbytes
+
+    def commit(self, key: str, data: bytes) -> None:
+        self.store.commit(key, data)
+
+    def publish(self, comm: Any, key: str, data: bytes) -> None:
+        """Commit the manifest on this node (one rank per node writes it)."""
+        if self.node_leader:
+            self.store.commit(key, data)
+
+    def read(self, key: str) -> bytes:
+        self._need_whole(key)
+        return self.store.read(key)
+
+    def read_view(self, key: str) -> memoryview:
+        self._need_whole(key)
+        return self.store.read_view(key)
+
+    def read_into(self, key: str, offset: int, out: memoryview) -> None:
+        self._need_whole(key)
+        self.store.read_into(key, offset, out)
+
+    @property
+    def bytes_read(self) -> int:
+        return self.store.bytes_read
+
+    def _need_whole(self, key: str) -> None:
+        if not self.store.exists(key) and self.store._path(key + _EC).is_dir():
+            raise SnapshotNotFoundError(
+                f"{key!r} is erasure coded in the RAM tier {self.url}; it is rebuilt by prepare_restore() (the"
+                " callback does this on resume)"
+            )
+
+    def list(self, prefix: str = "") -> list[str]:
+        names = {n[: -len(_EC)] if n.endswith(_EC) else n for n in self.store.list(prefix)}
+        return sorted(names)
+
+    def delete(self, key: str) -> None:
+        self.store.delete(key)
+        if key:
+            self.store.delete(key + _EC)
+
+    def exists(self, key: str) -> bool:
+        return self.store.exists(key) or (key.endswith(".bin") and self.store._path(key + _EC).is_dir())
+
+    # ------------------------------------------------------------------------------------------- placement
+    def _rank_of(self, node: int, local: int) -> int:
+        return node * self.ranks_per_node + local
+
+    def _node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def distribute(self, comm: Any, prefix: str, run_id: str) -> None:
+        """Send every share of this rank's new objects to its node and keep the ones of this node (collective)."""
+        pending, self._pending = self._pending, {}
+        if self.erasure is None:
+            return
+        k, m = self.erasure
+        mine = {key: meta for key, meta in pending.items() if key.startswith(prefix + "/")}
+        everyone = comm.all_gather(mine) if comm.world_size > 1 else [mine]
+        import torch.distributed as dist
+
+        n, n_nodes = self.node_rank, self.num_nodes
+        sends, recvs, keep = [], [], []
+        try:
+            for i in range(1, k + m):
+                dst = self._rank_of((n + i) % n_nodes, self.local_rank)
+                src = self._rank_of((n - i) % n_nodes, self.local_rank)
+                for key in sorted(mine):
+                    mm = _map_existing(self.store._path(f"{key}{_EC}/{i}"))
+                    if mm is not None:
+                        keep.append(mm)
+                        sends.append(dist.isend(_as_tensor(mm), dst, group=comm.group))
+                for key, meta in sorted(everyone[src].items()):
+                    path = self.store._path(f"{key}{_EC}/{i}")
+                    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                    mm = _map_new(path, meta["stripes"] * meta["block"])
+                    if mm is not None:
+                        keep.append(mm)
+                        recvs.append(dist.irecv(_as_tensor(mm), src, group=comm.group))
+            for w in sends + recvs:
+                w.wait()
+        finally:
+            sends.clear()
+            recvs.clear()
+            for mm in keep:
+                _close(mm)
+        # this node keeps share 0 of its own objects and share i of the objects of node n - i
+        for key in mine:
+            for i in range(1, k + m):
+                self.store.delete(f"{key}{_EC}/{i}")
+        for r, objs in enumerate(everyone):
+            if r % self.ranks_per_node != self.local_rank:
+                continue  # the ranks with this local rank exchange with each other
+            for key, meta in objs.items():
+                i = (n - self._node_of(r)) % n_nodes
+                if i >= k + m:
+                    continue
+                layout = {**meta, "nodes": [(self._node_of(r) + j) % n_nodes for j in range(k + m)]}
+                self.store.write(f"{key}{_EC}/{_LAYOUT}", [json.dumps(layout).encode()])
+
+    # ------------------------------------------------------------------------------------------- restore
+    def collective_steps(self, comm: Any) -> list[int]:
+        """Steps committed on any node, newest first (collective: every rank calls it)."""
+        from lightning_snapshot.writer import committed_steps
+
+        mine = committed_steps(self) if self.node_leader else []
+        if getattr(comm, "world_size", 1) > 1:
+            return sorted({s for steps in comm.all_gather(mine) for s in steps}, reverse=True)
+        return mine
+
+    def _inventory(self, prefix: str) -> dict[str, Any]:
+        """What this node holds of ``prefix``: the manifest text, whole objects and verified shares."""
+        from lightning_snapshot.manifest import MANIFEST_NAME
+
+        inv: dict[str, Any] = {"manifest": None, "whole": {}, "shares": {}, "bad": []}
+        if not self.node_leader:
+            return inv
+        try:
+            inv["manifest"] = self.store.read(f"{prefix}/{MANIFEST_NAME}").decode()
+        except (OSError, UnicodeDecodeError):
+            pass
+        for name in self.store.list(prefix):
+            if name.endswith(_EC):
+                key = f"{prefix}/{name[: -len(_EC)]}"
+                try:
+                    layout = _parse_layout(self.store.read(f"{prefix}/{name}/{_LAYOUT}"), key)
+                except (OSError, SnapshotError) as e:
+                    inv["bad"].append(f"{key}: {e}")
+                    continue
+                good = []
+                for entry in self.store.list(f"{prefix}/{name}"):
+                    if not entry.isdigit() or int(entry) >= len(layout["checksums"]):
+                        continue
+                    i = int(entry)
+                    view = self.store.read_view(f"{prefix}/{name}/{entry}")
+                    ok = view.nbytes == layout["stripes"] * layout["block"] and \
+                        xxhash.xxh3_64_hexdigest(view) == layout["checksums"][i]
+                    if ok:
+                        good.append(i)
+                    else:
+                        inv["bad"].append(f"{key} share {i} (checksum mismatch: corrupted, treated as missing)")
+                inv["shares"][key] = {"layout": layout, "good": good}
+            elif name.endswith(".bin"):
+                inv["whole"][f"{prefix}/{name}"] = True
+        return inv
+
+    def prepare_restore(self, comm: Any, step: int) -> None:
+        """Make every object of ``step`` readable on this node, rebuilding erasure-coded ones (collective).
+
+        Raises:
+            SnapshotError: some object has fewer than ``k`` good shares left on all nodes together (naming it).
+        """
+        from lightning_snapshot.manifest import MANIFEST_NAME, step_dirname
+
+        prefix = step_dirname(step)
+        world = getattr(comm, "world_size", 1)
+        inv = self._inventory(prefix)
+        for bad in inv["bad"]:
+            log.warning("lightning-snapshot: RAM tier %s, node %d: %s", self.url, self.node_rank, bad)
+        invs = comm.all_gather(inv) if world > 1 else [inv]
+        leaders = [r for r in range(world) if r % self.ranks_per_node == 0]
+        manifest = next((invs[r]["manifest"] for r in leaders if invs[r]["manifest"]), None)
+        if manifest is None:
+            raise SnapshotNotFoundError(f"no node holds the manifest of step {step} in the RAM tier {self.url}")
+        # what exists where (by leader rank)
+        keys = set()
+        for r in leaders:
+            keys |= set(invs[r]["whole"]) | set(invs[r]["shares"])
+        layouts: dict[str, dict[str, Any]] = {}
+        holders: dict[str, dict[int, list[int]]] = {}  # key -> share index -> leader ranks holding it
+        whole_at: dict[str, list[int]] = {}
+        for r in leaders:
+            for key in invs[r]["whole"]:
+                whole_at.setdefault(key, []).append(r)
+            for key, e in invs[r]["shares"].items():
+                layouts.setdefault(key, e["layout"])
+                for i in e["good"]:
+                    holders.setdefault(key, {}).setdefault(i, []).append(r)
+        for key in sorted(keys):
+            if key in whole_at:
+                continue
+            k = layouts[key]["k"]
+            have = sorted(holders.get(key, {}))
+            if len(have) < k:
+                raise SnapshotError(
+                    f"the RAM tier {self.url} cannot rebuild {key!r} of step {step}: {len(have)} good share(s) of"
+                    f" the {k} needed are left (shares {have}; nodes lost or shares corrupted)"
+                )
+        # plan: every leader gets what it lacks, from the lowest leader that has it
+        transfers: list[tuple[int, int, str, int]] = []  # (src, dst, key, share index; -1 = whole object)
+        for dst in leaders:
+            for key in sorted(keys):
+                if key in invs[dst]["whole"]:
+                    continue
+                if key in whole_at:
+                    transfers.append((whole_at[key][0], dst, key, -1))
+                    continue
+                own = set(invs[dst]["shares"].get(key, {}).get("good", []))
+                need = layouts[key]["k"] - len(own)
+                for i in sorted(holders[key]):
+                    if need <= 0:
+                        break
+                    if i not in own:
+                        transfers.append((holders[key][i][0], dst, key, i))
+                        need -= 1
+        me = getattr(comm, "rank", 0)
+        if me in leaders:
+            self._execute(comm, transfers, layouts, me, prefix, manifest)
+        if world > 1:
+            comm.barrier()
+        if me in leaders and not self.store.exists(f"{prefix}/{MANIFEST_NAME}"):
+            self.store.commit(f"{prefix}/{MANIFEST_NAME}", manifest.encode())
+        if world > 1:
+            comm.barrier()
+
+    def _execute(self, comm: Any, transfers: list[tuple[int, int, str, int]], layouts: dict[str, dict[str, Any]],
+                 me: int, prefix: str, manifest: str) -> None:
+        from lightning_snapshot.manifest import Manifest
+
+        sizes = {o.key: o.nbytes for o in Manifest.from_json(manifest, where=f"RAM tier manifest of {prefix}").objects}
+        works, keep = [], []
+        received: dict[str, dict[int, Any]] = {}
+        try:
+            if transfers and getattr(comm, "world_size", 1) > 1:
+                import torch.distributed as dist
+
+                for src, dst, key, i in transfers:
+                    if src == dst or me not in (src, dst):
+                        continue
+                    if i < 0:
+                        path = self.store._path(key)
+                        size = sizes[key.rsplit("/", 1)[1]]
+                    else:
+                        path = self.store._path(f"{key}{_EC}/{i}")
+                        size = layouts[key]["stripes"] * layouts[key]["block"]
+                    if me == src:
+                        mm = _map_existing(path)
+                        if mm is not None:
+                            keep.append(mm)
+                            works.append(dist.isend(_as_tensor(mm), dst, group=comm.group))
+                    else:
+                        rpath = path if i < 0 else path.with_name(f".{i}.restore")
+                        rpath.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                        mm = _map_new(rpath, size)
+                        if mm is not None:
+                            keep.append(mm)
+                            works.append(dist.irecv(_as_tensor(mm), src, group=comm.group))
+                        if i >= 0:
+                            received.setdefault(key, {})[i] = rpath
+                for w in works:
+                    w.wait()
+        finally:
+            works.clear()
+            for mm in keep:
+                _close(mm)
+        # rebuild every erasure-coded object into a whole one
+        for key, layout in layouts.items():
+            if self.store.exists(key):
+                continue
+            lay = _ec.ShareLayout(layout["k"], layout["m"], layout["nbytes"], layout["block"], layout["stripes"])
+            paths: dict[int, Path] = dict(received.get(key, {}))
+            inv_dir = self.store._path(key + _EC)
+            for entry in sorted(os.listdir(inv_dir)) if inv_dir.is_dir() else []:
+                if entry.isdigit() and int(entry) not in paths and int(entry) < lay.k + lay.m:
+                    paths[int(entry)] = inv_dir / entry
+            maps: dict[int, Any] = {}
+            try:
+                for i, p in sorted(paths.items()):
+                    mm = _map_existing(p, write=False)
+                    digest = xxhash.xxh3_64_hexdigest(mm if mm is not None else b"")
+                    if digest != layout["checksums"][i]:
+                        _close(mm)
+                        continue
+                    maps[i] = mm
+                    if len(maps) == lay.k:
+                        break
+                out = _map_new(self.store._path(key), lay.nbytes)
+                try:
+                    _ec.decode({i: memoryview(mm) if mm is not None else memoryview(b"") for i, mm in maps.items()}, lay,
+                               memoryview(out) if out is not None else memoryview(bytearray(0)), threads=self.threads)
+                finally:
+                    _close(out)
+            finally:
+                for mm in maps.values():
+                    _close(mm)
+                for i, p in received.get(key, {}).items():
+                    try:
+                        os.unlink(p)
+                    except OSError:
+                        pass
+
+    def finish_restore(self, step: int) -> None:
+        """Free the whole objects :meth:`prepare_restore` rebuilt (the shares stay)."""
+        from lightning_snapshot.manifest import step_dirname
+
+        if self.erasure is None or not self.node_leader:
+            return
+        prefix = step_dirname(step)
+        for name in self.store.list(prefix):
+            if name.endswith(_EC):
+                self.store.delete(f"{prefix}/{name[: -len(_EC)]}")
+
+    def held_bytes(self) -> int:
+        """Bytes of memory this node's RAM tier holds (its files, as allocated)."""
+        total = 0
+        for root, _dirs, files in os.walk(self.node_dir / "store"):
+            for f in files:
+                try:
+                    total += os.stat(os.path.join(root, f)).st_blocks * 512
+                except OSError:
+                    pass
+        return total
+
+
+def default_run_name(tier_urls: list[str]) -> str:
+    """A run name for the agent and memory directory: the same other tiers and script mean the same run."""
+    text = "\n".join([os.getcwd(), os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else "", *tier_urls])
+    return "run-" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _parse_layout(raw: bytes, key: str) -> dict[str, Any]:
+    try:
+        layout = json.loads(raw)
+    except ValueError as e:
+        raise SnapshotError(f"share layout of {key!r} is not JSON: {e}") from None
+    ints = ("k", "m", "nbytes", "block", "stripes")
+    if not isinstance(layout, dict) or any(not isinstance(layout.get(f), int) or layout[f] < 0 for f in ints) or \
+            layout["k"] < 1 or not isinstance(layout.get("checksums"), list) or \
+            len(layout["checksums"]) != layout["k"] + layout["m"] or \
+            not all(isinstance(c, str) for c in layout["checksums"]) or \
+            layout["stripes"] * layout["block"] * layout["k"] < layout["nbytes"]:
+        raise SnapshotError(f"share layout of {key!r} is malformed; delete the RAM tier's memory for this run")
+    return layout
+
+
+def _map_new(path: Path, size: int) -> mmap.mmap | None:
+    """A new 0600 file of ``size`` bytes, mapped writable (None for an empty one)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        return mmap.mmap(fd, size) if size else None
+    finally:
+        os.close(fd)
+
+
+def _map_existing(path: Path, write: bool = True) -> mmap.mmap | None:
+    fd = os.open(path, (os.O_RDWR if write else os.O_RDONLY) | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        if not size:
+            return None
+        return mmap.mmap(fd, size, access=mmap.ACCESS_WRITE if write else mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+
+
+def _close(mm: mmap.mmap | None) -> None:
+    if mm is None:
+        return
+    try:
+        mm.close()
+    except BufferError:  # a tensor still views it: the mapping goes with the last reference
+        pass
+
+
+def _as_tensor(mm: mmap.mmap) -> Any:
+    import torch
+
+    return torch.frombuffer(mm, dtype=torch.uint8)

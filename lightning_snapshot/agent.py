@@ -1,0 +1,533 @@
+"""The per-node snapshot agent: a process that outlives the trainer.
+
+One agent per node and run (a lock in its directory). It owns the node's RAM-tier memory (the directory
+``RamTier.node_dir``: shared-memory files, mode 0600 in a 0700 directory) and frees it when it exits: after
+``idle_timeout`` seconds with no trainer attached, or on ``lightning-snapshot agent --stop``. The first local rank of
+a node starts it (in its own session, so a SIGKILL of the trainer's process group does not reach it), or a job script
+starts it beforehand with ``lightning-snapshot agent --dir DIR``.
+
+Trainers attach over a Unix socket (``agent.sock``, 0600) and pass it the file descriptors of their staging arena,
+so the agent maps the very memory the trainer staged into: no copy. For every snapshot whose staging finished, the
+trainer tells the agent where it lies and which durable tiers it is due in; when every tier committed it, the
+trainer releases it. If the trainer goes away (SIGKILL, crash) with snapshots not released, the agent writes them to
+their durable tiers itself, under the same commit rule: each rank's data objects and its part of the manifest, and
+the agent of rank 0 merges the parts and commits the manifest once every rank's part is there. Nothing is unpickled:
+messages are JSON, tensors are raw bytes in shared memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import fcntl
+import json
+import logging
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from lightning_snapshot.errors import ConfigError, SnapshotError
+
+__all__ = ["AgentClient", "ensure_agent", "stop_agent", "agent_status", "main"]
+
+log = logging.getLogger("lightning_snapshot.agent")
+
+SOCK, LOCK, LOG = "agent.sock", "agent.lock", "agent.log"
+_HEADER = struct.Struct("!I")
+_MAX_MESSAGE = 256 << 20
+#: How long the agent of rank 0 waits for the other ranks' parts of a snapshot it flushes after a crash.
+PART_WAIT_S = 300.0
+
+
+# ----------------------------------------------------------------------------------------------- framing
+def _send(sock: socket.socket, msg: dict[str, Any], fds: list[int] | None = None) -> None:
+    data = json.dumps(msg, separators=(",", ":")).encode()
+    frame = _HEADER.pack(len(data)) + data
+    if fds:
+        socket.send_fds(sock, [frame[:4096]], fds)
+        if len(frame) > 4096:
+            sock.sendall(frame[4096:])
+    else:
+        sock.sendall(frame)
+
+
+class _Reader:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.buf, self.fds = sock, bytearray(), []
+
+    def next(self) -> dict[str, Any] | None:
+        """The next message (its passed fds in ``msg["fds"]``), or None at end of stream."""
+        while True:
+            if len(self.buf) >= 4:
+                (n,) = _HEADER.unpack_from(self.buf)
+                if n > _MAX_MESSAGE:
+                    raise ValueError(f"message of {n} bytes is too long")
+                if len(self.buf) >= 4 + n:
+                    raw = bytes(self.buf[4: 4 + n])
+                    del self.buf[: 4 + n]
+                    msg = json.loads(raw)
+                    if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
+                        raise ValueError("malformed message")
+                    want = msg.get("nfds", 0)
+                    if not isinstance(want, int) or want < 0 or want > len(self.fds):
+                        raise ValueError("message names file descriptors that did not come")
+                    msg["fds"], self.fds = self.fds[:want], self.fds[want:]
+                    return msg
+            data, fds, _flags, _addr = socket.recv_fds(self.sock, 1 << 20, 16)
+            self.fds.extend(fds)
+            if not data:
+                return None
+            self.buf += data
+
+
+# ----------------------------------------------------------------------------------------------- staged state
+def describe_staged(staged: Any, *, inline: bool) -> dict[str, Any]:
+    """A StagedState as JSON: its layout (and its bytes, base64, when ``inline``: the small rank state)."""
+    from lightning_snapshot.manifest import dtype_name
+    from lightning_snapshot.staging import tensor_bytes
+
+    meta: dict[str, Any] = {
+        "tree": staged.tree,
+        "tensors": [[n, dtype_name(t.dtype), list(t.shape)] for n, t in staged.tensors.items()],
+        "aliases": staged.aliases, "alignment": staged.alignment, "chunk_bytes": staged.chunk_bytes,
+        "checksums": staged.checksums, "packed": staged.packed is not None,
+        "shards": {n: [list(g), list(o)] for n, (g, o) in staged.shards.items()},
+    }
+    if inline:
+        meta["data"] = [base64.b64encode(bytes(tensor_bytes(t))).decode() for t in staged.tensors.values()]
+    return meta
+
+
+def rebuild_staged(meta: dict[str, Any], region: memoryview | None) -> Any:
+    """The StagedState ``describe_staged`` described, over ``region`` (the arena slot) or its inline bytes."""
+    import torch
+
+    from lightning_snapshot.manifest import DTYPES
+    from lightning_snapshot.planner import plan_layout
+    from lightning_snapshot.staging import StagedState
+
+    tensors: dict[str, torch.Tensor] = {}
+    specs = meta["tensors"]
+    sizes = []
+    for name, dtype, shape in specs:
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}")
+        n = 1
+        for d in shape:
+            n *= int(d)
+        sizes.append((name, n * torch.empty(0, dtype=DTYPES[dtype]).element_size()))
+    if meta.get("data") is not None:
+        for (name, dtype, shape), b64 in zip(specs, meta["data"]):
+            raw = bytearray(base64.b64decode(b64))
+            t = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+            tensors[name] = t.view(DTYPES[dtype]).reshape(shape)
+        packed = None
+    else:
+        if region is None:
+            raise ValueError("the staged state lies in an arena slot the agent does not have")
+        placed, size = plan_layout(sizes, meta["alignment"])
+        base = torch.frombuffer(region, dtype=torch.uint8) if region.nbytes else torch.empty(0, dtype=torch.uint8)
+        for (name, dtype, shape), (_n, offset), (_m, nbytes) in zip(specs, placed, sizes):
+            tensors[name] = base[offset: offset + nbytes].view(DTYPES[dtype]).reshape(shape)
+        packed = region[:size] if meta["packed"] else None
+    return StagedState(tree=meta["tree"], tensors=tensors, aliases=dict(meta["aliases"]), packed=packed,
+                       alignment=meta["alignment"], checksums=meta["checksums"], chunk_bytes=meta["chunk_bytes"],
+                       shards={n: (tuple(g), tuple(o)) for n, (g, o) in meta["shards"].items()})
+
+
+def _verify(staged: Any) -> None:
+    import xxhash
+
+    from lightning_snapshot.planner import chunk_ranges
+    from lightning_snapshot.staging import tensor_bytes
+
+    if staged.checksums is None:
+        return
+    chunk = staged.chunk_bytes or (8 << 20)
+    for name, t in staged.tensors.items():
+        view = tensor_bytes(t)
+        if [xxhash.xxh3_64_hexdigest(view[a:b]) for a, b in chunk_ranges(view.nbytes, chunk)] != staged.checksums[name]:
+            raise SnapshotError(f"the staged bytes of {name!r} changed after staging (the slot was reused)")
+
+
+# ----------------------------------------------------------------------------------------------- the agent
+class Agent:
+    """The agent process' state: attached trainers, the arenas they passed, snapshots not yet released."""
+
+    def __init__(self, node_dir: Path, idle_timeout: float) -> None:
+        self.dir = node_dir
+        self.idle_timeout = idle_timeout
+        self.lock = threading.Lock()
+        self.attached = 0
+        self.flushing = 0
+        self.idle_since = time.monotonic()
+        self.stop = threading.Event()
+
+    def serve(self, server: socket.socket) -> None:
+        server.settimeout(0.5)
+        while not self.stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except socket.timeout:
+                with self.lock:
+                    idle = self.attached == 0 and self.flushing == 0
+                    if idle and time.monotonic() - self.idle_since > self.idle_timeout:
+                        log.info("no trainer attached for %.0f s: exiting and freeing the memory", self.idle_timeout)
+                        return
+                continue
+            threading.Thread(target=self._connection, args=(conn,), daemon=True).start()
+
+    def _connection(self, conn: socket.socket) -> None:
+        reader = _Reader(conn)
+        arenas: dict[int, Any] = {}
+        entries: dict[int, dict[str, Any]] = {}
+        hello: dict[str, Any] | None = None
+        try:
+            while True:
+                try:
+                    msg = reader.next()
+                except (ValueError, OSError) as e:
+                    log.warning("dropping a connection: %s", e)
+                    break
+                if msg is None:
+                    break
+                op = msg["op"]
+                if op == "ping":
+                    _send(conn, {"op": "reply", "ok": True, "pid": os.getpid()})
+                elif op == "status":
+                    with self.lock:
+                        _send(conn, {"op": "reply", "ok": True, "pid": os.getpid(), "attached": self.attached,
+                                     "held_bytes": _held_bytes(self.dir / "store")})
+                elif op == "stop":
+                    _send(conn, {"op": "reply", "ok": True, "pid": os.getpid()})
+                    self.stop.set()
+                elif op == "hello":
+                    hello = msg
+                    with self.lock:
+                        self.attached += 1
+                    log.info("trainer rank %s (pid %s) attached", msg.get("rank"), msg.get("pid"))
+                elif op == "arena":
+                    import mmap
+
+                    for fd in msg["fds"]:
+                        try:
+                            arenas[int(msg["slot"])] = mmap.mmap(fd, int(msg["size"]))
+                        finally:
+                            os.close(fd)
+                elif op == "staged":
+                    entries[int(msg["slot"])] = msg
+                elif op == "release":
+                    if msg.get("ok", True):
+                        entries.pop(int(msg["slot"]), None)
+                elif op == "bye":
+                    break
+        finally:
+            conn.close()
+            if hello is not None:
+                with self.lock:
+                    self.attached -= 1
+                    self.flushing += 1
+                try:
+                    for entry in sorted(entries.values(), key=lambda e: e["step"]):
+                        self._flush(hello, entry, arenas.get(int(entry["slot"])))
+                finally:
+                    with self.lock:
+                        self.flushing -= 1
+                        self.idle_since = time.monotonic()
+            for mm in arenas.values():
+                try:
+                    mm.close()
+                except BufferError:
+                    pass
+
+    def _flush(self, hello: dict[str, Any], entry: dict[str, Any], arena: Any) -> None:
+        """Write a snapshot the trainer staged but could not make durable to the tiers it was due in."""
+        from lightning_snapshot.backends.base import Backend
+        from lightning_snapshot.manifest import MANIFEST_NAME, Manifest, step_dirname
+        from lightning_snapshot.writer import SnapshotJob, _merge, _write_part, apply_retention, committed_steps
+
+        step, rank, world = int(entry["step"]), int(hello["rank"]), int(hello["world_size"])
+        run_id = str(hello["run_id"])
+        try:
+            region = memoryview(arena)[int(entry.get("offset", 0)):] if arena is not None else None
+            shared = rebuild_staged(entry["shared"], region)
+            private = rebuild_staged(entry["private"], None)
+            _verify(shared)
+        except Exception as e:  # noqa: BLE001 - nothing to flush
+            log.warning("step %d of rank %d cannot be flushed: %s", step, rank, e)
+            return
+        prefix = step_dirname(step)
+        for index in entry["tiers"]:
+            try:
+                tier = Backend.from_spec(hello["tiers"][index])
+                if step in committed_steps(tier):
+                    continue
+                log.info("rank %d died before step %d reached %s: flushing it", rank, step, tier.url)
+                job = SnapshotJob(step, int(entry["epoch"]), shared, private)
+                chunk = shared.chunk_bytes or (8 << 20)
+                part = _write_part(tier, job, rank, run_id, shared.alignment, chunk)
+                if world > 1:
+                    tier.write(f"{prefix}/{run_id}-part-{rank:05d}.json", [json.dumps(part).encode()])
+                if rank != 0:
+                    continue
+                parts = [part]
+                deadline = time.monotonic() + PART_WAIT_S
+                for r in range(1, world):
+                    key = f"{prefix}/{run_id}-part-{r:05d}.json"
+                    while not tier.exists(key):
+                        if time.monotonic() > deadline or step in committed_steps(tier):
+                            raise SnapshotError(f"rank {r}'s part of step {step} did not come within {PART_WAIT_S} s")
+                        time.sleep(0.2)
+                    parts.append(json.loads(tier.read(key)))
+                if step in committed_steps(tier):
+                    continue
+                raw = _merge(parts, job, world, shared.alignment, chunk)
+                text = json.dumps(raw, separators=(",", ":"), allow_nan=False)
+                Manifest.from_json(text, where=f"manifest of {prefix} flushed by the agent")
+                tier.commit(f"{prefix}/{MANIFEST_NAME}", text.encode())
+                apply_retention(tier, step)
+                log.info("step %d committed to %s after the trainer died", step, tier.url)
+            except Exception as e:  # noqa: BLE001 - logged; the other tiers still get it
+                redact = getattr(locals().get("tier"), "redact", str)
+                log.warning("flushing step %d of rank %d to tier %d failed: %s", step, rank, index, redact(str(e)))
+
+
+def _held_bytes(root: Path) -> int:
+    total = 0
+    for base, _dirs, files in os.walk(root):
+        for f in files:
+            try:
+                total += os.stat(os.path.join(base, f)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+def run_agent(node_dir: Path, idle_timeout: float) -> int:
+    """The agent's main loop (in its own process). Returns the exit status."""
+    node_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(node_dir, 0o700)
+    lock_fd = os.open(node_dir / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        other = os.pread(lock_fd, 32, 0).decode(errors="replace").strip()
+        print(f"lightning-snapshot agent: another agent (pid {other or '?'}) already serves {node_dir}",
+              file=sys.stderr)
+        return 3
+    os.ftruncate(lock_fd, 0)
+    os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)
+    sock_path = node_dir / SOCK
+    try:
+        sock_path.unlink()
+    except FileNotFoundError:
+        pass
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        server.bind(str(sock_path))
+    finally:
+        os.umask(old)
+    os.chmod(sock_path, 0o600)
+    server.listen(64)
+    agent = Agent(node_dir, idle_timeout)
+    log.info("agent pid %d serving %s (idle timeout %.0f s)", os.getpid(), node_dir, idle_timeout)
+    try:
+        agent.serve(server)
+    finally:
+        server.close()
+        # wait for flushes in progress, then free the memory
+        while agent.flushing:
+            time.sleep(0.1)
+        for name in (SOCK, "store"):
+            p = node_dir / name
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                try:
+                    p.unlink()
+                except FileNotFoundError:
+                    pass
+        log.info("agent pid %d stopped; memory freed", os.getpid())
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------- trainer side
+def _connect(node_dir: Path, timeout: float = 5.0) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+        s.connect(str(node_dir / SOCK))
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
+def _request(node_dir: Path, op: str) -> dict[str, Any] | None:
+    """One request/answer with the agent of ``node_dir``; None when no agent answers."""
+    try:
+        s = _connect(node_dir)
+    except OSError:
+        return None
+    try:
+        _send(s, {"op": op})
+        return _Reader(s).next()
+    except (OSError, ValueError):
+        return None
+    finally:
+        s.close()
+
+
+def agent_status(node_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """``{"pid", "attached", "held_bytes"}`` of the agent serving ``node_dir``, or None."""
+    return _request(Path(node_dir), "status")
+
+
+def stop_agent(node_dir: str | os.PathLike[str], timeout: float = 30.0) -> bool:
+    """Ask the agent of ``node_dir`` to exit and free its memory; True once it is gone (False: none was running)."""
+    node_dir = Path(node_dir)
+    answer = _request(node_dir, "stop")
+    if answer is None:
+        return False
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and (node_dir / SOCK).exists():
+        time.sleep(0.05)
+    return True
+
+
+def ensure_agent(node_dir: str | os.PathLike[str], *, idle_timeout: float = 600.0, timeout: float = 60.0) -> int:
+    """Start the agent of ``node_dir`` unless one answers already; returns its pid."""
+    node_dir = Path(node_dir)
+    answer = _request(node_dir, "ping")
+    if answer is not None:
+        return int(answer["pid"])
+    node_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    import lightning_snapshot
+
+    src = os.path.dirname(os.path.dirname(os.path.abspath(lightning_snapshot.__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_PORT", "MASTER_ADDR"):
+        env.pop(var, None)  # the agent is no rank of the job
+    logf = open(node_dir / LOG, "ab")  # noqa: SIM115 - handed to the child
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from lightning_snapshot.agent import main; sys.exit(main())", "--dir",
+             str(node_dir), "--idle-timeout", str(idle_timeout)],
+            stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True, close_fds=True, env=env,
+            cwd="/",
+        )
+    finally:
+        logf.close()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        answer = _request(node_dir, "ping")
+        if answer is not None:
+            return int(answer["pid"])
+        if proc.poll() is not None and proc.returncode != 3:  # 3: another agent won the race; ask it
+            break
+        time.sleep(0.05)
+    tail = (node_dir / LOG).read_text(errors="replace")[-2000:] if (node_dir / LOG).exists() else ""
+    raise SnapshotError(f"the snapshot agent for {node_dir} did not start (exit status {proc.poll()}); its log:\n{tail}")
+
+
+class AgentClient:
+    """A trainer rank's link to its node's agent: passes arena memory and tells which snapshots need flushing.
+
+    Thread-safe: the persist threads and the training thread call it; one lock guards the socket.
+    """
+
+    def __init__(self, node_dir: str | os.PathLike[str], *, rank: int, world_size: int, run_id: str,
+                 tiers: list[Any]) -> None:
+        self.node_dir = Path(node_dir)
+        self.tiers = list(tiers)
+        self._lock = threading.Lock()
+        self._sent_slots: dict[int, int] = {}
+        self._sock: socket.socket | None = _connect(self.node_dir)
+        self._sock.settimeout(None)
+        self._send({"op": "hello", "pid": os.getpid(), "rank": rank, "world_size": world_size, "run_id": run_id,
+                    "tiers": [t.spec() for t in self.tiers]})
+
+    def _send(self, msg: dict[str, Any], fds: list[int] | None = None) -> None:
+        with self._lock:
+            if self._sock is None:
+                return
+            try:
+                _send(self._sock, msg, fds)
+            except OSError as e:
+                log.warning("lightning-snapshot: lost the snapshot agent (%s); snapshots are no longer flushed"
+                            " after a crash", e)
+                self._sock.close()
+                self._sock = None
+
+    def _slot_id(self, slot: Any) -> int | None:
+        if slot.fd < 0:
+            return None
+        key = id(slot)
+        if key not in self._sent_slots:
+            self._sent_slots[key] = len(self._sent_slots)
+            self._send({"op": "arena", "slot": self._sent_slots[key], "size": slot.capacity, "nfds": 1}, [slot.fd])
+        return self._sent_slots[key]
+
+    def staged(self, job: Any) -> None:
+        """The snapshot of ``job`` is staged (its copy finished): flush it if this trainer dies before releasing it."""
+        tiers = [self.tiers.index(t) for t in job.tiers if t in self.tiers]
+        shared = getattr(job.shared, "state", job.shared)
+        slot = getattr(job.shared, "slot", None)
+        if not tiers or slot is None:
+            return
+        sid = self._slot_id(slot)
+        if sid is None:
+            return
+        self._send({"op": "staged", "slot": sid, "step": job.step, "epoch": job.epoch, "tiers": tiers,
+                    "shared": describe_staged(shared, inline=False), "private": describe_staged(job.private,
+                                                                                                inline=True)})
+
+    def release(self, slot: Any, ok: bool) -> None:
+        """Every tier is done with ``slot`` (``ok``: all committed it)."""
+        sid = self._sent_slots.get(id(slot))
+        if sid is not None:
+            self._send({"op": "release", "slot": sid, "ok": bool(ok)})
+
+    def close(self) -> None:
+        self._send({"op": "bye"})
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+
+
+# ----------------------------------------------------------------------------------------------- entry point
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="lightning-snapshot agent", description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--dir", required=True, help="the node's memory directory for this run (RamTier.node_dir)")
+    p.add_argument("--idle-timeout", type=float, default=600.0,
+                   help="seconds without an attached trainer after which the agent exits and frees the memory")
+    p.add_argument("--stop", action="store_true", help="stop the agent serving --dir (frees its memory)")
+    p.add_argument("--status", action="store_true", help="print the agent's pid, attached trainers and held bytes")
+    args = p.parse_args(argv)
+    node_dir = Path(args.dir).expanduser().absolute()
+    if args.stop:
+        stopped = stop_agent(node_dir)
+        print(f"stopped the agent of {node_dir}" if stopped else f"no agent serves {node_dir}")
+        return 0
+    if args.status:
+        st = agent_status(node_dir)
+        print(json.dumps(st) if st else f"no agent serves {node_dir}")
+        return 0 if st else 1
+    if args.idle_timeout <= 0:
+        raise ConfigError("--idle-timeout must be > 0")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s lightning-snapshot agent: %(message)s")
+    return run_agent(node_dir, args.idle_timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
