@@ -56,12 +56,15 @@ class ShareLayout:
 
 
 def layout(nbytes: int, k: int, m: int, block: int = DEFAULT_BLOCK) -> ShareLayout:
-    """The share layout of an ``nbytes`` object (small objects get small blocks, so padding stays < 64 * k bytes)."""
+    """The share layout of an ``nbytes`` object: as few stripes as blocks of at most ``block`` bytes allow, with
+    the block sized to the object, so the padding stays below ``64 * k * stripes`` bytes."""
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-    per = -(-nbytes // k) if nbytes else 0
-    b = min(block, max(_ALIGN, -(-per // _ALIGN) * _ALIGN))
-    stripes = -(-nbytes // (k * b)) if nbytes else 0
+    if nbytes == 0:
+        return ShareLayout(k, m, 0, _ALIGN, 0)
+    stripes = -(-nbytes // (k * block))
+    per = -(-nbytes // (k * stripes))
+    b = -(-per // _ALIGN) * _ALIGN
     return ShareLayout(k, m, nbytes, b, stripes)
 
 

@@ -161,8 +161,11 @@ def _verify(staged: Any) -> None:
 class Agent:
     """The agent process' state: attached trainers, the arenas they passed, snapshots not yet released."""
 
-    def __init__(self, node_dir: Path, idle_timeout: float) -> None:
+    def __init__(self, node_dir: Path, idle_timeout: float, owned: dict[str, int] | None = None) -> None:
         self.dir = node_dir
+        #: inode of each file the agent made (socket, lock): it stops, and deletes nothing, once they were removed
+        #: or replaced (the node's memory directory was deleted, e.g. by a job that simulates losing the node)
+        self.owned = owned or {}
         self.idle_timeout = idle_timeout
         self.lock = threading.Lock()
         self.attached = 0
@@ -176,6 +179,9 @@ class Agent:
             try:
                 conn, _ = server.accept()
             except socket.timeout:
+                if not self.owner():
+                    log.warning("%s was removed or taken over: exiting without touching it", self.dir)
+                    return
                 with self.lock:
                     idle = self.attached == 0 and self.flushing == 0
                     if idle and time.monotonic() - self.idle_since > self.idle_timeout:
@@ -183,6 +189,16 @@ class Agent:
                         return
                 continue
             threading.Thread(target=self._connection, args=(conn,), daemon=True).start()
+
+    def owner(self) -> bool:
+        """Whether the files this agent made are still the ones in its directory."""
+        for name, ino in self.owned.items():
+            try:
+                if os.stat(self.dir / name).st_ino != ino:
+                    return False
+            except OSError:
+                return False
+        return True
 
     def _connection(self, conn: socket.socket) -> None:
         reader = _Reader(conn)
@@ -337,7 +353,7 @@ def run_agent(node_dir: Path, idle_timeout: float) -> int:
         os.umask(old)
     os.chmod(sock_path, 0o600)
     server.listen(64)
-    agent = Agent(node_dir, idle_timeout)
+    agent = Agent(node_dir, idle_timeout, {SOCK: os.stat(sock_path).st_ino, LOCK: os.fstat(lock_fd).st_ino})
     log.info("agent pid %d serving %s (idle timeout %.0f s)", os.getpid(), node_dir, idle_timeout)
     try:
         agent.serve(server)
@@ -346,7 +362,7 @@ def run_agent(node_dir: Path, idle_timeout: float) -> int:
         # wait for flushes in progress, then free the memory
         while agent.flushing:
             time.sleep(0.1)
-        for name in (SOCK, "store"):
+        for name in ("store", SOCK) if agent.owner() else ():  # the socket last: stop_agent waits for it
             p = node_dir / name
             if p.is_dir():
                 shutil.rmtree(p, ignore_errors=True)
@@ -418,13 +434,19 @@ def ensure_agent(node_dir: str | os.PathLike[str], *, idle_timeout: float = 600.
     for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_PORT", "MASTER_ADDR"):
         env.pop(var, None)  # the agent is no rank of the job
     logf = open(node_dir / LOG, "ab")  # noqa: SIM115 - handed to the child
+    agent_cmd = [sys.executable, "-c", "import sys; from lightning_snapshot.agent import main; sys.exit(main())",
+                 "--dir", str(node_dir), "--idle-timeout", str(idle_timeout)]
     try:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from lightning_snapshot.agent import main; sys.exit(main())", "--dir",
-             str(node_dir), "--idle-timeout", str(idle_timeout)],
-            stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True, close_fds=True, env=env,
-            cwd="/",
+        # through a short-lived intermediate process, so that the agent is nobody's child (no zombie when it exits
+        # before the trainer) and runs in a session of its own (a SIGKILL of the trainer's group does not reach it)
+        subprocess.run(
+            [sys.executable, "-c", "import subprocess, sys; subprocess.Popen(sys.argv[1:], start_new_session=True,"
+             " stdin=subprocess.DEVNULL, close_fds=True)", *agent_cmd],
+            stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, close_fds=True, env=env, cwd="/", check=True,
+            timeout=timeout,
         )
+    except (subprocess.SubprocessError, OSError) as e:
+        raise SnapshotError(f"could not start the snapshot agent for {node_dir}: {e}") from e
     finally:
         logf.close()
     deadline = time.monotonic() + timeout
@@ -432,11 +454,9 @@ def ensure_agent(node_dir: str | os.PathLike[str], *, idle_timeout: float = 600.
         answer = _request(node_dir, "ping")
         if answer is not None:
             return int(answer["pid"])
-        if proc.poll() is not None and proc.returncode != 3:  # 3: another agent won the race; ask it
-            break
         time.sleep(0.05)
     tail = (node_dir / LOG).read_text(errors="replace")[-2000:] if (node_dir / LOG).exists() else ""
-    raise SnapshotError(f"the snapshot agent for {node_dir} did not start (exit status {proc.poll()}); its log:\n{tail}")
+    raise SnapshotError(f"the snapshot agent for {node_dir} did not answer within {timeout:.0f} s; its log:\n{tail}")
 
 
 class AgentClient:

@@ -134,3 +134,33 @@ def bucket(s3_server, request):
     name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + "-b"
     s3_server.create_bucket(name)
     return name
+
+
+def launch_nodes(script: str, nodes: int, *args: str, timeout: int = 300, env: dict[str, str] | None = None
+                 ) -> list[subprocess.CompletedProcess[str]]:
+    """Run tests/scripts/SCRIPT as ``nodes`` simulated nodes of one process each (NODE_RANK, LOCAL_RANK=0,
+    WORLD_SIZE, MASTER_ADDR=127.0.0.1, a free MASTER_PORT), with LIGHTNING_SNAPSHOT_SHM_DIR pointing each node at
+    its own memory directory when ``env`` gives ``LIGHTNING_SNAPSHOT_SHM_DIR`` as a format string with ``{node}``."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for node in range(nodes):
+        e = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning", "NODE_RANK": str(node), "LOCAL_RANK": "0",
+             "WORLD_SIZE": str(nodes), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        for k, v in (env or {}).items():
+            e[k] = v.format(node=node)
+        procs.append(subprocess.Popen([sys.executable, str(SCRIPTS / script), *args], env=e, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True))
+    out = []
+    for p in procs:
+        try:
+            so, se = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, so, se))
+    return out

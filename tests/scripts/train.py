@@ -119,12 +119,13 @@ def main() -> None:
     p.add_argument("--ram-erasure", default=None, help="k+m")
     p.add_argument("--num-nodes", type=int, default=1, help="nodes (processes launched outside, one per node)")
     p.add_argument("--no-local", action="store_true", help="no local tier (RAM tier only)")
+    p.add_argument("--samples", type=int, default=64, help="dataset size")
     a = p.parse_args()
 
     L.seed_everything(42, verbose=False)
     model = Model(a.dropout)
     if a.loader == "plain":
-        loader = DataLoader(Squares(), batch_size=a.batch_size, shuffle=a.shuffle, num_workers=a.workers)
+        loader = DataLoader(Squares(a.samples), batch_size=a.batch_size, shuffle=a.shuffle, num_workers=a.workers)
     elif a.loader == "stateful":
         from torchdata.stateful_dataloader import StatefulDataLoader
 

@@ -1,0 +1,76 @@
+"""Simulated multi-node RAM tier without Lightning: one process per "node", each with its own memory directory.
+
+Usage (one process per node; NODE_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set by the launcher):
+  ram_nodes.py save --base B --erasure K+M --local L --step S --mb X   write a deterministic state (X MB per rank) to
+                                                                       the RAM tier and, for reference, to local tier L
+  ram_nodes.py load --base B --erasure K+M --step S --out O            rebuild step S from the RAM tier and write the
+                                                                       state every rank read to O.rank<r> (torch.save)
+Node r's memory lives in B/node<r>. Prints "LOADED" or "FAILED: <message>".
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from lightning_snapshot.backends import LocalTier, RamTier
+from lightning_snapshot.comm import GroupComm
+from lightning_snapshot.errors import SnapshotError
+from lightning_snapshot.loader import read_manifest, read_section
+from lightning_snapshot.staging import stage
+from lightning_snapshot.writer import SnapshotJob, write_snapshot
+
+
+def state(rank: int, mb: float) -> dict:
+    g = torch.Generator().manual_seed(1234)
+    n = int(mb * (1 << 20) / 4)
+    return {"weights": {"a": torch.randn(n // 2, generator=g), "b": torch.randn(3, 5, generator=g).to(torch.bfloat16),
+                        "big": torch.randn(n // 2, generator=g)},
+            "step": 7, "rank_note": f"rank {rank}"}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["save", "load"])
+    p.add_argument("--base", required=True)
+    p.add_argument("--erasure", default=None)
+    p.add_argument("--local", default=None)
+    p.add_argument("--step", type=int, default=10)
+    p.add_argument("--mb", type=float, default=2.0)
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    node, world = int(os.environ["NODE_RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=node, world_size=world)
+    comm = GroupComm(dist.new_group(backend="gloo"))
+    ram = RamTier(every_n_train_steps=1, keep_last=2, erasure=a.erasure, name="run", shm_dir=f"{a.base}/node{node}")
+    ram.bind(node_rank=node, num_nodes=world, local_rank=0, ranks_per_node=1, default_name="run")
+    if a.mode == "save":
+        s = state(node, a.mb)
+        shared = stage(s["weights"], "shared") if node == 0 else stage({}, "shared")
+        job = SnapshotJob(a.step, 0, shared, stage({"note": s["rank_note"], "t": torch.arange(4) + node}, "rank"))
+        write_snapshot(ram, comm, job, "run0")
+        if a.local:
+            write_snapshot(LocalTier(a.local), comm, job, "run0")
+        print(f"SAVED held_bytes={ram.held_bytes()}", flush=True)
+    else:
+        try:
+            ram.prepare_restore(comm, a.step)
+            manifest = read_manifest(ram, a.step)
+            shared = read_section(ram, manifest, manifest.tensors, manifest.state)
+            section = manifest.rank_section(node)
+            mine = read_section(ram, manifest, section.tensors, section.state)
+            ram.finish_restore(a.step)
+            torch.save({"shared": shared, "rank": mine["t"]}, f"{a.out}.rank{node}")
+            print("LOADED", flush=True)
+        except SnapshotError as e:
+            print(f"FAILED: {e}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""RAM tier and snapshot agent: real processes, real SIGKILL, gloo between simulated nodes."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import SCRIPTS, assert_bitwise_equal, launch_nodes, run_train
+
+from lightning_snapshot.agent import agent_status, ensure_agent, stop_agent
+from lightning_snapshot.backends import LocalTier
+from lightning_snapshot.writer import committed_steps
+
+
+@pytest.fixture
+def shm(tmp_path, monkeypatch):
+    """A memory base directory for this test's agents; every agent started under it is stopped at the end."""
+    base = tmp_path / "shm"
+    monkeypatch.setenv("LIGHTNING_SNAPSHOT_SHM_DIR", str(base))
+    yield base
+    for sock in base.glob("**/agent.sock"):
+        stop_agent(sock.parent)
+
+
+def _wait(predicate, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+# ------------------------------------------------------------------------------------------------ the agent
+def test_one_agent_per_node_and_run_in_its_own_session_owner_only(shm):
+    node = shm / "run-a"
+    pid = ensure_agent(node, idle_timeout=60)
+    assert ensure_agent(node, idle_timeout=60) == pid, "a second start must find the running agent"
+    assert os.getsid(pid) != os.getsid(0), "the agent must not share the trainer's session"
+    assert stat.S_IMODE(os.stat(node).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(node / "agent.sock").st_mode) == 0o600
+    # a second agent for the same directory refuses to start and says who serves it
+    proc = subprocess.run([sys.executable, "-m", "lightning_snapshot.cli", "agent", "--dir", str(node)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3 and f"another agent (pid {pid}) already serves" in proc.stderr
+    (node / "store").mkdir()
+    (node / "store" / "x").write_bytes(b"held")
+    assert agent_status(node)["pid"] == pid
+    assert stop_agent(node)
+    assert _wait(lambda: not (node / "store").exists()), "--stop must free the memory"
+    assert _wait(lambda: not os.path.exists(f"/proc/{pid}"))
+
+
+def test_agent_exits_and_frees_memory_when_idle(shm):
+    node = shm / "run-b"
+    pid = ensure_agent(node, idle_timeout=1.0)
+    (node / "store").mkdir()
+    assert _wait(lambda: not os.path.exists(f"/proc/{pid}"), timeout=30), "idle agent did not exit"
+    assert not (node / "store").exists()
+
+
+# ------------------------------------------------------------------------------------------------ crash + restart
+@pytest.mark.slow
+def test_sigkilled_trainer_restores_from_ram_bitwise(tmp_path, shm, reference_runs):
+    args = ("--max-steps", "12", "--every", "4", "--shuffle", "--dropout", "0.1")
+    ref = reference_runs(*args)
+    out = tmp_path / "out.pt"
+    run_train(tmp_path / "local", out, *args, "--ram-every", "2", "--crash-at", "7", expect_kill=True)
+    # the local tier has step 4, the RAM tier step 6: the newest comes from RAM
+    assert committed_steps(LocalTier(tmp_path / "local"))[0] == 4
+    proc = run_train(tmp_path / "local", out, *args, "--ram-every", "2")
+    assert "RESTORED step=6 from=ram://test" in proc.stdout, proc.stdout + proc.stderr
+    assert assert_bitwise_equal(ref, out) > 0
+
+
+@pytest.mark.slow
+def test_agent_flushes_a_staged_snapshot_after_the_trainer_died(tmp_path, shm, reference_runs):
+    args = ("--max-steps", "12", "--every", "4", "--shuffle")
+    ref = reference_runs(*args)
+    out, local = tmp_path / "out.pt", tmp_path / "local"
+    # SIGKILL after step 8's data reached the local tier, before its manifest: only the agent can commit it now
+    run_train(local, out, *args, "--ram-every", "2", "--kill-before-commit", "8", expect_kill=True)
+    assert _wait(lambda: 8 in committed_steps(LocalTier(local)), timeout=120), (shm / "test" / "agent.log").read_text()
+    assert "committed to" in (shm / "test" / "agent.log").read_text()
+    assert stop_agent(shm / "test") and _wait(lambda: not (shm / "test" / "store").exists())
+    proc = run_train(local, out, *args)  # no RAM tier, no agent: the local tier alone
+    assert "RESTORED step=8 from=" in proc.stdout, proc.stdout + proc.stderr
+    assert assert_bitwise_equal(ref, out) > 0
+
+
+# ------------------------------------------------------------------------------------------------ erasure
+def _nodes(script_args, nodes, base):
+    procs = launch_nodes("ram_nodes.py", nodes, *script_args, "--base", str(base))
+    for p in procs:
+        assert p.returncode == 0, p.stdout + p.stderr
+    return procs
+
+
+def _check_loaded(out: Path, nodes: int, mb: float) -> None:
+    import ram_nodes
+
+    expected = ram_nodes.state(0, mb)["weights"]
+    for r in range(nodes):
+        got = torch.load(f"{out}.rank{r}", weights_only=True)
+        for name, t in expected.items():
+            assert torch.equal(got["shared"][name].view(torch.uint8), t.view(torch.uint8)), f"rank {r}: {name}"
+        assert torch.equal(got["rank"], torch.arange(4) + r)
+
+
+def _share_bytes(base: Path) -> int:
+    return sum(p.stat().st_size for p in base.glob("node*/run/store/*/*.ec/[0-9]*"))
+
+
+@pytest.mark.slow
+def test_erasure_2_plus_1_survives_every_single_node_loss_and_repairs_a_flipped_byte(tmp_path):
+    saved = tmp_path / "saved"
+    mb = 3.0
+    _nodes(["save", "--erasure", "2+1", "--mb", str(mb)], 3, saved)
+    # memory: (k + m) / k = 1.5 x the state, measured on the share files of all nodes
+    data = sum(o.nbytes for o in __import__("lightning_snapshot.loader", fromlist=["x"]).read_manifest(
+        __import__("lightning_snapshot.backends.local", fromlist=["x"]).LocalTier(saved / "node0" / "run" / "store"),
+        10).objects)
+    assert _share_bytes(saved) <= 1.5 * data + 64 * 2 * 3 * 8, (_share_bytes(saved), data)
+    for lost in range(3):
+        base = tmp_path / f"lost{lost}"
+        shutil.copytree(saved, base)
+        shutil.rmtree(base / f"node{lost}")
+        procs = _nodes(["load", "--erasure", "2+1", "--out", str(base / "out")], 3, base)
+        assert all("LOADED" in p.stdout for p in procs), [p.stdout for p in procs]
+        _check_loaded(base / "out", 3, mb)
+    # a flipped byte in a share is detected, treated as missing and rebuilt from the others
+    base = tmp_path / "flipped"
+    shutil.copytree(saved, base)
+    share = next((base / "node1" / "run" / "store").glob("step-*/run0-shared-00000.bin.ec/1"))
+    raw = bytearray(share.read_bytes())
+    raw[1234] ^= 0x40
+    share.write_bytes(bytes(raw))
+    procs = _nodes(["load", "--erasure", "2+1", "--out", str(base / "out")], 3, base)
+    assert "checksum mismatch" in procs[1].stderr, procs[1].stderr
+    _check_loaded(base / "out", 3, mb)
+    # m + 1 = 2 lost nodes: not restorable, and the error says why
+    base = tmp_path / "two_lost"
+    shutil.copytree(saved, base)
+    shutil.rmtree(base / "node0")
+    shutil.rmtree(base / "node2")
+    procs = _nodes(["load", "--erasure", "2+1", "--out", str(base / "out")], 3, base)
+    assert all("FAILED" in p.stdout and "good share(s) of the 2 needed" in p.stdout for p in procs), procs[0].stdout
+
+
+@pytest.mark.slow
+def test_erasure_4_plus_2_survives_a_sample_of_double_node_losses(tmp_path):
+    saved = tmp_path / "saved"
+    _nodes(["save", "--erasure", "4+2", "--mb", "1"], 6, saved)
+    for lost in [(0, 5), (2, 3)]:
+        base = tmp_path / f"lost{lost[0]}{lost[1]}"
+        shutil.copytree(saved, base)
+        for n in lost:
+            shutil.rmtree(base / f"node{n}")
+        procs = _nodes(["load", "--erasure", "4+2", "--out", str(base / "out")], 6, base)
+        assert all("LOADED" in p.stdout for p in procs), [p.stdout + p.stderr[-500:] for p in procs]
+        _check_loaded(base / "out", 6, 1.0)
+    assert len(list(itertools.combinations(range(6), 2))) == 15  # (the sample: 2 of the 15 pairs)
+
+
+@pytest.mark.slow
+def test_too_many_lost_shares_fall_back_to_the_local_tier_with_one_log_line(tmp_path, reference_runs):
+    """Two simulated nodes with erasure 1+1: node 0's memory lost and node 1's shares corrupted -> local tier."""
+    args = ("--max-steps", "12", "--every", "3", "--shuffle")
+    base = tmp_path / "shm"
+    env = {"LIGHTNING_SNAPSHOT_SHM_DIR": str(base) + "/node{node}"}
+    common = ("--dir", str(tmp_path / "local"), "--out", str(tmp_path / "out.pt"), *args, "--num-nodes", "2",
+              "--ram-every", "2", "--ram-erasure", "1+1")
+    try:
+        procs = launch_nodes("train.py", 2, *common, "--crash-at", "9", env=env)
+        assert [p.returncode for p in procs] == [-9, -9], [p.stderr[-2000:] for p in procs]
+        assert committed_steps(LocalTier(tmp_path / "local"))[0] == 6
+        stop_agent(base / "node0" / "test")
+        shutil.rmtree(base / "node0")
+        for share in (base / "node1" / "test" / "store").glob("step-*/*.ec/[0-9]*"):
+            raw = bytearray(share.read_bytes())
+            raw[0] ^= 1
+            share.write_bytes(bytes(raw))
+        procs = launch_nodes("train.py", 2, *common, env=env)
+        assert [p.returncode for p in procs] == [0, 0], [p.stderr[-3000:] for p in procs]
+        log = procs[0].stderr
+        assert "cannot restore the snapshot of step 8 in the ram tier" in log and "good share(s)" in log, (
+            procs[0].stdout + log[-3000:])
+        assert "RESTORED step=6 from=" + str(tmp_path / "local") in procs[0].stdout
+    finally:
+        for sock in base.glob("**/agent.sock"):
+            stop_agent(sock.parent)
+    ref = tmp_path / "ref"
+    procs = launch_nodes("train.py", 2, "--dir", str(ref / "local"), "--out", str(ref / "out.pt"), *args,
+                         "--num-nodes", "2", env=env)
+    assert [p.returncode for p in procs] == [0, 0]
+    for suffix in ("", ".rank1"):
+        assert_bitwise_equal(Path(f"{ref / 'out.pt'}{suffix}"), Path(f"{tmp_path / 'out.pt'}{suffix}"))
+
+
+assert SCRIPTS.is_dir()
