@@ -487,7 +487,7 @@ class RamTier(Backend):
             finally:
                 for mm in maps.values():
                     _close(mm)
-                for i, p in received.get(key, {}).items():
+                for p in received.get(key, {}).values():
                     try:
                         os.unlink(p)
                     except OSError:
