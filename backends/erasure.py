@@ -11,9 +11,11 @@ Pure functions over buffers: no I/O, no process group.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import ctypes
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import zfec
 
 from lightning_snapshot.errors import ChecksumError, ConfigError
@@ -68,6 +70,16 @@ def layout(nbytes: int, k: int, m: int, block: int = DEFAULT_BLOCK) -> ShareLayo
     return ShareLayout(k, m, nbytes, b, stripes)
 
 
+def _addr(view: memoryview) -> int:
+    """The address of a buffer's first byte (read-only buffers too), for copies that release the GIL."""
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
+
+
+def _copy(dst: int, src: int, n: int) -> None:
+    if n:
+        ctypes.memmove(dst, src, n)  # a ctypes call: the GIL is released while it copies
+
+
 def _threads(stripes: int, threads: int | None) -> int:
     n = threads if threads is not None else min(8, os.cpu_count() or 1)
     return max(1, min(n, stripes))
@@ -93,23 +105,29 @@ def encode(data: memoryview, lay: ShareLayout, shares: list[memoryview], *, thre
     enc = zfec.Encoder(k, k + m)
     parity = tuple(range(k, k + m))
 
+    src = _addr(data)
+    dst = [_addr(sh) for sh in shares]
+
     def work(a: int, z: int) -> None:
         pad = bytearray(k * b)
+        pv = memoryview(pad)
+        pad_addr = _addr(pv)
         for s in range(a, z):
             base = s * k * b
             if base + k * b <= lay.nbytes:
                 blocks = tuple(data[base + i * b: base + (i + 1) * b] for i in range(k))
+                origin = src + base
             else:  # the last stripe: zero-padded
-                tail = data[base:]
-                pad[:] = bytes(k * b)
-                pad[: tail.nbytes] = tail
-                pv = memoryview(pad)
+                tail = lay.nbytes - base
+                ctypes.memset(pad_addr, 0, k * b)
+                _copy(pad_addr, src + base, tail)
                 blocks = tuple(pv[i * b: (i + 1) * b] for i in range(k))
+                origin = pad_addr
             for i in range(k):
-                shares[i][s * b: (s + 1) * b] = blocks[i]
+                _copy(dst[i] + s * b, origin + i * b, b)
             if m:
                 for j, blk in enumerate(enc.encode(blocks, parity)):
-                    shares[k + j][s * b: (s + 1) * b] = blk
+                    _copy(dst[k + j] + s * b, _addr(memoryview(blk)), b)
 
     _run(work, lay.stripes, threads)
 
@@ -133,16 +151,21 @@ def decode(shares: dict[int, memoryview], lay: ShareLayout, out: memoryview, *, 
     dec = None if data_only else zfec.Decoder(k, lay.k + lay.m)
     nums = tuple(use)
 
+    out_addr = _addr(out)
+    share_addr = {i: _addr(shares[i]) for i in use}
+
     def work(a: int, z: int) -> None:
         for s in range(a, z):
-            blocks = tuple(shares[i][s * b: (s + 1) * b] for i in use)
-            prim = blocks if dec is None else dec.decode(blocks, nums)
             base = s * k * b
+            if dec is None:
+                prim_addr = [share_addr[i] + s * b for i in use]
+            else:
+                prim = dec.decode(tuple(shares[i][s * b: (s + 1) * b] for i in use), nums)
+                prim_addr = [_addr(memoryview(p)) for p in prim]
             for i in range(k):
                 lo = base + i * b
                 if lo >= lay.nbytes:
                     break
-                hi = min(lo + b, lay.nbytes)
-                out[lo:hi] = memoryview(prim[i])[: hi - lo]
+                _copy(out_addr + lo, prim_addr[i], min(b, lay.nbytes - lo))
 
     _run(work, lay.stripes, threads)
