@@ -325,6 +325,16 @@ def test_box_reads_verify_every_chunk_they_read(tmp_path):
     bad = ShardTarget(Box((170, 0), (10, 16)), torch.empty(10, 16))
     with pytest.raises(Exception, match="checksum mismatch in tensor 'state_dict/w'"):
         read_section(backend, manifest, manifest.tensors, manifest.state, targets={"state_dict/w": bad})
+    # rows 128 + [32, 64) are exactly chunks 2 and 3 of that fragment: read straight into the target, still verified
+    aligned = ShardTarget(Box((160, 0), (32, 16)), torch.empty(32, 16))
+    with pytest.raises(Exception, match="checksum mismatch in tensor 'state_dict/w'"):
+        read_section(backend, manifest, manifest.tensors, manifest.state, targets={"state_dict/w": aligned})
+    clean = ShardTarget(Box((192, 0), (64, 16)), torch.empty(64, 16))  # chunks 4-7: intact
+    read_section(backend, manifest, manifest.tensors, manifest.state, targets={"state_dict/w": clean})
+    assert torch.equal(clean.out, t[192:])
+    # a whole-tensor read of the corrupted fragment (its rows go straight into the output) fails too
+    with pytest.raises(Exception, match="checksum mismatch in tensor 'state_dict/w'"):
+        read_section(backend, manifest, manifest.tensors, manifest.state)
 
 
 def test_box_reads_cast_into_targets_of_another_dtype(tmp_path):
