@@ -139,6 +139,8 @@ class SnapshotCallback(Checkpoint):
         self._tier_skipped = [0] * len(self.tiers)
         self._pending_rng: dict[str, Any] | None = None
         self._pending_loaders: list[dict[str, Any] | None] = []
+        self._pending_loaders_count = 0
+        self._exact_data = True
         self._warned_loaders: set[int] = set()
         self._patched_strategy: Any = None
         #: (tier url, step, seconds) of the restore done by the last ``fit``, or None.
@@ -189,7 +191,7 @@ class SnapshotCallback(Checkpoint):
         def process_dataloader(dataloader: object) -> object:
             dataloader = original(dataloader)
             if trainer.training:
-                self._on_train_loader(dataloader)
+                self._on_train_loader(dataloader, trainer)
             return dataloader
 
         strategy.process_dataloader = process_dataloader
@@ -258,15 +260,39 @@ class SnapshotCallback(Checkpoint):
             self._arena.close()
             self._arena = None
 
-    def _on_train_loader(self, loader: object) -> None:
+    def _on_train_loader(self, loader: object, trainer: Any) -> None:
         wrapper = _data.install(loader)
-        if wrapper is not None and self._pending_loaders:
-            wrapper.pending = self._pending_loaders.pop(0)
+        if self._pending_loaders:
+            count = self._pending_loaders_count
+            index = count - len(self._pending_loaders)
+            pending = self._pending_loaders.pop(0)
+            if wrapper is not None and pending is not None:
+                target = _data.plan_resume(wrapper, loader, pending, self._exact_data, trainer.current_epoch)
+                if target is not None and count == 1 and index == 0:
+                    self._shift_batch_counters(trainer, target)
+                elif target is not None:
+                    warnings.warn("lightning-snapshot: with several train dataloaders, the epoch's batch count after a"
+                                  " change of the number of processes follows Lightning's restored count, not the"
+                                  " data left", stacklevel=2)
         reason = _data.unsupported_reason(loader)
         if reason is not None and id(type(loader)) not in self._warned_loaders:
             self._warned_loaders.add(id(type(loader)))
             warnings.warn(f"lightning-snapshot cannot restore the exact position of a train dataloader: {reason}.",
                           stacklevel=2)
+
+    @staticmethod
+    def _shift_batch_counters(trainer: Any, consumed: int) -> None:
+        """Make the restored epoch count ``consumed`` batches as done, so that the batches left in this rank's stream
+        end the epoch exactly at the loader's length (after a change of the number of data-parallel ranks the same
+        global sample is a different batch index). Only the epoch's ``current`` counters move, all by the same
+        amount, so Lightning's restart repair (``completed += 1``) still applies; totals are untouched."""
+        current = trainer.fit_loop.epoch_loop.batch_progress.current
+        delta = consumed - current.ready
+        if delta:
+            current.ready += delta
+            current.started += delta
+            current.processed += delta
+            current.completed += delta
 
     # ------------------------------------------------------------------------------------------- resume
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -404,10 +430,16 @@ class SnapshotCallback(Checkpoint):
         if manifest.world_size != self._comm.world_size:
             warnings.warn(
                 f"lightning-snapshot: the {where} was taken with {manifest.world_size} process(es), this run has"
-                f" {self._comm.world_size}: weights, optimizer and loop state are restored, but per-rank RNG and data"
-                " position are not, so the run will not be bitwise identical to an uninterrupted one.",
+                f" {self._comm.world_size}: weights, optimizer and loop state are restored, and the data continues"
+                " from the saved global sample, but per-rank RNG is not restored, so the run will not be bitwise"
+                " identical to an uninterrupted one.",
                 stacklevel=2,
             )
+            # the data position, as a global sample count, from rank 0's section (the same on every rank)
+            first = manifest.rank_section(0)
+            if first is not None:
+                saved = read_section(backend, manifest, first.tensors, first.state)
+                rank_state = {"rng": None, "loaders": saved.get("loaders", []), "exact": False}
         elif section is not None:
             rank_state = read_section(backend, manifest, section.tensors, section.state)
         return shared, rank_state
@@ -417,6 +449,8 @@ class SnapshotCallback(Checkpoint):
             return
         self._pending_rng = rank_state.get("rng")
         self._pending_loaders = list(rank_state.get("loaders", []))
+        self._pending_loaders_count = len(self._pending_loaders)
+        self._exact_data = rank_state.get("exact", True)
         if self._pending_loaders and all(p is not None for p in self._pending_loaders):
             # Lightning cannot see that our sampler restores the position of plain DataLoaders, and would warn
             warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
@@ -515,10 +549,10 @@ class SnapshotCallback(Checkpoint):
         if not self._comm.all_true(not (self._errors and self.on_error == "raise")):
             self._raise_background_error()
 
-    def _rank_state(self, trainer: Any, consumed_offset: int) -> dict[str, Any]:
+    def _rank_state(self, trainer: Any, consumed_offset: int, epoch: int) -> dict[str, Any]:
         ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready
         loaders = [
-            _data.position(dl, trainer.current_epoch, max(0, ready - consumed_offset))
+            _data.position(dl, epoch, max(0, ready - consumed_offset))
             for dl in _data.flatten_loaders(trainer.train_dataloader)
         ]
         return {"rng": capture_rng(), "loaders": loaders}
@@ -529,7 +563,10 @@ class SnapshotCallback(Checkpoint):
         step, epoch, shared, due = self._pending
         self._pending = None
         try:
-            private = stage(self._rank_state(trainer, consumed_offset), "rank")
+            # the epoch of the batch the position counts from: at the end of training Lightning has already counted
+            # the epoch as finished, at the next batch start the loop's epoch is that batch's
+            private = stage(self._rank_state(trainer, consumed_offset, epoch if consumed_offset == 0
+                                             else trainer.current_epoch), "rank")
         except SnapshotError as e:  # the same state shape on every rank: they all fail here together
             if shared is not None and self._arena is not None:
                 shared.fence_training()

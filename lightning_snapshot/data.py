@@ -5,19 +5,31 @@ Lightning restores the position only of loaders that have ``state_dict``/``load_
 order. We wrap the index sampler inside its ``BatchSampler`` with :class:`ResumableSampler`, which records the RNG
 state from which the epoch's order is drawn, and on resume replays that draw and skips the indices of the batches
 already consumed. The skipped samples are never loaded: only their indices are drawn.
+
+The position is also kept as a *global* sample count: how many samples of the epoch's global order (the order before
+it is split over the ranks) all ranks together have consumed, plus what is needed to rebuild that order (the seed
+and epoch of a ``DistributedSampler``, the RNG a ``RandomSampler`` drew from). A run resumed with another number of
+data-parallel ranks continues the same order from that sample, split over its own ranks the way
+``DistributedSampler`` splits an epoch (:func:`split`).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import math
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler
+from torch.utils.data import SequentialSampler
 
-__all__ = ["ResumableSampler", "install", "flatten_loaders", "is_stateful", "position", "unsupported_reason"]
+__all__ = [
+    "ResumableSampler", "install", "flatten_loaders", "is_stateful", "position", "unsupported_reason", "describe_order",
+    "global_order", "split", "plan_resume",
+]
 
 log = logging.getLogger(__name__)
 
@@ -29,17 +41,30 @@ class ResumableSampler(Sampler[int]):
     ``DistributedSampler``).
     """
 
+    _OWN = ("inner", "epoch_state", "pending", "order", "replicas", "base", "offset", "start_batches", "stream")
+
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         #: (torch RNG state, sampler generator state or None) when the current epoch's order was drawn.
         self.epoch_state: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.pending: dict[str, Any] | None = None
+        #: How to rebuild the current epoch's global order (:func:`describe_order`), None when it cannot be.
+        self.order: dict[str, Any] | None = None
+        #: Data-parallel ranks the current epoch's order is split over.
+        self.replicas = 1
+        #: The current epoch's stream on this rank is ``split(order, base, replicas, ...)`` from its element
+        #: ``offset`` on, started when the loop had counted ``start_batches`` batches (0, 0, 0 unless resumed).
+        self.base = 0
+        self.offset = 0
+        self.start_batches = 0
+        #: This rank's indices for the next epoch, set by :func:`plan_resume` when the layout changed.
+        self.stream: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.inner)
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("inner", "epoch_state", "pending"):
+        if name in ResumableSampler._OWN:
             raise AttributeError(name)
         return getattr(self.inner, name)
 
@@ -49,6 +74,12 @@ class ResumableSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         pending, self.pending = self.pending, None
+        stream, self.stream = self.stream, None
+        if stream is not None:  # resumed on another layout: the rest of the saved global order (plan_resume)
+            yield from stream
+            return
+        self.base = self.offset = self.start_batches = 0
+        self.replicas = _replicas(self.inner)[0]
         gen = self._generator()
         if pending is not None:
             # replay the RNG from which the interrupted epoch drew its order...
@@ -56,11 +87,136 @@ class ResumableSampler(Sampler[int]):
             if gen is not None and pending.get("gen") is not None:
                 gen.set_state(pending["gen"])
         self.epoch_state = (torch.get_rng_state(), gen.get_state() if gen is not None else None)
+        self.order = describe_order(self.inner, *self.epoch_state)
         it = iter(self.inner)
         if pending is not None and pending["skip"]:
             # ...and drop the indices of the batches the interrupted run already trained on
             next(itertools.islice(it, pending["skip"], pending["skip"]), None)
         yield from it
+
+
+    def global_position(self, consumed_batches: int, batch_size: int) -> dict[str, Any] | None:
+        """The global position after this rank consumed ``consumed_batches`` batches of the epoch (loop count)."""
+        if self.order is None:
+            return None
+        local = self.offset + max(0, consumed_batches - self.start_batches) * batch_size
+        samples = min(self.order["n"], self.base + local * self.replicas)
+        return {"order": self.order, "base": self.base, "samples": samples, "replicas": self.replicas}
+
+
+def _is_plain_distributed(sampler: Any) -> bool:
+    return isinstance(sampler, DistributedSampler) and type(sampler).__iter__ is DistributedSampler.__iter__
+
+
+def _replicas(sampler: Any) -> tuple[int, int, bool]:
+    """(data-parallel ranks, this rank, drop_last) of an index sampler: a DistributedSampler's, else (1, 0, False)."""
+    if isinstance(sampler, DistributedSampler):
+        return int(sampler.num_replicas), int(sampler.rank), bool(sampler.drop_last)
+    return 1, 0, False
+
+
+def describe_order(sampler: Any, rng: torch.Tensor, gen: torch.Tensor | None) -> dict[str, Any] | None:
+    """What rebuilds the global order of the epoch ``sampler`` is about to draw (``rng``/``gen``: the torch RNG
+    and the sampler generator state it draws from), or None for samplers whose order cannot be rebuilt.
+
+    * torch's ``DistributedSampler`` (what Lightning injects under DDP and ModelParallel): ``randperm(n)`` seeded
+      with ``seed + epoch``, or ``range(n)`` without shuffling; independent of the number of ranks.
+    * ``SequentialSampler``: ``range(n)``.
+    * ``RandomSampler`` without replacement: the permutation drawn from the recorded RNG or generator state.
+    """
+    if _is_plain_distributed(sampler):
+        return {"kind": "distributed", "n": len(sampler.dataset), "shuffle": bool(sampler.shuffle),
+                "seed": int(sampler.seed), "epoch": int(sampler.epoch)}
+    if type(sampler) is SequentialSampler:
+        return {"kind": "sequential", "n": len(sampler.data_source)}
+    if (type(sampler) is RandomSampler and not sampler.replacement
+            and sampler.num_samples == len(sampler.data_source)):
+        return {"kind": "random", "n": len(sampler.data_source), "rng": rng, "gen": gen}
+    return None
+
+
+def global_order(order: dict[str, Any]) -> list[int]:
+    """The epoch's global order of sample indices described by :func:`describe_order`; the RNG is left untouched."""
+    n = int(order["n"])
+    kind = order["kind"]
+    if kind == "sequential" or (kind == "distributed" and not order["shuffle"]):
+        return list(range(n))
+    if kind == "distributed":
+        g = torch.Generator()
+        g.manual_seed(int(order["seed"]) + int(order["epoch"]))
+        return torch.randperm(n, generator=g).tolist()
+    if kind == "random":
+        with torch.random.fork_rng(devices=[]):
+            gen = None
+            if order.get("gen") is not None:
+                gen = torch.Generator()
+                gen.set_state(order["gen"])
+            else:
+                torch.set_rng_state(order["rng"])
+            return list(RandomSampler(range(n), generator=gen))
+    raise ValueError(f"unknown order kind {kind!r}")
+
+
+def split(order: list[int], start: int, replicas: int, rank: int, drop_last: bool) -> list[int]:
+    """Rank ``rank``'s share of ``order[start:]`` split over ``replicas`` ranks exactly as ``DistributedSampler``
+    splits an epoch: element ``start + j`` goes to rank ``j % replicas``. A remainder that does not divide is padded
+    by repeating the first elements of ``order[start:]`` (every rank gets the same count), or dropped with
+    ``drop_last``. ``split(order, 0, ...)`` is what ``DistributedSampler`` itself yields.
+    """
+    rest = list(order[start:])
+    if drop_last:
+        total = len(rest) // replicas * replicas
+        rest = rest[:total]
+    else:
+        total = math.ceil(len(rest) / replicas) * replicas
+        pad = total - len(rest)
+        if pad and rest:
+            rest += (rest * math.ceil(pad / len(rest)))[:pad]
+    return rest[rank:total:replicas]
+
+
+def plan_resume(sampler: ResumableSampler, loader: Any, pending: dict[str, Any], exact: bool,
+                epoch: int) -> int | None:
+    """Prepare ``sampler`` to continue from the saved position ``pending`` (:func:`position` of the saving rank).
+
+    ``exact``: this rank's own position was restored with its RNG (same world size), so when the order is split
+    the same way (same kind of sampler, same number of data-parallel ranks) the sampler replays the epoch exactly,
+    bit for bit. Otherwise the epoch continues from the saved *global* sample over the current ranks
+    (:func:`split`) and the number of batches the loop should count as consumed is returned, so that the loop's
+    count plus the batches left in this rank's stream is the loader's length; None when nothing changes for the loop.
+    """
+    saved = pending.get("global")
+    replicas, rank, drop_last = _replicas(sampler.inner)
+    current = describe_order(sampler.inner, torch.get_rng_state(), None)
+    same_split = (saved is not None and current is not None and saved["order"]["kind"] == current["kind"]
+                  and saved["base"] == 0 and saved["replicas"] == replicas)
+    if exact and pending.get("rng") is not None and (saved is None or same_split):
+        sampler.pending = pending
+        return None
+    if saved is None:
+        warnings.warn("lightning-snapshot: the saved run's sampler cannot be replayed on another number of"
+                      " processes (only DistributedSampler, RandomSampler and SequentialSampler orders can):"
+                      " the interrupted epoch's data restarts from the new sampler's order", stacklevel=2)
+        return None
+    batch_size = loader.batch_sampler.batch_size
+    length = len(loader.batch_sampler)
+    if pending["epoch"] != epoch:
+        # taken at the last batch of an epoch: the next epoch starts from its beginning, on the new sampler
+        return length
+    order = global_order(saved["order"])
+    if saved["replicas"] == replicas:
+        # the same split, continued (e.g. an epoch that was itself resumed on this layout)
+        base, offset = saved["base"], (saved["samples"] - saved["base"]) // replicas
+    else:
+        base, offset = saved["samples"], 0
+    stream = split(order, base, replicas, rank, drop_last)[offset:]
+    left = len(stream) // batch_size if loader.batch_sampler.drop_last else math.ceil(len(stream) / batch_size)
+    start = max(0, length - left)
+    sampler.order, sampler.replicas, sampler.base, sampler.offset = saved["order"], replicas, base, offset
+    sampler.start_batches = start
+    sampler.stream = stream
+    sampler.epoch_state = None
+    return start
 
 
 def flatten_loaders(obj: Any) -> list[Any]:
@@ -113,15 +269,18 @@ def install(loader: Any) -> ResumableSampler | None:
 
 
 def position(loader: Any, epoch: int, consumed_batches: int) -> dict[str, Any] | None:
-    """The position of a wrapped loader: epoch, batches consumed and the RNG the epoch's order came from."""
+    """The position of a wrapped loader: epoch, batches consumed and the RNG the epoch's order came from (this
+    rank's exact position), and ``global``: the global sample count with what rebuilds the epoch's order."""
     sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
-    if not isinstance(sampler, ResumableSampler) or sampler.epoch_state is None:
+    if not isinstance(sampler, ResumableSampler) or (sampler.epoch_state is None and sampler.order is None):
         return None
-    rng, gen = sampler.epoch_state
+    rng, gen = sampler.epoch_state if sampler.epoch_state is not None else (None, None)
+    batch_size = loader.batch_sampler.batch_size
     return {
         "epoch": epoch,
         "consumed_batches": consumed_batches,
-        "skip": consumed_batches * loader.batch_sampler.batch_size,
+        "skip": consumed_batches * batch_size,
         "rng": rng,
         "gen": gen,
+        "global": sampler.global_position(consumed_batches, batch_size),
     }

@@ -93,10 +93,43 @@ def _shard_target(target: Any, entry: TensorEntry) -> ShardTarget | None:
     return None
 
 
+def _contiguous_run(box: Box, shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """``[start, end)`` in elements when ``box`` is one row-major contiguous run of an array of ``shape``, else None."""
+    n = len(shape)
+    j = 0  # first dim where the box is not a single index
+    while j < n and box.shape[j] == 1:
+        j += 1
+    if any(box.offsets[d] != 0 or box.shape[d] != shape[d] for d in range(j + 1, n)):
+        return None
+    start = sum(box.offsets[d] * math.prod(shape[d + 1:]) for d in range(n))
+    return start, start + math.prod(box.shape)
+
+
+def _read_verified(backend: Backend, manifest: Manifest, entry: TensorEntry, frag: Any, item: Any,
+                   view: memoryview, a: int) -> None:
+    """Read bytes ``[a, a + len(view))`` of fragment ``frag`` (whole checksum chunks of ``item``) into ``view``, and
+    verify every chunk in that range."""
+    try:
+        backend.read_into(f"{step_dirname(manifest.step)}/{frag.object}", frag.offset + a, view)
+    except (EOFError, FileNotFoundError) as e:
+        raise ChecksumError(
+            f"tensor {entry.name!r}: object {frag.object!r} of step {manifest.step} in the {backend.tier} tier"
+            f" {backend.url!r} is missing or truncated ({e})"
+        ) from e
+    size = manifest.chunk_bytes
+    for i in range(a // size, (a + len(view) + size - 1) // size):  # [a, a + len(view)) is whole chunks
+        ca, cb = item.chunk_range(i)
+        if xxhash.xxh3_64_hexdigest(view[ca - a: cb - a]) != frag.checksums[i]:
+            raise ChecksumError(
+                f"checksum mismatch in tensor {entry.name!r}, object {frag.object!r}, bytes [{frag.offset + ca},"
+                f" {frag.offset + cb}) of step {manifest.step} in the {backend.tier} tier {backend.url!r}:"
+                " the data is corrupted. Use an earlier snapshot"
+            )
+
+
 def _read_box(backend: Backend, manifest: Manifest, entry: TensorEntry, shard: ShardTarget,
               stats: ReadStats | None) -> Any:
     """Fill ``shard.out`` with ``shard.box`` of ``entry``, reading only the checksum chunks that overlap it."""
-    prefix = step_dirname(manifest.step)
     dtype = dtype_from_name(entry.dtype)
     itemsize = torch.empty((), dtype=dtype).element_size()
     box, out = shard.box, shard.out
@@ -109,27 +142,24 @@ def _read_box(backend: Backend, manifest: Manifest, entry: TensorEntry, shard: S
     direct = (out.dtype == dtype and out.device.type == "cpu" and out.layout == torch.strided
               and out.is_contiguous())
     dst = out.detach() if direct else torch.empty(box.shape, dtype=dtype)
+    dst_bytes = tensor_bytes(dst) if dst.numel() else None
     for item in items:
         frag = entry.fragments[item.fragment_index]
+        src_run = _contiguous_run(item.src_box, frag.local_shape)
+        dst_run = _contiguous_run(item.dst_box, box.shape)
+        if (dst_bytes is not None and src_run is not None and dst_run is not None
+                and item.read_ranges == ((src_run[0] * itemsize, src_run[1] * itemsize),)):
+            # the overlap is one run of the fragment, read whole chunks exactly, and one run of the target: the
+            # bytes go straight into the target (no staging buffer, no second copy), verified there
+            a = src_run[0] * itemsize
+            view = dst_bytes[dst_run[0] * itemsize: dst_run[1] * itemsize]
+            _read_verified(backend, manifest, entry, frag, item, view, a)
+            continue
         # a fragment-sized buffer whose pages are only touched where the planned ranges land (lazily allocated)
         buf = torch.empty(frag.nbytes, dtype=torch.uint8)
         view = tensor_bytes(buf)
         for a, b in item.read_ranges:
-            try:
-                backend.read_into(f"{prefix}/{frag.object}", frag.offset + a, view[a:b])
-            except (EOFError, FileNotFoundError) as e:
-                raise ChecksumError(
-                    f"tensor {entry.name!r}: object {frag.object!r} of step {manifest.step} in the {backend.tier} tier"
-                    f" {backend.url!r} is missing or truncated ({e})"
-                ) from e
-        for i in item.chunk_indices:
-            a, b = item.chunk_range(i)
-            if xxhash.xxh3_64_hexdigest(view[a:b]) != frag.checksums[i]:
-                raise ChecksumError(
-                    f"checksum mismatch in tensor {entry.name!r}, object {frag.object!r}, bytes [{frag.offset + a},"
-                    f" {frag.offset + b}) of step {manifest.step} in the {backend.tier} tier {backend.url!r}:"
-                    " the data is corrupted. Use an earlier snapshot"
-                )
+            _read_verified(backend, manifest, entry, frag, item, view[a:b], a)
         src = buf.view(dtype).view(frag.local_shape)[item.src_box.slices()]
         dst[item.dst_box.slices()] = src
     if not direct:
@@ -192,7 +222,16 @@ def read_section(
             out = torch.empty(entry.global_shape, dtype=dtype)
         for frag in entry.fragments:
             whole = frag.local_shape == entry.global_shape
-            buf = out if whole else torch.empty(frag.local_shape, dtype=dtype)
+            # a slab of whole rows (every DTensor Shard(0) fragment) is contiguous in ``out``: read straight into it
+            slab = not whole and bool(frag.local_shape) and all(
+                frag.global_offsets[d] == 0 and frag.local_shape[d] == entry.global_shape[d]
+                for d in range(1, len(entry.global_shape)))
+            if whole:
+                buf = out
+            elif slab:
+                buf = out.narrow(0, frag.global_offsets[0], frag.local_shape[0])
+            else:
+                buf = torch.empty(frag.local_shape, dtype=dtype)
             view = tensor_bytes(buf)
             try:
                 backend.read_into(f"{prefix}/{frag.object}", frag.offset, view)
@@ -208,7 +247,7 @@ def read_section(
                         f" {frag.offset + b}) of step {manifest.step} in the {backend.tier} tier {backend.url!r}:"
                         " the data is corrupted. Use an earlier snapshot"
                     )
-            if not whole:
+            if not whole and not slab:
                 box = tuple(slice(o, o + n) for o, n in zip(frag.global_offsets, frag.local_shape))
                 out[box] = buf
         tensors[entry.name] = out

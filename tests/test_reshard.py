@@ -9,6 +9,7 @@ simulated multi-rank snapshots, with the tier's byte counter.
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 import subprocess
@@ -63,12 +64,15 @@ def restore_stats(proc: subprocess.CompletedProcess[str]) -> dict[int, dict[str,
     return stats
 
 
-def assert_reads_only_its_shards(proc: subprocess.CompletedProcess[str], world: int) -> list[float]:
+def assert_reads_only_its_shards(proc: subprocess.CompletedProcess[str], world: int, sharded: bool = True
+                                 ) -> list[float]:
+    """Every rank read (as the tier counted) at most 1.05x the bytes it needed; ``sharded``: by box reads (a DDP or
+    single-process target needs whole tensors, the whole of each is then what it needs)."""
     stats = restore_stats(proc)
     assert sorted(stats) == list(range(world)), proc.stdout
     ratios = []
     for rank, s in stats.items():
-        assert s["resharded"] > 0, f"rank {rank} read no tensor by its shard"
+        assert s["resharded"] > 0 or not sharded, f"rank {rank} read no tensor by its shard"
         assert s["tier"] == s["planned"], f"rank {rank}: the tier counted {s['tier']}, the plan {s['planned']}"
         ratios.append(s["tier"] / s["needed"])
         assert s["tier"] <= MAX_AMPLIFICATION * s["needed"], \
@@ -148,44 +152,73 @@ def test_model_parallel_snapshot_loads_in_one_process_as_full_tensors(mp_run):
         assert state["optimizer_states"][0]["param_groups"][0]["lr"] == ref["lr"].item()
 
 
-@pytest.mark.slow
-def test_model_parallel_to_ddp(tmp_path, mp_run):
-    proc = run("--dir", str(tmp_path / "snaps"), "--out", str(tmp_path / "out.pt"), "--strategy", "ddp",
-               "--max-steps", "10", "--resume", str(mp_run / "snaps" / step_dirname(9)),
-               "--dump-at-start", str(tmp_path / "start.pt"))
-    assert proc.stdout.count("RESTORED step=9") == 2, proc.stdout
-    assert assert_state_equal(mp_run / "dumps" / "step-9.pt", tmp_path / "start.pt") == 6 + 6 * 3
+@pytest.fixture(scope="module")
+def saved_runs(tmp_path_factory, mp_run):
+    """Saving runs of 9 steps (snapshot and consolidated state at step 9), cached per strategy, world size and tier:
+    a function returning (tier arguments for reshard_train.py, the tier, the consolidated state at step 9)."""
+    cache = {("mp", 2, "local"): (("--dir", str(mp_run / "snaps")), LocalTier(mp_run / "snaps"),
+                                  mp_run / "dumps" / "step-9.pt")}
+
+    def get(strategy: str, world: int, tier: str, s3=None) -> tuple[tuple[str, ...], object, Path]:
+        key = (strategy, world, tier)
+        if key not in cache:
+            d = tmp_path_factory.mktemp(f"{strategy}{world}-{tier}")
+            (d / "dumps").mkdir()
+            if tier == "s3":
+                s3_server, bucket = s3
+                url = f"s3://{bucket}/{strategy}{world}"
+                args = ("--dir", str(d / "unused"), "--s3", url, "--endpoint", s3_server.endpoint)
+                from lightning_snapshot.backends import ObjectStoreTier
+                from train import s3_options
+
+                backend = ObjectStoreTier(url, storage_options=s3_options(s3_server.endpoint))
+            else:
+                args = ("--dir", str(d / "snaps"))
+                backend = LocalTier(d / "snaps")
+            run(*args, "--out", str(d / "out.pt"), "--strategy", strategy, "--devices", str(world),
+                "--max-steps", "9", "--dump-steps", "9", "--dump-dir", str(d / "dumps"))
+            cache[key] = (args, backend, d / "dumps" / "step-9.pt")
+        return cache[key]
+
+    return get
+
+
+LOADS = [  # (saved strategy, world size, tier) -> (loading strategy, world size)
+    (("ddp", 2, "local"), ("mp", 2)),
+    (("mp", 2, "local"), ("ddp", 2)),
+    (("mp", 2, "local"), ("mp", 4)),  # the 5-row layer gives rank 3 an empty shard
+    (("ddp", 4, "local"), ("mp", 2)),
+    (("mp", 4, "local"), ("ddp", 2)),
+    (("mp", 2, "s3"), ("mp", 4)),  # from the object store, with ranged reads
+]
 
 
 @pytest.mark.slow
-def test_ddp_to_model_parallel_reads_only_each_ranks_shards(tmp_path):
-    save = tmp_path / "ddp"
-    (save / "dumps").mkdir(parents=True)
-    run("--dir", str(save / "snaps"), "--out", str(save / "out.pt"), "--strategy", "ddp", "--max-steps", "9",
-        "--dump-steps", "9", "--dump-dir", str(save / "dumps"))
-    manifest = read_manifest(LocalTier(save / "snaps"), 9)
-    assert all(len(t.fragments) == 1 for t in manifest.tensors if t.alias_of is None)  # DDP: whole tensors
-    proc = run("--dir", str(tmp_path / "snaps"), "--out", str(tmp_path / "out.pt"), "--strategy", "mp",
-               "--max-steps", "10", "--resume", str(save / "snaps" / step_dirname(9)),
-               "--dump-at-start", str(tmp_path / "start.pt"))
-    assert proc.stdout.count("RESTORED step=9") == 2, proc.stdout
-    assert_state_equal(save / "dumps" / "step-9.pt", tmp_path / "start.pt")
-    ratios = assert_reads_only_its_shards(proc, 2)
-    print("DDP(2) -> ModelParallel(2) bytes read / needed per rank:", ratios)
-
-
-@pytest.mark.slow
-def test_model_parallel_two_to_four_ranks(tmp_path, mp_run):
-    """A world-size change: 2 -> 4 ranks (the 5-row layer gives rank 3 an empty shard). RNG and data position are
-    not restored, with a warning; weights and optimizer state are, bitwise."""
-    proc = run("--dir", str(tmp_path / "snaps"), "--out", str(tmp_path / "out.pt"), "--strategy", "mp",
-               "--devices", "4", "--max-steps", "10", "--resume", str(mp_run / "snaps" / step_dirname(9)),
-               "--dump-at-start", str(tmp_path / "start.pt"))
-    assert proc.stdout.count("RESTORED step=9") == 4, proc.stdout
-    assert "was taken with 2 process(es), this run has 4" in proc.stderr
-    assert_state_equal(mp_run / "dumps" / "step-9.pt", tmp_path / "start.pt")
-    ratios = assert_reads_only_its_shards(proc, 4)
-    print("ModelParallel(2) -> ModelParallel(4) bytes read / needed per rank:", ratios)
+@pytest.mark.parametrize("saved,load", LOADS, ids=[f"{s[0]}{s[1]}-{s[2]}-to-{lo[0]}{lo[1]}" for s, lo in LOADS])
+def test_load_into_another_strategy_or_world_size(tmp_path, saved_runs, request, saved, load):
+    """The loaded model and optimizer state equal, bitwise, the consolidated state of the saving run, and every rank
+    reads, as counted by the tier itself, at most 1.05x the bytes it needs."""
+    s3 = (request.getfixturevalue("s3_server"), request.getfixturevalue("bucket")) if saved[2] == "s3" else None
+    tier_args, backend, reference = saved_runs(*saved, s3=s3)
+    manifest = read_manifest(backend, 9)
+    assert manifest.world_size == saved[1]
+    if saved[0] == "ddp":
+        assert all(len(t.fragments) == 1 for t in manifest.tensors if t.alias_of is None)  # DDP: whole tensors
+    else:
+        w0 = next(t for t in manifest.tensors if t.name == "state_dict/net.0.weight")
+        assert len(w0.fragments) == saved[1]  # one shard per rank
+    strategy, world = load
+    # the loading run resumes from step 9 of the saving run's tier (and snapshots to it from step 10 on)
+    resume = tier_args + ("--resume", "9") if saved[2] == "s3" else (
+        "--dir", str(tmp_path / "snaps"), "--resume", str(Path(tier_args[1]) / step_dirname(9)))
+    proc = run(*resume, "--out", str(tmp_path / "out.pt"), "--strategy", strategy, "--devices", str(world),
+               "--max-steps", "10", "--dump-at-start", str(tmp_path / "start.pt"))
+    assert proc.stdout.count("RESTORED step=9") == world, proc.stdout
+    if world != saved[1]:
+        assert f"was taken with {saved[1]} process(es), this run has {world}" in proc.stderr
+    assert assert_state_equal(reference, tmp_path / "start.pt") == 6 + 6 * 3
+    ratios = assert_reads_only_its_shards(proc, world, sharded=strategy == "mp")
+    print(f"{saved} -> {load} bytes read / needed per rank:", ratios)
 
 
 @pytest.mark.slow
@@ -292,6 +325,16 @@ def test_box_reads_verify_every_chunk_they_read(tmp_path):
     bad = ShardTarget(Box((170, 0), (10, 16)), torch.empty(10, 16))
     with pytest.raises(Exception, match="checksum mismatch in tensor 'state_dict/w'"):
         read_section(backend, manifest, manifest.tensors, manifest.state, targets={"state_dict/w": bad})
+    # rows 128 + [32, 64) are exactly chunks 2 and 3 of that fragment: read straight into the target, still verified
+    aligned = ShardTarget(Box((160, 0), (32, 16)), torch.empty(32, 16))
+    with pytest.raises(Exception, match="checksum mismatch in tensor 'state_dict/w'"):
+        read_section(backend, manifest, manifest.tensors, manifest.state, targets={"state_dict/w": aligned})
+    clean = ShardTarget(Box((192, 0), (64, 16)), torch.empty(64, 16))  # chunks 4-7: intact
+    read_section(backend, manifest, manifest.tensors, manifest.state, targets={"state_dict/w": clean})
+    assert torch.equal(clean.out, t[192:])
+    # a whole-tensor read of the corrupted fragment (its rows go straight into the output) fails too
+    with pytest.raises(Exception, match="checksum mismatch in tensor 'state_dict/w'"):
+        read_section(backend, manifest, manifest.tensors, manifest.state)
 
 
 def test_box_reads_cast_into_targets_of_another_dtype(tmp_path):
@@ -403,3 +446,53 @@ def test_write_snapshot_records_the_arena_chunk_size(tmp_path):
         assert torch.equal(load_snapshot(str(tmp_path), 1)["w"], staged.state.tensors["w"])
     finally:
         arena.close()
+
+
+# ---------------------------------------------------------------------------------------------------- data position
+
+
+def _recorded(path: Path, world: int) -> list[list]:
+    return [json.loads(Path(f"{path}.rank{r}").read_text()) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def ddp_90(tmp_path_factory):
+    """DDP(2) over 90 samples, batch 4: 45 samples and 12 batches per rank and epoch; stopped at step 6 (mid-epoch,
+    48 samples of the epoch consumed by the two ranks together), snapshots at 3 and 6."""
+    d = tmp_path_factory.mktemp("ddp-90")
+    run("--dir", str(d / "snaps"), "--out", str(d / "out.pt"), "--strategy", "ddp", "--max-steps", "6",
+        "--samples", "90", "--record", str(d / "batches"))
+    return d
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy,world", [("single", 1), ("mp", 4)])
+def test_world_size_change_continues_from_the_saved_global_sample(tmp_path, ddp_90, strategy, world):
+    n, batch = 90, 4
+    # the epoch's global order: Lightning's DistributedSampler (seed 42 + epoch 0), the same for every world size
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(42)).tolist()
+    saved = _recorded(ddp_90 / "batches", 2)
+    for rank in range(2):  # the saving run: global samples r, r + 2, ... on rank r
+        assert [i for b in saved[rank] for i in b[3]] == order[rank:48:2]
+    left = order[48:]  # 42 samples
+    per_rank = math.ceil(len(left) / world)  # a remainder that does not divide is padded with the first samples left
+    padded = left + left[:per_rank * world - len(left)]
+    epoch_batches = math.ceil(per_rank / batch)
+    max_steps = 6 + epoch_batches + 1  # the rest of epoch 0, and the first batch of epoch 1
+    proc = run("--dir", str(tmp_path / "snaps"), "--out", str(tmp_path / "out.pt"), "--strategy", strategy,
+               "--devices", str(world), "--max-steps", str(max_steps), "--samples", str(n),
+               "--resume", str(ddp_90 / "snaps" / step_dirname(6)), "--record", str(tmp_path / "batches"))
+    assert proc.stdout.count("RESTORED step=6") == world, proc.stdout
+    assert "the data continues from the saved global sample" in proc.stderr
+    loader_len = math.ceil(math.ceil(n / world) / batch)  # batches per rank and epoch at the new world size
+    seen = []
+    for rank, batches in enumerate(_recorded(tmp_path / "batches", world)):
+        epoch0 = [b for b in batches if b[0] == 0]
+        want = padded[rank::world]
+        assert [i for b in epoch0 for i in b[3]] == want, f"rank {rank} did not continue the global order"
+        assert [len(b[3]) for b in epoch0] == [len(want[i:i + batch]) for i in range(0, len(want), batch)]
+        assert [b[1] for b in epoch0] == list(range(6, 6 + epoch_batches)), "global steps"
+        # the epoch ends at the loader's length, and the next one starts at batch 0 of epoch 1
+        assert epoch0[-1][2] == loader_len - 1 and [b[:3] for b in batches[len(epoch0):]] == [[1, 6 + epoch_batches, 0]]
+        seen += want
+    assert set(seen) == set(left), "every sample left in the epoch is trained on, and no consumed one again"

@@ -2,17 +2,21 @@
 
 Usage: python reshard_train.py --dir SNAPDIR --out RESULT.pt --strategy mp|ddp|single [--devices 2] [--max-steps N]
            [--every K] [--crash-at S] [--resume STEP_DIR] [--dump-steps 6,9 --dump-dir DIR] [--dump-at-start FILE]
+           [--samples N] [--record FILE] [--s3 s3://BUCKET/PREFIX --endpoint URL]
 
 Writes, on rank 0, the final consolidated state (full tensors; optimizer state keyed ``<param name>/<key>``) to
 RESULT.pt in the format of train.py, so ``conftest.assert_bitwise_equal`` compares it. ``--dump-steps`` also writes
 the consolidated state at those steps (right when the snapshot of the step is taken) to DIR/step-N.pt;
 ``--dump-at-start`` writes the state a resumed run starts from (right after the restore) to FILE. Each rank prints
-``RESTORED step=..`` and ``RESTORE_STATS rank=.. needed=.. planned=.. tier=..`` after a restore.
+``RESTORED step=..`` and ``RESTORE_STATS rank=.. needed=.. planned=.. tier=..`` after a restore. ``--record`` writes,
+per rank, FILE.rank<R> (JSON): one ``[epoch, global_step, batch_idx, [sample indices]]`` per batch trained on.
+``--s3`` snapshots to (and resumes from) that object-store URL instead of --dir; ``--resume`` may then be a step.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -24,7 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_snapshot import SnapshotCallback
-from lightning_snapshot.backends import LocalTier
+from lightning_snapshot.backends import LocalTier, ObjectStoreTier
 
 IN, HIDDEN, OUT = 32, 256, 5  # OUT=5 rows over 2 ranks: an uneven shard (3 + 2)
 
@@ -39,7 +43,7 @@ class Data(Dataset):
         return len(self.x)
 
     def __getitem__(self, i: int):
-        return self.x[i], self.y[i]
+        return self.x[i], self.y[i], i
 
 
 class MLP(L.LightningModule):
@@ -71,7 +75,7 @@ class MLP(L.LightningModule):
             fully_shard(self, mesh=dp)
 
     def training_step(self, batch, batch_idx):
-        x, y = batch
+        x, y, _ = batch
         return nn.functional.mse_loss(self.net(x), y)
 
     def configure_optimizers(self):
@@ -131,6 +135,16 @@ class Dump(L.Callback):
                 torch.save(state, os.path.join(self.folder, f"step-{trainer.global_step}.pt"))
 
 
+class Record(L.Callback):
+    """Record the sample indices of every batch this rank trains on."""
+
+    def __init__(self) -> None:
+        self.batches: list[list] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batches.append([trainer.current_epoch, trainer.global_step, batch_idx, batch[2].tolist()])
+
+
 class Crash(L.Callback):
     """SIGKILL every rank at ``global_step == at``, once at least one snapshot is committed."""
 
@@ -164,14 +178,27 @@ def main() -> None:
     p.add_argument("--dump-at-start", default=None)
     p.add_argument("--chunk-bytes", type=int, default=4096)
     p.add_argument("--dropout", type=float, default=0.2)
+    p.add_argument("--samples", type=int, default=96)
+    p.add_argument("--record", default=None)
+    p.add_argument("--s3", default=None)
+    p.add_argument("--endpoint", default=None)
     a = p.parse_args()
 
     L.seed_everything(42, verbose=False)
     model = MLP(a.dropout)
-    loader = DataLoader(Data(), batch_size=4, shuffle=True)
-    tier = LocalTier(a.dir, every_n_train_steps=a.every, keep_last=2)
-    snapshots = SnapshotCallback([tier], resume=a.resume if a.resume else True, chunk_bytes=a.chunk_bytes)
+    loader = DataLoader(Data(a.samples), batch_size=4, shuffle=True)
+    if a.s3:
+        options = {"key": "testing-key", "secret": "testing-secret",
+                   "client_kwargs": {"endpoint_url": a.endpoint, "region_name": "us-east-1"}}
+        tier = ObjectStoreTier(a.s3, storage_options=options, every_n_train_steps=a.every, keep_last=2)
+    else:
+        tier = LocalTier(a.dir, every_n_train_steps=a.every, keep_last=2)
+    resume = (int(a.resume) if a.resume.isdigit() else a.resume) if a.resume else True
+    snapshots = SnapshotCallback([tier], resume=resume, chunk_bytes=a.chunk_bytes)
     callbacks = [snapshots, Dump({int(s) for s in a.dump_steps.split(",") if s}, a.dump_dir, a.dump_at_start)]
+    record = Record()
+    if a.record:
+        callbacks.append(record)
     if a.crash_at >= 0:
         callbacks.append(Crash(a.crash_at, tier))
     if a.strategy == "mp":
@@ -197,6 +224,9 @@ def main() -> None:
         torch.save(result, a.out)
     if trainer.global_rank != 0:
         torch.save({"rng": torch.get_rng_state()}, f"{a.out}.rank{trainer.global_rank}")
+    if a.record:
+        with open(f"{a.record}.rank{trainer.global_rank}", "w") as f:
+            json.dump(record.batches, f)
     if snapshots.restored_from is not None:
         st = snapshots.restore_stats or {}
         print(f"RESTORED step={snapshots.restored_from[1]} rank={trainer.global_rank}", flush=True)
