@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -74,10 +75,11 @@ def test_sigkilled_trainer_restores_from_ram_bitwise(tmp_path, shm, reference_ru
     ref = reference_runs(*args)
     out = tmp_path / "out.pt"
     run_train(tmp_path / "local", out, *args, "--ram-every", "2", "--crash-at", "7", expect_kill=True)
-    # the local tier has step 4, the RAM tier step 6: the newest comes from RAM
+    # the local tier has step 4, the RAM tier step 6 (or 4, if the kill came before step 6 was placed): the restore
+    # comes from RAM either way (ties go to the first tier)
     assert committed_steps(LocalTier(tmp_path / "local"))[0] == 4
     proc = run_train(tmp_path / "local", out, *args, "--ram-every", "2")
-    assert "RESTORED step=6 from=ram://test" in proc.stdout, proc.stdout + proc.stderr
+    assert re.search(r"RESTORED step=[46] from=ram://test", proc.stdout), proc.stdout + proc.stderr
     assert assert_bitwise_equal(ref, out) > 0
 
 
