@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import re
 import subprocess
@@ -153,13 +154,30 @@ def test_model_parallel_snapshot_loads_in_one_process_as_full_tensors(mp_run):
 
 
 @pytest.fixture(scope="module")
+def ram_base(tmp_path_factory):
+    """The node memory of the RAM-tier runs of this module; their agents are stopped at the end."""
+    from lightning_snapshot.agent import stop_agent
+
+    base = tmp_path_factory.mktemp("shm")
+    old = os.environ.get("LIGHTNING_SNAPSHOT_SHM_DIR")
+    os.environ["LIGHTNING_SNAPSHOT_SHM_DIR"] = str(base)
+    yield base
+    for sock in base.glob("*/agent.sock"):
+        stop_agent(sock.parent)
+    if old is None:
+        del os.environ["LIGHTNING_SNAPSHOT_SHM_DIR"]
+    else:
+        os.environ["LIGHTNING_SNAPSHOT_SHM_DIR"] = old
+
+
+@pytest.fixture(scope="module")
 def saved_runs(tmp_path_factory, mp_run):
     """Saving runs of 9 steps (snapshot and consolidated state at step 9), cached per strategy, world size and tier:
     a function returning (tier arguments for reshard_train.py, the tier, the consolidated state at step 9)."""
     cache = {("mp", 2, "local"): (("--dir", str(mp_run / "snaps")), LocalTier(mp_run / "snaps"),
                                   mp_run / "dumps" / "step-9.pt")}
 
-    def get(strategy: str, world: int, tier: str, s3=None) -> tuple[tuple[str, ...], object, Path]:
+    def get(strategy: str, world: int, tier: str, s3=None, ram=None) -> tuple[tuple[str, ...], object, Path]:
         key = (strategy, world, tier)
         if key not in cache:
             d = tmp_path_factory.mktemp(f"{strategy}{world}-{tier}")
@@ -172,6 +190,11 @@ def saved_runs(tmp_path_factory, mp_run):
                 from train import s3_options
 
                 backend = ObjectStoreTier(url, storage_options=s3_options(s3_server.endpoint))
+            elif tier == "ram":
+                from lightning_snapshot.backends import RamTier
+
+                args = ("--dir", str(d / "unused"), "--ram", f"{strategy}{world}")
+                backend = RamTier(name=f"{strategy}{world}", shm_dir=str(ram))
             else:
                 args = ("--dir", str(d / "snaps"))
                 backend = LocalTier(d / "snaps")
@@ -190,6 +213,8 @@ LOADS = [  # (saved strategy, world size, tier) -> (loading strategy, world size
     (("ddp", 4, "local"), ("mp", 2)),
     (("mp", 4, "local"), ("ddp", 2)),
     (("mp", 2, "s3"), ("mp", 4)),  # from the object store, with ranged reads
+    (("ddp", 2, "ram"), ("mp", 4)),  # from the RAM tier (one node, a node-local copy)
+    (("mp", 2, "ram"), ("single", 1)),
 ]
 
 
@@ -199,7 +224,8 @@ def test_load_into_another_strategy_or_world_size(tmp_path, saved_runs, request,
     """The loaded model and optimizer state equal, bitwise, the consolidated state of the saving run, and every rank
     reads, as counted by the tier itself, at most 1.05x the bytes it needs."""
     s3 = (request.getfixturevalue("s3_server"), request.getfixturevalue("bucket")) if saved[2] == "s3" else None
-    tier_args, backend, reference = saved_runs(*saved, s3=s3)
+    ram = request.getfixturevalue("ram_base") if saved[2] == "ram" else None
+    tier_args, backend, reference = saved_runs(*saved, s3=s3, ram=ram)
     manifest = read_manifest(backend, 9)
     assert manifest.world_size == saved[1]
     if saved[0] == "ddp":
@@ -209,7 +235,7 @@ def test_load_into_another_strategy_or_world_size(tmp_path, saved_runs, request,
         assert len(w0.fragments) == saved[1]  # one shard per rank
     strategy, world = load
     # the loading run resumes from step 9 of the saving run's tier (and snapshots to it from step 10 on)
-    resume = tier_args + ("--resume", "9") if saved[2] == "s3" else (
+    resume = tier_args + ("--resume", "9") if saved[2] in ("s3", "ram") else (
         "--dir", str(tmp_path / "snaps"), "--resume", str(Path(tier_args[1]) / step_dirname(9)))
     proc = run(*resume, "--out", str(tmp_path / "out.pt"), "--strategy", strategy, "--devices", str(world),
                "--max-steps", "10", "--dump-at-start", str(tmp_path / "start.pt"))

@@ -181,6 +181,7 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=96)
     p.add_argument("--record", default=None)
     p.add_argument("--s3", default=None)
+    p.add_argument("--ram", default=None, help="snapshot to a RAM tier of this name instead (one node)")
     p.add_argument("--endpoint", default=None)
     a = p.parse_args()
 
@@ -191,6 +192,10 @@ def main() -> None:
         options = {"key": "testing-key", "secret": "testing-secret",
                    "client_kwargs": {"endpoint_url": a.endpoint, "region_name": "us-east-1"}}
         tier = ObjectStoreTier(a.s3, storage_options=options, every_n_train_steps=a.every, keep_last=2)
+    elif a.ram:
+        from lightning_snapshot.backends import RamTier
+
+        tier = RamTier(every_n_train_steps=a.every, keep_last=2, name=a.ram, idle_timeout=300)
     else:
         tier = LocalTier(a.dir, every_n_train_steps=a.every, keep_last=2)
     resume = (int(a.resume) if a.resume.isdigit() else a.resume) if a.resume else True
