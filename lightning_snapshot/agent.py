@@ -172,6 +172,9 @@ class Agent:
         self.flushing = 0
         self.idle_since = time.monotonic()
         self.stop = threading.Event()
+        #: seconds to wait before each durable write (LIGHTNING_SNAPSHOT_AGENT_WRITE_DELAY; a knob for tests that
+        #: kill the trainer while the agent still has its snapshot to write)
+        self.write_delay = float(os.environ.get("LIGHTNING_SNAPSHOT_AGENT_WRITE_DELAY", "0") or 0)
 
     def serve(self, server: socket.socket) -> None:
         server.settimeout(0.5)
@@ -205,6 +208,41 @@ class Agent:
         arenas: dict[int, Any] = {}
         entries: dict[int, dict[str, Any]] = {}
         hello: dict[str, Any] | None = None
+        send_lock = threading.Lock()
+        queues: dict[int, Any] = {}
+        workers: list[threading.Thread] = []
+
+        def reply(msg: dict[str, Any]) -> bool:
+            with send_lock:
+                try:
+                    _send(conn, msg)
+                    return True
+                except OSError:
+                    return False  # the trainer is gone; the write itself went on
+
+        def tier_worker(q: Any) -> None:
+            while True:
+                msg = q.get()
+                if msg is None:
+                    return
+                with self.lock:
+                    self.flushing += 1
+                t0 = time.monotonic()
+                try:
+                    if self.write_delay:
+                        time.sleep(self.write_delay)
+                    nbytes = self._write_tier(hello or {}, msg, arenas.get(int(msg["slot"])), int(msg["tier"]))
+                    if not reply({"op": "result", "id": msg["id"], "ok": True, "nbytes": nbytes,
+                                  "seconds": time.monotonic() - t0}):
+                        log.info("step %s reached tier %s after trainer rank %s was gone", msg["step"], msg["tier"],
+                                 (hello or {}).get("rank"))
+                except Exception as e:  # noqa: BLE001 - sent to the trainer, which retries or reports it
+                    reply({"op": "result", "id": msg["id"], "ok": False, "error": self._describe(hello, msg, e)})
+                finally:
+                    with self.lock:
+                        self.flushing -= 1
+                        self.idle_since = time.monotonic()
+
         try:
             while True:
                 try:
@@ -242,10 +280,24 @@ class Agent:
                 elif op == "release":
                     if msg.get("ok", True):
                         entries.pop(int(msg["slot"]), None)
+                elif op == "persist":
+                    import queue
+
+                    index = int(msg["tier"])
+                    if index not in queues:  # one writer thread per tier: a slow tier never holds up another
+                        queues[index] = queue.Queue()
+                        workers.append(threading.Thread(target=tier_worker, args=(queues[index],), daemon=True))
+                        workers[-1].start()
+                    queues[index].put(msg)
                 elif op == "bye":
                     break
         finally:
-            conn.close()
+            for q in queues.values():
+                q.put(None)
+            for w in workers:  # writes in progress finish, whether or not the trainer is still there
+                w.join()
+            with send_lock:
+                conn.close()
             if hello is not None:
                 with self.lock:
                     self.attached -= 1
@@ -265,54 +317,101 @@ class Agent:
 
     def _flush(self, hello: dict[str, Any], entry: dict[str, Any], arena: Any) -> None:
         """Write a snapshot the trainer staged but could not make durable to the tiers it was due in."""
+        for index in entry["tiers"]:
+            try:
+                if self._write_tier(hello, entry, arena, int(index), after_death=True):
+                    log.info("step %s committed to tier %d after rank %s died", entry["step"], index, hello["rank"])
+            except Exception as e:  # noqa: BLE001 - logged; the other tiers still get it
+                log.warning("flushing step %s of rank %s failed: %s", entry["step"], hello["rank"],
+                            self._describe(hello, entry, e))
+
+    @staticmethod
+    def _describe(hello: dict[str, Any] | None, msg: dict[str, Any], e: BaseException) -> str:
+        text = f"{type(e).__name__}: {e}" if not isinstance(e, SnapshotError) else str(e)
+        try:
+            from lightning_snapshot.backends.base import Backend
+
+            tier = Backend.from_spec((hello or {})["tiers"][int(msg.get("tier", msg.get("tiers", [0])[0]))])
+            redact = getattr(tier, "redact", None)
+            return redact(text) if redact is not None else text
+        except Exception:  # noqa: BLE001 - cannot build the tier: say nothing that could hold a secret
+            return type(e).__name__
+
+    def _write_tier(self, hello: dict[str, Any], entry: dict[str, Any], arena: Any, index: int, *,
+                    after_death: bool = False) -> int:
+        """Write the staged snapshot ``entry`` to the trainer's tier ``index`` under the commit rule.
+
+        Every rank's agent writes that rank's data objects and manifest part; the agent of rank 0 waits for every
+        part, merges them, commits the manifest and applies retention; the others wait for the commit. A rank whose
+        write failed leaves a ``failed`` marker so that rank 0 stops waiting. Returns the bytes committed (0 when
+        the step was already committed).
+        """
         from lightning_snapshot.backends.base import Backend
         from lightning_snapshot.manifest import MANIFEST_NAME, Manifest, step_dirname
-        from lightning_snapshot.writer import SnapshotJob, _merge, _write_part, apply_retention, committed_steps
+        from lightning_snapshot.writer import SnapshotJob, _merge, _write_part, apply_retention
 
         step, rank, world = int(entry["step"]), int(hello["rank"]), int(hello["world_size"])
         run_id = str(hello["run_id"])
-        try:
-            region = memoryview(arena)[int(entry.get("offset", 0)):] if arena is not None else None
-            shared = rebuild_staged(entry["shared"], region)
-            private = rebuild_staged(entry["private"], None)
-            _verify(shared)
-        except Exception as e:  # noqa: BLE001 - nothing to flush
-            log.warning("step %d of rank %d cannot be flushed: %s", step, rank, e)
-            return
+        region = memoryview(arena) if arena is not None else None
+        shared = rebuild_staged(entry["shared"], region)
+        private = rebuild_staged(entry["private"], None)
+        _verify(shared)
+        tier = Backend.from_spec(hello["tiers"][index])
         prefix = step_dirname(step)
-        for index in entry["tiers"]:
-            try:
-                tier = Backend.from_spec(hello["tiers"][index])
-                if step in committed_steps(tier):
-                    continue
-                log.info("rank %d died before step %d reached %s: flushing it", rank, step, tier.url)
-                job = SnapshotJob(step, int(entry["epoch"]), shared, private)
-                chunk = shared.chunk_bytes or (8 << 20)
-                part = _write_part(tier, job, rank, run_id, shared.alignment, chunk)
-                if world > 1:
-                    tier.write(f"{prefix}/{run_id}-part-{rank:05d}.json", [json.dumps(part).encode()])
-                if rank != 0:
-                    continue
-                parts = [part]
-                deadline = time.monotonic() + PART_WAIT_S
-                for r in range(1, world):
-                    key = f"{prefix}/{run_id}-part-{r:05d}.json"
-                    while not tier.exists(key):
-                        if time.monotonic() > deadline or step in committed_steps(tier):
-                            raise SnapshotError(f"rank {r}'s part of step {step} did not come within {PART_WAIT_S} s")
-                        time.sleep(0.2)
-                    parts.append(json.loads(tier.read(key)))
-                if step in committed_steps(tier):
-                    continue
-                raw = _merge(parts, job, world, shared.alignment, chunk)
-                text = json.dumps(raw, separators=(",", ":"), allow_nan=False)
-                Manifest.from_json(text, where=f"manifest of {prefix} flushed by the agent")
-                tier.commit(f"{prefix}/{MANIFEST_NAME}", text.encode())
-                apply_retention(tier, step)
-                log.info("step %d committed to %s after the trainer died", step, tier.url)
-            except Exception as e:  # noqa: BLE001 - logged; the other tiers still get it
-                redact = getattr(locals().get("tier"), "redact", str)
-                log.warning("flushing step %d of rank %d to tier %d failed: %s", step, rank, index, redact(str(e)))
+        manifest_key = f"{prefix}/{MANIFEST_NAME}"
+        if tier.exists(manifest_key):
+            return 0
+        if after_death:
+            log.info("rank %d died before step %d reached %s: flushing it", rank, step, tier.url)
+        failed = f"{prefix}/{run_id}-failed-{rank:05d}.json"
+        job = SnapshotJob(step, int(entry["epoch"]), shared, private)
+        chunk = shared.chunk_bytes or (8 << 20)
+        try:
+            if world > 1 and tier.exists(failed):
+                tier.delete(failed)  # a new attempt
+            part = _write_part(tier, job, rank, run_id, shared.alignment, chunk)
+            if world > 1:
+                tier.write(f"{prefix}/{run_id}-part-{rank:05d}.json", [json.dumps(part).encode()])
+        except Exception:
+            if world > 1:
+                try:
+                    tier.write(failed, [b"{}"])
+                except Exception:  # noqa: BLE001 - the tier is failing anyway
+                    pass
+            raise
+        deadline = time.monotonic() + PART_WAIT_S
+        if rank != 0:
+            while not tier.exists(manifest_key):
+                if tier.exists(f"{prefix}/{run_id}-failed-00000.json") or time.monotonic() > deadline:
+                    raise SnapshotError(f"step {step} was not committed by rank 0 (see its log)")
+                time.sleep(0.1)
+            return shared.nbytes + private.nbytes
+        parts = [part]
+        for r in range(1, world):
+            key = f"{prefix}/{run_id}-part-{r:05d}.json"
+            while not tier.exists(key):
+                if tier.exists(f"{prefix}/{run_id}-failed-{r:05d}.json") or time.monotonic() > deadline:
+                    tier.write(failed, [b"{}"])
+                    raise SnapshotError(f"rank {r} could not write its part of step {step} (see its log)")
+                if tier.exists(manifest_key):
+                    return 0
+                time.sleep(0.05)
+            parts.append(json.loads(tier.read(key)))
+        if tier.exists(manifest_key):
+            return 0
+        raw = _merge(parts, job, world, shared.alignment, chunk)
+        text = json.dumps(raw, separators=(",", ":"), allow_nan=False)
+        manifest = Manifest.from_json(text, where=f"manifest of {prefix} written by the snapshot agent")
+        tier.commit(manifest_key, text.encode())
+        keep = {o.key for o in manifest.objects} | {MANIFEST_NAME}
+        for name in tier.list(prefix):
+            if name not in keep:
+                tier.delete(f"{prefix}/{name}")
+        try:
+            apply_retention(tier, step)
+        except Exception as e:  # noqa: BLE001 - the snapshot is committed; cleanup waits for the next one
+            log.warning("retention in %s failed: %s", tier.url, self._describe(hello, {"tier": index}, e))
+        return manifest.total_bytes
 
 
 def _held_bytes(root: Path) -> int:
@@ -470,11 +569,64 @@ class AgentClient:
         self.node_dir = Path(node_dir)
         self.tiers = list(tiers)
         self._lock = threading.Lock()
+        self._slots_lock = threading.Lock()
         self._sent_slots: dict[int, int] = {}
         self._sock: socket.socket | None = _connect(self.node_dir)
         self._sock.settimeout(None)
+        self._waiting: dict[int, tuple[threading.Event, list[dict[str, Any]]]] = {}
+        self._ids = iter(range(1, 1 << 62))
         self._send({"op": "hello", "pid": os.getpid(), "rank": rank, "world_size": world_size, "run_id": run_id,
                     "tiers": [t.spec() for t in self.tiers]})
+        self._reader = threading.Thread(target=self._read_replies, args=(self._sock,),
+                                        name="lightning-snapshot-agent-replies", daemon=True)
+        self._reader.start()
+
+    def _read_replies(self, sock: socket.socket) -> None:
+        reader = _Reader(sock)
+        while True:
+            try:
+                msg = reader.next()
+            except (OSError, ValueError):
+                msg = None
+            if msg is None:
+                break
+            waiting = self._waiting.pop(msg.get("id"), None) if isinstance(msg.get("id"), int) else None
+            if waiting is not None:
+                waiting[1].append(msg)
+                waiting[0].set()
+        for ev, _box in list(self._waiting.values()):  # the agent is gone: nobody answers these
+            ev.set()
+
+    def handles(self, job: Any, tier: Any) -> bool:
+        """Whether the agent writes ``job`` to ``tier`` (a durable tier, staged in shared memory it can map)."""
+        slot = getattr(job.shared, "slot", None)
+        return self._sock is not None and tier in self.tiers and slot is not None and slot.fd >= 0
+
+    def persist(self, job: Any, tier: Any, stop: threading.Event) -> tuple[int, float]:
+        """Have the agent write ``job`` to ``tier``; returns (bytes, seconds) once committed.
+
+        Raises SnapshotWriteError when it failed (the caller retries), ``TimeoutError`` when ``stop`` was set
+        meanwhile (the agent finishes the write on its own).
+        """
+        from lightning_snapshot.errors import SnapshotWriteError
+
+        sid = self._slot_id(job.shared.slot)
+        request = next(self._ids)
+        ev, box = threading.Event(), []
+        self._waiting[request] = (ev, box)
+        self._send({"op": "persist", "id": request, "slot": sid, "step": job.step, "epoch": job.epoch,
+                    "tier": self.tiers.index(tier), "shared": describe_staged(job.shared.state, inline=False),
+                    "private": describe_staged(job.private, inline=True)})
+        while not ev.wait(0.2):
+            if stop.is_set():
+                self._waiting.pop(request, None)
+                raise TimeoutError("left to the snapshot agent")
+        if not box:
+            raise SnapshotWriteError("lost the connection to the snapshot agent")
+        answer = box[0]
+        if not answer.get("ok"):
+            raise SnapshotWriteError(str(answer.get("error", "the snapshot agent failed to write it")))
+        return int(answer.get("nbytes", 0)), float(answer.get("seconds", 0.0))
 
     def _send(self, msg: dict[str, Any], fds: list[int] | None = None) -> None:
         with self._lock:
@@ -491,11 +643,13 @@ class AgentClient:
     def _slot_id(self, slot: Any) -> int | None:
         if slot.fd < 0:
             return None
-        key = id(slot)
-        if key not in self._sent_slots:
-            self._sent_slots[key] = len(self._sent_slots)
-            self._send({"op": "arena", "slot": self._sent_slots[key], "size": slot.capacity, "nfds": 1}, [slot.fd])
-        return self._sent_slots[key]
+        with self._slots_lock:  # (the persist threads and the agent-link thread)
+            key = id(slot)
+            if key not in self._sent_slots:
+                self._sent_slots[key] = len(self._sent_slots)
+                self._send({"op": "arena", "slot": self._sent_slots[key], "size": slot.capacity, "nfds": 1},
+                           [slot.fd])
+            return self._sent_slots[key]
 
     def staged(self, job: Any) -> None:
         """The snapshot of ``job`` is staged (its copy finished): flush it if this trainer dies before releasing it."""
@@ -521,8 +675,13 @@ class AgentClient:
         self._send({"op": "bye"})
         with self._lock:
             if self._sock is not None:
+                try:
+                    self._sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
                 self._sock.close()
                 self._sock = None
+        self._reader.join(timeout=10)
 
 
 # ----------------------------------------------------------------------------------------------- entry point

@@ -78,17 +78,23 @@ class _TierWorker:
 
     def _source(self, job: PersistJob) -> int | None:
         """A local tier of the same job whose committed copy this (slower) tier can upload byte for byte."""
-        if self.tier.tier == "local" or not self.tier.durable:
+        if self.tier.tier == "local" or not self.tier.durable or self._by_agent(job):
             return None  # (the RAM tier encodes from the staging buffer)
         for i, t in enumerate(self.p.tiers):
             if i != self.index and t.tier == "local" and i in job.done:
                 return i
         return None
 
+    def _by_agent(self, job: PersistJob) -> bool:
+        """Whether the node's snapshot agent writes this durable tier (out of this process: no GIL shared)."""
+        agent = self.p.agent
+        return agent is not None and self.tier.durable and agent.handles(job, self.tier)
+
     def _persist(self, job: PersistJob) -> None:
         staged = job.shared
         state = staged.state if isinstance(staged, AsyncStaged) else staged
         holding = True
+        nbytes = 0
         t0 = time.monotonic()
         outage_since: float | None = None
         delay = getattr(self.tier, "retry_initial", 0.0)
@@ -103,6 +109,19 @@ class _TierWorker:
                     source = None
             while True:
                 try:
+                    if self._by_agent(job):
+                        assert self.p.agent is not None and isinstance(staged, AsyncStaged)
+                        staged.wait()
+                        try:
+                            nbytes, _ = self.p.agent.persist(job, self.tier, self.stop)
+                        except TimeoutError:
+                            self.p.results.put(PersistResult(self.tier, job.step, time.monotonic() - t0, 0,
+                                                             error=SnapshotWriteError("left to the snapshot agent"),
+                                                             abandoned=True))
+                            job.ok[self.index] = False
+                            return
+                        manifest = None
+                        break
                     if source is not None:
                         manifest = copy_snapshot(self.p.tiers[source], self.tier, job.step, self.comm)
                     else:
@@ -131,7 +150,9 @@ class _TierWorker:
             if outage_since is not None:
                 log.info("lightning-snapshot: the %s tier %s is back after %.0f s", self.tier.tier, self.tier.url,
                          time.monotonic() - outage_since)
-            if self.comm.rank == 0 or getattr(self.tier, "node_leader", False):  # (RAM: each node its own)
+            if manifest is None:
+                pass  # the agent applied retention
+            elif self.comm.rank == 0 or getattr(self.tier, "node_leader", False):  # (RAM: each node its own)
                 try:
                     apply_retention(self.tier, job.step)
                 except Exception as e:  # noqa: BLE001 - the snapshot is committed; cleanup waits for the next one
@@ -139,8 +160,8 @@ class _TierWorker:
                                 self.tier.url, _describe(self.tier, e))
             job.ok[self.index] = True
             stage_s = staged.copy_seconds if isinstance(staged, AsyncStaged) else None
-            self.p.results.put(PersistResult(self.tier, job.step, time.monotonic() - t0, manifest.total_bytes,
-                                             stage_s))
+            self.p.results.put(PersistResult(self.tier, job.step, time.monotonic() - t0,
+                                             manifest.total_bytes if manifest is not None else nbytes, stage_s))
         except Exception as e:  # noqa: BLE001 - reported to the training thread
             job.ok[self.index] = False
             log.debug("lightning-snapshot: persisting step %d to %s failed", job.step, self.tier.url, exc_info=True)

@@ -80,16 +80,24 @@ class Crash(L.Callback):
     """SIGKILL this process at ``global_step == at``, once at least one snapshot is durable (persisting is
     asynchronous: on a slow disk the first commit may land a few steps after it was taken)."""
 
-    def __init__(self, at: int, tiers) -> None:
+    def __init__(self, at: int, tiers, newest: bool = False) -> None:
         self.at = at
         self.tiers = tiers
+        self.newest = newest  # wait until every tier holds the newest step due in it (not just any)
+
+    def _ready(self, tier) -> bool:
+        from lightning_snapshot.writer import committed_steps
+
+        steps = committed_steps(tier)
+        if not self.newest:
+            return bool(steps)
+        due = (self.at - 1) // tier.every_n_train_steps * tier.every_n_train_steps
+        return bool(steps) and steps[0] >= due
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == self.at:
-            from lightning_snapshot.writer import committed_steps
-
             deadline = time.monotonic() + 30
-            while not all(committed_steps(t) for t in self.tiers) and time.monotonic() < deadline:
+            while not all(self._ready(t) for t in self.tiers) and time.monotonic() < deadline:
                 time.sleep(0.01)
             sys.stdout.flush()
             os.kill(os.getpid(), signal.SIGKILL)
@@ -120,6 +128,7 @@ def main() -> None:
     p.add_argument("--num-nodes", type=int, default=1, help="nodes (processes launched outside, one per node)")
     p.add_argument("--no-local", action="store_true", help="no local tier (RAM tier only)")
     p.add_argument("--samples", type=int, default=64, help="dataset size")
+    p.add_argument("--kill-at", type=int, default=-1, help="SIGKILL at this global step at once, waiting for nothing")
     a = p.parse_args()
 
     L.seed_everything(42, verbose=False)
@@ -149,7 +158,9 @@ def main() -> None:
                                      every_n_train_steps=a.s3_every or a.every, keep_last=2, retry_initial=0.1))
     callbacks = [SnapshotCallback(tiers, resume=not a.no_resume)]
     if a.crash_at >= 0:
-        callbacks.append(Crash(a.crash_at, tiers))
+        callbacks.append(Crash(a.crash_at, tiers, newest=bool(a.ram_every)))
+    if a.kill_at >= 0:
+        callbacks.append(Crash(a.kill_at, []))
     trainer = L.Trainer(
         accelerator=a.accelerator,
         devices=a.devices,
