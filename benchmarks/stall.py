@@ -44,10 +44,11 @@ Measured per method
   every run allocates cancel out; the smaller of the two baseline runs is used), in GB and as a multiple of the
   state size (fp32 params + AdamW moments).
   Shared-memory buffers (our arena, DCP's stager) count once their pages are touched; the page cache does not.
-* **restore**: loading the newest snapshot into a fresh model + optimizer (ours: ``load_snapshot`` +
-  ``load_state_dict``; torch.save: ``torch.load`` + ``load_state_dict``; DCP: ``get_state_dict`` + ``dcp.load`` +
-  ``set_state_dict``; torchsnapshot: ``Snapshot.restore``), cold: the snapshot's files are dropped from the page
-  cache (``posix_fadvise(DONTNEED)`` after fsync) before reading.
+* **restore**: loading the newest snapshot into a fresh model + optimizer (ours: ``load_snapshot`` reading the
+  weights into the model's tensors (``into=``, as the callback's own restore does) + ``load_state_dict``;
+  torch.save: ``torch.load`` + ``load_state_dict``; DCP: ``get_state_dict`` + ``dcp.load`` + ``set_state_dict``;
+  torchsnapshot: ``Snapshot.restore``), cold: the snapshot's files are dropped from the page cache
+  (``posix_fadvise(DONTNEED)`` after fsync) before reading.
 * **consistency**: at ``on_train_batch_end`` of the last snapshot step (before any method's save call; Lightning
   runs ``Checkpoint`` callbacks after plain ones) the benchmark takes an xxh3-128 fingerprint of every parameter
   and optimizer-state tensor, a stand-in for a deep copy that keeps the copy's memory out of the RSS figures.
@@ -841,7 +842,8 @@ def run_ours(bench: Bench, method: str) -> Row:
         if (path / step_dirname(bench.check_step) / MANIFEST_NAME).is_file():
 
             def load(module: GPT, optimizer: torch.optim.Optimizer) -> None:
-                ckpt = load_snapshot(str(path), step=bench.check_step)
+                # the weights are read straight into the model's tensors (as the callback's own restore does)
+                ckpt = load_snapshot(str(path), step=bench.check_step, into=module.state_dict())
                 module.load_state_dict(ckpt["state_dict"])
                 optimizer.load_state_dict(ckpt["optimizer_states"][0])
 
