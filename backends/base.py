@@ -35,13 +35,17 @@ class Backend(abc.ABC):
         keep_last: how many committed snapshots the tier keeps (>= 1), or ``None`` to keep all. The newest
             snapshot is never deleted.
 
-    Thread-safety: the engine calls one backend from one thread at a time.
+    Thread-safety: the engine calls one backend from one thread at a time, except ``read_into``, which it may call
+    from up to :attr:`parallel_reads` threads at once.
     """
 
     #: Short tier name used in logs and metric names (``local``, ``ram``, ``s3``...).
     tier: ClassVar[str] = "backend"
     #: Whether data survives the loss of the training process and the node's memory.
     durable: ClassVar[bool] = True
+    #: How many ``read_into`` calls the engine may make at once, from different threads (restores read large
+    #: snapshots in parallel where the backend allows it; 1: one call at a time).
+    parallel_reads: ClassVar[int] = 1
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

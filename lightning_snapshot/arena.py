@@ -7,29 +7,37 @@ puts on disk (``O_DIRECT`` straight from it, since the slot starts on a page).
 
 Copy contract (see DESIGN.md §1.2): at ``on_train_batch_end`` the training thread copies what the next forward
 changes (buffers, anything that is not a parameter or optimizer state) synchronously, and hands parameters and
-optimizer state to a copy thread (CPU: ``memmove`` in chunks, one thread, GIL released; CUDA: ``non_blocking`` copies
-on a side stream, with an event). Before the next ``optimizer.step`` the training thread waits for whatever is left.
-The copy thread also takes the staging checksums.
+optimizer state to a copy thread (CPU: ``memmove`` in cache-sized blocks, each block hashed right after it is copied,
+while it is still in the cache; one thread, GIL released for both; CUDA: ``non_blocking`` copies on a side stream,
+with an event). Before the next ``optimizer.step`` the training thread waits for whatever is left.
+
+What stays off the training thread: allocating and pre-faulting slots (:meth:`HostArena.reserve`, a background
+thread), and, from the second snapshot on, planning. The *plan* of a snapshot (which tensors, where in the slot,
+which are copied in the background, tied weights, the views into the slot) is kept and reused as long as the state
+holds the same tensors (same names, addresses, shapes, strides and dtypes), which is checked at every snapshot.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import ctypes
+import errno
 import itertools
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import xxhash
 
+from lightning_snapshot import tree as _tree
 from lightning_snapshot.planner import align_up, assign_writers, chunk_ranges, plan_layout
-from lightning_snapshot.staging import StagedState, _prepare, tensor_bytes
+from lightning_snapshot.staging import SMALL_HASH as _SMALL
+from lightning_snapshot.staging import StagedState, chunk_digests, prepare_tensors, tensor_bytes
 
 __all__ = ["HostArena", "ArenaSlot", "AsyncStaged", "PAGE"]
 
@@ -37,12 +45,53 @@ log = logging.getLogger(__name__)
 
 PAGE = 4096
 _ALIGN = 64
-_COPY_CHUNK = 64 << 20
+#: Copy-and-hash block: small enough that the block is still in the (L2) cache when it is hashed.
+_FUSE_BLOCK = 1 << 20
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 _counter = itertools.count()
+_libc: Any = None
 
 
-def _address(view: memoryview) -> int:
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+def _copy_digests(dst: memoryview, dst_addr: int, src_addr: int, chunk_bytes: int) -> list[str]:
+    """Copy ``dst.nbytes`` bytes from ``src_addr`` to ``dst`` (at ``dst_addr``); return the digests of its chunks.
+
+    Each block is hashed right after it is copied, from the destination, while it is still in the cache: the
+    digests are those of the staged bytes, as :func:`chunk_digests` of ``dst`` would give, for about the memory
+    traffic of the copy alone. ``memmove`` and the streaming hash both release the GIL.
+    """
+    memmove = ctypes.memmove
+    sums = []
+    for a, b in chunk_ranges(dst.nbytes, chunk_bytes):
+        if b - a < _SMALL:
+            memmove(dst_addr + a, src_addr + a, b - a)
+            sums.append(xxhash.xxh3_64_hexdigest(dst[a:b]))
+            continue
+        h = xxhash.xxh3_64()
+        for x in range(a, b, _FUSE_BLOCK):
+            y = min(x + _FUSE_BLOCK, b)
+            memmove(dst_addr + x, src_addr + x, y - x)
+            h.update(dst[x:y])
+        sums.append(h.hexdigest())
+    return sums
+
+
+def _populate(buf: torch.Tensor) -> None:
+    """Fault every page of ``buf`` in now (one ``madvise(MADV_POPULATE_WRITE)``; else touching each page)."""
+    global _libc
+    n = buf.numel()
+    if n == 0:
+        return
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+        addr = buf.data_ptr()
+        start = addr & ~(PAGE - 1)
+        if _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(addr + n - start), _MADV_POPULATE_WRITE) == 0:
+            return
+    except (OSError, AttributeError):
+        pass
+    for a in range(0, n, 64 << 20):  # older kernels: write every page (memset releases the GIL)
+        ctypes.memset(buf.data_ptr() + a, 0, min(64 << 20, n - a))
 
 
 @dataclass
@@ -56,6 +105,17 @@ class ArenaSlot:
     #: The shared-memory file behind ``buffer`` (its name is already unlinked), kept open so that the snapshot
     #: agent can map the same memory; -1 for pinned or anonymous memory.
     fd: int = -1
+    #: The plan whose views into this slot ``views`` are (reused while the plan is).
+    plan: _Plan | None = None
+    views: list[torch.Tensor] = field(default_factory=list)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    _bytes: memoryview | None = None
+
+    def region(self, nbytes: int) -> memoryview:
+        """The first ``nbytes`` of the buffer, as bytes (the buffer's byte view is made once)."""
+        if self._bytes is None or self._bytes.nbytes != self.capacity:
+            self._bytes = tensor_bytes(self.buffer)
+        return self._bytes[:nbytes]
 
     @property
     def capacity(self) -> int:
@@ -97,14 +157,65 @@ class AsyncStaged:
         """Check the stamp and re-hash the slot: the staged bytes are still the ones of ``step`` (never torn)."""
         if self.slot.step != self.step:
             raise RuntimeError(f"arena slot was reused by step {self.slot.step} while step {self.step} was persisted")
-        assert self.state.checksums is not None
-        for name, t in self.state.tensors.items():
-            view = tensor_bytes(t)
-            sums = [xxhash.xxh3_64_hexdigest(view[a:b]) for a, b in chunk_ranges(view.nbytes, self._chunk_bytes)]
-            if sums != self.state.checksums[name]:
+        assert self.state.checksums is not None and self.state.packed is not None
+        packed = self.state.packed
+        for name, offset, nbytes in self.state.layout or ():
+            if chunk_digests(packed[offset: offset + nbytes], self._chunk_bytes) != self.state.checksums[name]:
                 raise RuntimeError(f"staged bytes of {name!r} changed after staging (step {self.step}); not committed")
 
     _chunk_bytes: int = 8 << 20
+
+
+#: How a planned tensor is copied: by the copy thread (CPU, frozen, contiguous), now on the training thread
+#: (buffers, non-contiguous tensors), or on the CUDA side stream (frozen: overlapping the next forward; buffers: in
+#: the order of the current stream).
+_BACKGROUND, _NOW, _CUDA_FROZEN, _CUDA_NOW = 0, 1, 2, 3
+
+
+@dataclass
+class _Plan:
+    """Where each tensor of a state goes in a slot, and how it is copied; reused while the state's tensors are the
+    same ones (:meth:`sources`).
+
+    Attributes:
+        names: every tensor name the encoding found, in order; keys: what identifies each of those tensors.
+        entries: per staged tensor (name, index in ``names``, offset in the slot, bytes, how it is copied).
+        cacheable: False when a tensor was transformed to be staged (a DTensor's local shard, a conjugate view):
+            then the plan is rebuilt at every snapshot.
+    """
+
+    names: list[str]
+    keys: list[tuple[Any, ...]]
+    entries: list[tuple[str, int, int, int, int]]
+    aliases: dict[str, str]
+    shards: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
+    size: int
+    pin: bool
+    cacheable: bool
+    layout: list[tuple[str, int, int]] = field(default_factory=list)
+    #: (name, offset, source address, bytes) of the tensors the copy thread copies (valid while the plan matches)
+    background: list[tuple[str, int, int, int]] = field(default_factory=list)
+    #: Whether any tensor is copied on the training thread or the CUDA stream (then ``background`` is not all).
+    mixed: bool = False
+
+    def matches(self, tensors: dict[str, torch.Tensor]) -> bool:
+        """Whether ``tensors`` (an encoding's) are the very tensors this plan was made for."""
+        if len(tensors) != len(self.names):
+            return False
+        try:
+            keys = [_key(t) for t in tensors.values()]
+        except (RuntimeError, TypeError):
+            return False
+        return keys == self.keys and list(tensors) == self.names
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _key(t: torch.Tensor) -> tuple[Any, ...]:
+    # the same memory, read the same way (a DTensor or other subclass never matches: its type is in the key); host
+    # and device memory never share addresses, so the address also tells the device
+    return (type(t), t.data_ptr(), t.shape, t.stride(), t.dtype)
 
 
 class HostArena:
@@ -117,8 +228,12 @@ class HostArena:
         chunk_bytes: checksum chunk size.
         shm_dir: where the shared-memory files go (``/dev/shm``); anonymous memory when it does not exist.
 
-    Thread-safety: ``stage_async``/``release`` are called from the training thread and the persist thread; a lock
-    guards slot state.
+    Slots are allocated and pre-faulted by a background thread when :meth:`reserve` (or :meth:`plan_ahead`) asks
+    for one ahead of time; a snapshot that finds no free slot waits for one being allocated that way, and only
+    allocates on the calling thread when none is.
+
+    Thread-safety: ``stage_async``/``release``/``reserve`` are called from the training thread and the persist
+    thread; a lock guards slot state.
     """
 
     def __init__(self, *, max_host_bytes: int | None = None, slots: int = 2, chunk_bytes: int = 8 << 20,
@@ -130,13 +245,26 @@ class HostArena:
         self.slots: list[ArenaSlot] = []
         self._lock = threading.Condition()
         self._copier: cf.ThreadPoolExecutor | None = None
+        self._allocator: cf.ThreadPoolExecutor | None = None
+        self._growing = 0  # bytes of slots being allocated in the background
+        self._grow_error: BaseException | None = None
         self._stream: Any = None
+        self._plan: _Plan | None = None
+        self._closed = False
         self.last_skip_reason = ""
+        #: Seconds the last ``stage_async`` waited for a slot being allocated in the background.
+        self.last_alloc_wait = 0.0
 
     # ------------------------------------------------------------------------------------------- memory
     @property
     def allocated_bytes(self) -> int:
-        return sum(s.capacity for s in self.slots)
+        """Host memory held by the slots, and by slots being allocated."""
+        return sum(s.capacity for s in self.slots) + self._growing
+
+    @property
+    def planned_bytes(self) -> int | None:
+        """The slot size the current plan needs (None before the first plan)."""
+        return self._plan.size if self._plan is not None else None
 
     def _allocate(self, nbytes: int, pin: bool) -> ArenaSlot:
         nbytes = align_up(max(nbytes, PAGE), 2 << 20)
@@ -147,19 +275,25 @@ class HostArena:
             path = os.path.join(self.shm_dir, f"lightning-snapshot-{os.getpid()}-{next(_counter)}")
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
-                os.ftruncate(fd, nbytes)
+                try:  # the pages now, in the kernel: a full /dev/shm fails here, not with SIGBUS on first touch
+                    os.posix_fallocate(fd, 0, nbytes)
+                except OSError as e:
+                    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                        raise
+                    os.ftruncate(fd, nbytes)
                 buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
             except BaseException:
                 os.close(fd)
                 raise
             finally:
-                # the mapping stays; the name goes at once, so a killed trainer leaves no shared memory behind
+                # the mapping stays; the name goes at once, so a killed trainer leaves no shared memory behind (the
+                # descriptor stays open for the snapshot agent)
                 os.unlink(path)
-            buf.zero_()  # fault every page in now, not on the hot path
+            _populate(buf)  # map every page now, not on the hot path
             return ArenaSlot(buf, None, fd=fd)
         else:
             buf, path = torch.empty(nbytes, dtype=torch.uint8), None
-        buf.zero_()  # fault every page in now, not on the hot path
+            _populate(buf)
         return ArenaSlot(buf, path)
 
     def _free(self, slot: ArenaSlot) -> None:
@@ -172,15 +306,75 @@ class HostArena:
             except FileNotFoundError:
                 pass
         slot.buffer = torch.empty(0, dtype=torch.uint8)
+        slot.plan, slot.views, slot.tensors, slot._bytes = None, [], {}, None
+
+    def _fits(self, size: int) -> bool:
+        budget = self.max_host_bytes
+        return (len(self.slots) + (self._growing > 0) < self.max_slots
+                and (budget is None or self.allocated_bytes + size <= budget))
+
+    def reserve(self, nbytes: int, pin: bool = False) -> bool:
+        """Start allocating a slot of at least ``nbytes`` in a background thread, unless a free slot that large
+        exists, one is already being allocated, or no other slot fits (``slots``, ``max_host_bytes``).
+
+        Returns whether an allocation was started. Never blocks on the allocation.
+        """
+        size = align_up(max(nbytes, PAGE), 2 << 20)
+        with self._lock:
+            if self._closed or self._growing:
+                return False
+            if any(not s.busy and s.capacity >= nbytes for s in self.slots) or not self._fits(size):
+                return False
+            self._growing = size
+            if self._allocator is None:
+                self._allocator = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-snapshot-alloc")
+        self._allocator.submit(self._grow, nbytes, pin)
+        return True
+
+    def _grow(self, nbytes: int, pin: bool) -> None:
+        slot: ArenaSlot | None = None
+        error: BaseException | None = None
+        try:
+            slot = self._allocate(nbytes, pin)
+        except BaseException as e:  # noqa: BLE001 - the next snapshot allocates (and reports) on its own thread
+            error = e
+            log.debug("lightning-snapshot: background allocation of %d bytes failed", nbytes, exc_info=True)
+        with self._lock:
+            self._growing = 0
+            self._grow_error = error
+            if slot is not None:
+                if self._closed:
+                    self._free(slot)
+                else:
+                    self.slots.append(slot)
+            self._lock.notify_all()
+
+    def plan_ahead(self, obj: Any, frozen: Callable[[torch.Tensor], bool], rank: int = 0, world_size: int = 1
+                   ) -> int:
+        """Plan the snapshot of ``obj`` (as :meth:`stage_async` would) and reserve a slot for it in the background.
+
+        Call it once the state has its final shape (after the first optimizer step created the optimizer state),
+        before the first snapshot; the first snapshot then finds its slot allocated and its plan made. Returns
+        the bytes planned.
+        """
+        _, tensors = _tree.encode(obj, "")
+        plan = self._plan
+        if plan is None or not plan.matches(tensors):
+            plan, _ = self._build_plan(tensors, frozen, rank, world_size)
+            self._plan = plan if plan.cacheable else None
+        self.reserve(plan.size, plan.pin)
+        return plan.size
 
     def _acquire(self, nbytes: int, pin: bool) -> ArenaSlot | None:
         """A free slot of at least ``nbytes`` (allocating within the budget), or None (reason in last_skip_reason).
 
         Without a budget, when every slot is still being persisted, this waits for one (back-pressure: no
-        scheduled snapshot is lost; the wait counts as stall). With ``max_host_bytes`` set it returns None instead.
+        scheduled snapshot is lost; the wait counts as stall). With ``max_host_bytes`` set it returns None instead,
+        unless a slot is being allocated in the background, which it waits for.
         """
         budget = self.max_host_bytes
         size = align_up(max(nbytes, PAGE), 2 << 20)
+        self.last_alloc_wait = 0.0
         if budget is not None and size > budget:
             self.last_skip_reason = f"the snapshot needs {nbytes} bytes of host memory but max_host_bytes is {budget}"
             return None
@@ -190,15 +384,20 @@ class HostArena:
                     if not slot.busy and slot.capacity >= nbytes:
                         slot.busy = True
                         return slot
+                if self._growing >= size:  # a large enough slot is on its way: wait for it (or for a free one)
+                    t0 = time.perf_counter()
+                    self._lock.wait()
+                    self.last_alloc_wait += time.perf_counter() - t0
+                    continue
                 for slot in [s for s in self.slots if not s.busy]:  # free but too small: replace it
                     self.slots.remove(slot)
                     self._free(slot)
-                if len(self.slots) < self.max_slots and (budget is None or self.allocated_bytes + size <= budget):
+                if not self._growing and self._fits(size):
                     slot = self._allocate(nbytes, pin)
                     slot.busy = True
                     self.slots.append(slot)
                     return slot
-                if budget is not None:
+                if budget is not None and not self._growing:
                     self.last_skip_reason = (
                         f"the {len(self.slots)} arena buffer(s) that max_host_bytes={budget} leaves room for are"
                         " still being persisted"
@@ -206,20 +405,85 @@ class HostArena:
                     return None
                 self._lock.wait()
 
+    def busy(self) -> bool:
+        """Whether every slot is in use (a snapshot now would wait, or allocate) and none is being allocated."""
+        with self._lock:
+            return not self._growing and all(s.busy for s in self.slots)
+
     def release(self, slot: ArenaSlot) -> None:
         with self._lock:
             slot.busy = False
             self._lock.notify_all()
 
     def close(self) -> None:
-        """Stop the copy thread and free every slot (their shared-memory files too)."""
+        """Stop the copy and allocation threads and free every slot (their shared-memory files too)."""
+        with self._lock:
+            self._closed = True
         if self._copier is not None:
             self._copier.shutdown(wait=True)
             self._copier = None
+        if self._allocator is not None:
+            self._allocator.shutdown(wait=True)
+            self._allocator = None
         with self._lock:
             for s in self.slots:
                 self._free(s)
             self.slots.clear()
+            self._plan = None
+
+    # ------------------------------------------------------------------------------------------- planning
+    def _build_plan(self, tensors: dict[str, torch.Tensor], frozen: Callable[[torch.Tensor], bool], rank: int,
+                    world_size: int) -> tuple[_Plan, list[torch.Tensor]]:
+        """A new plan for ``tensors``, and the tensors to copy (in the order of its entries)."""
+        items, aliases, shards = prepare_tensors(tensors)
+        if world_size > 1:
+            # Shards of sharded (DTensor) state are this rank's own and always written by it (prepare_tensors
+            # already dropped the replicas other ranks write). The rest is replicated: only parameters and optimizer
+            # state are identical on every rank; buffers (BatchNorm statistics) are not, so rank 0 writes those, as
+            # Lightning's own checkpoint would.
+            replicated = [i for i, (name, _) in enumerate(items) if name not in shards]
+            owners = assign_writers([items[i][1].numel() * items[i][1].element_size() for i in replicated],
+                                    world_size, pinned=[None if frozen(items[i][1]) else 0 for i in replicated])
+            dropped = {i for i, owner in zip(replicated, owners) if owner != rank}
+            items = [item for i, item in enumerate(items) if i not in dropped]
+            if rank != 0:  # rank 0 records the aliases of replicated tensors; every rank those of its shards
+                aliases = {a: c for a, c in aliases.items() if c in shards}
+        names = list(tensors)
+        index = {n: i for i, n in enumerate(names)}
+        sizes = [(name, t.numel() * t.element_size()) for name, t in items]
+        # tensors 64-byte aligned inside the slot; the slot itself is page-aligned, so the whole region can be
+        # written with O_DIRECT in one go
+        placed, size = plan_layout(sizes, _ALIGN)
+        entries = []
+        for (name, t), (_, offset), (_, nbytes) in zip(items, placed, sizes):
+            if t.is_cuda:
+                how = _CUDA_FROZEN if frozen(t) else _CUDA_NOW
+            elif frozen(t) and t.is_contiguous():
+                how = _BACKGROUND
+            else:
+                how = _NOW  # changes before the next optimizer step (buffers), or is not contiguous: copy now
+            entries.append((name, index[name], offset, nbytes, how))
+        cacheable = not shards and all(
+            type(tensors[name]) in _PLAIN and t.data_ptr() == tensors[name].data_ptr()
+            and t.dtype == tensors[name].dtype for name, t in items
+        ) and all(type(t) in _PLAIN for t in tensors.values())
+        sources = [t for _, t in items]
+        plan = _Plan(names, [_key(t) for t in tensors.values()] if cacheable else [], entries, aliases, shards, size,
+                     any(t.is_cuda for t in sources), cacheable,
+                     [(name, offset, nbytes) for name, _, offset, nbytes, _ in entries],
+                     [(name, offset, t.data_ptr(), nbytes) for (name, _, offset, nbytes, how), t in zip(entries, sources)
+                      if how == _BACKGROUND],
+                     any(how != _BACKGROUND for *_, how in entries))
+        return plan, sources
+
+    @staticmethod
+    def _views(slot: ArenaSlot, plan: _Plan, sources: list[torch.Tensor]) -> None:
+        """Make the plan's tensors as views into ``slot`` (kept with the slot while the plan is used)."""
+        region = slot.buffer
+        slot.views = [region[offset: offset + nbytes].view(t.dtype).view(t.shape)
+                      for (_, _, offset, nbytes, _), t in zip(plan.entries, sources)]
+        slot.tensors = {entry[0]: view for entry, view in zip(plan.entries, slot.views)}
+        slot.plan = plan
 
     # ------------------------------------------------------------------------------------------- staging
     def stage_async(self, obj: Any, frozen: Callable[[torch.Tensor], bool], step: int,
@@ -232,47 +496,47 @@ class HostArena:
         0 keeps the rest, the tree and the aliases. DTensors (ModelParallel) are staged as this rank's local shard,
         with its box of the global tensor (``StagedState.shards``); a shard held by several ranks is staged by one.
 
+        The plan of the previous snapshot is reused when ``obj`` holds the very same tensors (then ``frozen`` is not
+        called: a tensor at the same address, with the same name, shape, strides and dtype, is still what it was).
+
         Returns None (and sets ``last_skip_reason``) when no slot is free within the budget.
         ``copy_hook`` runs in the copy thread before copying (tests use it to slow the copy down).
         """
         started = time.monotonic()
-        tree, items, aliases, shards = _prepare(obj, "")
-        if world_size > 1:
-            # Shards of sharded (DTensor) state are this rank's own and always written by it (_prepare already
-            # dropped the replicas other ranks write). The rest is replicated: only parameters and optimizer state
-            # are identical on every rank; buffers (BatchNorm statistics) are not, so rank 0 writes those, as
-            # Lightning's own checkpoint would.
-            replicated = [i for i, (name, _) in enumerate(items) if name not in shards]
-            owners = assign_writers([items[i][1].numel() * items[i][1].element_size() for i in replicated],
-                                    world_size, pinned=[None if frozen(items[i][1]) else 0 for i in replicated])
-            dropped = {i for i, owner in zip(replicated, owners) if owner != rank}
-            items = [item for i, item in enumerate(items) if i not in dropped]
-            if rank != 0:  # rank 0 records the aliases of replicated tensors; every rank those of its shards
-                aliases = {a: c for a, c in aliases.items() if c in shards}
-        sizes = [(name, t.numel() * t.element_size()) for name, t in items]
-        # tensors 64-byte aligned inside the slot; the slot itself is page-aligned, so the whole region can be
-        # written with O_DIRECT in one go
-        placed, size = plan_layout(sizes, _ALIGN)
-        pin = any(t.is_cuda for _, t in items)
-        slot = self._acquire(size, pin)
+        tree, tensors = _tree.encode(obj, "")
+        plan = self._plan
+        sources: list[torch.Tensor] | None = None
+        if plan is None or not plan.matches(tensors):
+            plan, sources = self._build_plan(tensors, frozen, rank, world_size)
+            self._plan = plan if plan.cacheable else None
+        size = plan.size
+        slot = self._acquire(size, plan.pin)
         if slot is None:
             return None
         slot.step = step
-        region = slot.buffer[:size]
-        state = StagedState(tree, aliases=aliases, packed=tensor_bytes(region), alignment=_ALIGN,
-                            chunk_bytes=self.chunk_bytes, shards=shards)
-        later: list[tuple[torch.Tensor, torch.Tensor]] = []
-        cuda_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for (name, t), (_, offset) in zip(items, placed):
-            nbytes = t.numel() * t.element_size()
-            dst = region[offset: offset + nbytes].view(t.dtype).view(t.shape)
-            state.tensors[name] = dst
-            if t.is_cuda:
-                cuda_pairs.append((dst, t))
-            elif frozen(t) and t.is_contiguous():
-                later.append((dst, t))
-            else:
-                dst.copy_(t)  # changes before the next optimizer step (buffers) or is tiny: copy now
+        state = StagedState(tree, aliases=plan.aliases, packed=slot.region(size), alignment=_ALIGN,
+                            chunk_bytes=self.chunk_bytes, shards=plan.shards, layout=plan.layout)
+        if slot.plan is not plan:
+            if sources is None:
+                values = list(tensors.values())
+                sources = [values[i] for _, i, _, _, _ in plan.entries]
+            self._views(slot, plan, sources)
+        state.tensors = slot.tensors
+        hashed: list[tuple[str, int, int]] = []
+        cuda_pairs: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
+        if plan.mixed:  # buffers now, CUDA tensors on the side stream; the copy thread hashes them
+            if sources is None:
+                values = list(tensors.values())
+                sources = [values[i] for _, i, _, _, _ in plan.entries]
+            for (name, _, offset, nbytes, how), src, dst in zip(plan.entries, sources, slot.views):
+                if how == _BACKGROUND:
+                    continue
+                hashed.append((name, offset, nbytes))
+                if how == _NOW:
+                    dst.copy_(src.detach())
+                else:
+                    cuda_pairs.append((dst, src.detach(), how == _CUDA_FROZEN))
+        background = plan.background
         events: list[Any] = []
         if cuda_pairs:
             if self._stream is None:
@@ -280,14 +544,14 @@ class HostArena:
             current = torch.cuda.current_stream()
             self._stream.wait_stream(current)
             with torch.cuda.stream(self._stream):  # parameters/optimizer state: overlap the next forward/backward
-                for dst, src in cuda_pairs:
-                    if frozen(src):
+                for dst, src, is_frozen in cuda_pairs:
+                    if is_frozen:
                         dst.copy_(src, non_blocking=True)
                         src.record_stream(self._stream)
             frozen_done = torch.cuda.Event()
             frozen_done.record(self._stream)
-            for dst, src in cuda_pairs:  # buffers: in stream order, so they are copied before the next forward
-                if not frozen(src):
+            for dst, src, is_frozen in cuda_pairs:  # buffers: in stream order, copied before the next forward
+                if not is_frozen:
                     dst.copy_(src, non_blocking=True)
             mutable_done = torch.cuda.Event()
             mutable_done.record(current)
@@ -297,24 +561,26 @@ class HostArena:
         handle = AsyncStaged(state, slot, step, cf.Future(), started=started)
         handle._chunk_bytes = self.chunk_bytes
         handle.cuda_event = events[0] if events else None
-        handle.cpu_pending = bool(later)
-        handle.future = self._copier.submit(self._copy, handle, later, events, copy_hook)
+        handle.cpu_pending = bool(background)
+        # the sources stay referenced until copied (a resolved conjugate view is a temporary)
+        handle.future = self._copier.submit(self._copy, handle, slot.buffer.data_ptr(), background, hashed, events,
+                                            copy_hook, sources if sources is not None else tensors)
         return handle
 
-    def _copy(self, handle: AsyncStaged, pairs: list[tuple[torch.Tensor, torch.Tensor]], events: list[Any],
-              copy_hook: Callable[[], None] | None) -> dict[str, list[str]]:
+    def _copy(self, handle: AsyncStaged, base: int, background: list[tuple[str, int, int, int]],
+              hashed: list[tuple[str, int, int]], events: list[Any], copy_hook: Callable[[], None] | None,
+              keepalive: Any) -> dict[str, list[str]]:
         if copy_hook is not None:
             copy_hook()
-        for dst, src in pairs:
-            dst_view = tensor_bytes(dst)
-            d, s, n = _address(dst_view), src.data_ptr(), dst_view.nbytes
-            for start in range(0, n, _COPY_CHUNK):  # memmove releases the GIL and runs on this thread only
-                ctypes.memmove(d + start, s + start, min(_COPY_CHUNK, n - start))
+        packed = handle.state.packed
+        assert packed is not None
+        chunk = self.chunk_bytes
+        sums: dict[str, list[str]] = {}
+        for name, offset, src, nbytes in background:
+            sums[name] = _copy_digests(packed[offset: offset + nbytes], base + offset, src, chunk)
         for event in events:
             event.synchronize()
-        sums = {
-            name: [xxhash.xxh3_64_hexdigest(v[a:b]) for a, b in chunk_ranges(v.nbytes, self.chunk_bytes)]
-            for name, v in ((name, tensor_bytes(t)) for name, t in handle.state.tensors.items())
-        }
+        for name, offset, nbytes in hashed:  # copied on the training thread or the CUDA stream: hash them here
+            sums[name] = chunk_digests(packed[offset: offset + nbytes], chunk)
         handle.copy_seconds = time.monotonic() - handle.started
         return sums

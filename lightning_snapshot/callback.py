@@ -6,7 +6,7 @@ import logging
 import time
 import uuid
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from lightning.pytorch.callbacks import Checkpoint
@@ -143,6 +143,7 @@ class SnapshotCallback(Checkpoint):
         self._exact_data = True
         self._warned_loaders: set[int] = set()
         self._patched_strategy: Any = None
+        self._planned = False
         #: (tier url, step, seconds) of the restore done by the last ``fit``, or None.
         self.restored_from: tuple[str, int, float] | None = None
         #: What this rank read for that restore: bytes of the shared tensors it needed (its shards, or whole
@@ -171,6 +172,7 @@ class SnapshotCallback(Checkpoint):
         self._last_step = trainer.global_step  # a snapshot needs an optimizer step since this one
         self._pending = None
         self._arena = HostArena(max_host_bytes=self.max_host_bytes, chunk_bytes=self.chunk_bytes)
+        self._planned = False
         comms: list[Comm] = [LocalComm() for _ in self.tiers]
         if strategy.world_size > 1:
             import torch.distributed as dist
@@ -484,16 +486,55 @@ class SnapshotCallback(Checkpoint):
         self._collect_results(step)
         if step != self._last_step:
             self._last_step = step
-            self._maybe_snapshot(trainer, pl_module, step)
+            if not self._maybe_snapshot(trainer, pl_module, step):
+                self._prepare_arena(trainer, pl_module, step)
         self._metrics.flush(trainer)
 
-    def _maybe_snapshot(self, trainer: Any, pl_module: Any, step: int) -> None:
+    def _frozen(self, trainer: Any) -> Callable[[Any], bool]:
+        """The frozen-tensor predicate, computed only if the arena asks (it does not while its plan holds)."""
+        made: list[Callable[[Any], bool]] = []
+
+        def frozen(t: Any) -> bool:
+            if not made:
+                made.append(frozen_predicate(trainer.lightning_module.parameters(), trainer.optimizers))
+            return made[0](t)
+
+        return frozen
+
+    def _prepare_arena(self, trainer: Any, pl_module: Any, step: int) -> None:
+        """Off the snapshot steps, get the arena ready for the next snapshot, so that it does not wait.
+
+        After the first optimizer step (the optimizer state exists, so the state has its size): plan the snapshot
+        and allocate its slot in a background thread. Later, when a snapshot is due within two steps and every slot
+        is still being persisted: allocate another slot in the background (double buffering, only when needed).
+        """
+        arena = self._arena
+        if arena is None:
+            return
+        if not self._planned:
+            self._planned = True
+            try:
+                arena.plan_ahead(capture_shared(trainer, pl_module), self._frozen(trainer), rank=self._comm.rank,
+                                 world_size=self._comm.world_size)
+            except Exception as e:  # noqa: BLE001 - the snapshot itself reports what cannot be captured
+                log.debug("lightning-snapshot: planning ahead failed (%s); the first snapshot plans itself", e)
+            return
+        size = arena.planned_bytes
+        if size is None or not arena.busy():
+            return
+        if any(t.every_n_train_steps is not None and ((step + 1) % t.every_n_train_steps == 0
+                                                      or (step + 2) % t.every_n_train_steps == 0)
+               for t in self.tiers):
+            arena.reserve(size)
+
+    def _maybe_snapshot(self, trainer: Any, pl_module: Any, step: int) -> bool:
+        """Take the snapshot of ``step`` if one is due in some tier; returns whether one was due."""
         now = time.monotonic()
         due = [i for i, t in enumerate(self.tiers) if t.is_due(step, now - self._last_time[i])]
         if any(t.train_time_interval is not None for t in self.tiers):
             due = self._comm.broadcast(due)  # wall clocks differ across ranks; rank 0 decides
         if not due:
-            return
+            return False
         t0 = time.perf_counter()
         # background failures stop every rank together, at this collective point
         if not self._comm.all_true(not (self._errors and self.on_error == "raise")):
@@ -506,9 +547,9 @@ class SnapshotCallback(Checkpoint):
         staged: AsyncStaged | None = None
         error: SnapshotError | None = None
         assert self._arena is not None
+        self._planned = True  # (the first snapshot plans itself if no earlier step did)
         try:  # every rank stages (and later writes) its own share of the replicated state
-            frozen = frozen_predicate(trainer.lightning_module.parameters(), trainer.optimizers)
-            staged = self._arena.stage_async(capture_shared(trainer, pl_module), frozen, step,
+            staged = self._arena.stage_async(capture_shared(trainer, pl_module), self._frozen(trainer), step,
                                              rank=self._comm.rank, world_size=self._comm.world_size)
         except SnapshotError as e:
             error = e
@@ -517,18 +558,19 @@ class SnapshotCallback(Checkpoint):
                 self._arena.release(staged.slot)
             if error is not None:
                 self._handle(error, step)
-                return
+                return True
             self._skipped += 1
             self._metrics.add("snapshot/skipped", self._skipped)
             reason = self._arena.last_skip_reason if staged is None else "another rank could not stage it"
             warnings.warn(f"lightning-snapshot: skipped the snapshot of step {step}: {reason}. Raise"
                           " max_host_bytes or snapshot less often.", stacklevel=2)
-            return
+            return True
         if staged is not None:
             self._metrics.add("snapshot/bytes", staged.state.nbytes)
         self._inflight = staged
         self._pending = (step, trainer.current_epoch, staged, due)
         self._stall = time.perf_counter() - t0
+        return True
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self._pending is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import math
 import os
@@ -25,7 +26,7 @@ from lightning_snapshot.manifest import (
     step_dirname,
 )
 from lightning_snapshot.planner import Box, bytes_planned, chunk_ranges, plan_tensor_reads
-from lightning_snapshot.staging import dtensor_box, is_dtensor, tensor_bytes
+from lightning_snapshot.staging import digest, dtensor_box, is_dtensor, tensor_bytes
 from lightning_snapshot.writer import committed_steps
 
 __all__ = ["read_manifest", "read_section", "load_snapshot", "open_snapshot", "resolve_source", "committed_steps", "ShardTarget",
@@ -172,6 +173,70 @@ def _read_box(backend: Backend, manifest: Manifest, entry: TensorEntry, shard: S
     return shard.value if shard.value is not None else out
 
 
+@dataclass(frozen=True)
+class _Read:
+    """One fragment to read into ``view`` (the bytes of its destination) and verify."""
+
+    name: str
+    object: str
+    offset: int
+    view: memoryview
+    checksums: tuple[str, ...]
+
+
+#: Restores of at least this many bytes read in parallel (where the backend allows it).
+_PARALLEL_MIN_BYTES = 32 << 20
+
+
+def _read_all(backend: Backend, manifest: Manifest, prefix: str, reads: list[_Read]) -> None:
+    """Read and verify ``reads``, in up to ``backend.parallel_reads`` threads.
+
+    The reads are cut into contiguous runs of about equal bytes (each thread reads its part of an object in order),
+    and every checksum chunk is hashed right after it is read, while it is still in the cache. Reads and hashes
+    release the GIL.
+    """
+    total = sum(r.view.nbytes for r in reads)
+    workers = min(max(1, int(getattr(backend, "parallel_reads", 1))), len(reads), os.cpu_count() or 1)
+    if workers <= 1 or total < _PARALLEL_MIN_BYTES:
+        for r in reads:
+            _read_one(backend, manifest, prefix, r)
+        return
+    ordered = sorted(reads, key=lambda r: (r.object, r.offset))
+    runs: list[list[_Read]] = [[] for _ in range(workers)]
+    done = 0
+    for r in ordered:  # contiguous runs: run i holds the reads that start in the i-th share of the bytes
+        runs[min(workers - 1, done * workers // total)].append(r)
+        done += r.view.nbytes
+
+    def run(part: list[_Read]) -> None:
+        for r in part:
+            _read_one(backend, manifest, prefix, r)
+
+    with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lightning-snapshot-read") as pool:
+        futures = [pool.submit(run, part) for part in runs if part]
+        for f in futures:
+            f.result()  # the first failure, in order
+
+
+def _read_one(backend: Backend, manifest: Manifest, prefix: str, r: _Read) -> None:
+    """Read one fragment chunk by chunk, each verified right after it is read."""
+    for (a, b), expected in zip(chunk_ranges(r.view.nbytes, manifest.chunk_bytes), r.checksums):
+        try:
+            if b > a:
+                backend.read_into(f"{prefix}/{r.object}", r.offset + a, r.view[a:b])
+        except (EOFError, FileNotFoundError) as e:
+            raise ChecksumError(
+                f"tensor {r.name!r}: object {r.object!r} of step {manifest.step} in the {backend.tier} tier"
+                f" {backend.url!r} is missing or truncated ({e})"
+            ) from e
+        if digest(r.view[a:b]) != expected:
+            raise ChecksumError(
+                f"checksum mismatch in tensor {r.name!r}, object {r.object!r}, bytes [{r.offset + a},"
+                f" {r.offset + b}) of step {manifest.step} in the {backend.tier} tier {backend.url!r}:"
+                " the data is corrupted. Use an earlier snapshot"
+            )
+
+
 def read_section(
     backend: Backend,
     manifest: Manifest,
@@ -204,6 +269,8 @@ def read_section(
     """
     prefix = step_dirname(manifest.step)
     tensors: dict[str, Any] = {}
+    reads: list[_Read] = []
+    scatter: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
     for entry in entries:
         if entry.alias_of is not None:
             continue
@@ -232,28 +299,17 @@ def read_section(
                 buf = out.narrow(0, frag.global_offsets[0], frag.local_shape[0])
             else:
                 buf = torch.empty(frag.local_shape, dtype=dtype)
-            view = tensor_bytes(buf)
-            try:
-                backend.read_into(f"{prefix}/{frag.object}", frag.offset, view)
-            except (EOFError, FileNotFoundError) as e:
-                raise ChecksumError(
-                    f"tensor {entry.name!r}: object {frag.object!r} of step {manifest.step} in the {backend.tier} tier"
-                    f" {backend.url!r} is missing or truncated ({e})"
-                ) from e
-            for (a, b), expected in zip(chunk_ranges(frag.nbytes, manifest.chunk_bytes), frag.checksums):
-                if xxhash.xxh3_64_hexdigest(view[a:b]) != expected:
-                    raise ChecksumError(
-                        f"checksum mismatch in tensor {entry.name!r}, object {frag.object!r}, bytes [{frag.offset + a},"
-                        f" {frag.offset + b}) of step {manifest.step} in the {backend.tier} tier {backend.url!r}:"
-                        " the data is corrupted. Use an earlier snapshot"
-                    )
+            reads.append(_Read(entry.name, frag.object, frag.offset, tensor_bytes(buf), frag.checksums))
             if not whole and not slab:
                 box = tuple(slice(o, o + n) for o, n in zip(frag.global_offsets, frag.local_shape))
-                out[box] = buf
+                scatter.append((out, buf, box))
         tensors[entry.name] = out
         if stats is not None:
             stats.bytes_needed += out.numel() * out.element_size()
             stats.bytes_read += sum(f.nbytes for f in entry.fragments)
+    _read_all(backend, manifest, prefix, reads)
+    for out, buf, box in scatter:
+        out[box] = buf
     for entry in entries:
         if entry.alias_of is not None:
             tensors[entry.name] = tensors[entry.alias_of]

@@ -14,13 +14,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import xxhash
 
 from lightning_snapshot import tree as _tree
 from lightning_snapshot.errors import CaptureError
 from lightning_snapshot.manifest import DTYPES, dtype_name
-from lightning_snapshot.planner import Box, shard_boxes
+from lightning_snapshot.planner import Box, chunk_ranges, shard_boxes
 
-__all__ = ["StagedState", "dtensor_box", "is_dtensor", "local_tensor", "stage", "tensor_bytes"]
+__all__ = ["StagedState", "chunk_digests", "digest", "dtensor_box", "is_dtensor", "local_tensor", "prepare_tensors",
+           "stage", "tensor_bytes"]
 
 
 @dataclass
@@ -47,6 +49,8 @@ class StagedState:
     #: Tensors that are one shard of a larger global tensor (a rank's part of a DTensor): name -> (global shape,
     #: global offsets of the shard). The others are whole tensors.
     shards: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+    #: With ``packed``: (name, offset in the region, bytes) of every tensor, in region order.
+    layout: list[tuple[str, int, int]] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -157,14 +161,15 @@ def _identity(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
-def _prepare(obj: Any, prefix: str) -> tuple[Any, list[tuple[str, torch.Tensor]], dict[str, str],
-                                           dict[str, tuple[tuple[int, ...], tuple[int, ...]]]]:
-    """Encode ``obj``; returns (tree, [(name, tensor to copy)], aliases, shards) with tied views found and checked.
+def prepare_tensors(tensors: dict[str, torch.Tensor]
+                    ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, str],
+                               dict[str, tuple[tuple[int, ...], tuple[int, ...]]]]:
+    """The tensors of an encoding (:func:`~lightning_snapshot.tree.encode`) as they are staged.
 
-    DTensors become their local shard, listed in ``shards`` as (global shape, global offsets); shards this rank does
-    not write (a replica another rank writes, an empty shard) are left out of the tensors to copy.
+    Returns ([(name, tensor to copy)], aliases, shards), with tied views found and every tensor checked. DTensors
+    become their local shard, listed in ``shards`` as (global shape, global offsets); shards this rank does not
+    write (a replica another rank writes, an empty shard) are left out of the tensors to copy.
     """
-    tree, tensors = _tree.encode(obj, prefix)
     items: list[tuple[str, torch.Tensor]] = []
     aliases: dict[str, str] = {}
     shards: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
@@ -189,7 +194,14 @@ def _prepare(obj: Any, prefix: str) -> tuple[Any, list[tuple[str, torch.Tensor]]
         items.append((name, t))
         if key is not None:
             canonical[key] = name
-    return tree, items, aliases, shards
+    return items, aliases, shards
+
+
+def _prepare(obj: Any, prefix: str) -> tuple[Any, list[tuple[str, torch.Tensor]], dict[str, str],
+                                           dict[str, tuple[tuple[int, ...], tuple[int, ...]]]]:
+    """Encode ``obj``; returns (tree, [(name, tensor to copy)], aliases, shards) (see :func:`prepare_tensors`)."""
+    tree, tensors = _tree.encode(obj, prefix)
+    return (tree, *prepare_tensors(tensors))
 
 
 def stage(obj: Any, prefix: str = "") -> StagedState:
@@ -219,3 +231,21 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 def dtype_str(t: torch.Tensor) -> str:
     return dtype_name(t.dtype)
+
+
+#: Below this, the one-shot hash (which holds the GIL) is cheaper than the streaming one (which releases it).
+SMALL_HASH = 64 << 10
+
+
+def digest(view: memoryview) -> str:
+    """The xxh3-64 hex digest of ``view``; large buffers through the streaming API, which releases the GIL."""
+    if view.nbytes < SMALL_HASH:
+        return xxhash.xxh3_64_hexdigest(view)
+    h = xxhash.xxh3_64()
+    h.update(view)
+    return h.hexdigest()
+
+
+def chunk_digests(view: memoryview, chunk_bytes: int) -> list[str]:
+    """xxh3-64 hex digests of ``view``'s checksum chunks (the GIL is released while hashing large chunks)."""
+    return [digest(view[a:b]) for a, b in chunk_ranges(view.nbytes, chunk_bytes)]

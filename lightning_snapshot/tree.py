@@ -23,6 +23,7 @@ import base64
 import enum
 import math
 import os
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -64,6 +65,34 @@ def encode(obj: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
     def walk(x: Any, path: str, depth: int) -> Any:
         if depth > _MAX_DEPTH:
             raise CaptureError(f"state at {path!r} is nested deeper than {_MAX_DEPTH} levels")
+        # the common types first, by exact type (a state of hundreds of tensors is walked at every snapshot)
+        kind = type(x)
+        if kind is dict or kind is OrderedDict:
+            plain = True
+            for k in x:
+                if type(k) is not str or k[:1] == "$":
+                    plain = False
+                    break
+            if plain:
+                prefix = path + "/" if path else ""
+                return {k: walk(v, prefix + k, depth + 1) for k, v in x.items()}
+            if all(type(k) is int for k in x):  # optimizer state, keyed by parameter index
+                return {"$dict": [[k, walk(v, f"{path}/{k}", depth + 1)] for k, v in x.items()]}
+        elif kind in _TENSOR_TYPES:
+            return {"$tensor": name_for(x, path)}
+        elif kind in _SCALAR_TYPES:
+            return x if kind is not float or math.isfinite(x) else {"$float": repr(x)}
+        elif kind is list or kind is tuple:
+            for v in x:
+                if type(v) not in _EXACT_JSON:
+                    break
+            else:  # ints, strings, bools, None only (an RNG state): as they are
+                return list(x) if kind is list else {"$tuple": list(x)}
+            items = [walk(v, f"{path}/{i}", depth + 1) for i, v in enumerate(x)]
+            return items if kind is list else {"$tuple": items}
+        return general(x, path, depth)
+
+    def general(x: Any, path: str, depth: int) -> Any:
         if x is None or isinstance(x, bool):
             return x
         if isinstance(x, torch.Tensor):
@@ -90,7 +119,7 @@ def encode(obj: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
         if isinstance(x, np.generic):
             return walk(x.item(), path, depth + 1)
         if isinstance(x, torch.dtype):
-            if x not in DTYPES.values():
+            if x not in _DTYPE_VALUES:
                 raise CaptureError(f"the dtype at {path!r} ({x}) is not one the format stores: {sorted(DTYPES)}")
             return {"$dtype": str(x).removeprefix("torch.")}
         if isinstance(x, torch.device):
@@ -211,3 +240,7 @@ _NUMPY_STORAGE = {
     "complex128": torch.complex128,
 }
 _NUMPY_KINDS = set(_NUMPY_STORAGE)
+_DTYPE_VALUES = frozenset(DTYPES.values())
+_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+_SCALAR_TYPES = frozenset({int, float, str, bool, type(None)})
+_EXACT_JSON = frozenset({int, str, bool, type(None)})  # encoded as they are

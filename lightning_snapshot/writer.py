@@ -15,8 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import xxhash
-
 import lightning_snapshot
 from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.comm import Comm
@@ -29,8 +27,8 @@ from lightning_snapshot.manifest import (
     parse_step_dirname,
     step_dirname,
 )
-from lightning_snapshot.planner import chunk_ranges, plan_layout
-from lightning_snapshot.staging import StagedState, tensor_bytes
+from lightning_snapshot.planner import plan_layout
+from lightning_snapshot.staging import StagedState, chunk_digests, tensor_bytes
 
 __all__ = ["SnapshotJob", "write_snapshot", "copy_snapshot", "apply_retention", "committed_steps", "DEFAULT_CHUNK_BYTES",
            "DEFAULT_ALIGNMENT"]
@@ -58,34 +56,42 @@ def _section(staged: StagedState, object_key: str, alignment: int, chunk_bytes: 
 
     A staged state that is already packed (the arena) is written as its region, with its staging checksums.
     """
-    if staged.packed is not None:
-        alignment = staged.alignment
-    names = list(staged.tensors)
-    views = {n: tensor_bytes(staged.tensors[n]) for n in names}
-    placed, size = plan_layout([(n, views[n].nbytes) for n in names], alignment)
     buffers: list[memoryview | bytes] = []
-    if staged.packed is not None:
+    if staged.packed is not None and staged.layout is not None:
+        # the arena's region, laid out when it was planned: written as it is, with the staging checksums
+        placed = staged.layout
+        size = placed[-1][1] + placed[-1][2] if placed else 0
         buffers.append(staged.packed[:size])
+        views = None
+    else:
+        if staged.packed is not None:
+            alignment = staged.alignment
+        names = list(staged.tensors)
+        views = {n: tensor_bytes(staged.tensors[n]) for n in names}
+        offsets, size = plan_layout([(n, views[n].nbytes) for n in names], alignment)
+        placed = [(n, offset, views[n].nbytes) for n, offset in offsets]
+        if staged.packed is not None:
+            buffers.append(staged.packed[:size])
     entries: list[dict[str, Any]] = []
     pos = 0
-    for name, offset in placed:
-        view = views[name]
-        if staged.packed is None:
+    for name, offset, nbytes in placed:
+        if views is not None and staged.packed is None:
             if offset > pos:
                 buffers.append(_ZEROS[: offset - pos])
-            buffers.append(view)
-        pos = offset + view.nbytes
+            buffers.append(views[name])
+        pos = offset + nbytes
         t = staged.tensors[name]
         shape = list(t.shape)
         global_shape, offsets = staged.shards.get(name, (shape, [0] * len(shape)))
         if staged.checksums is not None:
             sums = staged.checksums[name]
         else:
-            sums = [xxhash.xxh3_64_hexdigest(view[a:b]) for a, b in chunk_ranges(view.nbytes, chunk_bytes)]
+            assert views is not None
+            sums = chunk_digests(views[name], chunk_bytes)
         entries.append({
             "type": "tensor", "name": name, "dtype": dtype_name(t.dtype), "global_shape": list(global_shape),
             "fragments": [{
-                "object": object_key, "offset": offset, "nbytes": view.nbytes,
+                "object": object_key, "offset": offset, "nbytes": nbytes,
                 "global_offsets": list(offsets), "local_shape": shape, "checksums": sums,
             }],
         })

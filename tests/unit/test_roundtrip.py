@@ -324,6 +324,28 @@ def test_corrupted_chunk_is_detected_on_load(tmp_path):
         load_snapshot(str(tmp_path))
 
 
+@pytest.mark.parametrize("corrupt", [False, True], ids=["intact", "corrupted"])
+def test_parallel_reads_fill_every_tensor_and_verify_every_chunk(tmp_path, monkeypatch, corrupt):
+    from lightning_snapshot import loader
+
+    monkeypatch.setattr(loader, "_PARALLEL_MIN_BYTES", 0)  # small snapshot, parallel path
+    state = {f"t{i}": random_tensor(torch.float32, (1000 + 37 * i,), seed=i) for i in range(12)}
+    state["empty"] = torch.empty(0)
+    manifest = write(tmp_path, state, chunk_bytes=1024)
+    if corrupt:
+        (frag,) = [t for t in manifest.tensors if t.name == "t9"][0].fragments
+        path = tmp_path / step_dirname(1) / frag.object
+        data = bytearray(path.read_bytes())
+        data[frag.offset + 2 * 1024 + 3] ^= 0x01
+        path.write_bytes(bytes(data))
+        with pytest.raises(ChecksumError, match="t9"):
+            load_snapshot(str(tmp_path))
+        return
+    out = load_snapshot(LocalTier(tmp_path))
+    for name, t in state.items():
+        assert_same_tensor(out[name], t)
+
+
 def test_fragment_offsets_are_aligned_and_hold_the_tensor_bytes(tmp_path):
     state = {f"t{i}": random_tensor(dtype, shape, seed=i) for i, (dtype, shape) in enumerate([
         (torch.uint8, (3,)), (torch.float16, (5,)), (torch.float64, (7, 3)), (torch.bool, (1,)),
