@@ -101,6 +101,8 @@ class RamTier(Backend):
 
     tier = "ram"
     durable = False
+    #: Restores read from shared memory on several threads (the node-local store is thread-safe).
+    parallel_reads = 4
     #: Each node holds its own objects: the writer commits the manifest on every node (see ``publish``).
     node_local = True
 
@@ -212,16 +214,25 @@ class RamTier(Backend):
             self.store.commit(key, data)
 
     def read(self, key: str) -> bytes:
-        self._need_whole(key)
-        return self.store.read(key)
+        try:
+            return self.store.read(key)
+        except FileNotFoundError:
+            self._need_whole(key)
+            raise
 
     def read_view(self, key: str) -> memoryview:
-        self._need_whole(key)
-        return self.store.read_view(key)
+        try:
+            return self.store.read_view(key)
+        except FileNotFoundError:
+            self._need_whole(key)
+            raise
 
     def read_into(self, key: str, offset: int, out: memoryview) -> None:
-        self._need_whole(key)
-        self.store.read_into(key, offset, out)
+        try:
+            self.store.read_into(key, offset, out)
+        except FileNotFoundError:
+            self._need_whole(key)
+            raise
 
     @property
     def bytes_read(self) -> int:
