@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import threading
 import time
 import warnings
 
@@ -52,13 +53,17 @@ def test_slowed_copy_with_optimizer_step_right_behind_is_point_in_time(fence):
     model, opt = _trained()
     expected = {k: _bits(v) for k, v in stage(_state(model, opt)).tensors.items()}  # synchronous reference
     arena = HostArena()
+    stepped = threading.Event()
+    # fenced: a slowed copy; unfenced (negative control): the copy starts only once the optimizer step is done, so
+    # the control does not depend on how fast this machine runs the step
+    hook = (lambda: time.sleep(0.3)) if fence else (lambda: stepped.wait(30))
     try:
-        handle = arena.stage_async(_state(model, opt), _frozen(model, opt), step=2,
-                                   copy_hook=lambda: time.sleep(0.3))
+        handle = arena.stage_async(_state(model, opt), _frozen(model, opt), step=2, copy_hook=hook)
         if fence:
             handle.fence_training()  # what the callback does in on_before_optimizer_step
         model(torch.randn(8, 256)).sum().backward()  # forward changes BN buffers, the step changes the rest
         opt.step()
+        stepped.set()
         handle.wait()
         got = {k: _bits(v) for k, v in handle.state.tensors.items()}
     finally:
