@@ -690,6 +690,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", required=True, help="the node's memory directory for this run (RamTier.node_dir)")
     p.add_argument("--idle-timeout", type=float, default=600.0,
                    help="seconds without an attached trainer after which the agent exits and frees the memory")
+    p.add_argument("--nice", type=int, default=10,
+                   help="CPU niceness added to the agent (default 10): its uploads and writes yield to training")
     p.add_argument("--stop", action="store_true", help="stop the agent serving --dir (frees its memory)")
     p.add_argument("--status", action="store_true", help="print the agent's pid, attached trainers and held bytes")
     args = p.parse_args(argv)
@@ -705,6 +707,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.idle_timeout <= 0:
         raise ConfigError("--idle-timeout must be > 0")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s lightning-snapshot agent: %(message)s")
+    if args.nice:
+        try:
+            os.nice(args.nice)  # background work: the trainer's threads get the CPU first
+        except OSError:
+            pass
     return run_agent(node_dir, args.idle_timeout)
 
 
