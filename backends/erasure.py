@@ -22,8 +22,9 @@ from lightning_snapshot.errors import ChecksumError, ConfigError
 
 __all__ = ["ShareLayout", "layout", "encode", "decode", "check_params", "DEFAULT_BLOCK"]
 
-#: Largest block (bytes of one share per stripe): big enough for zfec's full speed, small enough to stay in cache.
-DEFAULT_BLOCK = 1 << 20
+#: Largest block (bytes of one share per stripe): k blocks of a stripe stay in the L2 cache while they are copied
+#: and encoded (measured here: 128 KiB scales better on two threads than 1 MiB).
+DEFAULT_BLOCK = 128 << 10
 _ALIGN = 64
 
 

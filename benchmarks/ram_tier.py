@@ -7,14 +7,14 @@ One process, one machine. The state is a dict of fp32 tensors (``randn``, 16 lar
 for the encode/decode rows it is packed back to back into one buffer, the object the RAM tier erasure codes (what
 the arena hands to the tier). Every timed row runs ``--repeats`` times (default 3); the table shows the median and
 the spread ``(max - min) / median``. Other processes on the machine show up in the spread. Erasure code: k=4 data
-and m=2 parity shares, blocks of at most 1 MiB (``erasure.DEFAULT_BLOCK``).
+and m=2 parity shares, blocks of at most ``erasure.DEFAULT_BLOCK`` (128 KiB).
 
 Rows
 ----
 1. **Encode** (input bytes/s: bytes of the object per second):
 
    * ``memcpy``: one ``ctypes.memmove`` of the object into a preallocated, already touched buffer (one thread);
-   * ``zfec raw, 1 core``: ``zfec.Encoder(4, 6).encode(blocks, (4, 5))`` over every stripe of 4 x 1 MiB blocks
+   * ``zfec raw, 1 core``: ``zfec.Encoder(4, 6).encode(blocks, (4, 5))`` over every stripe of 4 blocks
      of the same bytes (memoryviews, no copy), one thread: zfec's own single-core rate (the parity only; the
      last partial stripe is zero-padded into a scratch buffer as ``erasure.encode`` does);
    * ``erasure.encode``, 1 thread and ``os.cpu_count()`` threads, into 6 preallocated, touched share buffers
