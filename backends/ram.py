@@ -32,14 +32,13 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
 from lightning_snapshot.backends import erasure as _ec
 from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.backends.local import LocalTier
 from lightning_snapshot.errors import ConfigError, SnapshotError, SnapshotNotFoundError, SnapshotWriteError
+from lightning_snapshot.staging import digest
 
-__all__ = ["RamTier", "default_shm_base"]
+__all__ = ["RamTier", "allocated_bytes", "default_shm_base"]
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +194,7 @@ class RamTier(Backend):
                 maps.append(_map_new(ec_dir / str(i), lay.share_nbytes))
             _ec.encode(data, lay, [memoryview(mm) if mm is not None else memoryview(bytearray(0)) for mm in maps],
                        threads=self.threads)
-            sums = [xxhash.xxh3_64_hexdigest(mm if mm is not None else b"") for mm in maps]
+            sums = [digest(memoryview(mm) if mm is not None else memoryview(b"")) for mm in maps]
         except OSError as e:
             raise SnapshotWriteError(e.errno, f"erasure-coding {key!r} into {ec_dir} failed: {e}") from e
         finally:
@@ -349,7 +348,7 @@ class RamTier(Backend):
                     i = int(entry)
                     view = self.store.read_view(f"{prefix}/{name}/{entry}")
                     ok = view.nbytes == layout["stripes"] * layout["block"] and \
-                        xxhash.xxh3_64_hexdigest(view) == layout["checksums"][i]
+                        digest(view) == layout["checksums"][i]
                     if ok:
                         good.append(i)
                     else:
@@ -420,7 +419,8 @@ class RamTier(Backend):
                         need -= 1
         me = getattr(comm, "rank", 0)
         if me in leaders:
-            self._execute(comm, transfers, layouts, me, prefix, manifest)
+            verified = {key: set(e["good"]) for key, e in invs[me]["shares"].items()}
+            self._execute(comm, transfers, layouts, me, prefix, manifest, verified)
         if world > 1:
             comm.barrier()
         if me in leaders and not self.store.exists(f"{prefix}/{MANIFEST_NAME}"):
@@ -429,7 +429,9 @@ class RamTier(Backend):
             comm.barrier()
 
     def _execute(self, comm: Any, transfers: list[tuple[int, int, str, int]], layouts: dict[str, dict[str, Any]],
-                 me: int, prefix: str, manifest: str) -> None:
+                 me: int, prefix: str, manifest: str, verified: dict[str, set[int]]) -> None:
+        """Run this leader's part of the ``transfers`` and rebuild every erasure-coded object from ``k`` good
+        shares: its own that ``_inventory`` verified (``verified``), the others checked here."""
         from lightning_snapshot.manifest import Manifest
 
         sizes = {o.key: o.nbytes for o in Manifest.from_json(manifest, where=f"RAM tier manifest of {prefix}").objects}
@@ -482,8 +484,8 @@ class RamTier(Backend):
             try:
                 for i, p in sorted(paths.items()):
                     mm = _map_existing(p, write=False)
-                    digest = xxhash.xxh3_64_hexdigest(mm if mm is not None else b"")
-                    if digest != layout["checksums"][i]:
+                    if i not in verified.get(key, ()) and digest(
+                            memoryview(mm) if mm is not None else memoryview(b"")) != layout["checksums"][i]:
                         _close(mm)
                         continue
                     maps[i] = mm
@@ -517,14 +519,19 @@ class RamTier(Backend):
 
     def held_bytes(self) -> int:
         """Bytes of memory this node's RAM tier holds (its files, as allocated)."""
-        total = 0
-        for root, _dirs, files in os.walk(self.node_dir / "store"):
-            for f in files:
-                try:
-                    total += os.stat(os.path.join(root, f)).st_blocks * 512
-                except OSError:
-                    pass
-        return total
+        return allocated_bytes(self.node_dir / "store")
+
+
+def allocated_bytes(path: str | os.PathLike[str]) -> int:
+    """Bytes the files under ``path`` occupy (allocated blocks: what shared memory really holds)."""
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.stat(os.path.join(root, f)).st_blocks * 512
+            except OSError:
+                pass
+    return total
 
 
 def default_run_name(tier_urls: list[str]) -> str:

@@ -82,6 +82,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from lightning_snapshot.backends import LocalTier, RamTier
 from lightning_snapshot.backends import erasure as ec
+from lightning_snapshot.backends.ram import allocated_bytes
 
 from lightning_snapshot.arena import HostArena
 from lightning_snapshot.comm import LocalComm
@@ -160,17 +161,6 @@ def memcpy_state(state: dict[str, torch.Tensor], dst: torch.Tensor) -> None:
         n = t.numel() * t.element_size()
         ctypes.memmove(base + pos, addr(t), n)
         pos += n
-
-
-def dir_allocated(path: Path) -> int:
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.stat(os.path.join(root, f)).st_blocks * 512
-            except OSError:
-                pass
-    return total
 
 
 # ================================================================================================ raw zfec
@@ -352,8 +342,8 @@ def run(args: argparse.Namespace, nbytes: int, repeats: int, cores: int, shm: Pa
     obj_nbytes = read_manifest(ram_ec, step_ec).objects
     obj_total = sum(o.nbytes for o in obj_nbytes)
     obj_lay = ec.layout(obj_total, K, M)  # the tier codes the object as written (the arena's packed region)
-    held_ec = dir_allocated(ram_ec.node_dir)
-    held_plain = dir_allocated(ram_plain.node_dir)
+    held_ec = allocated_bytes(ram_ec.node_dir)
+    held_plain = allocated_bytes(ram_plain.node_dir)
     ec_files = [p for p in (ram_ec.node_dir / "store").rglob("*") if p.is_file() and p.name.isdigit()]
     share_files = sum(p.stat().st_size for p in ec_files)
     torch_file = disk / "state.pt"

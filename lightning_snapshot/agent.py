@@ -143,17 +143,13 @@ def rebuild_staged(meta: dict[str, Any], region: memoryview | None) -> Any:
 
 
 def _verify(staged: Any) -> None:
-    import xxhash
-
-    from lightning_snapshot.planner import chunk_ranges
-    from lightning_snapshot.staging import tensor_bytes
+    from lightning_snapshot.staging import chunk_digests, tensor_bytes
 
     if staged.checksums is None:
         return
     chunk = staged.chunk_bytes or (8 << 20)
     for name, t in staged.tensors.items():
-        view = tensor_bytes(t)
-        if [xxhash.xxh3_64_hexdigest(view[a:b]) for a, b in chunk_ranges(view.nbytes, chunk)] != staged.checksums[name]:
+        if chunk_digests(tensor_bytes(t), chunk) != staged.checksums[name]:
             raise SnapshotError(f"the staged bytes of {name!r} changed after staging (the slot was reused)")
 
 
@@ -256,9 +252,11 @@ class Agent:
                 if op == "ping":
                     _send(conn, {"op": "reply", "ok": True, "pid": os.getpid()})
                 elif op == "status":
+                    from lightning_snapshot.backends.ram import allocated_bytes
+
                     with self.lock:
                         _send(conn, {"op": "reply", "ok": True, "pid": os.getpid(), "attached": self.attached,
-                                     "held_bytes": _held_bytes(self.dir / "store")})
+                                     "held_bytes": allocated_bytes(self.dir / "store")})
                 elif op == "stop":
                     _send(conn, {"op": "reply", "ok": True, "pid": os.getpid()})
                     self.stop.set()
@@ -348,7 +346,7 @@ class Agent:
         """
         from lightning_snapshot.backends.base import Backend
         from lightning_snapshot.manifest import MANIFEST_NAME, Manifest, step_dirname
-        from lightning_snapshot.writer import SnapshotJob, _merge, _write_part, apply_retention
+        from lightning_snapshot.writer import SnapshotJob, _merge, _remove_unreferenced, _write_part, apply_retention
 
         step, rank, world = int(entry["step"]), int(hello["rank"]), int(hello["world_size"])
         run_id = str(hello["run_id"])
@@ -403,26 +401,12 @@ class Agent:
         text = json.dumps(raw, separators=(",", ":"), allow_nan=False)
         manifest = Manifest.from_json(text, where=f"manifest of {prefix} written by the snapshot agent")
         tier.commit(manifest_key, text.encode())
-        keep = {o.key for o in manifest.objects} | {MANIFEST_NAME}
-        for name in tier.list(prefix):
-            if name not in keep:
-                tier.delete(f"{prefix}/{name}")
+        _remove_unreferenced(tier, prefix, manifest)
         try:
             apply_retention(tier, step)
         except Exception as e:  # noqa: BLE001 - the snapshot is committed; cleanup waits for the next one
             log.warning("retention in %s failed: %s", tier.url, self._describe(hello, {"tier": index}, e))
         return manifest.total_bytes
-
-
-def _held_bytes(root: Path) -> int:
-    total = 0
-    for base, _dirs, files in os.walk(root):
-        for f in files:
-            try:
-                total += os.stat(os.path.join(base, f)).st_blocks * 512
-            except OSError:
-                pass
-    return total
 
 
 def run_agent(node_dir: Path, idle_timeout: float) -> int:

@@ -18,9 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import sys
-import time
 
 import lightning as L
 import torch
@@ -29,6 +26,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_snapshot import SnapshotCallback
 from lightning_snapshot.backends import LocalTier, ObjectStoreTier
+from train import Crash  # (tests/scripts is the script's directory: on sys.path)
 
 IN, HIDDEN, OUT = 32, 256, 5  # OUT=5 rows over 2 ranks: an uneven shard (3 + 2)
 
@@ -145,23 +143,6 @@ class Record(L.Callback):
         self.batches.append([trainer.current_epoch, trainer.global_step, batch_idx, batch[2].tolist()])
 
 
-class Crash(L.Callback):
-    """SIGKILL every rank at ``global_step == at``, once at least one snapshot is committed."""
-
-    def __init__(self, at: int, tier: LocalTier) -> None:
-        self.at, self.tier = at, tier
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step == self.at:
-            from lightning_snapshot.writer import committed_steps
-
-            deadline = time.monotonic() + 30
-            while not committed_steps(self.tier) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            sys.stdout.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--dir", required=True)
@@ -205,7 +186,7 @@ def main() -> None:
     if a.record:
         callbacks.append(record)
     if a.crash_at >= 0:
-        callbacks.append(Crash(a.crash_at, tier))
+        callbacks.append(Crash(a.crash_at, [tier]))
     if a.strategy == "mp":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
