@@ -11,8 +11,8 @@
    timed from a barrier to a barrier (the slowest rank): lightning-snapshot reads each rank's boxes
    (``read_manifest`` + ``read_section`` with the DTensors as targets, as the callback's restore does, every chunk
    read verified by its checksum), DCP runs ``dcp.load`` on a state dict of the same DTensors. Alternating, ``--reps``
-   times each, with a warm page cache and with the files evicted from it first (``posix_fadvise(DONTNEED)``: a cold
-   read from the disk). Both results are compared bitwise.
+   times each, with a warm page cache and with the timed method's files evicted from it first
+   (``posix_fadvise(DONTNEED)``: a cold read from the disk). Both results are compared bitwise.
 
 Prints a table with the ratios: ours / DCP for the same load, and our resharded load / our same-topology load.
 Target: our resharded load <= 1.0x DCP's.
@@ -191,9 +191,9 @@ def worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
         order = ["ours", "dcp"] if rep % 2 == 0 else ["dcp", "ours"]
         for mode in ("cold", "warm"):
             for name in order:
-                if mode == "cold":
-                    if rank == 0:
-                        evict([args.snap, args.dcp])
+                if mode == "cold" and rank == 0:
+                    # only this method's files: evicting the other's too would make its next "warm" read cold
+                    evict([args.snap if name == "ours" else args.dcp])
                 barrier()
                 t0 = time.perf_counter()
                 methods[name]()

@@ -6,12 +6,11 @@ import concurrent.futures as cf
 import logging
 import math
 import os
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import xxhash
 
 from lightning_snapshot import tree as _tree
 from lightning_snapshot.backends.base import Backend
@@ -106,44 +105,31 @@ def _contiguous_run(box: Box, shape: tuple[int, ...]) -> tuple[int, int] | None:
     return start, start + math.prod(box.shape)
 
 
-def _read_verified(backend: Backend, manifest: Manifest, entry: TensorEntry, frag: Any, item: Any,
-                   view: memoryview, a: int) -> None:
-    """Read bytes ``[a, a + len(view))`` of fragment ``frag`` (whole checksum chunks of ``item``) into ``view``, and
-    verify every chunk in that range."""
-    try:
-        backend.read_into(f"{step_dirname(manifest.step)}/{frag.object}", frag.offset + a, view)
-    except (EOFError, FileNotFoundError) as e:
-        raise ChecksumError(
-            f"tensor {entry.name!r}: object {frag.object!r} of step {manifest.step} in the {backend.tier} tier"
-            f" {backend.url!r} is missing or truncated ({e})"
-        ) from e
-    size = manifest.chunk_bytes
-    for i in range(a // size, (a + len(view) + size - 1) // size):  # [a, a + len(view)) is whole chunks
-        ca, cb = item.chunk_range(i)
-        if xxhash.xxh3_64_hexdigest(view[ca - a: cb - a]) != frag.checksums[i]:
-            raise ChecksumError(
-                f"checksum mismatch in tensor {entry.name!r}, object {frag.object!r}, bytes [{frag.offset + ca},"
-                f" {frag.offset + cb}) of step {manifest.step} in the {backend.tier} tier {backend.url!r}:"
-                " the data is corrupted. Use an earlier snapshot"
-            )
-
-
-def _read_box(backend: Backend, manifest: Manifest, entry: TensorEntry, shard: ShardTarget,
-              stats: ReadStats | None) -> Any:
-    """Fill ``shard.out`` with ``shard.box`` of ``entry``, reading only the checksum chunks that overlap it."""
+def _box_reads(backend: Backend, manifest: Manifest, entry: TensorEntry, shard: ShardTarget, reads: list[_Read],
+               after: list[Callable[[], None]], stats: ReadStats | None) -> Any:
+    """Plan filling ``shard.out`` with ``shard.box`` of ``entry``: append the reads of the checksum chunks that
+    overlap it to ``reads`` (read and verified in parallel with the others by :func:`_read_all`), and to ``after``
+    the copies that must follow them. Returns the value the decoded state holds."""
     dtype = dtype_from_name(entry.dtype)
     itemsize = torch.empty((), dtype=dtype).element_size()
     box, out = shard.box, shard.out
     if tuple(out.shape) != box.shape:
         raise ValueError(f"tensor {entry.name!r}: the target of box {box} has shape {tuple(out.shape)}")
+    size = manifest.chunk_bytes
     try:
-        items = plan_tensor_reads(entry, entry.global_shape, itemsize, box, manifest.chunk_bytes)
+        items = plan_tensor_reads(entry, entry.global_shape, itemsize, box, size)
     except ValueError as e:
         raise ManifestError(f"step {manifest.step} in the {backend.tier} tier {backend.url!r}: {e}") from e
     direct = (out.dtype == dtype and out.device.type == "cpu" and out.layout == torch.strided
               and out.is_contiguous())
     dst = out.detach() if direct else torch.empty(box.shape, dtype=dtype)
     dst_bytes = tensor_bytes(dst) if dst.numel() else None
+
+    def read(frag: Any, a: int, view: memoryview) -> None:  # whole checksum chunks of ``frag`` from byte ``a``
+        first = a // size
+        reads.append(_Read(entry.name, frag.object, frag.offset + a, view,
+                           tuple(frag.checksums[first: first + -(-view.nbytes // size)])))
+
     for item in items:
         frag = entry.fragments[item.fragment_index]
         src_run = _contiguous_run(item.src_box, frag.local_shape)
@@ -152,20 +138,18 @@ def _read_box(backend: Backend, manifest: Manifest, entry: TensorEntry, shard: S
                 and item.read_ranges == ((src_run[0] * itemsize, src_run[1] * itemsize),)):
             # the overlap is one run of the fragment, read whole chunks exactly, and one run of the target: the
             # bytes go straight into the target (no staging buffer, no second copy), verified there
-            a = src_run[0] * itemsize
-            view = dst_bytes[dst_run[0] * itemsize: dst_run[1] * itemsize]
-            _read_verified(backend, manifest, entry, frag, item, view, a)
+            read(frag, src_run[0] * itemsize, dst_bytes[dst_run[0] * itemsize: dst_run[1] * itemsize])
             continue
         # a fragment-sized buffer whose pages are only touched where the planned ranges land (lazily allocated)
         buf = torch.empty(frag.nbytes, dtype=torch.uint8)
         view = tensor_bytes(buf)
         for a, b in item.read_ranges:
-            _read_verified(backend, manifest, entry, frag, item, view[a:b], a)
+            read(frag, a, view[a:b])
         src = buf.view(dtype).view(frag.local_shape)[item.src_box.slices()]
-        dst[item.dst_box.slices()] = src
+        target = dst[item.dst_box.slices()]
+        after.append(lambda d=target, s=src: d.copy_(s))
     if not direct:
-        with torch.no_grad():
-            out.copy_(dst)
+        after.append(lambda: out.detach().copy_(dst))
     if stats is not None:
         stats.bytes_needed += box.numel * itemsize
         stats.bytes_read += bytes_planned(items)
@@ -271,6 +255,7 @@ def read_section(
     tensors: dict[str, Any] = {}
     reads: list[_Read] = []
     scatter: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
+    after: list[Callable[[], None]] = []  # copies that follow the reads
     for entry in entries:
         if entry.alias_of is not None:
             continue
@@ -278,7 +263,7 @@ def read_section(
         target = targets.get(entry.name) if targets is not None else None
         shard = _shard_target(target, entry)
         if shard is not None:
-            tensors[entry.name] = _read_box(backend, manifest, entry, shard, stats)
+            tensors[entry.name] = _box_reads(backend, manifest, entry, shard, reads, after, stats)
             continue
         if (
             isinstance(target, torch.Tensor) and target.dtype == dtype and tuple(target.shape) == entry.global_shape
@@ -310,6 +295,9 @@ def read_section(
     _read_all(backend, manifest, prefix, reads)
     for out, buf, box in scatter:
         out[box] = buf
+    with torch.no_grad():
+        for copy in after:
+            copy()
     for entry in entries:
         if entry.alias_of is not None:
             tensors[entry.name] = tensors[entry.alias_of]
