@@ -80,8 +80,9 @@ class SnapshotCallback(Checkpoint):
 
     Snapshots are taken after the optimizer step of every scheduled ``global_step`` (with gradient accumulation,
     only when ``global_step`` moved). Supported strategies: single device, DDP (``ddp``, ``ddp_spawn``) and
-    ``ModelParallelStrategy`` (FSDP2 ``fully_shard``, and tensor parallelism with plain ``Shard``/``Replicate``
-    placements), whose DTensor state every rank saves as its own shards, never gathered. A snapshot restores into
+    ``ModelParallelStrategy`` (FSDP2 ``fully_shard``, tensor parallelism, and both on a 2-D data x tensor parallel
+    mesh, whose ``_StridedShard`` layout is one box per rank), whose DTensor state every rank saves as its own
+    shards, never gathered. A snapshot restores into
     any of them, at any world size: each rank reads only the bytes of its own shards.
     """
 

@@ -142,38 +142,99 @@ class Box:
 # -- which box each rank of a device mesh owns
 
 
-def _shard_dim(placement: Any, ndim: int) -> int | None:
-    """The tensor dim a placement shards (None for replicate); accepts tuples or torch's Shard/Replicate."""
+def _placement(placement: Any, ndim: int) -> tuple[str, int | None, int]:
+    """``(kind, tensor dim, split factor)`` of a placement; kind ``"replicate"`` (dim None), ``"shard"``, ``"strided"``.
+
+    Accepts tuples (``("replicate",)``, ``("shard", dim)``, ``("strided", dim, split_factor)``) or torch's
+    ``Replicate``/``Shard``/``_StridedShard`` objects, duck-typed by class name (no torch import here).
+    """
     if isinstance(placement, str):
         placement = (placement,)
+    split_factor = 1
     if isinstance(placement, (tuple, list)) and placement:
         kind = placement[0]
         if kind == "replicate" and len(placement) == 1:
-            return None
+            return "replicate", None, 1
         if kind == "shard" and len(placement) == 2 and isinstance(placement[1], int):
             dim = placement[1]
+        elif (kind == "strided" and len(placement) == 3 and isinstance(placement[1], int)
+              and isinstance(placement[2], int) and placement[2] >= 1):
+            dim, split_factor = placement[1], placement[2]
         else:
-            raise ValueError(f"unknown placement {placement!r}; expected ('shard', dim) or ('replicate',)")
+            raise ValueError(f"unknown placement {placement!r}; expected ('shard', dim), ('strided', dim,"
+                             " split_factor) or ('replicate',)")
     else:
-        kind = type(placement).__name__  # duck-typed torch.distributed.tensor placements, without importing them
-        if kind == "Replicate":
-            return None
-        if kind != "Shard" or not isinstance(getattr(placement, "dim", None), int):
+        name = type(placement).__name__  # duck-typed torch.distributed.tensor placements, without importing them
+        if name == "Replicate":
+            return "replicate", None, 1
+        dim = getattr(placement, "dim", None)
+        if name == "Shard" and isinstance(dim, int):
+            kind = "shard"
+        elif name == "_StridedShard" and isinstance(dim, int):
+            kind = "strided"
+            try:
+                split_factor = int(placement.split_factor)
+            except (AttributeError, TypeError, ValueError):
+                split_factor = 0
+            if split_factor < 1:
+                raise ValueError(f"placement {placement!r} has no usable split_factor")
+        else:
             raise ValueError(
-                f"placement {placement!r} is not supported by the resharding planner: only Shard(dim) and"
-                " Replicate() are (no _StridedShard, no Partial)"
+                f"placement {placement!r} is not supported by the resharding planner: only Shard(dim),"
+                " _StridedShard(dim, split_factor) and Replicate() are (no Partial)"
             )
-        dim = placement.dim
     if not -ndim <= dim < ndim:
         raise ValueError(f"placement {placement!r} shards dim {dim} of a {ndim}-d tensor")
-    return dim % ndim
+    return kind, dim % ndim, split_factor
+
+
+def _chunk(n: int, k: int, i: int) -> tuple[int, int]:
+    """``[lo, hi)`` of chunk ``i`` when ``torch.chunk`` splits ``n`` elements into ``k`` (empty chunks at the end)."""
+    size = -(-n // k)
+    lo = min(n, size * i)
+    return lo, min(n, lo + size)
+
+
+def _take(runs: list[tuple[int, int]], lo: int, hi: int, out: list[tuple[int, int]]) -> None:
+    """Append elements ``lo:hi`` of a sequence of global indices (as runs ``[a, b)``) to ``out``, merging runs."""
+    pos = 0
+    for a, b in runs:
+        s, e = max(lo, pos), min(hi, pos + b - a)
+        if s < e:
+            start, stop = a + s - pos, a + e - pos
+            if out and out[-1][1] == start:
+                out[-1] = (out[-1][0], stop)
+            else:
+                out.append((start, stop))
+        pos += b - a
+        if pos >= hi:
+            break
+
+
+def _dim_order(mesh_dims: list[int], kinds: dict[int, tuple[str, int]], mesh_shape: tuple[int, ...]
+               ) -> list[int] | None:
+    """The order in which the mesh dims that shard one tensor dim split it, when every ``_StridedShard`` among them
+    is FSDP2's (its split factor is the product of the sizes of the mesh dims to its right that shard the same tensor
+    dim): those mesh dims split first and the strided one splits inside each of their pieces (right to left), the
+    others left to right. None when some ``_StridedShard`` is not of that form."""
+    order: list[int] = []
+    for i in reversed(mesh_dims):
+        kind, sf = kinds[i]
+        if kind == "strided":
+            if sf != math.prod(mesh_shape[j] for j in mesh_dims if j > i):
+                return None
+            order.append(i)  # after every mesh dim to its right
+        else:
+            order.insert(0, i)
+    return order
 
 
 def shard_boxes(global_shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Any]) -> list[Box]:
-    """The box of the global tensor that each rank of a device mesh owns, following DTensor ``Shard`` exactly.
+    """The box of the global tensor that each rank of a device mesh owns, following DTensor's placements.
 
-    One placement per mesh dimension: ``("shard", dim)`` or ``("replicate",)`` (torch's ``Shard(dim)`` and
-    ``Replicate()`` objects are accepted too). Mesh dimensions are applied left to right, as
+    One placement per mesh dimension: ``("shard", dim)``, ``("strided", dim, split_factor)`` or ``("replicate",)``
+    (torch's ``Shard(dim)``, ``_StridedShard(dim, split_factor=...)`` and ``Replicate()`` objects are accepted too).
+    Mesh dimensions are applied left to right, as
     ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset`` does; a dim sharded by several mesh
     dimensions is split again inside the previous split.
 
@@ -182,9 +243,15 @@ def shard_boxes(global_shape: Sequence[int], mesh_shape: Sequence[int], placemen
     ``torch.tensor_split``'s 2, 1, 1, 1). Like torch, an empty shard's offset in the split dim is that dim's global
     size (``Box((5, 0), (0, 3))`` for rank 3 above).
 
-    ``_StridedShard`` (the FSDP2 x TP layout of 2-D meshes, where the shard of one mesh dimension is interleaved
-    with another's) and ``Partial`` are not supported: the planner's boxes are contiguous, so a strided layout
-    would need one box per stride. Such placements raise ``ValueError``.
+    ``_StridedShard`` is the layout FSDP2's ``fully_shard`` gives a parameter that tensor parallelism already sharded
+    on the same dim (placements ``(_StridedShard(0, split_factor=tp), Shard(0))`` on a (dp, tp) mesh): the tensor
+    is split by the mesh dims to the right first (the tensor-parallel chunk), and the data-parallel split is taken
+    inside each of their chunks, so every rank still owns one box. This is what FSDP2 stores (measured with torch
+    2.13, including uneven sizes), and where torch's own ``compute_local_shape_and_global_offset`` disagrees for
+    uneven sizes (7 rows on a (3, 2) mesh) the local shards follow this geometry. A ``_StridedShard`` whose split
+    factor is not the product of the sizes of the mesh dims to its right that shard the same tensor dim is applied
+    with torch's strided semantics (split into ``split_factor`` pieces, each split over the mesh dim, the rank's
+    parts concatenated); when that leaves a rank with non-contiguous indices it is not a box and raises.
 
     Args:
         global_shape: shape of the global tensor.
@@ -195,7 +262,8 @@ def shard_boxes(global_shape: Sequence[int], mesh_shape: Sequence[int], placemen
         One box per rank, ranks enumerated row-major over the mesh (rank = ravel of its mesh coordinate).
 
     Raises:
-        ValueError: mismatched lengths, a mesh dimension below 1, a dim out of range or an unknown placement.
+        ValueError: mismatched lengths, a mesh dimension below 1, a dim out of range, an unknown placement, or a
+            ``_StridedShard`` layout in which some rank's shard is not one box.
     """
     global_shape = tuple(int(g) for g in global_shape)
     mesh_shape = tuple(int(m) for m in mesh_shape)
@@ -205,7 +273,14 @@ def shard_boxes(global_shape: Sequence[int], mesh_shape: Sequence[int], placemen
         raise ValueError(f"mesh_shape {mesh_shape} has a dimension below 1")
     if any(g < 0 for g in global_shape):
         raise ValueError(f"global_shape {global_shape} has a negative dimension")
-    dims = [_shard_dim(p, len(global_shape)) for p in placements]
+    parsed = [_placement(p, len(global_shape)) for p in placements]
+    # per sharded tensor dim: the mesh dims that split it, in order, and whether they nest (None: torch's strided
+    # semantics, left to right)
+    plans: dict[int, tuple[list[int], bool]] = {}
+    for dim in sorted({d for _, d, _ in parsed if d is not None}):
+        mesh_dims = [i for i, (_, d, _) in enumerate(parsed) if d == dim]
+        order = _dim_order(mesh_dims, {i: (parsed[i][0], parsed[i][2]) for i in mesh_dims}, mesh_shape)
+        plans[dim] = (order, True) if order is not None else (mesh_dims, False)
     boxes = []
     for rank in range(math.prod(mesh_shape)):
         coord = []
@@ -216,19 +291,31 @@ def shard_boxes(global_shape: Sequence[int], mesh_shape: Sequence[int], placemen
         coord.reverse()
         start = [0] * len(global_shape)
         size = list(global_shape)
-        for mesh_dim, dim in enumerate(dims):
-            if dim is None:
-                continue
-            k = mesh_shape[mesh_dim]
-            chunk = -(-size[dim] // k)
-            lo = min(size[dim], chunk * coord[mesh_dim])
-            hi = min(size[dim], lo + chunk)
-            if hi > lo:
-                start[dim] += lo
-                size[dim] = hi - lo
-            else:  # torch puts an empty shard at the end of the dim
-                start[dim] = global_shape[dim]
-                size[dim] = 0
+        for dim, (order, nested) in plans.items():
+            runs = [(0, global_shape[dim])] if global_shape[dim] else []
+            for mesh_dim in order:
+                kind, _, split_factor = parsed[mesh_dim]
+                n = sum(b - a for a, b in runs)
+                k, c = mesh_shape[mesh_dim], coord[mesh_dim]
+                new: list[tuple[int, int]] = []
+                if kind == "shard" or nested:
+                    _take(runs, *_chunk(n, k, c), new)
+                else:  # torch's _StridedShard: split_factor pieces, each split over the mesh dim, concatenated
+                    for j in range(split_factor):
+                        lo, hi = _chunk(n, split_factor, j)
+                        a, b = _chunk(hi - lo, k, c)
+                        _take(runs, lo + a, lo + b, new)
+                runs = new
+            if not runs:  # torch puts an empty shard at the end of the dim
+                start[dim], size[dim] = global_shape[dim], 0
+            elif len(runs) == 1:
+                start[dim], size[dim] = runs[0][0], runs[0][1] - runs[0][0]
+            else:
+                shown = ", ".join(f"{a}:{b}" for a, b in runs[:4]) + (", ..." if len(runs) > 4 else "")
+                raise ValueError(
+                    f"placements {tuple(placements)} on mesh {mesh_shape} give the rank at mesh coordinate"
+                    f" {tuple(coord)} the indices [{shown}] of dim {dim} (of {global_shape[dim]}): not one box"
+                )
         boxes.append(Box(tuple(start), tuple(size)))
     return boxes
 

@@ -86,15 +86,18 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 def dtensor_box(t: Any, name: str = "<tensor>") -> tuple[Box, bool]:
     """The box of the global tensor that this rank's shard of DTensor ``t`` covers, and whether this rank writes it.
 
-    The box follows DTensor's own ``Shard``/``Replicate`` geometry (:func:`~lightning_snapshot.planner.shard_boxes`,
-    indexed by this rank's mesh coordinate). Of the ranks holding the same box (replicated mesh dimensions, or
-    copies on sibling sub-meshes of the world mesh) only the one at coordinate 0 on those dimensions writes it;
-    nobody writes an empty shard, except that the rank at coordinate 0 of an empty global tensor writes its
-    (empty) box so the tensor is still recorded.
+    The box follows DTensor's ``Shard``/``_StridedShard``/``Replicate`` geometry
+    (:func:`~lightning_snapshot.planner.shard_boxes`, indexed by this rank's mesh coordinate); the 2-D FSDP2 x tensor
+    parallel layout (``_StridedShard`` on the data-parallel dim) is one box per rank: the data-parallel chunk of the
+    tensor-parallel chunk. Of the ranks holding the same box (replicated mesh dimensions, or copies on sibling
+    sub-meshes of the world mesh) only the one at coordinate 0 on those dimensions writes it; nobody writes an empty
+    shard, except that the rank at coordinate 0 of an empty global tensor writes its (empty) box so the tensor is
+    still recorded.
 
     Raises:
-        CaptureError: a placement the format cannot describe as boxes (``_StridedShard``, ``Partial``), a rank not
-            in the tensor's mesh, or a local shard whose shape is not the one DTensor's geometry gives.
+        CaptureError: a placement the format cannot describe as boxes (``Partial``, or a ``_StridedShard`` that is
+            not FSDP2's and leaves a rank non-contiguous indices), a rank not in the tensor's mesh, or a local shard
+            whose shape is not the one DTensor's geometry gives.
     """
     mesh = t.device_mesh
     placements = tuple(t.placements)
@@ -102,9 +105,10 @@ def dtensor_box(t: Any, name: str = "<tensor>") -> tuple[Box, bool]:
         boxes = shard_boxes(tuple(t.shape), tuple(mesh.shape), placements)
     except ValueError as e:
         raise CaptureError(
-            f"tensor {name!r} is a DTensor with placements {placements}: {e}. Snapshots store shards as boxes of the"
-            " global tensor; a 2-D (data x tensor parallel) FSDP2 layout whose placements include _StridedShard is"
-            " not supported yet: use a 1-D data-parallel mesh or plain Shard/Replicate placements"
+            f"tensor {name!r} is a DTensor with placements {placements} on mesh {tuple(mesh.shape)}: {e}. Snapshots"
+            " store each rank's shard as one box of the global tensor: use Shard/Replicate placements, or FSDP2's"
+            " _StridedShard layout (fully_shard applied after parallelize_module), or redistribute this tensor"
+            " (e.g. to Replicate) before the snapshot"
         ) from None
     coord = mesh.get_coordinate()
     if coord is None:

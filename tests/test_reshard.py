@@ -267,6 +267,78 @@ def test_tensor_parallel_to_fsdp(tmp_path):
     print("TP(2) -> FSDP(2) bytes read / needed per rank:", assert_reads_only_its_shards(proc, 2))
 
 
+def _assert_full_tensors_equal(snapshots: Path, step: int, reference: Path) -> int:
+    """load_snapshot in this process (full tensors) equals, bitwise, the consolidated state of the saving run."""
+    ref = torch.load(reference, weights_only=True)
+    state = load_snapshot(str(snapshots), step)
+    assert state["global_step"] == step
+    got = {**{f"model/{k}": v for k, v in state["state_dict"].items()},
+           **{f"optimizer/{name}/{k}": v for name, st in state["optimizer_states"][0]["state"].items()
+              for k, v in st.items()}}
+    want = {**{f"model/{k}": v for k, v in ref["model"].items()},
+            **{f"optimizer/{k}": v for k, v in ref["optimizer"].items()}}
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert v.dtype == got[k].dtype and v.shape == got[k].shape, k
+        assert torch.equal(v.view(torch.uint8) if v.dim() else v, got[k].view(torch.uint8) if v.dim() else got[k]), k
+    assert state["optimizer_states"][0]["param_groups"][0]["lr"] == ref["lr"].item()
+    return len(want)
+
+
+@pytest.mark.slow
+def test_fsdp2_x_tensor_parallel_2d_mesh_saves_boxes_and_loads_into_1d(tmp_path):
+    """ModelParallel(data_parallel_size=2, tensor_parallel_size=2) on 4 processes: FSDP2 fully_shard over TP, whose
+    column-wise parameters have placements (_StridedShard(0, sf=2), Shard(0)). Each rank saves its own box (the
+    data-parallel chunk of its tensor-parallel chunk), unevenly for the 5-row output layer; the snapshot loads in
+    one process as full tensors and into ModelParallel(2) (1-D FSDP2), bitwise equal to the consolidated state."""
+    save = tmp_path / "2d"
+    (save / "dumps").mkdir(parents=True)
+    run("--dir", str(save / "snaps"), "--out", str(save / "out.pt"), "--strategy", "mp", "--devices", "4",
+        "--tp", "2", "--max-steps", "9", "--dump-steps", "9", "--dump-dir", str(save / "dumps"))
+    manifest = read_manifest(LocalTier(save / "snaps"), 9)
+    assert manifest.world_size == 4
+    by_name = {t.name: t for t in manifest.tensors}
+
+    def boxes(name: str) -> list:
+        return sorted((f.global_offsets, f.local_shape) for f in by_name[name].fragments)
+
+    # column-wise, 5 rows: tp chunks 0:3 | 3:5, dp chunks inside: 0:2, 2:3 | 3:4, 4:5 (one per rank, none gathered)
+    for name in ("state_dict/net.5.weight", "optimizer_states/0/state/net.5.weight/exp_avg_sq"):
+        assert boxes(name) == [((0, 0), (2, 256)), ((2, 0), (1, 256)), ((3, 0), (1, 256)), ((4, 0), (1, 256))]
+    assert boxes("state_dict/net.0.weight") == [((r, 0), (64, 32)) for r in (0, 64, 128, 192)]
+    # row-wise: (Shard(0), Shard(1)); its bias (Shard(0), Replicate()) is written once per data-parallel shard
+    assert boxes("state_dict/net.3.weight") == [((r, c), (128, 128)) for r in (0, 128) for c in (0, 128)]
+    assert boxes("state_dict/net.3.bias") == [((0,), (128,)), ((128,), (128,))]
+
+    # (a) one process, full tensors
+    assert _assert_full_tensors_equal(save / "snaps", 9, save / "dumps" / "step-9.pt") == 6 + 6 * 3
+    # (b) into ModelParallel(2), a 1-D FSDP2 mesh, through the callback
+    proc = run("--dir", str(tmp_path / "snaps"), "--out", str(tmp_path / "out.pt"), "--strategy", "mp",
+               "--devices", "2", "--max-steps", "10", "--resume", str(save / "snaps" / step_dirname(9)),
+               "--dump-at-start", str(tmp_path / "start.pt"))
+    assert proc.stdout.count("RESTORED step=9") == 2, proc.stdout
+    assert "was taken with 4 process(es), this run has 2" in proc.stderr
+    assert assert_state_equal(save / "dumps" / "step-9.pt", tmp_path / "start.pt") == 6 + 6 * 3
+    print("FSDP2xTP(2x2) -> FSDP2(2) bytes read / needed per rank:", assert_reads_only_its_shards(proc, 2))
+
+
+@pytest.mark.slow
+def test_fsdp2_to_fsdp2_x_tensor_parallel_2d_mesh(tmp_path):
+    """A 1-D ModelParallel(2) snapshot loads into a 2-D (dp=2, tp=2) FSDP2 x TP run: every rank's target box comes
+    from the same _StridedShard geometry, bitwise equal to the consolidated state, each rank reading at most 1.05x
+    the bytes it needs (512-byte checksum chunks: a row-wise target takes half of each saved row, 512 bytes)."""
+    save = tmp_path / "1d"
+    (save / "dumps").mkdir(parents=True)
+    run("--dir", str(save / "snaps"), "--out", str(save / "out.pt"), "--strategy", "mp", "--devices", "2",
+        "--max-steps", "9", "--dump-steps", "9", "--dump-dir", str(save / "dumps"), "--chunk-bytes", "512")
+    proc = run("--dir", str(tmp_path / "snaps"), "--out", str(tmp_path / "out.pt"), "--strategy", "mp",
+               "--devices", "4", "--tp", "2", "--max-steps", "10", "--resume", str(save / "snaps" / step_dirname(9)),
+               "--dump-at-start", str(tmp_path / "start.pt"))
+    assert proc.stdout.count("RESTORED step=9") == 4, proc.stdout
+    assert assert_state_equal(save / "dumps" / "step-9.pt", tmp_path / "start.pt") == 6 + 6 * 3
+    print("FSDP2(2) -> FSDP2xTP(2x2) bytes read / needed per rank:", assert_reads_only_its_shards(proc, 4))
+
+
 @pytest.mark.slow
 def test_model_parallel_to_one_process_through_the_callback(tmp_path, mp_run):
     proc = run("--dir", str(tmp_path / "snaps"), "--out", str(tmp_path / "out.pt"), "--strategy", "single",
@@ -453,10 +525,22 @@ def test_dtensor_box_writers_and_refused_placements():
                for a in range(2) for b in range(2))
     # an empty shard writes nothing (5 rows over 4 ranks: 2, 2, 1, 0)
     assert dtensor_box(_fake_dtensor((5, 2), (4,), (3,), (Shard(0),))) == (Box((5, 0), (0, 2)), False)
+    # 2-D FSDP2 x TP (dp=2, tp=2), 5 rows: every rank writes its own box (tp chunk 0:3 | 3:5, dp chunk inside)
+    fsdp_tp = (_StridedShard(0, split_factor=2), Shard(0))
+    got = {(a, b): dtensor_box(_fake_dtensor((5, 4), (2, 2), (a, b), fsdp_tp)) for a in range(2) for b in range(2)}
+    assert got == {(0, 0): (Box((0, 0), (2, 4)), True), (0, 1): (Box((3, 0), (1, 4)), True),
+                   (1, 0): (Box((2, 0), (1, 4)), True), (1, 1): (Box((4, 0), (1, 4)), True)}
+    # a local shard of another shape than the geometry gives is refused
+    wrong = SimpleNamespace(device_mesh=_FakeMesh((2, 2), (1, 1)), placements=fsdp_tp, shape=torch.Size((5, 4)),
+                            to_local=lambda: torch.zeros(2, 4))
+    with pytest.raises(CaptureError, match=r"local shard has shape \(2, 4\).*gives \(1, 4\)"):
+        dtensor_box(wrong, "net.5.weight")
+    # torch's strided semantics on a 1-D mesh: rank 0 holds rows 0, 1, 3, 4 of 6: not a box, refused by name
     strided = SimpleNamespace(device_mesh=_FakeMesh((2,), (0,)), placements=(_StridedShard(0, split_factor=2),),
-                              shape=torch.Size((6, 4)), to_local=lambda: torch.zeros(3, 4))
-    with pytest.raises(CaptureError, match="_StridedShard"):
-        dtensor_box(strided)
+                              shape=torch.Size((6, 4)), to_local=lambda: torch.zeros(4, 4))
+    with pytest.raises(CaptureError, match=r"tensor 'w' is a DTensor with placements \(_StridedShard\(dim=0, sf=2\),\)"
+                                           r".*not one box.*redistribute"):
+        dtensor_box(strided, "w")
 
 
 def test_write_snapshot_records_the_arena_chunk_size(tmp_path):

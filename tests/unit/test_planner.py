@@ -298,14 +298,132 @@ def test_shard_boxes_rejects_bad_input():
         shard_boxes((4,), (0,), [S0])
     with pytest.raises(ValueError, match="unknown placement"):
         shard_boxes((4,), (2,), [("partial",)])
+    with pytest.raises(ValueError, match="unknown placement"):
+        shard_boxes((4,), (2,), [("strided", 0, 0)])
     if _compute_local_shape_and_global_offset is not None:
         from torch.distributed.tensor import Partial
         from torch.distributed.tensor.placement_types import _StridedShard
 
-        with pytest.raises(ValueError, match="_StridedShard"):
-            shard_boxes((8,), (2, 2), [_StridedShard(0, split_factor=2), Shard(0)])
+        # torch's strided semantics on a 1-D mesh: rank 0 gets rows 0, 1, 4, 5 of 8: not one box
+        with pytest.raises(ValueError, match=r"indices \[0:2, 4:6\] of dim 0 \(of 8\): not one box"):
+            shard_boxes((8,), (2,), [_StridedShard(0, split_factor=2)])
         with pytest.raises(ValueError, match="not supported"):
             shard_boxes((8,), (2,), [Partial()])
+
+
+# ---------------------------------------------------------------------------------- 2-D FSDP2 x tensor parallel
+
+SS2 = ("strided", 0, 2)  # _StridedShard(0, split_factor=2): FSDP2's data-parallel placement over a tp=2 Shard(0)
+
+
+def test_strided_shard_fsdp2_x_tp_boxes_by_hand():
+    """(dp=2, tp=2) mesh, placements (_StridedShard(0, sf=2), Shard(0)): the tensor-parallel chunk first, the
+    data-parallel chunk inside it (torch.chunk both times); ranks row-major (dp, tp)."""
+    # 8 rows: tp chunks 0:4, 4:8; dp inside: 0:2, 2:4 | 4:6, 6:8
+    assert shard_boxes((8, 3), (2, 2), [SS2, S0]) == [
+        Box((0, 0), (2, 3)), Box((4, 0), (2, 3)), Box((2, 0), (2, 3)), Box((6, 0), (2, 3))]
+    # 5 rows: tp chunks 0:3, 3:5; dp inside: 0:2, 2:3 | 3:4, 4:5
+    assert shard_boxes((5,), (2, 2), [SS2, S0]) == [Box((0,), (2,)), Box((3,), (1,)), Box((2,), (1,)),
+                                                    Box((4,), (1,))]
+    # 7 rows: tp chunks 0:4, 4:7; dp inside: 0:2, 2:4 | 4:6, 6:7
+    assert shard_boxes((7, 2), (2, 2), [SS2, S0]) == [
+        Box((0, 0), (2, 2)), Box((4, 0), (2, 2)), Box((2, 0), (2, 2)), Box((6, 0), (1, 2))]
+    # 3 rows: tp chunks 0:2, 2:3; dp inside: 0:1, 1:2 | 2:3, empty (at the end of the dim, like torch)
+    assert shard_boxes((3,), (2, 2), [SS2, S0]) == [Box((0,), (1,)), Box((2,), (1,)), Box((1,), (1,)),
+                                                    Box((3,), (0,))]
+    # row-wise TP (Shard(1) on tp) under FSDP2 is plain (Shard(0), Shard(1)); a strided dim next to a sharded one
+    assert shard_boxes((5, 4), (2, 2), [("strided", 1, 2), S1]) == [
+        Box((0, 0), (5, 1)), Box((0, 2), (5, 1)), Box((0, 1), (5, 1)), Box((0, 3), (5, 1))]
+    # 3-D mesh (HSDP x TP): replicate, strided shard, shard
+    boxes = shard_boxes((7,), (2, 2, 2), [R, SS2, S0])
+    assert boxes[:4] == boxes[4:] == [Box((0,), (2,)), Box((4,), (2,)), Box((2,), (2,)), Box((6,), (1,))]
+
+
+def _fsdp2_local(t: torch.Tensor, dp: int, tp: int, d: int, c: int) -> torch.Tensor:
+    """What FSDP2 stores on mesh coordinate (d, c) of a (dp, tp) mesh for a column-wise (Shard(0)) TP parameter:
+    DTensor's Shard(0) split over tp (parallelize_module), then FSDP2's own chunking of that over dp (fully_shard)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
+
+    tp_local = Shard(0)._split_tensor(t, tp, with_padding=False)[0][c]
+    return _chunk_with_empty(tp_local, dp, dim=0)[d]
+
+
+@pytest.mark.skipif(_compute_local_shape_and_global_offset is None, reason="torch without DTensor utils")
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 5, 7, 8, 13, 27])
+@pytest.mark.parametrize("dp,tp", [(2, 2), (2, 3), (3, 2), (4, 2), (3, 4), (1, 2)])
+def test_strided_shard_boxes_are_what_fsdp2_stores(n, dp, tp):
+    """Each rank's box holds exactly the rows FSDP2 x TP puts on it (torch's own splitting code, no process group),
+    with torch's _StridedShard object; the boxes tile the tensor."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    t = torch.arange(n * 3).reshape(n, 3)
+    boxes = shard_boxes((n, 3), (dp, tp), [_StridedShard(0, split_factor=tp), Shard(0)])
+    assert boxes == shard_boxes((n, 3), (dp, tp), [("strided", 0, tp), S0])
+    covered = torch.zeros(n, 3, dtype=torch.int64)
+    for rank, box in enumerate(boxes):
+        d, c = divmod(rank, tp)
+        stored = _fsdp2_local(t, dp, tp, d, c)
+        if stored.numel() == 0:  # FSDP2's empty chunk is a 1-d tensor([]); its local shard is (0, 3)
+            assert box.numel == 0 and box.offsets[0] == n, (rank, box)
+        else:
+            assert torch.equal(t[box.slices()], stored), (rank, box)
+        covered[box.slices()] += 1
+    assert bool((covered == 1).all())
+
+
+@pytest.mark.skipif(_compute_local_shape_and_global_offset is None, reason="torch without DTensor utils")
+@pytest.mark.parametrize("n", range(0, 20))
+def test_strided_shard_2x2_matches_torch_compute_local_shape_and_global_offset(n):
+    """On a 2x2 mesh torch's own geometry for (_StridedShard(0, sf=2), Shard(0)) gives the same boxes. (On larger
+    meshes with uneven sizes, e.g. 7 rows on (3, 2), torch's compute_local_shape_and_global_offset disagrees with
+    the rows FSDP2 actually stores, measured with torch 2.13; the boxes follow the stored rows.)"""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    placements = [_StridedShard(0, split_factor=2), Shard(0)]
+    for rank, box in enumerate(shard_boxes((n, 4), (2, 2), placements)):
+        local, offset = _compute_local_shape_and_global_offset((n, 4), (2, 2), list(divmod(rank, 2)), placements)
+        assert box.shape == tuple(local), rank
+        if box.numel:
+            assert box.offsets == tuple(offset), rank
+
+
+def _torch_split_indices(n: int, mesh: tuple[int, ...], coord: tuple[int, ...], placements) -> list[int]:
+    """The global indices (of a 1-d tensor of n) that distribute_tensor's splitting puts on ``coord``, applying
+    torch's own Shard/_StridedShard._split_tensor left to right."""
+    local = torch.arange(n)
+    for m, c, p in zip(mesh, coord, placements):
+        if type(p).__name__ != "Replicate":
+            local = p._split_tensor(local, m, with_padding=False)[0][c]
+    return local.tolist()
+
+
+@pytest.mark.skipif(_compute_local_shape_and_global_offset is None, reason="torch without DTensor utils")
+@HYP
+@given(n=st.integers(0, 17), mesh=st.lists(st.integers(1, 3), min_size=1, max_size=3).map(tuple), data=st.data())
+def test_other_strided_shards_follow_torch_or_are_refused(n, mesh, data):
+    """A _StridedShard that is not FSDP2's (split factor not the product of the later mesh dims sharding the dim)
+    follows torch's strided semantics: the box of every rank holds exactly what torch's splitting gives it, or,
+    when some rank's indices are not contiguous, shard_boxes refuses the layout."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    placements = [data.draw(st.sampled_from([Replicate(), Shard(0), _StridedShard(0, split_factor=data.draw(
+        st.integers(1, 4)))])) for _ in mesh]
+    fsdp2_like = all(p.split_factor == math.prod(mesh[j] for j in range(i + 1, len(mesh))
+                                                 if type(placements[j]).__name__ != "Replicate")
+                     for i, p in enumerate(placements) if type(p).__name__ == "_StridedShard")
+    coords = list(np.ndindex(*mesh))
+    expected = [_torch_split_indices(n, mesh, c, placements) for c in coords]
+    contiguous = all(idx == list(range(idx[0], idx[0] + len(idx))) for idx in expected if idx)
+    if fsdp2_like:  # covered against FSDP2's own chunking above
+        return
+    if not contiguous:
+        with pytest.raises(ValueError, match="not one box"):
+            shard_boxes((n,), mesh, placements)
+        return
+    for c, box, idx in zip(coords, shard_boxes((n,), mesh, placements), expected):
+        assert box.shape == (len(idx),), c
+        if idx:
+            assert box.offsets == (idx[0],), c
 
 
 # ---------------------------------------------------------------------------------------------------- end to end
@@ -330,6 +448,10 @@ CASES = {
     "3d-2x2->3": ((5, 6, 7), (2, 2), [S1, S2], (3,), [S0]),
     "3d-3->2x2": ((5, 6, 7), (3,), [S2], (2, 2), [S0, S1]),
     "same-dim-2x2->3": ((11, 3), (2, 2), [S0, S0], (3,), [S0]),
+    "fsdp2xtp-2x2->4": ((7, 6), (2, 2), [SS2, S0], (4,), [S0]),  # 2-D FSDP2 x TP, uneven rows
+    "4->fsdp2xtp-2x2": ((5, 6), (4,), [S0], (2, 2), [SS2, S0]),
+    "fsdp2xtp-2x2->1": ((5, 3), (2, 2), [SS2, S0], (1,), [R]),
+    "fsdp2xtp-2x2->row-wise-2x2": ((7, 6), (2, 2), [SS2, S0], (2, 2), [S0, S1]),
     "empty-tensor": ((0, 4), (2,), [S0], (3,), [S0]),
     "scalar": ((), (2,), [R], (3,), [R]),
 }
