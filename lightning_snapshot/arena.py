@@ -1,9 +1,10 @@
 """The host staging arena and the asynchronous copy into it.
 
 The arena is a few *slots*, each one page-aligned host buffer allocated once and reused across snapshots: shared
-memory (a ``/dev/shm`` file, readable by the owning user only) for CPU tensors, pinned memory for CUDA tensors. Each
-tensor of a snapshot gets a 64-byte aligned place in a slot, so the slot is, byte for byte, the data object the writer
-puts on disk (``O_DIRECT`` straight from it, since the slot starts on a page).
+memory for CPU tensors (an anonymous ``memfd_create`` file, which never has a name, so a killed trainer leaves
+nothing behind; where that is missing, a ``/dev/shm`` file readable by the owning user only, unlinked at once),
+pinned memory for CUDA tensors. Each tensor of a snapshot gets a 64-byte aligned place in a slot, so the slot is,
+byte for byte, the data object the writer puts on disk (``O_DIRECT`` straight from it, since the slot starts on a page).
 
 Copy contract (see DESIGN.md §1.2): at ``on_train_batch_end`` the training thread copies what the next forward
 changes (buffers, anything that is not a parameter or optimizer state) synchronously, and hands parameters and
@@ -50,6 +51,7 @@ _FUSE_BLOCK = 1 << 20
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 _counter = itertools.count()
 _libc: Any = None
+_memfd: bool | None = None
 
 
 def _copy_digests(dst: memoryview, dst_addr: int, src_addr: int, chunk_bytes: int) -> list[str]:
@@ -73,6 +75,23 @@ def _copy_digests(dst: memoryview, dst_addr: int, src_addr: int, chunk_bytes: in
             h.update(dst[x:y])
         sums.append(h.hexdigest())
     return sums
+
+
+def _memfd_ok() -> bool:
+    """Whether anonymous memory files (``memfd_create``, Linux >= 3.17) can back the arena here."""
+    global _memfd
+    if _memfd is None:
+        _memfd = False
+        if hasattr(os, "memfd_create") and os.environ.get("LIGHTNING_SNAPSHOT_ARENA_MEMFD", "1") != "0":
+            try:
+                fd = os.memfd_create("lightning-snapshot-probe", os.MFD_CLOEXEC)
+            except OSError:
+                return False
+            try:
+                _memfd = os.path.exists(f"/proc/self/fd/{fd}")
+            finally:
+                os.close(fd)
+    return _memfd
 
 
 def _populate(buf: torch.Tensor) -> None:
@@ -226,7 +245,8 @@ class HostArena:
             while it is still being persisted are skipped. None: no limit (two slots).
         slots: how many buffers to keep at most (2: stage snapshot N+1 while N is persisted).
         chunk_bytes: checksum chunk size.
-        shm_dir: where the shared-memory files go (``/dev/shm``); anonymous memory when it does not exist.
+        shm_dir: where the shared-memory files go where ``memfd_create`` is missing (``/dev/shm``); anonymous
+            memory when that does not exist either.
 
     Slots are allocated and pre-faulted by a background thread when :meth:`reserve` (or :meth:`plan_ahead`) asks
     for one ahead of time; a snapshot that finds no free slot waits for one being allocated that way, and only
@@ -271,30 +291,44 @@ class HostArena:
         if pin:
             buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
             path = None
+        elif _memfd_ok():
+            # a memory file that never has a name: nothing is left behind, whenever the trainer is killed (the
+            # descriptor goes to the snapshot agent, which maps the same pages)
+            fd = os.memfd_create(f"lightning-snapshot-arena-{next(_counter)}", os.MFD_CLOEXEC)
+            buf = self._map_fd(fd, f"/proc/self/fd/{fd}", nbytes)
+            return ArenaSlot(buf, None, fd=fd)
         elif os.path.isdir(self.shm_dir):
             path = os.path.join(self.shm_dir, f"lightning-snapshot-{os.getpid()}-{next(_counter)}")
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
-                try:  # the pages now, in the kernel: a full /dev/shm fails here, not with SIGBUS on first touch
-                    os.posix_fallocate(fd, 0, nbytes)
-                except OSError as e:
-                    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                        raise
-                    os.ftruncate(fd, nbytes)
-                buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-            except BaseException:
-                os.close(fd)
-                raise
+                buf = self._map_fd(fd, path, nbytes)
             finally:
                 # the mapping stays; the name goes at once, so a killed trainer leaves no shared memory behind (the
                 # descriptor stays open for the snapshot agent)
                 os.unlink(path)
-            _populate(buf)  # map every page now, not on the hot path
             return ArenaSlot(buf, None, fd=fd)
         else:
             buf, path = torch.empty(nbytes, dtype=torch.uint8), None
             _populate(buf)
         return ArenaSlot(buf, path)
+
+    @staticmethod
+    def _map_fd(fd: int, path: str, nbytes: int) -> torch.Tensor:
+        """Size the shared-memory file ``fd`` (at ``path``) to ``nbytes``, map it and fault its pages in; closes
+        ``fd`` when that fails."""
+        try:
+            try:  # the pages now, in the kernel: a full /dev/shm fails here, not with SIGBUS on first touch
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    raise
+                os.ftruncate(fd, nbytes)
+            buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        except BaseException:
+            os.close(fd)
+            raise
+        _populate(buf)  # map every page now, not on the hot path
+        return buf
 
     def _free(self, slot: ArenaSlot) -> None:
         if slot.fd >= 0:
