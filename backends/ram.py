@@ -145,6 +145,7 @@ class RamTier(Backend):
         self._store: _Store | None = None
         self._pending: dict[str, dict[str, Any]] = {}
         self._readings: dict[str, dict[str, Any]] = {}  # key -> where its data shares are (see prepare_restore)
+        self._paths: dict[str, Path] = {}  # key -> its file, checked once (see read_into)
 
     # ------------------------------------------------------------------------------------------- set-up
     def bind(self, *, node_rank: int, num_nodes: int, local_rank: int, ranks_per_node: int,
@@ -190,6 +191,7 @@ class RamTier(Backend):
 
     # ------------------------------------------------------------------------------------------- bytes
     def write(self, key: str, buffers: Iterable[bytes | bytearray | memoryview]) -> int:
+        self._paths.pop(key, None)
         if self.erasure is None or not key.endswith(".bin"):
             return self.store.write(key, buffers)
         views = [memoryview(b).cast("B") for b in buffers]
@@ -248,14 +250,26 @@ class RamTier(Backend):
         its data shares (one ``preadv`` per share and call: the stripes of a share are contiguous in its file)."""
         reading = self._readings.get(key)
         if reading is None:
+            # the path is checked once (no symlink out of the tier: ``_path`` resolves every component, some 40 us
+            # a call) and remembered until the next write, delete or restore of this tier
+            path = self._paths.get(key) or self.store._path(key)
             try:
-                self.store.read_into(key, offset, out)
-                return
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             except FileNotFoundError:
                 reading = self._reading(key)
                 if reading is None:
                     self._need_whole(key)
                     raise
+            else:
+                self._paths[key] = path
+                try:
+                    view = memoryview(out).cast("B")
+                    _preadv_all(fd, [view], offset, key)
+                finally:
+                    os.close(fd)
+                with self.store._count_lock:
+                    self.store.bytes_read += view.nbytes
+                return
         self._read_striped(key, reading, offset, out)
 
     def _reading(self, key: str) -> dict[str, Any] | None:
@@ -273,6 +287,7 @@ class RamTier(Backend):
         if not ok or not isinstance(reading.get("files"), list) or len(reading["files"]) != reading["k"] or \
                 not all(isinstance(f, str) and _SHARE_FILE.match(f) for f in reading["files"]):
             raise SnapshotError(f"{key}{_EC}/{_READING} in the RAM tier {self.url} is malformed; restore again")
+        reading["dir"] = self.store._path(key + _EC)
         self._readings[key] = reading
         return reading
 
@@ -294,11 +309,10 @@ class RamTier(Backend):
                 start[i] = s * b + w
             pieces[i].append(view[pos: pos + size])
             pos += size
-        ec_dir = self.store._path(key + _EC)
         for i in range(k):
             if not pieces[i]:
                 continue
-            fd = os.open(ec_dir / reading["files"][i], os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(reading["dir"] / reading["files"][i], os.O_RDONLY | os.O_CLOEXEC)
             try:
                 _preadv_all(fd, pieces[i], start[i], key)
             finally:
@@ -322,6 +336,7 @@ class RamTier(Backend):
         return sorted(names)
 
     def delete(self, key: str) -> None:
+        self._paths.clear()
         self.store.delete(key)
         if key:
             self.store.delete(key + _EC)
@@ -451,6 +466,7 @@ class RamTier(Backend):
         prefix = step_dirname(step)
         world = getattr(comm, "world_size", 1)
         self._readings.clear()
+        self._paths.clear()
         inv = self._inventory(prefix)
         for bad in inv["bad"]:
             log.warning("lightning-snapshot: RAM tier %s, node %d: %s", self.url, self.node_rank, bad)
@@ -601,6 +617,7 @@ class RamTier(Backend):
         from lightning_snapshot.manifest import step_dirname
 
         self._readings.clear()
+        self._paths.clear()
         if self.erasure is None or not self.node_leader:
             return
         prefix = step_dirname(step)
@@ -695,13 +712,14 @@ def _file_digest(path: Path, size: int) -> str | None:
 
 def _preadv_all(fd: int, bufs: list[memoryview], pos: int, key: str) -> None:
     """Fill ``bufs`` from ``fd`` at ``pos`` (the GIL is released while the kernel copies)."""
+    bufs = [v for v in bufs if v.nbytes]
     i = 0
     while i < len(bufs):
         batch = bufs[i: i + _IOV]
         want = sum(v.nbytes for v in batch)
         got = os.preadv(fd, batch, pos)
         if got == 0:
-            raise EOFError(f"a data share of {key!r} ends before byte {pos}")
+            raise EOFError(f"{key!r}: a file of the RAM tier ends before byte {pos}")
         pos += got
         if got < want:  # a short read: go on from the first buffer not filled
             for v in batch:
