@@ -11,15 +11,18 @@ Commit rule: the manifest is committed on every node only after every rank's sha
 agreement of :func:`~lightning_snapshot.writer.write_snapshot`), so a committed step has all ``k + m`` shares of
 every object; it is restorable while at least ``k`` good shares of each are held anywhere.
 
-Restore (:meth:`RamTier.prepare_restore`, collective): the nodes exchange what they hold, every node rebuilds each
-object from ``k`` verified shares (its own first, the missing ones sent by the nodes holding them over
-torch.distributed, gloo) into a whole object the loader then reads; :meth:`RamTier.finish_restore` frees the rebuilt
-copies. Cross-node traffic runs on a gloo group of the trainers made for this tier, never on the trainer's main group
+Restore (:meth:`RamTier.prepare_restore`, collective): the nodes exchange what they hold, and every node makes
+each object readable from ``k`` verified shares (its own first, the missing ones sent by the nodes holding them over
+torch.distributed, gloo). The data shares hold the object's own bytes, so nothing is copied when the ``k`` data
+shares are at hand: the loader reads the object's bytes straight out of them (``<object>.ec/reading.json`` says
+which files hold them); a lost data share is rebuilt from parity into a share-sized file first.
+:meth:`RamTier.finish_restore` frees what the restore added. Cross-node traffic runs on a gloo group of the trainers made for this tier, never on the trainer's main group
 from a background thread.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import datetime as _dt
 import hashlib
 import json
@@ -31,6 +34,8 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+import xxhash
 
 from lightning_snapshot.backends import erasure as _ec
 from lightning_snapshot.backends.base import Backend
@@ -45,7 +50,11 @@ log = logging.getLogger(__name__)
 SHM_ENV = "LIGHTNING_SNAPSHOT_SHM_DIR"
 _EC = ".ec"
 _LAYOUT = "layout.json"
+_READING = "reading.json"
+#: iovecs per ``preadv`` call (Linux's IOV_MAX is 1024)
+_IOV = 512
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_SHARE_FILE = re.compile(r"^(\d+|\.\d+\.(restore|rebuilt))$")
 
 
 def default_shm_base() -> str:
@@ -135,6 +144,8 @@ class RamTier(Backend):
         self.node_rank, self.num_nodes, self.local_rank, self.ranks_per_node = 0, 1, 0, 1
         self._store: _Store | None = None
         self._pending: dict[str, dict[str, Any]] = {}
+        self._readings: dict[str, dict[str, Any]] = {}  # key -> where its data shares are (see prepare_restore)
+        self._paths: dict[str, Path] = {}  # key -> its file, checked once (see read_into)
 
     # ------------------------------------------------------------------------------------------- set-up
     def bind(self, *, node_rank: int, num_nodes: int, local_rank: int, ranks_per_node: int,
@@ -180,6 +191,7 @@ class RamTier(Backend):
 
     # ------------------------------------------------------------------------------------------- bytes
     def write(self, key: str, buffers: Iterable[bytes | bytearray | memoryview]) -> int:
+        self._paths.pop(key, None)
         if self.erasure is None or not key.endswith(".bin"):
             return self.store.write(key, buffers)
         views = [memoryview(b).cast("B") for b in buffers]
@@ -194,7 +206,7 @@ class RamTier(Backend):
                 maps.append(_map_new(ec_dir / str(i), lay.share_nbytes))
             _ec.encode(data, lay, [memoryview(mm) if mm is not None else memoryview(bytearray(0)) for mm in maps],
                        threads=self.threads)
-            sums = [digest(memoryview(mm) if mm is not None else memoryview(b"")) for mm in maps]
+            sums = _digests([_view(mm) for mm in maps], self.threads)
         except OSError as e:
             raise SnapshotWriteError(e.errno, f"erasure-coding {key!r} into {ec_dir} failed: {e}") from e
         finally:
@@ -216,22 +228,97 @@ class RamTier(Backend):
         try:
             return self.store.read(key)
         except FileNotFoundError:
-            self._need_whole(key)
-            raise
+            reading = self._reading(key)
+            if reading is None:
+                self._need_whole(key)
+                raise
+        out = bytearray(reading["nbytes"])
+        self._read_striped(key, reading, 0, memoryview(out))
+        return bytes(out)
 
     def read_view(self, key: str) -> memoryview:
         try:
             return self.store.read_view(key)
         except FileNotFoundError:
-            self._need_whole(key)
-            raise
+            if self._reading(key) is None:
+                self._need_whole(key)
+                raise
+        return memoryview(self.read(key))
 
     def read_into(self, key: str, offset: int, out: memoryview) -> None:
+        """Thread-safe. An erasure-coded object that :meth:`prepare_restore` made readable is read straight from
+        its data shares (one ``preadv`` per share and call: the stripes of a share are contiguous in its file)."""
+        reading = self._readings.get(key)
+        if reading is None:
+            # the path is checked once (no symlink out of the tier: ``_path`` resolves every component, some 40 us
+            # a call) and remembered until the next write, delete or restore of this tier
+            path = self._paths.get(key) or self.store._path(key)
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                reading = self._reading(key)
+                if reading is None:
+                    self._need_whole(key)
+                    raise
+            else:
+                self._paths[key] = path
+                try:
+                    view = memoryview(out).cast("B")
+                    _preadv_all(fd, [view], offset, key)
+                finally:
+                    os.close(fd)
+                with self.store._count_lock:
+                    self.store.bytes_read += view.nbytes
+                return
+        self._read_striped(key, reading, offset, out)
+
+    def _reading(self, key: str) -> dict[str, Any] | None:
+        """Where the data shares of the erasure-coded ``key`` are, as :meth:`prepare_restore` wrote it (or None)."""
+        reading = self._readings.get(key)
+        if reading is not None:
+            return reading
         try:
-            self.store.read_into(key, offset, out)
-        except FileNotFoundError:
-            self._need_whole(key)
-            raise
+            raw = self.store.read(f"{key}{_EC}/{_READING}")
+            reading = json.loads(raw)
+        except (OSError, ValueError):
+            return None
+        ok = isinstance(reading, dict) and all(isinstance(reading.get(f), int) and reading[f] > 0
+                                               for f in ("k", "block")) and isinstance(reading.get("nbytes"), int)
+        if not ok or not isinstance(reading.get("files"), list) or len(reading["files"]) != reading["k"] or \
+                not all(isinstance(f, str) and _SHARE_FILE.match(f) for f in reading["files"]):
+            raise SnapshotError(f"{key}{_EC}/{_READING} in the RAM tier {self.url} is malformed; restore again")
+        reading["dir"] = self.store._path(key + _EC)
+        self._readings[key] = reading
+        return reading
+
+    def _read_striped(self, key: str, reading: dict[str, Any], offset: int, out: memoryview) -> None:
+        view = memoryview(out).cast("B")
+        n, k, b = view.nbytes, reading["k"], reading["block"]
+        if offset < 0 or offset + n > reading["nbytes"]:
+            raise EOFError(f"{key!r} has {reading['nbytes']} bytes: [{offset}, {offset + n}) is out of range")
+        # byte x of the object is byte (x // (k*b)) * b + x % b of data share (x % (k*b)) // b: the pieces of one
+        # share in [offset, offset + n) are back to back in its file
+        pieces: list[list[memoryview]] = [[] for _ in range(k)]
+        start = [0] * k
+        pos = 0
+        while pos < n:
+            s, r = divmod(offset + pos, k * b)
+            i, w = divmod(r, b)
+            size = min(b - w, n - pos)
+            if not pieces[i]:
+                start[i] = s * b + w
+            pieces[i].append(view[pos: pos + size])
+            pos += size
+        for i in range(k):
+            if not pieces[i]:
+                continue
+            fd = os.open(reading["dir"] / reading["files"][i], os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                _preadv_all(fd, pieces[i], start[i], key)
+            finally:
+                os.close(fd)
+        with self.store._count_lock:
+            self.store.bytes_read += n
 
     @property
     def bytes_read(self) -> int:
@@ -249,6 +336,7 @@ class RamTier(Backend):
         return sorted(names)
 
     def delete(self, key: str) -> None:
+        self._paths.clear()
         self.store.delete(key)
         if key:
             self.store.delete(key + _EC)
@@ -333,6 +421,7 @@ class RamTier(Backend):
             inv["manifest"] = self.store.read(f"{prefix}/{MANIFEST_NAME}").decode()
         except (OSError, UnicodeDecodeError):
             pass
+        checks: list[tuple[str, int, str, dict[str, Any]]] = []  # (key, share index, share key, layout)
         for name in self.store.list(prefix):
             if name.endswith(_EC):
                 key = f"{prefix}/{name[: -len(_EC)]}"
@@ -341,21 +430,29 @@ class RamTier(Backend):
                 except (OSError, SnapshotError) as e:
                     inv["bad"].append(f"{key}: {e}")
                     continue
-                good = []
+                inv["shares"][key] = {"layout": layout, "good": []}
                 for entry in self.store.list(f"{prefix}/{name}"):
-                    if not entry.isdigit() or int(entry) >= len(layout["checksums"]):
-                        continue
-                    i = int(entry)
-                    view = self.store.read_view(f"{prefix}/{name}/{entry}")
-                    ok = view.nbytes == layout["stripes"] * layout["block"] and \
-                        digest(view) == layout["checksums"][i]
-                    if ok:
-                        good.append(i)
-                    else:
-                        inv["bad"].append(f"{key} share {i} (checksum mismatch: corrupted, treated as missing)")
-                inv["shares"][key] = {"layout": layout, "good": good}
+                    if entry.isdigit() and int(entry) < len(layout["checksums"]):
+                        checks.append((key, int(entry), f"{prefix}/{name}/{entry}", layout))
             elif name.endswith(".bin"):
                 inv["whole"][f"{prefix}/{name}"] = True
+
+        def check(item: tuple[str, int, str, dict[str, Any]]) -> bool:
+            _key, i, share, layout = item
+            return _file_digest(self.store._path(share), layout["stripes"] * layout["block"]) == layout["checksums"][i]
+
+        # every share hashed once, on as many threads as the tier codes with (xxh3 releases the GIL)
+        workers = min(len(checks), self.threads or min(8, os.cpu_count() or 1))
+        if workers > 1:
+            with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lightning-snapshot-verify") as pool:
+                results = list(pool.map(check, checks))
+        else:
+            results = [check(c) for c in checks]
+        for (key, i, _share, _layout), ok in zip(checks, results):
+            if ok:
+                inv["shares"][key]["good"].append(i)
+            else:
+                inv["bad"].append(f"{key} share {i} (checksum mismatch: corrupted, treated as missing)")
         return inv
 
     def prepare_restore(self, comm: Any, step: int) -> None:
@@ -368,6 +465,8 @@ class RamTier(Backend):
 
         prefix = step_dirname(step)
         world = getattr(comm, "world_size", 1)
+        self._readings.clear()
+        self._paths.clear()
         inv = self._inventory(prefix)
         for bad in inv["bad"]:
             log.warning("lightning-snapshot: RAM tier %s, node %d: %s", self.url, self.node_rank, bad)
@@ -470,7 +569,7 @@ class RamTier(Backend):
             works.clear()
             for mm in keep:
                 _close(mm)
-        # rebuild every erasure-coded object into a whole one
+        # make every erasure-coded object readable from its data shares, rebuilding the lost ones from parity
         for key, layout in layouts.items():
             if self.store.exists(key):
                 continue
@@ -481,41 +580,57 @@ class RamTier(Backend):
                 if entry.isdigit() and int(entry) not in paths and int(entry) < lay.k + lay.m:
                     paths[int(entry)] = inv_dir / entry
             maps: dict[int, Any] = {}
+            used: set[Path] = set()
             try:
                 for i, p in sorted(paths.items()):
-                    mm = _map_existing(p, write=False)
-                    if i not in verified.get(key, ()) and digest(
-                            memoryview(mm) if mm is not None else memoryview(b"")) != layout["checksums"][i]:
-                        _close(mm)
+                    if i not in verified.get(key, ()) and \
+                            _file_digest(p, lay.share_nbytes) != layout["checksums"][i]:
                         continue
-                    maps[i] = mm
+                    maps[i] = _map_existing(p, write=False)
                     if len(maps) == lay.k:
                         break
-                out = _map_new(self.store._path(key), lay.nbytes)
+                lost = [i for i in range(lay.k) if i not in maps]
+                outs = {i: _map_new(inv_dir / f".{i}.rebuilt", lay.share_nbytes) for i in lost if len(maps) >= lay.k}
                 try:
-                    _ec.decode({i: memoryview(mm) if mm is not None else memoryview(b"") for i, mm in maps.items()}, lay,
-                               memoryview(out) if out is not None else memoryview(bytearray(0)), threads=self.threads)
+                    _ec.rebuild({i: _view(mm) for i, mm in maps.items()}, lay, {i: _view(mm) for i, mm in outs.items()},
+                                threads=self.threads)
                 finally:
-                    _close(out)
+                    for mm in outs.values():
+                        _close(mm)
+                files = [f".{i}.rebuilt" if i in outs else paths[i].name for i in range(lay.k)]
+                used = {inv_dir / f for f in files}
+                self.store.write(f"{key}{_EC}/{_READING}", [json.dumps(
+                    {"k": lay.k, "block": lay.block, "nbytes": lay.nbytes, "files": files}).encode()])
             finally:
                 for mm in maps.values():
                     _close(mm)
                 for p in received.get(key, {}).values():
-                    try:
-                        os.unlink(p)
-                    except OSError:
-                        pass
+                    if p not in used:
+                        try:
+                            os.unlink(p)
+                        except OSError:
+                            pass
 
     def finish_restore(self, step: int) -> None:
-        """Free the whole objects :meth:`prepare_restore` rebuilt (the shares stay)."""
+        """Free what :meth:`prepare_restore` added: received and rebuilt shares, whole objects it got from peers
+        (the node's own shares stay). Every rank calls it."""
         from lightning_snapshot.manifest import step_dirname
 
+        self._readings.clear()
+        self._paths.clear()
         if self.erasure is None or not self.node_leader:
             return
         prefix = step_dirname(step)
         for name in self.store.list(prefix):
             if name.endswith(_EC):
                 self.store.delete(f"{prefix}/{name[: -len(_EC)]}")
+                ec_dir = self.store._path(f"{prefix}/{name}")
+                for entry in os.listdir(ec_dir) if ec_dir.is_dir() else []:
+                    if entry == _READING or (entry.startswith(".") and _SHARE_FILE.match(entry)):
+                        try:
+                            os.unlink(ec_dir / entry)
+                        except OSError:
+                            pass
 
     def held_bytes(self) -> int:
         """Bytes of memory this node's RAM tier holds (its files, as allocated)."""
@@ -555,6 +670,68 @@ def _parse_layout(raw: bytes, key: str) -> dict[str, Any]:
     return layout
 
 
+def _digests(views: list[memoryview], threads: int | None) -> list[str]:
+    """xxh3 of each of ``views``, on several threads (xxh3 releases the GIL)."""
+    workers = min(len(views), threads or min(8, os.cpu_count() or 1))
+    if workers <= 1:
+        return [digest(v) for v in views]
+    with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lightning-snapshot-digest") as pool:
+        return list(pool.map(digest, views))
+
+
+#: Bytes a share is hashed in (read into a buffer that stays in the L2 cache).
+_HASH_PIECE = 1 << 20
+
+
+def _file_digest(path: Path, size: int) -> str | None:
+    """The xxh3 of the file at ``path`` if it has ``size`` bytes, else None. Read piece by piece into a small buffer
+    (cheaper than mapping a fresh file, whose every page would fault); the GIL is released while it reads and
+    hashes."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if os.fstat(fd).st_size != size:
+            return None
+        if size < _HASH_PIECE:
+            return digest(memoryview(os.pread(fd, size, 0)))
+        h = xxhash.xxh3_64()
+        buf = memoryview(bytearray(_HASH_PIECE))
+        pos = 0
+        while pos < size:
+            n = os.preadv(fd, [buf[: min(_HASH_PIECE, size - pos)]], pos)
+            if n == 0:
+                return None
+            h.update(buf[:n])
+            pos += n
+        return h.hexdigest()
+    finally:
+        os.close(fd)
+
+
+def _preadv_all(fd: int, bufs: list[memoryview], pos: int, key: str) -> None:
+    """Fill ``bufs`` from ``fd`` at ``pos`` (the GIL is released while the kernel copies)."""
+    bufs = [v for v in bufs if v.nbytes]
+    i = 0
+    while i < len(bufs):
+        batch = bufs[i: i + _IOV]
+        want = sum(v.nbytes for v in batch)
+        got = os.preadv(fd, batch, pos)
+        if got == 0:
+            raise EOFError(f"{key!r}: a file of the RAM tier ends before byte {pos}")
+        pos += got
+        if got < want:  # a short read: go on from the first buffer not filled
+            for v in batch:
+                if got < v.nbytes:
+                    bufs[i] = v[got:]
+                    break
+                got -= v.nbytes
+                i += 1
+        else:
+            i += len(batch)
+
+
 def _map_new(path: Path, size: int) -> mmap.mmap | None:
     """A new 0600 file of ``size`` bytes, mapped writable (None for an empty one)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
@@ -583,6 +760,10 @@ def _close(mm: mmap.mmap | None) -> None:
         mm.close()
     except BufferError:  # a tensor still views it: the mapping goes with the last reference
         pass
+
+
+def _view(mm: mmap.mmap | None) -> memoryview:
+    return memoryview(mm) if mm is not None else memoryview(bytearray(0))
 
 
 def _as_tensor(mm: mmap.mmap) -> Any:

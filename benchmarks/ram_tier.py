@@ -5,8 +5,9 @@
 
 One process, one machine. The state is a dict of fp32 tensors (``randn``, 16 large ones and a few small ones);
 for the encode/decode rows it is packed back to back into one buffer, the object the RAM tier erasure codes (what
-the arena hands to the tier). Every timed row runs ``--repeats`` times (default 3); the table shows the median and
-the spread ``(max - min) / median``. Other processes on the machine show up in the spread. Erasure code: k=4 data
+the arena hands to the tier). Every timed row runs ``--repeats`` times (default 5); the table shows the median and
+the spread ``(max - min) / median``. Other processes on the machine show up in the spread. The targets are judged on
+the medians; each target line also gives the ratio of the best runs (ours and the reference alike). Erasure code: k=4 data
 and m=2 parity shares, blocks of at most ``erasure.DEFAULT_BLOCK`` (128 KiB).
 
 Rows
@@ -18,7 +19,11 @@ Rows
      of the same bytes (memoryviews, no copy), one thread: zfec's own single-core rate (the parity only; the
      last partial stripe is zero-padded into a scratch buffer as ``erasure.encode`` does);
    * ``erasure.encode``, 1 thread and ``os.cpu_count()`` threads, into 6 preallocated, touched share buffers
-     (data shares are copies of the object's bytes, parity shares zfec's);
+     (data shares are copies of the object's bytes, parity shares zfec's, written by zfec's C ``fec_encode``
+     straight into the share buffers). Our encode does work that ``zfec raw`` does not: it copies the 4 data
+     shares (one memcpy of the object) and writes the parity into 0.4 GB of distinct share memory where zfec's
+     Python API hands back (and here drops) fresh ``bytes`` per stripe. The table says so, and gives a second
+     ratio against ``zfec raw + memcpy of the object`` on one core (the same output bytes);
    * ``write_snapshot -> RamTier 4+2``: the tier's whole write path for a snapshot staged by the arena (one packed
      buffer): encode into fresh ``/dev/shm`` files (page faults, tmpfs allocation), xxh3 of every share, manifest.
      All six shares stay in this process's directory: with one process there are no peer nodes, so the tier is
@@ -45,15 +50,18 @@ Rows
    * ``RAM, all local``: ``RamTier(erasure=None)`` in ``/dev/shm``: ``prepare_restore`` + ``read_manifest`` +
      ``read_section(targets=...)`` (every 8 MiB chunk verified with xxh3) + ``finish_restore``; also into fresh
      tensors (no targets);
-   * ``RAM 4+2, all 6 shares``: the same on the 4+2 tier: ``prepare_restore`` verifies the shares' xxh3 and
-     rebuilds the whole object into ``/dev/shm`` from the data shares, then the loader reads it;
-   * ``RAM 4+2, 2 shares missing``: shares 0 and 1 deleted; the rebuild decodes with parity;
+   * ``RAM 4+2, all 6 shares``: the same on the 4+2 tier: ``prepare_restore`` verifies the xxh3 of every share
+     (on all cores), then the loader reads the object's bytes straight from the 4 data shares (no whole object is
+     rebuilt) and verifies every 8 MiB chunk;
+   * ``RAM 4+2, 2 shares missing``: shares 0 and 1 deleted; ``prepare_restore`` rebuilds the two lost data shares
+     from parity into share-sized ``/dev/shm`` files, then the loader reads as above;
    * ``LocalTier``: the same read from a ``LocalTier`` in a temporary directory under ``--dir`` (a disk);
    * ``torch.load``: ``torch.load(weights_only=True)`` of a ``torch.save`` of the same state dict in the same
      directory (fresh tensors).
 
    Target: restore from RAM with all shares local (``RamTier(erasure=None)``, into targets) <= 1.5 x one memcpy of
-   the state.
+   the state. The 4+2 tier with all 6 shares local is printed against the same bound (a stricter reading of the
+   target: it verifies 1.5x the state's bytes more).
 
 Everything the benchmark creates lives in a temporary directory under ``/dev/shm`` and one under ``--dir``; both
 are removed at the end, also on error, Ctrl-C or SIGTERM.
@@ -109,6 +117,10 @@ class Timing:
     @property
     def median(self) -> float:
         return statistics.median(self.runs)
+
+    @property
+    def best(self) -> float:
+        return min(self.runs)
 
     @property
     def spread(self) -> float:
@@ -232,7 +244,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="~200 MB state (under 2 minutes)")
     p.add_argument("--mib", type=int, default=None, help="state size in MiB (default 1536, --quick 200)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dir", default=os.environ.get("TMPDIR", "/tmp"), help="disk directory for LocalTier/torch.save")
     p.add_argument("--shm", default="/dev/shm", help="shared-memory directory for the RAM tier")
     args = p.parse_args()
@@ -416,6 +428,7 @@ def run(args: argparse.Namespace, nbytes: int, repeats: int, cores: int, shm: Pa
     enc_rows = [
         ("memcpy (ctypes.memmove, 1 thread)", memcpy_obj, None),
         ("zfec raw, 1 core (parity only)", zraw_enc, 1),
+        ("zfec raw + memcpy of the object, 1 core", Timing([zraw_enc.median + memcpy_obj.median]), 1),
         ("erasure.encode, 1 thread", enc1, 1),
         (f"erasure.encode, {used} threads", encn, used),
         (f"write_snapshot -> RamTier {K}+{M} (/dev/shm, {ram_ec.threads or 'default'} thr)", write_ec, None),
@@ -428,7 +441,11 @@ def run(args: argparse.Namespace, nbytes: int, repeats: int, cores: int, shm: Pa
     enc_goal = ENCODE_TARGET * zr1 * used
     enc_ok = rate(encn) >= enc_goal
     print(f"target: erasure.encode with {used} threads >= {ENCODE_TARGET} x {zr1:.2f} GB/s x {used} = {enc_goal:.2f}"
-          f" GB/s: {rate(encn):.2f} GB/s -> {'PASS' if enc_ok else 'FAIL'}")
+          f" GB/s: {rate(encn):.2f} GB/s = {rate(encn) / (zr1 * used):.2f}x -> {'PASS' if enc_ok else 'FAIL'}"
+          f" (best runs: {zraw_enc.best / encn.best / used:.2f}x)")
+    zc1 = total / (zraw_enc.median + memcpy_obj.median) / GB
+    print(f"  (erasure.encode also copies the {K} data shares, {total / GB:.3f} GB, which zfec raw does not: against"
+          f" zfec raw + that memcpy on one core, {zc1:.2f} GB/s x {used}, it is {rate(encn) / (zc1 * used):.2f}x)")
 
     print(f"\nDecode {K}+{M} (output GB/s, median of {repeats})")
     print(hdr)
@@ -465,7 +482,11 @@ def run(args: argparse.Namespace, nbytes: int, repeats: int, cores: int, shm: Pa
     ram_all = rows[0][1].median
     res_ok = ram_all <= RESTORE_TARGET * ref
     print(f"target: restore from RAM, all local <= {RESTORE_TARGET} x memcpy ({RESTORE_TARGET * ref:.3f} s):"
-          f" {ram_all:.3f} s = {ram_all / ref:.2f}x -> {'PASS' if res_ok else 'FAIL'}")
+          f" {ram_all:.3f} s = {ram_all / ref:.2f}x -> {'PASS' if res_ok else 'FAIL'}"
+          f" (best runs: {rows[0][1].best / memcpy_st.best:.2f}x)")
+    ram_ec = rows[2][1].median
+    print(f"  (the {K}+{M} tier with all {K + M} shares local: {ram_ec:.3f} s = {ram_ec / ref:.2f}x ->"
+          f" {'within' if ram_ec <= RESTORE_TARGET * ref else 'over'} the same bound)")
     print(f"\nencode target: {'PASS' if enc_ok else 'FAIL'}; restore target: {'PASS' if res_ok else 'FAIL'}"
           f" (load avg {load0:.2f} -> {os.getloadavg()[0]:.2f}; {time.perf_counter() - t_start:.0f} s in all)")
     return 0 if enc_ok and res_ok else 1

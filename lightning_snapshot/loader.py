@@ -6,6 +6,7 @@ import concurrent.futures as cf
 import logging
 import math
 import os
+import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -175,50 +176,57 @@ _PARALLEL_MIN_BYTES = 32 << 20
 def _read_all(backend: Backend, manifest: Manifest, prefix: str, reads: list[_Read]) -> None:
     """Read and verify ``reads``, in up to ``backend.parallel_reads`` threads.
 
-    The reads are cut into contiguous runs of about equal bytes (each thread reads its part of an object in order),
-    and every checksum chunk is hashed right after it is read, while it is still in the cache. Reads and hashes
-    release the GIL.
+    The work is cut into checksum chunks, taken in object order: each thread takes the next chunk when it is done
+    with its last (so a thread slowed by another process does not hold the restore up, and an object is still read
+    front to back), and hashes it right after reading it, while it is still in the cache. Reads and hashes release
+    the GIL.
     """
     total = sum(r.view.nbytes for r in reads)
     workers = min(max(1, int(getattr(backend, "parallel_reads", 1))), len(reads), os.cpu_count() or 1)
     if workers <= 1 or total < _PARALLEL_MIN_BYTES:
         for r in reads:
-            _read_one(backend, manifest, prefix, r)
+            for (a, b), expected in zip(chunk_ranges(r.view.nbytes, manifest.chunk_bytes), r.checksums):
+                _read_chunk(backend, manifest, prefix, r, a, b, expected)
         return
-    ordered = sorted(reads, key=lambda r: (r.object, r.offset))
-    runs: list[list[_Read]] = [[] for _ in range(workers)]
-    done = 0
-    for r in ordered:  # contiguous runs: run i holds the reads that start in the i-th share of the bytes
-        runs[min(workers - 1, done * workers // total)].append(r)
-        done += r.view.nbytes
+    units = iter([(r, a, b, expected) for r in sorted(reads, key=lambda r: (r.object, r.offset))
+                  for (a, b), expected in zip(chunk_ranges(r.view.nbytes, manifest.chunk_bytes), r.checksums)])
+    lock = threading.Lock()
+    failed = threading.Event()
 
-    def run(part: list[_Read]) -> None:
-        for r in part:
-            _read_one(backend, manifest, prefix, r)
+    def run() -> None:
+        while not failed.is_set():
+            with lock:
+                unit = next(units, None)
+            if unit is None:
+                return
+            try:
+                _read_chunk(backend, manifest, prefix, *unit)
+            except BaseException:
+                failed.set()  # the other threads stop at their next chunk
+                raise
 
     with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lightning-snapshot-read") as pool:
-        futures = [pool.submit(run, part) for part in runs if part]
+        futures = [pool.submit(run) for _ in range(workers)]
         for f in futures:
             f.result()  # the first failure, in order
 
 
-def _read_one(backend: Backend, manifest: Manifest, prefix: str, r: _Read) -> None:
-    """Read one fragment chunk by chunk, each verified right after it is read."""
-    for (a, b), expected in zip(chunk_ranges(r.view.nbytes, manifest.chunk_bytes), r.checksums):
-        try:
-            if b > a:
-                backend.read_into(f"{prefix}/{r.object}", r.offset + a, r.view[a:b])
-        except (EOFError, FileNotFoundError) as e:
-            raise ChecksumError(
-                f"tensor {r.name!r}: object {r.object!r} of step {manifest.step} in the {backend.tier} tier"
-                f" {backend.url!r} is missing or truncated ({e})"
-            ) from e
-        if digest(r.view[a:b]) != expected:
-            raise ChecksumError(
-                f"checksum mismatch in tensor {r.name!r}, object {r.object!r}, bytes [{r.offset + a},"
-                f" {r.offset + b}) of step {manifest.step} in the {backend.tier} tier {backend.url!r}:"
-                " the data is corrupted. Use an earlier snapshot"
-            )
+def _read_chunk(backend: Backend, manifest: Manifest, prefix: str, r: _Read, a: int, b: int, expected: str) -> None:
+    """Read bytes ``[a, b)`` of one fragment (one checksum chunk) and verify them right after."""
+    try:
+        if b > a:
+            backend.read_into(f"{prefix}/{r.object}", r.offset + a, r.view[a:b])
+    except (EOFError, FileNotFoundError) as e:
+        raise ChecksumError(
+            f"tensor {r.name!r}: object {r.object!r} of step {manifest.step} in the {backend.tier} tier"
+            f" {backend.url!r} is missing or truncated ({e})"
+        ) from e
+    if digest(r.view[a:b]) != expected:
+        raise ChecksumError(
+            f"checksum mismatch in tensor {r.name!r}, object {r.object!r}, bytes [{r.offset + a},"
+            f" {r.offset + b}) of step {manifest.step} in the {backend.tier} tier {backend.url!r}:"
+            " the data is corrupted. Use an earlier snapshot"
+        )
 
 
 def read_section(

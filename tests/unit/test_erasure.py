@@ -38,3 +38,43 @@ def test_fewer_than_k_shares_is_an_error_naming_the_count():
 def test_bad_parameters(k, m, message):
     with pytest.raises(ConfigError, match=message):
         ec.check_params(k, m)
+
+
+def test_zfec_c_functions_are_bound():
+    assert ec._NATIVE is not None, "zfec's fec_encode/fec_decode could not be loaded: the slower Python API is used"
+
+
+@pytest.mark.parametrize("nbytes", [1, 1000, (3 << 20) + 17])
+@pytest.mark.parametrize("k,m", [(1, 0), (2, 1), (4, 2), (3, 3)])
+def test_c_functions_and_python_api_give_the_same_shares(monkeypatch, nbytes, k, m):
+    data = os.urandom(nbytes)
+    lay = ec.layout(nbytes, k, m, block=1 << 20)
+    native = [memoryview(bytearray(lay.share_nbytes)) for _ in range(k + m)]
+    ec.encode(memoryview(data), lay, native, threads=2)
+    monkeypatch.setattr(ec, "_NATIVE", None)
+    python = [memoryview(bytearray(lay.share_nbytes)) for _ in range(k + m)]
+    ec.encode(memoryview(data), lay, python, threads=2)
+    assert [bytes(s) for s in native] == [bytes(s) for s in python]
+    for subset in itertools.combinations(range(k + m), k):  # the Python API rebuilds from the C function's shares
+        out = bytearray(nbytes)
+        ec.decode({i: native[i] for i in subset}, lay, memoryview(out), threads=2)
+        assert bytes(out) == data, subset
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("k,m", [(2, 1), (4, 2), (3, 3)])
+def test_rebuild_gives_back_the_lost_data_shares(monkeypatch, native, k, m):
+    nbytes = (3 << 20) + 17
+    data = os.urandom(nbytes)
+    lay = ec.layout(nbytes, k, m, block=1 << 20)
+    shares = [memoryview(bytearray(lay.share_nbytes)) for _ in range(k + m)]
+    ec.encode(memoryview(data), lay, shares, threads=2)
+    if not native:
+        monkeypatch.setattr(ec, "_NATIVE", None)
+    for subset in itertools.combinations(range(k + m), k):
+        lost = [i for i in range(k) if i not in subset]
+        out = {i: memoryview(bytearray(lay.share_nbytes)) for i in lost}
+        ec.rebuild({i: shares[i] for i in subset}, lay, out, threads=2)
+        assert all(bytes(out[i]) == bytes(shares[i]) for i in lost), subset
+    with pytest.raises(ValueError, match="exactly the lost data shares"):
+        ec.rebuild({i: shares[i] for i in range(1, k + 1)}, lay, {}, threads=2)
