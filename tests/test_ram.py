@@ -87,7 +87,8 @@ def test_agent_flushes_a_staged_snapshot_after_the_trainer_died(tmp_path, shm, r
     ref = reference_runs(*args)
     out, local = tmp_path / "out.pt", tmp_path / "local"
     # the agent writes the durable tiers; made to wait 3 s before each write, it still has step 8 to write when the
-    # trainer is SIGKILLed at step 9: only the agent can make it durable now
+    # trainer is SIGKILLed at step 9 (as soon as step 8 is in the RAM tier, so its agent has it): only the agent can
+    # make it durable now
     monkeypatch.setenv("LIGHTNING_SNAPSHOT_AGENT_WRITE_DELAY", "3")
     run_train(local, out, *args, "--ram-every", "2", "--kill-at", "9", expect_kill=True)
     assert 8 not in committed_steps(LocalTier(local)), "the kill came too late to test anything"

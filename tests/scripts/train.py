@@ -128,7 +128,9 @@ def main() -> None:
     p.add_argument("--num-nodes", type=int, default=1, help="nodes (processes launched outside, one per node)")
     p.add_argument("--no-local", action="store_true", help="no local tier (RAM tier only)")
     p.add_argument("--samples", type=int, default=64, help="dataset size")
-    p.add_argument("--kill-at", type=int, default=-1, help="SIGKILL at this global step at once, waiting for nothing")
+    p.add_argument("--kill-at", type=int, default=-1,
+                   help="SIGKILL at this global step, waiting only for the RAM tier (if any) to hold the newest step"
+                        " due in it (its agent has it then), not for any durable tier")
     a = p.parse_args()
 
     L.seed_everything(42, verbose=False)
@@ -160,7 +162,7 @@ def main() -> None:
     if a.crash_at >= 0:
         callbacks.append(Crash(a.crash_at, tiers, newest=bool(a.ram_every)))
     if a.kill_at >= 0:
-        callbacks.append(Crash(a.kill_at, []))
+        callbacks.append(Crash(a.kill_at, tiers[:1] if a.ram_every else [], newest=True))
     trainer = L.Trainer(
         accelerator=a.accelerator,
         devices=a.devices,
