@@ -118,7 +118,6 @@ class ArenaSlot:
     """One reusable host buffer. ``step`` is the stamp of the snapshot it holds; ``busy`` until persisted."""
 
     buffer: torch.Tensor
-    path: str | None
     step: int = -1
     busy: bool = False
     #: The shared-memory file behind ``buffer`` (its name is already unlinked), kept open so that the snapshot
@@ -289,15 +288,13 @@ class HostArena:
     def _allocate(self, nbytes: int, pin: bool) -> ArenaSlot:
         nbytes = align_up(max(nbytes, PAGE), 2 << 20)
         if pin:
-            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            path = None
-        elif _memfd_ok():
+            return ArenaSlot(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
+        if _memfd_ok():
             # a memory file that never has a name: nothing is left behind, whenever the trainer is killed (the
             # descriptor goes to the snapshot agent, which maps the same pages)
             fd = os.memfd_create(f"lightning-snapshot-arena-{next(_counter)}", os.MFD_CLOEXEC)
-            buf = self._map_fd(fd, f"/proc/self/fd/{fd}", nbytes)
-            return ArenaSlot(buf, None, fd=fd)
-        elif os.path.isdir(self.shm_dir):
+            return ArenaSlot(self._map_fd(fd, f"/proc/self/fd/{fd}", nbytes), fd=fd)
+        if os.path.isdir(self.shm_dir):
             path = os.path.join(self.shm_dir, f"lightning-snapshot-{os.getpid()}-{next(_counter)}")
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
@@ -306,11 +303,10 @@ class HostArena:
                 # the mapping stays; the name goes at once, so a killed trainer leaves no shared memory behind (the
                 # descriptor stays open for the snapshot agent)
                 os.unlink(path)
-            return ArenaSlot(buf, None, fd=fd)
-        else:
-            buf, path = torch.empty(nbytes, dtype=torch.uint8), None
-            _populate(buf)
-        return ArenaSlot(buf, path)
+            return ArenaSlot(buf, fd=fd)
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        _populate(buf)
+        return ArenaSlot(buf)
 
     @staticmethod
     def _map_fd(fd: int, path: str, nbytes: int) -> torch.Tensor:
@@ -334,11 +330,6 @@ class HostArena:
         if slot.fd >= 0:
             os.close(slot.fd)
             slot.fd = -1
-        if slot.path is not None:
-            try:
-                os.unlink(slot.path)
-            except FileNotFoundError:
-                pass
         slot.buffer = torch.empty(0, dtype=torch.uint8)
         slot.plan, slot.views, slot.tensors, slot._bytes = None, [], {}, None
 

@@ -107,8 +107,10 @@ def test_arena_is_allocated_once_and_reused_and_private(tmp_path):
             h = arena.stage_async(_state(model, opt), _frozen(model, opt), step)
             h.wait()
             seen.add(h.slot.buffer.data_ptr())
-            if h.slot.path:
-                assert os.stat(h.slot.path).st_mode & 0o777 == 0o600
+            # private: the memory has no name anywhere (a memfd, or a 0600 /dev/shm file unlinked at once)
+            st = os.fstat(h.slot.fd)
+            assert st.st_nlink == 0
+            assert os.readlink(f"/proc/self/fd/{h.slot.fd}").startswith("/memfd:") or st.st_mode & 0o777 == 0o600
             arena.release(h.slot)
         assert len(seen) == 1 and len(arena.slots) == 1
     finally:
