@@ -7,7 +7,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,10 +107,10 @@ def _contiguous_run(box: Box, shape: tuple[int, ...]) -> tuple[int, int] | None:
 
 
 def _box_reads(backend: Backend, manifest: Manifest, entry: TensorEntry, shard: ShardTarget, reads: list[_Read],
-               after: list[Callable[[], None]], stats: ReadStats | None) -> Any:
+               after: list[tuple[torch.Tensor, torch.Tensor]], stats: ReadStats | None) -> Any:
     """Plan filling ``shard.out`` with ``shard.box`` of ``entry``: append the reads of the checksum chunks that
     overlap it to ``reads`` (read and verified in parallel with the others by :func:`_read_all`), and to ``after``
-    the copies that must follow them. Returns the value the decoded state holds."""
+    the ``(destination, source)`` copies that must follow them, in order. Returns the value the decoded state holds."""
     dtype = dtype_from_name(entry.dtype)
     itemsize = torch.empty((), dtype=dtype).element_size()
     box, out = shard.box, shard.out
@@ -147,10 +147,9 @@ def _box_reads(backend: Backend, manifest: Manifest, entry: TensorEntry, shard: 
         for a, b in item.read_ranges:
             read(frag, a, view[a:b])
         src = buf.view(dtype).view(frag.local_shape)[item.src_box.slices()]
-        target = dst[item.dst_box.slices()]
-        after.append(lambda d=target, s=src: d.copy_(s))
+        after.append((dst[item.dst_box.slices()], src))
     if not direct:
-        after.append(lambda: out.detach().copy_(dst))
+        after.append((out.detach(), dst))
     if stats is not None:
         stats.bytes_needed += box.numel * itemsize
         stats.bytes_read += bytes_planned(items)
@@ -183,13 +182,13 @@ def _read_all(backend: Backend, manifest: Manifest, prefix: str, reads: list[_Re
     """
     total = sum(r.view.nbytes for r in reads)
     workers = min(max(1, int(getattr(backend, "parallel_reads", 1))), len(reads), os.cpu_count() or 1)
+    chunks = [(r, a, b, expected) for r in sorted(reads, key=lambda r: (r.object, r.offset))
+              for (a, b), expected in zip(chunk_ranges(r.view.nbytes, manifest.chunk_bytes), r.checksums)]
     if workers <= 1 or total < _PARALLEL_MIN_BYTES:
-        for r in reads:
-            for (a, b), expected in zip(chunk_ranges(r.view.nbytes, manifest.chunk_bytes), r.checksums):
-                _read_chunk(backend, manifest, prefix, r, a, b, expected)
+        for chunk in chunks:
+            _read_chunk(backend, manifest, prefix, *chunk)
         return
-    units = iter([(r, a, b, expected) for r in sorted(reads, key=lambda r: (r.object, r.offset))
-                  for (a, b), expected in zip(chunk_ranges(r.view.nbytes, manifest.chunk_bytes), r.checksums)])
+    units = iter(chunks)
     lock = threading.Lock()
     failed = threading.Event()
 
@@ -262,8 +261,7 @@ def read_section(
     prefix = step_dirname(manifest.step)
     tensors: dict[str, Any] = {}
     reads: list[_Read] = []
-    scatter: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
-    after: list[Callable[[], None]] = []  # copies that follow the reads
+    after: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, source) copies that follow the reads
     for entry in entries:
         if entry.alias_of is not None:
             continue
@@ -281,31 +279,22 @@ def read_section(
         else:
             out = torch.empty(entry.global_shape, dtype=dtype)
         for frag in entry.fragments:
-            whole = frag.local_shape == entry.global_shape
-            # a slab of whole rows (every DTensor Shard(0) fragment) is contiguous in ``out``: read straight into it
-            slab = not whole and bool(frag.local_shape) and all(
-                frag.global_offsets[d] == 0 and frag.local_shape[d] == entry.global_shape[d]
-                for d in range(1, len(entry.global_shape)))
-            if whole:
-                buf = out
-            elif slab:
-                buf = out.narrow(0, frag.global_offsets[0], frag.local_shape[0])
+            box = Box(frag.global_offsets, frag.local_shape)
+            run = _contiguous_run(box, entry.global_shape)
+            if run is not None:  # the whole tensor, or a slab of whole rows (DTensor Shard(0)): straight into ``out``
+                buf = out.reshape(-1)[run[0]:run[1]].view(frag.local_shape)
             else:
                 buf = torch.empty(frag.local_shape, dtype=dtype)
+                after.append((out[box.slices()], buf))
             reads.append(_Read(entry.name, frag.object, frag.offset, tensor_bytes(buf), frag.checksums))
-            if not whole and not slab:
-                box = tuple(slice(o, o + n) for o, n in zip(frag.global_offsets, frag.local_shape))
-                scatter.append((out, buf, box))
         tensors[entry.name] = out
         if stats is not None:
             stats.bytes_needed += out.numel() * out.element_size()
             stats.bytes_read += sum(f.nbytes for f in entry.fragments)
     _read_all(backend, manifest, prefix, reads)
-    for out, buf, box in scatter:
-        out[box] = buf
     with torch.no_grad():
-        for copy in after:
-            copy()
+        for dst, src in after:
+            dst.copy_(src)
     for entry in entries:
         if entry.alias_of is not None:
             tensors[entry.name] = tensors[entry.alias_of]

@@ -243,12 +243,13 @@ def write_snapshot(
             error = e
         agree("placing the data")
     text: str | None = None
+    manifest: Manifest | None = None  # rank 0's, parsed once as the check of what it commits
     if comm.rank == 0:
         try:
             assert parts is not None
             raw = _merge(parts, job, comm.world_size, alignment, chunk_bytes)
             text = json.dumps(raw, separators=(",", ":"), allow_nan=False)
-            Manifest.from_json(text, where=f"new manifest of {prefix}")
+            manifest = Manifest.from_json(text, where=f"new manifest of {prefix}")
             if not node_local:
                 backend.commit(f"{prefix}/{MANIFEST_NAME}", text.encode())
         except Exception as e:  # noqa: BLE001 - re-raised below on every rank
@@ -262,7 +263,8 @@ def write_snapshot(
         except Exception as e:  # noqa: BLE001 - re-raised below on every rank
             error = e
         agree("committing the manifest")
-    manifest = Manifest.from_json(text, where=f"manifest of {prefix}")
+    if manifest is None:
+        manifest = Manifest.from_json(text, where=f"manifest of {prefix}")
     if comm.rank == 0 or node_local:
         _remove_unreferenced(backend, prefix, manifest)
     return manifest
