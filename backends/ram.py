@@ -11,12 +11,14 @@ Commit rule: the manifest is committed on every node only after every rank's sha
 agreement of :func:`~lightning_snapshot.writer.write_snapshot`), so a committed step has all ``k + m`` shares of
 every object; it is restorable while at least ``k`` good shares of each are held anywhere.
 
-Restore (:meth:`RamTier.prepare_restore`, collective): the nodes exchange what they hold, and every node makes
-each object readable from ``k`` verified shares (its own first, the missing ones sent by the nodes holding them over
-torch.distributed, gloo). The data shares hold the object's own bytes, so nothing is copied when the ``k`` data
-shares are at hand: the loader reads the object's bytes straight out of them (``<object>.ec/reading.json`` says
-which files hold them); a lost data share is rebuilt from parity into a share-sized file first.
-:meth:`RamTier.finish_restore` frees what the restore added. Cross-node traffic runs on a gloo group of the trainers made for this tier, never on the trainer's main group
+Restore (:meth:`RamTier.restore`, collective): the nodes exchange what they hold, and every node makes each object
+readable from ``k`` shares (its own first, the missing ones sent by the nodes holding them over torch.distributed,
+gloo). The data shares hold the object's own bytes, so nothing is copied when the ``k`` data shares are at hand: the
+loader reads the object's bytes straight out of them (``<object>.ec/reading.json`` says which files hold them); a
+lost data share is rebuilt from parity into a share-sized file first. Shares are not hashed up front: the loader
+verifies every chunk it reads against the manifest's checksums, and only when a chunk fails on some rank does every
+node hash its shares (against ``layout.json``), treat corrupted ones as missing, rebuild them from the others and
+let the failed ranks read again. :meth:`RamTier.finish_restore` frees what the restore added. Cross-node traffic runs on a gloo group of the trainers made for this tier, never on the trainer's main group
 from a background thread.
 """
 
@@ -31,9 +33,9 @@ import mmap
 import os
 import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import xxhash
 
@@ -46,6 +48,7 @@ from lightning_snapshot.staging import digest
 __all__ = ["RamTier", "allocated_bytes", "default_shm_base"]
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 SHM_ENV = "LIGHTNING_SNAPSHOT_SHM_DIR"
 _EC = ".ec"
@@ -410,8 +413,9 @@ class RamTier(Backend):
             return sorted({s for steps in comm.all_gather(mine) for s in steps}, reverse=True)
         return mine
 
-    def _inventory(self, prefix: str) -> dict[str, Any]:
-        """What this node holds of ``prefix``: the manifest text, whole objects and verified shares."""
+    def _inventory(self, prefix: str, verify: bool) -> dict[str, Any]:
+        """What this node holds of ``prefix``: the manifest text, whole objects and its shares of the right size
+        (``verify``: only those whose xxh3 matches the layout's)."""
         from lightning_snapshot.manifest import MANIFEST_NAME
 
         inv: dict[str, Any] = {"manifest": None, "whole": {}, "shares": {}, "bad": []}
@@ -439,10 +443,13 @@ class RamTier(Backend):
 
         def check(item: tuple[str, int, str, dict[str, Any]]) -> bool:
             _key, i, share, layout = item
-            return _file_digest(self.store._path(share), layout["stripes"] * layout["block"]) == layout["checksums"][i]
+            size = layout["stripes"] * layout["block"]
+            if not verify:  # trusted until a chunk read from it fails its checksum (see restore)
+                return _size(self.store._path(share)) == size
+            return _file_digest(self.store._path(share), size) == layout["checksums"][i]
 
         # every share hashed once, on as many threads as the tier codes with (xxh3 releases the GIL)
-        workers = min(len(checks), self.threads or min(8, os.cpu_count() or 1))
+        workers = min(len(checks), self.threads or min(8, os.cpu_count() or 1)) if verify else 1
         if workers > 1:
             with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lightning-snapshot-verify") as pool:
                 results = list(pool.map(check, checks))
@@ -452,11 +459,63 @@ class RamTier(Backend):
             if ok:
                 inv["shares"][key]["good"].append(i)
             else:
-                inv["bad"].append(f"{key} share {i} (checksum mismatch: corrupted, treated as missing)")
+                why = "checksum mismatch" if verify else "wrong size"
+                inv["bad"].append(f"{key} share {i} ({why}: corrupted, treated as missing)")
         return inv
 
-    def prepare_restore(self, comm: Any, step: int) -> None:
+    def restore(self, comm: Any, step: int, read: Callable[[], _T]) -> _T:
+        """Restore ``step`` from this tier (collective): :meth:`prepare_restore`, ``read()``, :meth:`finish_restore`.
+
+        ``read`` reads what this rank needs and verifies every chunk against the manifest's checksums (the
+        loader's :func:`~lightning_snapshot.loader.read_section` does). Shares are trusted at first, so that an
+        intact snapshot costs one verified read of its bytes and no hashing of shares; if a chunk fails its
+        checksum on any rank (a corrupted share), every node hashes its shares, corrupted ones are treated as
+        missing and rebuilt from the good ones, and the ranks whose read failed read again.
+
+        Raises:
+            what ``read`` raises (after the verified retry, for a checksum mismatch), or what
+            :meth:`prepare_restore` raises.
+        """
+        from lightning_snapshot.errors import ChecksumError
+
+        world = getattr(comm, "world_size", 1)
+        self.prepare_restore(comm, step)
+        try:
+            error: Exception | None = None
+            result: Any = None
+            try:
+                result = read()
+            except Exception as e:  # noqa: BLE001 - every rank must reach the collective below
+                error = e
+            corrupt = isinstance(error, ChecksumError)
+            if world > 1:
+                corrupt = not comm.all_true(not corrupt)  # on any rank
+            if corrupt and self.erasure is not None:
+                if getattr(comm, "rank", 0) == 0:
+                    log.warning("lightning-snapshot: RAM tier %s: a chunk of step %d failed its checksum; verifying"
+                                " every share and rebuilding the corrupted ones from the others (%s)",
+                                self.url, step, error if error is not None else "on another rank")
+                self.finish_restore(step)
+                if world > 1:
+                    comm.barrier()
+                self.prepare_restore(comm, step, verify=True)
+                if error is not None:
+                    error = None
+                    try:
+                        result = read()
+                    except Exception as e:  # noqa: BLE001 - raised below, after finish_restore
+                        error = e
+            if error is not None:
+                raise error
+            return result
+        finally:
+            self.finish_restore(step)
+
+    def prepare_restore(self, comm: Any, step: int, *, verify: bool = False) -> None:
         """Make every object of ``step`` readable on this node, rebuilding erasure-coded ones (collective).
+
+        ``verify=False`` trusts every share of the right size (the loader verifies each chunk it reads: see
+        :meth:`restore`); ``verify=True`` hashes every share first and treats a mismatching one as missing.
 
         Raises:
             SnapshotError: some object has fewer than ``k`` good shares left on all nodes together (naming it).
@@ -467,7 +526,7 @@ class RamTier(Backend):
         world = getattr(comm, "world_size", 1)
         self._readings.clear()
         self._paths.clear()
-        inv = self._inventory(prefix)
+        inv = self._inventory(prefix, verify)
         for bad in inv["bad"]:
             log.warning("lightning-snapshot: RAM tier %s, node %d: %s", self.url, self.node_rank, bad)
         invs = comm.all_gather(inv) if world > 1 else [inv]
@@ -519,7 +578,7 @@ class RamTier(Backend):
         me = getattr(comm, "rank", 0)
         if me in leaders:
             verified = {key: set(e["good"]) for key, e in invs[me]["shares"].items()}
-            self._execute(comm, transfers, layouts, me, prefix, manifest, verified)
+            self._execute(comm, transfers, layouts, me, prefix, manifest, verified, verify)
         if world > 1:
             comm.barrier()
         if me in leaders and not self.store.exists(f"{prefix}/{MANIFEST_NAME}"):
@@ -528,9 +587,9 @@ class RamTier(Backend):
             comm.barrier()
 
     def _execute(self, comm: Any, transfers: list[tuple[int, int, str, int]], layouts: dict[str, dict[str, Any]],
-                 me: int, prefix: str, manifest: str, verified: dict[str, set[int]]) -> None:
+                 me: int, prefix: str, manifest: str, verified: dict[str, set[int]], verify: bool) -> None:
         """Run this leader's part of the ``transfers`` and rebuild every erasure-coded object from ``k`` good
-        shares: its own that ``_inventory`` verified (``verified``), the others checked here."""
+        shares: its own that ``_inventory`` listed (``verified``), the others checked here (``verify``: hashed)."""
         from lightning_snapshot.manifest import Manifest
 
         sizes = {o.key: o.nbytes for o in Manifest.from_json(manifest, where=f"RAM tier manifest of {prefix}").objects}
@@ -583,8 +642,9 @@ class RamTier(Backend):
             used: set[Path] = set()
             try:
                 for i, p in sorted(paths.items()):
-                    if i not in verified.get(key, ()) and \
-                            _file_digest(p, lay.share_nbytes) != layout["checksums"][i]:
+                    if i not in verified.get(key, ()) and not (
+                            _file_digest(p, lay.share_nbytes) == layout["checksums"][i] if verify
+                            else _size(p) == lay.share_nbytes):
                         continue
                     maps[i] = _map_existing(p, write=False)
                     if len(maps) == lay.k:
@@ -708,6 +768,13 @@ def _file_digest(path: Path, size: int) -> str | None:
         return h.hexdigest()
     finally:
         os.close(fd)
+
+
+def _size(path: Path) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return -1
 
 
 def _preadv_all(fd: int, bufs: list[memoryview], pos: int, key: str) -> None:

@@ -398,16 +398,13 @@ class SnapshotCallback(Checkpoint):
 
     def _read(self, backend: Backend, step: int, trainer: Any, pl_module: Any, live: Templates
               ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        prepare = getattr(backend, "prepare_restore", None)
-        if prepare is None:
+        restore = getattr(backend, "restore", None)
+        if restore is None:
             return self._read_tier(backend, step, trainer, pl_module, live)
-        # a node-local tier (RAM): rebuild the objects on every node first (collective), free the copies after
+        # a node-local tier (RAM): the objects are made readable on every node first, a corrupted share found by the
+        # read is repaired from the others, and what the restore added is freed after (collective)
         comm = self._tier_comms[self.tiers.index(backend)] if self._tier_comms else LocalComm()
-        prepare(comm, step)
-        try:
-            return self._read_tier(backend, step, trainer, pl_module, live)
-        finally:
-            backend.finish_restore(step)
+        return restore(comm, step, lambda: self._read_tier(backend, step, trainer, pl_module, live))
 
     def _read_tier(self, backend: Backend, step: int, trainer: Any, pl_module: Any, live: Templates
                    ) -> tuple[dict[str, Any], dict[str, Any] | None]:

@@ -58,12 +58,13 @@ def main() -> None:
         print(f"SAVED held_bytes={ram.held_bytes()}", flush=True)
     else:
         try:
-            ram.prepare_restore(comm, a.step)
-            manifest = read_manifest(ram, a.step)
-            shared = read_section(ram, manifest, manifest.tensors, manifest.state)
-            section = manifest.rank_section(node)
-            mine = read_section(ram, manifest, section.tensors, section.state)
-            ram.finish_restore(a.step)
+            def read():
+                manifest = read_manifest(ram, a.step)
+                section = manifest.rank_section(node)
+                return (read_section(ram, manifest, manifest.tensors, manifest.state),
+                        read_section(ram, manifest, section.tensors, section.state))
+
+            shared, mine = ram.restore(comm, a.step, read)
             torch.save({"shared": shared, "rank": mine["t"]}, f"{a.out}.rank{node}")
             print("LOADED", flush=True)
         except SnapshotError as e:

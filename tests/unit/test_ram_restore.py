@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from lightning_snapshot.backends import RamTier
+from lightning_snapshot.backends import ram as ram_module
+from lightning_snapshot.errors import SnapshotError
 from lightning_snapshot.comm import LocalComm
 from lightning_snapshot.loader import read_manifest, read_section
 from lightning_snapshot.manifest import step_dirname
@@ -33,12 +35,11 @@ def _tier(tmp_path) -> RamTier:
 
 
 def _restore(ram: RamTier, targets=None):
-    ram.prepare_restore(LocalComm(), 1)
-    manifest = read_manifest(ram, 1)
-    try:
+    def read():
+        manifest = read_manifest(ram, 1)
         return read_section(ram, manifest, manifest.tensors, manifest.state, targets)
-    finally:
-        ram.finish_restore(1)
+
+    return ram.restore(LocalComm(), 1, read)
 
 
 @pytest.fixture
@@ -92,4 +93,41 @@ def test_a_flipped_byte_in_a_data_share_is_detected_and_rebuilt(saved, caplog):
                for e in read_manifest(ram, 1).tensors if e.dtype == "float32"}
     with caplog.at_level("WARNING"):
         _check(_restore(ram, targets), state)
+    assert "failed its checksum; verifying every share" in caplog.text
     assert "share 1 (checksum mismatch" in caplog.text
+    assert not [f for f in os.listdir(ec_dir) if f.startswith(".") or f == "reading.json"]
+
+
+def test_an_intact_restore_hashes_no_share_and_reads_each_byte_once(saved, monkeypatch, caplog):
+    """The loader's chunk checks are the verification: no share is hashed up front, nothing is logged."""
+    ram, state, ec_dir = saved
+    hashed = []
+    monkeypatch.setattr(ram_module, "_file_digest", lambda *a: hashed.append(a))
+    before = ram.bytes_read
+    with caplog.at_level("WARNING"):
+        _check(_restore(ram), state)
+    assert hashed == [] and caplog.text == ""
+    assert ram.bytes_read - before == sum(t.numel() * t.element_size() for t in state.values())
+
+
+def test_a_flipped_byte_in_a_parity_share_is_found_only_when_parity_is_needed(saved, caplog):
+    ram, state, ec_dir = saved
+    raw = bytearray((ec_dir / "4").read_bytes())
+    raw[77] ^= 1
+    (ec_dir / "4").write_bytes(bytes(raw))
+    _check(_restore(ram), state)  # the data shares are intact: parity is not read
+    os.unlink(ec_dir / "0")  # now a data share is lost: the rebuild from the bad parity fails its chunk checks,
+    with caplog.at_level("WARNING"):  # and the verified retry rebuilds from the good share 5 instead
+        _check(_restore(ram), state)
+    assert "share 4 (checksum mismatch" in caplog.text
+
+
+def test_a_corruption_beyond_repair_raises_the_shares_it_lacks(saved):
+    ram, _state, ec_dir = saved
+    for i in (0, 4, 5):
+        raw = bytearray((ec_dir / str(i)).read_bytes())
+        raw[5] ^= 1
+        (ec_dir / str(i)).write_bytes(bytes(raw))
+    with pytest.raises(SnapshotError, match=r"3 good share\(s\) of the 4 needed"):
+        _restore(ram)
+    assert not [f for f in os.listdir(ec_dir) if f.startswith(".") or f == "reading.json"]
