@@ -1,16 +1,19 @@
 """Erasure coding of snapshot objects with zfec: k data shares and m parity shares, any k of which rebuild the object.
 
-An object of ``n`` bytes is cut into *stripes* of ``k`` blocks of ``block`` bytes (the last stripe zero-padded);
-share ``i`` is block ``i`` of every stripe, back to back, so every share has ``stripes * block`` bytes. Data shares
-(``i < k``) are the object's own bytes; parity shares (``i >= k``) are zfec's Reed-Solomon blocks. Stripes are
-independent, so encoding and decoding run on several threads: about 1.2 GB/s per core.
+Every share has ``S = stripes * block`` bytes. Data share ``i`` (``i < k``) is the object's own bytes ``[i * S,
+(i + 1) * S)``, contiguous, zero-padded past the object's end (the padding stays below ``64 * k * stripes`` bytes);
+parity share ``k + j`` is zfec's Reed-Solomon parity. Stripe ``s`` is block ``[s * block, (s + 1) * block)`` of every
+share: zfec codes each stripe's ``k`` data blocks into its ``m`` parity blocks. Because the data shares are slices of
+the object, coding needs no copy of the data (``encode`` takes ``None`` for a data share it need not copy), and a
+reader finds any byte of the object in one data share. Stripes are independent, so encoding and decoding run on
+several threads: about 1.2 GB/s per core.
 
 zfec's C functions (``fec_encode``/``fec_decode`` of its ``fec.c``, exported by the ``zfec._fec`` extension module)
 are called through ctypes, which releases the GIL during the call: their input pointers point straight into the
 object or the shares and their output pointers straight into the parity shares (or the rebuilt object), so nothing
-is allocated or copied per stripe besides the data shares themselves. Where they cannot be loaded (another zfec
-build), the same shares are made through zfec's Python API (``zfec.Encoder``/``zfec.Decoder``), which returns fresh
-``bytes`` per block that are then copied.
+is allocated or copied per stripe (but the block of a stripe that runs past the object's end, zero-padded into a
+scratch block). Where they cannot be loaded (another zfec build), the same shares are made through zfec's Python API
+(``zfec.Encoder``/``zfec.Decoder``), which returns fresh ``bytes`` per block that are then copied.
 
 Pure functions over buffers: no I/O, no process group.
 """
@@ -64,6 +67,10 @@ class ShareLayout:
     @property
     def padding(self) -> int:
         return self.stripes * self.k * self.block - self.nbytes
+
+    def data_offset(self, i: int, stripe: int) -> int:
+        """Where block ``i`` (``i < k``) of ``stripe`` starts in the object (it may run past the object's end)."""
+        return i * self.share_nbytes + stripe * self.block
 
 
 def layout(nbytes: int, k: int, m: int, block: int = DEFAULT_BLOCK) -> ShareLayout:
@@ -172,20 +179,35 @@ def _run(fn, stripes: int, threads: int | None) -> None:  # type: ignore[no-unty
             f.result()
 
 
-def encode(data: memoryview, lay: ShareLayout, shares: list[memoryview], *, threads: int | None = None) -> None:
-    """Fill ``shares`` (``k + m`` writable buffers of ``lay.share_nbytes`` each) with the shares of ``data``."""
+def encode(data: memoryview, lay: ShareLayout, shares: list[memoryview | None], *,
+           threads: int | None = None) -> None:
+    """Fill ``shares`` (``k + m`` writable buffers of ``lay.share_nbytes`` each) with the shares of ``data``.
+
+    A data share given as ``None`` is not copied (its bytes are ``data``'s, see the module docstring): with every
+    data share ``None`` only the parity is computed, reading the object where it lies.
+    """
     k, m = lay.k, lay.m
-    if data.nbytes != lay.nbytes or len(shares) != k + m or any(s.nbytes != lay.share_nbytes for s in shares):
+    if data.nbytes != lay.nbytes or len(shares) != k + m or \
+            any((s is None and i >= k) or (s is not None and s.nbytes != lay.share_nbytes)
+                for i, s in enumerate(shares)):
         raise ValueError("encode: buffers do not match the share layout")
     data = data.cast("B") if data.format != "B" else data
     (_encode_native if _NATIVE is not None else _encode_py)(data, lay, shares, threads)
 
 
-def _encode_native(data: memoryview, lay: ShareLayout, shares: list[memoryview], threads: int | None) -> None:
+def _fill(dst: int, src: int, lo: int, size: int, n: int) -> None:
+    """Copy bytes ``[lo, lo + size)`` of the ``n``-byte object at ``src`` to ``dst``, zeros past its end."""
+    have = max(0, min(size, n - lo))
+    _copy(dst, src + lo, have)
+    if have < size:
+        ctypes.memset(dst + have, 0, size - have)
+
+
+def _encode_native(data: memoryview, lay: ShareLayout, shares: list[memoryview | None], threads: int | None) -> None:
     assert _NATIVE is not None
-    k, m, b, lib = lay.k, lay.m, lay.block, _NATIVE.lib
+    k, m, b, n, lib = lay.k, lay.m, lay.block, lay.nbytes, _NATIVE.lib
     src = _addr(data)
-    dst = [_addr(sh) for sh in shares]
+    dst = [_addr(sh) if sh is not None else 0 for sh in shares]
     code = _NATIVE.new(k, k + m) if m else 0
     nums = (ctypes.c_uint * max(1, m))(*range(k, k + m))
 
@@ -194,19 +216,19 @@ def _encode_native(data: memoryview, lay: ShareLayout, shares: list[memoryview],
         outs = (ctypes.c_void_p * max(1, m))()
         pad = None
         for s in range(a, z):
-            base = s * k * b
             off = s * b
-            if base + k * b <= lay.nbytes:
-                origin = src + base
-            else:  # the last stripe: zero-padded
-                if pad is None:
-                    pad = ctypes.create_string_buffer(k * b)
-                ctypes.memset(ctypes.addressof(pad), 0, k * b)
-                _copy(ctypes.addressof(pad), src + base, lay.nbytes - base)
-                origin = ctypes.addressof(pad)
             for i in range(k):
-                ins[i] = origin + i * b
-                _copy(dst[i] + off, origin + i * b, b)
+                lo = lay.data_offset(i, s)
+                if dst[i]:  # copied into its share, which zfec then reads (still in the cache)
+                    _fill(dst[i] + off, src, lo, b, n)
+                    ins[i] = dst[i] + off
+                elif lo + b <= n:
+                    ins[i] = src + lo
+                else:  # a block past the object's end: zero-padded
+                    if pad is None:
+                        pad = ctypes.create_string_buffer(k * b)
+                    _fill(ctypes.addressof(pad) + i * b, src, lo, b, n)
+                    ins[i] = ctypes.addressof(pad) + i * b
             if m:
                 for j in range(m):
                     outs[j] = dst[k + j] + off
@@ -219,34 +241,31 @@ def _encode_native(data: memoryview, lay: ShareLayout, shares: list[memoryview],
             lib.fec_free(code)
 
 
-def _encode_py(data: memoryview, lay: ShareLayout, shares: list[memoryview], threads: int | None) -> None:
+def _encode_py(data: memoryview, lay: ShareLayout, shares: list[memoryview | None], threads: int | None) -> None:
     """zfec's Python API: a fresh ``bytes`` per parity block, copied into its share."""
-    k, m, b = lay.k, lay.m, lay.block
+    k, m, b, n = lay.k, lay.m, lay.block, lay.nbytes
     enc = zfec.Encoder(k, k + m)
     parity = tuple(range(k, k + m))
-
     src = _addr(data)
-    dst = [_addr(sh) for sh in shares]
+    dst = [_addr(sh) if sh is not None else 0 for sh in shares]
 
     def work(a: int, z: int) -> None:
         pad = bytearray(k * b)
         pv = memoryview(pad)
         pad_addr = _addr(pv)
         for s in range(a, z):
-            base = s * k * b
-            if base + k * b <= lay.nbytes:
-                blocks = tuple(data[base + i * b: base + (i + 1) * b] for i in range(k))
-                origin = src + base
-            else:  # the last stripe: zero-padded
-                tail = lay.nbytes - base
-                ctypes.memset(pad_addr, 0, k * b)
-                _copy(pad_addr, src + base, tail)
-                blocks = tuple(pv[i * b: (i + 1) * b] for i in range(k))
-                origin = pad_addr
+            blocks = []
             for i in range(k):
-                _copy(dst[i] + s * b, origin + i * b, b)
+                lo = lay.data_offset(i, s)
+                if dst[i]:
+                    _fill(dst[i] + s * b, src, lo, b, n)
+                if lo + b <= n:
+                    blocks.append(data[lo: lo + b])
+                else:  # a block past the object's end: zero-padded
+                    _fill(pad_addr + i * b, src, lo, b, n)
+                    blocks.append(pv[i * b: (i + 1) * b])
             if m:
-                for j, blk in enumerate(enc.encode(blocks, parity)):
+                for j, blk in enumerate(enc.encode(tuple(blocks), parity)):
                     _copy(dst[k + j] + s * b, _addr(memoryview(blk)), b)
 
     _run(work, lay.stripes, threads)
@@ -285,30 +304,26 @@ def _decode_native(shares: dict[int, memoryview], lay: ShareLayout, out: memoryv
     idx = (ctypes.c_uint * k)(*index)
 
     def work(a: int, z: int) -> None:
+        for r in range(k):  # the data shares at hand: their stripes [a, z) are one run of the object
+            lo = lay.data_offset(r, a)
+            if index[r] < k and lo < n:
+                _copy(out_addr + lo, share_addr[r] + a * b, min((z - a) * b, n - lo))
+        if not lost:
+            return
         ins = (ctypes.c_void_p * k)()
-        outs = (ctypes.c_void_p * max(1, len(lost)))()
-        scratch = None
+        outs = (ctypes.c_void_p * len(lost))()
+        scratch = ctypes.create_string_buffer(len(lost) * b)
         for s in range(a, z):
-            base, off = s * k * b, s * b
             for r in range(k):
-                lo = base + r * b
-                if index[r] < k and lo < n:
-                    _copy(out_addr + lo, share_addr[r] + off, min(b, n - lo))
-            if not lost:
-                continue
-            for r in range(k):
-                ins[r] = share_addr[index[r]] + off
-            whole = base + k * b <= n
-            if not whole and scratch is None:
-                scratch = ctypes.create_string_buffer(len(lost) * b)
+                ins[r] = share_addr[index[r]] + s * b
             for j, r in enumerate(lost):
-                outs[j] = out_addr + base + r * b if whole else ctypes.addressof(scratch) + j * b
+                lo = lay.data_offset(r, s)
+                outs[j] = out_addr + lo if lo + b <= n else ctypes.addressof(scratch) + j * b
             lib.fec_decode(code, ins, outs, idx, b)  # the GIL is released while it decodes
-            if not whole:
-                for j, r in enumerate(lost):
-                    lo = base + r * b
-                    if lo < n:
-                        _copy(out_addr + lo, ctypes.addressof(scratch) + j * b, min(b, n - lo))
+            for j, r in enumerate(lost):
+                lo = lay.data_offset(r, s)
+                if n - b < lo < n:  # the block runs past the object's end: its head only
+                    _copy(out_addr + lo, ctypes.addressof(scratch) + j * b, n - lo)
 
     try:
         _run(work, lay.stripes, threads)
@@ -319,7 +334,7 @@ def _decode_native(shares: dict[int, memoryview], lay: ShareLayout, out: memoryv
 
 def _decode_py(shares: dict[int, memoryview], lay: ShareLayout, out: memoryview, threads: int | None) -> None:
     """zfec's Python API: fresh ``bytes`` per rebuilt block, copied into ``out``."""
-    k, b = lay.k, lay.block
+    k, b, n = lay.k, lay.block, lay.nbytes
     use = sorted(shares)
     data_only = use == list(range(k))
     dec = None if data_only else zfec.Decoder(k, lay.k + lay.m)
@@ -330,17 +345,15 @@ def _decode_py(shares: dict[int, memoryview], lay: ShareLayout, out: memoryview,
 
     def work(a: int, z: int) -> None:
         for s in range(a, z):
-            base = s * k * b
             if dec is None:
                 prim_addr = [share_addr[i] + s * b for i in use]
             else:
                 prim = dec.decode(tuple(shares[i][s * b: (s + 1) * b] for i in use), nums)
                 prim_addr = [_addr(memoryview(p)) for p in prim]
             for i in range(k):
-                lo = base + i * b
-                if lo >= lay.nbytes:
-                    break
-                _copy(out_addr + lo, prim_addr[i], min(b, lay.nbytes - lo))
+                lo = lay.data_offset(i, s)
+                if lo < n:
+                    _copy(out_addr + lo, prim_addr[i], min(b, n - lo))
 
     _run(work, lay.stripes, threads)
 

@@ -54,6 +54,8 @@ SHM_ENV = "LIGHTNING_SNAPSHOT_SHM_DIR"
 _EC = ".ec"
 _LAYOUT = "layout.json"
 _READING = "reading.json"
+#: How ``layout.json`` says its object is cut (see :mod:`lightning_snapshot.backends.erasure`): contiguous data shares.
+_LAYOUT_KIND = "contiguous-v1"
 #: iovecs per ``preadv`` call (Linux's IOV_MAX is 1024)
 _IOV = 512
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -215,7 +217,8 @@ class RamTier(Backend):
         finally:
             for mm in maps:
                 _close(mm)
-        self._pending[key] = {"k": k, "m": m, "nbytes": lay.nbytes, "block": lay.block, "stripes": lay.stripes,
+        self._pending[key] = {"layout": _LAYOUT_KIND, "k": k, "m": m, "nbytes": lay.nbytes, "block": lay.block,
+                              "stripes": lay.stripes,
                               "checksums": sums}
         return data.nbytes
 
@@ -236,7 +239,7 @@ class RamTier(Backend):
                 self._need_whole(key)
                 raise
         out = bytearray(reading["nbytes"])
-        self._read_striped(key, reading, 0, memoryview(out))
+        self._read_shares(key, reading, 0, memoryview(out))
         return bytes(out)
 
     def read_view(self, key: str) -> memoryview:
@@ -273,7 +276,7 @@ class RamTier(Backend):
                 with self.store._count_lock:
                     self.store.bytes_read += view.nbytes
                 return
-        self._read_striped(key, reading, offset, out)
+        self._read_shares(key, reading, offset, out)
 
     def _reading(self, key: str) -> dict[str, Any] | None:
         """Where the data shares of the erasure-coded ``key`` are, as :meth:`prepare_restore` wrote it (or None)."""
@@ -286,7 +289,8 @@ class RamTier(Backend):
         except (OSError, ValueError):
             return None
         ok = isinstance(reading, dict) and all(isinstance(reading.get(f), int) and reading[f] > 0
-                                               for f in ("k", "block")) and isinstance(reading.get("nbytes"), int)
+                                               for f in ("k", "share_nbytes")) and \
+            isinstance(reading.get("nbytes"), int) and reading["nbytes"] <= reading["k"] * reading["share_nbytes"]
         if not ok or not isinstance(reading.get("files"), list) or len(reading["files"]) != reading["k"] or \
                 not all(isinstance(f, str) and _SHARE_FILE.match(f) for f in reading["files"]):
             raise SnapshotError(f"{key}{_EC}/{_READING} in the RAM tier {self.url} is malformed; restore again")
@@ -294,32 +298,22 @@ class RamTier(Backend):
         self._readings[key] = reading
         return reading
 
-    def _read_striped(self, key: str, reading: dict[str, Any], offset: int, out: memoryview) -> None:
+    def _read_shares(self, key: str, reading: dict[str, Any], offset: int, out: memoryview) -> None:
         view = memoryview(out).cast("B")
-        n, k, b = view.nbytes, reading["k"], reading["block"]
+        n, size = view.nbytes, reading["share_nbytes"]
         if offset < 0 or offset + n > reading["nbytes"]:
             raise EOFError(f"{key!r} has {reading['nbytes']} bytes: [{offset}, {offset + n}) is out of range")
-        # byte x of the object is byte (x // (k*b)) * b + x % b of data share (x % (k*b)) // b: the pieces of one
-        # share in [offset, offset + n) are back to back in its file
-        pieces: list[list[memoryview]] = [[] for _ in range(k)]
-        start = [0] * k
+        # data share i holds bytes [i * size, (i + 1) * size) of the object: one read per share touched
         pos = 0
         while pos < n:
-            s, r = divmod(offset + pos, k * b)
-            i, w = divmod(r, b)
-            size = min(b - w, n - pos)
-            if not pieces[i]:
-                start[i] = s * b + w
-            pieces[i].append(view[pos: pos + size])
-            pos += size
-        for i in range(k):
-            if not pieces[i]:
-                continue
+            i, at = divmod(offset + pos, size)
+            piece = min(size - at, n - pos)
             fd = os.open(reading["dir"] / reading["files"][i], os.O_RDONLY | os.O_CLOEXEC)
             try:
-                _preadv_all(fd, pieces[i], start[i], key)
+                _preadv_all(fd, [view[pos: pos + piece]], at, key)
             finally:
                 os.close(fd)
+            pos += piece
         with self.store._count_lock:
             self.store.bytes_read += n
 
@@ -418,7 +412,7 @@ class RamTier(Backend):
         (``verify``: only those whose xxh3 matches the layout's)."""
         from lightning_snapshot.manifest import MANIFEST_NAME
 
-        inv: dict[str, Any] = {"manifest": None, "whole": {}, "shares": {}, "bad": []}
+        inv: dict[str, Any] = {"manifest": None, "whole": {}, "shares": {}, "bad": [], "broken": {}}
         if not self.node_leader:
             return inv
         try:
@@ -433,6 +427,7 @@ class RamTier(Backend):
                     layout = _parse_layout(self.store.read(f"{prefix}/{name}/{_LAYOUT}"), key)
                 except (OSError, SnapshotError) as e:
                     inv["bad"].append(f"{key}: {e}")
+                    inv["broken"][key] = str(e)
                     continue
                 inv["shares"][key] = {"layout": layout, "good": []}
                 for entry in self.store.list(f"{prefix}/{name}"):
@@ -548,9 +543,12 @@ class RamTier(Backend):
                 layouts.setdefault(key, e["layout"])
                 for i in e["good"]:
                     holders.setdefault(key, {}).setdefault(i, []).append(r)
-        for key in sorted(keys):
+        broken = {key: why for r in leaders for key, why in invs[r]["broken"].items()}
+        for key in sorted(keys | set(broken)):
             if key in whole_at:
                 continue
+            if key not in layouts:
+                raise SnapshotError(f"the RAM tier {self.url} cannot rebuild {key!r} of step {step}: {broken[key]}")
             k = layouts[key]["k"]
             have = sorted(holders.get(key, {}))
             if len(have) < k:
@@ -660,7 +658,7 @@ class RamTier(Backend):
                 files = [f".{i}.rebuilt" if i in outs else paths[i].name for i in range(lay.k)]
                 used = {inv_dir / f for f in files}
                 self.store.write(f"{key}{_EC}/{_READING}", [json.dumps(
-                    {"k": lay.k, "block": lay.block, "nbytes": lay.nbytes, "files": files}).encode()])
+                    {"k": lay.k, "share_nbytes": lay.share_nbytes, "nbytes": lay.nbytes, "files": files}).encode()])
             finally:
                 for mm in maps.values():
                     _close(mm)
@@ -720,6 +718,10 @@ def _parse_layout(raw: bytes, key: str) -> dict[str, Any]:
         layout = json.loads(raw)
     except ValueError as e:
         raise SnapshotError(f"share layout of {key!r} is not JSON: {e}") from None
+    if isinstance(layout, dict) and layout.get("layout") != _LAYOUT_KIND:
+        raise SnapshotError(f"the shares of {key!r} were laid out by another version of lightning-snapshot"
+                            f" (layout {layout.get('layout', 'striped')!r}, this one reads {_LAYOUT_KIND!r}); restore"
+                            " from a durable tier, or with the version that wrote them")
     ints = ("k", "m", "nbytes", "block", "stripes")
     if not isinstance(layout, dict) or any(not isinstance(layout.get(f), int) or layout[f] < 0 for f in ints) or \
             layout["k"] < 1 or not isinstance(layout.get("checksums"), list) or \

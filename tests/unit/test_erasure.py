@@ -78,3 +78,26 @@ def test_rebuild_gives_back_the_lost_data_shares(monkeypatch, native, k, m):
         assert all(bytes(out[i]) == bytes(shares[i]) for i in lost), subset
     with pytest.raises(ValueError, match="exactly the lost data shares"):
         ec.rebuild({i: shares[i] for i in range(1, k + 1)}, lay, {}, threads=2)
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("nbytes", [65, 1000, (3 << 20) + 17])
+def test_data_shares_are_contiguous_slices_of_the_object_and_need_no_copy(monkeypatch, native, nbytes):
+    """Data share i is the object's bytes [i * S, (i + 1) * S), zeros past its end; the parity computed from the
+    object where it lies (data shares not given) is the parity computed from copied data shares."""
+    if not native:
+        monkeypatch.setattr(ec, "_NATIVE", None)
+    k, m = 4, 2
+    data = os.urandom(nbytes)
+    lay = ec.layout(nbytes, k, m, block=1 << 20)
+    full = [memoryview(bytearray(lay.share_nbytes)) for _ in range(k + m)]
+    ec.encode(memoryview(data), lay, full, threads=2)
+    size = lay.share_nbytes
+    for i in range(k):
+        part = data[i * size: (i + 1) * size]
+        assert bytes(full[i]) == part + bytes(size - len(part)), i
+    parity = [memoryview(bytearray(lay.share_nbytes)) for _ in range(m)]
+    ec.encode(memoryview(data), lay, [None] * k + parity, threads=2)
+    assert [bytes(p) for p in parity] == [bytes(p) for p in full[k:]]
+    with pytest.raises(ValueError, match="do not match the share layout"):
+        ec.encode(memoryview(data), lay, [None] * (k + m), threads=2)  # parity shares must be given

@@ -131,3 +131,13 @@ def test_a_corruption_beyond_repair_raises_the_shares_it_lacks(saved):
     with pytest.raises(SnapshotError, match=r"3 good share\(s\) of the 4 needed"):
         _restore(ram)
     assert not [f for f in os.listdir(ec_dir) if f.startswith(".") or f == "reading.json"]
+
+
+def test_shares_laid_out_by_another_version_are_refused_with_a_reason(saved, caplog):
+    ram, _state, ec_dir = saved
+    layout = json.loads((ec_dir / "layout.json").read_text())
+    del layout["layout"]  # the striped layout of 0.1.0.dev before contiguous data shares
+    (ec_dir / "layout.json").write_text(json.dumps(layout))
+    with caplog.at_level("WARNING"), pytest.raises(SnapshotError, match="cannot rebuild"):
+        _restore(ram)
+    assert "laid out by another version of lightning-snapshot (layout 'striped'" in caplog.text
