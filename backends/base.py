@@ -46,6 +46,10 @@ class Backend(abc.ABC):
     #: How many ``read_into`` calls the engine may make at once, from different threads (restores read large
     #: snapshots in parallel where the backend allows it; 1: one call at a time).
     parallel_reads: ClassVar[int] = 1
+    #: If set, the engine reads a checksum chunk in pieces of this many bytes and hashes each right after it is
+    #: read, while it is still in the CPU cache (for memory-speed tiers, where a call is cheap); None: one
+    #: ``read_into`` per chunk (object stores, where a request costs more than the hash pass it saves).
+    read_piece_bytes: ClassVar[int | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

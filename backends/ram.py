@@ -116,6 +116,7 @@ class RamTier(Backend):
     durable = False
     #: Restores read from shared memory on several threads (the node-local store is thread-safe).
     parallel_reads = 4
+    read_piece_bytes = 1 << 20
     #: Each node holds its own objects: the writer commits the manifest on every node (see ``publish``).
     node_local = True
 
@@ -253,7 +254,7 @@ class RamTier(Backend):
 
     def read_into(self, key: str, offset: int, out: memoryview) -> None:
         """Thread-safe. An erasure-coded object that :meth:`prepare_restore` made readable is read straight from
-        its data shares (one ``preadv`` per share and call: the stripes of a share are contiguous in its file)."""
+        its data shares (one ``preadv`` per data share the range touches: each holds a contiguous run of it)."""
         reading = self._readings.get(key)
         if reading is None:
             # the path is checked once (no symlink out of the tier: ``_path`` resolves every component, some 40 us

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import xxhash
 
 from lightning_snapshot import tree as _tree
 from lightning_snapshot.backends.base import Backend
@@ -211,16 +212,28 @@ def _read_all(backend: Backend, manifest: Manifest, prefix: str, reads: list[_Re
 
 
 def _read_chunk(backend: Backend, manifest: Manifest, prefix: str, r: _Read, a: int, b: int, expected: str) -> None:
-    """Read bytes ``[a, b)`` of one fragment (one checksum chunk) and verify them right after."""
+    """Read bytes ``[a, b)`` of one fragment (one checksum chunk) and verify them right after (piece by piece,
+    each hashed while still in the cache, where the backend has cheap ``read_piece_bytes``)."""
+    key = f"{prefix}/{r.object}"
+    piece = getattr(backend, "read_piece_bytes", None)
     try:
-        if b > a:
-            backend.read_into(f"{prefix}/{r.object}", r.offset + a, r.view[a:b])
+        if piece and b - a > piece:
+            h = xxhash.xxh3_64()
+            for x in range(a, b, piece):
+                y = min(x + piece, b)
+                backend.read_into(key, r.offset + x, r.view[x:y])
+                h.update(r.view[x:y])
+            got = h.hexdigest()
+        else:
+            if b > a:
+                backend.read_into(key, r.offset + a, r.view[a:b])
+            got = digest(r.view[a:b])
     except (EOFError, FileNotFoundError) as e:
         raise ChecksumError(
             f"tensor {r.name!r}: object {r.object!r} of step {manifest.step} in the {backend.tier} tier"
             f" {backend.url!r} is missing or truncated ({e})"
         ) from e
-    if digest(r.view[a:b]) != expected:
+    if got != expected:
         raise ChecksumError(
             f"checksum mismatch in tensor {r.name!r}, object {r.object!r}, bytes [{r.offset + a},"
             f" {r.offset + b}) of step {manifest.step} in the {backend.tier} tier {backend.url!r}:"
