@@ -39,6 +39,8 @@ class PersistJob:
     ok: dict[int, bool] = field(default_factory=dict)
     refs: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    #: tier index -> the local tier whose committed copy of this step it uploads (pinned there until it is done)
+    sources: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -99,7 +101,7 @@ class _TierWorker:
         outage_since: float | None = None
         delay = getattr(self.tier, "retry_initial", 0.0)
         try:
-            source = self._source(job)
+            source = job.sources.get(self.index)
             if source is not None:
                 job.done[source].wait()
                 if job.ok.get(source):
@@ -154,7 +156,7 @@ class _TierWorker:
                 pass  # the agent applied retention
             elif self.comm.rank == 0 or getattr(self.tier, "node_leader", False):  # (RAM: each node its own)
                 try:
-                    apply_retention(self.tier, job.step)
+                    apply_retention(self.tier, job.step, pinned=self.p.pinned(self.index))
                 except Exception as e:  # noqa: BLE001 - the snapshot is committed; cleanup waits for the next one
                     log.warning("lightning-snapshot: retention in the %s tier %s failed: %s", self.tier.tier,
                                 self.tier.url, _describe(self.tier, e))
@@ -170,6 +172,8 @@ class _TierWorker:
             self.p.results.put(PersistResult(self.tier, job.step, time.monotonic() - t0, 0, None, e))
         finally:
             job.done[self.index].set()
+            if self.index in job.sources:
+                self.p.unpin(job.sources[self.index], job.step)
             if holding:
                 self.p.unref(job)
 
@@ -200,6 +204,9 @@ class Persister:
         self.agent = agent
         self.results: queue.Queue[PersistResult] = queue.Queue()
         self._workers = [_TierWorker(self, i, t, c) for i, (t, c) in enumerate(zip(tiers, comms))]
+        # steps a slower tier still uploads from a local tier's committed copy: that tier's retention keeps them
+        self._pins: dict[int, dict[int, int]] = {}
+        self._pin_lock = threading.Lock()
         # tells the node's snapshot agent about each staged snapshot once its copy finished, and about its release,
         # in that order (the agent flushes what is not released if this process dies)
         self._notes: queue.Queue[tuple[str, PersistJob] | None] = queue.Queue()
@@ -241,10 +248,29 @@ class Persister:
         job.refs = len(indices)
         for i in indices:
             job.done[i] = threading.Event()
+        for i in indices:
+            source = self._workers[i]._source(job)
+            if source is not None:
+                job.sources[i] = source
+                with self._pin_lock:
+                    steps = self._pins.setdefault(source, {})
+                    steps[job.step] = steps.get(job.step, 0) + 1
         if self._notifier is not None:
             self._notes.put(("staged", job))
         for i in indices:
             self._workers[i].jobs.put(job)
+
+    def pinned(self, index: int) -> set[int]:
+        """Steps of tier ``index`` that another tier still uploads from (its retention must keep them)."""
+        with self._pin_lock:
+            return set(self._pins.get(index, ()))
+
+    def unpin(self, index: int, step: int) -> None:
+        with self._pin_lock:
+            steps = self._pins.get(index, {})
+            steps[step] -= 1
+            if not steps[step]:
+                del steps[step]
 
     def unref(self, job: PersistJob) -> None:
         with job.lock:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -331,17 +331,18 @@ def committed_steps(backend: Backend) -> list[int]:
     return sorted(steps, reverse=True)
 
 
-def apply_retention(backend: Backend, newest: int) -> list[int]:
+def apply_retention(backend: Backend, newest: int, pinned: Collection[int] = ()) -> list[int]:
     """Delete committed snapshots beyond ``keep_last`` and uncommitted leftovers older than ``newest``.
 
-    ``newest`` (the step just committed and verified) is never deleted, whatever ``keep_last`` says. Called by
+    ``newest`` (the step just committed and verified) is never deleted, whatever ``keep_last`` says, nor are the
+    ``pinned`` steps (another tier still uploads them from this one; a later retention deletes them). Called by
     rank 0 only, after the commit, when no write of this run is in flight.
 
     Returns the deleted steps.
     """
     deleted: list[int] = []
     committed = committed_steps(backend)
-    keep = set(committed if backend.keep_last is None else committed[: backend.keep_last]) | {newest}
+    keep = set(committed if backend.keep_last is None else committed[: backend.keep_last]) | {newest} | set(pinned)
     for name in backend.list(""):
         step = parse_step_dirname(name)
         if step is None or step in keep:

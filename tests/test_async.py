@@ -250,3 +250,32 @@ def test_budget_of_one_buffer_never_holds_two(tmp_path):
         trainer.fit(Model(0.2), DataLoader(Squares(), batch_size=4))
     assert max(peak) <= budget
     assert committed_steps(LocalTier(tmp_path))  # some snapshots still made it
+
+
+class SlowRemote(LocalTier):
+    """A real filesystem tier that is not ``local`` (as an NFS mount or a bucket would be): it uploads each step
+    from the local tier's committed copy, and here it is slower to start than training is to take snapshots."""
+
+    tier = "remote"
+
+    def write(self, key, buffers):
+        time.sleep(0.3)
+        return super().write(key, buffers)
+
+
+def test_a_slower_tier_uploads_every_step_although_the_local_tier_keeps_one(tmp_path, caplog):
+    """The local tier's retention keeps a step until the slower tier finished uploading it from there."""
+    L.seed_everything(0, verbose=False)
+    local = LocalTier(tmp_path / "local", every_n_train_steps=1, keep_last=1)
+    remote = SlowRemote(tmp_path / "remote", every_n_train_steps=1, keep_last=None)
+    cb = SnapshotCallback([local, remote])
+    trainer = L.Trainer(accelerator="cpu", max_steps=6, callbacks=[cb], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    with caplog.at_level("WARNING"):
+        trainer.fit(Model(0.2), DataLoader(Squares(), batch_size=4, shuffle=True))
+    assert committed_steps(remote) == [6, 5, 4, 3, 2, 1]
+    assert committed_steps(local) == [6]  # and the pins did not keep old steps once uploaded
+    assert sorted(os.listdir(tmp_path / "local")) == ["step-000000000006"]
+    assert "failing" not in caplog.text, caplog.text
+    for step in range(1, 7):
+        assert load_snapshot(str(tmp_path / "remote"), step=step)["global_step"] == step
