@@ -295,7 +295,8 @@ class RamTier(Backend):
         if not ok or not isinstance(reading.get("files"), list) or len(reading["files"]) != reading["k"] or \
                 not all(isinstance(f, str) and _SHARE_FILE.match(f) for f in reading["files"]):
             raise SnapshotError(f"{key}{_EC}/{_READING} in the RAM tier {self.url} is malformed; restore again")
-        reading["dir"] = self.store._path(key + _EC)
+        ec_dir = self.store._path(key + _EC)
+        reading["paths"] = [os.path.join(ec_dir, f) for f in reading["files"]]  # (joined once: reads are hot)
         self._readings[key] = reading
         return reading
 
@@ -309,7 +310,7 @@ class RamTier(Backend):
         while pos < n:
             i, at = divmod(offset + pos, size)
             piece = min(size - at, n - pos)
-            fd = os.open(reading["dir"] / reading["files"][i], os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(reading["paths"][i], os.O_RDONLY | os.O_CLOEXEC)
             try:
                 _preadv_all(fd, [view[pos: pos + piece]], at, key)
             finally:
