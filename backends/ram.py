@@ -18,8 +18,8 @@ loader reads the object's bytes straight out of them (``<object>.ec/reading.json
 lost data share is rebuilt from parity into a share-sized file first. Shares are not hashed up front: the loader
 verifies every chunk it reads against the manifest's checksums, and only when a chunk fails on some rank does every
 node hash its shares (against ``layout.json``), treat corrupted ones as missing, rebuild them from the others and
-let the failed ranks read again. :meth:`RamTier.finish_restore` frees what the restore added. Cross-node traffic runs on a gloo group of the trainers made for this tier, never on the trainer's main group
-from a background thread.
+let the failed ranks read again. :meth:`RamTier.finish_restore` frees what the restore added. Cross-node traffic
+runs on a gloo group of the trainers made for this tier, never on the trainer's main group from a background thread.
 """
 
 from __future__ import annotations
