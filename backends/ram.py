@@ -150,6 +150,7 @@ class RamTier(Backend):
         self.node_rank, self.num_nodes, self.local_rank, self.ranks_per_node = 0, 1, 0, 1
         self._store: _Store | None = None
         self._pending: dict[str, dict[str, Any]] = {}
+        self._sources: dict[str, memoryview] = {}  # key -> the object written, until distribute() sent its shares
         self._readings: dict[str, dict[str, Any]] = {}  # key -> where its data shares are (see prepare_restore)
         self._paths: dict[str, Path] = {}  # key -> its file, checked once (see read_into)
 
@@ -201,26 +202,31 @@ class RamTier(Backend):
         if self.erasure is None or not key.endswith(".bin"):
             return self.store.write(key, buffers)
         views = [memoryview(b).cast("B") for b in buffers]
-        data = views[0] if len(views) == 1 else memoryview(b"".join(views))
+        data = views[0] if len(views) == 1 else memoryview(bytearray().join(views))
         k, m = self.erasure
         lay = _ec.layout(data.nbytes, k, m)
         ec_dir = self.store._path(key + _EC)
         ec_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        maps = []
+        # share 0 stays on this node and the parity shares wait here for distribute(); data shares 1..k-1 are the
+        # object's own bytes, which distribute() sends from where they lie (the staging arena): no file, no copy
+        files = [0, *range(k, k + m)]
+        maps: dict[int, Any] = {}
         try:
-            for i in range(k + m):
-                maps.append(_map_new(ec_dir / str(i), lay.share_nbytes))
-            _ec.encode(data, lay, [memoryview(mm) if mm is not None else memoryview(bytearray(0)) for mm in maps],
+            for i in files:
+                maps[i] = _map_new(ec_dir / str(i), lay.share_nbytes)
+            _ec.encode(data, lay, [_view(maps[i]) if i in maps else None for i in range(k + m)],
                        threads=self.threads)
-            sums = _digests([_view(mm) for mm in maps], self.threads)
+            sums = _digests([(_view(maps[i]), 0) if i in maps else _data_share(data, lay, i) for i in range(k + m)],
+                            self.threads)
         except OSError as e:
             raise SnapshotWriteError(e.errno, f"erasure-coding {key!r} into {ec_dir} failed: {e}") from e
         finally:
-            for mm in maps:
+            for mm in maps.values():
                 _close(mm)
         self._pending[key] = {"layout": _LAYOUT_KIND, "k": k, "m": m, "nbytes": lay.nbytes, "block": lay.block,
                               "stripes": lay.stripes,
                               "checksums": sums}
+        self._sources[key] = data
         return data.nbytes
 
     def commit(self, key: str, data: bytes) -> None:
@@ -353,6 +359,7 @@ class RamTier(Backend):
     def distribute(self, comm: Any, prefix: str, run_id: str) -> None:
         """Send every share of this rank's new objects to its node and keep the ones of this node (collective)."""
         pending, self._pending = self._pending, {}
+        sources, self._sources = self._sources, {}
         if self.erasure is None:
             return
         k, m = self.erasure
@@ -361,12 +368,18 @@ class RamTier(Backend):
         import torch.distributed as dist
 
         n, n_nodes = self.node_rank, self.num_nodes
-        sends, recvs, keep = [], [], []
+        sends, recvs, keep, held = [], [], [], []
         try:
             for i in range(1, k + m):
                 dst = self._rank_of((n + i) % n_nodes, self.local_rank)
                 src = self._rank_of((n - i) % n_nodes, self.local_rank)
-                for key in sorted(mine):
+                for key, meta in sorted(mine.items()):
+                    if i < k:  # the object's bytes of data share i (past the object's end the share is zeros)
+                        part, _pad = _data_share(sources[key], _layout_of(meta), i)
+                        if part.nbytes:
+                            held.append(_as_tensor(part))
+                            sends.append(dist.isend(held[-1], dst, group=comm.group))
+                        continue
                     mm = _map_existing(self.store._path(f"{key}{_EC}/{i}"))
                     if mm is not None:
                         keep.append(mm)
@@ -374,20 +387,24 @@ class RamTier(Backend):
                 for key, meta in sorted(everyone[src].items()):
                     path = self.store._path(f"{key}{_EC}/{i}")
                     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-                    mm = _map_new(path, meta["stripes"] * meta["block"])
+                    lay = _layout_of(meta)
+                    mm = _map_new(path, lay.share_nbytes)  # (zeros until received)
                     if mm is not None:
                         keep.append(mm)
-                        recvs.append(dist.irecv(_as_tensor(mm), src, group=comm.group))
+                        size = _data_share_nbytes(lay, i) if i < k else lay.share_nbytes
+                        if size:
+                            recvs.append(dist.irecv(_as_tensor(mm)[:size], src, group=comm.group))
             for w in sends + recvs:
                 w.wait()
         finally:
             sends.clear()
             recvs.clear()
+            held.clear()
             for mm in keep:
                 _close(mm)
         # this node keeps share 0 of its own objects and share i of the objects of node n - i
         for key in mine:
-            for i in range(1, k + m):
+            for i in range(k, k + m):
                 self.store.delete(f"{key}{_EC}/{i}")
         for r, objs in enumerate(everyone):
             if r % self.ranks_per_node != self.local_rank:
@@ -398,6 +415,23 @@ class RamTier(Backend):
                     continue
                 layout = {**meta, "nodes": [(self._node_of(r) + j) % n_nodes for j in range(k + m)]}
                 self.store.write(f"{key}{_EC}/{_LAYOUT}", [json.dumps(layout).encode()])
+
+    def _place_all_here(self) -> None:
+        """What :meth:`distribute` does, for one process standing for every node (benchmarks, unit tests): every
+        share of the new objects is kept in this node's directory, with the ``layout.json`` of each."""
+        pending, self._pending = self._pending, {}
+        sources, self._sources = self._sources, {}
+        for key, meta in pending.items():
+            lay = _layout_of(meta)
+            for i in range(1, lay.k):
+                part, _pad = _data_share(sources[key], lay, i)
+                mm = _map_new(self.store._path(f"{key}{_EC}/{i}"), lay.share_nbytes)
+                try:
+                    _view(mm)[: part.nbytes] = part
+                finally:
+                    _close(mm)
+            layout = {**meta, "nodes": [self.node_rank] * (lay.k + lay.m)}
+            self.store.write(f"{key}{_EC}/{_LAYOUT}", [json.dumps(layout).encode()])
 
     # ------------------------------------------------------------------------------------------- restore
     def collective_steps(self, comm: Any) -> list[int]:
@@ -734,13 +768,46 @@ def _parse_layout(raw: bytes, key: str) -> dict[str, Any]:
     return layout
 
 
-def _digests(views: list[memoryview], threads: int | None) -> list[str]:
-    """xxh3 of each of ``views``, on several threads (xxh3 releases the GIL)."""
-    workers = min(len(views), threads or min(8, os.cpu_count() or 1))
+def _layout_of(meta: dict[str, Any]) -> _ec.ShareLayout:
+    return _ec.ShareLayout(meta["k"], meta["m"], meta["nbytes"], meta["block"], meta["stripes"])
+
+
+def _data_share_nbytes(lay: _ec.ShareLayout, i: int) -> int:
+    """Bytes of the object in data share ``i`` (the rest of the share is zeros)."""
+    return max(0, min(lay.share_nbytes, lay.nbytes - i * lay.share_nbytes))
+
+
+def _data_share(data: memoryview, lay: _ec.ShareLayout, i: int) -> tuple[memoryview, int]:
+    """Data share ``i`` of the object ``data``: its bytes of the object (a view) and the zeros that follow."""
+    have = _data_share_nbytes(lay, i)
+    at = min(i * lay.share_nbytes, lay.nbytes)
+    return data[at: at + have], lay.share_nbytes - have
+
+
+_ZEROS = memoryview(bytes(1 << 20))
+
+
+def _padded_digest(item: tuple[memoryview, int]) -> str:
+    """xxh3 of ``view`` followed by ``pad`` zero bytes (what :func:`digest` gives for the padded bytes)."""
+    view, pad = item
+    if not pad:
+        return digest(view)
+    h = xxhash.xxh3_64()
+    h.update(view)
+    while pad:
+        n = min(pad, _ZEROS.nbytes)
+        h.update(_ZEROS[:n])
+        pad -= n
+    return h.hexdigest()
+
+
+def _digests(items: list[tuple[memoryview, int]], threads: int | None) -> list[str]:
+    """xxh3 of each (view + that many zero bytes) of ``items``, on several threads (xxh3 releases the GIL)."""
+    workers = min(len(items), threads or min(8, os.cpu_count() or 1))
     if workers <= 1:
-        return [digest(v) for v in views]
+        return [_padded_digest(v) for v in items]
     with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lightning-snapshot-digest") as pool:
-        return list(pool.map(digest, views))
+        return list(pool.map(_padded_digest, items))
 
 
 #: Bytes a share is hashed in (read into a buffer that stays in the L2 cache).
@@ -837,7 +904,12 @@ def _view(mm: mmap.mmap | None) -> memoryview:
     return memoryview(mm) if mm is not None else memoryview(bytearray(0))
 
 
-def _as_tensor(mm: mmap.mmap) -> Any:
+def _as_tensor(buf: mmap.mmap | memoryview) -> Any:
+    """A uint8 tensor over ``buf`` (no copy). A read-only buffer is only ever sent, never written into."""
+    import warnings
+
     import torch
 
-    return torch.frombuffer(mm, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(buf, dtype=torch.uint8)

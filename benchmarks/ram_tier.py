@@ -73,7 +73,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
 import shutil
 import signal
@@ -215,16 +214,10 @@ def zfec_decode_raw(shares: dict[int, memoryview], lay: ec.ShareLayout) -> None:
 
 # ================================================================================================ RAM tier
 def keep_all_shares_here(ram: RamTier) -> None:
-    """Replace ``ram.distribute`` (send shares to peer nodes over gloo) for a one-process run: every share stays in
-    this node's directory and the ``layout.json`` that ``distribute`` writes is written here."""
-
-    def distribute(comm: Any, prefix: str, run_id: str) -> None:
-        pending, ram._pending = ram._pending, {}
-        for key, meta in pending.items():
-            layout = {**meta, "nodes": [0] * (meta["k"] + meta["m"])}
-            ram.store.write(f"{key}.ec/layout.json", [json.dumps(layout).encode()])
-
-    ram.distribute = distribute  # type: ignore[method-assign]
+    """Replace ``ram.distribute`` (send shares to peer nodes over gloo) for a one-process run: every share is kept
+    in this node's directory (data shares 1..3, which ``distribute`` sends from the staged object itself, are
+    written into files here) with the ``layout.json`` that ``distribute`` writes."""
+    ram.distribute = lambda comm, prefix, run_id: ram._place_all_here()  # type: ignore[method-assign]
 
 
 def restore(tier: Any, step: int, targets: dict[str, torch.Tensor] | None) -> Any:
