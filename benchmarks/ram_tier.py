@@ -18,6 +18,8 @@ Rows
    * ``zfec raw, 1 core``: ``zfec.Encoder(4, 6).encode(blocks, (4, 5))`` over every stripe of 4 blocks
      of the same bytes (memoryviews, no copy), one thread: zfec's own single-core rate (the parity only; the
      last partial stripe is zero-padded into a scratch buffer as ``erasure.encode`` does);
+   * ``zfec raw, N threads``: the same, each of ``N`` threads (the cores ``erasure.encode`` uses) taking its share
+     of the stripes: how far zfec itself scales on this machine (on a VM the cores may not give N times one);
    * ``erasure.encode, parity``, 1 thread and ``os.cpu_count()`` threads: the coding itself, the work ``zfec raw``
      does. The data shares are the object's own bytes (contiguous slices, see ``backends/erasure.py``), so they are
      passed as ``None`` and zfec's C ``fec_encode`` reads the object where it lies and writes the 2 parity shares
@@ -27,10 +29,12 @@ Rows
      own (what the RAM tier's write does, into ``/dev/shm`` files), against ``zfec raw + memcpy of the object`` on
      one core (the same output bytes);
    * ``write_snapshot -> RamTier 4+2``: the tier's whole write path for a snapshot staged by the arena (one packed
-     buffer): encode into fresh ``/dev/shm`` files (page faults, tmpfs allocation), xxh3 of every share, manifest.
-     All six shares stay in this process's directory: with one process there are no peer nodes, so the tier is
-     bound as node 0 of 6 and its ``distribute`` step (send shares 1..5 to nodes 1..5 over gloo) is replaced by a
-     shim that keeps them here and writes the ``layout.json`` that ``distribute`` would have written.
+     buffer): share 0 and the parity shares encoded into fresh ``/dev/shm`` files (page faults, tmpfs
+     allocation), xxh3 of every share, manifest. All six shares stay in this process's directory: with one process
+     there are no peer nodes, so the tier is bound as node 0 of 6 and its ``distribute`` step (send shares 1..5 to
+     nodes 1..5 over gloo, data shares 1..3 straight from the staged object) is replaced by
+     ``RamTier._place_all_here``, which writes data shares 1..3 into fresh files here too (what the peers would
+     allocate and receive) and the ``layout.json`` that ``distribute`` would have written.
 
    Target: ``erasure.encode`` with all cores >= 0.9 x (zfec raw 1-core rate x cores used), cores used being
    ``min(os.cpu_count(), stripes)`` (the threads ``erasure.encode`` actually starts).
@@ -72,6 +76,7 @@ are removed at the end, also on error, Ctrl-C or SIGTERM.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
 import ctypes
 import os
 import shutil
@@ -177,12 +182,13 @@ def memcpy_state(state: dict[str, torch.Tensor], dst: torch.Tensor) -> None:
 
 
 # ================================================================================================ raw zfec
-def stripes_of(data: memoryview, lay: ec.ShareLayout, pad: bytearray):  # type: ignore[no-untyped-def]
-    """The k input blocks of every stripe of ``data`` (block i of stripe s: the object's bytes at
-    ``lay.data_offset(i, s)``; a block past the object's end zero-padded into ``pad``)."""
+def stripes_of(data: memoryview, lay: ec.ShareLayout, pad: bytearray, which: range | None = None
+               ):  # type: ignore[no-untyped-def]
+    """The k input blocks of every stripe of ``data`` (or of the stripes ``which``; block i of stripe s: the
+    object's bytes at ``lay.data_offset(i, s)``; a block past the object's end zero-padded into ``pad``)."""
     k, b, n = lay.k, lay.block, lay.nbytes
     pv = memoryview(pad)
-    for s in range(lay.stripes):
+    for s in which if which is not None else range(lay.stripes):
         blocks = []
         for i in range(k):
             lo = lay.data_offset(i, s)
@@ -196,12 +202,22 @@ def stripes_of(data: memoryview, lay: ec.ShareLayout, pad: bytearray):  # type: 
         yield tuple(blocks)
 
 
-def zfec_encode_raw(data: memoryview, lay: ec.ShareLayout) -> None:
-    enc = zfec.Encoder(lay.k, lay.k + lay.m)
+def zfec_encode_raw(data: memoryview, lay: ec.ShareLayout, threads: int = 1) -> None:
+    """zfec's Python API over every stripe; with ``threads`` > 1, each thread its own share of the stripes (zfec
+    releases the GIL while it encodes): how far zfec itself scales on this machine's cores."""
     parity = tuple(range(lay.k, lay.k + lay.m))
-    pad = bytearray(lay.k * lay.block)
-    for blocks in stripes_of(data, lay, pad):
-        enc.encode(blocks, parity)
+
+    def part(t: int) -> None:
+        enc = zfec.Encoder(lay.k, lay.k + lay.m)
+        pad = bytearray(lay.k * lay.block)
+        for blocks in stripes_of(data, lay, pad, range(t, lay.stripes, threads)):
+            enc.encode(blocks, parity)
+
+    if threads == 1:
+        part(0)
+        return
+    with cf.ThreadPoolExecutor(max_workers=threads) as pool:
+        list(pool.map(part, range(threads)))
 
 
 def zfec_decode_raw(shares: dict[int, memoryview], lay: ec.ShareLayout) -> None:
@@ -282,6 +298,7 @@ def run(args: argparse.Namespace, nbytes: int, repeats: int, cores: int, shm: Pa
     copy_dst = touched(total)
     memcpy_obj = timed(lambda: ctypes.memmove(addr(copy_dst), addr(obj), total), repeats)
     zraw_enc = timed(lambda: zfec_encode_raw(data, lay), repeats)
+    zraw_enc_n = timed(lambda: zfec_encode_raw(data, lay, used), repeats)
     share_bufs = [touched(lay.share_nbytes) for _ in range(K + M)]
     shares = [tensor_bytes(t) for t in share_bufs]
     parity_only = [None] * K + shares[K:]
@@ -425,6 +442,7 @@ def run(args: argparse.Namespace, nbytes: int, repeats: int, cores: int, shm: Pa
     enc_rows = [
         ("memcpy (ctypes.memmove, 1 thread)", memcpy_obj, None),
         ("zfec raw, 1 core (parity only)", zraw_enc, 1),
+        (f"zfec raw, {used} threads (how zfec itself scales here)", zraw_enc_n, used),
         ("zfec raw + memcpy of the object, 1 core", Timing([zraw_enc.median + memcpy_obj.median]), 1),
         ("erasure.encode, parity, 1 thread", enc1, 1),
         (f"erasure.encode, parity, {used} threads", encn, used),
@@ -442,6 +460,7 @@ def run(args: argparse.Namespace, nbytes: int, repeats: int, cores: int, shm: Pa
           f" {enc_goal:.2f}"
           f" GB/s: {rate(encn):.2f} GB/s = {rate(encn) / (zr1 * used):.2f}x -> {'PASS' if enc_ok else 'FAIL'}"
           f" (best runs: {zraw_enc.best / encn.best / used:.2f}x)")
+    print(f"  (against zfec raw on {used} threads, {rate(zraw_enc_n):.2f} GB/s: {rate(encn) / rate(zraw_enc_n):.2f}x)")
     zc1 = total / (zraw_enc.median + memcpy_obj.median) / GB
     print(f"  (encode copying the {K} data shares too, {total / GB:.3f} GB, which zfec raw does not: against"
           f" zfec raw + that memcpy on one core, {zc1:.2f} GB/s x {used}, it is {rate(enc_copy) / (zc1 * used):.2f}x)")
