@@ -24,6 +24,7 @@ import concurrent.futures as cf
 import ctypes
 import os
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -290,15 +291,20 @@ def decode(shares: dict[int, memoryview], lay: ShareLayout, out: memoryview, *, 
     (_decode_native if _NATIVE is not None else _decode_py)({i: shares[i] for i in use}, lay, out, threads)
 
 
+def _positions(have: Iterable[int], k: int) -> list[int]:
+    """zfec's input order for the ``k`` shares ``have``: data share i, when given, sits at position i; the parity
+    shares fill the other positions in index order, and the data share of each such position is the one rebuilt."""
+    have = set(have)
+    parity = iter(sorted(i for i in have if i >= k))
+    return [i if i in have else next(parity) for i in range(k)]
+
+
 def _decode_native(shares: dict[int, memoryview], lay: ShareLayout, out: memoryview, threads: int | None) -> None:
     assert _NATIVE is not None
     k, b, n, lib = lay.k, lay.block, lay.nbytes, _NATIVE.lib
     share_addr = {i: _addr(v) for i, v in shares.items()}
     out_addr = _addr(out)
-    # zfec's rule: data block i, when given, sits at position i; the parity blocks fill the other positions, and
-    # the data block of each such position is rebuilt (in position order)
-    parity = iter(sorted(i for i in shares if i >= k))
-    index = [i if i in shares else next(parity) for i in range(k)]
+    index = _positions(shares, k)
     lost = [r for r in range(k) if index[r] >= k]
     code = _NATIVE.new(k, lay.k + lay.m) if lost else 0
     idx = (ctypes.c_uint * k)(*index)
@@ -395,8 +401,7 @@ def rebuild(shares: dict[int, memoryview], lay: ShareLayout, out: dict[int, memo
         _run(work_py, lay.stripes, threads)
         return
     lib = _NATIVE.lib
-    parity = iter(i for i in use if i >= k)
-    index = [i if i in share_addr else next(parity) for i in range(k)]  # zfec's rule, see _decode_native
+    index = _positions(use, k)
     code = _NATIVE.new(k, lay.k + lay.m)
     idx = (ctypes.c_uint * k)(*index)
 

@@ -31,6 +31,19 @@ def _aligned(view: memoryview) -> bool:
     return ctypes.addressof(ctypes.c_char.from_buffer(view)) % _PAGE == 0
 
 
+def _pread_all(fd: int, view: memoryview, offset: int) -> int:
+    """Fill ``view`` from ``fd`` at ``offset`` (the GIL is released while the kernel copies); returns the bytes
+    read, fewer than ``view`` holds only where the file ends first."""
+    pos = offset
+    while view.nbytes:
+        n = os.preadv(fd, [view[:_IO_CHUNK]], pos)
+        if not n:
+            break
+        pos += n
+        view = view[n:]
+    return pos - offset
+
+
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
     while view.nbytes:
         n = os.pwrite(fd, view[:_IO_CHUNK], offset)
@@ -214,13 +227,8 @@ class LocalTier(Backend):
         total = view.nbytes
         fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC)
         try:
-            pos = offset
-            while view.nbytes:
-                n = os.preadv(fd, [view[:_IO_CHUNK]], pos)
-                if not n:
-                    raise EOFError(f"{key!r} in {str(self.root)!r} ends before byte {offset + total}")
-                pos += n
-                view = view[n:]
+            if _pread_all(fd, view, offset) < total:
+                raise EOFError(f"{key!r} in {str(self.root)!r} ends before byte {offset + total}")
         finally:
             os.close(fd)
         with self._count_lock:

@@ -41,7 +41,7 @@ import xxhash
 
 from lightning_snapshot.backends import erasure as _ec
 from lightning_snapshot.backends.base import Backend
-from lightning_snapshot.backends.local import LocalTier
+from lightning_snapshot.backends.local import LocalTier, _pread_all
 from lightning_snapshot.errors import ConfigError, SnapshotError, SnapshotNotFoundError, SnapshotWriteError
 from lightning_snapshot.staging import digest
 
@@ -56,8 +56,6 @@ _LAYOUT = "layout.json"
 _READING = "reading.json"
 #: How ``layout.json`` says its object is cut (see :mod:`lightning_snapshot.backends.erasure`): contiguous data shares.
 _LAYOUT_KIND = "contiguous-v1"
-#: iovecs per ``preadv`` call (Linux's IOV_MAX is 1024)
-_IOV = 512
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _SHARE_FILE = re.compile(r"^(\d+|\.\d+\.(restore|rebuilt))$")
 
@@ -277,7 +275,7 @@ class RamTier(Backend):
                 self._paths[key] = path
                 try:
                     view = memoryview(out).cast("B")
-                    _preadv_all(fd, [view], offset, key)
+                    _read_exactly(fd, view, offset, key)
                 finally:
                     os.close(fd)
                 with self.store._count_lock:
@@ -318,7 +316,7 @@ class RamTier(Backend):
             piece = min(size - at, n - pos)
             fd = os.open(reading["paths"][i], os.O_RDONLY | os.O_CLOEXEC)
             try:
-                _preadv_all(fd, [view[pos: pos + piece]], at, key)
+                _read_exactly(fd, view[pos: pos + piece], at, key)
             finally:
                 os.close(fd)
             pos += piece
@@ -474,10 +472,8 @@ class RamTier(Backend):
 
         def check(item: tuple[str, int, str, dict[str, Any]]) -> bool:
             _key, i, share, layout = item
-            size = layout["stripes"] * layout["block"]
-            if not verify:  # trusted until a chunk read from it fails its checksum (see restore)
-                return _size(self.store._path(share)) == size
-            return _file_digest(self.store._path(share), size) == layout["checksums"][i]
+            return _share_ok(self.store._path(share), layout["stripes"] * layout["block"], layout["checksums"][i],
+                             verify)
 
         # every share hashed once, on as many threads as the tier codes with (xxh3 releases the GIL)
         workers = min(len(checks), self.threads or min(8, os.cpu_count() or 1)) if verify else 1
@@ -676,9 +672,8 @@ class RamTier(Backend):
             used: set[Path] = set()
             try:
                 for i, p in sorted(paths.items()):
-                    if i not in verified.get(key, ()) and not (
-                            _file_digest(p, lay.share_nbytes) == layout["checksums"][i] if verify
-                            else _size(p) == lay.share_nbytes):
+                    if i not in verified.get(key, ()) and not _share_ok(p, lay.share_nbytes, layout["checksums"][i],
+                                                                         verify):
                         continue
                     maps[i] = _map_existing(p, write=False)
                     if len(maps) == lay.k:
@@ -841,33 +836,20 @@ def _file_digest(path: Path, size: int) -> str | None:
         os.close(fd)
 
 
-def _size(path: Path) -> int:
+def _share_ok(path: Path, size: int, checksum: str, verify: bool) -> bool:
+    """Whether the share file at ``path`` can be used: ``size`` bytes and, with ``verify``, the xxh3 ``checksum``
+    (without, it is trusted until a chunk read from it fails its checksum: see :meth:`RamTier.restore`)."""
+    if verify:
+        return _file_digest(path, size) == checksum
     try:
-        return os.stat(path).st_size
+        return os.stat(path).st_size == size
     except OSError:
-        return -1
+        return False
 
 
-def _preadv_all(fd: int, bufs: list[memoryview], pos: int, key: str) -> None:
-    """Fill ``bufs`` from ``fd`` at ``pos`` (the GIL is released while the kernel copies)."""
-    bufs = [v for v in bufs if v.nbytes]
-    i = 0
-    while i < len(bufs):
-        batch = bufs[i: i + _IOV]
-        want = sum(v.nbytes for v in batch)
-        got = os.preadv(fd, batch, pos)
-        if got == 0:
-            raise EOFError(f"{key!r}: a file of the RAM tier ends before byte {pos}")
-        pos += got
-        if got < want:  # a short read: go on from the first buffer not filled
-            for v in batch:
-                if got < v.nbytes:
-                    bufs[i] = v[got:]
-                    break
-                got -= v.nbytes
-                i += 1
-        else:
-            i += len(batch)
+def _read_exactly(fd: int, view: memoryview, pos: int, key: str) -> None:
+    if _pread_all(fd, view, pos) < view.nbytes:
+        raise EOFError(f"{key!r}: a file of the RAM tier ends before byte {pos + view.nbytes}")
 
 
 def _map_new(path: Path, size: int) -> mmap.mmap | None:
