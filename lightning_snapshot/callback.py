@@ -10,7 +10,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.loops.loop import _Loop
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 try:
     from lightning.pytorch.strategies import ModelParallelStrategy
@@ -23,6 +25,7 @@ from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.backends.registry import parse_tier
 from lightning_snapshot.capture import (
     Templates,
+    capture_late,
     capture_rng,
     capture_shared,
     check_model,
@@ -136,7 +139,16 @@ class SnapshotCallback(Checkpoint):
         self._run_id = ""
         self._last_step = -1
         self._last_time: list[float] = []
-        self._pending: tuple[int, int, AsyncStaged | None, list[int]] | None = None
+        #: (step, staged tensors, due tier indices) of the snapshot whose rest of the state is taken right before
+        #: the next batch is fetched (:meth:`_before_fetch`), or at the end of training.
+        self._pending: tuple[int, AsyncStaged | None, list[int]] | None = None
+        #: After a restore: "mid" (the restored run continues an epoch), "boundary" (a finished epoch: the next one
+        #: starts from its beginning); None when nothing was restored.
+        self._resumed: str | None = None
+        #: Stateful train-loader states recorded before each fetch of a loader without a length, by fetch index.
+        self._fetch_states: dict[int, Any] = {}
+        self._patched_loop: Any = None
+        self._fit_start_step = 0
         self._tier_skipped = [0] * len(self.tiers)
         self._pending_rng: dict[str, Any] | None = None
         self._pending_loaders: list[dict[str, Any] | None] = []
@@ -171,6 +183,7 @@ class SnapshotCallback(Checkpoint):
         self._run_id = str(self._comm.broadcast(uuid.uuid4().hex[:12]))
         self._last_time = [time.monotonic()] * len(self.tiers)
         self._last_step = trainer.global_step  # a snapshot needs an optimizer step since this one
+        self._fit_start_step = trainer.global_step
         self._pending = None
         self._arena = HostArena(max_host_bytes=self.max_host_bytes, chunk_bytes=self.chunk_bytes)
         self._planned = False
@@ -199,6 +212,19 @@ class SnapshotCallback(Checkpoint):
 
         strategy.process_dataloader = process_dataloader
         self._patched_strategy = strategy
+        # The rest of a snapshot (loops, callbacks, schedulers, RNG, data position) is taken right before the next
+        # batch is fetched: after validation, epoch end and everything that reacts to them. Lightning's epoch loop
+        # calls its ``_on_before_fetch`` (given to the data fetcher as its profiler start) right before each fetch.
+        epoch_loop = trainer.fit_loop.epoch_loop
+        original_before_fetch = epoch_loop._on_before_fetch
+
+        def on_before_fetch() -> None:
+            self._before_fetch(trainer)
+            original_before_fetch()
+
+        epoch_loop._on_before_fetch = on_before_fetch
+        self._patched_loop = epoch_loop
+        self._fetch_states = {}
 
     def _setup_ram_tier(self, trainer: Any) -> None:
         """Place the RAM tier in the job (which node this rank is on) and attach this rank to its node's agent."""
@@ -242,8 +268,12 @@ class SnapshotCallback(Checkpoint):
         if self._patched_strategy is not None:
             self._patched_strategy.__dict__.pop("process_dataloader", None)
             self._patched_strategy = None
+        if self._patched_loop is not None:
+            for name in ("_on_before_fetch", "on_run_start"):
+                self._patched_loop.__dict__.pop(name, None)
+            self._patched_loop = None
         if self._pending is not None:
-            _, _, staged, _ = self._pending
+            _, staged, _ = self._pending
             self._pending = None
             if staged is not None and self._arena is not None:
                 self._arena.release(staged.slot)
@@ -332,7 +362,7 @@ class SnapshotCallback(Checkpoint):
             if self._comm.all_true(error is None):
                 shared, rank_state = loaded
                 restore_shared(trainer, pl_module, shared, where, live)
-                self._apply_rank_state(rank_state)
+                self._apply_rank_state(trainer, rank_state)
                 self._last_step = step
                 seconds = time.monotonic() - t0
                 self.restored_from = (backend.url, step, seconds)
@@ -342,9 +372,8 @@ class SnapshotCallback(Checkpoint):
                     self._metrics.add("restore/bytes_read", self.restore_stats["bytes_read"])
                 if backend in self.tiers:
                     self._metrics.add("restore/tier_index", self.tiers.index(backend))
-                if self._comm.rank == 0:
-                    log.info("lightning-snapshot: restored step %d from the %s tier %s in %.2f s", step,
-                             backend.tier, backend.url, seconds)
+                rank_zero_info(f"lightning-snapshot: restored step {step} from the {backend.tier} tier {backend.url}"
+                               f" in {seconds:.2f} s")
                 return
             reason = str(error) if error is not None else "it failed to load on another rank"
             reasons.append(f"step {step} ({backend.tier} {backend.url}): {reason}")
@@ -358,6 +387,38 @@ class SnapshotCallback(Checkpoint):
             "no snapshot could be restored; tried " + "; ".join(reasons)
             + ". The snapshots were left untouched: fix or move them, or pass resume=False to start fresh"
         )
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        resumed, self._resumed = self._resumed, None
+        if resumed is None:
+            return
+        # Lightning's restart logic is made for checkpoints taken inside a step (at on_train_batch_end, on
+        # validation end, at epoch end); a snapshot is the state right before the next batch is fetched, so the
+        # restored loops must neither repeat nor skip anything from there.
+        fit_loop = trainer.fit_loop
+        epoch_loop = fit_loop.epoch_loop
+        if resumed == "boundary":
+            # a finished epoch: the next one starts as in a run that never stopped (its start hooks, a new loader
+            # iterator, counters from zero)
+            _Loop.restarting.fset(fit_loop, False)
+            fit_loop._resuming_from_checkpoint = False
+            if self._pending_rng is not None:
+                restore_rng(self._pending_rng)
+                self._pending_rng = None
+            return
+        # Within an epoch. The fit loop would stay "restarting" until the epoch ends and then skip the epoch-end
+        # plateau scheduler step; its start hooks ran before the snapshot, which its counters already say.
+        fit_loop._restarting = False
+        # The epoch loop keeps its counters while it resets (restarting), and must then not take its restart path
+        # on the first batch: that would re-run or fast-forward step N's validation, which the snapshot holds done.
+        original = epoch_loop.on_run_start
+
+        def on_run_start(data_fetcher: Any) -> None:
+            epoch_loop.__dict__.pop("on_run_start", None)
+            original(data_fetcher)
+            epoch_loop._restarting = False
+
+        epoch_loop.on_run_start = on_run_start
 
     @staticmethod
     def _check_placements(pl_module: Any) -> None:
@@ -422,7 +483,7 @@ class SnapshotCallback(Checkpoint):
             "tier_bytes_read": after - counted if isinstance(counted, int) and isinstance(after, int) else None,
             "tensors_resharded": stats.tensors_resharded,
         }
-        if not isinstance(shared, dict) or "loops" not in shared:
+        if not isinstance(shared, dict):
             raise SnapshotError(f"{where} holds no training state")
         check_model(pl_module, shared.get("state_dict"), where)
         rank_state = None
@@ -439,12 +500,23 @@ class SnapshotCallback(Checkpoint):
             first = manifest.rank_section(0)
             if first is not None:
                 saved = read_section(backend, manifest, first.tensors, first.state)
-                rank_state = {"rng": None, "loaders": saved.get("loaders", []), "exact": False}
+                rank_state = {"rng": None, "loaders": saved.get("loaders", []), "exact": False,
+                              "late": saved.get("late")}
         elif section is not None:
             rank_state = read_section(backend, manifest, section.tensors, section.state)
+        # loops, callbacks, schedulers: taken with the rank state, right before the next step (this rank's own)
+        late = rank_state.get("late") if isinstance(rank_state, dict) else None
+        if isinstance(late, dict):
+            shared.update(late)
+        if "loops" not in shared:
+            raise SnapshotError(f"{where} holds no training state")
         return shared, rank_state
 
-    def _apply_rank_state(self, rank_state: dict[str, Any] | None) -> None:
+    def _apply_rank_state(self, trainer: Any, rank_state: dict[str, Any] | None) -> None:
+        progress = trainer.fit_loop.epoch_progress.current
+        # a snapshot taken when an epoch had just ended (the end of training) starts the next epoch from its
+        # beginning; any other continues the epoch it was taken in (see on_train_start)
+        self._resumed = "boundary" if progress.ready == progress.processed else "mid"
         if rank_state is None:
             return
         self._pending_rng = rank_state.get("rng")
@@ -456,9 +528,29 @@ class SnapshotCallback(Checkpoint):
             warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
 
     # ------------------------------------------------------------------------------------------- capture
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+    def _before_fetch(self, trainer: Any) -> None:
+        """Right before the training loop fetches a batch: the point a snapshot's RNG, data position, loops,
+        callbacks and schedulers are taken at, and restored at."""
         if self._pending_rng is not None:
-            # the point where the interrupted run took its RNG state (right before training_step of step N+1)
+            restore_rng(self._pending_rng)  # where the interrupted run took it
+            self._pending_rng = None
+        fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+        index = int(getattr(fetcher, "fetched", 0))
+        if getattr(fetcher, "length", 0) is None:
+            # a loader without a length is fetched one batch ahead: keep what Lightning would save for a stateful
+            # loader before each fetch, so that a snapshot records the position of the first batch not consumed
+            combined = getattr(trainer.fit_loop, "_combined_loader", None)
+            states = combined._state_dicts() if combined is not None else []
+            if states:
+                self._fetch_states = {i: v for i, v in self._fetch_states.items() if i >= index - 2}
+                self._fetch_states[index] = states
+        if self._pending is not None:
+            t0 = time.perf_counter()
+            self._finish(trainer)
+            self._stall += time.perf_counter() - t0
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self._pending_rng is not None:  # (a loop that fetched without the epoch loop's fetch hook)
             restore_rng(self._pending_rng)
             self._pending_rng = None
         if self._pending is not None:
@@ -566,15 +658,23 @@ class SnapshotCallback(Checkpoint):
         if staged is not None:
             self._metrics.add("snapshot/bytes", staged.state.nbytes)
         self._inflight = staged
-        self._pending = (step, trainer.current_epoch, staged, due)
+        self._pending = (step, staged, due)
         self._stall = time.perf_counter() - t0
         return True
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        if self._pending is not None:
-            assert self._persister is not None
+        if self._persister is not None:
             self._persister.drain()  # the last snapshot waits for room in every tier instead of being skipped
-            self._finish(trainer, consumed_offset=0)
+            step = trainer.global_step
+            if self._pending is None or self._pending[0] != step:
+                # fit ends with a snapshot of its last step in every tier (a later, longer run continues from it)
+                if self._pending is not None:
+                    self._finish(trainer)
+                self._final_snapshot(trainer, pl_module, step)
+            elif set(self._pending[2]) != set(range(len(self.tiers))):
+                self._pending = (step, self._pending[1], list(range(len(self.tiers))))
+            if self._pending is not None:
+                self._finish(trainer)
         if self._inflight is not None:
             self._inflight = None
         if self._persister is not None:
@@ -589,24 +689,54 @@ class SnapshotCallback(Checkpoint):
         if not self._comm.all_true(not (self._errors and self.on_error == "raise")):
             self._raise_background_error()
 
-    def _rank_state(self, trainer: Any, consumed_offset: int, epoch: int) -> dict[str, Any]:
-        ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+    def _final_snapshot(self, trainer: Any, pl_module: Any, step: int) -> None:
+        """Stage the state of the last step for every tier (synchronously: training is over)."""
+        if step <= self._fit_start_step or self._arena is None:
+            return  # nothing trained in this fit: the step it started from is already held
+        if self._inflight is not None:
+            self._inflight.fence_training()
+            self._inflight = None
+        staged: AsyncStaged | None = None
+        error: SnapshotError | None = None
+        try:
+            staged = self._arena.stage_async(capture_shared(trainer, pl_module), self._frozen(trainer), step,
+                                             rank=self._comm.rank, world_size=self._comm.world_size)
+        except SnapshotError as e:
+            error = e
+        if not self._comm.all_true(error is None and staged is not None):
+            if staged is not None:
+                self._arena.release(staged.slot)
+            if error is not None:
+                self._handle(error, step)
+                return
+            warnings.warn(f"lightning-snapshot: no snapshot of the last step {step}: {self._arena.last_skip_reason}",
+                          stacklevel=2)
+            return
+        self._pending = (step, staged, list(range(len(self.tiers))))
+
+    def _rank_state(self, trainer: Any, consumed: int) -> dict[str, Any]:
+        epoch_progress = trainer.fit_loop.epoch_progress.current
+        boundary = epoch_progress.ready == epoch_progress.processed  # training ended with an epoch
         loaders = [
-            _data.position(dl, epoch, max(0, ready - consumed_offset))
+            None if boundary else _data.position(dl, trainer.current_epoch, consumed)
             for dl in _data.flatten_loaders(trainer.train_dataloader)
         ]
-        return {"rng": capture_rng(), "loaders": loaders}
+        # a loader fetched ahead: its state before the first batch this snapshot has not consumed (fetch indices
+        # count the epoch's batches, as the loop does)
+        loader_states = None if boundary else self._fetch_states.get(consumed)
+        return {"rng": capture_rng(), "loaders": loaders, "late": capture_late(trainer, trainer.lightning_module,
+                                                                                 loader_states)}
 
-    def _finish(self, trainer: Any, consumed_offset: int) -> None:
-        """Add this rank's RNG and data position to the pending snapshot and hand it to the persist thread."""
+    def _finish(self, trainer: Any, consumed_offset: int = 0) -> None:
+        """Add the rest of the state (loops, callbacks, schedulers, this rank's RNG and data position) to the
+        pending snapshot and hand it to the persist thread."""
         assert self._pending is not None and self._persister is not None
-        step, epoch, shared, due = self._pending
+        step, shared, due = self._pending
         self._pending = None
+        epoch = trainer.current_epoch
         try:
-            # the epoch of the batch the position counts from: at the end of training Lightning has already counted
-            # the epoch as finished, at the next batch start the loop's epoch is that batch's
-            private = stage(self._rank_state(trainer, consumed_offset, epoch if consumed_offset == 0
-                                             else trainer.current_epoch), "rank")
+            consumed = max(0, trainer.fit_loop.epoch_loop.batch_progress.current.ready - consumed_offset)
+            private = stage(self._rank_state(trainer, consumed), "rank")
         except SnapshotError as e:  # the same state shape on every rank: they all fail here together
             if shared is not None and self._arena is not None:
                 shared.fence_training()
@@ -671,3 +801,25 @@ class SnapshotCallback(Checkpoint):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         pass
+
+    # ------------------------------------------------------------------------------------------- pickling
+    def __getstate__(self) -> dict[str, Any]:
+        """The configuration only (``ddp_spawn`` pickles the trainer and its callbacks to start its processes, before
+        ``setup``): the tiers leave their locks and clients behind, and ``setup`` makes the rest in each process."""
+        if self._persister is not None or self._arena is not None or self._agent is not None or \
+                self._patched_strategy is not None or self._pending is not None:
+            raise TypeError("a SnapshotCallback in use by a running fit (its persist threads, staging memory and"
+                            " agent connection belong to this process) cannot be pickled; pickle it before"
+                            " trainer.fit or after it returns")
+        state = dict(self.__dict__)
+        for name in ("_comm", "_tier_comms", "_inflight", "_patched_loop", "_fetch_states"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._comm = LocalComm()
+        self._tier_comms = []
+        self._inflight = None
+        self._patched_loop = None
+        self._fetch_states = {}

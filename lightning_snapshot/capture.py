@@ -1,12 +1,15 @@
-"""Trainer <-> training state, through Lightning's public API only.
+"""Trainer <-> training state.
 
-The shared state has the shape of a Lightning checkpoint (``state_dict``, ``optimizer_states``, ``lr_schedulers``,
-``loops``, ``callbacks``, precision and datamodule state), so it can be exported and inspected like one. Per-rank
-state (RNG, data position) is kept apart because Lightning's checkpoints save rank 0's only.
+Together the pieces have the shape of a Lightning checkpoint (``state_dict``, ``optimizer_states``,
+``lr_schedulers``, ``loops``, ``callbacks``, precision and datamodule state), so a snapshot can be exported and
+inspected like one.
 
-Where the pieces are taken (measured, see DESIGN.md and the internals notes): weights, optimizer, schedulers and loop
-counters at ``on_train_batch_end`` of step N, when they are frozen until the next ``optimizer.step``; RNG and data
-position at ``on_train_batch_start`` of step N+1 (or at ``on_train_end``), the point that makes resume exact.
+A snapshot of step N holds the state as it is when training step N+1 begins. Weights and optimizer state are taken
+at ``on_train_batch_end`` of step N (:func:`capture_shared`; they do not change before the next ``optimizer.step``,
+so they are copied in the background). Everything else changes after that hook, during step N's validation, the
+callbacks reacting to it, epoch-end hooks and scheduler steps: loops, callbacks, schedulers, logged metrics
+(:func:`capture_late`), RNG and data position are taken right before the next batch is fetched (or at
+``on_train_end``), and stored per rank, because Lightning's checkpoints keep rank 0's only.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ from lightning_snapshot import tree as _tree
 from lightning_snapshot.errors import ManifestError, StateMismatchError
 from lightning_snapshot.staging import dtensor_box, is_dtensor, local_tensor
 
-__all__ = ["capture_shared", "restore_shared", "capture_rng", "restore_rng", "check_model", "frozen_predicate",
-           "is_sharded", "Templates", "templates", "restore_targets"]
+__all__ = ["capture_late", "capture_shared", "restore_shared", "capture_rng", "restore_rng", "check_model",
+           "frozen_predicate", "is_sharded", "Templates", "templates", "restore_targets"]
 
 
 def is_sharded(strategy: Any) -> bool:
@@ -56,7 +59,11 @@ def _sharded_state_dicts(trainer: Any) -> tuple[dict[str, Any], list[dict[str, A
 
 
 def capture_shared(trainer: Any, pl_module: Any) -> dict[str, Any]:
-    """The checkpoint-shaped shared state. Tensors are live views: stage them before training goes on.
+    """The checkpoint-shaped tensor state of a step: model and optimizer. Tensors are live views: stage them before
+    training goes on.
+
+    Taken at ``on_train_batch_end`` (parameters and optimizer state do not change until the next ``optimizer.step``);
+    the rest of the state is taken later, at the start of the next step (:func:`capture_late`).
 
     Under a sharded strategy (``ModelParallelStrategy``) the model and optimizer state are this rank's DTensor
     shards, never gathered (whatever the strategy's ``save_distributed_checkpoint`` says), and the optimizer state
@@ -68,29 +75,53 @@ def capture_shared(trainer: Any, pl_module: Any) -> dict[str, Any]:
         state_dict = trainer.strategy.lightning_module_state_dict()
         optimizer_states = [trainer.strategy.optimizer_state(opt) for opt in trainer.optimizers]
     ckpt: dict[str, Any] = {
-        "epoch": trainer.current_epoch,
         "global_step": trainer.global_step,
         "pytorch-lightning_version": lightning.__version__,
         "state_dict": state_dict,
-        "loops": {"fit_loop": trainer.fit_loop.state_dict()},
-        "callbacks": {},
         "optimizer_states": optimizer_states,
+    }
+    return ckpt
+
+
+def capture_late(trainer: Any, pl_module: Any, loader_states: list[Any] | None = None) -> dict[str, Any]:
+    """The rest of the training state, as it is right before the next training step begins: after the previous
+    step's validation, the callbacks that reacted to it, epoch-end hooks and scheduler steps.
+
+    ``loader_states``: the states of Lightning-restored (stateful) train loaders to record instead of their current
+    ones (a loader without a length is fetched one batch ahead; the callback passes the state before that batch).
+
+    ``LightningModule.on_save_checkpoint`` is called here, on a checkpoint dict that also holds the model's
+    ``state_dict``; what it adds is kept (copied now, on the training thread), what it changes in the model's state
+    is not.
+    """
+    loops = trainer.fit_loop.state_dict()
+    if loader_states is not None and isinstance(loops.get("state_dict"), dict):
+        loops["state_dict"] = {**loops["state_dict"], "combined_loader": loader_states}
+    late: dict[str, Any] = {
+        "epoch": trainer.current_epoch,
+        "loops": {"fit_loop": loops},
+        "callbacks": {},
         "lr_schedulers": [cfg.scheduler.state_dict() for cfg in trainer.lr_scheduler_configs],
+        # what ReduceLROnPlateau, EarlyStopping and ModelCheckpoint read between validations
+        "callback_metrics": {k: v for k, v in trainer.callback_metrics.items() if isinstance(v, torch.Tensor)},
     }
     for cb in trainer.callbacks:
         state = cb.state_dict()
         if state:
-            ckpt["callbacks"][cb.state_key] = state
+            late["callbacks"][cb.state_key] = state
     precision = trainer.precision_plugin.state_dict()
     if precision:
-        ckpt[type(trainer.precision_plugin).__qualname__] = precision
+        late[type(trainer.precision_plugin).__qualname__] = precision
     datamodule = trainer.datamodule
     if datamodule is not None:
         dm_state = datamodule.state_dict()
         if dm_state:
-            ckpt[type(datamodule).__qualname__] = dm_state
+            late[type(datamodule).__qualname__] = dm_state
+    ckpt = {**late, "global_step": trainer.global_step, "state_dict": trainer.strategy.lightning_module_state_dict()
+            if not is_sharded(trainer.strategy) else {}}
     pl_module.on_save_checkpoint(ckpt)
-    return ckpt
+    late.update({k: v for k, v in ckpt.items() if k not in ("global_step", "state_dict")})
+    return late
 
 
 def frozen_predicate(parameters: Iterable[torch.Tensor], optimizers: Iterable[Any]) -> Callable[[torch.Tensor], bool]:
@@ -340,6 +371,9 @@ def restore_shared(trainer: Any, pl_module: Any, ckpt: dict[str, Any], where: st
     if precision_key in ckpt:
         trainer.precision_plugin.load_state_dict(ckpt[precision_key])
     trainer.fit_loop.load_state_dict(ckpt["loops"]["fit_loop"])
+    metrics = ckpt.get("callback_metrics")
+    if isinstance(metrics, dict):
+        trainer.callback_metrics.update(metrics)
     if not sharded:
         keys = _optimizer_keys(trainer, Templates({}, None))
         try:

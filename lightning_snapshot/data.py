@@ -11,6 +11,19 @@ it is split over the ranks) all ranks together have consumed, plus what is neede
 and epoch of a ``DistributedSampler``, the RNG a ``RandomSampler`` drew from). A run resumed with another number of
 data-parallel ranks continues the same order from that sample, split over its own ranks the way
 ``DistributedSampler`` splits an epoch (:func:`split`).
+
+What random augmentation draws is restored too (:class:`_IteratorTracker`, installed with the sampler):
+
+* the RNG each iterator is created from (``iter_rng``): creating a ``DataLoader`` iterator draws the workers' base
+  seed from the global torch RNG (or ``loader.generator``), and with workers the sampler's order too. A resumed run
+  creates its first iterator from the recorded state, then puts the global RNG back (a fork);
+* with ``num_workers > 0`` (persistent or not) every worker sends, with each batch, its torch/python/numpy RNG
+  states after producing it (a picklable ``collate_fn`` wrapper; unwrapped in the main process before anyone sees
+  the batch). A position records, for each worker, its state after its last batch before the one resumed at; the
+  resumed iterator hands batch ``n`` to worker ``n % num_workers`` as the interrupted one did (its round robin is
+  rotated), and a ``worker_init_fn`` wrapper sets each resumed worker's RNG after the user's (or Lightning's) init
+  function has run. A worker with no batch before ``n`` starts as the replayed base seed and init function make it
+  (persistent workers: as their last batch of the earlier epochs left it).
 """
 
 from __future__ import annotations
@@ -18,13 +31,18 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import random
 import warnings
+import weakref
+from collections import deque
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler
-from torch.utils.data import SequentialSampler
+from torch.utils.data import SequentialSampler, get_worker_info
+from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 __all__ = [
     "ResumableSampler", "install", "flatten_loaders", "is_stateful", "position", "unsupported_reason", "describe_order",
@@ -41,7 +59,8 @@ class ResumableSampler(Sampler[int]):
     ``DistributedSampler``).
     """
 
-    _OWN = ("inner", "epoch_state", "pending", "order", "replicas", "base", "offset", "start_batches", "stream")
+    _OWN = ("inner", "epoch_state", "pending", "order", "replicas", "base", "offset", "start_batches", "stream",
+            "draws", "hold")
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -59,6 +78,11 @@ class ResumableSampler(Sampler[int]):
         self.start_batches = 0
         #: This rank's indices for the next epoch, set by :func:`plan_resume` when the layout changed.
         self.stream: list[int] | None = None
+        #: How many times an epoch was started (tells :func:`position` whether the current iterator drew its order).
+        self.draws = 0
+        #: While True, an iteration yields nothing and draws nothing (a resumed iterator's creation, see
+        #: :meth:`_IteratorTracker.get_iterator`).
+        self.hold = False
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -73,6 +97,9 @@ class ResumableSampler(Sampler[int]):
         return gen if isinstance(gen, torch.Generator) else None
 
     def __iter__(self) -> Iterator[int]:
+        if self.hold:
+            return
+        self.draws += 1
         pending, self.pending = self.pending, None
         stream, self.stream = self.stream, None
         if stream is not None:  # resumed on another layout: the rest of the saved global order (plan_resume)
@@ -81,19 +108,31 @@ class ResumableSampler(Sampler[int]):
         self.base = self.offset = self.start_batches = 0
         self.replicas = _replicas(self.inner)[0]
         gen = self._generator()
-        if pending is not None:
-            # replay the RNG from which the interrupted epoch drew its order...
+        if pending is None:
+            self.epoch_state = (torch.get_rng_state(), gen.get_state() if gen is not None else None)
+            self.order = describe_order(self.inner, *self.epoch_state)
+            yield from self.inner
+            return
+        # Replay the RNG from which the interrupted epoch drew its order, forked: the global RNG is put back right
+        # after the draw. (Without workers this runs at the first fetch, after the callback restored the global RNG
+        # to the interrupted run's state: what the dataset draws next must come from that state.) A generator of
+        # the sampler is left where the draw leaves it, as in the interrupted run: nobody else restores it.
+        outer = torch.get_rng_state()
+        try:
             torch.set_rng_state(pending["rng"])
             if gen is not None and pending.get("gen") is not None:
                 gen.set_state(pending["gen"])
-        self.epoch_state = (torch.get_rng_state(), gen.get_state() if gen is not None else None)
-        self.order = describe_order(self.inner, *self.epoch_state)
-        it = iter(self.inner)
-        if pending is not None and pending["skip"]:
-            # ...and drop the indices of the batches the interrupted run already trained on
-            next(itertools.islice(it, pending["skip"], pending["skip"]), None)
+            self.epoch_state = (torch.get_rng_state(), gen.get_state() if gen is not None else None)
+            self.order = describe_order(self.inner, *self.epoch_state)
+            it = iter(self.inner)
+            skip = int(pending.get("skip") or 0)
+            if skip:  # drop the indices of the batches the interrupted run already trained on
+                next(itertools.islice(it, skip, skip), None)
+            head = list(itertools.islice(it, 1))  # samplers draw their order when the first index is asked for
+        finally:
+            torch.set_rng_state(outer)
+        yield from head
         yield from it
-
 
     def global_position(self, consumed_batches: int, batch_size: int) -> dict[str, Any] | None:
         """The global position after this rank consumed ``consumed_batches`` batches of the epoch (loop count)."""
@@ -273,6 +312,10 @@ def position(loader: Any, epoch: int, consumed_batches: int) -> dict[str, Any] |
     rank's exact position), and ``global``: the global sample count with what rebuilds the epoch's order."""
     sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
     if not isinstance(sampler, ResumableSampler) or (sampler.epoch_state is None and sampler.order is None):
+        return None
+    if consumed_batches == 0 and getattr(loader, "num_workers", 0) == 0:
+        # the epoch's first batch is not fetched yet: without workers its order is drawn then, from the RNG the
+        # resumed run restores right before that fetch (the sampler's recorded state is the previous epoch's)
         return None
     rng, gen = sampler.epoch_state if sampler.epoch_state is not None else (None, None)
     batch_size = loader.batch_sampler.batch_size

@@ -21,7 +21,7 @@ import torch
 from lightning_snapshot import tree as _tree
 from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.errors import ConfigError, SnapshotNotFoundError
-from lightning_snapshot.loader import open_snapshot, read_section
+from lightning_snapshot.loader import checkpoint_tree, open_snapshot, read_section
 from lightning_snapshot.manifest import Manifest, TensorEntry, dtype_from_name
 
 __all__ = ["export_snapshot", "FORMATS"]
@@ -122,7 +122,8 @@ def _export_torch(backend: Backend, manifest: Manifest, out: Path, progress: _Pr
     kernel can page them out: peak resident memory stays near the largest tensor."""
     with tempfile.TemporaryDirectory(prefix="lightning-snapshot-export-", dir=out.parent) as scratch:
         tensors: dict[str, torch.Tensor] = {}
-        for i, e in enumerate(t for t in manifest.tensors if t.alias_of is None):
+        tree, entries = checkpoint_tree(manifest)
+        for i, e in enumerate(t for t in entries if t.alias_of is None):
             n = _nbytes(e)
             dtype = dtype_from_name(e.dtype)
             if n:
@@ -134,10 +135,10 @@ def _export_torch(backend: Backend, manifest: Manifest, out: Path, progress: _Pr
             else:
                 tensors[e.name] = torch.empty(e.global_shape, dtype=dtype)
             progress.step(n)
-        for e in manifest.tensors:
+        for e in entries:
             if e.alias_of is not None:
                 tensors[e.name] = tensors[e.alias_of]
-        state = _tree.decode(manifest.state, tensors)
+        state = _tree.decode(tree, tensors)
         tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
         torch.save(state, tmp)
         os.replace(tmp, out)

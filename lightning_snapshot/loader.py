@@ -30,8 +30,8 @@ from lightning_snapshot.planner import Box, bytes_planned, chunk_ranges, plan_te
 from lightning_snapshot.staging import digest, dtensor_box, is_dtensor, tensor_bytes
 from lightning_snapshot.writer import committed_steps
 
-__all__ = ["read_manifest", "read_section", "load_snapshot", "open_snapshot", "resolve_source", "committed_steps", "ShardTarget",
-           "ReadStats"]
+__all__ = ["checkpoint_tree", "read_manifest", "read_section", "load_snapshot", "open_snapshot", "resolve_source",
+           "committed_steps", "ShardTarget", "ReadStats"]
 
 
 @dataclass(frozen=True)
@@ -332,6 +332,23 @@ def resolve_source(source: str | os.PathLike[str] | Backend) -> tuple[Backend, i
     return parse_tier(text), None
 
 
+def checkpoint_tree(manifest: Manifest) -> tuple[Any, tuple[TensorEntry, ...]]:
+    """The tree of the whole checkpoint-shaped state and the tensor entries it refers to.
+
+    Weights and optimizer state are in the shared section; loops, callbacks, schedulers and the rest, taken right
+    before the next step, are stored with each rank's private state (``late``): rank 0's is merged in, as Lightning
+    keeps rank 0's.
+    """
+    tree = manifest.state
+    entries = tuple(manifest.tensors)
+    section = manifest.rank_section(0)
+    if isinstance(tree, dict) and section is not None and isinstance(section.state, dict) and \
+            isinstance(section.state.get("late"), dict):
+        tree = {**tree, **section.state["late"]}
+        entries += tuple(section.tensors)
+    return tree, entries
+
+
 def _select(tree: Any, keys: Collection[str]) -> dict[str, Any]:
     """The parts of the shared state tree named by ``keys``: '/'-separated paths through dicts and list indices.
 
@@ -422,13 +439,13 @@ def load_snapshot(
     """
     backend, manifest = open_snapshot(source, step)
     step = manifest.step
-    tree = manifest.state if keys is None else _select(manifest.state, keys)
-    entries = manifest.tensors
+    full, entries = checkpoint_tree(manifest)
+    tree = full if keys is None else _select(full, keys)
     if keys is not None:
         wanted = _refs(tree)
-        by_name = {t.name: t for t in manifest.tensors}
+        by_name = {t.name: t for t in entries}
         wanted |= {by_name[n].alias_of for n in wanted if n in by_name and by_name[n].alias_of}
-        entries = tuple(t for t in manifest.tensors if t.name in wanted)
+        entries = tuple(t for t in entries if t.name in wanted)
     targets = {f"state_dict/{k}": v for k, v in into.items()} if into is not None else None
     state = read_section(backend, manifest, entries, tree, targets=targets)
     if not isinstance(state, dict):

@@ -71,6 +71,7 @@ def test_crash_between_data_and_manifest_leaves_step_invisible(tmp_path, referen
     proc = run_train(snaps, tmp_path / "resumed.pt", *args)
     assert "RESTORED step=6" in proc.stdout
     assert_bitwise_equal(reference_runs(*args), tmp_path / "resumed.pt")
-    # the re-run committed its own snapshots, and retention (keep_last=2) removed the rest, crashed write included
-    assert committed_steps(LocalTier(snaps)) == [18, 15]
-    assert sorted(p.name for p in snaps.iterdir()) == ["step-000000000015", "step-000000000018"]
+    # the re-run committed its own snapshots, the last step's at the end of fit, and retention (keep_last=2)
+    # removed the rest, crashed write included
+    assert committed_steps(LocalTier(snaps)) == [20, 18]
+    assert sorted(p.name for p in snaps.iterdir()) == ["step-000000000018", "step-000000000020"]

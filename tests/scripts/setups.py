@@ -1,0 +1,242 @@
+"""Ordinary Lightning setups for the exact-resume tests: validation with EarlyStopping and ModelCheckpoint,
+ReduceLROnPlateau, augmentation in the main process and in loader workers, an unsized stateful loader, manual
+optimization with two optimizers, bf16-mixed.
+
+Usage: python setups.py --setup NAME --dir SNAPDIR --out RESULT.pt [--crash-at S] [--every K] [--max-steps N]
+
+Writes everything a resumed run must reproduce to RESULT.pt (plain tensors, dicts, lists, numbers and strings, read
+back with weights_only=True): weights, optimizer states, scheduler states, every callback's state_dict, the
+checkpoint files ModelCheckpoint left, the validation steps and learning rates seen, the last batch trained.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import sys
+import time
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from lightning_snapshot import SnapshotCallback
+from lightning_snapshot.backends import LocalTier
+from lightning_snapshot.writer import committed_steps
+
+SETUPS = ("val-epoch", "val-interval", "plateau-epoch", "plateau-step", "aug-main", "aug-workers",
+          "aug-workers-persistent", "stateful-iterable", "manual-two-optimizers", "bf16-mixed")
+
+
+class Points(Dataset):
+    """Regression samples; with ``augment`` every sample draws noise from torch, numpy and python ``random``
+    (in whichever process loads it: the main process or a loader worker)."""
+
+    def __init__(self, n: int = 64, augment: bool = False, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = torch.randn(n, 1, generator=g)
+        self.augment = augment
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        x = self.x[i]
+        if self.augment:
+            x = x + 0.1 * torch.randn(8) + float(np.random.uniform(-0.1, 0.1)) + random.uniform(-0.1, 0.1)
+        return x, self.y[i]
+
+
+class Stream(IterableDataset):
+    """An unsized, stateful stream (what torchdata's StatefulDataLoader restores through Lightning)."""
+
+    def __init__(self, n: int = 64) -> None:
+        self.data = Points(n)
+        self.pos = 0
+
+    def __iter__(self):
+        while self.pos < len(self.data):
+            self.pos += 1
+            yield self.data[self.pos - 1]
+        self.pos = 0
+
+    def state_dict(self):
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state):
+        self.pos = state["pos"]
+
+
+class Model(L.LightningModule):
+    def __init__(self, setup: str) -> None:
+        super().__init__()
+        self.setup_name = setup
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
+        self.val_steps: list[int] = []
+        self.lrs: list[float] = []
+        self.last_batch = torch.zeros(0)
+        if setup == "manual-two-optimizers":
+            self.automatic_optimization = False
+            self.head = nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.last_batch = x.detach().clone()
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        if self.automatic_optimization:
+            self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+            return loss
+        opt_a, opt_b = self.optimizers()
+        opt_a.zero_grad()
+        self.manual_backward(loss)
+        opt_a.step()
+        loss_b = nn.functional.mse_loss(self.head(x), y)
+        opt_b.zero_grad()
+        self.manual_backward(loss_b)
+        opt_b.step()
+        return None
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
+
+    def on_validation_epoch_end(self):
+        if not self.trainer.sanity_checking:
+            self.val_steps.append(self.trainer.global_step)
+
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["history"] = {"val_steps": list(self.val_steps), "lrs": list(self.lrs)}
+
+    def on_load_checkpoint(self, checkpoint):
+        self.val_steps = list(checkpoint["history"]["val_steps"])
+        self.lrs = list(checkpoint["history"]["lrs"])
+
+    def configure_optimizers(self):
+        if self.setup_name == "manual-two-optimizers":
+            return [torch.optim.AdamW(self.net.parameters(), lr=1e-2), torch.optim.SGD(self.head.parameters(), lr=0.1,
+                                                                                       momentum=0.9)]
+        opt = torch.optim.AdamW(self.parameters(), lr=5e-2)
+        if self.setup_name == "plateau-epoch":
+            sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5, threshold=10.0)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "monitor": "val_loss", "interval": "epoch"}}
+        if self.setup_name == "plateau-step":
+            sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=1, factor=0.7, threshold=10.0)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "monitor": "val_loss", "interval": "step",
+                                                       "frequency": 2, "strict": False}}
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.9)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class Crash(L.Callback):
+    """SIGKILL at ``global_step == at`` (before its training step), once the newest snapshot due is committed."""
+
+    def __init__(self, at: int, tier: LocalTier) -> None:
+        self.at = at
+        self.tier = tier
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.at:
+            every = self.tier.every_n_train_steps
+            due = (self.at // every) * every
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and (committed_steps(self.tier) or [-1])[0] < due:
+                time.sleep(0.01)
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+ROOT = ""
+
+
+def plain(obj):
+    """``obj`` with tensors cloned to the CPU and everything else JSON-like (for torch.save/weights_only); the run's
+    directory in strings (checkpoint paths) becomes ``<DIR>``, so runs in other directories compare equal."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {plain(k): plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [plain(v) for v in obj]
+    if isinstance(obj, str):
+        return obj.replace(ROOT, "<DIR>") if ROOT else obj
+    if obj is None or isinstance(obj, (bool, int, float)):
+        return obj
+    return repr(obj)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--setup", choices=SETUPS, required=True)
+    p.add_argument("--dir", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--every", type=int, default=4)
+    p.add_argument("--max-steps", type=int, default=40)
+    p.add_argument("--crash-at", type=int, default=-1)
+    a = p.parse_args()
+    global ROOT
+    ROOT = os.path.abspath(a.dir)
+
+    L.seed_everything(42, workers=True, verbose=False)
+    setup = a.setup
+    model = Model(setup)
+    workers = 2 if setup.startswith("aug-workers") else 0
+    if setup == "stateful-iterable":
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        train = StatefulDataLoader(Stream(), batch_size=4)
+    else:
+        train = DataLoader(Points(augment=setup.startswith("aug-")), batch_size=4, shuffle=os.environ.get("SETUPS_SHUFFLE", "1") == "1", num_workers=workers,
+                           persistent_workers=setup == "aug-workers-persistent")
+    val = DataLoader(Points(16, seed=1), batch_size=8)
+    ckpt_dir = os.path.join(ROOT, "ckpts")
+    callbacks: list[L.Callback] = []
+    trainer_kw: dict = {}
+    if setup in ("val-epoch", "plateau-epoch"):
+        # validation at every epoch end; EarlyStopping stops once val_loss failed to improve by 10 twice
+        callbacks.append(EarlyStopping(monitor="val_loss", patience=2, min_delta=10.0))
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, monitor="val_loss", save_top_k=2))
+    elif setup in ("val-interval", "plateau-step"):
+        trainer_kw["val_check_interval"] = 4
+        callbacks.append(EarlyStopping(monitor="val_loss", patience=3, min_delta=10.0, check_on_train_epoch_end=False))
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, monitor="val_loss", save_top_k=2))
+    else:
+        trainer_kw["limit_val_batches"] = 0
+    if setup == "bf16-mixed":
+        trainer_kw["precision"] = "bf16-mixed"
+    tier = LocalTier(os.path.join(a.dir, "snaps"), every_n_train_steps=a.every, keep_last=2)
+    snapshot = SnapshotCallback([tier])
+    callbacks.append(snapshot)
+    if a.crash_at >= 0:
+        callbacks.append(Crash(a.crash_at, tier))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=a.max_steps, max_epochs=-1, callbacks=callbacks,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False, deterministic=True,
+                        num_sanity_val_steps=0, **trainer_kw)
+    trainer.fit(model, train, val)
+    result = {
+        "global_step": trainer.global_step,
+        "epoch": trainer.current_epoch,
+        "model": plain(model.state_dict()),
+        "optimizers": [plain(o.state_dict()) for o in trainer.optimizers],
+        "schedulers": [plain(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs],
+        "callbacks": {cb.state_key: plain(cb.state_dict()) for cb in trainer.callbacks
+                      if not isinstance(cb, (SnapshotCallback, Crash))},
+        "checkpoint_files": sorted(os.listdir(ckpt_dir)) if os.path.isdir(ckpt_dir) else [],
+        "val_steps": list(model.val_steps),
+        "lrs": list(model.lrs),
+        "last_batch": plain(model.last_batch),
+        "rng": torch.get_rng_state(),
+    }
+    torch.save(result, a.out)
+    if snapshot.restored_from is not None:
+        print(f"RESTORED step={snapshot.restored_from[1]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Exact resume in the Lightning setups users run: each setup of tests/scripts/setups.py is SIGKILLed at a step
+that is not a snapshot step (for the validation setups: right after a snapshot step that is also a validation step),
+restarted, and compared with an uninterrupted run: weights, optimizer and scheduler state, every callback's state
+(EarlyStopping, ModelCheckpoint), the checkpoint files ModelCheckpoint left, the validation steps, the learning
+rates and the last batch trained."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_script
+
+
+def assert_same(ref, got, path: str = "result") -> None:
+    """Recursive equality, tensors bitwise (dtype, shape and bytes)."""
+    if isinstance(ref, torch.Tensor):
+        assert isinstance(got, torch.Tensor), f"{path}: {type(got).__name__} instead of a tensor"
+        assert ref.dtype == got.dtype and ref.shape == got.shape, f"{path}: {got.dtype}{tuple(got.shape)}"
+        same = torch.equal(ref.reshape(-1).view(torch.uint8), got.reshape(-1).view(torch.uint8))
+        assert same, f"{path} differs after resume: {ref.flatten()[:4].tolist()} vs {got.flatten()[:4].tolist()}"
+    elif isinstance(ref, dict):
+        assert isinstance(got, dict) and ref.keys() == got.keys(), \
+            f"{path}: keys {sorted(ref)} vs {sorted(got) if isinstance(got, dict) else got!r}"
+        for k in ref:
+            assert_same(ref[k], got[k], f"{path}/{k}")
+    elif isinstance(ref, list):
+        assert isinstance(got, list) and len(ref) == len(got), f"{path}: {ref!r:.300} vs {got!r:.300}"
+        for i, (r, g) in enumerate(zip(ref, got)):
+            assert_same(r, g, f"{path}[{i}]")
+    else:
+        assert ref == got, f"{path}: {ref!r:.300} vs {got!r:.300}"
+
+
+def run_setup(tmp: Path, name: str, *args: str, expect_kill: bool = False):
+    return run_script("setups.py", "--dir", str(tmp), "--out", str(tmp / "out.pt"), "--setup", name, *args,
+                      expect_kill=expect_kill)
+
+
+# (setup, extra arguments, crash steps). Snapshots every 4 steps; an epoch is 16 steps; validation setups validate
+# at every epoch end (val-epoch, plateau-epoch) or every 4 batches (val-interval, plateau-step).
+CASES = [
+    ("val-epoch", (), (17, 34)),           # right after the epoch-end snapshot + validation; mid-epoch later
+    ("val-interval", (), (5, 14)),         # right after a snapshot step that is also a validation step
+    ("plateau-epoch", ("--every", "3"), (20,)),  # mid-epoch: the epoch-end plateau step must still happen
+    ("plateau-step", (), (5, 13)),
+    ("aug-main", ("--every", "3"), (8, 17)),
+    ("aug-workers", ("--every", "3"), (8, 20)),
+    ("aug-workers-persistent", ("--every", "3"), (20,)),
+    ("stateful-iterable", ("--every", "3"), (8, 20)),
+    ("manual-two-optimizers", (), (10, 30)),
+    ("bf16-mixed", ("--every", "3"), (8,)),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,args,crashes", CASES, ids=[c[0] for c in CASES])
+def test_sigkill_and_resume_matches_an_uninterrupted_run(tmp_path, name, args, crashes):
+    run_setup(tmp_path / "ref", name, *args)
+    ref = torch.load(tmp_path / "ref" / "out.pt", weights_only=True)
+    for crash in crashes:
+        d = tmp_path / f"crash{crash}"
+        run_setup(d, name, *args, "--crash-at", str(crash), expect_kill=True)
+        proc = run_setup(d, name, *args)
+        assert "RESTORED step=" in proc.stdout, f"{name}: the run after the crash at {crash} did not resume"
+        got = torch.load(d / "out.pt", weights_only=True)
+        try:
+            assert_same(ref, got)
+        except AssertionError as e:
+            raise AssertionError(f"{name}, SIGKILL at step {crash}: {e}") from None
