@@ -80,6 +80,9 @@ class SnapshotCallback(Checkpoint):
             verified in whole chunks, so a resharded load (each rank reading only its shard) reads up to about two
             chunks more than it needs per tensor and shard boundary: smaller chunks mean less read amplification,
             at the cost of a longer manifest.
+        sigterm_grace: seconds the callback may take after a SIGTERM (a preempted SLURM or Kubernetes job, through
+            Lightning's signal handling) to snapshot the current step into every tier and wait until a durable tier
+            holds it; default 25 s, within SLURM's and Kubernetes' default 30 s between SIGTERM and SIGKILL.
 
     Snapshots are taken after the optimizer step of every scheduled ``global_step`` (with gradient accumulation,
     only when ``global_step`` moved). Supported strategies: single device, DDP (``ddp``, ``ddp_spawn``) and
@@ -97,6 +100,7 @@ class SnapshotCallback(Checkpoint):
         on_error: str = "raise",
         max_host_bytes: int | None = None,
         chunk_bytes: int = 8 << 20,
+        sigterm_grace: float = 25.0,
     ) -> None:
         if isinstance(tiers, (str, Backend)):
             tiers = [tiers]
@@ -123,6 +127,9 @@ class SnapshotCallback(Checkpoint):
         self.on_error = on_error
         self.max_host_bytes = max_host_bytes
         self.chunk_bytes = chunk_bytes
+        if isinstance(sigterm_grace, bool) or not isinstance(sigterm_grace, (int, float)) or sigterm_grace <= 0:
+            raise ConfigError(f"sigterm_grace must be a positive number of seconds, got {sigterm_grace!r}")
+        self.sigterm_grace = float(sigterm_grace)
         self._arena: HostArena | None = None
         self._persister: Persister | None = None
         self._inflight: AsyncStaged | None = None
@@ -261,8 +268,39 @@ class SnapshotCallback(Checkpoint):
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         # Lightning skips teardown hooks after an exception: stop here. Snapshots already handed to the persist
         # thread are still written (nothing staged is lost); the pending one, without its rank state, is dropped.
-        self._pending = None
-        self._shutdown()
+        try:
+            if type(exception).__name__ == "SIGTERMException" and self._persister is not None:
+                self._snapshot_on_sigterm(trainer, pl_module)
+        finally:
+            self._pending = None
+            self._shutdown()
+
+    def _snapshot_on_sigterm(self, trainer: Any, pl_module: Any) -> None:
+        """Preemption (SIGTERM, through Lightning's signal handling, on every rank together): snapshot the current
+        step into every tier and wait, within ``sigterm_grace`` seconds, until a durable tier holds it."""
+        assert self._persister is not None
+        t0 = time.monotonic()
+        step = trainer.global_step
+        self._persister.drain(timeout=self.sigterm_grace / 2)
+        if self._pending is not None and self._pending[0] == step:
+            self._pending = (step, self._pending[1], list(range(len(self.tiers))))
+        elif step > self._fit_start_step:
+            if self._pending is not None:
+                self._finish(trainer)
+            self._final_snapshot(trainer, pl_module, step)
+        if self._pending is not None:
+            self._finish(trainer)
+        late = self._persister.drain(timeout=max(0.0, self.sigterm_grace - (time.monotonic() - t0)))
+        self._collect_results(step)
+        held = [t.url for i, t in enumerate(self.tiers) if self._committed.get(i) == step]
+        durable = [t.url for i, t in enumerate(self.tiers) if t.durable and self._committed.get(i) == step]
+        if durable:
+            rank_zero_info(f"lightning-snapshot: SIGTERM: step {step} is held by {', '.join(held)}"
+                           f" ({time.monotonic() - t0:.1f} s)")
+        else:
+            log.error("lightning-snapshot: SIGTERM: step %d did not become durable within sigterm_grace=%s s"
+                      " (held by: %s; still writing: %s)", step, self.sigterm_grace, held or "none",
+                      [t.url for t in late] or "none")
 
     def _shutdown(self) -> None:
         if self._patched_strategy is not None:

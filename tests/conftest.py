@@ -12,9 +12,10 @@ SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
 
-def run_script(script: str, *args: str, expect_kill: bool = False, timeout: int = 300
+def run_script(script: str, *args: str, expect_kill: bool = False, timeout: int = 300, expect_rc: int = 0
                ) -> subprocess.CompletedProcess[str]:
-    """Run tests/scripts/SCRIPT in a fresh process; SIGKILL (rc -9) is expected when ``expect_kill``."""
+    """Run tests/scripts/SCRIPT in a fresh process; SIGKILL (rc -9) is expected when ``expect_kill``, else exit
+    status ``expect_rc``."""
     cmd = [sys.executable, str(SCRIPTS / script), *args]
     env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
@@ -22,7 +23,7 @@ def run_script(script: str, *args: str, expect_kill: bool = False, timeout: int 
     if expect_kill:
         assert proc.returncode == -9, f"expected SIGKILL, got rc={proc.returncode}\n{proc.stderr[-3000:]}"
     else:
-        assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
+        assert proc.returncode == expect_rc, f"rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
     return proc
 
 

@@ -69,3 +69,25 @@ def test_sigkill_and_resume_matches_an_uninterrupted_run(tmp_path, name, args, c
             assert_same(ref, got)
         except AssertionError as e:
             raise AssertionError(f"{name}, SIGKILL at step {crash}: {e}") from None
+
+
+@pytest.mark.slow
+def test_sigterm_snapshots_the_current_step_and_the_rerun_continues_exactly(tmp_path):
+    """A preempted job (SIGTERM through Lightning's signal handling) snapshots the step it stopped at, although no
+    snapshot was due (every 100 steps), and the rerun continues exactly. (Lightning ends the run with its
+    ``SIGTERMException``, a ``SystemExit`` without a code: exit status 0.)"""
+    from lightning_snapshot.backends import LocalTier
+    from lightning_snapshot.writer import committed_steps
+
+    args = ("--every", "100", "--max-steps", "24")
+    run_setup(tmp_path / "ref", "val-interval", *args)
+    ref = torch.load(tmp_path / "ref" / "out.pt", weights_only=True)
+    d = tmp_path / "preempted"
+    proc = run_script("setups.py", "--dir", str(d), "--out", str(d / "out.pt"), "--setup", "val-interval", *args,
+                      "--sigterm-at", "9")
+    steps = committed_steps(LocalTier(d / "snaps"))
+    assert steps and 9 <= steps[0] <= 10, f"no snapshot of the preempted step: {steps}\n{proc.stderr[-2000:]}"
+    assert f"SIGTERM: step {steps[0]} is held by" in proc.stderr + proc.stdout
+    proc = run_setup(d, "val-interval", *args)
+    assert f"RESTORED step={steps[0]}" in proc.stdout
+    assert_same(ref, torch.load(d / "out.pt", weights_only=True))

@@ -155,6 +155,17 @@ class Crash(L.Callback):
 ROOT = ""
 
 
+class Preempt(L.Callback):
+    """Send this process SIGTERM at ``global_step == at`` (what SLURM or Kubernetes does before a preemption)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 def plain(obj):
     """``obj`` with tensors cloned to the CPU and everything else JSON-like (for torch.save/weights_only); the run's
     directory in strings (checkpoint paths) becomes ``<DIR>``, so runs in other directories compare equal."""
@@ -179,6 +190,7 @@ def main() -> None:
     p.add_argument("--every", type=int, default=4)
     p.add_argument("--max-steps", type=int, default=40)
     p.add_argument("--crash-at", type=int, default=-1)
+    p.add_argument("--sigterm-at", type=int, default=-1)
     a = p.parse_args()
     global ROOT
     ROOT = os.path.abspath(a.dir)
@@ -215,6 +227,8 @@ def main() -> None:
     callbacks.append(snapshot)
     if a.crash_at >= 0:
         callbacks.append(Crash(a.crash_at, tier))
+    if a.sigterm_at >= 0:
+        callbacks.append(Preempt(a.sigterm_at))
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=a.max_steps, max_epochs=-1, callbacks=callbacks,
                         logger=False, enable_progress_bar=False, enable_model_summary=False, deterministic=True,
                         num_sanity_val_steps=0, **trainer_kw)
@@ -226,7 +240,7 @@ def main() -> None:
         "optimizers": [plain(o.state_dict()) for o in trainer.optimizers],
         "schedulers": [plain(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs],
         "callbacks": {cb.state_key: plain(cb.state_dict()) for cb in trainer.callbacks
-                      if not isinstance(cb, (SnapshotCallback, Crash))},
+                      if not isinstance(cb, (SnapshotCallback, Crash, Preempt))},
         "checkpoint_files": sorted(os.listdir(ckpt_dir)) if os.path.isdir(ckpt_dir) else [],
         "val_steps": list(model.val_steps),
         "lrs": list(model.lrs),
