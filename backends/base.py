@@ -134,6 +134,28 @@ class Backend(abc.ABC):
         self.train_time_interval: _dt.timedelta | None = train_time_interval
         self.keep_last = keep_last
 
+    # ------------------------------------------------------------------------------------------- pickling
+    #: Attributes that belong to one process (locks, open handles, clients, counters): left out when the tier is
+    #: pickled (``ddp_spawn`` pickles the trainer and its callbacks to start its processes) and made again by
+    #: :meth:`_init_process_state` in the process that unpickles it. Each class lists its own; they add up.
+    _process_local: ClassVar[tuple[str, ...]] = ()
+
+    def _init_process_state(self) -> None:
+        """Create this process's runtime state (the attributes of ``_process_local``); called after unpickling.
+        Subclasses that have some call it from ``__init__`` too and call ``super()._init_process_state()``."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Only the configuration travels; what belongs to this process is made again on the other side."""
+        state = dict(self.__dict__)
+        for klass in type(self).__mro__:
+            for name in vars(klass).get("_process_local", ()):
+                state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_process_state()
+
     # ------------------------------------------------------------------------------------------- schedule
     def is_due(self, step: int, seconds_since_last: float | None) -> bool:
         """Whether a snapshot of ``step`` is due in this tier.

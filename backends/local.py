@@ -86,13 +86,20 @@ class LocalTier(Backend):
         self.root = Path(os.path.expanduser(os.fspath(path))).absolute()
         #: Write page-aligned buffers with O_DIRECT (turned off by itself where the filesystem refuses it).
         self.direct_io = hasattr(os, "O_DIRECT")
-        #: Bytes written with O_DIRECT so far (a counter for tests and benchmarks).
-        self.direct_bytes = 0
-        #: Bytes read with ranged reads (``read_into``; a counter: resharding reads only what each rank needs).
-        self.bytes_read = 0
-        self._count_lock = threading.Lock()
+        self._init_process_state()
         if self.root.exists() and not self.root.is_dir():
             raise ConfigError(f"LocalTier path {str(self.root)!r} exists and is not a directory: choose another path")
+
+    _process_local = ("direct_bytes", "bytes_read", "_count_lock")
+
+    def _init_process_state(self) -> None:
+        super()._init_process_state()
+        #: Bytes written with O_DIRECT so far in this process (a counter for tests and benchmarks).
+        self.direct_bytes = 0
+        #: Bytes read with ranged reads in this process (``read_into``; a counter: resharding reads only what each
+        #: rank needs).
+        self.bytes_read = 0
+        self._count_lock = threading.Lock()
 
     @property
     def url(self) -> str:

@@ -12,6 +12,7 @@ import ctypes
 import datetime as _dt
 import inspect
 import logging
+import os
 import re
 import urllib.parse
 from collections.abc import Iterable, Mapping
@@ -151,7 +152,7 @@ class ObjectStoreTier(Backend):
                 " (URL options every/interval/keep are only for tier URL strings)"
             )
         try:
-            self.fs, root = fsspec.core.url_to_fs(url, **self._options)
+            fs, root = fsspec.core.url_to_fs(url, **self._options)
         except ImportError as e:
             hint = _INSTALL_HINTS.get(self.scheme, f"install the fsspec implementation for {self.scheme}://")
             raise ConfigError(f"{self.scheme}:// needs a package that is not installed: {hint}") from e
@@ -160,6 +161,9 @@ class ObjectStoreTier(Backend):
         if self.scheme in ("file", "local"):
             raise ConfigError("use LocalTier (or a plain path) for local files, not ObjectStoreTier")
         self.tier = self.scheme
+        self._fs_url = url  # (for this process's filesystem object; never logged: ``url`` is the redacted form)
+        self._init_process_state()
+        self._set_fs(fs)
         self.root = root.rstrip("/")
         self._url = redact(url, self._secrets)
         self.part_size = part_size
@@ -170,11 +174,34 @@ class ObjectStoreTier(Backend):
         if drain_timeout is not None and (not isinstance(drain_timeout, (int, float)) or drain_timeout < 0):
             raise ConfigError(f"drain_timeout must be a number of seconds >= 0 or None, got {drain_timeout!r}")
         self.drain_timeout = drain_timeout
-        #: bytes read with ranged reads (a counter: resharding asserts each rank reads only what it needs)
+
+    # ------------------------------------------------------------------------------------------- process state
+    _process_local = ("_fs", "_fs_pid", "_pipe_params", "bytes_read")
+
+    def _init_process_state(self) -> None:
+        super()._init_process_state()
+        self._fs: Any = None
+        self._fs_pid = -1
+        self._pipe_params: set[str] = set()
+        #: bytes read with ranged reads in this process (a counter: resharding asserts each rank reads only what it
+        #: needs)
         self.bytes_read = 0
-        self._pipe_params = set(inspect.signature(self.fs.pipe_file).parameters) | set(
-            inspect.signature(getattr(self.fs, "_pipe_file", self.fs.pipe_file)).parameters
+
+    def _set_fs(self, fs: Any) -> None:
+        self._fs, self._fs_pid = fs, os.getpid()
+        self._pipe_params = set(inspect.signature(fs.pipe_file).parameters) | set(
+            inspect.signature(getattr(fs, "_pipe_file", fs.pipe_file)).parameters
         )
+
+    @property
+    def fs(self) -> Any:
+        """This process's fsspec filesystem: made again in a process that unpickled the tier (``ddp_spawn``) or
+        was forked from the one that made it (``ddp_fork``; async clients such as s3fs are not fork-safe)."""
+        if self._fs is None or self._fs_pid != os.getpid():
+            import fsspec
+
+            self._set_fs(fsspec.core.url_to_fs(self._fs_url, **self._options)[0])
+        return self._fs
 
     @property
     def url(self) -> str:
@@ -199,10 +226,11 @@ class ObjectStoreTier(Backend):
         view = views[0] if len(views) == 1 else memoryview(b"".join(views))
         path = self._path(key)
         try:
+            fs = self.fs  # (first: it sets _pipe_params)
             if "chunksize" in self._pipe_params and view.nbytes >= 2 * self.part_size:
-                self.fs.pipe_file(path, _Parts(view), chunksize=self.part_size, max_concurrency=self.max_concurrency)
+                fs.pipe_file(path, _Parts(view), chunksize=self.part_size, max_concurrency=self.max_concurrency)
             else:
-                self.fs.pipe_file(path, bytes(view))
+                fs.pipe_file(path, bytes(view))
         except Exception as e:  # noqa: BLE001 - any client error is a failed write, with credentials redacted
             raise self._error("uploading", key, e) from None
         return view.nbytes
@@ -210,12 +238,13 @@ class ObjectStoreTier(Backend):
     def commit(self, key: str, data: bytes) -> None:
         path = self._path(key)
         try:
+            fs = self.fs  # (first: it sets _pipe_params)
             if "mode" in self._pipe_params:  # conditional create: never overwrite a committed manifest
-                self.fs.pipe_file(path, bytes(data), mode="create")
+                fs.pipe_file(path, bytes(data), mode="create")
             else:
-                if self.fs.exists(path):
+                if fs.exists(path):
                     raise FileExistsError(path)
-                self.fs.pipe_file(path, bytes(data))
+                fs.pipe_file(path, bytes(data))
         except FileExistsError:
             raise SnapshotWriteError(f"{key!r} is already committed in the {self.scheme} tier {self.url!r};"
                                      " a committed snapshot is never overwritten") from None

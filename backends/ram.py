@@ -100,8 +100,11 @@ class RamTier(Backend):
         erasure: ``None`` keeps a node-local copy of each rank's data (one-node jobs), or ``(k, m)``: each rank's data
             is split into ``k`` data and ``m`` parity shares (zfec) placed on ``k + m`` distinct nodes, so any ``m``
             nodes can be lost at ``(k + m) / k`` times the memory. Needs at least ``k + m`` nodes.
-        name: the run's name: one agent and one memory directory per node and name. Default: derived from the other
-            tiers of the callback (the same durable tiers mean the same run).
+        name: the run's name: one agent and one memory directory per node and name. Default: derived from the
+            script, the working directory, the other tiers of the callback and the launcher's job id where one is set
+            (``TORCHELASTIC_RUN_ID`` unless ``none``, ``SLURM_JOB_ID``, ``LSB_JOBID``, ``PBS_JOBID``): a restart of
+            the same job (torchrun's restarts, a requeued SLURM job) resumes from the node's RAM snapshots, a new job
+            starts a new run (it still resumes from the durable tiers). Give a name to share a run across jobs.
         shm_dir: base directory of the node's memory (default ``$LIGHTNING_SNAPSHOT_SHM_DIR`` or
             ``/dev/shm/lightning-snapshot-<uid>``; simulated multi-node runs give every "node" its own).
         idle_timeout: seconds the agent keeps the memory once no trainer is attached, then exits and frees it.
@@ -146,6 +149,12 @@ class RamTier(Backend):
         self.threads = threads
         # topology (bind): single node until the callback says otherwise
         self.node_rank, self.num_nodes, self.local_rank, self.ranks_per_node = 0, 1, 0, 1
+        self._init_process_state()
+
+    _process_local = ("_store", "_pending", "_sources", "_readings", "_paths")
+
+    def _init_process_state(self) -> None:
+        super()._init_process_state()
         self._store: _Store | None = None
         self._pending: dict[str, dict[str, Any]] = {}
         self._sources: dict[str, memoryview] = {}  # key -> the object written, until distribute() sent its shares
@@ -738,9 +747,29 @@ def allocated_bytes(path: str | os.PathLike[str]) -> int:
     return total
 
 
+#: Environment variables in which a launcher or scheduler names the job. Each keeps its value when the same job
+#: restarts (torchrun's restarts of its workers, a requeued SLURM, LSF or PBS job) and changes for a new job, so a new
+#: job never resumes from the RAM snapshots another job left on the node. torchrun's default run id, ``none``, names
+#: no job and is ignored.
+JOB_ID_VARIABLES = ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "LSB_JOBID", "PBS_JOBID")
+
+
+def job_ids(environ: Any = None) -> list[str]:
+    """``VARIABLE=value`` of each :data:`JOB_ID_VARIABLES` set (to something other than torchrun's ``none``)."""
+    env = os.environ if environ is None else environ
+    found = []
+    for var in JOB_ID_VARIABLES:
+        value = str(env.get(var, "")).strip()
+        if value and not (var == "TORCHELASTIC_RUN_ID" and value.lower() == "none"):
+            found.append(f"{var}={value}")
+    return found
+
+
 def default_run_name(tier_urls: list[str]) -> str:
-    """A run name for the agent and memory directory: the same other tiers and script mean the same run."""
-    text = "\n".join([os.getcwd(), os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else "", *tier_urls])
+    """A run name for the agent and memory directory: the same script, working directory, other tiers and launcher
+    job id (:data:`JOB_ID_VARIABLES`, where one is set) mean the same run."""
+    text = "\n".join([os.getcwd(), os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else "", *tier_urls,
+                      *job_ids()])
     return "run-" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

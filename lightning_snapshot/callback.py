@@ -29,6 +29,7 @@ from lightning_snapshot.capture import (
     capture_rng,
     capture_shared,
     check_model,
+    check_optimizers,
     frozen_predicate,
     is_sharded,
     restore_rng,
@@ -548,6 +549,7 @@ class SnapshotCallback(Checkpoint):
             shared.update(late)
         if "loops" not in shared:
             raise SnapshotError(f"{where} holds no training state")
+        check_optimizers(trainer, shared, where)  # before anything is applied
         return shared, rank_state
 
     def _apply_rank_state(self, trainer: Any, rank_state: dict[str, Any] | None) -> None:

@@ -22,12 +22,13 @@ import lightning
 import numpy as np
 import torch
 
+from lightning_snapshot import compat as _compat
 from lightning_snapshot import tree as _tree
 from lightning_snapshot.errors import ManifestError, StateMismatchError
 from lightning_snapshot.staging import dtensor_box, is_dtensor, local_tensor
 
 __all__ = ["capture_late", "capture_shared", "restore_shared", "capture_rng", "restore_rng", "check_model",
-           "frozen_predicate", "is_sharded", "Templates", "templates", "restore_targets"]
+           "frozen_predicate", "is_sharded", "check_optimizers", "Templates", "templates", "restore_targets"]
 
 
 def is_sharded(strategy: Any) -> bool:
@@ -104,6 +105,8 @@ def capture_late(trainer: Any, pl_module: Any, loader_states: list[Any] | None =
         "lr_schedulers": [cfg.scheduler.state_dict() for cfg in trainer.lr_scheduler_configs],
         # what ReduceLROnPlateau, EarlyStopping and ModelCheckpoint read between validations
         "callback_metrics": {k: v for k, v in trainer.callback_metrics.items() if isinstance(v, torch.Tensor)},
+        # the optimizer and scheduler classes and layout, checked before a restore applies anything
+        "lightning_snapshot": {"optimizers": _compat.describe(trainer)},
     }
     for cb in trainer.callbacks:
         state = cb.state_dict()
@@ -328,6 +331,14 @@ def _restore_sharded(trainer: Any, ckpt: dict[str, Any], live: Templates, where:
         set_optimizer_state_dict(model, _raw_optimizer(opt), state)
 
 
+def check_optimizers(trainer: Any, ckpt: dict[str, Any], where: str) -> None:
+    """Raise :class:`StateMismatchError` when the snapshot's optimizers or LR schedulers do not fit the live ones
+    (another class, count, parameter groups or state keys; see :mod:`lightning_snapshot.compat`)."""
+    own = ckpt.get("lightning_snapshot")
+    description = own.get("optimizers") if isinstance(own, dict) else None
+    _compat.check(trainer, description, ckpt.get("optimizer_states", []), ckpt.get("lr_schedulers", []), where)
+
+
 def restore_shared(trainer: Any, pl_module: Any, ckpt: dict[str, Any], where: str,
                    live: Templates | None = None) -> None:
     """Load the shared state into a trainer whose strategy is set up (optimizers exist): at ``on_fit_start``.
@@ -340,12 +351,7 @@ def restore_shared(trainer: Any, pl_module: Any, ckpt: dict[str, Any], where: st
     check_model(pl_module, ckpt.get("state_dict"), where)
     optimizer_states = ckpt.get("optimizer_states", [])
     schedulers = ckpt.get("lr_schedulers", [])
-    if len(optimizer_states) != len(trainer.optimizers) or len(schedulers) != len(trainer.lr_scheduler_configs):
-        raise StateMismatchError(
-            f"{where} has {len(optimizer_states)} optimizer(s) and {len(schedulers)} LR scheduler(s), but"
-            f" configure_optimizers() returned {len(trainer.optimizers)} and {len(trainer.lr_scheduler_configs)}."
-            " Restore into the same optimizer setup, or pass resume=False"
-        )
+    check_optimizers(trainer, ckpt, where)
     pl_module.on_load_checkpoint(ckpt)
     sharded = is_sharded(trainer.strategy)
     if sharded:
@@ -381,7 +387,7 @@ def restore_shared(trainer: Any, pl_module: Any, ckpt: dict[str, Any], where: st
             trainer.strategy.load_optimizer_state_dict({**ckpt, "optimizer_states": rekeyed})
         except (ValueError, KeyError) as e:
             raise StateMismatchError(f"{where}: the optimizer state does not fit this optimizer: {e}") from e
-    for cfg, state in zip(trainer.lr_scheduler_configs, schedulers):
+    for cfg, state in _compat.schedulers_to_load(trainer, schedulers):
         cfg.scheduler.load_state_dict(state)
 
 
