@@ -187,7 +187,7 @@ def test_too_many_lost_shares_fall_back_to_the_local_tier_with_one_log_line(tmp_
     common = ("--dir", str(tmp_path / "local"), "--out", str(tmp_path / "out.pt"), *args, "--num-nodes", "2",
               "--ram-every", "2", "--ram-erasure", "1+1")
     try:
-        procs = launch_nodes("train.py", 2, *common, "--crash-at", "9", env=env)
+        procs = launch_nodes("train.py", 2, *common, "--crash-at", "8", env=env)
         assert [p.returncode for p in procs] == [-9, -9], [p.stderr[-2000:] for p in procs]
         assert committed_steps(LocalTier(tmp_path / "local"))[0] == 6
         stop_agent(base / "node0" / "test")

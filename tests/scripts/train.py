@@ -91,7 +91,8 @@ class Crash(L.Callback):
         steps = committed_steps(tier)
         if not self.newest:
             return bool(steps)
-        due = (self.at - 1) // tier.every_n_train_steps * tier.every_n_train_steps
+        # (the snapshot of step ``at`` itself is taken before this hook, right before its batch is fetched)
+        due = self.at // tier.every_n_train_steps * tier.every_n_train_steps
         return bool(steps) and steps[0] >= due
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
