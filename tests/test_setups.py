@@ -50,8 +50,8 @@ CASES = [
     ("plateau-epoch", ("--every", "3"), (20,)),  # mid-epoch: the epoch-end plateau step must still happen
     ("plateau-step", (), (5, 13)),
     ("aug-main", ("--every", "3"), (8, 17)),
-    pytest.param("aug-workers", ("--every", "3"), (8, 20), marks=_WORKERS),
-    pytest.param("aug-workers-persistent", ("--every", "3"), (20,), marks=_WORKERS),
+    pytest.param("aug-workers", ("--every", "3"), (8, 20), marks=_WORKERS, id="aug-workers"),
+    pytest.param("aug-workers-persistent", ("--every", "3"), (20,), marks=_WORKERS, id="aug-workers-persistent"),
     ("stateful-iterable", ("--every", "3"), (8, 20)),
     ("manual-two-optimizers", (), (10, 30)),
     ("bf16-mixed", ("--every", "3"), (8,)),
@@ -59,8 +59,8 @@ CASES = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,args,crashes", CASES, ids=[c[0] if isinstance(c, tuple) else c.values[0]
-                                                          for c in CASES])
+@pytest.mark.parametrize("name,args,crashes", [c if hasattr(c, "marks") else pytest.param(*c, id=c[0])
+                                                for c in CASES])
 def test_sigkill_and_resume_matches_an_uninterrupted_run(tmp_path, name, args, crashes):
     run_setup(tmp_path / "ref", name, *args)
     ref = torch.load(tmp_path / "ref" / "out.pt", weights_only=True)
