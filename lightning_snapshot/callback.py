@@ -756,16 +756,27 @@ class SnapshotCallback(Checkpoint):
 
     def _rank_state(self, trainer: Any, consumed: int) -> dict[str, Any]:
         epoch_progress = trainer.fit_loop.epoch_progress.current
-        boundary = epoch_progress.ready == epoch_progress.processed  # training ended with an epoch
+        ended = epoch_progress.ready == epoch_progress.processed  # the fit loop counted the epoch as finished
+        batches = trainer.fit_loop.epoch_loop.batch_progress
+        # max_steps can end training inside an epoch, and Lightning then counts that epoch as finished too: the
+        # snapshot records it as unfinished, so that a longer run continues it from the next batch
+        unfinished = ended and not batches.is_last_batch and consumed < trainer.num_training_batches
+        boundary = ended and not unfinished  # training ended with an epoch: the next starts from its beginning
+        epoch = trainer.current_epoch - 1 if unfinished else trainer.current_epoch
         loaders = [
-            None if boundary else _data.position(dl, trainer.current_epoch, consumed)
+            None if boundary else _data.position(dl, epoch, consumed)
             for dl in _data.flatten_loaders(trainer.train_dataloader)
         ]
         # a loader fetched ahead: its state before the first batch this snapshot has not consumed (fetch indices
         # count the epoch's batches, as the loop does)
         loader_states = None if boundary else self._fetch_states.get(consumed)
-        return {"rng": capture_rng(), "loaders": loaders, "late": capture_late(trainer, trainer.lightning_module,
-                                                                                 loader_states)}
+        late = capture_late(trainer, trainer.lightning_module, loader_states)
+        if unfinished:
+            late["epoch"] = epoch
+            for counters in late["loops"]["fit_loop"]["epoch_progress"].values():
+                counters["processed"] -= 1
+                counters["completed"] -= 1
+        return {"rng": capture_rng(), "loaders": loaders, "late": late}
 
     def _finish(self, trainer: Any, consumed_offset: int = 0) -> None:
         """Add the rest of the state (loops, callbacks, schedulers, this rank's RNG and data position) to the
