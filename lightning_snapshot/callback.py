@@ -19,7 +19,9 @@ try:
 except ImportError:  # pragma: no cover - lightning without it
     ModelParallelStrategy = None
 
+from lightning_snapshot import compat as _compat
 from lightning_snapshot import data as _data
+from lightning_snapshot import fit_state as _fit_state
 from lightning_snapshot.arena import AsyncStaged, HostArena
 from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.backends.registry import parse_tier
@@ -156,6 +158,11 @@ class SnapshotCallback(Checkpoint):
         #: Stateful train-loader states recorded before each fetch of a loader without a length, by fetch index.
         self._fetch_states: dict[int, Any] = {}
         self._patched_loop: Any = None
+        self._patched_fit_loop: Any = None
+        #: (tier url, step) of the snapshot whose callback states ``setup`` loaded, or None.
+        self._preloaded: tuple[str, int] | None = None
+        #: The restored snapshot's :mod:`~lightning_snapshot.fit_state`, applied at ``on_train_start``.
+        self._restored_fit_state: dict[str, Any] | None = None
         self._fit_start_step = 0
         self._tier_skipped = [0] * len(self.tiers)
         self._pending_rng: dict[str, Any] | None = None
@@ -233,6 +240,65 @@ class SnapshotCallback(Checkpoint):
         epoch_loop._on_before_fetch = on_before_fetch
         self._patched_loop = epoch_loop
         self._fetch_states = {}
+        # A snapshot of an epoch's last step is finished between epochs: after the epoch's end (validation,
+        # epoch-end callbacks and scheduler steps, logged epoch metrics), before the next epoch's start hooks. It
+        # resumes at the epoch boundary, so those hooks run again in the resumed run, as in one that never stopped
+        # (callbacks that change the model or optimizer there: BackboneFinetuning, StochasticWeightAveraging).
+        fit_loop = trainer.fit_loop
+        original_advance_start = fit_loop.on_advance_start
+
+        def on_advance_start() -> None:
+            if self._pending is not None:
+                t0 = time.perf_counter()
+                self._finish(trainer)
+                self._stall += time.perf_counter() - t0
+            original_advance_start()
+
+        fit_loop.on_advance_start = on_advance_start
+        self._patched_fit_loop = fit_loop
+        self._preload_callbacks(trainer)
+
+    def _preload_callbacks(self, trainer: Any) -> None:
+        """Load the other callbacks' states from the snapshot that will be restored, now, before any callback's
+        ``on_fit_start``, as Lightning's own restore does: callbacks act on their loaded state there
+        (``BaseFinetuning`` re-adds its parameter groups, ``StochasticWeightAveraging`` drops the scheduler it
+        replaced by SWALR). If ``on_fit_start`` restores another snapshot (this one fails to load), that one's
+        callback states are loaded there instead."""
+        self._preloaded = None
+        self._restored_fit_state = None
+        if self.resume is False or trainer.ckpt_path:
+            return
+        try:
+            candidates = self._candidates()
+            if not candidates:
+                return
+            backend, step = candidates[0]
+            late = self._read_late(backend, step)
+        except (SnapshotError, OSError) as e:
+            log.debug("lightning-snapshot: callback states not loaded at setup (%s); on_fit_start reports", e)
+            return
+        if isinstance(late, dict):
+            _fit_state.load_callback_states(trainer, late.get("callbacks"), exclude=self)
+            self._preloaded = (backend.url, step)
+
+    def _read_late(self, backend: Backend, step: int) -> Any:
+        """This rank's late state (loops, callbacks, schedulers) of a snapshot; rank 0's after a change of the
+        number of processes."""
+
+        def read() -> Any:
+            manifest = read_manifest(backend, step)
+            rank = self._comm.rank if manifest.world_size == self._comm.world_size else 0
+            section = manifest.rank_section(rank)
+            if section is None:
+                return None
+            state = read_section(backend, manifest, section.tensors, section.state)
+            return state.get("late") if isinstance(state, dict) else None
+
+        restore = getattr(backend, "restore", None)
+        if restore is None:
+            return read()
+        comm = self._tier_comms[self.tiers.index(backend)] if self._tier_comms else LocalComm()
+        return restore(comm, step, read)
 
     def _setup_ram_tier(self, trainer: Any) -> None:
         """Place the RAM tier in the job (which node this rank is on) and attach this rank to its node's agent."""
@@ -311,6 +377,9 @@ class SnapshotCallback(Checkpoint):
             for name in ("_on_before_fetch", "on_run_start"):
                 self._patched_loop.__dict__.pop(name, None)
             self._patched_loop = None
+        if self._patched_fit_loop is not None:
+            self._patched_fit_loop.__dict__.pop("on_advance_start", None)
+            self._patched_fit_loop = None
         if self._pending is not None:
             _, staged, _ = self._pending
             self._pending = None
@@ -400,8 +469,11 @@ class SnapshotCallback(Checkpoint):
                 raise fatal or SnapshotError(f"restoring the {where} failed on another rank (see its log)")
             if self._comm.all_true(error is None):
                 shared, rank_state = loaded
-                restore_shared(trainer, pl_module, shared, where, live)
+                restore_shared(trainer, pl_module, shared, where, live,
+                               load_callbacks=self._preloaded != (backend.url, step))
                 self._apply_rank_state(trainer, rank_state)
+                self._restored_fit_state = _fit_state.saved_state(shared)
+                _fit_state.prune_checkpoints(trainer, self._restored_fit_state, step)
                 self._last_step = step
                 seconds = time.monotonic() - t0
                 self.restored_from = (backend.url, step, seconds)
@@ -429,6 +501,7 @@ class SnapshotCallback(Checkpoint):
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         resumed, self._resumed = self._resumed, None
+        saved, self._restored_fit_state = self._restored_fit_state, None
         if resumed is None:
             return
         # Lightning's restart logic is made for checkpoints taken inside a step (at on_train_batch_end, on
@@ -441,6 +514,8 @@ class SnapshotCallback(Checkpoint):
             # iterator, counters from zero)
             _Loop.restarting.fset(fit_loop, False)
             fit_loop._resuming_from_checkpoint = False
+            _fit_state.restore_grads(pl_module, saved)
+            _compat.reinstate_swalr_after_averaging(trainer, pl_module)
             if self._pending_rng is not None:
                 restore_rng(self._pending_rng)
                 self._pending_rng = None
@@ -448,6 +523,11 @@ class SnapshotCallback(Checkpoint):
         # Within an epoch. The fit loop would stay "restarting" until the epoch ends and then skip the epoch-end
         # plateau scheduler step; its start hooks ran before the snapshot, which its counters already say.
         fit_loop._restarting = False
+        # What the epoch's start hooks set up, which do not run again: SWA's SWALR, the gradient accumulation
+        # (GradientAccumulationScheduler), and the epoch's accumulated training metrics.
+        _compat.reinstate_epoch_start_schedulers(trainer, pl_module)
+        _compat.reinstate_swalr_after_averaging(trainer, pl_module)
+        _fit_state.restore_in_epoch(trainer, saved)
         # The epoch loop keeps its counters while it resets (restarting), and must then not take its restart path
         # on the first batch: that would re-run or fast-forward step N's validation, which the snapshot holds done.
         original = epoch_loop.on_run_start
@@ -549,6 +629,7 @@ class SnapshotCallback(Checkpoint):
             shared.update(late)
         if "loops" not in shared:
             raise SnapshotError(f"{where} holds no training state")
+        _fit_state.merge_param_groups(shared, where)  # the optimizer's groups as they were with the late state
         check_optimizers(trainer, shared, where)  # before anything is applied
         return shared, rank_state
 
@@ -863,7 +944,8 @@ class SnapshotCallback(Checkpoint):
                             " agent connection belong to this process) cannot be pickled; pickle it before"
                             " trainer.fit or after it returns")
         state = dict(self.__dict__)
-        for name in ("_comm", "_tier_comms", "_inflight", "_patched_loop", "_fetch_states"):
+        for name in ("_comm", "_tier_comms", "_inflight", "_patched_loop", "_patched_fit_loop", "_fetch_states",
+                     "_restored_fit_state"):
             state.pop(name, None)
         return state
 
@@ -873,4 +955,6 @@ class SnapshotCallback(Checkpoint):
         self._tier_comms = []
         self._inflight = None
         self._patched_loop = None
+        self._patched_fit_loop = None
+        self._restored_fit_state = None
         self._fetch_states = {}
