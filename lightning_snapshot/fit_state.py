@@ -65,6 +65,7 @@ def capture(trainer: Any, pl_module: Any) -> dict[str, Any]:
                                 if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)},
         "accumulate_grad_batches": int(trainer.accumulate_grad_batches),
         "train_results": _train_results(trainer),
+        "logger_connector": _logger_connector_state(trainer),
         "checkpoint_files": _checkpoint_files(trainer),
         "grads": _reused_grads(trainer, pl_module),
     }
@@ -114,6 +115,17 @@ def _train_results(trainer: Any) -> list[dict[str, Any]]:
         entry.update({flag: bool(getattr(meta, flag)) for flag in _RESULT_FLAGS})
         out.append(entry)
     return out
+
+
+def _logger_connector_state(trainer: Any) -> dict[str, Any]:
+    """Whether the next ``self.log`` of a hook resets that hook's accumulated metrics (Lightning's logger connector
+    resets them at the first batch of an epoch and after a validation: its private ``_first_loop_iter`` and
+    ``_current_fx``)."""
+    connector = trainer._logger_connector
+    first = getattr(connector, "_first_loop_iter", None)
+    fx = getattr(connector, "_current_fx", None)
+    return {"first_loop_iter": first if isinstance(first, bool) else None, "current_fx": fx if isinstance(fx, str)
+            else None}
 
 
 def _model_checkpoints(trainer: Any) -> list[Any]:
@@ -224,6 +236,10 @@ def restore_in_epoch(trainer: Any, saved: dict[str, Any] | None) -> None:
     entries = saved.get("train_results")
     if isinstance(entries, list) and entries:
         _restore_train_results(trainer, entries)
+    connector = saved.get("logger_connector")
+    if isinstance(connector, dict):
+        trainer._logger_connector._first_loop_iter = connector.get("first_loop_iter")
+        trainer._logger_connector._current_fx = connector.get("current_fx")
 
 
 def _restore_train_results(trainer: Any, entries: list[dict[str, Any]]) -> None:
