@@ -77,37 +77,42 @@ def cuda_host_register(ptr: int, nbytes: int, device: int) -> None:
 
     Call it from a thread that launches no CUDA work (the arena has one for this): a failed call leaves CUDA's
     per-thread "last error" set (torch's binding does not clear it), which torch would otherwise report at that
-    thread's next kernel launch, as if that kernel had failed.
+    thread's next kernel launch, as if that kernel had failed. It makes ``device`` the calling thread's current
+    device (and leaves it so: switching back to device 0 would create a context there on every rank of a node).
 
     Raises:
         HostRegisterError: CUDA is not usable in this process, or the driver refused (out of memory, a limit); the
             message names the CUDA error and, where one is set, ``RLIMIT_MEMLOCK``.
     """
-    try:
-        cudart = torch.cuda.cudart()
-    except (AssertionError, RuntimeError) as e:  # torch without CUDA, no driver, CUDA after fork
-        raise HostRegisterError(f"CUDA is not usable in this process ({e})") from None
-    with torch.cuda.device(device):  # (not device 0's context: this thread may never have set a device)
-        code = int(cudart.cudaHostRegister(ptr, nbytes, _HOST_REGISTER_PORTABLE))
+    cudart = _cudart_on(device)
+    code = int(cudart.cudaHostRegister(ptr, nbytes, _HOST_REGISTER_PORTABLE))
     if code != 0:
         raise HostRegisterError(f"cudaHostRegister of {nbytes} bytes for cuda:{device} failed with"
                                 f" {_cuda_error(cudart, code)}{_memlock_note()}")
 
 
 def cuda_host_unregister(ptr: int, device: int) -> None:
-    """Undo :func:`cuda_host_register` of the memory at ``ptr``; call it while the memory is still mapped.
+    """Undo :func:`cuda_host_register` of the memory at ``ptr``; call it while the memory is still mapped, from the
+    same kind of thread (it makes ``device`` the thread's current device too).
 
     Raises:
         HostRegisterError: CUDA refused (the message names the CUDA error).
     """
-    try:
-        cudart = torch.cuda.cudart()
-    except (AssertionError, RuntimeError) as e:
-        raise HostRegisterError(f"CUDA is not usable in this process ({e})") from None
-    with torch.cuda.device(device):
-        code = int(cudart.cudaHostUnregister(ptr))
+    cudart = _cudart_on(device)
+    code = int(cudart.cudaHostUnregister(ptr))
     if code != 0:
         raise HostRegisterError(f"cudaHostUnregister for cuda:{device} failed with {_cuda_error(cudart, code)}")
+
+
+def _cudart_on(device: int) -> Any:
+    """torch's CUDA runtime bindings, with ``device`` made the calling thread's current device (a new thread's is 0:
+    never touch another GPU's context)."""
+    try:
+        cudart = torch.cuda.cudart()
+        torch.cuda.set_device(device)
+    except (AssertionError, AttributeError, RuntimeError) as e:  # torch without CUDA, no driver, CUDA after fork
+        raise HostRegisterError(f"CUDA is not usable in this process ({e})") from None
+    return cudart
 
 
 def _cuda_error(cudart: Any, code: int) -> str:
