@@ -1,5 +1,6 @@
 """Ordinary Lightning setups for the exact-resume tests: validation with EarlyStopping and ModelCheckpoint,
-ReduceLROnPlateau, augmentation in the main process and in loader workers, an unsized stateful loader, manual
+ReduceLROnPlateau, augmentation in the main process and in loader workers (fresh or persistent workers, with
+Lightning's worker seeding from ``seed_everything(workers=True)`` or torch's own), an unsized stateful loader, manual
 optimization with two optimizers, bf16-mixed.
 
 Usage: python setups.py --setup NAME --dir SNAPDIR --out RESULT.pt [--crash-at S] [--every K] [--max-steps N]
@@ -30,7 +31,7 @@ from lightning_snapshot.backends import LocalTier
 from lightning_snapshot.writer import committed_steps
 
 SETUPS = ("val-epoch", "val-interval", "plateau-epoch", "plateau-step", "aug-main", "aug-workers",
-          "aug-workers-persistent", "stateful-iterable", "manual-two-optimizers", "bf16-mixed")
+          "aug-workers-persistent", "aug-workers-plain", "stateful-iterable", "manual-two-optimizers", "bf16-mixed")
 
 
 class Points(Dataset):
@@ -88,6 +89,8 @@ class Model(L.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         self.last_batch = x.detach().clone()
+        if os.environ.get("SETUPS_DEBUG"):
+            print("BATCH", self.trainer.global_step, batch_idx, x.sum().item(), torch.rand(1).item(), flush=True)
         loss = nn.functional.mse_loss(self.net(x), y)
         self.log("train_loss", loss)
         if self.automatic_optimization:
@@ -195,7 +198,9 @@ def main() -> None:
     global ROOT
     ROOT = os.path.abspath(a.dir)
 
-    L.seed_everything(42, workers=True, verbose=False)
+    # aug-workers-plain: what a new user writes, no worker seeding of Lightning's (torch seeds each worker from the
+    # loader's base seed, numpy and python included)
+    L.seed_everything(42, workers=a.setup != "aug-workers-plain", verbose=False)
     setup = a.setup
     model = Model(setup)
     workers = 2 if setup.startswith("aug-workers") else 0
@@ -204,7 +209,8 @@ def main() -> None:
 
         train = StatefulDataLoader(Stream(), batch_size=4)
     else:
-        train = DataLoader(Points(augment=setup.startswith("aug-")), batch_size=4, shuffle=os.environ.get("SETUPS_SHUFFLE", "1") == "1", num_workers=workers,
+        train = DataLoader(Points(augment=setup.startswith("aug-")), batch_size=4,
+                           shuffle=os.environ.get("SETUPS_SHUFFLE", "1") == "1", num_workers=workers,
                            persistent_workers=setup == "aug-workers-persistent")
     val = DataLoader(Points(16, seed=1), batch_size=8)
     ckpt_dir = os.path.join(ROOT, "ckpts")
