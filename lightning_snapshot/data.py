@@ -60,7 +60,7 @@ class ResumableSampler(Sampler[int]):
     """
 
     _OWN = ("inner", "epoch_state", "pending", "order", "replicas", "base", "offset", "start_batches", "stream",
-            "draws", "hold")
+            "draws", "hold", "sampler_epoch")
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -83,6 +83,8 @@ class ResumableSampler(Sampler[int]):
         #: While True, an iteration yields nothing and draws nothing (a resumed iterator's creation, see
         #: :meth:`_IteratorTracker.get_iterator`).
         self.hold = False
+        #: The wrapped sampler's ``epoch`` (``set_epoch``) when the current order was drawn, or None.
+        self.sampler_epoch: int | None = None
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -111,8 +113,12 @@ class ResumableSampler(Sampler[int]):
         if pending is None:
             self.epoch_state = (torch.get_rng_state(), gen.get_state() if gen is not None else None)
             self.order = describe_order(self.inner, *self.epoch_state)
+            self.sampler_epoch = _epoch_of(self.inner)
             yield from self.inner
             return
+        # A resumed loader with workers draws when its iterator is created, which Lightning does before it calls
+        # set_epoch: a DistributedSampler must draw the interrupted epoch's order
+        self._set_epoch(pending)
         # Replay the RNG from which the interrupted epoch drew its order, forked: the global RNG is put back right
         # after the draw. (Without workers this runs at the first fetch, after the callback restored the global RNG
         # to the interrupted run's state: what the dataset draws next must come from that state.) A generator of
@@ -134,6 +140,15 @@ class ResumableSampler(Sampler[int]):
         yield from head
         yield from it
 
+    def _set_epoch(self, pending: dict[str, Any]) -> None:
+        epoch = pending.get("sampler_epoch")
+        order = (pending.get("global") or {}).get("order") or {}
+        if epoch is None and order.get("kind") == "distributed":  # (a position of an older version)
+            epoch = order.get("epoch")
+        if epoch is not None and callable(getattr(self.inner, "set_epoch", None)):
+            self.inner.set_epoch(int(epoch))
+        self.sampler_epoch = _epoch_of(self.inner)
+
     def global_position(self, consumed_batches: int, batch_size: int) -> dict[str, Any] | None:
         """The global position after this rank consumed ``consumed_batches`` batches of the epoch (loop count)."""
         if self.order is None:
@@ -141,6 +156,11 @@ class ResumableSampler(Sampler[int]):
         local = self.offset + max(0, consumed_batches - self.start_batches) * batch_size
         samples = min(self.order["n"], self.base + local * self.replicas)
         return {"order": self.order, "base": self.base, "samples": samples, "replicas": self.replicas}
+
+
+def _epoch_of(sampler: Any) -> int | None:
+    epoch = getattr(sampler, "epoch", None)
+    return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None
 
 
 def _is_plain_distributed(sampler: Any) -> bool:
@@ -341,7 +361,7 @@ def install(loader: Any) -> ResumableSampler | None:
     return batch_sampler.sampler
 
 
-def position(loader: Any, epoch: int, consumed_batches: int) -> dict[str, Any] | None:
+def position(loader: Any, epoch: int, consumed_batches: int, *, ended: bool = False) -> dict[str, Any] | None:
     """The position of a wrapped loader before the batch ``consumed_batches`` of ``epoch`` is fetched (the loop's
     count): None before its first iterator exists.
 
@@ -350,6 +370,9 @@ def position(loader: Any, epoch: int, consumed_batches: int) -> dict[str, Any] |
     ``rng``/``gen``: the RNG the order was drawn from (this rank's exact position); ``global``: the global sample
     count with what rebuilds the order (None before the draw); ``iter_rng``: what the epoch's iterator was started
     from (:class:`_IteratorTracker`); ``workers``: the loader workers' RNG states before that batch, or None.
+
+    ``ended``: the loader's last epoch has ended and ``epoch`` is the next one, whose iterator does not exist yet
+    (a snapshot at the end of training); only persistent workers carry something (their RNG) into it.
     """
     sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
     if not isinstance(sampler, ResumableSampler):
@@ -359,7 +382,7 @@ def position(loader: Any, epoch: int, consumed_batches: int) -> dict[str, Any] |
     if not started and sampler.epoch_state is None and sampler.order is None:
         return None
     # an iterator that ran out belongs to the epoch before: nothing of the epoch asked for exists yet
-    current = started and not (tracker.exhausted and consumed_batches == 0)
+    current = started and not ended and not (tracker.exhausted and consumed_batches == 0)
     drawn = current and sampler.draws > tracker.draws_at_start
     rng, gen = sampler.epoch_state if drawn and sampler.epoch_state is not None else (None, None)
     batch_size = loader.batch_sampler.batch_size
@@ -370,6 +393,7 @@ def position(loader: Any, epoch: int, consumed_batches: int) -> dict[str, Any] |
         "rng": rng,
         "gen": gen,
         "global": sampler.global_position(consumed_batches, batch_size) if drawn else None,
+        "sampler_epoch": sampler.sampler_epoch if drawn else None,
         "drawn": drawn,
         "iter_rng": dict(tracker.start_rng) if current and tracker.start_rng is not None else None,
         "workers": tracker.workers_position(consumed_batches, current) if tracker is not None else None,
@@ -488,6 +512,8 @@ class _IteratorTracker:
         self.history: list[deque[tuple[int, Any]]] = []
         self.evicted: list[int] = []
         self._draining = False
+        #: A resumed iterator whose prefetching starts at its first batch (see get_iterator), or None.
+        self._deferred: Any = None
 
     def __reduce__(self) -> tuple[Any, ...]:
         return _IteratorTracker, (self._loader(),)
@@ -496,49 +522,58 @@ class _IteratorTracker:
     def get_iterator(self) -> Any:
         """``DataLoader._get_iterator`` with the tracking wrappers, and the resume plan applied once."""
         loader = self._loader()
-        sampler = loader.batch_sampler.sampler
-        plan, self.plan = self.plan, None
+        plan, self.plan = self.plan or {}, None
         workers = int(loader.num_workers)
-        wplan = (plan or {}).get("workers")
+        wplan = plan.get("workers")
         if wplan is not None and int(wplan["num_workers"]) != workers:
             warnings.warn(f"lightning-snapshot: the train loader had {wplan['num_workers']} workers, now {workers}:"
                           " random augmentation in its workers is not resumed exactly", stacklevel=3)
             wplan = None
-        replay = (plan or {}).get("iter_rng")
+        replay = plan.get("iter_rng")
         gen = loader.generator if isinstance(loader.generator, torch.Generator) else None
         live = _rng_of(gen)
-        record = replay if replay is not None else dict(live, created=True)
+        # resumed workers are held back until they are started as the interrupted ones were (_prime)
         hold = workers > 0 and wplan is not None
         if replay is not None:
             _set_rng_of(gen, replay)
-        draws = sampler.draws
-        collate, init = loader.collate_fn, loader.worker_init_fn
-        try:
-            if workers > 0:
-                loader.collate_fn = _Collate(collate)
-                if wplan is not None:
-                    loader.worker_init_fn = _WorkerInit(init, list(wplan["states"]), wplan.get("base_seed"))
-            sampler.hold = hold
-            it = type(loader)._get_iterator(loader)
-        finally:
-            sampler.hold = False
-            loader.collate_fn, loader.worker_init_fn = collate, init
+        draws = loader.batch_sampler.sampler.draws
+        it = self._create(loader, wplan, hold)
         if hold:
             if replay is None:
                 _set_rng_of(gen, live)  # (undo the base seed draw: the workers are reseeded to the saved one)
             elif not replay.get("created", True):
                 _set_rng_of(gen, replay)  # persistent workers were only reset then: no base seed was drawn
-            self._prime(it, int(plan.get("start") or 0) % workers)
+            if loader.batch_sampler.sampler.pending is not None:
+                self._prime(it, int(plan.get("start") or 0) % workers)
+            else:
+                # the epoch's order is not drawn yet (a snapshot at the end of an epoch): it is drawn when the first
+                # batch is asked for, or when Lightning starts the epoch again (its restored RNG is set by then)
+                self._deferred = weakref.ref(it)
         if replay is not None:
             torch.set_rng_state(live["torch"])  # a fork: the callback restores the global RNG before the fetch
-        self._started(it, record, draws, workers)
-        self.offset = int((plan or {}).get("start") or 0)
-        if workers > 0:
-            self.base_seed = wplan.get("base_seed") if wplan is not None and wplan.get("base_seed") is not None \
-                else int(it._base_seed)
-            if wplan is not None:
-                self.carried = list(wplan["states"])
+        self._started(it, replay if replay is not None else dict(live, created=not hold), draws, workers)
+        self.offset = int(plan.get("start") or 0)
+        if wplan is not None:
+            self.carried = list(wplan["states"])
+            if wplan.get("base_seed") is not None:
+                self.base_seed = int(wplan["base_seed"])
         return it
+
+    @staticmethod
+    def _create(loader: DataLoader, wplan: dict[str, Any] | None, hold: bool) -> Any:
+        """The loader's own iterator, its workers given the wrappers (the loader's attributes are put back)."""
+        sampler = loader.batch_sampler.sampler
+        collate, init = loader.collate_fn, loader.worker_init_fn
+        try:
+            if loader.num_workers > 0:
+                loader.collate_fn = _Collate(collate)
+                if wplan is not None:
+                    loader.worker_init_fn = _WorkerInit(init, list(wplan["states"]), wplan.get("base_seed"))
+            sampler.hold = hold
+            return type(loader)._get_iterator(loader)
+        finally:
+            sampler.hold = False
+            loader.collate_fn, loader.worker_init_fn = collate, init
 
     @staticmethod
     def _prime(it: Any, first_worker: int) -> None:
@@ -552,6 +587,7 @@ class _IteratorTracker:
 
     def _started(self, it: Any, start_rng: dict[str, Any], draws: int, workers: int) -> None:
         self._iterator = weakref.ref(it)
+        self.base_seed = int(it._base_seed) if workers > 0 else None
         self.started, self.exhausted = True, False
         self.start_rng = start_rng
         self.draws_at_start = draws
@@ -572,6 +608,7 @@ class _IteratorTracker:
         gen = loader.generator if isinstance(loader.generator, torch.Generator) else None
         start_rng = dict(_rng_of(gen), created=False)
         draws = sampler.draws
+        self._deferred = None  # (the reset starts its prefetching)
         self._draining = True
         try:
             original(it, loader, first_iter)  # (takes in what the workers made past the end of the last epoch)
@@ -589,6 +626,9 @@ class _IteratorTracker:
 
     # -------------------------------------------------------------------------------------- batches
     def _next_data(self, it: Any, original: Any) -> Any:
+        if self._deferred is not None and self._deferred() is it:
+            self._deferred = None
+            self._prime(it, self.offset % self.num_workers)
         try:
             return original(it)
         except StopIteration:

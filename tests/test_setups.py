@@ -76,6 +76,20 @@ def test_sigkill_and_resume_matches_an_uninterrupted_run(tmp_path, name, args, c
 
 
 @pytest.mark.slow
+def test_a_finished_fit_continued_keeps_the_persistent_workers_rng(tmp_path):
+    """A fit that ends with its epoch (max_steps=16, 16 batches an epoch), continued with a larger max_steps, ends as
+    one longer fit: its persistent loader workers carry their RNG into epoch 1 (the snapshot at the end of fit holds
+    it)."""
+    run_setup(tmp_path / "ref", "aug-workers-persistent", "--max-steps", "24")
+    ref = torch.load(tmp_path / "ref" / "out.pt", weights_only=True)
+    d = tmp_path / "continued"
+    run_setup(d, "aug-workers-persistent", "--max-steps", "16")
+    proc = run_setup(d, "aug-workers-persistent", "--max-steps", "24")
+    assert "RESTORED step=16" in proc.stdout
+    assert_same(ref, torch.load(d / "out.pt", weights_only=True))
+
+
+@pytest.mark.slow
 def test_sigterm_snapshots_the_current_step_and_the_rerun_continues_exactly(tmp_path):
     """A preempted job (SIGTERM through Lightning's signal handling) snapshots the step it stopped at, although no
     snapshot was due (every 100 steps), and the rerun continues exactly. (Lightning ends the run with its

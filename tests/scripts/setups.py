@@ -89,8 +89,6 @@ class Model(L.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         self.last_batch = x.detach().clone()
-        if os.environ.get("SETUPS_DEBUG"):
-            print("BATCH", self.trainer.global_step, batch_idx, x.sum().item(), torch.rand(1).item(), flush=True)
         loss = nn.functional.mse_loss(self.net(x), y)
         self.log("train_loss", loss)
         if self.automatic_optimization:

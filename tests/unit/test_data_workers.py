@@ -356,3 +356,73 @@ def test_unpicklable_user_functions_still_work_with_fork():
     data.install(loader)
     assert [b.shape[0] for b in loader] == [2, 2, 2, 2, 2, 1]
     assert data.position(loader, 0, 6)["workers"]["num_workers"] == 2
+
+
+def test_distributed_sampler_resumed_with_workers_before_set_epoch():
+    """Under DDP Lightning creates a resumed run's iterator (whose workers draw the order at once) before it calls
+    ``set_epoch``: the replay must draw the interrupted epoch's order, not epoch 0's."""
+    from torch.utils.data import DistributedSampler
+
+    def make() -> DataLoader:
+        ds = Augmented()
+        return DataLoader(ds, batch_size=BATCH, sampler=DistributedSampler(ds, num_replicas=2, rank=1, seed=3),
+                          num_workers=2, persistent_workers=True, worker_init_fn=_pl_init())
+
+    _seed(0)
+    loader = make()
+    data.install(loader)
+    full, cut_state = {}, None
+    for epoch in range(2):
+        loader.batch_sampler.sampler.set_epoch(epoch)  # (Lightning's order in an uninterrupted run)
+        it = iter(loader)
+        for i, batch in enumerate(it):
+            full[(epoch, i)] = batch
+            if (epoch, i + 1) == (1, 1):
+                cut_state = (_rng(), _stored(data.position(loader, 1, 1)))
+            _train_step()
+    rng, pos = cut_state
+    assert pos["sampler_epoch"] == 1
+    _seed(12345)
+    resumed = make()
+    data.plan_resume(data.install(resumed), resumed, pos, exact=True, epoch=1)
+    it = iter(resumed)  # before set_epoch, as Lightning's FitLoop.setup_data does
+    resumed.batch_sampler.sampler.set_epoch(1)
+    _set_rng(rng)
+    got = {(1, i): b for i, b in enumerate(it, start=1)}
+    _assert_continues(full, (1, 1), got)
+
+
+@pytest.mark.parametrize("iterated_again", [True, False], ids=["lightning-restarts-the-epoch", "first-batch"])
+def test_persistent_workers_carry_their_rng_over_a_snapshot_at_an_epoch_end(iterated_again):
+    """A snapshot at the end of training after a whole epoch (the next epoch's iterator does not exist yet) holds the
+    persistent workers' RNG; a continued run whose iterator is created before the RNG is restored (Lightning's
+    FitLoop.setup_data), and started again for the epoch or not, continues as the uninterrupted workers did."""
+    make = _make(workers=2, persistent=True)
+    _seed(0)
+    loader = make()
+    data.install(loader)
+    full, cut = {}, None
+    for epoch in range(3):
+        if epoch == 1:
+            cut = (_rng(), _stored(data.position(loader, 1, 0, ended=True)))
+        for i, batch in enumerate(iter(loader)):
+            full[(epoch, i)] = batch
+            _train_step()
+    rng, pos = cut
+    assert pos["drawn"] is False and pos["iter_rng"] is None
+    assert pos["workers"]["persistent"] is True and all(s is not None for s in pos["workers"]["states"])
+    _seed(12345)
+    resumed = make()
+    data.plan_resume(data.install(resumed), resumed, pos, exact=True, epoch=1)
+    it = iter(resumed)  # created before the RNG is restored
+    _set_rng(rng)
+    if iterated_again:
+        it = iter(resumed)
+    got = {}
+    for epoch in (1, 2):
+        if epoch == 2:
+            it = iter(resumed)
+        for i, batch in enumerate(it):
+            got[(epoch, i)] = batch
+            _train_step()
+    _assert_continues(full, (1, 0), got)
