@@ -23,7 +23,16 @@ What random augmentation draws is restored too (:class:`_IteratorTracker`, insta
   resumed iterator hands batch ``n`` to worker ``n % num_workers`` as the interrupted one did (its round robin is
   rotated), and a ``worker_init_fn`` wrapper sets each resumed worker's RNG after the user's (or Lightning's) init
   function has run. A worker with no batch before ``n`` starts as the replayed base seed and init function make it
-  (persistent workers: as their last batch of the earlier epochs left it).
+  (persistent workers: as their last batch of the earlier epochs left it, batches made ahead and dropped at the end
+  of a shortened epoch included; they are reseeded from their original base seed, as ``get_worker_info().seed``
+  says). A snapshot at the end of an epoch (:func:`position` with ``ended``) holds the persistent workers' states
+  for the next epoch, whose order is drawn when the resumed iterator first needs it.
+
+The wrappers are given to each iterator only (the loader's ``collate_fn`` and ``worker_init_fn`` stay the user's), and
+the hooks hold the iterator weakly, so a dropped iterator still shuts its workers down at once. Torch internals used:
+``DataLoader._get_iterator``, and of ``_MultiProcessingDataLoaderIter`` its ``_get_data``, ``_next_data``,
+``_reset``, ``_try_put_index``, ``_worker_queue_idx_cycle``, ``_sampler_iter`` and ``_base_seed``; in the worker,
+``_generate_state`` and ``_worker_info`` (as in torch 2.13).
 """
 
 from __future__ import annotations
@@ -42,7 +51,6 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler
 from torch.utils.data import SequentialSampler, get_worker_info
-from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 __all__ = [
     "ResumableSampler", "install", "flatten_loaders", "is_stateful", "position", "unsupported_reason", "describe_order",
@@ -243,6 +251,10 @@ def plan_resume(sampler: ResumableSampler, loader: Any, pending: dict[str, Any],
     bit for bit. Otherwise the epoch continues from the saved *global* sample over the current ranks
     (:func:`split`) and the number of batches the loop should count as consumed is returned, so that the loop's
     count plus the batches left in this rank's stream is the loader's length; None when nothing changes for the loop.
+
+    The loader's next iterator starts as the interrupted one did (exact only: the RNG it was started from, its
+    workers' RNG states and round robin); persistent workers left from an earlier ``fit`` are shut down first.
+    Call before that iterator is created.
     """
     tracker = _tracker(loader)
     _drop_persistent_iterator(loader)
