@@ -845,8 +845,9 @@ class SnapshotCallback(Checkpoint):
         unfinished = ended and not batches.is_last_batch and consumed < trainer.num_training_batches
         boundary = ended and not unfinished  # training ended with an epoch: the next starts from its beginning
         epoch = trainer.current_epoch - 1 if unfinished else trainer.current_epoch
+        # (at an epoch boundary only persistent loader workers carry something into the next epoch: their RNG)
         loaders = [
-            None if boundary else _data.position(dl, epoch, consumed)
+            _data.position(dl, epoch, 0, ended=True) if boundary else _data.position(dl, epoch, consumed)
             for dl in _data.flatten_loaders(trainer.train_dataloader)
         ]
         # a loader fetched ahead: its state before the first batch this snapshot has not consumed (fetch indices

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import signal
 import sys
 import time
 
 import lightning as L
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
@@ -23,16 +25,23 @@ from lightning_snapshot.backends import LocalTier
 
 
 class Squares(Dataset):
-    def __init__(self, n: int = 64) -> None:
+    """Regression samples; with ``augment`` each sample adds noise drawn from torch, numpy and python ``random`` (in
+    whichever process loads it)."""
+
+    def __init__(self, n: int = 64, augment: bool = False) -> None:
         g = torch.Generator().manual_seed(0)
         self.x = torch.randn(n, 8, generator=g)
         self.y = torch.randn(n, 1, generator=g)
+        self.augment = augment
 
     def __len__(self) -> int:
         return len(self.x)
 
     def __getitem__(self, i: int):
-        return self.x[i], self.y[i]
+        x = self.x[i]
+        if self.augment:
+            x = x + 0.1 * torch.randn(8) + float(np.random.uniform(-0.1, 0.1)) + random.uniform(-0.1, 0.1)
+        return x, self.y[i]
 
 
 class Stream(IterableDataset):
@@ -119,6 +128,10 @@ def main() -> None:
     p.add_argument("--shuffle", action="store_true")
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--persistent", action="store_true", help="persistent loader workers")
+    p.add_argument("--augment", action="store_true", help="random augmentation in the dataset")
+    p.add_argument("--crash-after-newest", action="store_true",
+                   help="with --crash-at: wait until the newest step due is committed (not just any)")
     p.add_argument("--no-resume", action="store_true")
     p.add_argument("--kill-before-commit", type=int, default=-1)
     p.add_argument("--s3", default=None, help="also snapshot to this s3:// URL (with --endpoint)")
@@ -137,7 +150,8 @@ def main() -> None:
     L.seed_everything(42, verbose=False)
     model = Model(a.dropout)
     if a.loader == "plain":
-        loader = DataLoader(Squares(a.samples), batch_size=a.batch_size, shuffle=a.shuffle, num_workers=a.workers)
+        loader = DataLoader(Squares(a.samples, a.augment), batch_size=a.batch_size, shuffle=a.shuffle,
+                            num_workers=a.workers, persistent_workers=a.persistent)
     elif a.loader == "stateful":
         from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -161,7 +175,7 @@ def main() -> None:
                                      every_n_train_steps=a.s3_every or a.every, keep_last=2, retry_initial=0.1))
     callbacks = [SnapshotCallback(tiers, resume=not a.no_resume)]
     if a.crash_at >= 0:
-        callbacks.append(Crash(a.crash_at, tiers, newest=bool(a.ram_every)))
+        callbacks.append(Crash(a.crash_at, tiers, newest=bool(a.ram_every) or a.crash_after_newest))
     if a.kill_at >= 0:
         callbacks.append(Crash(a.kill_at, tiers[:1] if a.ram_every else [], newest=True))
     trainer = L.Trainer(
