@@ -155,7 +155,8 @@ def _prepare(ddp: Any, layout: Any) -> tuple[list[torch.Tensor], Any, list[list[
     hook_name = ddp._get_ddp_logging_data().get("comm_hook") if ddp.logger is not None else None
     if hook_name and not comm_hooks:
         raise ValueError(f"apply_layout cannot carry the comm hook {hook_name!r} over to the new reducer (a built-in "
-                         f"hook, or a torch that does not keep registered hooks in DistributedDataParallel._comm_hooks)")
+                         "hook, or a torch that does not keep registered hooks in "
+                         "DistributedDataParallel._comm_hooks)")
     return parameters, expect_sparse_gradient, buckets, comm_hooks
 
 
