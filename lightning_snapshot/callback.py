@@ -604,25 +604,27 @@ class SnapshotCallback(Checkpoint):
         first = self._comm.broadcast(layout)
         if problem is None and layout != first:
             problem = f"rank {self._comm.rank} holds another layout than rank 0"
-        if not self._comm.all_true(layout is None and first is None):
-            if not self._comm.all_true(problem is None):
-                warnings.warn(f"lightning-snapshot: the {where} holds a DDP gradient-bucket layout that is not applied"
-                              f" ({problem or 'it does not fit on another rank'}); the resume goes on without it, so"
-                              " with 3 or more ranks the next steps may differ in the last bits from an uninterrupted"
-                              " run", stacklevel=2)
-                return
-            error: BaseException | None = None
-            try:
-                apply_layout(model, layout)
-            except Exception as e:  # noqa: BLE001 - raised on every rank below
-                error = e
-            if not self._comm.all_true(error is None):
-                raise SnapshotError(
-                    f"giving DDP the gradient-bucket layout of the {where} failed"
-                    f" ({f'{type(error).__name__}: {error}' if error is not None else 'on another rank'}); set"
-                    f" {DDP_LAYOUT_ENV}=0 to resume without it (with 3 or more ranks not bitwise identical to an"
-                    " uninterrupted run)") from error
-            log.debug("lightning-snapshot: DDP gradient-bucket layout restored: %s", layout["buckets"])
+        none_stored, all_fit = self._comm.all_true_each([layout is None, problem is None])
+        if none_stored:  # taken before this feature, without DDP, or where DDP never rebuilds; or turned off
+            return
+        if not all_fit:
+            warnings.warn(f"lightning-snapshot: the {where} holds a DDP gradient-bucket layout that is not applied"
+                          f" ({problem or 'it does not fit on another rank'}); the resume goes on without it, so"
+                          " with 3 or more ranks the next steps may differ in the last bits from an uninterrupted"
+                          " run", stacklevel=2)
+            return
+        error: BaseException | None = None
+        try:
+            apply_layout(model, layout)
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            error = e
+        if not self._comm.all_true(error is None):
+            raise SnapshotError(
+                f"giving DDP the gradient-bucket layout of the {where} failed"
+                f" ({f'{type(error).__name__}: {error}' if error is not None else 'on another rank'}); set"
+                f" {DDP_LAYOUT_ENV}=0 to resume without it (with 3 or more ranks not bitwise identical to an"
+                " uninterrupted run)") from error
+        log.debug("lightning-snapshot: DDP gradient-bucket layout restored: %s", layout["buckets"])
 
     # ------------------------------------------------------------------------------------------- capture
     def _before_fetch(self, trainer: Any) -> None:

@@ -22,7 +22,7 @@ from lightning_snapshot.writer import committed_steps
 #: train.py's model (Linear, BatchNorm, Linear: 6 parameters, so the gradient-ready order is a real permutation),
 #: 4 CPU ranks on gloo, 8 steps per epoch, snapshots at steps 3, 6, 9, 12
 DDP4 = ("--devices", "4", "--max-steps", "12", "--every", "3", "--batch-size", "2")
-CRASH_AT = 8  # not a snapshot step: the restart resumes from step 6 and trains 7..12 again
+CRASH_AT = 5  # not a snapshot step; the only snapshot before it is step 3's (Crash waits until it is committed)
 
 
 def _assert_all_ranks_equal(ref, got, ranks: int) -> None:
@@ -31,35 +31,42 @@ def _assert_all_ranks_equal(ref, got, ranks: int) -> None:
         assert_bitwise_equal(ref.with_name(f"{ref.name}.rank{r}"), got.with_name(f"{got.name}.rank{r}"))
 
 
+def _layouts(snaps, step: int) -> list:
+    manifest = read_manifest(LocalTier(snaps), step)
+    return [manifest.rank_section(r).state["ddp_layout"] for r in range(manifest.world_size)]
+
+
 @pytest.fixture(scope="module")
 def ddp4_killed(tmp_path_factory):
-    """The snapshots of a 4-rank run SIGKILLed at step 8 (a pristine copy: every test resumes from its own)."""
+    """The snapshots of a 4-rank run SIGKILLed at step 5 (a pristine copy: every test resumes from its own)."""
     root = tmp_path_factory.mktemp("ddp4")
     run_train(root / "snaps", root / "crashed.pt", *DDP4, "--crash-at", str(CRASH_AT), expect_kill=True)
+    assert committed_steps(LocalTier(root / "snaps")) == [3]
     return root / "snaps"
 
 
-def _resume(killed, tmp_path):
+def _resume(killed, tmp_path, *args: str, step: int = 3):
     snaps = tmp_path / "snaps"
-    shutil.copytree(killed, snaps)
+    if not snaps.exists():
+        shutil.copytree(killed, snaps)
     out = tmp_path / "resumed.pt"
-    proc = run_train(snaps, out, *DDP4)
-    assert proc.stdout.count("RESTORED step=") == 4, f"every rank must resume: {proc.stdout}"
+    proc = run_train(snaps, out, *DDP4, *args)
+    assert proc.stdout.count(f"RESTORED step={step} ") == 4, f"every rank must resume from step {step}: {proc.stdout}"
     return out, proc
 
 
 @pytest.mark.slow
 def test_ddp4_sigkill_and_resume_is_bitwise_exact(ddp4_killed, tmp_path, reference_runs):
-    tier = LocalTier(ddp4_killed)
-    step = committed_steps(tier)[0]
-    assert step < CRASH_AT and step % 3 == 0
-    manifest = read_manifest(tier, step)
-    layouts = [manifest.rank_section(r).state["ddp_layout"] for r in range(4)]
+    layouts = _layouts(ddp4_killed, 3)
     assert all(layout == layouts[0] for layout in layouts), layouts
     # the rebuilt layout is not DDP's first-step layout (one bucket in parameter order): that is what makes 3+ ranks
     # differ without it
     assert [i for b in layouts[0]["buckets"] for i in b] != list(range(len(layouts[0]["numels"])))
-    out, _ = _resume(ddp4_killed, tmp_path)
+    # The restarted process trains one step and ends (a snapshot of step 4, its first step: the layout it was given
+    # back is stored again before its own rebuild), and a third process continues from there to the end.
+    _resume(ddp4_killed, tmp_path, "--max-steps", "4")
+    assert _layouts(tmp_path / "snaps", 4) == layouts
+    out, _ = _resume(ddp4_killed, tmp_path, step=4)
     _assert_all_ranks_equal(reference_runs(*DDP4), out, 4)
 
 
