@@ -44,7 +44,7 @@ __all__ = ["LAYOUT_VERSION", "apply_layout", "capture_layout", "check_layout", "
 
 LAYOUT_VERSION = 1
 _APPLIED = "_lightning_snapshot_applied_layout"
-_CAPTURED = "_lightning_snapshot_captured_layout"  # (reducer, layout) read once the reducer has rebuilt
+_CAPTURED = "_lightning_snapshot_captured_layout"  # the layout read once the reducer has rebuilt (plain data)
 
 
 def _ddp_class():
@@ -97,15 +97,14 @@ def capture_layout(ddp_module: Any, *, rebuild_pending: bool = False) -> dict | 
         if not rebuild_pending or not reducer._rebuild_buckets():
             return None
         ddp_module._has_rebuilt_buckets = True
-    cached = ddp_module.__dict__.get(_CAPTURED)
-    if cached is None or cached[0] is not reducer:
+    layout = ddp_module.__dict__.get(_CAPTURED)  # (apply_layout, which replaces the reducer, drops it)
+    if layout is None:
         params = ddp_module._build_params_for_reducer()[0]
         index = {id(p): i for i, p in enumerate(params)}
         buckets = [[index[id(p)] for p in bucket.parameters()] for bucket in reducer._get_zeros_like_grad_buckets()]
         numels, dtypes = _signature(params)
-        cached = (reducer, {"version": LAYOUT_VERSION, "buckets": buckets, "numels": numels, "dtypes": dtypes})
-        ddp_module.__dict__[_CAPTURED] = cached
-    layout = cached[1]
+        layout = {"version": LAYOUT_VERSION, "buckets": buckets, "numels": numels, "dtypes": dtypes}
+        ddp_module.__dict__[_CAPTURED] = layout
     return {**layout, "buckets": [list(b) for b in layout["buckets"]]}
 
 
