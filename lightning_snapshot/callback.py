@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 import warnings
@@ -40,6 +41,7 @@ from lightning_snapshot.capture import (
     templates,
 )
 from lightning_snapshot.comm import Comm, GroupComm, LocalComm, StrategyComm
+from lightning_snapshot.ddp_layout import apply_layout, capture_layout, check_layout, is_ddp
 from lightning_snapshot.errors import (
     CaptureError,
     ConfigError,
@@ -59,6 +61,12 @@ __all__ = ["SnapshotCallback"]
 log = logging.getLogger(__name__)
 
 _ON_ERROR = ("raise", "warn")
+#: Set to 0 (or off/false/no) to neither store nor give back DDP's gradient-bucket layout (see ddp_layout).
+DDP_LAYOUT_ENV = "LIGHTNING_SNAPSHOT_DDP_LAYOUT"
+
+
+def _ddp_layout_enabled() -> bool:
+    return os.environ.get(DDP_LAYOUT_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 class SnapshotCallback(Checkpoint):
@@ -173,6 +181,7 @@ class SnapshotCallback(Checkpoint):
         self._warned_loaders: set[int] = set()
         self._patched_strategy: Any = None
         self._planned = False
+        self._warned_layout = False
         #: (tier url, step, seconds) of the restore done by the last ``fit``, or None.
         self.restored_from: tuple[str, int, float] | None = None
         #: What this rank read for that restore: bytes of the shared tensors it needed (its shards, or whole
@@ -475,6 +484,7 @@ class SnapshotCallback(Checkpoint):
                 self._apply_rank_state(trainer, rank_state)
                 self._restored_fit_state = _fit_state.saved_state(shared)
                 _fit_state.prune_checkpoints(trainer, self._restored_fit_state, step)
+                self._restore_ddp_layout(trainer, rank_state, where)
                 self._last_step = step
                 seconds = time.monotonic() - t0
                 self.restored_from = (backend.url, step, seconds)
@@ -648,6 +658,55 @@ class SnapshotCallback(Checkpoint):
         if self._pending_loaders and all(p is not None for p in self._pending_loaders):
             # Lightning cannot see that our sampler restores the position of plain DataLoaders, and would warn
             warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
+
+    def _restore_ddp_layout(self, trainer: Any, rank_state: dict[str, Any] | None, where: str) -> None:
+        """Give DDP the gradient-bucket layout the snapshot's process all-reduced with (see ``ddp_layout``).
+
+        Called on every rank together in ``on_fit_start``: the strategy has wrapped the model in DDP and nothing has
+        run a forward through it yet (the sanity check and training come later). The layout is untrusted input: it
+        is applied only when every rank holds the same layout and it fits the live DDP module (the parameters that
+        require grad, their sizes and dtypes); otherwise a warning names why and the resume goes on without it (the
+        weights and all other state are restored either way; only the float summation order of the next
+        all-reduces may differ from an uninterrupted run). Only at the same world size (``_read_tier`` passes no
+        layout after a change of the number of processes) and only into DDP (another strategy has no buckets).
+        """
+        model = trainer.strategy.model
+        if not is_ddp(model) or self._comm.world_size < 2:
+            return
+        layout = rank_state.get("ddp_layout") if isinstance(rank_state, dict) else None
+        if not _ddp_layout_enabled():
+            layout = None
+        problem = None
+        try:
+            check_layout(model, layout)
+        except ValueError as e:
+            problem = str(e)
+        except (AttributeError, TypeError, RuntimeError) as e:  # torch's private internals changed
+            problem = f"this torch is not supported ({type(e).__name__}: {e})"
+        first = self._comm.broadcast(layout)
+        if problem is None and layout != first:
+            problem = f"rank {self._comm.rank} holds another layout than rank 0"
+        none_stored, all_fit = self._comm.all_true_each([layout is None, problem is None])
+        if none_stored:  # taken before this feature, without DDP, or where DDP never rebuilds; or turned off
+            return
+        if not all_fit:
+            warnings.warn(f"lightning-snapshot: the {where} holds a DDP gradient-bucket layout that is not applied"
+                          f" ({problem or 'it does not fit on another rank'}); the resume goes on without it, so"
+                          " with 3 or more ranks the next steps may differ in the last bits from an uninterrupted"
+                          " run", stacklevel=2)
+            return
+        error: BaseException | None = None
+        try:
+            apply_layout(model, layout)
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            error = e
+        if not self._comm.all_true(error is None):
+            raise SnapshotError(
+                f"giving DDP the gradient-bucket layout of the {where} failed"
+                f" ({f'{type(error).__name__}: {error}' if error is not None else 'on another rank'}); set"
+                f" {DDP_LAYOUT_ENV}=0 to resume without it (with 3 or more ranks not bitwise identical to an"
+                " uninterrupted run)") from error
+        log.debug("lightning-snapshot: DDP gradient-bucket layout restored: %s", layout["buckets"])
 
     # ------------------------------------------------------------------------------------------- capture
     def _before_fetch(self, trainer: Any) -> None:
@@ -859,7 +918,27 @@ class SnapshotCallback(Checkpoint):
             for counters in late["loops"]["fit_loop"]["epoch_progress"].values():
                 counters["processed"] -= 1
                 counters["completed"] -= 1
-        return {"rng": capture_rng(), "loaders": loaders, "late": late}
+        return {"rng": capture_rng(), "loaders": loaders, "late": late, "ddp_layout": self._ddp_layout(trainer)}
+
+    def _ddp_layout(self, trainer: Any) -> dict[str, Any] | None:
+        """DDP's rebuilt gradient-bucket layout (plain data), or None (not DDP, not rebuilt, or turned off).
+
+        Every rank calls this at the same point on the training thread: when the rebuild is still pending (the
+        snapshot of a process's first step) it is done here, with DDP's own broadcast from rank 0, exactly as the
+        next forward would do it.
+        """
+        model = trainer.strategy.model
+        if not is_ddp(model) or not _ddp_layout_enabled():
+            return None
+        try:
+            return capture_layout(model, rebuild_pending=True)
+        except (AttributeError, TypeError, RuntimeError) as e:  # torch's private internals changed
+            if not self._warned_layout:
+                self._warned_layout = True
+                warnings.warn(f"lightning-snapshot: cannot read DDP's gradient-bucket layout with this torch"
+                              f" ({type(e).__name__}: {e}); snapshots are taken without it, and a resume with 3 or"
+                              f" more ranks will not be bitwise identical to an uninterrupted run", stacklevel=2)
+            return None
 
     def _finish(self, trainer: Any, consumed_offset: int = 0) -> None:
         """Add the rest of the state (loops, callbacks, schedulers, this rank's RNG and data position) to the

@@ -428,7 +428,7 @@ def load_snapshot(
             ``DTensor`` value (a sharded model's state dict, e.g. ``get_model_state_dict(model)`` under FSDP2)
             gets only its local shard, read from whatever layout the snapshot was saved with; see
             :func:`read_section`.
-        rank: also return that rank's private state (RNG, data position) under ``"rank_state"``.
+        rank: also return that rank's private state (RNG, data position, DDP bucket layout) under ``"rank_state"``.
 
     Returns:
         A dict shaped like a Lightning checkpoint (``state_dict``, ``optimizer_states``, ``lr_schedulers``, ``loops``,

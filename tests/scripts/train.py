@@ -142,6 +142,8 @@ def main() -> None:
     p.add_argument("--num-nodes", type=int, default=1, help="nodes (processes launched outside, one per node)")
     p.add_argument("--no-local", action="store_true", help="no local tier (RAM tier only)")
     p.add_argument("--samples", type=int, default=64, help="dataset size")
+    p.add_argument("--find-unused", action="store_true", help="DDP(find_unused_parameters=True)")
+    p.add_argument("--static-graph", action="store_true", help="DDP(static_graph=True)")
     p.add_argument("--kill-at", type=int, default=-1,
                    help="SIGKILL at this global step, waiting only for the RAM tier (if any) to hold the newest step"
                         " due in it (its agent has it then), not for any durable tier")
@@ -178,11 +180,16 @@ def main() -> None:
         callbacks.append(Crash(a.crash_at, tiers, newest=bool(a.ram_every) or a.crash_after_newest))
     if a.kill_at >= 0:
         callbacks.append(Crash(a.kill_at, tiers[:1] if a.ram_every else [], newest=True))
+    strategy = "ddp" if a.devices > 1 or a.num_nodes > 1 else "auto"
+    if a.find_unused or a.static_graph:
+        from lightning.pytorch.strategies import DDPStrategy
+
+        strategy = DDPStrategy(find_unused_parameters=a.find_unused, static_graph=a.static_graph)
     trainer = L.Trainer(
         accelerator=a.accelerator,
         devices=a.devices,
         num_nodes=a.num_nodes,
-        strategy="ddp" if a.devices > 1 or a.num_nodes > 1 else "auto",
+        strategy=strategy,
         max_steps=a.max_steps,
         accumulate_grad_batches=a.accumulate,
         callbacks=callbacks,
