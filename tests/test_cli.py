@@ -314,3 +314,25 @@ def test_help_does_not_import_torch_or_lightning(command):
     assert proc.returncode == 0, proc.stderr
     assert "usage: lightning-snapshot" in proc.stdout
     assert proc.stdout.strip().splitlines()[-1] == "HEAVY []"
+
+
+@pytest.mark.slow
+def test_an_endpoint_that_refuses_connections_is_an_error(monkeypatch):
+    """A closed port on 127.0.0.1 (s3fs retries a few times first: some seconds)."""
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing-key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing-secret")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    pytest.importorskip("s3fs")
+    rc, _, err = cli("list", "s3://bucket/run-42")
+    assert rc == 1
+    line = one_line_error(err)
+    assert line.startswith("lightning-snapshot list: error: cannot read the s3 tier 's3://bucket/run-42':"
+                           " EndpointConnectionError")
+    assert "testing-secret" not in line
+    assert line.endswith("Check the endpoint and the credentials (storage_options or the environment)")
