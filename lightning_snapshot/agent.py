@@ -669,7 +669,7 @@ class AgentClient:
 
 # ----------------------------------------------------------------------------------------------- entry point
 def main(argv: list[str] | None = None) -> int:
-    """``lightning-snapshot agent ARGS`` (the options live with the other commands, in :mod:`lightning_snapshot.cli`)."""
+    """``lightning-snapshot agent ARGS``; the options are defined with the other commands in the ``cli`` module."""
     from lightning_snapshot.cli import main as cli_main
 
     return cli_main(["agent", *(sys.argv[1:] if argv is None else argv)])
