@@ -161,7 +161,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from lightning_snapshot.export import export_snapshot
 
-    out = export_snapshot(args.source, args.out, fmt=args.format, step=args.step, progress=not args.quiet)
+    backend, steps = _steps(args.source, args.step)
+    out = export_snapshot(backend, args.out, fmt=args.format, step=steps[0], progress=not args.quiet)
     print(f"wrote {out} ({out.stat().st_size} bytes)")
     return 0
 
