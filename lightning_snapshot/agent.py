@@ -422,6 +422,11 @@ def run_agent(node_dir: Path, idle_timeout: float) -> int:
         return 3
     os.ftruncate(lock_fd, 0)
     os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)
+    # Import what the request handlers use (torch, the tiers: seconds on a busy node) before the socket answers, not
+    # on a trainer's first request, which waits only a few seconds for its reply. (``import lightning_snapshot`` no
+    # longer imports torch by itself.)
+    import lightning_snapshot.backends  # noqa: F401
+    import lightning_snapshot.writer  # noqa: F401
     sock_path = node_dir / SOCK
     try:
         sock_path.unlink()
