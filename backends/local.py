@@ -14,7 +14,13 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from lightning_snapshot.backends.base import DEFAULT_KEEP_LAST, Backend
-from lightning_snapshot.errors import ConfigError, SnapshotWriteError, StorageFullError, UnsafePathError
+from lightning_snapshot.errors import (
+    ConfigError,
+    SnapshotNotFoundError,
+    SnapshotWriteError,
+    StorageFullError,
+    UnsafePathError,
+)
 from lightning_snapshot.manifest import validate_key
 
 __all__ = ["LocalTier"]
@@ -260,3 +266,10 @@ class LocalTier(Backend):
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
+
+    def require_exists(self) -> None:
+        if not self.root.is_dir():
+            raise SnapshotNotFoundError(
+                f"no snapshot tier at {str(self.root)!r}: the directory does not exist. Check the path (a tier root"
+                " holds step-* directories)"
+            )

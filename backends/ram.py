@@ -356,6 +356,21 @@ class RamTier(Backend):
     def exists(self, key: str) -> bool:
         return self.store.exists(key) or (key.endswith(".bin") and self.store._path(key + _EC).is_dir())
 
+    def require_exists(self) -> None:
+        if (self.node_dir / "store").is_dir():
+            return
+        base = self.node_dir.parent
+        try:
+            names = sorted(p.name for p in base.iterdir() if (p / "store").is_dir())
+        except OSError:
+            names = []
+        here = f"RAM tiers on this node: {', '.join(f'ram://{n}' for n in names)}" if names else \
+            "this node holds no RAM tier"
+        raise SnapshotNotFoundError(
+            f"no RAM tier named {self.name or 'default'!r} on this node ({self.node_dir} does not exist); {here}"
+            f" under {str(base)!r}. Name the run as ram://NAME, or set {SHM_ENV} to the base directory the job used"
+        )
+
     # ------------------------------------------------------------------------------------------- placement
     def _rank_of(self, node: int, local: int) -> int:
         return node * self.ranks_per_node + local

@@ -17,7 +17,6 @@ messages are JSON, tensors are raw bytes in shared memory.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import fcntl
 import json
@@ -33,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lightning_snapshot.errors import ConfigError, SnapshotError
+from lightning_snapshot.errors import SnapshotError
 
 __all__ = ["AgentClient", "ensure_agent", "stop_agent", "agent_status", "main"]
 
@@ -423,6 +422,11 @@ def run_agent(node_dir: Path, idle_timeout: float) -> int:
         return 3
     os.ftruncate(lock_fd, 0)
     os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)
+    # Import what the request handlers use (torch, the tiers: seconds on a busy node) before the socket answers, not
+    # on a trainer's first request, which waits only a few seconds for its reply. (``import lightning_snapshot`` no
+    # longer imports torch by itself.)
+    import lightning_snapshot.backends  # noqa: F401
+    import lightning_snapshot.writer  # noqa: F401
     sock_path = node_dir / SOCK
     try:
         sock_path.unlink()
@@ -670,33 +674,10 @@ class AgentClient:
 
 # ----------------------------------------------------------------------------------------------- entry point
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="lightning-snapshot agent", description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--dir", required=True, help="the node's memory directory for this run (RamTier.node_dir)")
-    p.add_argument("--idle-timeout", type=float, default=600.0,
-                   help="seconds without an attached trainer after which the agent exits and frees the memory")
-    p.add_argument("--nice", type=int, default=10,
-                   help="CPU niceness added to the agent (default 10): its uploads and writes yield to training")
-    p.add_argument("--stop", action="store_true", help="stop the agent serving --dir (frees its memory)")
-    p.add_argument("--status", action="store_true", help="print the agent's pid, attached trainers and held bytes")
-    args = p.parse_args(argv)
-    node_dir = Path(args.dir).expanduser().absolute()
-    if args.stop:
-        stopped = stop_agent(node_dir)
-        print(f"stopped the agent of {node_dir}" if stopped else f"no agent serves {node_dir}")
-        return 0
-    if args.status:
-        st = agent_status(node_dir)
-        print(json.dumps(st) if st else f"no agent serves {node_dir}")
-        return 0 if st else 1
-    if args.idle_timeout <= 0:
-        raise ConfigError("--idle-timeout must be > 0")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s lightning-snapshot agent: %(message)s")
-    if args.nice:
-        try:
-            os.nice(args.nice)  # background work: the trainer's threads get the CPU first
-        except OSError:
-            pass
-    return run_agent(node_dir, args.idle_timeout)
+    """``lightning-snapshot agent ARGS``; the options are defined with the other commands in the ``cli`` module."""
+    from lightning_snapshot.cli import main as cli_main
+
+    return cli_main(["agent", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
