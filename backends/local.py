@@ -76,6 +76,8 @@ class LocalTier(Backend):
     #: Permissions of the files the tier creates.
     file_mode = 0o644
     parallel_reads = 4
+    check_hint = ("Choose a path that is (or can be created as) a directory this process may write: check the"
+                  " permissions, that no part of the path is a file, and that the filesystem is mounted read-write")
 
     def __init__(
         self,
@@ -248,10 +250,16 @@ class LocalTier(Backend):
             self.bytes_read += total
 
     def list(self, prefix: str = "") -> list[str]:
+        """Raises ``OSError`` when the tier's root exists and cannot be listed (not a directory, no permission);
+        a root or prefix that does not exist lists as empty."""
         path = self._path(prefix, allow_root=True)
         try:
             return sorted(p.name for p in path.iterdir() if not p.name.startswith("."))
-        except (FileNotFoundError, NotADirectoryError):
+        except FileNotFoundError:
+            return []
+        except NotADirectoryError:
+            if path == self.root:
+                raise
             return []
 
     def delete(self, key: str) -> None:

@@ -46,9 +46,11 @@ from lightning_snapshot.errors import (
     CaptureError,
     ConfigError,
     FormatVersionError,
+    NotDurableError,
     SnapshotError,
     SnapshotNotFoundError,
     StateMismatchError,
+    TierUnavailableError,
 )
 from lightning_snapshot.loader import ReadStats, read_manifest, read_section, resolve_source
 from lightning_snapshot.metrics import MetricsSink, tier_metric_names
@@ -148,6 +150,11 @@ class SnapshotCallback(Checkpoint):
         self._metrics = MetricsSink()
         self._metric_names = tier_metric_names(self.tiers)
         self._committed: dict[int, int] = {}
+        #: per tier index: the last step handed to its persist worker in this fit, and why its last write failed
+        self._submitted: dict[int, int] = {}
+        self._tier_problem: dict[int, str] = {}
+        #: the newest step snapshotted for a durable tier in this fit
+        self._last_durable_due: int | None = None
         self._stall = 0.0
         self._skipped = 0
         self._failed = 0
@@ -206,6 +213,9 @@ class SnapshotCallback(Checkpoint):
             )
         self._comm = StrategyComm(strategy) if strategy.world_size > 1 else LocalComm()
         self._run_id = str(self._comm.broadcast(uuid.uuid4().hex[:12]))
+        self._check_tiers()
+        self._committed, self._submitted, self._tier_problem = {}, {}, {}
+        self._last_durable_due = None
         self._last_time = [time.monotonic()] * len(self.tiers)
         self._last_step = trainer.global_step  # a snapshot needs an optimizer step since this one
         self._fit_start_step = trainer.global_step
@@ -309,6 +319,42 @@ class SnapshotCallback(Checkpoint):
             return read()
         comm = self._tier_comms[self.tiers.index(backend)] if self._tier_comms else LocalComm()
         return restore(comm, step, read)
+
+    def _check_tiers(self) -> None:
+        """Before training: every rank checks that it can write each durable tier (a probe object written and
+        deleted: the directory is writable, the bucket exists, the credentials are accepted, the endpoint answers).
+
+        Collective: every rank raises the same :class:`TierUnavailableError`, naming the rank, the tier and the fix,
+        when any rank's check failed.
+        """
+        problems: list[str] = []
+        for tier in self.tiers:
+            if not tier.durable:
+                continue  # (the RAM tier is checked when its agent starts)
+            try:
+                tier.check()
+            except TierUnavailableError as e:
+                problems.append(str(e))
+        message = self._agree_problem("; ".join(problems) or None)
+        if message is not None:
+            raise TierUnavailableError(f"lightning-snapshot cannot use its tiers, so training does not start: {message}")
+
+    def _agree_problem(self, problem: str | None) -> str | None:
+        """Collective: None when no rank has a problem, else every rank's problem (prefixed with its rank under
+        DDP) joined, the same text on every rank, so that all raise the same error together."""
+        if self._comm.all_true(problem is None):
+            return None
+        gathered = self._comm.gather(problem)
+        text = None
+        if gathered is not None:  # (rank 0) the same problem on several ranks is said once
+            ranks: dict[str, list[int]] = {}
+            for rank, p in enumerate(gathered):
+                if p:
+                    ranks.setdefault(p, []).append(rank)
+            text = "; ".join(p if self._comm.world_size == 1 else
+                             f"on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {p}"
+                             for p, r in ranks.items())
+        return str(self._comm.broadcast(text))
 
     def _setup_ram_tier(self, trainer: Any) -> None:
         """Place the RAM tier in the job (which node this rank is on) and attach this rank to its node's agent."""
@@ -567,6 +613,7 @@ class SnapshotCallback(Checkpoint):
             steps = [step] if step is not None else committed_steps(backend)[:1]
             return [(backend, s) for s in steps]
         found: list[tuple[int, int]] = []
+        unlisted: list[str] = []
         collective: dict[int, list[int]] = {}
         for i, tier in enumerate(self.tiers):
             steps_of = getattr(tier, "collective_steps", None)
@@ -576,15 +623,20 @@ class SnapshotCallback(Checkpoint):
             for i, tier in enumerate(self.tiers):
                 try:
                     found += [(step, i) for step in (collective[i] if i in collective else committed_steps(tier))]
-                except Exception as e:  # noqa: BLE001 - an unreachable tier must not stop the others
+                except Exception as e:  # noqa: BLE001 - a tier that cannot be listed may hold the newest snapshot
                     redact = getattr(tier, "redact", str)
-                    warnings.warn(f"lightning-snapshot: cannot list the {tier.tier} tier {tier.url!r} to resume"
-                                  f" ({type(e).__name__}: {redact(str(e))}); looking in the other tiers",
-                                  stacklevel=2)
+                    detail = str(e) if isinstance(e, SnapshotError) else f"{type(e).__name__}: {redact(str(e))}"
+                    unlisted.append(f"cannot list the {tier.tier} tier {tier.url!r} to resume from it ({detail})")
             found.sort(key=lambda x: (-x[0], x[1]))
             if not isinstance(self.resume, bool):
                 found = [f for f in found if f[0] == self.resume][:1]
-        found = self._comm.broadcast(found)
+        found, problem = self._comm.broadcast((found, "; ".join(unlisted)))
+        if problem:
+            # it may hold the newest snapshot: starting from an older one or fresh could overwrite its history
+            raise TierUnavailableError(f"lightning-snapshot: {problem}. Fix access to the tier and run again, or pass"
+                                       " resume=False to start fresh without reading it (snapshots are still taken;"
+                                       " an object store never overwrites a committed step, so give it a new prefix"
+                                       " too)")
         return [(self.tiers[i], step) for step, i in found]
 
     def _read(self, backend: Backend, step: int, trainer: Any, pl_module: Any, live: Templates
@@ -858,17 +910,54 @@ class SnapshotCallback(Checkpoint):
                 self._finish(trainer)
         if self._inflight is not None:
             self._inflight = None
-        if self._persister is not None:
-            # fit returns once every snapshot is durable (or failed); tiers with a drain_timeout (object stores)
-            # are waited for that long at most
-            for tier in self._persister.drain():
-                warnings.warn(f"lightning-snapshot: the {tier.tier} tier {tier.url!r} did not finish its uploads within"
-                              f" drain_timeout={getattr(tier, 'drain_timeout', None)} s; the newest snapshots are in"
-                              " the other tiers", stacklevel=2)
+        # fit returns once every snapshot is durable (or failed); tiers with a drain_timeout (object stores) are
+        # waited for that long at most
+        late = self._persister.drain() if self._persister is not None else []
         self._collect_results(trainer.global_step)
+        for tier in late:
+            i = self.tiers.index(tier)
+            self._tier_problem.setdefault(i, f"its uploads did not finish within drain_timeout="
+                                             f"{getattr(tier, 'drain_timeout', None)} s"
+                                             f" (last error: {self._last_error(i) or 'none'})")
+            warnings.warn(f"lightning-snapshot: the {tier.tier} tier {tier.url!r} did not finish its uploads within"
+                          f" drain_timeout={getattr(tier, 'drain_timeout', None)} s; {self._holders()}", stacklevel=2)
         self._metrics.flush(trainer)
         if not self._comm.all_true(not (self._errors and self.on_error == "raise")):
             self._raise_background_error()
+        self._check_durable()
+
+    def _last_error(self, index: int) -> str | None:
+        return self._persister.last_error(index) if self._persister is not None else None
+
+    def _holders(self) -> str:
+        """Which tiers hold the last snapshot taken for a durable tier in this fit (from the results so far)."""
+        step = self._last_durable_due
+        held = [f"{t.tier} {t.url}" for i, t in enumerate(self.tiers) if self._committed.get(i, -1) >= (step or 0)]
+        return f"step {step} is held by {', '.join(held)}" if held else f"no tier holds step {step} yet"
+
+    def _check_durable(self) -> None:
+        """End of fit (collective): the last snapshot taken in this fit must be held by some durable tier; if it is
+        not, raise :class:`NotDurableError` (``on_error="raise"``) or log an error (``"warn"``), naming each durable
+        tier and why it does not hold it."""
+        step = self._last_durable_due
+        durable = [i for i, t in enumerate(self.tiers) if t.durable]
+        problem = None
+        if step is not None and durable and not any(self._committed.get(i, -1) >= step for i in durable):
+            why = "; ".join(f"the {self.tiers[i].tier} tier {self.tiers[i].url!r}: "
+                            + (self._tier_problem.get(i) or f"it was not given step {step}") for i in durable)
+            ram = [t.url for i, t in enumerate(self.tiers) if not t.durable and self._committed.get(i, -1) >= step]
+            only = f" Only the memory of the RAM tier holds it ({', '.join(ram)})." if ram else ""
+            problem = f"{why}.{only}"
+        message = self._agree_problem(problem)
+        if message is None:
+            return
+        text = (f"lightning-snapshot: the last snapshot of this fit (step {step}) is not durable: no durable tier"
+                f" holds it. {message} Fix the tier (see the reason), then rerun to resume from the newest snapshot"
+                " that is durable")
+        if self.on_error == "raise":
+            raise NotDurableError(text)
+        log.error("%s (on_error='warn': fit returns normally)", text)
+        warnings.warn(text, stacklevel=2)
 
     def _final_snapshot(self, trainer: Any, pl_module: Any, step: int) -> None:
         """Stage the state of the last step for every tier (synchronously: training is over)."""
@@ -956,6 +1045,8 @@ class SnapshotCallback(Checkpoint):
                 self._arena.release(shared.slot)
             self._handle(e, step)
             return
+        if any(self.tiers[i].durable for i in due):
+            self._last_durable_due = step  # (the end of fit checks that some durable tier holds it)
         # a tier whose queue is full (an object store in an outage) skips this snapshot; every rank agrees
         room = self._comm.all_true_each([self._persister.has_room(i) for i in due])
         accepted = [i for i, ok in zip(due, room) if ok]
@@ -963,9 +1054,13 @@ class SnapshotCallback(Checkpoint):
             if not ok:
                 self._tier_skipped[i] += 1
                 self._metrics.add(f"snapshot/{self._metric_names[i]}/skipped", self._tier_skipped[i])
+                self._tier_problem.setdefault(i, f"step {step} was skipped there: {self._persister.pending(i)}"
+                                                 " snapshot(s) still pending (max_pending)")
                 log.info("lightning-snapshot: step %d skipped for the %s tier %s: %d snapshot(s) still pending there",
                          step, self.tiers[i].tier, self.tiers[i].url, self._persister.pending(i))
         self._persister.submit(PersistJob(step, epoch, shared, private, [self.tiers[i] for i in accepted]), accepted)
+        for i in accepted:
+            self._submitted[i] = step
 
     def _collect_results(self, step: int) -> None:
         """Turn what the persist thread finished into metrics, and failures into warnings."""
@@ -974,10 +1069,12 @@ class SnapshotCallback(Checkpoint):
         while not self._persister.results.empty():
             r = self._persister.results.get_nowait()
             name = self._metric_names[self.tiers.index(r.tier)] if r.tier in self.tiers else r.tier.tier
+            index = self.tiers.index(r.tier) if r.tier in self.tiers else None
+            if r.error is not None and index is not None:
+                self._tier_problem[index] = f"step {r.step} failed: {r.error}"
             if r.abandoned:
                 warnings.warn(f"lightning-snapshot: gave up uploading step {r.step} to the {r.tier.tier} tier"
-                              f" {r.tier.url!r} at the end of training (drain_timeout); the other tiers hold it:"
-                              f" {r.error}", stacklevel=2)
+                              f" {r.tier.url!r} at the end of training (drain_timeout): {r.error}", stacklevel=2)
                 continue
             if r.error is not None:
                 self._failed += 1
@@ -988,12 +1085,16 @@ class SnapshotCallback(Checkpoint):
                               f" {r.tier.url!r} failed; {policy}: {r.error}", stacklevel=2)
                 continue
             self._committed[self.tiers.index(r.tier)] = r.step
+            self._tier_problem.pop(self.tiers.index(r.tier), None)
             self._metrics.add(f"snapshot/{name}/persist_ms", r.seconds * 1000)
             self._metrics.add(f"snapshot/{name}/throughput_MBps", r.nbytes / 1e6 / max(r.seconds, 1e-9))
             if r.stage_seconds is not None:
                 self._metrics.add("snapshot/stage_ms", r.stage_seconds * 1000)
-        for i, last in self._committed.items():
-            self._metrics.add(f"snapshot/{self._metric_names[i]}/lag_steps", step - last)
+        for i in self._submitted:  # (a tier that never committed in this fit lags from where the fit started)
+            self._metrics.add(f"snapshot/{self._metric_names[i]}/lag_steps",
+                              step - self._committed.get(i, self._fit_start_step))
+            if getattr(self.tiers[i], "retry_initial", None):
+                self._metrics.add(f"snapshot/{self._metric_names[i]}/retries", self._persister.retries(i))
 
     def _raise_background_error(self) -> None:
         errors, self._errors = self._errors, []

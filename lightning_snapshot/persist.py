@@ -15,11 +15,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import tenacity
+
 from lightning_snapshot.agent import AgentClient
 from lightning_snapshot.arena import AsyncStaged, HostArena
 from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.comm import Comm
 from lightning_snapshot.errors import SnapshotError, SnapshotWriteError
+from lightning_snapshot.manifest import Manifest
 from lightning_snapshot.staging import StagedState
 from lightning_snapshot.writer import SnapshotJob, apply_retention, copy_snapshot, write_snapshot
 
@@ -65,6 +68,11 @@ class _TierWorker:
         self.p, self.index, self.tier, self.comm = persister, index, tier, comm
         self.jobs: queue.Queue[PersistJob | None] = queue.Queue()
         self.stop = threading.Event()
+        #: retries so far (read by the training thread for the ``retries`` metric) and when the current outage
+        #: began (None: the tier works), both written by this worker's thread only
+        self.retries = 0
+        self.outage_since: float | None = None
+        self.last_error: str | None = None
         self.thread = threading.Thread(target=self._run, name=f"lightning-snapshot-persist-{index}", daemon=True)
         self.thread.start()
 
@@ -92,14 +100,72 @@ class _TierWorker:
         agent = self.p.agent
         return agent is not None and self.tier.durable and agent.handles(job, self.tier)
 
+    def _retrying(self, job: PersistJob) -> tenacity.Retrying:
+        """How a failed write of ``job`` is retried: with exponential backoff (``retry_initial`` doubling up to
+        ``retry_max``) until it succeeds or the worker is stopped, for tiers that declare ``retry_initial`` (object
+        stores); never for the others. Under DDP the ranks decide together (they failed together, see
+        :func:`~lightning_snapshot.writer.write_snapshot`), so none is left alone in a collective."""
+        initial = getattr(self.tier, "retry_initial", None)
+        if not initial:
+            return tenacity.Retrying(stop=tenacity.stop_after_attempt(1), reraise=True)
+        collective = not self._by_agent(job)  # (the agents agree among themselves; this thread runs no collective)
+
+        def retry(e: BaseException) -> bool:
+            want = _retryable(e) and not self.stop.is_set()
+            return self.comm.all_true(want) if collective else want
+
+        return tenacity.Retrying(
+            retry=tenacity.retry_if_exception(retry),
+            wait=tenacity.wait_exponential(multiplier=initial, max=self.tier.retry_max),  # type: ignore[attr-defined]
+            sleep=self.stop.wait,  # (a stop ends the wait at once)
+            before_sleep=self._on_retry,
+            reraise=True,
+        )
+
+    def _on_retry(self, state: tenacity.RetryCallState) -> None:
+        """Before each backoff: count the retry; one warning per outage (its first failure)."""
+        self.retries += 1
+        error = state.outcome.exception() if state.outcome is not None else None
+        self.last_error = _describe(self.tier, error) if error is not None else None
+        if self.outage_since is None:
+            self.outage_since = time.monotonic()
+            log.warning("lightning-snapshot: the %s tier %s is failing (%s); retrying with backoff (every %s s,"
+                        " doubling up to %s s), training goes on (logged once per outage)", self.tier.tier,
+                        self.tier.url, _describe(self.tier, error) if error is not None else "?",
+                        getattr(self.tier, "retry_initial", None), getattr(self.tier, "retry_max", None))
+        else:
+            log.debug("lightning-snapshot: retry %d of %s in %.1f s: %s", self.retries, self.tier.url,
+                      state.upcoming_sleep, error)
+
+    def _attempt(self, job: PersistJob, source: int | None) -> tuple[Manifest | None, int] | None:
+        """Write ``job`` to this tier once; returns (the committed manifest or None when the agent wrote it, bytes),
+        or None when the write was left to the agent because the worker was stopped."""
+        staged = job.shared
+        if self._by_agent(job):
+            assert self.p.agent is not None and isinstance(staged, AsyncStaged)
+            staged.wait()
+            try:
+                nbytes, _ = self.p.agent.persist(job, self.tier, self.stop)
+            except TimeoutError:
+                return None
+            return None, nbytes
+        if source is not None:
+            return copy_snapshot(self.p.tiers[source], self.tier, job.step, self.comm), 0
+        state = staged.state if isinstance(staged, AsyncStaged) else staged
+        return write_snapshot(
+            self.tier, self.comm, SnapshotJob(job.step, job.epoch, state, job.private), self.p.run_id,
+            prepare=staged.wait if isinstance(staged, AsyncStaged) else None,
+            before_commit=staged.verify if isinstance(staged, AsyncStaged) else None,
+        ), 0
+
+    def _abandoned(self, job: PersistJob, seconds: float, error: BaseException) -> None:
+        self.p.results.put(PersistResult(self.tier, job.step, seconds, 0, error=error, abandoned=True))
+        job.ok[self.index] = False
+
     def _persist(self, job: PersistJob) -> None:
         staged = job.shared
-        state = staged.state if isinstance(staged, AsyncStaged) else staged
         holding = True
-        nbytes = 0
         t0 = time.monotonic()
-        outage_since: float | None = None
-        delay = getattr(self.tier, "retry_initial", 0.0)
         try:
             source = job.sources.get(self.index)
             if source is not None:
@@ -109,49 +175,21 @@ class _TierWorker:
                     holding = False
                 else:
                     source = None
-            while True:
-                try:
-                    if self._by_agent(job):
-                        assert self.p.agent is not None and isinstance(staged, AsyncStaged)
-                        staged.wait()
-                        try:
-                            nbytes, _ = self.p.agent.persist(job, self.tier, self.stop)
-                        except TimeoutError:
-                            self.p.results.put(PersistResult(self.tier, job.step, time.monotonic() - t0, 0,
-                                                             error=SnapshotWriteError("left to the snapshot agent"),
-                                                             abandoned=True))
-                            job.ok[self.index] = False
-                            return
-                        manifest = None
-                        break
-                    if source is not None:
-                        manifest = copy_snapshot(self.p.tiers[source], self.tier, job.step, self.comm)
-                    else:
-                        manifest = write_snapshot(
-                            self.tier, self.comm, SnapshotJob(job.step, job.epoch, state, job.private), self.p.run_id,
-                            prepare=staged.wait if isinstance(staged, AsyncStaged) else None,
-                            before_commit=staged.verify if isinstance(staged, AsyncStaged) else None,
-                        )
-                    break
-                except Exception as e:  # noqa: BLE001 - retried or reported to the training thread
-                    if not (getattr(self.tier, "retry_initial", None) and _retryable(e)):
-                        raise
-                    if self.stop.is_set():
-                        self.p.results.put(PersistResult(self.tier, job.step, time.monotonic() - t0, 0,
-                                                         error=SnapshotWriteError(_describe(self.tier, e)),
-                                                         abandoned=True))
-                        job.ok[self.index] = False
-                        return
-                    if outage_since is None:
-                        outage_since = time.monotonic()
-                        log.warning("lightning-snapshot: the %s tier %s is failing (%s); retrying with backoff,"
-                                    " training goes on (logged once per outage)", self.tier.tier, self.tier.url,
-                                    _describe(self.tier, e))
-                    self.stop.wait(delay)
-                    delay = min(delay * 2, self.tier.retry_max)  # type: ignore[attr-defined]
-            if outage_since is not None:
+            try:
+                done = self._retrying(job)(self._attempt, job, source)
+            except Exception as e:  # noqa: BLE001 - given up: stopped during an outage, or not retryable
+                if _retryable(e) and getattr(self.tier, "retry_initial", None):
+                    self._abandoned(job, time.monotonic() - t0, SnapshotWriteError(_describe(self.tier, e)))
+                    return
+                raise
+            if done is None:
+                self._abandoned(job, time.monotonic() - t0, SnapshotWriteError("left to the snapshot agent"))
+                return
+            manifest, nbytes = done
+            if self.outage_since is not None:
                 log.info("lightning-snapshot: the %s tier %s is back after %.0f s", self.tier.tier, self.tier.url,
-                         time.monotonic() - outage_since)
+                         time.monotonic() - self.outage_since)
+                self.outage_since = None
             if manifest is None:
                 pass  # the agent applied retention
             elif self.comm.rank == 0 or getattr(self.tier, "node_leader", False):  # (RAM: each node its own)
@@ -235,6 +273,14 @@ class Persister:
     def pending(self, index: int) -> int:
         """Snapshots queued or being written for tier ``index``."""
         return self._workers[index].jobs.unfinished_tasks
+
+    def retries(self, index: int) -> int:
+        """Failed writes of tier ``index`` retried so far (0 for tiers that do not retry)."""
+        return self._workers[index].retries
+
+    def last_error(self, index: int) -> str | None:
+        """The error of the last failed write of tier ``index`` that was retried (credentials redacted), or None."""
+        return self._workers[index].last_error
 
     def has_room(self, index: int) -> bool:
         limit = getattr(self.tiers[index], "max_pending", None)

@@ -226,7 +226,10 @@ def write_snapshot(
         if comm.all_true(error is None):
             return
         if comm.rank == 0 or node_local:  # a node-local tier (RAM) holds each node's objects on that node only
-            _discard_run_objects(backend, prefix, run_id)
+            try:
+                _discard_run_objects(backend, prefix, run_id)
+            except Exception as e:  # noqa: BLE001 - best effort (the tier may be unreachable): the error says why
+                log.debug("lightning-snapshot: could not discard the objects of step %d: %s", job.step, e)
         if error is not None:
             raise error
         raise SnapshotWriteError(f"{what} of the snapshot of step {job.step} failed on another rank (see its log)")
