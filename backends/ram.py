@@ -41,7 +41,7 @@ import xxhash
 
 from lightning_snapshot.backends import erasure as _ec
 from lightning_snapshot.backends.base import Backend
-from lightning_snapshot.backends.local import LocalTier, _pread_all
+from lightning_snapshot.backends.local import LocalTier, _as_tensor, _close, _map_existing, _map_new, _pread_all
 from lightning_snapshot.errors import ConfigError, SnapshotError, SnapshotNotFoundError, SnapshotWriteError
 from lightning_snapshot.staging import digest
 
@@ -881,46 +881,5 @@ def _read_exactly(fd: int, view: memoryview, pos: int, key: str) -> None:
         raise EOFError(f"{key!r}: a file of the RAM tier ends before byte {pos + view.nbytes}")
 
 
-def _map_new(path: Path, size: int) -> mmap.mmap | None:
-    """A new 0600 file of ``size`` bytes, mapped writable (None for an empty one)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        os.ftruncate(fd, size)
-        return mmap.mmap(fd, size) if size else None
-    finally:
-        os.close(fd)
-
-
-def _map_existing(path: Path, write: bool = True) -> mmap.mmap | None:
-    fd = os.open(path, (os.O_RDWR if write else os.O_RDONLY) | os.O_CLOEXEC)
-    try:
-        size = os.fstat(fd).st_size
-        if not size:
-            return None
-        return mmap.mmap(fd, size, access=mmap.ACCESS_WRITE if write else mmap.ACCESS_READ)
-    finally:
-        os.close(fd)
-
-
-def _close(mm: mmap.mmap | None) -> None:
-    if mm is None:
-        return
-    try:
-        mm.close()
-    except BufferError:  # a tensor still views it: the mapping goes with the last reference
-        pass
-
-
 def _view(mm: mmap.mmap | None) -> memoryview:
     return memoryview(mm) if mm is not None else memoryview(bytearray(0))
-
-
-def _as_tensor(buf: mmap.mmap | memoryview) -> Any:
-    """A uint8 tensor over ``buf`` (no copy). A read-only buffer is only ever sent, never written into."""
-    import warnings
-
-    import torch
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        return torch.frombuffer(buf, dtype=torch.uint8)

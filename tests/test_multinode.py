@@ -1,0 +1,123 @@
+"""Multi-node jobs (3 simulated nodes, real processes, gloo, real SIGKILL): a local tier on each node's own disk or
+shared by all nodes, beside an erasure-coded RAM tier; a replaced node; a rank that fails mid-snapshot."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import assert_bitwise_equal, launch_nodes
+
+from lightning_snapshot.agent import stop_agent
+from lightning_snapshot.backends import LocalTier
+from lightning_snapshot.manifest import MANIFEST_NAME, step_dirname
+from lightning_snapshot.writer import committed_steps
+
+NODES = 3
+# RAM every 4 steps (erasure 2+1 over the 3 nodes), the local tier every 3; killed at step 10: RAM holds 8, local 9
+ARGS = ("--max-steps", "12", "--every", "3", "--shuffle", "--tiny", "--num-nodes", str(NODES), "--ram-every", "4",
+        "--ram-erasure", "2+1")
+LAYOUTS = {"node-local": "local/node{node_rank}", "shared": "local"}
+
+
+def _env(base: Path) -> dict[str, str]:
+    return {"LIGHTNING_SNAPSHOT_SHM_DIR": str(base / "shm") + "/node{node}"}
+
+
+def _stop_agents(base: Path) -> None:
+    for sock in (base / "shm").glob("**/agent.sock"):
+        stop_agent(sock.parent)
+
+
+def _run(base: Path, layout: str, *extra: str, timeout: int = 600):
+    return launch_nodes("train.py", NODES, "--dir", str(base / LAYOUTS[layout]), "--out", str(base / "out.pt"),
+                        *ARGS, *extra, env=_env(base), timeout=timeout)
+
+
+def _ok(procs) -> None:
+    assert [p.returncode for p in procs] == [0] * NODES, [p.stdout[-1000:] + p.stderr[-4000:] for p in procs]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One uninterrupted 3-node run (its RAM and local tiers are this run's own)."""
+    base = tmp_path_factory.mktemp("ref")
+    try:
+        _ok(_run(base, "node-local"))
+    finally:
+        _stop_agents(base)
+    return base / "out.pt"
+
+
+def _same_as_reference(reference: Path, base: Path) -> None:
+    for suffix in ("", ".rank1", ".rank2"):
+        assert assert_bitwise_equal(Path(f"{reference}{suffix}"), Path(f"{base / 'out.pt'}{suffix}")) > 0
+
+
+def _local(base: Path, layout: str, node: int) -> LocalTier:
+    return LocalTier(str(base / LAYOUTS[layout]).replace("{node_rank}", str(node)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["node-local", "shared"])
+def test_sigkill_all_trainers_and_resume_bitwise(tmp_path, reference, layout):
+    try:
+        procs = _run(tmp_path, layout, "--crash-at", "10")
+        assert [p.returncode for p in procs] == [-9] * NODES, [p.stderr[-3000:] for p in procs]
+        said = "is node-local" if layout == "node-local" else "is shared by all nodes (detected)"
+        assert said in procs[0].stdout + procs[0].stderr, procs[0].stderr[-3000:]
+        prefix = step_dirname(9)
+        for node in range(NODES):
+            tier = _local(tmp_path, layout, node)
+            assert committed_steps(tier)[0] == 9
+            objects = [n for n in tier.list(prefix) if n.endswith(".bin")]
+            if layout == "node-local":  # its own rank's objects, and a copy of the manifest
+                assert objects and all(n.endswith(f"-{node:05d}.bin") for n in objects), objects
+                assert tier.exists(f"{prefix}/{MANIFEST_NAME}")
+            else:
+                assert {n[-9:-4] for n in objects} == {f"{r:05d}" for r in range(NODES)}, objects
+        procs = _run(tmp_path, layout)
+        _ok(procs)
+        assert all(f"RESTORED step=9 from={_local(tmp_path, layout, n).url}" in procs[n].stdout
+                   for n in range(NODES)), [p.stdout for p in procs]
+    finally:
+        _stop_agents(tmp_path)
+    _same_as_reference(reference, tmp_path)
+
+
+@pytest.mark.slow
+def test_replaced_node_falls_back_to_the_ram_tier_naming_the_node_and_step(tmp_path, reference):
+    try:
+        procs = _run(tmp_path, "node-local", "--crash-at", "10")
+        assert [p.returncode for p in procs] == [-9] * NODES, [p.stderr[-3000:] for p in procs]
+        # node 1 is replaced: its memory (agent and files) and its disk are empty
+        stop_agent(tmp_path / "shm" / "node1" / "test")
+        shutil.rmtree(tmp_path / "shm" / "node1")
+        shutil.rmtree(tmp_path / "local" / "node1")
+        procs = _run(tmp_path, "node-local")
+        _ok(procs)
+        log = procs[0].stderr
+        assert "cannot restore the snapshot of step 9 in the local tier" in log, log[-3000:]
+        assert "node(s) 1 of this job do not hold step 9" in log, log[-3000:]
+        # the RAM tier's 2+1 erasure code survives the loss of one node: its step 8 is the newest left
+        assert all("RESTORED step=8 from=ram://test" in p.stdout for p in procs), [p.stdout for p in procs]
+    finally:
+        _stop_agents(tmp_path)
+    _same_as_reference(reference, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["node-local", "shared"])
+def test_a_rank_that_raises_mid_snapshot_ends_every_process_non_zero(tmp_path, layout, monkeypatch):
+    # every local-tier write is slow (the trainer's for a node-local tier, the agent's for a shared one), and rank 1
+    # raises at step 7 while the snapshot of step 6 is being written: no process may hang (the bound is
+    # shutdown_timeout + the time a dead peer takes to break a collective; the test's own timeout is generous)
+    monkeypatch.setenv("LIGHTNING_SNAPSHOT_AGENT_WRITE_DELAY", "2")
+    try:
+        procs = _run(tmp_path, layout, "--slow-write", "2", "--raise-at", "7", "--raise-rank", "1", timeout=400)
+    finally:
+        _stop_agents(tmp_path)
+    assert "RAISING rank=1 step=7" in procs[1].stdout, procs[1].stderr[-3000:]
+    assert all(p.returncode != 0 for p in procs), [(p.returncode, p.stderr[-2000:]) for p in procs]
+    assert "RuntimeError: injected failure on rank 1 at step 7" in procs[1].stderr, procs[1].stderr[-3000:]
