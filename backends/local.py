@@ -105,6 +105,18 @@ def _as_tensor(buf: mmap.mmap | memoryview) -> Any:
         return torch.frombuffer(buf, dtype=torch.uint8)
 
 
+def _needed_objects(manifest: Any, world_size: int) -> set[str]:
+    """The objects a restore into ``world_size`` ranks reads: those of the shared tensors, and those of the rank
+    sections it restores (every rank's at the same world size; at another, rank 0's, for the data position)."""
+    ranks = range(world_size) if manifest.world_size == world_size else [0]
+    entries = list(manifest.tensors)
+    for r in ranks:
+        section = manifest.rank_section(r)
+        if section is not None:
+            entries += section.tensors
+    return {f.object for t in entries for f in t.fragments}
+
+
 class LocalTier(Backend):
     """Snapshots as files on a local filesystem (node-local NVMe, or any POSIX path).
 
@@ -308,10 +320,11 @@ class LocalTier(Backend):
         text = self._broadcast_from(comm, holders[0], self.read(f"{prefix}/{MANIFEST_NAME}").decode()
                                     if comm.rank == holders[0] else None)
         manifest = Manifest.from_json(text, where=f"manifest of {prefix} in the local tier {self.url}")
+        needed = _needed_objects(manifest, world)
         where: dict[str, list[int]] = {}
         for o in manifest.objects:
             where[o.key] = [r for r in leaders if invs[r]["objects"].get(o.key) == o.nbytes]
-        lost = sorted({o.rank for o in manifest.objects if not where[o.key]})
+        lost = sorted({o.rank for o in manifest.objects if o.key in needed and not where[o.key]})
         if lost:
             lacking = sorted(invs[r]["node"] for r in leaders if not invs[r]["manifest"]) or sorted(
                 invs[r]["node"] for r in leaders)
@@ -321,7 +334,7 @@ class LocalTier(Backend):
                 " an empty disk, or a lost one)"
             )
         transfers = [(where[o.key][0], dst, o.key, o.nbytes) for dst in leaders for o in manifest.objects
-                     if dst not in where[o.key]]
+                     if o.key in needed and dst not in where[o.key]]
         self._fetched = []
         if comm.rank in leaders:
             self._transfer(comm, [t for t in transfers if comm.rank in t[:2]], prefix)

@@ -121,3 +121,51 @@ def test_a_rank_that_raises_mid_snapshot_ends_every_process_non_zero(tmp_path, l
     assert "RAISING rank=1 step=7" in procs[1].stdout, procs[1].stderr[-3000:]
     assert all(p.returncode != 0 for p in procs), [(p.returncode, p.stderr[-2000:]) for p in procs]
     assert "RuntimeError: injected failure on rank 1 at step 7" in procs[1].stderr, procs[1].stderr[-3000:]
+
+
+# ------------------------------------------------------------------------------------------------ without Lightning
+def _nodes(mode: str, nodes: int, base: Path, *extra: str):
+    return launch_nodes("ram_nodes.py", nodes, mode, "--base", str(base), "--mb", "0.5", *extra, timeout=300)
+
+
+@pytest.mark.slow
+def test_node_local_tier_restores_on_more_nodes_by_fetching_over_gloo_and_names_a_lost_node(tmp_path):
+    import ram_nodes
+    import torch
+
+    procs = _nodes("local-save", 2, tmp_path)
+    assert [p.returncode for p in procs] == [0, 0], [p.stderr[-3000:] for p in procs]
+    prefix = step_dirname(10)
+    for node in range(2):  # each node: its own rank's objects and a copy of the manifest
+        names = LocalTier(tmp_path / f"disk{node}").list(prefix)
+        assert MANIFEST_NAME in names and all(n.endswith(f"-{node:05d}.bin") for n in names if n.endswith(".bin"))
+    # 3 nodes now: node 2's disk is empty; every node gets the objects it lacks from the others, over gloo
+    procs = _nodes("local-load", 3, tmp_path, "--out", str(tmp_path / "out"))
+    assert [p.returncode for p in procs] == [0] * 3 and all("LOADED" in p.stdout for p in procs), [
+        p.stdout + p.stderr[-2000:] for p in procs]
+    expected = ram_nodes.state(0, 0.5)["weights"]
+    for r in range(3):
+        got = torch.load(f"{tmp_path / 'out'}.rank{r}", weights_only=True)
+        assert got["shared"].keys() == expected.keys()
+        for name, t in expected.items():
+            assert torch.equal(got["shared"][name].view(torch.uint8), t.view(torch.uint8)), (r, name)
+        assert torch.equal(got["rank"], torch.arange(4))  # (another world size: rank 0's section)
+    # what was fetched for the restore is gone again: each node holds what it wrote
+    assert not LocalTier(tmp_path / "disk2").list(prefix)
+    assert all(n.endswith("-00000.bin") for n in LocalTier(tmp_path / "disk0").list(prefix) if n.endswith(".bin"))
+    # node 1 replaced by one with an empty disk: its rank's data is on no node
+    shutil.rmtree(tmp_path / "disk1")
+    procs = _nodes("local-load", 2, tmp_path, "--out", str(tmp_path / "out2"))
+    assert all("FAILED: node(s) 1 of this job do not hold step 10 of the node-local tier" in p.stdout
+               and "the data of rank(s) 1 is on no node" in p.stdout for p in procs), [p.stdout for p in procs]
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_mid_write_fails_the_others_at_once_naming_rank_tier_and_wait(tmp_path):
+    procs = _nodes("local-die", 3, tmp_path)
+    assert procs[2].returncode == 3
+    for r in (0, 1):
+        assert procs[r].returncode == 1, procs[r].stdout + procs[r].stderr[-3000:]
+        assert (f"WRITE FAILED: rank {r}: waiting for the other ranks to agree on writing the data of the snapshot of"
+                f" step 10 in the local tier {tmp_path / f'disk{r}'} failed") in procs[r].stdout, procs[r].stdout
+        assert committed_steps(LocalTier(tmp_path / f"disk{r}")) == []
