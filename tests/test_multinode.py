@@ -18,11 +18,13 @@ NODES = 3
 # RAM every 4 steps (erasure 2+1 over the 3 nodes), the local tier every 3; killed at step 10: RAM holds 8, local 9
 ARGS = ("--max-steps", "12", "--every", "3", "--shuffle", "--tiny", "--num-nodes", str(NODES), "--ram-every", "4",
         "--ram-erasure", "2+1")
-LAYOUTS = {"node-local": "local/node{node_rank}", "shared": "local"}
+# the directory: each node's own through the {node_rank} placeholder, each node's own through an environment
+# variable that differs per node (the same-looking path on every node: detected with probe files), or one shared
+LAYOUTS = {"node-local": "local/node{node_rank}", "node-local-env": "$NODE_DISK", "shared": "local"}
 
 
 def _env(base: Path) -> dict[str, str]:
-    return {"LIGHTNING_SNAPSHOT_SHM_DIR": str(base / "shm") + "/node{node}"}
+    return {"LIGHTNING_SNAPSHOT_SHM_DIR": str(base / "shm") + "/node{node}", "NODE_DISK": str(base / "local/node{node}")}
 
 
 def _stop_agents(base: Path) -> None:
@@ -31,7 +33,8 @@ def _stop_agents(base: Path) -> None:
 
 
 def _run(base: Path, layout: str, *extra: str, timeout: int = 600):
-    return launch_nodes("train.py", NODES, "--dir", str(base / LAYOUTS[layout]), "--out", str(base / "out.pt"),
+    where = LAYOUTS[layout] if LAYOUTS[layout].startswith("$") else str(base / LAYOUTS[layout])
+    return launch_nodes("train.py", NODES, "--dir", where, "--out", str(base / "out.pt"),
                         *ARGS, *extra, env=_env(base), timeout=timeout)
 
 
@@ -56,7 +59,7 @@ def _same_as_reference(reference: Path, base: Path) -> None:
 
 
 def _local(base: Path, layout: str, node: int) -> LocalTier:
-    return LocalTier(str(base / LAYOUTS[layout]).replace("{node_rank}", str(node)))
+    return LocalTier(base / "local" if layout == "shared" else base / "local" / f"node{node}")
 
 
 @pytest.mark.slow
@@ -89,13 +92,14 @@ def test_sigkill_all_trainers_and_resume_bitwise(tmp_path, reference, layout):
 @pytest.mark.slow
 def test_replaced_node_falls_back_to_the_ram_tier_naming_the_node_and_step(tmp_path, reference):
     try:
-        procs = _run(tmp_path, "node-local", "--crash-at", "10")
+        procs = _run(tmp_path, "node-local-env", "--crash-at", "10")
         assert [p.returncode for p in procs] == [-9] * NODES, [p.stderr[-3000:] for p in procs]
+        assert "is node-local" in procs[0].stderr and "(detected)" in procs[0].stderr, procs[0].stderr[-3000:]
         # node 1 is replaced: its memory (agent and files) and its disk are empty
         stop_agent(tmp_path / "shm" / "node1" / "test")
         shutil.rmtree(tmp_path / "shm" / "node1")
         shutil.rmtree(tmp_path / "local" / "node1")
-        procs = _run(tmp_path, "node-local")
+        procs = _run(tmp_path, "node-local-env")
         _ok(procs)
         log = procs[0].stderr
         assert "cannot restore the snapshot of step 9 in the local tier" in log, log[-3000:]

@@ -173,6 +173,7 @@ def main() -> None:
                    help="SIGKILL at this global step, waiting only for the RAM tier (if any) to hold the newest step"
                         " due in it (its agent has it then), not for any durable tier")
     a = p.parse_args()
+    a.dir = os.path.expandvars(a.dir)  # (a path from an environment variable: each simulated node its own)
 
     L.seed_everything(42, verbose=False)
     model = Model(a.dropout, tiny=a.tiny)
