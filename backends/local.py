@@ -94,6 +94,28 @@ def _close(mm: mmap.mmap | None) -> None:
         pass
 
 
+def exchange(group: Any, sends: list[tuple[mmap.mmap | None, int]],
+             receives: list[tuple[mmap.mmap | None, int]]) -> None:
+    """Send and receive whole mapped files over the gloo ``group`` (``(map, peer's global rank)``; None: an empty
+    file), all posted at once, in list order per peer; every map is closed after, also on failure."""
+    import torch.distributed as dist
+
+    works = []
+    try:
+        for mm, peer in sends:
+            if mm is not None:
+                works.append(dist.isend(_as_tensor(mm), peer, group=group))
+        for mm, peer in receives:
+            if mm is not None:
+                works.append(dist.irecv(_as_tensor(mm), peer, group=group))
+        for w in works:
+            w.wait()
+    finally:
+        works.clear()
+        for mm, _peer in sends + receives:
+            _close(mm)
+
+
 def _as_tensor(buf: mmap.mmap | memoryview) -> Any:
     """A uint8 tensor over ``buf`` (no copy). A read-only buffer is only ever sent, never written into."""
     import warnings
@@ -364,31 +386,22 @@ class LocalTier(Backend):
             return
         import torch.distributed as dist
 
-        works, keep, received = [], [], []
+        sends, receives, received = [], [], []
         try:
             for src, dst, key, nbytes in transfers:
                 path = self._path(f"{prefix}/{key}")
                 if comm.rank == src:
-                    mm = _map_existing(path, write=False)
-                    peer = dist.get_global_rank(comm.group, dst)
-                    if mm is not None:
-                        keep.append(mm)
-                        works.append(dist.isend(_as_tensor(mm), peer, group=comm.group))
+                    sends.append((_map_existing(path, write=False), dist.get_global_rank(comm.group, dst)))
                 else:
                     tmp = path.with_name(f".{path.name}.fetch-{os.getpid()}")
                     path.parent.mkdir(parents=True, exist_ok=True)
-                    mm = _map_new(tmp, nbytes, self.file_mode)
                     received.append((tmp, path))
-                    if mm is not None:
-                        keep.append(mm)
-                        works.append(dist.irecv(_as_tensor(mm), dist.get_global_rank(comm.group, src),
-                                                group=comm.group))
-            for w in works:
-                w.wait()
-        finally:
-            works.clear()
-            for mm in keep:
+                    receives.append((_map_new(tmp, nbytes, self.file_mode), dist.get_global_rank(comm.group, src)))
+        except BaseException:
+            for mm, _peer in sends + receives:
                 _close(mm)
+            raise
+        exchange(comm.group, sends, receives)
         for tmp, path in received:
             os.replace(tmp, path)
             self._fetched.append(path)

@@ -41,7 +41,15 @@ import xxhash
 
 from lightning_snapshot.backends import erasure as _ec
 from lightning_snapshot.backends.base import Backend
-from lightning_snapshot.backends.local import LocalTier, _as_tensor, _close, _map_existing, _map_new, _pread_all
+from lightning_snapshot.backends.local import (
+    LocalTier,
+    _as_tensor,
+    _close,
+    _map_existing,
+    _map_new,
+    _pread_all,
+    exchange,
+)
 from lightning_snapshot.errors import ConfigError, SnapshotError, SnapshotNotFoundError, SnapshotWriteError
 from lightning_snapshot.staging import digest
 
@@ -632,12 +640,11 @@ class RamTier(Backend):
         from lightning_snapshot.manifest import Manifest
 
         sizes = {o.key: o.nbytes for o in Manifest.from_json(manifest, where=f"RAM tier manifest of {prefix}").objects}
-        works, keep = [], []
+        sends: list[tuple[Any, int]] = []
+        receives: list[tuple[Any, int]] = []
         received: dict[str, dict[int, Any]] = {}
         try:
             if transfers and getattr(comm, "world_size", 1) > 1:
-                import torch.distributed as dist
-
                 for src, dst, key, i in transfers:
                     if src == dst or me not in (src, dst):
                         continue
@@ -648,25 +655,18 @@ class RamTier(Backend):
                         path = self.store._path(f"{key}{_EC}/{i}")
                         size = layouts[key]["stripes"] * layouts[key]["block"]
                     if me == src:
-                        mm = _map_existing(path)
-                        if mm is not None:
-                            keep.append(mm)
-                            works.append(dist.isend(_as_tensor(mm), dst, group=comm.group))
+                        sends.append((_map_existing(path), dst))
                     else:
                         rpath = path if i < 0 else path.with_name(f".{i}.restore")
                         rpath.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-                        mm = _map_new(rpath, size)
-                        if mm is not None:
-                            keep.append(mm)
-                            works.append(dist.irecv(_as_tensor(mm), src, group=comm.group))
+                        receives.append((_map_new(rpath, size), src))
                         if i >= 0:
                             received.setdefault(key, {})[i] = rpath
-                for w in works:
-                    w.wait()
-        finally:
-            works.clear()
-            for mm in keep:
+        except BaseException:
+            for mm, _peer in sends + receives:
                 _close(mm)
+            raise
+        exchange(getattr(comm, "group", None), sends, receives)
         # make every erasure-coded object readable from its data shares, rebuilding the lost ones from parity
         for key, layout in layouts.items():
             if self.store.exists(key):

@@ -37,6 +37,23 @@ def state(rank: int, mb: float) -> dict:
             "step": 7, "rank_note": f"rank {rank}"}
 
 
+def restore(tier, comm: GroupComm, step: int, out: str, section: int) -> None:
+    """Restore ``step`` through the tier's collective ``restore``; save the shared state and rank ``section``'s
+    tensor to ``out``; print LOADED or FAILED: <why>."""
+    try:
+        def read():
+            manifest = read_manifest(tier, step)
+            mine = manifest.rank_section(section)
+            return (read_section(tier, manifest, manifest.tensors, manifest.state),
+                    read_section(tier, manifest, mine.tensors, mine.state))
+
+        shared, mine = tier.restore(comm, step, read)
+        torch.save({"shared": shared, "rank": mine["t"]}, out)
+        print("LOADED", flush=True)
+    except SnapshotError as e:
+        print(f"FAILED: {e}", flush=True)
+
+
 def local(a: argparse.Namespace, node: int, world: int, comm: GroupComm) -> int:
     tier = LocalTier(a.base + "/disk{node_rank}", every_n_train_steps=1)
     tier.bind(node_rank=node, num_nodes=world, local_rank=0, ranks_per_node=1)
@@ -56,18 +73,7 @@ def local(a: argparse.Namespace, node: int, world: int, comm: GroupComm) -> int:
             return 1
         print("SAVED", flush=True)
     else:
-        try:
-            def read():
-                manifest = read_manifest(tier, a.step)
-                first = manifest.rank_section(0)  # (a world-size change reads rank 0's section)
-                return (read_section(tier, manifest, manifest.tensors, manifest.state),
-                        read_section(tier, manifest, first.tensors, first.state))
-
-            shared, mine = tier.restore(comm, a.step, read)
-            torch.save({"shared": shared, "rank": mine["t"]}, f"{a.out}.rank{node}")
-            print("LOADED", flush=True)
-        except SnapshotError as e:
-            print(f"FAILED: {e}", flush=True)
+        restore(tier, comm, a.step, f"{a.out}.rank{node}", 0)  # (a world-size change reads rank 0's section)
     dist.barrier()
     dist.destroy_process_group()
     return 0
@@ -99,18 +105,7 @@ def main() -> None:
             write_snapshot(LocalTier(a.local), comm, job, "run0")
         print(f"SAVED held_bytes={ram.held_bytes()}", flush=True)
     else:
-        try:
-            def read():
-                manifest = read_manifest(ram, a.step)
-                section = manifest.rank_section(node)
-                return (read_section(ram, manifest, manifest.tensors, manifest.state),
-                        read_section(ram, manifest, section.tensors, section.state))
-
-            shared, mine = ram.restore(comm, a.step, read)
-            torch.save({"shared": shared, "rank": mine["t"]}, f"{a.out}.rank{node}")
-            print("LOADED", flush=True)
-        except SnapshotError as e:
-            print(f"FAILED: {e}", flush=True)
+        restore(ram, comm, a.step, f"{a.out}.rank{node}", node)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -106,7 +106,7 @@ class Raise(L.Callback):
             writing = getattr(self.tier, "writing", None)
             if writing is not None:
                 writing.wait(30)
-            print(f"RAISING rank={self.rank} step={self.at}", flush=True)
+            print(f"RAISING rank={self.rank} step={self.at} at={time.time():.3f}", flush=True)
             raise RuntimeError(f"injected failure on rank {self.rank} at step {self.at}")
 
 
