@@ -544,10 +544,11 @@ class SnapshotCallback(Checkpoint):
     def _read(self, backend: Backend, step: int, trainer: Any, pl_module: Any, live: Templates
               ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         restore = getattr(backend, "restore", None)
-        if restore is None:
+        if restore is None or not getattr(backend, "node_local", False):
             return self._read_tier(backend, step, trainer, pl_module, live)
-        # a node-local tier (RAM): the objects are made readable on every node first, a corrupted share found by the
-        # read is repaired from the others, and what the restore added is freed after (collective)
+        # a node-local tier (RAM, a local tier on each node's own disk): the objects are made readable on every node
+        # first (RAM: a corrupted share found by the read is repaired from the others), and what the restore added is
+        # freed after (collective)
         comm = self._tier_comms[self.tiers.index(backend)] if self._tier_comms else LocalComm()
         return restore(comm, step, lambda: self._read_tier(backend, step, trainer, pl_module, live))
 
