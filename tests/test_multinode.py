@@ -24,7 +24,8 @@ LAYOUTS = {"node-local": "local/node{node_rank}", "node-local-env": "$NODE_DISK"
 
 
 def _env(base: Path) -> dict[str, str]:
-    return {"LIGHTNING_SNAPSHOT_SHM_DIR": str(base / "shm") + "/node{node}", "NODE_DISK": str(base / "local/node{node}")}
+    return {"LIGHTNING_SNAPSHOT_SHM_DIR": str(base / "shm") + "/node{node}",
+            "NODE_DISK": str(base / "local") + "/node{node}"}
 
 
 def _stop_agents(base: Path) -> None:
@@ -173,3 +174,70 @@ def test_a_rank_that_dies_mid_write_fails_the_others_at_once_naming_rank_tier_an
         assert (f"WRITE FAILED: rank {r}: waiting for the other ranks to agree on writing the data of the snapshot of"
                 f" step 10 in the local tier {tmp_path / f'disk{r}'} failed") in procs[r].stdout, procs[r].stdout
         assert committed_steps(LocalTier(tmp_path / f"disk{r}")) == []
+
+
+# ------------------------------------------------------------------------------------------------ in one process
+class _StuckDisk(LocalTier):
+    """A real local tier on a disk that stops answering (every data write blocks until ``release`` is set)."""
+
+    def __init__(self, path, **kw) -> None:
+        super().__init__(path, **kw)
+        import threading
+
+        self.release, self.writing = threading.Event(), threading.Event()
+
+    def write(self, key, buffers):
+        self.writing.set()
+        self.release.wait(120)
+        return super().write(key, buffers)
+
+
+def test_shutdown_after_an_exception_waits_at_most_shutdown_timeout_and_names_rank_tier_step(tmp_path, caplog):
+    import torch
+
+    from lightning_snapshot.arena import HostArena
+    from lightning_snapshot.comm import LocalComm
+    from lightning_snapshot.persist import PersistJob, Persister
+    from lightning_snapshot.staging import stage
+
+    tier = _StuckDisk(tmp_path / "stuck")
+    arena = HostArena()
+    persister = Persister([tier], [LocalComm()], "run0", arena)
+    try:
+        for step in (3, 6):  # one being written, one queued
+            job = PersistJob(step, 0, stage({"w": torch.ones(4)}, "shared"), stage({"r": 1}, "rank"), [tier])
+            persister.submit(job, [0])
+        assert tier.writing.wait(60)
+        late = persister.close(timeout=0.5, abort=True)
+        assert late == [f"rank 0: the persist thread of the local tier {tier.url} did not finish step 3 within"
+                        " shutdown_timeout=0.5 s (waiting for the other ranks or the store); left behind"]
+        assert late[0] in caplog.text
+    finally:
+        tier.release.set()
+        for w in persister._workers:
+            w.thread.join(60)
+        arena.close()
+    assert committed_steps(tier) == [3]  # the write in progress finished on its own; the queued one was dropped
+
+
+def test_node_local_option_url_and_placeholder(tmp_path, monkeypatch):
+    from lightning_snapshot.backends.registry import parse_tier
+    from lightning_snapshot.errors import ConfigError
+
+    monkeypatch.setenv("NODE_RANK", "2")
+    tier = parse_tier(f"{tmp_path}/disk{{node_rank}}/run?every=5&node_local=auto")
+    assert tier.root == tmp_path / "disk2" / "run" and tier.node_local_option is None
+    tier.bind(node_rank=1, num_nodes=3, local_rank=0, ranks_per_node=1)
+    assert tier.root == tmp_path / "disk1" / "run"
+    assert tier.settle_layout(None, "x") == "{node_rank} in the path" and tier.node_local and tier.node_leader
+    assert parse_tier(f"{tmp_path}/s?node_local=true").node_local_option is True
+    assert parse_tier(f"{tmp_path}/s?node_local=false").node_local_option is False
+    with pytest.raises(ConfigError, match="node_local='maybe' must be auto, true or false"):
+        parse_tier(f"{tmp_path}/s?node_local=maybe")
+    with pytest.raises(ConfigError, match="cannot be node_local=False"):
+        LocalTier(tmp_path / "disk{node_rank}", node_local=False)
+    with pytest.raises(ConfigError, match="node_local must be True, False or None"):
+        LocalTier(tmp_path, node_local="yes")
+    one = LocalTier(tmp_path / "one")
+    one.bind(node_rank=0, num_nodes=1, local_rank=0, ranks_per_node=2)
+    assert one.settle_layout(None, "x") == "one node" and not one.node_local and not one.node_leader
