@@ -1,10 +1,14 @@
 """The host staging arena and the asynchronous copy into it.
 
 The arena is a few *slots*, each one page-aligned host buffer allocated once and reused across snapshots: shared
-memory for CPU tensors (an anonymous ``memfd_create`` file, which never has a name, so a killed trainer leaves
-nothing behind; where that is missing, a ``/dev/shm`` file readable by the owning user only, unlinked at once),
-pinned memory for CUDA tensors. Each tensor of a snapshot gets a 64-byte aligned place in a slot, so the slot is,
-byte for byte, the data object the writer puts on disk (``O_DIRECT`` straight from it, since the slot starts on a page).
+memory (an anonymous ``memfd_create`` file, which never has a name, so a killed trainer leaves nothing behind; where
+that is missing, a ``/dev/shm`` file readable by the owning user only, unlinked at once), the same for CPU and CUDA
+state. When the state holds CUDA tensors, each slot is also registered with CUDA as page-locked host memory
+(:func:`cuda_host_register`, ``cudaHostRegister``), so device-to-host copies run at pinned speed, and unregistered
+before it is unmapped; the snapshot agent maps the very same memory either way, so a staged snapshot survives the
+trainer on CUDA as on CPU. Where registration fails (no CUDA, a memory limit), the arena stays unregistered, with one
+warning naming the reason. Each tensor of a snapshot gets a 64-byte aligned place in a slot, so the slot is, byte for
+byte, the data object the writer puts on disk (``O_DIRECT`` straight from it, since the slot starts on a page).
 
 Copy contract (see DESIGN.md §1.2): at ``on_train_batch_end`` the training thread copies what the next forward
 changes (buffers, anything that is not a parameter or optimizer state) synchronously, and hands parameters and
@@ -26,8 +30,10 @@ import errno
 import itertools
 import logging
 import os
+import resource
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +46,8 @@ from lightning_snapshot.planner import align_up, assign_writers, chunk_ranges, p
 from lightning_snapshot.staging import SMALL_HASH as _SMALL
 from lightning_snapshot.staging import StagedState, chunk_digests, prepare_tensors, tensor_bytes
 
-__all__ = ["HostArena", "ArenaSlot", "AsyncStaged", "PAGE"]
+__all__ = ["HostArena", "ArenaSlot", "AsyncStaged", "FAKE_REGISTER_ENV", "HostRegisterError", "PAGE",
+           "cuda_host_register", "cuda_host_unregister", "noop_host_register", "noop_host_unregister"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +59,91 @@ _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 _counter = itertools.count()
 _libc: Any = None
 _memfd: bool | None = None
+#: ``cudaHostRegisterPortable``: the memory counts as page-locked for every CUDA context, not only the current one.
+_HOST_REGISTER_PORTABLE = 1
+#: Testing hook, set to a file path: every slot is treated as CUDA-registered, even for CPU-only state, and registered
+#: through :func:`noop_host_register` / :func:`noop_host_unregister`, which change nothing and append their calls to
+#: that file. This runs the CUDA arena path (registration, unregistration before unmapping, the agent mapping the
+#: registered memory) on machines without a GPU; it is not for users.
+FAKE_REGISTER_ENV = "LIGHTNING_SNAPSHOT_FAKE_CUDA_REGISTER"
+
+
+class HostRegisterError(RuntimeError):
+    """Host memory could not be registered with (or unregistered from) CUDA; the message says why."""
+
+
+def cuda_host_register(ptr: int, nbytes: int, device: int) -> None:
+    """Page-lock ``nbytes`` of host memory at ``ptr`` for CUDA (``cudaHostRegister``, portable), as ``device``.
+
+    Call it from a thread that launches no CUDA work (the arena has one for this): a failed call leaves CUDA's
+    per-thread "last error" set (torch's binding does not clear it), which torch would otherwise report at that
+    thread's next kernel launch, as if that kernel had failed. It makes ``device`` the calling thread's current
+    device (and leaves it so: switching back to device 0 would create a context there on every rank of a node).
+
+    Raises:
+        HostRegisterError: CUDA is not usable in this process, or the driver refused (out of memory, a limit); the
+            message names the CUDA error and, where one is set, ``RLIMIT_MEMLOCK``.
+    """
+    cudart = _cudart_on(device)
+    code = int(cudart.cudaHostRegister(ptr, nbytes, _HOST_REGISTER_PORTABLE))
+    if code != 0:
+        raise HostRegisterError(f"cudaHostRegister of {nbytes} bytes for cuda:{device} failed with"
+                                f" {_cuda_error(cudart, code)}{_memlock_note()}")
+
+
+def cuda_host_unregister(ptr: int, device: int) -> None:
+    """Undo :func:`cuda_host_register` of the memory at ``ptr``; call it while the memory is still mapped, from the
+    same kind of thread (it makes ``device`` the thread's current device too).
+
+    Raises:
+        HostRegisterError: CUDA refused (the message names the CUDA error).
+    """
+    cudart = _cudart_on(device)
+    code = int(cudart.cudaHostUnregister(ptr))
+    if code != 0:
+        raise HostRegisterError(f"cudaHostUnregister for cuda:{device} failed with {_cuda_error(cudart, code)}")
+
+
+def _cudart_on(device: int) -> Any:
+    """torch's CUDA runtime bindings, with ``device`` made the calling thread's current device (a new thread's is 0:
+    never touch another GPU's context)."""
+    try:
+        cudart = torch.cuda.cudart()
+        torch.cuda.set_device(device)
+    except (AssertionError, AttributeError, RuntimeError) as e:  # torch without CUDA, no driver, CUDA after fork
+        raise HostRegisterError(f"CUDA is not usable in this process ({e})") from None
+    return cudart
+
+
+def _cuda_error(cudart: Any, code: int) -> str:
+    try:
+        return f"{cudart.cudaGetErrorString(cudart.cudaError(code))} (CUDA error {code})"
+    except (TypeError, ValueError, RuntimeError):
+        return f"CUDA error {code}"
+
+
+def _memlock_note() -> str:
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return "" if soft == resource.RLIM_INFINITY else f"; RLIMIT_MEMLOCK (ulimit -l) is {soft} bytes"
+
+
+def noop_host_register(ptr: int, nbytes: int, device: int) -> None:
+    """The stand-in for :func:`cuda_host_register` under :data:`FAKE_REGISTER_ENV`: registers nothing and appends
+    ``register <ptr> <nbytes> <device>`` to the file that variable names."""
+    _record_fake(f"register {ptr} {nbytes} {device}")
+
+
+def noop_host_unregister(ptr: int, device: int) -> None:
+    """The stand-in for :func:`cuda_host_unregister` under :data:`FAKE_REGISTER_ENV` (appends
+    ``unregister <ptr> <device>``)."""
+    _record_fake(f"unregister {ptr} {device}")
+
+
+def _record_fake(line: str) -> None:
+    path = os.environ.get(FAKE_REGISTER_ENV)
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
 
 
 def _copy_digests(dst: memoryview, dst_addr: int, src_addr: int, chunk_bytes: int) -> list[str]:
@@ -121,8 +213,10 @@ class ArenaSlot:
     step: int = -1
     busy: bool = False
     #: The shared-memory file behind ``buffer`` (its name is already unlinked), kept open so that the snapshot
-    #: agent can map the same memory; -1 for pinned or anonymous memory.
+    #: agent can map the same memory; -1 for anonymous memory (where no shared memory exists).
     fd: int = -1
+    #: The CUDA device ``buffer`` is registered (page-locked) for, or None when it is not registered.
+    device: int | None = None
     #: The plan whose views into this slot ``views`` are (reused while the plan is).
     plan: _Plan | None = None
     views: list[torch.Tensor] = field(default_factory=list)
@@ -208,7 +302,8 @@ class _Plan:
     aliases: dict[str, str]
     shards: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
     size: int
-    pin: bool
+    #: The CUDA device the slot is registered for (that of the state's CUDA tensors); None: CPU state, not registered.
+    device: int | None
     cacheable: bool
     layout: list[tuple[str, int, int]] = field(default_factory=list)
     #: (name, offset, source address, bytes) of the tensors the copy thread copies (valid while the plan matches)
@@ -247,6 +342,11 @@ class HostArena:
         shm_dir: where the shared-memory files go where ``memfd_create`` is missing (``/dev/shm``); anonymous
             memory when that does not exist either.
 
+    For state with CUDA tensors every slot is registered with CUDA (:func:`cuda_host_register`, on a thread of the
+    arena's own that launches no CUDA work) right after it is allocated, and unregistered before it is freed. The
+    first failure is reported once (a warning naming the reason); the arena then registers nothing more and stages
+    into the unregistered shared memory, which the snapshot agent maps just the same.
+
     Slots are allocated and pre-faulted by a background thread when :meth:`reserve` (or :meth:`plan_ahead`) asks
     for one ahead of time; a snapshot that finds no free slot waits for one being allocated that way, and only
     allocates on the calling thread when none is.
@@ -270,6 +370,12 @@ class HostArena:
         self._stream: Any = None
         self._plan: _Plan | None = None
         self._closed = False
+        #: The CUDA device of the latest plan (what ``reserve`` registers a slot for); None: CPU state.
+        self._device: int | None = None
+        self._fake_register = bool(os.environ.get(FAKE_REGISTER_ENV))
+        self._cuda_host: cf.ThreadPoolExecutor | None = None
+        #: Why registration failed (then the arena registers nothing more), or None.
+        self.register_failure: str | None = None
         self.last_skip_reason = ""
         #: Seconds the last ``stage_async`` waited for a slot being allocated in the background.
         self.last_alloc_wait = 0.0
@@ -285,10 +391,14 @@ class HostArena:
         """The slot size the current plan needs (None before the first plan)."""
         return self._plan.size if self._plan is not None else None
 
-    def _allocate(self, nbytes: int, pin: bool) -> ArenaSlot:
-        nbytes = align_up(max(nbytes, PAGE), 2 << 20)
-        if pin:
-            return ArenaSlot(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
+    def _allocate(self, nbytes: int, device: int | None) -> ArenaSlot:
+        """A new slot of at least ``nbytes``, registered for CUDA ``device`` (unless None or registration failed)."""
+        slot = self._new_slot(align_up(max(nbytes, PAGE), 2 << 20))
+        if device is not None:
+            self._register(slot, device)
+        return slot
+
+    def _new_slot(self, nbytes: int) -> ArenaSlot:
         if _memfd_ok():
             # a memory file that never has a name: nothing is left behind, whenever the trainer is killed (the
             # descriptor goes to the snapshot agent, which maps the same pages)
@@ -326,7 +436,59 @@ class HostArena:
         _populate(buf)  # map every page now, not on the hot path
         return buf
 
+    # ------------------------------------------------------------------------------------------- CUDA registration
+    def _registrar(self) -> tuple[Callable[[int, int, int], None], Callable[[int, int], None]]:
+        """The (register, unregister) functions in use, looked up at each call (tests substitute them)."""
+        if self._fake_register:
+            return noop_host_register, noop_host_unregister
+        return cuda_host_register, cuda_host_unregister
+
+    def _on_cuda_host_thread(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)`` on the arena's registration thread (it launches no CUDA work: see
+        :func:`cuda_host_register`) and wait for it; raises what ``fn`` raised."""
+        with self._lock:
+            if self._cuda_host is None:
+                self._cuda_host = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-snapshot-cuda-host")
+            pool = self._cuda_host
+        pool.submit(fn, *args).result()
+
+    def _register(self, slot: ArenaSlot, device: int) -> None:
+        """Register ``slot`` for CUDA ``device`` once; on the first failure, warn once and register nothing more."""
+        if slot.device is not None or self.register_failure is not None or slot.capacity == 0:
+            return
+        register, _ = self._registrar()
+        try:
+            self._on_cuda_host_thread(register, slot.buffer.data_ptr(), slot.capacity, device)
+        except HostRegisterError as e:
+            with self._lock:
+                first = self.register_failure is None
+                self.register_failure = str(e)
+            if first:
+                warnings.warn(
+                    f"lightning-snapshot: could not page-lock the snapshot staging memory for CUDA: {e}. Snapshots"
+                    " are staged in unregistered (pageable) shared memory instead: device-to-host copies are slower"
+                    " and hold up the training thread while they run (the snapshot agent still maps the memory, so a"
+                    " staged snapshot still survives a crash). If a memory limit is the cause, raise it (ulimit -l,"
+                    " the container's locked-memory limit) or lower max_host_bytes.", RuntimeWarning, stacklevel=2)
+            return
+        slot.device = device
+
+    def _unregister(self, slot: ArenaSlot) -> None:
+        """Unregister ``slot`` from CUDA if it is registered; the buffer must still be mapped (it is: the slot holds
+        it)."""
+        if slot.device is None:
+            return
+        device, slot.device = slot.device, None
+        _, unregister = self._registrar()
+        try:
+            self._on_cuda_host_thread(unregister, slot.buffer.data_ptr(), device)
+        except HostRegisterError as e:
+            log.warning("lightning-snapshot: %s; the staging buffer is freed anyway", e)
+
     def _free(self, slot: ArenaSlot) -> None:
+        """Free ``slot``: unregistered from CUDA first, while its memory is still mapped, then unmapped (once nothing
+        else holds a view of it) and its shared-memory file closed."""
+        self._unregister(slot)
         if slot.fd >= 0:
             os.close(slot.fd)
             slot.fd = -1
@@ -338,9 +500,10 @@ class HostArena:
         return (len(self.slots) + (self._growing > 0) < self.max_slots
                 and (budget is None or self.allocated_bytes + size <= budget))
 
-    def reserve(self, nbytes: int, pin: bool = False) -> bool:
+    def reserve(self, nbytes: int) -> bool:
         """Start allocating a slot of at least ``nbytes`` in a background thread, unless a free slot that large
-        exists, one is already being allocated, or no other slot fits (``slots``, ``max_host_bytes``).
+        exists, one is already being allocated, or no other slot fits (``slots``, ``max_host_bytes``). The slot is
+        registered for the CUDA device of the latest plan, if it had one.
 
         Returns whether an allocation was started. Never blocks on the allocation.
         """
@@ -353,14 +516,14 @@ class HostArena:
             self._growing = size
             if self._allocator is None:
                 self._allocator = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-snapshot-alloc")
-        self._allocator.submit(self._grow, nbytes, pin)
+        self._allocator.submit(self._grow, nbytes, self._device)
         return True
 
-    def _grow(self, nbytes: int, pin: bool) -> None:
+    def _grow(self, nbytes: int, device: int | None) -> None:
         slot: ArenaSlot | None = None
         error: BaseException | None = None
         try:
-            slot = self._allocate(nbytes, pin)
+            slot = self._allocate(nbytes, device)
         except BaseException as e:  # noqa: BLE001 - the next snapshot allocates (and reports) on its own thread
             error = e
             log.debug("lightning-snapshot: background allocation of %d bytes failed", nbytes, exc_info=True)
@@ -387,10 +550,10 @@ class HostArena:
         if plan is None or not plan.matches(tensors):
             plan, _ = self._build_plan(tensors, frozen, rank, world_size)
             self._plan = plan if plan.cacheable else None
-        self.reserve(plan.size, plan.pin)
+        self.reserve(plan.size)
         return plan.size
 
-    def _acquire(self, nbytes: int, pin: bool) -> ArenaSlot | None:
+    def _acquire(self, nbytes: int, device: int | None) -> ArenaSlot | None:
         """A free slot of at least ``nbytes`` (allocating within the budget), or None (reason in last_skip_reason).
 
         Without a budget, when every slot is still being persisted, this waits for one (back-pressure: no
@@ -418,7 +581,7 @@ class HostArena:
                     self.slots.remove(slot)
                     self._free(slot)
                 if not self._growing and self._fits(size):
-                    slot = self._allocate(nbytes, pin)
+                    slot = self._allocate(nbytes, device)
                     slot.busy = True
                     self.slots.append(slot)
                     return slot
@@ -441,7 +604,8 @@ class HostArena:
             self._lock.notify_all()
 
     def close(self) -> None:
-        """Stop the copy and allocation threads and free every slot (their shared-memory files too)."""
+        """Stop the copy and allocation threads and free every slot (unregistered from CUDA first, then unmapped;
+        their shared-memory files closed)."""
         with self._lock:
             self._closed = True
         if self._copier is not None:
@@ -455,6 +619,9 @@ class HostArena:
                 self._free(s)
             self.slots.clear()
             self._plan = None
+            pool, self._cuda_host = self._cuda_host, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
     # ------------------------------------------------------------------------------------------- planning
     def _build_plan(self, tensors: dict[str, torch.Tensor], frozen: Callable[[torch.Tensor], bool], rank: int,
@@ -494,12 +661,21 @@ class HostArena:
         ) and all(type(t) in _PLAIN for t in tensors.values())
         sources = [t for _, t in items]
         plan = _Plan(names, [_key(t) for t in tensors.values()] if cacheable else [], entries, aliases, shards, size,
-                     any(t.is_cuda for t in sources), cacheable,
+                     self._register_device(sources), cacheable,
                      [(name, offset, nbytes) for name, _, offset, nbytes, _ in entries],
                      [(name, offset, t.data_ptr(), nbytes) for (name, _, offset, nbytes, how), t in zip(entries, sources)
                       if how == _BACKGROUND],
                      any(how != _BACKGROUND for *_, how in entries))
+        self._device = plan.device
         return plan, sources
+
+    def _register_device(self, sources: list[torch.Tensor]) -> int | None:
+        """The CUDA device slots are registered for: that of the first CUDA tensor among ``sources``; None when
+        there is none (under :data:`FAKE_REGISTER_ENV`: device 0 then, so CPU state takes the CUDA path)."""
+        for t in sources:
+            if t.is_cuda:
+                return t.device.index if t.device.index is not None else torch.cuda.current_device()
+        return 0 if self._fake_register else None
 
     @staticmethod
     def _views(slot: ArenaSlot, plan: _Plan, sources: list[torch.Tensor]) -> None:
@@ -535,9 +711,11 @@ class HostArena:
             plan, sources = self._build_plan(tensors, frozen, rank, world_size)
             self._plan = plan if plan.cacheable else None
         size = plan.size
-        slot = self._acquire(size, plan.pin)
+        slot = self._acquire(size, plan.device)
         if slot is None:
             return None
+        if plan.device is not None and slot.device is None:  # (a slot reserved before this plan existed)
+            self._register(slot, plan.device)
         slot.step = step
         state = StagedState(tree, aliases=plan.aliases, packed=slot.region(size), alignment=_ALIGN,
                             chunk_bytes=self.chunk_bytes, shards=plan.shards, layout=plan.layout)

@@ -76,7 +76,8 @@ class SnapshotCallback(Checkpoint):
         max_host_bytes: the most host memory the staging arena may use (bytes). The arena holds two buffers of the
             state's size (staging snapshot N+1 while N is persisted); with room for only one, a snapshot due while
             the buffer is still being persisted is skipped with a warning and counted in ``snapshot/skipped``; with
-            room for none, every snapshot is skipped that way. None: no limit.
+            room for none, every snapshot is skipped that way. None: no limit. On CUDA these buffers are also
+            page-locked (registered with CUDA), so this bounds the locked memory too.
         chunk_bytes: the checksum chunk size of the snapshots written (bytes; default 8 MiB). Every read is
             verified in whole chunks, so a resharded load (each rank reading only its shard) reads up to about two
             chunks more than it needs per tensor and shard boundary: smaller chunks mean less read amplification,

@@ -67,6 +67,70 @@ def reference_runs(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
+def wait_until(predicate, timeout: float = 60.0) -> bool:
+    """Poll ``predicate`` every 0.1 s until it holds (True) or ``timeout`` seconds passed (False)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.fixture
+def shm(tmp_path, monkeypatch):
+    """A memory base directory for this test's agents; every agent started under it is stopped at the end."""
+    from lightning_snapshot.agent import stop_agent
+
+    base = tmp_path / "shm"
+    monkeypatch.setenv("LIGHTNING_SNAPSHOT_SHM_DIR", str(base))
+    yield base
+    for sock in base.glob("**/agent.sock"):
+        stop_agent(sock.parent)
+
+
+def check_flush_after_death(tmp_path: Path, shm: Path, reference_runs, monkeypatch, *extra: str,
+                            before_kill=None, after_kill=None) -> subprocess.CompletedProcess[str]:
+    """A trainer (train.py ``extra``) with a RAM tier every 2 steps and a local tier every 4 is SIGKILLed at step 9,
+    while step 8 is staged and held by the node's agent but not yet in the local tier; the agent must make it
+    durable on its own, and a run resumed from the local tier alone must end bitwise equal to an uninterrupted one.
+
+    ``before_kill()`` runs after the reference run, before the run that is killed; ``after_kill(killed run)`` right
+    after the kill. Returns the killed run.
+    """
+    from lightning_snapshot.agent import stop_agent
+    from lightning_snapshot.backends import LocalTier
+    from lightning_snapshot.writer import committed_steps
+
+    args = ("--max-steps", "12", "--every", "4", "--shuffle", *extra)
+    ref = reference_runs(*args)
+    if before_kill is not None:
+        before_kill()
+    out, local = tmp_path / "out.pt", tmp_path / "local"
+    # the agent writes the durable tiers; made to wait 3 s before each write, it still has step 8 to write when the
+    # trainer is SIGKILLed at step 9 (as soon as step 8 is in the RAM tier, so its agent has it): only the agent can
+    # make it durable now
+    monkeypatch.setenv("LIGHTNING_SNAPSHOT_AGENT_WRITE_DELAY", "3")
+    killed = run_train(local, out, *args, "--ram-every", "2", "--kill-at", "9", expect_kill=True)
+    if after_kill is not None:
+        after_kill(killed)
+    assert 8 not in committed_steps(LocalTier(local)), "the kill came too late to test anything"
+    log = shm / "test" / "agent.log"
+    assert wait_until(lambda: 8 in committed_steps(LocalTier(local)), timeout=120), log.read_text()
+    # (either the write the trainer had asked for, finished after its death, or the staged snapshot the agent
+    # flushed on its own when the trainer's connection dropped before it was even asked)
+    assert wait_until(lambda: "step 8 reached tier 0 after trainer rank 0 was gone" in log.read_text()
+                      or "step 8 committed to tier 0 after rank 0 died" in log.read_text()), log.read_text()
+    assert stop_agent(shm / "test") and not (shm / "test" / "store").exists()
+    monkeypatch.delenv("LIGHTNING_SNAPSHOT_AGENT_WRITE_DELAY")
+    proc = run_train(local, out, *args)  # no RAM tier, no agent: the local tier alone
+    assert "RESTORED step=8 from=" in proc.stdout, proc.stdout + proc.stderr
+    assert assert_bitwise_equal(ref, out) > 0
+    return killed
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -1,4 +1,6 @@
-"""The CUDA path: pinned arena, side-stream copies with events, CUDA RNG. Skipped where there is no GPU."""
+"""The CUDA path: the registered shared-memory arena, side-stream copies with events, CUDA RNG, flush after death.
+Skipped where there is no GPU (the CPU suite runs the arena's CUDA path with registration replaced by a no-op:
+tests/test_arena_cuda_path.py, and the cuda-registration-noop case in tests/test_ram.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import random
 
 import pytest
 import torch
-from conftest import assert_bitwise_equal, run_train
+from conftest import assert_bitwise_equal, check_flush_after_death, run_train
 from torch import nn
 
 from lightning_snapshot.arena import HostArena
@@ -20,27 +22,78 @@ def _frozen(model, opt):
     return frozen_predicate(model.parameters(), [opt])
 
 
-def test_cuda_state_is_staged_into_pinned_memory_point_in_time():
+def test_cuda_state_is_staged_into_registered_shared_memory_point_in_time():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(1024, 1024), nn.BatchNorm1d(1024), nn.Linear(1024, 8)).cuda()
+    model[2].to(torch.bfloat16)  # bf16 and fp32 parameters in one state
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    for _ in range(2):
-        model(torch.randn(16, 1024, device="cuda")).sum().backward()
+
+    def train_step():
+        h = model[1](model[0](torch.randn(16, 1024, device="cuda")))
+        model[2](h.to(torch.bfloat16)).float().sum().backward()
         opt.step()
+
+    for _ in range(2):
+        train_step()
     state = {"model": model.state_dict(), "opt": opt.state_dict()}
     expected = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     arena = HostArena()
     try:
         handle = arena.stage_async(state, _frozen(model, opt), step=2)
-        assert handle.slot.buffer.is_pinned()
+        slot = handle.slot
+        # one arena: the same shared memory as on CPU (the agent can map it), page-locked for this GPU
+        assert slot.fd >= 0 and os.readlink(f"/proc/self/fd/{slot.fd}").startswith("/memfd:")
+        assert arena.register_failure is None and slot.device == torch.cuda.current_device()
+        assert slot.buffer.is_pinned()
         handle.fence_training()  # orders the GPU: the next optimizer step waits for the side-stream copy
-        model(torch.randn(16, 1024, device="cuda")).sum().backward()
-        opt.step()
+        train_step()
         handle.wait()
         for k, v in expected.items():
-            assert torch.equal(handle.state.tensors[f"model/{k}"], v), k
+            got = handle.state.tensors[f"model/{k}"]
+            assert got.dtype == v.dtype and torch.equal(got, v), k
+        assert handle.state.tensors["model/2.weight"].dtype == torch.bfloat16
+        # unregistered before it is unmapped; the memory is then ordinary (pageable) shared memory again
+        arena.release(slot)
+        arena._unregister(slot)
+        assert slot.device is None and not slot.buffer.is_pinned()
     finally:
         arena.close()
+
+
+def test_registered_arena_copies_from_cuda_are_correct_across_reuse():
+    g = torch.Generator(device="cuda").manual_seed(1)
+    tensors = {"a": torch.randn(3, 1000, device="cuda", generator=g),
+               "b": torch.randn(777, device="cuda", generator=g).to(torch.bfloat16),
+               "c": torch.arange(5, device="cuda", dtype=torch.int64)}
+    params = [tensors["a"], tensors["b"]]
+    frozen = frozen_predicate(params, [])
+    arena = HostArena()
+    try:
+        for step in range(3):
+            for t in params:
+                t.add_(1)
+            want = {k: v.cpu() for k, v in tensors.items()}
+            handle = arena.stage_async(dict(tensors), frozen, step)
+            handle.wait()
+            assert handle.slot.buffer.is_pinned()
+            for k, v in want.items():
+                assert torch.equal(handle.state.tensors[k], v), (step, k)
+            handle.verify()  # the checksums taken by the copy thread are those of the registered memory
+            arena.release(handle.slot)
+        assert len(arena.slots) == 1
+    finally:
+        arena.close()
+
+
+@pytest.mark.slow
+def test_agent_flushes_a_staged_snapshot_after_a_gpu_trainer_died(tmp_path, shm, reference_runs, monkeypatch):
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8"))
+
+    def registered(killed):  # the arena was page-locked for the GPU (no fallback), and the agent mapped it
+        assert "could not page-lock" not in killed.stderr, killed.stderr[-3000:]
+
+    check_flush_after_death(tmp_path, shm, reference_runs, monkeypatch, "--accelerator", "gpu",
+                            after_kill=registered)
 
 
 def test_cuda_rng_is_captured_and_restored():

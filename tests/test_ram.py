@@ -8,35 +8,17 @@ import shutil
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import SCRIPTS, assert_bitwise_equal, launch_nodes, run_train
+from conftest import SCRIPTS, assert_bitwise_equal, check_flush_after_death, launch_nodes, run_train
+from conftest import wait_until as _wait
 
 from lightning_snapshot.agent import agent_status, ensure_agent, stop_agent
+from lightning_snapshot.arena import FAKE_REGISTER_ENV
 from lightning_snapshot.backends import LocalTier
 from lightning_snapshot.writer import committed_steps
-
-
-@pytest.fixture
-def shm(tmp_path, monkeypatch):
-    """A memory base directory for this test's agents; every agent started under it is stopped at the end."""
-    base = tmp_path / "shm"
-    monkeypatch.setenv("LIGHTNING_SNAPSHOT_SHM_DIR", str(base))
-    yield base
-    for sock in base.glob("**/agent.sock"):
-        stop_agent(sock.parent)
-
-
-def _wait(predicate, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return False
 
 
 # ------------------------------------------------------------------------------------------------ the agent
@@ -82,26 +64,29 @@ def test_sigkilled_trainer_restores_from_ram_bitwise(tmp_path, shm, reference_ru
 
 
 @pytest.mark.slow
-def test_agent_flushes_a_staged_snapshot_after_the_trainer_died(tmp_path, shm, reference_runs, monkeypatch):
-    args = ("--max-steps", "12", "--every", "4", "--shuffle")
-    ref = reference_runs(*args)
-    out, local = tmp_path / "out.pt", tmp_path / "local"
-    # the agent writes the durable tiers; made to wait 3 s before each write, it still has step 8 to write when the
-    # trainer is SIGKILLed at step 9 (as soon as step 8 is in the RAM tier, so its agent has it): only the agent can
-    # make it durable now
-    monkeypatch.setenv("LIGHTNING_SNAPSHOT_AGENT_WRITE_DELAY", "3")
-    run_train(local, out, *args, "--ram-every", "2", "--kill-at", "9", expect_kill=True)
-    assert 8 not in committed_steps(LocalTier(local)), "the kill came too late to test anything"
-    log = shm / "test" / "agent.log"
-    assert _wait(lambda: 8 in committed_steps(LocalTier(local)), timeout=120), log.read_text()
-    # (either the write the trainer had asked for, finished after its death, or the staged snapshot the agent
-    # flushed on its own when the trainer's connection dropped before it was even asked)
-    assert _wait(lambda: "step 8 reached tier 0 after trainer rank 0 was gone" in log.read_text()
-                 or "step 8 committed to tier 0 after rank 0 died" in log.read_text()), log.read_text()
-    assert stop_agent(shm / "test") and not (shm / "test" / "store").exists()
-    proc = run_train(local, out, *args)  # no RAM tier, no agent: the local tier alone
-    assert "RESTORED step=8 from=" in proc.stdout, proc.stdout + proc.stderr
-    assert assert_bitwise_equal(ref, out) > 0
+@pytest.mark.parametrize("cuda_path", [False, True], ids=["cpu", "cuda-registration-noop"])
+def test_agent_flushes_a_staged_snapshot_after_the_trainer_died(tmp_path, shm, reference_runs, monkeypatch,
+                                                                 cuda_path):
+    """cuda-registration-noop: the CUDA arena path (every slot registered for CUDA, here through the recording
+    no-op of FAKE_REGISTER_ENV; the same code otherwise), so CI guards flush-after-death on GPUs without one."""
+    record = tmp_path / "register.log"
+    seen: list[str] = []
+
+    def killed_run_registered(killed):
+        seen.extend(record.read_text().splitlines() if record.exists() else [])
+        monkeypatch.delenv(FAKE_REGISTER_ENV)
+        assert "could not page-lock" not in killed.stderr
+
+    check_flush_after_death(tmp_path, shm, reference_runs, monkeypatch,
+                            before_kill=(lambda: monkeypatch.setenv(FAKE_REGISTER_ENV, str(record))) if cuda_path
+                            else None, after_kill=killed_run_registered if cuda_path else None)
+    if cuda_path:
+        # the killed trainer took the CUDA path: it registered its slots (for device 0), and, killed, never
+        # unregistered them; the agent flushed from that very memory
+        assert [line.split()[0] for line in seen].count("register") >= 1, seen
+        assert all(line.split()[0] == "register" and line.split()[3] == "0" for line in seen), seen
+    else:
+        assert not record.exists()
 
 
 # ------------------------------------------------------------------------------------------------ erasure
