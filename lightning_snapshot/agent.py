@@ -41,7 +41,8 @@ log = logging.getLogger("lightning_snapshot.agent")
 SOCK, LOCK, LOG = "agent.sock", "agent.lock", "agent.log"
 _HEADER = struct.Struct("!I")
 _MAX_MESSAGE = 256 << 20
-#: How long the agent of rank 0 waits for the other ranks' parts of a snapshot it flushes after a crash.
+#: How long (seconds) the agent of rank 0 waits for the other ranks' parts of a snapshot, and the others for its commit,
+#: unless the trainer says otherwise (``SnapshotCallback(collective_timeout=...)``); a failure marker ends it at once.
 PART_WAIT_S = 300.0
 
 
@@ -376,20 +377,32 @@ class Agent:
                 except Exception:  # noqa: BLE001 - the tier is failing anyway
                     pass
             raise
-        deadline = time.monotonic() + PART_WAIT_S
+        wait = float(hello.get("part_wait") or PART_WAIT_S)
+        deadline = time.monotonic() + wait
         if rank != 0:
             while not tier.exists(manifest_key):
-                if tier.exists(f"{prefix}/{run_id}-failed-00000.json") or time.monotonic() > deadline:
-                    raise SnapshotError(f"step {step} was not committed by rank 0 (see its log)")
+                if tier.exists(f"{prefix}/{run_id}-failed-00000.json"):
+                    raise SnapshotError(f"rank {rank}'s agent: rank 0 failed to commit step {step} to the {tier.tier}"
+                                        f" tier {tier.url} (see its log)")
+                if time.monotonic() > deadline:
+                    raise SnapshotError(f"rank {rank}'s agent: waited {wait:g} s for rank 0 to commit step {step} to"
+                                        f" the {tier.tier} tier {tier.url} (collective_timeout); is that directory"
+                                        " shared by all nodes? If not, use LocalTier(..., node_local=True)")
                 time.sleep(0.1)
             return shared.nbytes + private.nbytes
         parts = [part]
         for r in range(1, world):
             key = f"{prefix}/{run_id}-part-{r:05d}.json"
             while not tier.exists(key):
-                if tier.exists(f"{prefix}/{run_id}-failed-{r:05d}.json") or time.monotonic() > deadline:
+                if tier.exists(f"{prefix}/{run_id}-failed-{r:05d}.json"):
                     tier.write(failed, [b"{}"])
-                    raise SnapshotError(f"rank {r} could not write its part of step {step} (see its log)")
+                    raise SnapshotError(f"rank {r} could not write its part of step {step} to the {tier.tier} tier"
+                                        f" {tier.url} (see its log)")
+                if time.monotonic() > deadline:
+                    tier.write(failed, [b"{}"])
+                    raise SnapshotError(f"rank 0's agent: waited {wait:g} s for rank {r}'s part of step {step} in the"
+                                        f" {tier.tier} tier {tier.url} (collective_timeout); is that directory shared"
+                                        " by all nodes? If not, use LocalTier(..., node_local=True)")
                 if tier.exists(manifest_key):
                     return 0
                 time.sleep(0.05)
@@ -553,7 +566,7 @@ class AgentClient:
     """
 
     def __init__(self, node_dir: str | os.PathLike[str], *, rank: int, world_size: int, run_id: str,
-                 tiers: list[Any]) -> None:
+                 tiers: list[Any], part_wait: float = PART_WAIT_S) -> None:
         self.node_dir = Path(node_dir)
         self.tiers = list(tiers)
         self._lock = threading.Lock()
@@ -564,7 +577,7 @@ class AgentClient:
         self._waiting: dict[int, tuple[threading.Event, list[dict[str, Any]]]] = {}
         self._ids = iter(range(1, 1 << 62))
         self._send({"op": "hello", "pid": os.getpid(), "rank": rank, "world_size": world_size, "run_id": run_id,
-                    "tiers": [t.spec() for t in self.tiers]})
+                    "tiers": [t.spec() for t in self.tiers], "part_wait": float(part_wait)})
         self._reader = threading.Thread(target=self._read_replies, args=(self._sock,),
                                         name="lightning-snapshot-agent-replies", daemon=True)
         self._reader.start()

@@ -97,6 +97,14 @@ class SnapshotCallback(Checkpoint):
         sigterm_grace: seconds the callback may take after a SIGTERM (a preempted SLURM or Kubernetes job, through
             Lightning's signal handling) to snapshot the current step into every tier and wait until a durable tier
             holds it; default 25 s, within SLURM's and Kubernetes' default 30 s between SIGTERM and SIGKILL.
+        collective_timeout: the longest any wait across processes of a snapshot may take (seconds; default 300): a
+            collective of a tier's commit (gloo's timeout of the tier's process group), and the snapshot agent's
+            wait for the other ranks' parts of a snapshot. A rank or agent that fails ends these waits at once (its
+            process exits, which breaks its connections, or it leaves a failure marker); the bound is for a peer that
+            is alive but stuck. Raise it when one snapshot takes longer than this to write.
+        shutdown_timeout: the longest ``on_exception`` and ``teardown`` wait for the persist threads (seconds;
+            default 30). After an exception the writes in flight are abandoned after this long (a snapshot already
+            handed to the snapshot agent is still finished by it) and the exception goes on.
 
     Snapshots are taken after the optimizer step of every scheduled ``global_step`` (with gradient accumulation,
     only when ``global_step`` moved). Supported strategies: single device, DDP (``ddp``, ``ddp_spawn``) and
@@ -115,6 +123,8 @@ class SnapshotCallback(Checkpoint):
         max_host_bytes: int | None = None,
         chunk_bytes: int = 8 << 20,
         sigterm_grace: float = 25.0,
+        collective_timeout: float = 300.0,
+        shutdown_timeout: float = 30.0,
     ) -> None:
         if isinstance(tiers, (str, Backend)):
             tiers = [tiers]
@@ -144,6 +154,11 @@ class SnapshotCallback(Checkpoint):
         if isinstance(sigterm_grace, bool) or not isinstance(sigterm_grace, (int, float)) or sigterm_grace <= 0:
             raise ConfigError(f"sigterm_grace must be a positive number of seconds, got {sigterm_grace!r}")
         self.sigterm_grace = float(sigterm_grace)
+        for option, value in (("collective_timeout", collective_timeout), ("shutdown_timeout", shutdown_timeout)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{option} must be a positive number of seconds, got {value!r}")
+        self.collective_timeout = float(collective_timeout)
+        self.shutdown_timeout = float(shutdown_timeout)
         self._arena: HostArena | None = None
         self._persister: Persister | None = None
         self._inflight: AsyncStaged | None = None
@@ -224,12 +239,17 @@ class SnapshotCallback(Checkpoint):
         self._planned = False
         comms: list[Comm] = [LocalComm() for _ in self.tiers]
         if strategy.world_size > 1:
+            import datetime as dt
+
             import torch.distributed as dist
 
             # each tier's persist thread has a group of its own: background collectives never touch the trainer's
-            # main group, and a tier in an outage never blocks another's commits
-            comms = [GroupComm(dist.new_group(backend="gloo")) for _ in self.tiers]
+            # main group, and a tier in an outage never blocks another's commits; a stuck peer fails a collective
+            # after collective_timeout (a dead one at once)
+            timeout = dt.timedelta(seconds=self.collective_timeout)
+            comms = [GroupComm(dist.new_group(backend="gloo", timeout=timeout)) for _ in self.tiers]
         self._tier_comms = comms
+        self._setup_node_local_tiers(trainer)
         self._setup_ram_tier(trainer)
         self._persister = Persister(self.tiers, comms, self._run_id, self._arena, agent=self._agent)
         for tier in self.tiers:
@@ -356,6 +376,25 @@ class SnapshotCallback(Checkpoint):
                              for p, r in ranks.items())
         return str(self._comm.broadcast(text))
 
+    def _setup_node_local_tiers(self, trainer: Any) -> None:
+        """Tell each local tier which node this rank is on, and settle whether its directory is shared by all nodes
+        or node-local (detected with probe files unless set; one log line each)."""
+        strategy = trainer.strategy
+        num_nodes = max(1, int(getattr(trainer, "num_nodes", 1) or 1))
+        world = self._comm.world_size
+        for i, tier in enumerate(self.tiers):
+            settle = getattr(tier, "settle_layout", None)
+            if settle is None:
+                continue
+            tier.bind(node_rank=int(getattr(strategy, "node_rank", 0) or 0), num_nodes=num_nodes,
+                      local_rank=int(getattr(strategy, "local_rank", 0) or 0),
+                      ranks_per_node=max(1, world // num_nodes))
+            how = settle(self._tier_comms[i], self._run_id)
+            if num_nodes > 1:
+                layout = ("node-local: each node writes its own ranks' data and a copy of the manifest, commits are"
+                          " agreed over the process group" if tier.node_local else "shared by all nodes")
+                rank_zero_info(f"lightning-snapshot: the {tier.tier} tier {tier.url} is {layout} ({how})")
+
     def _setup_ram_tier(self, trainer: Any) -> None:
         """Place the RAM tier in the job (which node this rank is on) and attach this rank to its node's agent."""
         ram = next((t for t in self.tiers if t.tier == "ram"), None)
@@ -382,11 +421,15 @@ class SnapshotCallback(Checkpoint):
                 error = e
         if not self._comm.all_true(error is None):
             raise error or SnapshotError("starting the snapshot agent failed on another node (see its log)")
+        # the agent writes the durable tiers whose commit it can see from its node (not the node-local ones, whose
+        # commit the trainers agree on over their process group)
         self._agent = AgentClient(ram.node_dir, rank=self._comm.rank, world_size=world, run_id=self._run_id,
-                                  tiers=[t for t in self.tiers if t is not ram and t.durable])
+                                  tiers=[t for t in self.tiers if t is not ram and t.durable
+                                         and not getattr(t, "node_local", False)],
+                                  part_wait=self.collective_timeout)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        self._shutdown()
+        self._shutdown(abort=False)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         # Lightning skips teardown hooks after an exception: stop here. Snapshots already handed to the persist
@@ -396,7 +439,7 @@ class SnapshotCallback(Checkpoint):
                 self._snapshot_on_sigterm(trainer, pl_module)
         finally:
             self._pending = None
-            self._shutdown()
+            self._shutdown(abort=True)
 
     def _snapshot_on_sigterm(self, trainer: Any, pl_module: Any) -> None:
         """Preemption (SIGTERM, through Lightning's signal handling, on every rank together): snapshot the current
@@ -425,7 +468,9 @@ class SnapshotCallback(Checkpoint):
                       " (held by: %s; still writing: %s)", step, self.sigterm_grace, held or "none",
                       [t.url for t in late] or "none")
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, abort: bool) -> None:
+        """Stop the background machinery, waiting at most ``shutdown_timeout`` for the persist threads (``abort``:
+        after an exception, snapshots still queued are dropped and retries stop)."""
         if self._patched_strategy is not None:
             self._patched_strategy.__dict__.pop("process_dataloader", None)
             self._patched_strategy = None
@@ -448,7 +493,7 @@ class SnapshotCallback(Checkpoint):
                 pass
             self._inflight = None
         if self._persister is not None:
-            self._persister.close()
+            self._persister.close(timeout=self.shutdown_timeout, abort=abort)
             self._persister = None
         if self._agent is not None:
             self._agent.close()
@@ -617,7 +662,7 @@ class SnapshotCallback(Checkpoint):
         collective: dict[int, list[int]] = {}
         for i, tier in enumerate(self.tiers):
             steps_of = getattr(tier, "collective_steps", None)
-            if steps_of is not None:  # a node-local tier (RAM): what any node holds
+            if steps_of is not None and getattr(tier, "node_local", False):  # a node-local tier: what any node holds
                 collective[i] = steps_of(self._tier_comms[i] if self._tier_comms else LocalComm())
         if self._comm.rank == 0:
             for i, tier in enumerate(self.tiers):
@@ -642,10 +687,11 @@ class SnapshotCallback(Checkpoint):
     def _read(self, backend: Backend, step: int, trainer: Any, pl_module: Any, live: Templates
               ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         restore = getattr(backend, "restore", None)
-        if restore is None:
+        if restore is None or not getattr(backend, "node_local", False):
             return self._read_tier(backend, step, trainer, pl_module, live)
-        # a node-local tier (RAM): the objects are made readable on every node first, a corrupted share found by the
-        # read is repaired from the others, and what the restore added is freed after (collective)
+        # a node-local tier (RAM, a local tier on each node's own disk): the objects are made readable on every node
+        # first (RAM: a corrupted share found by the read is repaired from the others), and what the restore added is
+        # freed after (collective)
         comm = self._tier_comms[self.tiers.index(backend)] if self._tier_comms else LocalComm()
         return restore(comm, step, lambda: self._read_tier(backend, step, trainer, pl_module, live))
 
