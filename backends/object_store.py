@@ -22,7 +22,6 @@ from typing import Any
 from lightning_snapshot.backends.base import DEFAULT_KEEP_LAST, Backend
 from lightning_snapshot.errors import (
     ConfigError,
-    SnapshotError,
     SnapshotNotFoundError,
     SnapshotWriteError,
     TierUnavailableError,
@@ -395,11 +394,8 @@ class ObjectStoreTier(Backend):
                 return
             bucket, sep, _ = self.root.strip("/").partition("/")
             bucket_exists = bool(sep and bucket and self.fs.exists(bucket))
-        except Exception as e:  # noqa: BLE001 - any client error: the store cannot be read
-            raise SnapshotError(
-                f"cannot read the {self.scheme} tier {self.url!r}: {type(e).__name__}: {self.redact(str(e))}. Check"
-                " the endpoint and the credentials (storage_options or the environment)"
-            ) from None
+        except Exception as e:  # noqa: BLE001 - translated at the boundary (missing bucket, credentials, endpoint)
+            raise self._error("looking up", self.root, e) from None
         if bucket_exists:
             raise SnapshotNotFoundError(
                 f"no snapshot tier at {self.url!r}: bucket {bucket!r} holds nothing under that prefix. Check the path"

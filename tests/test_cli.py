@@ -342,7 +342,7 @@ def test_an_endpoint_that_refuses_connections_is_an_error(s3_environment):
     rc, _, err = cli("list", "s3://bucket/run-42")
     assert rc == 1
     line = one_line_error(err)
-    assert line.startswith("lightning-snapshot list: error: cannot read the s3 tier 's3://bucket/run-42':"
-                           " EndpointConnectionError")
+    assert line.startswith("lightning-snapshot list: error: the s3 tier 's3://bucket/run-42': endpoint does not"
+                           " answer (looking up 'bucket/run-42': EndpointConnectionError")
     assert "testing-secret" not in line
-    assert line.endswith("Check the endpoint and the credentials (storage_options or the environment)")
+    assert line.endswith("check the endpoint (storage_options client_kwargs endpoint_url) and the network")
