@@ -262,7 +262,8 @@ class SnapshotCallback(Checkpoint):
                 problems.append(str(e))
         message = self._agree_problem("; ".join(problems) or None)
         if message is not None:
-            raise TierUnavailableError(f"lightning-snapshot cannot use its tiers, so training does not start: {message}")
+            raise TierUnavailableError(
+                f"lightning-snapshot cannot use its tiers, so training does not start: {message}")
 
     def _agree_problem(self, problem: str | None) -> str | None:
         """Collective: None when no rank has a problem, else every rank's problem (prefixed with its rank under
