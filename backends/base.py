@@ -226,6 +226,15 @@ class Backend(abc.ABC):
         parent, _, name = key.rpartition("/")
         return name in self.list(parent)
 
+    def require_exists(self) -> None:
+        """Check that the tier itself exists, for callers that only read (``load_snapshot``, the CLI).
+
+        Creates nothing. The default accepts every tier; tiers that can tell a missing root from an empty one say so.
+
+        Raises:
+            SnapshotNotFoundError: the tier's root does not exist; the message names it and the likely fix.
+        """
+
     # ------------------------------------------------------------------------------------------- start
     def check(self) -> None:
         """Check that this process can write to the tier: write a small probe object and delete it.

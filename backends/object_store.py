@@ -20,7 +20,13 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from lightning_snapshot.backends.base import DEFAULT_KEEP_LAST, Backend
-from lightning_snapshot.errors import ConfigError, SnapshotWriteError, TierUnavailableError
+from lightning_snapshot.errors import (
+    ConfigError,
+    SnapshotError,
+    SnapshotNotFoundError,
+    SnapshotWriteError,
+    TierUnavailableError,
+)
 from lightning_snapshot.manifest import validate_key
 
 __all__ = ["ObjectStoreTier", "redact", "unavailable_reason"]
@@ -381,6 +387,27 @@ class ObjectStoreTier(Backend):
             return bool(self.fs.exists(path))
         except Exception as e:  # noqa: BLE001 - translated at the boundary
             raise self._error("looking up", key, e) from e
+
+    def require_exists(self) -> None:
+        try:
+            self.fs.invalidate_cache(self.root)
+            if self.fs.exists(self.root):
+                return
+            bucket, sep, _ = self.root.strip("/").partition("/")
+            bucket_exists = bool(sep and bucket and self.fs.exists(bucket))
+        except Exception as e:  # noqa: BLE001 - any client error: the store cannot be read
+            raise SnapshotError(
+                f"cannot read the {self.scheme} tier {self.url!r}: {type(e).__name__}: {self.redact(str(e))}. Check"
+                " the endpoint and the credentials (storage_options or the environment)"
+            ) from None
+        if bucket_exists:
+            raise SnapshotNotFoundError(
+                f"no snapshot tier at {self.url!r}: bucket {bucket!r} holds nothing under that prefix. Check the path"
+            )
+        raise SnapshotNotFoundError(
+            f"no snapshot tier at {self.url!r}: the bucket (or path) does not exist. Check the name, the endpoint and"
+            " the credentials"
+        )
 
     def abort_incomplete_uploads(self) -> int:
         """Abort multipart uploads left under the tier root by a crashed writer (S3 only); returns how many."""

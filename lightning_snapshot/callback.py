@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 import warnings
@@ -19,7 +20,9 @@ try:
 except ImportError:  # pragma: no cover - lightning without it
     ModelParallelStrategy = None
 
+from lightning_snapshot import compat as _compat
 from lightning_snapshot import data as _data
+from lightning_snapshot import fit_state as _fit_state
 from lightning_snapshot.arena import AsyncStaged, HostArena
 from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.backends.registry import parse_tier
@@ -38,6 +41,7 @@ from lightning_snapshot.capture import (
     templates,
 )
 from lightning_snapshot.comm import Comm, GroupComm, LocalComm, StrategyComm
+from lightning_snapshot.ddp_layout import apply_layout, capture_layout, check_layout, is_ddp
 from lightning_snapshot.errors import (
     CaptureError,
     ConfigError,
@@ -59,6 +63,12 @@ __all__ = ["SnapshotCallback"]
 log = logging.getLogger(__name__)
 
 _ON_ERROR = ("raise", "warn")
+#: Set to 0 (or off/false/no) to neither store nor give back DDP's gradient-bucket layout (see ddp_layout).
+DDP_LAYOUT_ENV = "LIGHTNING_SNAPSHOT_DDP_LAYOUT"
+
+
+def _ddp_layout_enabled() -> bool:
+    return os.environ.get(DDP_LAYOUT_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 class SnapshotCallback(Checkpoint):
@@ -87,6 +97,14 @@ class SnapshotCallback(Checkpoint):
         sigterm_grace: seconds the callback may take after a SIGTERM (a preempted SLURM or Kubernetes job, through
             Lightning's signal handling) to snapshot the current step into every tier and wait until a durable tier
             holds it; default 25 s, within SLURM's and Kubernetes' default 30 s between SIGTERM and SIGKILL.
+        collective_timeout: the longest any wait across processes of a snapshot may take (seconds; default 300): a
+            collective of a tier's commit (gloo's timeout of the tier's process group), and the snapshot agent's
+            wait for the other ranks' parts of a snapshot. A rank or agent that fails ends these waits at once (its
+            process exits, which breaks its connections, or it leaves a failure marker); the bound is for a peer that
+            is alive but stuck. Raise it when one snapshot takes longer than this to write.
+        shutdown_timeout: the longest ``on_exception`` and ``teardown`` wait for the persist threads (seconds;
+            default 30). After an exception the writes in flight are abandoned after this long (a snapshot already
+            handed to the snapshot agent is still finished by it) and the exception goes on.
 
     Snapshots are taken after the optimizer step of every scheduled ``global_step`` (with gradient accumulation,
     only when ``global_step`` moved). Supported strategies: single device, DDP (``ddp``, ``ddp_spawn``) and
@@ -105,6 +123,8 @@ class SnapshotCallback(Checkpoint):
         max_host_bytes: int | None = None,
         chunk_bytes: int = 8 << 20,
         sigterm_grace: float = 25.0,
+        collective_timeout: float = 300.0,
+        shutdown_timeout: float = 30.0,
     ) -> None:
         if isinstance(tiers, (str, Backend)):
             tiers = [tiers]
@@ -134,6 +154,11 @@ class SnapshotCallback(Checkpoint):
         if isinstance(sigterm_grace, bool) or not isinstance(sigterm_grace, (int, float)) or sigterm_grace <= 0:
             raise ConfigError(f"sigterm_grace must be a positive number of seconds, got {sigterm_grace!r}")
         self.sigterm_grace = float(sigterm_grace)
+        for option, value in (("collective_timeout", collective_timeout), ("shutdown_timeout", shutdown_timeout)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{option} must be a positive number of seconds, got {value!r}")
+        self.collective_timeout = float(collective_timeout)
+        self.shutdown_timeout = float(shutdown_timeout)
         self._arena: HostArena | None = None
         self._persister: Persister | None = None
         self._inflight: AsyncStaged | None = None
@@ -164,6 +189,11 @@ class SnapshotCallback(Checkpoint):
         #: Stateful train-loader states recorded before each fetch of a loader without a length, by fetch index.
         self._fetch_states: dict[int, Any] = {}
         self._patched_loop: Any = None
+        self._patched_fit_loop: Any = None
+        #: (tier url, step) of the snapshot whose callback states ``setup`` loaded, or None.
+        self._preloaded: tuple[str, int] | None = None
+        #: The restored snapshot's :mod:`~lightning_snapshot.fit_state`, applied at ``on_train_start``.
+        self._restored_fit_state: dict[str, Any] | None = None
         self._fit_start_step = 0
         self._tier_skipped = [0] * len(self.tiers)
         self._pending_rng: dict[str, Any] | None = None
@@ -173,6 +203,7 @@ class SnapshotCallback(Checkpoint):
         self._warned_loaders: set[int] = set()
         self._patched_strategy: Any = None
         self._planned = False
+        self._warned_layout = False
         #: (tier url, step, seconds) of the restore done by the last ``fit``, or None.
         self.restored_from: tuple[str, int, float] | None = None
         #: What this rank read for that restore: bytes of the shared tensors it needed (its shards, or whole
@@ -208,12 +239,17 @@ class SnapshotCallback(Checkpoint):
         self._planned = False
         comms: list[Comm] = [LocalComm() for _ in self.tiers]
         if strategy.world_size > 1:
+            import datetime as dt
+
             import torch.distributed as dist
 
             # each tier's persist thread has a group of its own: background collectives never touch the trainer's
-            # main group, and a tier in an outage never blocks another's commits
-            comms = [GroupComm(dist.new_group(backend="gloo")) for _ in self.tiers]
+            # main group, and a tier in an outage never blocks another's commits; a stuck peer fails a collective
+            # after collective_timeout (a dead one at once)
+            timeout = dt.timedelta(seconds=self.collective_timeout)
+            comms = [GroupComm(dist.new_group(backend="gloo", timeout=timeout)) for _ in self.tiers]
         self._tier_comms = comms
+        self._setup_node_local_tiers(trainer)
         self._setup_ram_tier(trainer)
         self._persister = Persister(self.tiers, comms, self._run_id, self._arena, agent=self._agent)
         for tier in self.tiers:
@@ -244,6 +280,65 @@ class SnapshotCallback(Checkpoint):
         epoch_loop._on_before_fetch = on_before_fetch
         self._patched_loop = epoch_loop
         self._fetch_states = {}
+        # A snapshot of an epoch's last step is finished between epochs: after the epoch's end (validation,
+        # epoch-end callbacks and scheduler steps, logged epoch metrics), before the next epoch's start hooks. It
+        # resumes at the epoch boundary, so those hooks run again in the resumed run, as in one that never stopped
+        # (callbacks that change the model or optimizer there: BackboneFinetuning, StochasticWeightAveraging).
+        fit_loop = trainer.fit_loop
+        original_advance_start = fit_loop.on_advance_start
+
+        def on_advance_start() -> None:
+            if self._pending is not None:
+                t0 = time.perf_counter()
+                self._finish(trainer)
+                self._stall += time.perf_counter() - t0
+            original_advance_start()
+
+        fit_loop.on_advance_start = on_advance_start
+        self._patched_fit_loop = fit_loop
+        self._preload_callbacks(trainer)
+
+    def _preload_callbacks(self, trainer: Any) -> None:
+        """Load the other callbacks' states from the snapshot that will be restored, now, before any callback's
+        ``on_fit_start``, as Lightning's own restore does: callbacks act on their loaded state there
+        (``BaseFinetuning`` re-adds its parameter groups, ``StochasticWeightAveraging`` drops the scheduler it
+        replaced by SWALR). If ``on_fit_start`` restores another snapshot (this one fails to load), that one's
+        callback states are loaded there instead."""
+        self._preloaded = None
+        self._restored_fit_state = None
+        if self.resume is False or trainer.ckpt_path:
+            return
+        try:
+            candidates = self._candidates()
+            if not candidates:
+                return
+            backend, step = candidates[0]
+            late = self._read_late(backend, step)
+        except (SnapshotError, OSError) as e:
+            log.debug("lightning-snapshot: callback states not loaded at setup (%s); on_fit_start reports", e)
+            return
+        if isinstance(late, dict):
+            _fit_state.load_callback_states(trainer, late.get("callbacks"), exclude=self)
+            self._preloaded = (backend.url, step)
+
+    def _read_late(self, backend: Backend, step: int) -> Any:
+        """This rank's late state (loops, callbacks, schedulers) of a snapshot; rank 0's after a change of the
+        number of processes."""
+
+        def read() -> Any:
+            manifest = read_manifest(backend, step)
+            rank = self._comm.rank if manifest.world_size == self._comm.world_size else 0
+            section = manifest.rank_section(rank)
+            if section is None:
+                return None
+            state = read_section(backend, manifest, section.tensors, section.state)
+            return state.get("late") if isinstance(state, dict) else None
+
+        restore = getattr(backend, "restore", None)
+        if restore is None:
+            return read()
+        comm = self._tier_comms[self.tiers.index(backend)] if self._tier_comms else LocalComm()
+        return restore(comm, step, read)
 
     def _check_tiers(self) -> None:
         """Before training: every rank checks that it can write each durable tier (a probe object written and
@@ -282,6 +377,25 @@ class SnapshotCallback(Checkpoint):
                              for p, r in ranks.items())
         return str(self._comm.broadcast(text))
 
+    def _setup_node_local_tiers(self, trainer: Any) -> None:
+        """Tell each local tier which node this rank is on, and settle whether its directory is shared by all nodes
+        or node-local (detected with probe files unless set; one log line each)."""
+        strategy = trainer.strategy
+        num_nodes = max(1, int(getattr(trainer, "num_nodes", 1) or 1))
+        world = self._comm.world_size
+        for i, tier in enumerate(self.tiers):
+            settle = getattr(tier, "settle_layout", None)
+            if settle is None:
+                continue
+            tier.bind(node_rank=int(getattr(strategy, "node_rank", 0) or 0), num_nodes=num_nodes,
+                      local_rank=int(getattr(strategy, "local_rank", 0) or 0),
+                      ranks_per_node=max(1, world // num_nodes))
+            how = settle(self._tier_comms[i], self._run_id)
+            if num_nodes > 1:
+                layout = ("node-local: each node writes its own ranks' data and a copy of the manifest, commits are"
+                          " agreed over the process group" if tier.node_local else "shared by all nodes")
+                rank_zero_info(f"lightning-snapshot: the {tier.tier} tier {tier.url} is {layout} ({how})")
+
     def _setup_ram_tier(self, trainer: Any) -> None:
         """Place the RAM tier in the job (which node this rank is on) and attach this rank to its node's agent."""
         ram = next((t for t in self.tiers if t.tier == "ram"), None)
@@ -308,11 +422,15 @@ class SnapshotCallback(Checkpoint):
                 error = e
         if not self._comm.all_true(error is None):
             raise error or SnapshotError("starting the snapshot agent failed on another node (see its log)")
+        # the agent writes the durable tiers whose commit it can see from its node (not the node-local ones, whose
+        # commit the trainers agree on over their process group)
         self._agent = AgentClient(ram.node_dir, rank=self._comm.rank, world_size=world, run_id=self._run_id,
-                                  tiers=[t for t in self.tiers if t is not ram and t.durable])
+                                  tiers=[t for t in self.tiers if t is not ram and t.durable
+                                         and not getattr(t, "node_local", False)],
+                                  part_wait=self.collective_timeout)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        self._shutdown()
+        self._shutdown(abort=False)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         # Lightning skips teardown hooks after an exception: stop here. Snapshots already handed to the persist
@@ -322,7 +440,7 @@ class SnapshotCallback(Checkpoint):
                 self._snapshot_on_sigterm(trainer, pl_module)
         finally:
             self._pending = None
-            self._shutdown()
+            self._shutdown(abort=True)
 
     def _snapshot_on_sigterm(self, trainer: Any, pl_module: Any) -> None:
         """Preemption (SIGTERM, through Lightning's signal handling, on every rank together): snapshot the current
@@ -351,7 +469,9 @@ class SnapshotCallback(Checkpoint):
                       " (held by: %s; still writing: %s)", step, self.sigterm_grace, held or "none",
                       [t.url for t in late] or "none")
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, abort: bool) -> None:
+        """Stop the background machinery, waiting at most ``shutdown_timeout`` for the persist threads (``abort``:
+        after an exception, snapshots still queued are dropped and retries stop)."""
         if self._patched_strategy is not None:
             self._patched_strategy.__dict__.pop("process_dataloader", None)
             self._patched_strategy = None
@@ -359,6 +479,9 @@ class SnapshotCallback(Checkpoint):
             for name in ("_on_before_fetch", "on_run_start"):
                 self._patched_loop.__dict__.pop(name, None)
             self._patched_loop = None
+        if self._patched_fit_loop is not None:
+            self._patched_fit_loop.__dict__.pop("on_advance_start", None)
+            self._patched_fit_loop = None
         if self._pending is not None:
             _, staged, _ = self._pending
             self._pending = None
@@ -371,7 +494,7 @@ class SnapshotCallback(Checkpoint):
                 pass
             self._inflight = None
         if self._persister is not None:
-            self._persister.close()
+            self._persister.close(timeout=self.shutdown_timeout, abort=abort)
             self._persister = None
         if self._agent is not None:
             self._agent.close()
@@ -448,8 +571,12 @@ class SnapshotCallback(Checkpoint):
                 raise fatal or SnapshotError(f"restoring the {where} failed on another rank (see its log)")
             if self._comm.all_true(error is None):
                 shared, rank_state = loaded
-                restore_shared(trainer, pl_module, shared, where, live)
+                restore_shared(trainer, pl_module, shared, where, live,
+                               load_callbacks=self._preloaded != (backend.url, step))
                 self._apply_rank_state(trainer, rank_state)
+                self._restored_fit_state = _fit_state.saved_state(shared)
+                _fit_state.prune_checkpoints(trainer, self._restored_fit_state, step)
+                self._restore_ddp_layout(trainer, rank_state, where)
                 self._last_step = step
                 seconds = time.monotonic() - t0
                 self.restored_from = (backend.url, step, seconds)
@@ -477,6 +604,7 @@ class SnapshotCallback(Checkpoint):
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         resumed, self._resumed = self._resumed, None
+        saved, self._restored_fit_state = self._restored_fit_state, None
         if resumed is None:
             return
         # Lightning's restart logic is made for checkpoints taken inside a step (at on_train_batch_end, on
@@ -489,6 +617,8 @@ class SnapshotCallback(Checkpoint):
             # iterator, counters from zero)
             _Loop.restarting.fset(fit_loop, False)
             fit_loop._resuming_from_checkpoint = False
+            _fit_state.restore_grads(pl_module, saved)
+            _compat.reinstate_swalr_after_averaging(trainer, pl_module)
             if self._pending_rng is not None:
                 restore_rng(self._pending_rng)
                 self._pending_rng = None
@@ -496,6 +626,11 @@ class SnapshotCallback(Checkpoint):
         # Within an epoch. The fit loop would stay "restarting" until the epoch ends and then skip the epoch-end
         # plateau scheduler step; its start hooks ran before the snapshot, which its counters already say.
         fit_loop._restarting = False
+        # What the epoch's start hooks set up, which do not run again: SWA's SWALR, the gradient accumulation
+        # (GradientAccumulationScheduler), and the epoch's accumulated training metrics.
+        _compat.reinstate_epoch_start_schedulers(trainer, pl_module)
+        _compat.reinstate_swalr_after_averaging(trainer, pl_module)
+        _fit_state.restore_in_epoch(trainer, saved)
         # The epoch loop keeps its counters while it resets (restarting), and must then not take its restart path
         # on the first batch: that would re-run or fast-forward step N's validation, which the snapshot holds done.
         original = epoch_loop.on_run_start
@@ -528,7 +663,7 @@ class SnapshotCallback(Checkpoint):
         collective: dict[int, list[int]] = {}
         for i, tier in enumerate(self.tiers):
             steps_of = getattr(tier, "collective_steps", None)
-            if steps_of is not None:  # a node-local tier (RAM): what any node holds
+            if steps_of is not None and getattr(tier, "node_local", False):  # a node-local tier: what any node holds
                 collective[i] = steps_of(self._tier_comms[i] if self._tier_comms else LocalComm())
         if self._comm.rank == 0:
             for i, tier in enumerate(self.tiers):
@@ -553,10 +688,11 @@ class SnapshotCallback(Checkpoint):
     def _read(self, backend: Backend, step: int, trainer: Any, pl_module: Any, live: Templates
               ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         restore = getattr(backend, "restore", None)
-        if restore is None:
+        if restore is None or not getattr(backend, "node_local", False):
             return self._read_tier(backend, step, trainer, pl_module, live)
-        # a node-local tier (RAM): the objects are made readable on every node first, a corrupted share found by the
-        # read is repaired from the others, and what the restore added is freed after (collective)
+        # a node-local tier (RAM, a local tier on each node's own disk): the objects are made readable on every node
+        # first (RAM: a corrupted share found by the read is repaired from the others), and what the restore added is
+        # freed after (collective)
         comm = self._tier_comms[self.tiers.index(backend)] if self._tier_comms else LocalComm()
         return restore(comm, step, lambda: self._read_tier(backend, step, trainer, pl_module, live))
 
@@ -603,6 +739,7 @@ class SnapshotCallback(Checkpoint):
             shared.update(late)
         if "loops" not in shared:
             raise SnapshotError(f"{where} holds no training state")
+        _fit_state.merge_param_groups(shared, where)  # the optimizer's groups as they were with the late state
         check_optimizers(trainer, shared, where)  # before anything is applied
         return shared, rank_state
 
@@ -620,6 +757,55 @@ class SnapshotCallback(Checkpoint):
         if self._pending_loaders and all(p is not None for p in self._pending_loaders):
             # Lightning cannot see that our sampler restores the position of plain DataLoaders, and would warn
             warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
+
+    def _restore_ddp_layout(self, trainer: Any, rank_state: dict[str, Any] | None, where: str) -> None:
+        """Give DDP the gradient-bucket layout the snapshot's process all-reduced with (see ``ddp_layout``).
+
+        Called on every rank together in ``on_fit_start``: the strategy has wrapped the model in DDP and nothing has
+        run a forward through it yet (the sanity check and training come later). The layout is untrusted input: it
+        is applied only when every rank holds the same layout and it fits the live DDP module (the parameters that
+        require grad, their sizes and dtypes); otherwise a warning names why and the resume goes on without it (the
+        weights and all other state are restored either way; only the float summation order of the next
+        all-reduces may differ from an uninterrupted run). Only at the same world size (``_read_tier`` passes no
+        layout after a change of the number of processes) and only into DDP (another strategy has no buckets).
+        """
+        model = trainer.strategy.model
+        if not is_ddp(model) or self._comm.world_size < 2:
+            return
+        layout = rank_state.get("ddp_layout") if isinstance(rank_state, dict) else None
+        if not _ddp_layout_enabled():
+            layout = None
+        problem = None
+        try:
+            check_layout(model, layout)
+        except ValueError as e:
+            problem = str(e)
+        except (AttributeError, TypeError, RuntimeError) as e:  # torch's private internals changed
+            problem = f"this torch is not supported ({type(e).__name__}: {e})"
+        first = self._comm.broadcast(layout)
+        if problem is None and layout != first:
+            problem = f"rank {self._comm.rank} holds another layout than rank 0"
+        none_stored, all_fit = self._comm.all_true_each([layout is None, problem is None])
+        if none_stored:  # taken before this feature, without DDP, or where DDP never rebuilds; or turned off
+            return
+        if not all_fit:
+            warnings.warn(f"lightning-snapshot: the {where} holds a DDP gradient-bucket layout that is not applied"
+                          f" ({problem or 'it does not fit on another rank'}); the resume goes on without it, so"
+                          " with 3 or more ranks the next steps may differ in the last bits from an uninterrupted"
+                          " run", stacklevel=2)
+            return
+        error: BaseException | None = None
+        try:
+            apply_layout(model, layout)
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            error = e
+        if not self._comm.all_true(error is None):
+            raise SnapshotError(
+                f"giving DDP the gradient-bucket layout of the {where} failed"
+                f" ({f'{type(error).__name__}: {error}' if error is not None else 'on another rank'}); set"
+                f" {DDP_LAYOUT_ENV}=0 to resume without it (with 3 or more ranks not bitwise identical to an"
+                " uninterrupted run)") from error
+        log.debug("lightning-snapshot: DDP gradient-bucket layout restored: %s", layout["buckets"])
 
     # ------------------------------------------------------------------------------------------- capture
     def _before_fetch(self, trainer: Any) -> None:
@@ -854,8 +1040,9 @@ class SnapshotCallback(Checkpoint):
         unfinished = ended and not batches.is_last_batch and consumed < trainer.num_training_batches
         boundary = ended and not unfinished  # training ended with an epoch: the next starts from its beginning
         epoch = trainer.current_epoch - 1 if unfinished else trainer.current_epoch
+        # (at an epoch boundary only persistent loader workers carry something into the next epoch: their RNG)
         loaders = [
-            None if boundary else _data.position(dl, epoch, consumed)
+            _data.position(dl, epoch, 0, ended=True) if boundary else _data.position(dl, epoch, consumed)
             for dl in _data.flatten_loaders(trainer.train_dataloader)
         ]
         # a loader fetched ahead: its state before the first batch this snapshot has not consumed (fetch indices
@@ -867,7 +1054,27 @@ class SnapshotCallback(Checkpoint):
             for counters in late["loops"]["fit_loop"]["epoch_progress"].values():
                 counters["processed"] -= 1
                 counters["completed"] -= 1
-        return {"rng": capture_rng(), "loaders": loaders, "late": late}
+        return {"rng": capture_rng(), "loaders": loaders, "late": late, "ddp_layout": self._ddp_layout(trainer)}
+
+    def _ddp_layout(self, trainer: Any) -> dict[str, Any] | None:
+        """DDP's rebuilt gradient-bucket layout (plain data), or None (not DDP, not rebuilt, or turned off).
+
+        Every rank calls this at the same point on the training thread: when the rebuild is still pending (the
+        snapshot of a process's first step) it is done here, with DDP's own broadcast from rank 0, exactly as the
+        next forward would do it.
+        """
+        model = trainer.strategy.model
+        if not is_ddp(model) or not _ddp_layout_enabled():
+            return None
+        try:
+            return capture_layout(model, rebuild_pending=True)
+        except (AttributeError, TypeError, RuntimeError) as e:  # torch's private internals changed
+            if not self._warned_layout:
+                self._warned_layout = True
+                warnings.warn(f"lightning-snapshot: cannot read DDP's gradient-bucket layout with this torch"
+                              f" ({type(e).__name__}: {e}); snapshots are taken without it, and a resume with 3 or"
+                              f" more ranks will not be bitwise identical to an uninterrupted run", stacklevel=2)
+            return None
 
     def _finish(self, trainer: Any, consumed_offset: int = 0) -> None:
         """Add the rest of the state (loops, callbacks, schedulers, this rank's RNG and data position) to the
@@ -966,7 +1173,8 @@ class SnapshotCallback(Checkpoint):
                             " agent connection belong to this process) cannot be pickled; pickle it before"
                             " trainer.fit or after it returns")
         state = dict(self.__dict__)
-        for name in ("_comm", "_tier_comms", "_inflight", "_patched_loop", "_fetch_states"):
+        for name in ("_comm", "_tier_comms", "_inflight", "_patched_loop", "_patched_fit_loop", "_fetch_states",
+                     "_restored_fit_state"):
             state.pop(name, None)
         return state
 
@@ -976,4 +1184,6 @@ class SnapshotCallback(Checkpoint):
         self._tier_comms = []
         self._inflight = None
         self._patched_loop = None
+        self._patched_fit_loop = None
+        self._restored_fit_state = None
         self._fetch_states = {}

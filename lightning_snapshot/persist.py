@@ -73,6 +73,10 @@ class _TierWorker:
         self.retries = 0
         self.outage_since: float | None = None
         self.last_error: str | None = None
+        #: Set after an exception in training: the jobs still queued are dropped, not written.
+        self.abort = threading.Event()
+        #: The step being persisted (None when idle), for the message of a shutdown that cannot wait for it.
+        self.current: int | None = None
         self.thread = threading.Thread(target=self._run, name=f"lightning-snapshot-persist-{index}", daemon=True)
         self.thread.start()
 
@@ -82,9 +86,22 @@ class _TierWorker:
             try:
                 if job is None:
                     return
+                if self.abort.is_set():
+                    self._drop(job)
+                    continue
+                self.current = job.step
                 self._persist(job)
             finally:
+                self.current = None
                 self.jobs.task_done()
+
+    def _drop(self, job: PersistJob) -> None:
+        """After an exception in training: skip ``job`` (its peers on other ranks drop it too or fail at once)."""
+        job.ok[self.index] = False
+        job.done[self.index].set()
+        if self.index in job.sources:
+            self.p.unpin(job.sources[self.index], job.step)
+        self.p.unref(job)
 
     def _source(self, job: PersistJob) -> int | None:
         """A local tier of the same job whose committed copy this (slower) tier can upload byte for byte."""
@@ -347,15 +364,34 @@ class Persister:
                 late.append(w.tier)
         return late
 
-    def close(self) -> None:
-        """Stop every worker after what it has queued (stopping retries of unreachable tiers)."""
+    def close(self, timeout: float = 30.0, abort: bool = False) -> list[str]:
+        """Stop every worker after what it has queued, waiting ``timeout`` seconds at most in all.
+
+        Retries of unreachable tiers stop. ``abort`` (after an exception in training): queued snapshots are dropped
+        and a write waiting for the snapshot agent's answer is left to the agent. A worker still busy when the time is
+        up (a collective waiting for a stuck peer) is left behind (a daemon thread, ended by the peer's failure or the
+        group's ``collective_timeout``) and logged as an error naming the rank, the tier and the step.
+
+        Returns those messages (empty when every worker finished).
+        """
+        deadline = time.monotonic() + timeout
         for w in self._workers:
-            if w.jobs.unfinished_tasks and getattr(w.tier, "retry_initial", None):
+            if abort:
+                w.abort.set()
+                w.stop.set()
+            elif w.jobs.unfinished_tasks and getattr(w.tier, "retry_initial", None):
                 w.stop.set()
             w.jobs.put(None)
+        late = []
         for w in self._workers:
-            # a worker stopped mid-outage may wait in a collective for a peer that already gave up: bounded join
-            w.thread.join(timeout=60 if w.stop.is_set() else None)
+            w.thread.join(timeout=max(0.0, deadline - time.monotonic()))
+            if w.thread.is_alive():
+                rank = getattr(w.comm, "rank", 0)
+                late.append(f"rank {rank}: the persist thread of the {w.tier.tier} tier {w.tier.url} did not finish"
+                            f" step {w.current} within shutdown_timeout={timeout:g} s (waiting for the other ranks or"
+                            " the store); left behind")
+                log.error("lightning-snapshot: %s", late[-1])
         if self._notifier is not None:
             self._notes.put(None)
-            self._notifier.join(timeout=60)
+            self._notifier.join(timeout=max(0.0, deadline - time.monotonic()))
+        return late
