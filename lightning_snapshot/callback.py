@@ -228,7 +228,6 @@ class SnapshotCallback(Checkpoint):
             )
         self._comm = StrategyComm(strategy) if strategy.world_size > 1 else LocalComm()
         self._run_id = str(self._comm.broadcast(uuid.uuid4().hex[:12]))
-        self._check_tiers()
         self._committed, self._submitted, self._tier_problem = {}, {}, {}
         self._last_durable_due = None
         self._last_time = [time.monotonic()] * len(self.tiers)
@@ -250,6 +249,7 @@ class SnapshotCallback(Checkpoint):
             comms = [GroupComm(dist.new_group(backend="gloo", timeout=timeout)) for _ in self.tiers]
         self._tier_comms = comms
         self._setup_node_local_tiers(trainer)
+        self._check_tiers()  # (after the local tiers know their node's directory; before the agent starts)
         self._setup_ram_tier(trainer)
         self._persister = Persister(self.tiers, comms, self._run_id, self._arena, agent=self._agent)
         for tier in self.tiers:
