@@ -334,8 +334,15 @@ class SnapshotCallback(Checkpoint):
             state = read_section(backend, manifest, section.tensors, section.state)
             return state.get("late") if isinstance(state, dict) else None
 
+        return self._through_tier(backend, step, read)
+
+    def _through_tier(self, backend: Backend, step: int, read: Callable[[], Any]) -> Any:
+        """Run ``read`` (a read of snapshot ``step`` of ``backend``). For a node-local tier of this callback (RAM, a
+        local tier on each node's own disk) the objects are first made readable on every node (RAM: a corrupted
+        share found by the read is repaired from the others) and what the restore added is freed after: collective
+        over the tier's group. Any other backend (a snapshot path given as ``resume``) is read directly."""
         restore = getattr(backend, "restore", None)
-        if restore is None:
+        if restore is None or not getattr(backend, "node_local", False) or backend not in self.tiers:
             return read()
         comm = self._tier_comms[self.tiers.index(backend)] if self._tier_comms else LocalComm()
         return restore(comm, step, read)
@@ -687,14 +694,7 @@ class SnapshotCallback(Checkpoint):
 
     def _read(self, backend: Backend, step: int, trainer: Any, pl_module: Any, live: Templates
               ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        restore = getattr(backend, "restore", None)
-        if restore is None or not getattr(backend, "node_local", False):
-            return self._read_tier(backend, step, trainer, pl_module, live)
-        # a node-local tier (RAM, a local tier on each node's own disk): the objects are made readable on every node
-        # first (RAM: a corrupted share found by the read is repaired from the others), and what the restore added is
-        # freed after (collective)
-        comm = self._tier_comms[self.tiers.index(backend)] if self._tier_comms else LocalComm()
-        return restore(comm, step, lambda: self._read_tier(backend, step, trainer, pl_module, live))
+        return self._through_tier(backend, step, lambda: self._read_tier(backend, step, trainer, pl_module, live))
 
     def _read_tier(self, backend: Backend, step: int, trainer: Any, pl_module: Any, live: Templates
                    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
