@@ -228,7 +228,6 @@ class SnapshotCallback(Checkpoint):
             )
         self._comm = StrategyComm(strategy) if strategy.world_size > 1 else LocalComm()
         self._run_id = str(self._comm.broadcast(uuid.uuid4().hex[:12]))
-        self._check_tiers()
         self._committed, self._submitted, self._tier_problem = {}, {}, {}
         self._last_durable_due = None
         self._last_time = [time.monotonic()] * len(self.tiers)
@@ -250,6 +249,7 @@ class SnapshotCallback(Checkpoint):
             comms = [GroupComm(dist.new_group(backend="gloo", timeout=timeout)) for _ in self.tiers]
         self._tier_comms = comms
         self._setup_node_local_tiers(trainer)
+        self._check_tiers()  # (after the local tiers know their node's directory; before the agent starts)
         self._setup_ram_tier(trainer)
         self._persister = Persister(self.tiers, comms, self._run_id, self._arena, agent=self._agent)
         for tier in self.tiers:
@@ -334,8 +334,15 @@ class SnapshotCallback(Checkpoint):
             state = read_section(backend, manifest, section.tensors, section.state)
             return state.get("late") if isinstance(state, dict) else None
 
+        return self._through_tier(backend, step, read)
+
+    def _through_tier(self, backend: Backend, step: int, read: Callable[[], Any]) -> Any:
+        """Run ``read`` (a read of snapshot ``step`` of ``backend``). For a node-local tier of this callback (RAM, a
+        local tier on each node's own disk) the objects are first made readable on every node (RAM: a corrupted
+        share found by the read is repaired from the others) and what the restore added is freed after: collective
+        over the tier's group. Any other backend (a snapshot path given as ``resume``) is read directly."""
         restore = getattr(backend, "restore", None)
-        if restore is None:
+        if restore is None or not getattr(backend, "node_local", False) or backend not in self.tiers:
             return read()
         comm = self._tier_comms[self.tiers.index(backend)] if self._tier_comms else LocalComm()
         return restore(comm, step, read)
@@ -357,7 +364,8 @@ class SnapshotCallback(Checkpoint):
                 problems.append(str(e))
         message = self._agree_problem("; ".join(problems) or None)
         if message is not None:
-            raise TierUnavailableError(f"lightning-snapshot cannot use its tiers, so training does not start: {message}")
+            raise TierUnavailableError(
+                f"lightning-snapshot cannot use its tiers, so training does not start: {message}")
 
     def _agree_problem(self, problem: str | None) -> str | None:
         """Collective: None when no rank has a problem, else every rank's problem (prefixed with its rank under
@@ -686,14 +694,7 @@ class SnapshotCallback(Checkpoint):
 
     def _read(self, backend: Backend, step: int, trainer: Any, pl_module: Any, live: Templates
               ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        restore = getattr(backend, "restore", None)
-        if restore is None or not getattr(backend, "node_local", False):
-            return self._read_tier(backend, step, trainer, pl_module, live)
-        # a node-local tier (RAM, a local tier on each node's own disk): the objects are made readable on every node
-        # first (RAM: a corrupted share found by the read is repaired from the others), and what the restore added is
-        # freed after (collective)
-        comm = self._tier_comms[self.tiers.index(backend)] if self._tier_comms else LocalComm()
-        return restore(comm, step, lambda: self._read_tier(backend, step, trainer, pl_module, live))
+        return self._through_tier(backend, step, lambda: self._read_tier(backend, step, trainer, pl_module, live))
 
     def _read_tier(self, backend: Backend, step: int, trainer: Any, pl_module: Any, live: Templates
                    ) -> tuple[dict[str, Any], dict[str, Any] | None]:

@@ -97,7 +97,8 @@ def main() -> None:
     if a.outage_at >= 0:
         callbacks.append(Outage(Path(a.signals), a.outage_at, a.back_at, seen))
     L.seed_everything(42, verbose=False)
-    trainer = L.Trainer(accelerator="cpu", max_steps=a.max_steps, callbacks=callbacks, logger=CSVLogger(a.logs, name="", version=""),
+    trainer = L.Trainer(accelerator="cpu", max_steps=a.max_steps, callbacks=callbacks,
+                        logger=CSVLogger(a.logs, name="", version=""),
                         log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(Model(0.0), DataLoader(Squares(), batch_size=4))
     print(f"FIT DONE step={trainer.global_step}", flush=True)
