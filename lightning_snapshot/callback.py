@@ -20,7 +20,9 @@ try:
 except ImportError:  # pragma: no cover - lightning without it
     ModelParallelStrategy = None
 
+from lightning_snapshot import compat as _compat
 from lightning_snapshot import data as _data
+from lightning_snapshot import fit_state as _fit_state
 from lightning_snapshot.arena import AsyncStaged, HostArena
 from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.backends.registry import parse_tier
@@ -44,9 +46,11 @@ from lightning_snapshot.errors import (
     CaptureError,
     ConfigError,
     FormatVersionError,
+    NotDurableError,
     SnapshotError,
     SnapshotNotFoundError,
     StateMismatchError,
+    TierUnavailableError,
 )
 from lightning_snapshot.loader import ReadStats, read_manifest, read_section, resolve_source
 from lightning_snapshot.metrics import MetricsSink, tier_metric_names
@@ -93,6 +97,14 @@ class SnapshotCallback(Checkpoint):
         sigterm_grace: seconds the callback may take after a SIGTERM (a preempted SLURM or Kubernetes job, through
             Lightning's signal handling) to snapshot the current step into every tier and wait until a durable tier
             holds it; default 25 s, within SLURM's and Kubernetes' default 30 s between SIGTERM and SIGKILL.
+        collective_timeout: the longest any wait across processes of a snapshot may take (seconds; default 300): a
+            collective of a tier's commit (gloo's timeout of the tier's process group), and the snapshot agent's
+            wait for the other ranks' parts of a snapshot. A rank or agent that fails ends these waits at once (its
+            process exits, which breaks its connections, or it leaves a failure marker); the bound is for a peer that
+            is alive but stuck. Raise it when one snapshot takes longer than this to write.
+        shutdown_timeout: the longest ``on_exception`` and ``teardown`` wait for the persist threads (seconds;
+            default 30). After an exception the writes in flight are abandoned after this long (a snapshot already
+            handed to the snapshot agent is still finished by it) and the exception goes on.
 
     Snapshots are taken after the optimizer step of every scheduled ``global_step`` (with gradient accumulation,
     only when ``global_step`` moved). Supported strategies: single device, DDP (``ddp``, ``ddp_spawn``) and
@@ -111,6 +123,8 @@ class SnapshotCallback(Checkpoint):
         max_host_bytes: int | None = None,
         chunk_bytes: int = 8 << 20,
         sigterm_grace: float = 25.0,
+        collective_timeout: float = 300.0,
+        shutdown_timeout: float = 30.0,
     ) -> None:
         if isinstance(tiers, (str, Backend)):
             tiers = [tiers]
@@ -140,12 +154,22 @@ class SnapshotCallback(Checkpoint):
         if isinstance(sigterm_grace, bool) or not isinstance(sigterm_grace, (int, float)) or sigterm_grace <= 0:
             raise ConfigError(f"sigterm_grace must be a positive number of seconds, got {sigterm_grace!r}")
         self.sigterm_grace = float(sigterm_grace)
+        for option, value in (("collective_timeout", collective_timeout), ("shutdown_timeout", shutdown_timeout)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{option} must be a positive number of seconds, got {value!r}")
+        self.collective_timeout = float(collective_timeout)
+        self.shutdown_timeout = float(shutdown_timeout)
         self._arena: HostArena | None = None
         self._persister: Persister | None = None
         self._inflight: AsyncStaged | None = None
         self._metrics = MetricsSink()
         self._metric_names = tier_metric_names(self.tiers)
         self._committed: dict[int, int] = {}
+        #: per tier index: the last step handed to its persist worker in this fit, and why its last write failed
+        self._submitted: dict[int, int] = {}
+        self._tier_problem: dict[int, str] = {}
+        #: the newest step snapshotted for a durable tier in this fit
+        self._last_durable_due: int | None = None
         self._stall = 0.0
         self._skipped = 0
         self._failed = 0
@@ -165,6 +189,11 @@ class SnapshotCallback(Checkpoint):
         #: Stateful train-loader states recorded before each fetch of a loader without a length, by fetch index.
         self._fetch_states: dict[int, Any] = {}
         self._patched_loop: Any = None
+        self._patched_fit_loop: Any = None
+        #: (tier url, step) of the snapshot whose callback states ``setup`` loaded, or None.
+        self._preloaded: tuple[str, int] | None = None
+        #: The restored snapshot's :mod:`~lightning_snapshot.fit_state`, applied at ``on_train_start``.
+        self._restored_fit_state: dict[str, Any] | None = None
         self._fit_start_step = 0
         self._tier_skipped = [0] * len(self.tiers)
         self._pending_rng: dict[str, Any] | None = None
@@ -199,6 +228,9 @@ class SnapshotCallback(Checkpoint):
             )
         self._comm = StrategyComm(strategy) if strategy.world_size > 1 else LocalComm()
         self._run_id = str(self._comm.broadcast(uuid.uuid4().hex[:12]))
+        self._check_tiers()
+        self._committed, self._submitted, self._tier_problem = {}, {}, {}
+        self._last_durable_due = None
         self._last_time = [time.monotonic()] * len(self.tiers)
         self._last_step = trainer.global_step  # a snapshot needs an optimizer step since this one
         self._fit_start_step = trainer.global_step
@@ -207,12 +239,17 @@ class SnapshotCallback(Checkpoint):
         self._planned = False
         comms: list[Comm] = [LocalComm() for _ in self.tiers]
         if strategy.world_size > 1:
+            import datetime as dt
+
             import torch.distributed as dist
 
             # each tier's persist thread has a group of its own: background collectives never touch the trainer's
-            # main group, and a tier in an outage never blocks another's commits
-            comms = [GroupComm(dist.new_group(backend="gloo")) for _ in self.tiers]
+            # main group, and a tier in an outage never blocks another's commits; a stuck peer fails a collective
+            # after collective_timeout (a dead one at once)
+            timeout = dt.timedelta(seconds=self.collective_timeout)
+            comms = [GroupComm(dist.new_group(backend="gloo", timeout=timeout)) for _ in self.tiers]
         self._tier_comms = comms
+        self._setup_node_local_tiers(trainer)
         self._setup_ram_tier(trainer)
         self._persister = Persister(self.tiers, comms, self._run_id, self._arena, agent=self._agent)
         for tier in self.tiers:
@@ -243,6 +280,120 @@ class SnapshotCallback(Checkpoint):
         epoch_loop._on_before_fetch = on_before_fetch
         self._patched_loop = epoch_loop
         self._fetch_states = {}
+        # A snapshot of an epoch's last step is finished between epochs: after the epoch's end (validation,
+        # epoch-end callbacks and scheduler steps, logged epoch metrics), before the next epoch's start hooks. It
+        # resumes at the epoch boundary, so those hooks run again in the resumed run, as in one that never stopped
+        # (callbacks that change the model or optimizer there: BackboneFinetuning, StochasticWeightAveraging).
+        fit_loop = trainer.fit_loop
+        original_advance_start = fit_loop.on_advance_start
+
+        def on_advance_start() -> None:
+            if self._pending is not None:
+                t0 = time.perf_counter()
+                self._finish(trainer)
+                self._stall += time.perf_counter() - t0
+            original_advance_start()
+
+        fit_loop.on_advance_start = on_advance_start
+        self._patched_fit_loop = fit_loop
+        self._preload_callbacks(trainer)
+
+    def _preload_callbacks(self, trainer: Any) -> None:
+        """Load the other callbacks' states from the snapshot that will be restored, now, before any callback's
+        ``on_fit_start``, as Lightning's own restore does: callbacks act on their loaded state there
+        (``BaseFinetuning`` re-adds its parameter groups, ``StochasticWeightAveraging`` drops the scheduler it
+        replaced by SWALR). If ``on_fit_start`` restores another snapshot (this one fails to load), that one's
+        callback states are loaded there instead."""
+        self._preloaded = None
+        self._restored_fit_state = None
+        if self.resume is False or trainer.ckpt_path:
+            return
+        try:
+            candidates = self._candidates()
+            if not candidates:
+                return
+            backend, step = candidates[0]
+            late = self._read_late(backend, step)
+        except (SnapshotError, OSError) as e:
+            log.debug("lightning-snapshot: callback states not loaded at setup (%s); on_fit_start reports", e)
+            return
+        if isinstance(late, dict):
+            _fit_state.load_callback_states(trainer, late.get("callbacks"), exclude=self)
+            self._preloaded = (backend.url, step)
+
+    def _read_late(self, backend: Backend, step: int) -> Any:
+        """This rank's late state (loops, callbacks, schedulers) of a snapshot; rank 0's after a change of the
+        number of processes."""
+
+        def read() -> Any:
+            manifest = read_manifest(backend, step)
+            rank = self._comm.rank if manifest.world_size == self._comm.world_size else 0
+            section = manifest.rank_section(rank)
+            if section is None:
+                return None
+            state = read_section(backend, manifest, section.tensors, section.state)
+            return state.get("late") if isinstance(state, dict) else None
+
+        restore = getattr(backend, "restore", None)
+        if restore is None:
+            return read()
+        comm = self._tier_comms[self.tiers.index(backend)] if self._tier_comms else LocalComm()
+        return restore(comm, step, read)
+
+    def _check_tiers(self) -> None:
+        """Before training: every rank checks that it can write each durable tier (a probe object written and
+        deleted: the directory is writable, the bucket exists, the credentials are accepted, the endpoint answers).
+
+        Collective: every rank raises the same :class:`TierUnavailableError`, naming the rank, the tier and the fix,
+        when any rank's check failed.
+        """
+        problems: list[str] = []
+        for tier in self.tiers:
+            if not tier.durable:
+                continue  # (the RAM tier is checked when its agent starts)
+            try:
+                tier.check()
+            except TierUnavailableError as e:
+                problems.append(str(e))
+        message = self._agree_problem("; ".join(problems) or None)
+        if message is not None:
+            raise TierUnavailableError(f"lightning-snapshot cannot use its tiers, so training does not start: {message}")
+
+    def _agree_problem(self, problem: str | None) -> str | None:
+        """Collective: None when no rank has a problem, else every rank's problem (prefixed with its rank under
+        DDP) joined, the same text on every rank, so that all raise the same error together."""
+        if self._comm.all_true(problem is None):
+            return None
+        gathered = self._comm.gather(problem)
+        text = None
+        if gathered is not None:  # (rank 0) the same problem on several ranks is said once
+            ranks: dict[str, list[int]] = {}
+            for rank, p in enumerate(gathered):
+                if p:
+                    ranks.setdefault(p, []).append(rank)
+            text = "; ".join(p if self._comm.world_size == 1 else
+                             f"on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {p}"
+                             for p, r in ranks.items())
+        return str(self._comm.broadcast(text))
+
+    def _setup_node_local_tiers(self, trainer: Any) -> None:
+        """Tell each local tier which node this rank is on, and settle whether its directory is shared by all nodes
+        or node-local (detected with probe files unless set; one log line each)."""
+        strategy = trainer.strategy
+        num_nodes = max(1, int(getattr(trainer, "num_nodes", 1) or 1))
+        world = self._comm.world_size
+        for i, tier in enumerate(self.tiers):
+            settle = getattr(tier, "settle_layout", None)
+            if settle is None:
+                continue
+            tier.bind(node_rank=int(getattr(strategy, "node_rank", 0) or 0), num_nodes=num_nodes,
+                      local_rank=int(getattr(strategy, "local_rank", 0) or 0),
+                      ranks_per_node=max(1, world // num_nodes))
+            how = settle(self._tier_comms[i], self._run_id)
+            if num_nodes > 1:
+                layout = ("node-local: each node writes its own ranks' data and a copy of the manifest, commits are"
+                          " agreed over the process group" if tier.node_local else "shared by all nodes")
+                rank_zero_info(f"lightning-snapshot: the {tier.tier} tier {tier.url} is {layout} ({how})")
 
     def _setup_ram_tier(self, trainer: Any) -> None:
         """Place the RAM tier in the job (which node this rank is on) and attach this rank to its node's agent."""
@@ -270,11 +421,15 @@ class SnapshotCallback(Checkpoint):
                 error = e
         if not self._comm.all_true(error is None):
             raise error or SnapshotError("starting the snapshot agent failed on another node (see its log)")
+        # the agent writes the durable tiers whose commit it can see from its node (not the node-local ones, whose
+        # commit the trainers agree on over their process group)
         self._agent = AgentClient(ram.node_dir, rank=self._comm.rank, world_size=world, run_id=self._run_id,
-                                  tiers=[t for t in self.tiers if t is not ram and t.durable])
+                                  tiers=[t for t in self.tiers if t is not ram and t.durable
+                                         and not getattr(t, "node_local", False)],
+                                  part_wait=self.collective_timeout)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        self._shutdown()
+        self._shutdown(abort=False)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         # Lightning skips teardown hooks after an exception: stop here. Snapshots already handed to the persist
@@ -284,7 +439,7 @@ class SnapshotCallback(Checkpoint):
                 self._snapshot_on_sigterm(trainer, pl_module)
         finally:
             self._pending = None
-            self._shutdown()
+            self._shutdown(abort=True)
 
     def _snapshot_on_sigterm(self, trainer: Any, pl_module: Any) -> None:
         """Preemption (SIGTERM, through Lightning's signal handling, on every rank together): snapshot the current
@@ -313,7 +468,9 @@ class SnapshotCallback(Checkpoint):
                       " (held by: %s; still writing: %s)", step, self.sigterm_grace, held or "none",
                       [t.url for t in late] or "none")
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, abort: bool) -> None:
+        """Stop the background machinery, waiting at most ``shutdown_timeout`` for the persist threads (``abort``:
+        after an exception, snapshots still queued are dropped and retries stop)."""
         if self._patched_strategy is not None:
             self._patched_strategy.__dict__.pop("process_dataloader", None)
             self._patched_strategy = None
@@ -321,6 +478,9 @@ class SnapshotCallback(Checkpoint):
             for name in ("_on_before_fetch", "on_run_start"):
                 self._patched_loop.__dict__.pop(name, None)
             self._patched_loop = None
+        if self._patched_fit_loop is not None:
+            self._patched_fit_loop.__dict__.pop("on_advance_start", None)
+            self._patched_fit_loop = None
         if self._pending is not None:
             _, staged, _ = self._pending
             self._pending = None
@@ -333,7 +493,7 @@ class SnapshotCallback(Checkpoint):
                 pass
             self._inflight = None
         if self._persister is not None:
-            self._persister.close()
+            self._persister.close(timeout=self.shutdown_timeout, abort=abort)
             self._persister = None
         if self._agent is not None:
             self._agent.close()
@@ -410,8 +570,11 @@ class SnapshotCallback(Checkpoint):
                 raise fatal or SnapshotError(f"restoring the {where} failed on another rank (see its log)")
             if self._comm.all_true(error is None):
                 shared, rank_state = loaded
-                restore_shared(trainer, pl_module, shared, where, live)
+                restore_shared(trainer, pl_module, shared, where, live,
+                               load_callbacks=self._preloaded != (backend.url, step))
                 self._apply_rank_state(trainer, rank_state)
+                self._restored_fit_state = _fit_state.saved_state(shared)
+                _fit_state.prune_checkpoints(trainer, self._restored_fit_state, step)
                 self._restore_ddp_layout(trainer, rank_state, where)
                 self._last_step = step
                 seconds = time.monotonic() - t0
@@ -440,6 +603,7 @@ class SnapshotCallback(Checkpoint):
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         resumed, self._resumed = self._resumed, None
+        saved, self._restored_fit_state = self._restored_fit_state, None
         if resumed is None:
             return
         # Lightning's restart logic is made for checkpoints taken inside a step (at on_train_batch_end, on
@@ -452,6 +616,8 @@ class SnapshotCallback(Checkpoint):
             # iterator, counters from zero)
             _Loop.restarting.fset(fit_loop, False)
             fit_loop._resuming_from_checkpoint = False
+            _fit_state.restore_grads(pl_module, saved)
+            _compat.reinstate_swalr_after_averaging(trainer, pl_module)
             if self._pending_rng is not None:
                 restore_rng(self._pending_rng)
                 self._pending_rng = None
@@ -459,6 +625,11 @@ class SnapshotCallback(Checkpoint):
         # Within an epoch. The fit loop would stay "restarting" until the epoch ends and then skip the epoch-end
         # plateau scheduler step; its start hooks ran before the snapshot, which its counters already say.
         fit_loop._restarting = False
+        # What the epoch's start hooks set up, which do not run again: SWA's SWALR, the gradient accumulation
+        # (GradientAccumulationScheduler), and the epoch's accumulated training metrics.
+        _compat.reinstate_epoch_start_schedulers(trainer, pl_module)
+        _compat.reinstate_swalr_after_averaging(trainer, pl_module)
+        _fit_state.restore_in_epoch(trainer, saved)
         # The epoch loop keeps its counters while it resets (restarting), and must then not take its restart path
         # on the first batch: that would re-run or fast-forward step N's validation, which the snapshot holds done.
         original = epoch_loop.on_run_start
@@ -487,33 +658,40 @@ class SnapshotCallback(Checkpoint):
             steps = [step] if step is not None else committed_steps(backend)[:1]
             return [(backend, s) for s in steps]
         found: list[tuple[int, int]] = []
+        unlisted: list[str] = []
         collective: dict[int, list[int]] = {}
         for i, tier in enumerate(self.tiers):
             steps_of = getattr(tier, "collective_steps", None)
-            if steps_of is not None:  # a node-local tier (RAM): what any node holds
+            if steps_of is not None and getattr(tier, "node_local", False):  # a node-local tier: what any node holds
                 collective[i] = steps_of(self._tier_comms[i] if self._tier_comms else LocalComm())
         if self._comm.rank == 0:
             for i, tier in enumerate(self.tiers):
                 try:
                     found += [(step, i) for step in (collective[i] if i in collective else committed_steps(tier))]
-                except Exception as e:  # noqa: BLE001 - an unreachable tier must not stop the others
+                except Exception as e:  # noqa: BLE001 - a tier that cannot be listed may hold the newest snapshot
                     redact = getattr(tier, "redact", str)
-                    warnings.warn(f"lightning-snapshot: cannot list the {tier.tier} tier {tier.url!r} to resume"
-                                  f" ({type(e).__name__}: {redact(str(e))}); looking in the other tiers",
-                                  stacklevel=2)
+                    detail = str(e) if isinstance(e, SnapshotError) else f"{type(e).__name__}: {redact(str(e))}"
+                    unlisted.append(f"cannot list the {tier.tier} tier {tier.url!r} to resume from it ({detail})")
             found.sort(key=lambda x: (-x[0], x[1]))
             if not isinstance(self.resume, bool):
                 found = [f for f in found if f[0] == self.resume][:1]
-        found = self._comm.broadcast(found)
+        found, problem = self._comm.broadcast((found, "; ".join(unlisted)))
+        if problem:
+            # it may hold the newest snapshot: starting from an older one or fresh could overwrite its history
+            raise TierUnavailableError(f"lightning-snapshot: {problem}. Fix access to the tier and run again, or pass"
+                                       " resume=False to start fresh without reading it (snapshots are still taken;"
+                                       " an object store never overwrites a committed step, so give it a new prefix"
+                                       " too)")
         return [(self.tiers[i], step) for step, i in found]
 
     def _read(self, backend: Backend, step: int, trainer: Any, pl_module: Any, live: Templates
               ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         restore = getattr(backend, "restore", None)
-        if restore is None:
+        if restore is None or not getattr(backend, "node_local", False):
             return self._read_tier(backend, step, trainer, pl_module, live)
-        # a node-local tier (RAM): the objects are made readable on every node first, a corrupted share found by the
-        # read is repaired from the others, and what the restore added is freed after (collective)
+        # a node-local tier (RAM, a local tier on each node's own disk): the objects are made readable on every node
+        # first (RAM: a corrupted share found by the read is repaired from the others), and what the restore added is
+        # freed after (collective)
         comm = self._tier_comms[self.tiers.index(backend)] if self._tier_comms else LocalComm()
         return restore(comm, step, lambda: self._read_tier(backend, step, trainer, pl_module, live))
 
@@ -560,6 +738,7 @@ class SnapshotCallback(Checkpoint):
             shared.update(late)
         if "loops" not in shared:
             raise SnapshotError(f"{where} holds no training state")
+        _fit_state.merge_param_groups(shared, where)  # the optimizer's groups as they were with the late state
         check_optimizers(trainer, shared, where)  # before anything is applied
         return shared, rank_state
 
@@ -777,17 +956,54 @@ class SnapshotCallback(Checkpoint):
                 self._finish(trainer)
         if self._inflight is not None:
             self._inflight = None
-        if self._persister is not None:
-            # fit returns once every snapshot is durable (or failed); tiers with a drain_timeout (object stores)
-            # are waited for that long at most
-            for tier in self._persister.drain():
-                warnings.warn(f"lightning-snapshot: the {tier.tier} tier {tier.url!r} did not finish its uploads within"
-                              f" drain_timeout={getattr(tier, 'drain_timeout', None)} s; the newest snapshots are in"
-                              " the other tiers", stacklevel=2)
+        # fit returns once every snapshot is durable (or failed); tiers with a drain_timeout (object stores) are
+        # waited for that long at most
+        late = self._persister.drain() if self._persister is not None else []
         self._collect_results(trainer.global_step)
+        for tier in late:
+            i = self.tiers.index(tier)
+            self._tier_problem.setdefault(i, f"its uploads did not finish within drain_timeout="
+                                             f"{getattr(tier, 'drain_timeout', None)} s"
+                                             f" (last error: {self._last_error(i) or 'none'})")
+            warnings.warn(f"lightning-snapshot: the {tier.tier} tier {tier.url!r} did not finish its uploads within"
+                          f" drain_timeout={getattr(tier, 'drain_timeout', None)} s; {self._holders()}", stacklevel=2)
         self._metrics.flush(trainer)
         if not self._comm.all_true(not (self._errors and self.on_error == "raise")):
             self._raise_background_error()
+        self._check_durable()
+
+    def _last_error(self, index: int) -> str | None:
+        return self._persister.last_error(index) if self._persister is not None else None
+
+    def _holders(self) -> str:
+        """Which tiers hold the last snapshot taken for a durable tier in this fit (from the results so far)."""
+        step = self._last_durable_due
+        held = [f"{t.tier} {t.url}" for i, t in enumerate(self.tiers) if self._committed.get(i, -1) >= (step or 0)]
+        return f"step {step} is held by {', '.join(held)}" if held else f"no tier holds step {step} yet"
+
+    def _check_durable(self) -> None:
+        """End of fit (collective): the last snapshot taken in this fit must be held by some durable tier; if it is
+        not, raise :class:`NotDurableError` (``on_error="raise"``) or log an error (``"warn"``), naming each durable
+        tier and why it does not hold it."""
+        step = self._last_durable_due
+        durable = [i for i, t in enumerate(self.tiers) if t.durable]
+        problem = None
+        if step is not None and durable and not any(self._committed.get(i, -1) >= step for i in durable):
+            why = "; ".join(f"the {self.tiers[i].tier} tier {self.tiers[i].url!r}: "
+                            + (self._tier_problem.get(i) or f"it was not given step {step}") for i in durable)
+            ram = [t.url for i, t in enumerate(self.tiers) if not t.durable and self._committed.get(i, -1) >= step]
+            only = f" Only the memory of the RAM tier holds it ({', '.join(ram)})." if ram else ""
+            problem = f"{why}.{only}"
+        message = self._agree_problem(problem)
+        if message is None:
+            return
+        text = (f"lightning-snapshot: the last snapshot of this fit (step {step}) is not durable: no durable tier"
+                f" holds it. {message} Fix the tier (see the reason), then rerun to resume from the newest snapshot"
+                " that is durable")
+        if self.on_error == "raise":
+            raise NotDurableError(text)
+        log.error("%s (on_error='warn': fit returns normally)", text)
+        warnings.warn(text, stacklevel=2)
 
     def _final_snapshot(self, trainer: Any, pl_module: Any, step: int) -> None:
         """Stage the state of the last step for every tier (synchronously: training is over)."""
@@ -823,8 +1039,9 @@ class SnapshotCallback(Checkpoint):
         unfinished = ended and not batches.is_last_batch and consumed < trainer.num_training_batches
         boundary = ended and not unfinished  # training ended with an epoch: the next starts from its beginning
         epoch = trainer.current_epoch - 1 if unfinished else trainer.current_epoch
+        # (at an epoch boundary only persistent loader workers carry something into the next epoch: their RNG)
         loaders = [
-            None if boundary else _data.position(dl, epoch, consumed)
+            _data.position(dl, epoch, 0, ended=True) if boundary else _data.position(dl, epoch, consumed)
             for dl in _data.flatten_loaders(trainer.train_dataloader)
         ]
         # a loader fetched ahead: its state before the first batch this snapshot has not consumed (fetch indices
@@ -874,6 +1091,8 @@ class SnapshotCallback(Checkpoint):
                 self._arena.release(shared.slot)
             self._handle(e, step)
             return
+        if any(self.tiers[i].durable for i in due):
+            self._last_durable_due = step  # (the end of fit checks that some durable tier holds it)
         # a tier whose queue is full (an object store in an outage) skips this snapshot; every rank agrees
         room = self._comm.all_true_each([self._persister.has_room(i) for i in due])
         accepted = [i for i, ok in zip(due, room) if ok]
@@ -881,9 +1100,13 @@ class SnapshotCallback(Checkpoint):
             if not ok:
                 self._tier_skipped[i] += 1
                 self._metrics.add(f"snapshot/{self._metric_names[i]}/skipped", self._tier_skipped[i])
+                self._tier_problem.setdefault(i, f"step {step} was skipped there: {self._persister.pending(i)}"
+                                                 " snapshot(s) still pending (max_pending)")
                 log.info("lightning-snapshot: step %d skipped for the %s tier %s: %d snapshot(s) still pending there",
                          step, self.tiers[i].tier, self.tiers[i].url, self._persister.pending(i))
         self._persister.submit(PersistJob(step, epoch, shared, private, [self.tiers[i] for i in accepted]), accepted)
+        for i in accepted:
+            self._submitted[i] = step
 
     def _collect_results(self, step: int) -> None:
         """Turn what the persist thread finished into metrics, and failures into warnings."""
@@ -892,10 +1115,12 @@ class SnapshotCallback(Checkpoint):
         while not self._persister.results.empty():
             r = self._persister.results.get_nowait()
             name = self._metric_names[self.tiers.index(r.tier)] if r.tier in self.tiers else r.tier.tier
+            index = self.tiers.index(r.tier) if r.tier in self.tiers else None
+            if r.error is not None and index is not None:
+                self._tier_problem[index] = f"step {r.step} failed: {r.error}"
             if r.abandoned:
                 warnings.warn(f"lightning-snapshot: gave up uploading step {r.step} to the {r.tier.tier} tier"
-                              f" {r.tier.url!r} at the end of training (drain_timeout); the other tiers hold it:"
-                              f" {r.error}", stacklevel=2)
+                              f" {r.tier.url!r} at the end of training (drain_timeout): {r.error}", stacklevel=2)
                 continue
             if r.error is not None:
                 self._failed += 1
@@ -906,12 +1131,16 @@ class SnapshotCallback(Checkpoint):
                               f" {r.tier.url!r} failed; {policy}: {r.error}", stacklevel=2)
                 continue
             self._committed[self.tiers.index(r.tier)] = r.step
+            self._tier_problem.pop(self.tiers.index(r.tier), None)
             self._metrics.add(f"snapshot/{name}/persist_ms", r.seconds * 1000)
             self._metrics.add(f"snapshot/{name}/throughput_MBps", r.nbytes / 1e6 / max(r.seconds, 1e-9))
             if r.stage_seconds is not None:
                 self._metrics.add("snapshot/stage_ms", r.stage_seconds * 1000)
-        for i, last in self._committed.items():
-            self._metrics.add(f"snapshot/{self._metric_names[i]}/lag_steps", step - last)
+        for i in self._submitted:  # (a tier that never committed in this fit lags from where the fit started)
+            self._metrics.add(f"snapshot/{self._metric_names[i]}/lag_steps",
+                              step - self._committed.get(i, self._fit_start_step))
+            if getattr(self.tiers[i], "retry_initial", None):
+                self._metrics.add(f"snapshot/{self._metric_names[i]}/retries", self._persister.retries(i))
 
     def _raise_background_error(self) -> None:
         errors, self._errors = self._errors, []
@@ -943,7 +1172,8 @@ class SnapshotCallback(Checkpoint):
                             " agent connection belong to this process) cannot be pickled; pickle it before"
                             " trainer.fit or after it returns")
         state = dict(self.__dict__)
-        for name in ("_comm", "_tier_comms", "_inflight", "_patched_loop", "_fetch_states"):
+        for name in ("_comm", "_tier_comms", "_inflight", "_patched_loop", "_patched_fit_loop", "_fetch_states",
+                     "_restored_fit_state"):
             state.pop(name, None)
         return state
 
@@ -953,4 +1183,6 @@ class SnapshotCallback(Checkpoint):
         self._tier_comms = []
         self._inflight = None
         self._patched_loop = None
+        self._patched_fit_loop = None
+        self._restored_fit_state = None
         self._fetch_states = {}

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from lightning_snapshot import compat as _compat
+from lightning_snapshot import fit_state as _fit_state
 from lightning_snapshot import tree as _tree
 from lightning_snapshot.errors import ManifestError, StateMismatchError
 from lightning_snapshot.staging import dtensor_box, is_dtensor, local_tensor
@@ -106,7 +107,9 @@ def capture_late(trainer: Any, pl_module: Any, loader_states: list[Any] | None =
         # what ReduceLROnPlateau, EarlyStopping and ModelCheckpoint read between validations
         "callback_metrics": {k: v for k, v in trainer.callback_metrics.items() if isinstance(v, torch.Tensor)},
         # the optimizer and scheduler classes and layout, checked before a restore applies anything
-        "lightning_snapshot": {"optimizers": _compat.describe(trainer)},
+        "lightning_snapshot": {"optimizers": _compat.describe(trainer),
+                               # parameter groups, trainable flags, accumulation, epoch metrics, checkpoint files
+                               "fit_state": _fit_state.capture(trainer, pl_module)},
     }
     for cb in trainer.callbacks:
         state = cb.state_dict()
@@ -340,13 +343,15 @@ def check_optimizers(trainer: Any, ckpt: dict[str, Any], where: str) -> None:
 
 
 def restore_shared(trainer: Any, pl_module: Any, ckpt: dict[str, Any], where: str,
-                   live: Templates | None = None) -> None:
+                   live: Templates | None = None, load_callbacks: bool = True) -> None:
     """Load the shared state into a trainer whose strategy is set up (optimizers exist): at ``on_fit_start``.
 
     Works across strategies: optimizer state stored by parameter index (DDP, single device) or by parameter name
     (ModelParallel) is re-keyed to what this strategy's optimizer uses. Under a sharded strategy ``live`` are the
     templates the state was read into (see :func:`restore_targets`), applied with ``set_model_state_dict`` and
-    ``set_optimizer_state_dict`` (Lightning's own loading hooks do nothing there).
+    ``set_optimizer_state_dict`` (Lightning's own loading hooks do nothing there). ``load_callbacks=False``: the
+    callbacks' states were loaded earlier (at ``setup``, before their ``on_fit_start``, as Lightning's own restore
+    does) and are not loaded again.
     """
     check_model(pl_module, ckpt.get("state_dict"), where)
     optimizer_states = ckpt.get("optimizer_states", [])
@@ -365,14 +370,12 @@ def restore_shared(trainer: Any, pl_module: Any, ckpt: dict[str, Any], where: st
             raise StateMismatchError(f"{where}: the state does not fit this model and optimizer: {e}") from e
     else:
         trainer.strategy.load_model_state_dict(ckpt, strict=True)
+    _fit_state.restore_trainable(pl_module, _fit_state.saved_state(ckpt))
     datamodule = trainer.datamodule
     if datamodule is not None and type(datamodule).__qualname__ in ckpt:
         datamodule.load_state_dict(ckpt[type(datamodule).__qualname__])
-    callback_states = ckpt.get("callbacks", {})
-    for cb in trainer.callbacks:
-        state = callback_states.get(cb.state_key)
-        if state:
-            cb.load_state_dict(state)
+    if load_callbacks:
+        _fit_state.load_callback_states(trainer, ckpt.get("callbacks", {}))
     precision_key = type(trainer.precision_plugin).__qualname__
     if precision_key in ckpt:
         trainer.precision_plugin.load_state_dict(ckpt[precision_key])

@@ -67,7 +67,8 @@ import torch
 
 from lightning_snapshot.errors import StateMismatchError
 
-__all__ = ["describe", "check", "schedulers_to_load", "reinstate_epoch_start_schedulers", "DESCRIPTION_VERSION"]
+__all__ = ["describe", "check", "schedulers_to_load", "reinstate_epoch_start_schedulers", "reinstate_swalr_after_averaging",
+           "DESCRIPTION_VERSION"]
 
 DESCRIPTION_VERSION = 1
 
@@ -497,5 +498,56 @@ def reinstate_epoch_start_schedulers(trainer: Any, pl_module: Any) -> list[str]:
         for opt, saved_groups in zip(trainer.optimizers, groups):
             for g, hyper in zip(_raw(opt).param_groups, saved_groups):
                 g.update(hyper)
+        ran.append(type(cb).__name__)
+    return ran
+
+
+def reinstate_swalr_after_averaging(trainer: Any, pl_module: Any) -> list[str]:
+    """Put back ``StochasticWeightAveraging``'s SWALR after a restore *past* its averaging epochs.
+
+    SWA creates SWALR (from its restored state) only in an epoch start within ``swa_start..swa_end``; a run restored
+    later (its BatchNorm-update epoch, or training past ``max_epochs`` raised) would end without SWALR in the
+    trainer's schedulers and without its state in SWA's ``state_dict``, where a run that never stopped keeps both.
+    This does what SWA's epoch start does for SWALR (private attributes of Lightning 2.x's SWA: ``_swa_lrs``,
+    ``_annealing_epochs``, ``_annealing_strategy``, ``_init_n_averaged``), loads its saved state, and sets the
+    optimizer's hyperparameters back to the restored ones (SWALR's constructor changes them).
+
+    Call it at ``on_train_start`` after any restore (within an epoch or at a boundary). Returns the names of the
+    callbacks it ran.
+    """
+    try:
+        from lightning.pytorch.callbacks import StochasticWeightAveraging
+        from lightning.pytorch.utilities.types import LRSchedulerConfig
+        from torch.optim.swa_utils import SWALR
+    except ImportError:  # pragma: no cover
+        return []
+    ran = []
+    for cb in getattr(trainer, "callbacks", []) or []:
+        if not isinstance(cb, StochasticWeightAveraging) or getattr(cb, "_initialized", True):
+            continue
+        state = getattr(cb, "_scheduler_state", None)
+        if state is None or getattr(cb, "_max_epochs", -1) == -1 or trainer.current_epoch <= cb.swa_end:
+            continue  # SWA never started, or its own epoch start creates SWALR
+        optimizer = trainer.optimizers[0]
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in _raw(optimizer).param_groups]
+        if isinstance(cb._swa_lrs, float):
+            cb._swa_lrs = [cb._swa_lrs] * len(optimizer.param_groups)
+        for lr, group in zip(cb._swa_lrs, optimizer.param_groups):
+            group["initial_lr"] = lr
+        scheduler = SWALR(optimizer, swa_lr=cb._swa_lrs, anneal_epochs=cb._annealing_epochs,
+                          anneal_strategy=cb._annealing_strategy,
+                          last_epoch=trainer.max_epochs if cb._annealing_strategy == "cos" else -1)
+        scheduler.load_state_dict(state)
+        cb._swa_scheduler = scheduler
+        cb._initialized = True
+        if cb.n_averaged is None:
+            cb.n_averaged = torch.tensor(cb._init_n_averaged, dtype=torch.long, device=pl_module.device)
+        config = LRSchedulerConfig(scheduler)
+        if trainer.lr_scheduler_configs:
+            trainer.lr_scheduler_configs[0] = config
+        else:
+            trainer.lr_scheduler_configs.append(config)
+        for g, hyper in zip(_raw(optimizer).param_groups, groups):
+            g.update(hyper)
         ran.append(type(cb).__name__)
     return ran

@@ -1,12 +1,21 @@
 """Ordinary Lightning setups for the exact-resume tests: validation with EarlyStopping and ModelCheckpoint,
-ReduceLROnPlateau, augmentation in the main process and in loader workers, an unsized stateful loader, manual
-optimization with two optimizers, bf16-mixed.
+ReduceLROnPlateau, augmentation in the main process and in loader workers (fresh or persistent workers, with
+Lightning's worker seeding from ``seed_everything(workers=True)`` or torch's own), an unsized stateful loader, manual
+optimization with two optimizers, bf16-mixed; and Lightning's own callbacks that change the training during fit:
+BackboneFinetuning (unfreezes the backbone and adds its parameter group at epoch 1), StochasticWeightAveraging
+(swaps in SWALR and averages from epoch 1; with BatchNorm it adds an epoch), LearningRateMonitor with OneCycleLR per
+step (logged through a CSVLogger), GradientAccumulationScheduler (1, 2, then 4 batches per step), EarlyStopping and
+ModelCheckpoint monitoring an epoch aggregate of a training metric, ModelCheckpoint(every_n_train_steps=3,
+save_top_k=2).
 
 Usage: python setups.py --setup NAME --dir SNAPDIR --out RESULT.pt [--crash-at S] [--every K] [--max-steps N]
 
 Writes everything a resumed run must reproduce to RESULT.pt (plain tensors, dicts, lists, numbers and strings, read
 back with weights_only=True): weights, optimizer states, scheduler states, every callback's state_dict, the
-checkpoint files ModelCheckpoint left, the validation steps and learning rates seen, the last batch trained.
+checkpoint files ModelCheckpoint left, the validation steps and learning rates seen, the last batch trained, which
+parameters are trainable, the gradient accumulation in force, and (setups with a logger) every value logged, by
+metric and step (the CSV rows a crashed run wrote after its snapshot are written again by the resumed run: the last
+row of a step counts).
 """
 
 from __future__ import annotations
@@ -21,7 +30,15 @@ import time
 import lightning as L
 import numpy as np
 import torch
-from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.callbacks import (
+    BackboneFinetuning,
+    EarlyStopping,
+    GradientAccumulationScheduler,
+    LearningRateMonitor,
+    ModelCheckpoint,
+    StochasticWeightAveraging,
+)
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
@@ -30,7 +47,10 @@ from lightning_snapshot.backends import LocalTier
 from lightning_snapshot.writer import committed_steps
 
 SETUPS = ("val-epoch", "val-interval", "plateau-epoch", "plateau-step", "aug-main", "aug-workers",
-          "aug-workers-persistent", "stateful-iterable", "manual-two-optimizers", "bf16-mixed")
+          "aug-workers-persistent", "aug-workers-plain", "stateful-iterable", "manual-two-optimizers", "bf16-mixed", "finetune", "swa",
+          "lr-monitor", "grad-accum", "early-stop-train", "ckpt-steps")
+#: Setups that log through a CSVLogger (the values logged are compared).
+LOGGED = ("lr-monitor", "early-stop-train")
 
 
 class Points(Dataset):
@@ -77,7 +97,12 @@ class Model(L.LightningModule):
     def __init__(self, setup: str) -> None:
         super().__init__()
         self.setup_name = setup
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
+        if setup == "finetune":  # BackboneFinetuning needs a ``backbone``
+            self.backbone = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU())
+            self.top = nn.Sequential(nn.Dropout(0.2), nn.Linear(16, 1))
+        else:
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2),
+                                     nn.Linear(16, 1))
         self.val_steps: list[int] = []
         self.lrs: list[float] = []
         self.last_batch = torch.zeros(0)
@@ -85,11 +110,17 @@ class Model(L.LightningModule):
             self.automatic_optimization = False
             self.head = nn.Linear(8, 1)
 
+    def forward(self, x):
+        if self.setup_name == "finetune":
+            return self.top(self.backbone(x))
+        return self.net(x)
+
     def training_step(self, batch, batch_idx):
         x, y = batch
         self.last_batch = x.detach().clone()
-        loss = nn.functional.mse_loss(self.net(x), y)
-        self.log("train_loss", loss)
+        loss = nn.functional.mse_loss(self(x), y)
+        # early-stop-train monitors the epoch mean ("train_loss_epoch"), accumulated over the epoch's steps
+        self.log("train_loss", loss, on_step=True, on_epoch=self.setup_name in ("early-stop-train", "lr-monitor"))
         if self.automatic_optimization:
             self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
             return loss
@@ -105,7 +136,7 @@ class Model(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
-        self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
+        self.log("val_loss", nn.functional.mse_loss(self(x), y))
 
     def on_validation_epoch_end(self):
         if not self.trainer.sanity_checking:
@@ -122,7 +153,13 @@ class Model(L.LightningModule):
         if self.setup_name == "manual-two-optimizers":
             return [torch.optim.AdamW(self.net.parameters(), lr=1e-2), torch.optim.SGD(self.head.parameters(), lr=0.1,
                                                                                        momentum=0.9)]
+        if self.setup_name == "finetune":
+            # the backbone is frozen (BackboneFinetuning.freeze_before_training) until the callback adds it
+            return torch.optim.AdamW(filter(lambda p: p.requires_grad, self.parameters()), lr=5e-2)
         opt = torch.optim.AdamW(self.parameters(), lr=5e-2)
+        if self.setup_name == "lr-monitor":
+            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=5e-2, total_steps=self.trainer.max_steps)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
         if self.setup_name == "plateau-epoch":
             sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5, threshold=10.0)
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "monitor": "val_loss", "interval": "epoch"}}
@@ -182,6 +219,24 @@ def plain(obj):
     return repr(obj)
 
 
+def logged(path: str) -> dict[str, float]:
+    """``{"METRIC@STEP": value}`` of a CSVLogger's metrics file (the last row of a step wins: a resumed run writes the
+    steps after its snapshot again); {} without one."""
+    if not os.path.exists(path):
+        return {}
+    import csv
+
+    out: dict[str, float] = {}
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            step = row.pop("step", "")
+            for key, value in row.items():
+                # (lightning-snapshot's own metrics are timings and byte counts, not training results)
+                if value not in ("", None) and not key.startswith(("snapshot/", "restore/")):
+                    out[f"{key}@{step}"] = float(value)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--setup", choices=SETUPS, required=True)
@@ -195,7 +250,9 @@ def main() -> None:
     global ROOT
     ROOT = os.path.abspath(a.dir)
 
-    L.seed_everything(42, workers=True, verbose=False)
+    # aug-workers-plain: what a new user writes, no worker seeding of Lightning's (torch seeds each worker from the
+    # loader's base seed, numpy and python included)
+    L.seed_everything(42, workers=a.setup != "aug-workers-plain", verbose=False)
     setup = a.setup
     model = Model(setup)
     workers = 2 if setup.startswith("aug-workers") else 0
@@ -204,7 +261,8 @@ def main() -> None:
 
         train = StatefulDataLoader(Stream(), batch_size=4)
     else:
-        train = DataLoader(Points(augment=setup.startswith("aug-")), batch_size=4, shuffle=os.environ.get("SETUPS_SHUFFLE", "1") == "1", num_workers=workers,
+        train = DataLoader(Points(augment=setup.startswith("aug-")), batch_size=4,
+                           shuffle=os.environ.get("SETUPS_SHUFFLE", "1") == "1", num_workers=workers,
                            persistent_workers=setup == "aug-workers-persistent")
     val = DataLoader(Points(16, seed=1), batch_size=8)
     ckpt_dir = os.path.join(ROOT, "ckpts")
@@ -220,6 +278,28 @@ def main() -> None:
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, monitor="val_loss", save_top_k=2))
     else:
         trainer_kw["limit_val_batches"] = 0
+    max_steps, max_epochs = a.max_steps, -1
+    if setup == "finetune":
+        callbacks.append(BackboneFinetuning(unfreeze_backbone_at_epoch=1))
+    elif setup == "swa":
+        # SWA needs max_epochs: epochs 1 and 2 average (SWALR anneals over one epoch), epoch 3 updates BatchNorm
+        callbacks.append(StochasticWeightAveraging(swa_lrs=1e-2, swa_epoch_start=1, annealing_epochs=1))
+        max_steps, max_epochs = -1, 3
+    elif setup == "lr-monitor":
+        callbacks.append(LearningRateMonitor(logging_interval="step", log_momentum=True))
+    elif setup == "grad-accum":
+        callbacks.append(GradientAccumulationScheduler({0: 1, 1: 2, 2: 4}))
+    elif setup == "early-stop-train":
+        # stops at the end of epoch 1 (no improvement by 10); the epoch mean is in ModelCheckpoint's scores
+        callbacks.append(EarlyStopping(monitor="train_loss_epoch", patience=1, min_delta=10.0))
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, monitor="train_loss_epoch", save_top_k=2))
+    elif setup == "ckpt-steps":
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, monitor="train_loss", save_top_k=2))
+    if setup in LOGGED:
+        trainer_kw["logger"] = CSVLogger(ROOT, name="logs", version=0, flush_logs_every_n_steps=1)
+        trainer_kw["log_every_n_steps"] = 1
+    else:
+        trainer_kw["logger"] = False
     if setup == "bf16-mixed":
         trainer_kw["precision"] = "bf16-mixed"
     tier = LocalTier(os.path.join(a.dir, "snaps"), every_n_train_steps=a.every, keep_last=2)
@@ -229,8 +309,8 @@ def main() -> None:
         callbacks.append(Crash(a.crash_at, tier))
     if a.sigterm_at >= 0:
         callbacks.append(Preempt(a.sigterm_at))
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=a.max_steps, max_epochs=-1, callbacks=callbacks,
-                        logger=False, enable_progress_bar=False, enable_model_summary=False, deterministic=True,
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, max_epochs=max_epochs, callbacks=callbacks,
+                        enable_progress_bar=False, enable_model_summary=False, deterministic=True,
                         num_sanity_val_steps=0, **trainer_kw)
     trainer.fit(model, train, val)
     result = {
@@ -246,6 +326,9 @@ def main() -> None:
         "lrs": list(model.lrs),
         "last_batch": plain(model.last_batch),
         "rng": torch.get_rng_state(),
+        "trainable": {n: p.requires_grad for n, p in model.named_parameters()},
+        "accumulate_grad_batches": trainer.accumulate_grad_batches,
+        "logged": logged(os.path.join(ROOT, "logs", "version_0", "metrics.csv")),
     }
     torch.save(result, a.out)
     if snapshot.restored_from is not None:

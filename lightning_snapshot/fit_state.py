@@ -1,0 +1,308 @@
+"""Training state that Lightning's checkpoints leave out, and that callbacks change during fit.
+
+A snapshot of step N holds the weights and optimizer state of ``on_train_batch_end`` (N) and the rest of the state
+as it is right before step N+1 (:func:`lightning_snapshot.capture.capture_late`). Between those two points Lightning
+and its callbacks change more than loops, callbacks and schedulers. This module captures that, at the late point,
+and applies it on restore:
+
+* **the optimizers' parameter groups** (:func:`merge_param_groups`): hyperparameters change after
+  ``on_train_batch_end`` (epoch-end and plateau scheduler steps, ``StochasticWeightAveraging``'s SWALR), and
+  ``BackboneFinetuning`` adds a group when it unfreezes. The groups taken late replace those of the early optimizer
+  state, so that optimizer, scheduler and callback states agree.
+* **which parameters are trainable** (``requires_grad``) and whether BatchNorm layers track running statistics
+  (:func:`restore_trainable`): ``BaseFinetuning`` freezes the backbone in ``setup`` and unfreezes it at an epoch
+  start; after a restore Lightning's own resume leaves the unfrozen parameters frozen (Lightning issue #21901).
+* **the gradient accumulation in force** (``trainer.accumulate_grad_batches``; ``GradientAccumulationScheduler``
+  sets it at each epoch start, which a resume within an epoch does not run again).
+* **the epoch aggregates of logged training metrics** (``self.log(..., on_epoch=True)`` in ``training_step``):
+  the accumulated value and batch count of every tensor metric of the training ``_ResultCollection``, so that the
+  epoch mean after a resume within an epoch includes the steps before it (``train_loss_epoch`` monitored by
+  EarlyStopping or ModelCheckpoint). Values logged as ``torchmetrics.Metric`` objects keep their state in the
+  module (not here).
+* **gradients, only where Lightning reuses them**: ``StochasticWeightAveraging``'s BatchNorm-update epoch (the
+  epoch after the last averaging epoch, when the model has BatchNorm layers) skips ``zero_grad`` and backward, and
+  its one optimizer step applies the gradients left by the last step before it. A snapshot taken right before that
+  epoch holds those gradients (:func:`restore_grads`); no other snapshot holds gradients.
+* **the checkpoint files of every ModelCheckpoint** (:func:`prune_checkpoints`): a file written after the snapshot
+  by the interrupted run is written again by the resumed run (same step, same name), and would otherwise stay
+  behind as an untracked duplicate (or make ModelCheckpoint save a ``-v1`` copy).
+
+Everything is tensors and plain values (no pickle); private Lightning attributes used are named where they are read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from lightning_snapshot.errors import StateMismatchError
+
+__all__ = ["capture", "saved_state", "restore_grads", "merge_param_groups", "restore_trainable", "restore_in_epoch", "prune_checkpoints",
+           "load_callback_states"]
+
+log = logging.getLogger(__name__)
+
+_RESULT_FLAGS = ("prog_bar", "logger", "on_step", "on_epoch", "enable_graph", "add_dataloader_idx")
+_REDUCTIONS = ("mean", "sum", "max", "min")
+
+
+def _raw(opt: Any) -> Any:
+    return getattr(opt, "_optimizer", opt)  # a LightningOptimizer wraps the torch optimizer
+
+
+# ------------------------------------------------------------------------------------------------- capture
+def capture(trainer: Any, pl_module: Any) -> dict[str, Any]:
+    """This state of the trainer, at the late capture point (right before the next batch is fetched, or between
+    epochs). Cheap: no tensor is copied here (the caller stages the result)."""
+    names = {id(p): n for n, p in pl_module.named_parameters()}
+    return {
+        "param_groups": [_param_groups(_raw(opt), names) for opt in trainer.optimizers],
+        "trainable": {n: bool(p.requires_grad) for n, p in pl_module.named_parameters()},
+        "track_running_stats": {n: bool(m.track_running_stats) for n, m in pl_module.named_modules()
+                                if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)},
+        "accumulate_grad_batches": int(trainer.accumulate_grad_batches),
+        "train_results": _train_results(trainer),
+        "logger_connector": _logger_connector_state(trainer),
+        "checkpoint_files": _checkpoint_files(trainer),
+        "grads": _reused_grads(trainer, pl_module),
+    }
+
+
+def _reused_grads(trainer: Any, pl_module: Any) -> dict[str, torch.Tensor]:
+    """The gradients the next epoch's optimizer step reuses without computing new ones: before the BatchNorm-update
+    epoch of ``StochasticWeightAveraging`` (its private ``_model_contains_batch_norm`` and ``_max_epochs``, set in
+    its ``on_fit_start``); {} otherwise."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    epoch = trainer.current_epoch
+    if not any(isinstance(cb, StochasticWeightAveraging) and getattr(cb, "_model_contains_batch_norm", False)
+               and getattr(cb, "_max_epochs", -1) != -1 and epoch == cb.swa_end + 1 for cb in trainer.callbacks):
+        return {}
+    return {n: p.grad for n, p in pl_module.named_parameters() if p.grad is not None}
+
+
+def _param_groups(opt: Any, names: dict[int, str]) -> list[dict[str, Any]]:
+    """The optimizer's groups: hyperparameters and the names of their parameters, in the optimizer's order."""
+    return [{"hyper": {k: v for k, v in g.items() if k not in ("params", "param_names")},
+             "names": [names.get(id(p), "") for p in g["params"]]} for g in opt.param_groups]
+
+
+def _train_results(trainer: Any) -> list[dict[str, Any]]:
+    """The tensor metrics the training loop has accumulated in this epoch (Lightning's ``_ResultCollection``)."""
+    results = getattr(trainer.fit_loop.epoch_loop, "_results", None)  # private: the training ResultCollection
+    out: list[dict[str, Any]] = []
+    for key, metric in (results or {}).items():
+        meta = getattr(metric, "meta", None)
+        if meta is None or not getattr(metric, "is_tensor", False) or metric.has_reset:
+            continue
+        reduce = getattr(meta.reduce_fx, "__name__", "")
+        if reduce not in _REDUCTIONS:
+            continue
+        sync = meta._sync
+        entry: dict[str, Any] = {
+            "key": key, "fx": meta.fx, "name": meta.name, "reduce_fx": reduce,
+            "dataloader_idx": meta.dataloader_idx, "metric_attribute": meta.metric_attribute,
+            "sync_dist": bool(sync is not None and sync._should),
+            "rank_zero_only": bool(sync is not None and sync.rank_zero_only),
+            "value": metric.value,
+            "cumulated_batch_size": getattr(metric, "cumulated_batch_size", None) if meta.is_mean_reduction else None,
+            "forward_cache": metric._forward_cache if isinstance(metric._forward_cache, torch.Tensor) else None,
+            "update_count": int(getattr(metric, "_update_count", 0)),
+        }
+        entry.update({flag: bool(getattr(meta, flag)) for flag in _RESULT_FLAGS})
+        out.append(entry)
+    return out
+
+
+def _logger_connector_state(trainer: Any) -> dict[str, Any]:
+    """Whether the next ``self.log`` of a hook resets that hook's accumulated metrics (Lightning's logger connector
+    resets them at the first batch of an epoch and after a validation: its private ``_first_loop_iter`` and
+    ``_current_fx``)."""
+    connector = trainer._logger_connector
+    first = getattr(connector, "_first_loop_iter", None)
+    fx = getattr(connector, "_current_fx", None)
+    return {"first_loop_iter": first if isinstance(first, bool) else None, "current_fx": fx if isinstance(fx, str)
+            else None}
+
+
+def _model_checkpoints(trainer: Any) -> list[Any]:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    return [cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]
+
+
+def _local_dir(cb: Any) -> str | None:
+    dirpath = getattr(cb, "dirpath", None)
+    if not dirpath or "://" in str(dirpath):
+        return None  # remote checkpoint directories are left alone
+    return str(dirpath)
+
+
+def _checkpoint_files(trainer: Any) -> dict[str, list[str]]:
+    """Per ModelCheckpoint (by state key): the checkpoint files in its local directory now (global rank 0 only,
+    which is the rank that writes them)."""
+    if getattr(trainer, "global_rank", 0) != 0:
+        return {}
+    out: dict[str, list[str]] = {}
+    for cb in _model_checkpoints(trainer):
+        dirpath = _local_dir(cb)
+        if dirpath is None:
+            continue
+        try:
+            out[cb.state_key] = sorted(f for f in os.listdir(dirpath) if f.endswith(cb.FILE_EXTENSION))
+        except FileNotFoundError:
+            out[cb.state_key] = []
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- restore
+def saved_state(ckpt: Any) -> dict[str, Any]:
+    """What :func:`capture` stored in a restored snapshot (``ckpt["lightning_snapshot"]["fit_state"]``); {} in
+    snapshots of older versions."""
+    own = ckpt.get("lightning_snapshot") if isinstance(ckpt, dict) else None
+    state = own.get("fit_state") if isinstance(own, dict) else None
+    return state if isinstance(state, dict) else {}
+
+
+def merge_param_groups(ckpt: dict[str, Any], where: str) -> None:
+    """Replace the parameter groups of the snapshot's (early) optimizer states with those taken late, in place.
+
+    The early state keys its parameters by position (DDP, single device) or by name (sharded strategies), in group
+    order; a callback adds groups at the end (``BaseFinetuning``). A late parameter at a position the early state
+    has takes the early key; one beyond takes its position (or, for name-keyed state, its name). Snapshots without
+    late groups (older versions) are left as they are.
+    """
+    late = saved_state(ckpt).get("param_groups")
+    states = ckpt.get("optimizer_states")
+    if not isinstance(late, list) or not isinstance(states, list) or len(late) != len(states):
+        return  # (the optimizer check reports a different count)
+    for i, (state, groups) in enumerate(zip(states, late)):
+        early = state.get("param_groups") if isinstance(state, dict) else None
+        if not isinstance(early, list) or not isinstance(groups, list):
+            continue
+        keys = [k for g in early if isinstance(g, dict) for k in g.get("params", [])]
+        by_index = all(isinstance(k, int) for k in keys)
+        position = 0
+        merged = []
+        for g in groups:
+            if not isinstance(g, dict) or not isinstance(g.get("hyper"), dict) or not isinstance(g.get("names"), list):
+                raise StateMismatchError(f"{where}: the parameter groups of optimizer {i} are malformed")
+            params = []
+            for name in g["names"]:
+                params.append(keys[position] if position < len(keys) else (position if by_index else name))
+                position += 1
+            merged.append({**g["hyper"], "params": params})
+        state["param_groups"] = merged
+
+
+def restore_trainable(pl_module: Any, saved: dict[str, Any] | None) -> None:
+    """Set ``requires_grad`` of the parameters and ``track_running_stats`` of the BatchNorm layers as captured."""
+    if not isinstance(saved, dict):
+        return
+    trainable = saved.get("trainable")
+    if isinstance(trainable, dict):
+        for name, param in pl_module.named_parameters():
+            if name in trainable and param.requires_grad != bool(trainable[name]):
+                param.requires_grad_(bool(trainable[name]))
+    tracking = saved.get("track_running_stats")
+    if isinstance(tracking, dict):
+        for name, module in pl_module.named_modules():
+            if name in tracking and isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+                module.track_running_stats = bool(tracking[name])
+
+
+def restore_grads(pl_module: Any, saved: dict[str, Any] | None) -> None:
+    """Set the gradients a snapshot holds (see the module docstring) on the parameters of the same name."""
+    grads = saved.get("grads") if isinstance(saved, dict) else None
+    if not isinstance(grads, dict) or not grads:
+        return
+    for name, param in pl_module.named_parameters():
+        grad = grads.get(name)
+        if isinstance(grad, torch.Tensor):
+            param.grad = grad.to(device=param.device, dtype=param.dtype).reshape(param.shape)
+
+
+def restore_in_epoch(trainer: Any, saved: dict[str, Any] | None) -> None:
+    """After a restore *within* an epoch (at ``on_train_start``, after every other callback's): the gradient
+    accumulation in force and the epoch's accumulated training metrics."""
+    if not isinstance(saved, dict):
+        return
+    accumulate = saved.get("accumulate_grad_batches")
+    if isinstance(accumulate, int) and accumulate >= 1:
+        trainer.accumulate_grad_batches = accumulate
+    entries = saved.get("train_results")
+    if isinstance(entries, list) and entries:
+        _restore_train_results(trainer, entries)
+    connector = saved.get("logger_connector")
+    if isinstance(connector, dict):
+        trainer._logger_connector._first_loop_iter = connector.get("first_loop_iter")
+        trainer._logger_connector._current_fx = connector.get("current_fx")
+
+
+def _restore_train_results(trainer: Any, entries: list[dict[str, Any]]) -> None:
+    results = trainer.fit_loop.epoch_loop._results  # private: the training ResultCollection
+    for e in entries:
+        value = e.get("value")
+        if not isinstance(value, torch.Tensor) or e.get("reduce_fx") not in _REDUCTIONS:
+            continue
+        # Lightning's own log call makes the metric exactly as training_step's self.log makes it (its metadata must
+        # match at the next self.log); its accumulated state is then set to the saved one
+        results.log(e["fx"], e["name"], value.clone(), reduce_fx=getattr(torch, e["reduce_fx"]),
+                    sync_dist=e["sync_dist"], sync_dist_fn=trainer.strategy.reduce, batch_size=1,
+                    metric_attribute=e["metric_attribute"], rank_zero_only=e["rank_zero_only"],
+                    **{flag: e[flag] for flag in _RESULT_FLAGS})
+        metric = results.get(e["key"])
+        if metric is None:
+            log.debug("lightning-snapshot: logged metric %s not restored (key %s)", e["name"], e["key"])
+            continue
+        metric.value = value
+        if isinstance(e.get("cumulated_batch_size"), torch.Tensor):
+            metric.cumulated_batch_size = e["cumulated_batch_size"]
+        metric._forward_cache = e.get("forward_cache")
+        metric._update_count = int(e.get("update_count", 1))
+        metric._computed = None
+        metric.has_reset = False
+
+
+def prune_checkpoints(trainer: Any, saved: dict[str, Any] | None, step: int) -> list[str]:
+    """Delete the checkpoint files each ModelCheckpoint's local directory gained after the snapshot was taken (the
+    interrupted run wrote them after step ``step``; the resumed run writes them again), unless the restored
+    ModelCheckpoint state names them. Global rank 0 only. Returns the paths removed."""
+    files = saved.get("checkpoint_files") if isinstance(saved, dict) else None
+    if not isinstance(files, dict) or getattr(trainer, "global_rank", 0) != 0:
+        return []
+    removed: list[str] = []
+    for cb in _model_checkpoints(trainer):
+        before = files.get(cb.state_key)
+        dirpath = _local_dir(cb)
+        if not isinstance(before, list) or dirpath is None or not os.path.isdir(dirpath):
+            continue
+        known = {os.path.basename(str(p)) for p in (*cb.best_k_models, cb.last_model_path, cb.best_model_path) if p}
+        for name in sorted(os.listdir(dirpath)):
+            if name.endswith(cb.FILE_EXTENSION) and name not in before and name not in known:
+                path = os.path.join(dirpath, name)
+                if os.path.isfile(path):
+                    os.remove(path)
+                    removed.append(path)
+    if removed:
+        log.info("lightning-snapshot: removed %d checkpoint file(s) the interrupted run wrote after step %d (the"
+                 " resumed run writes them again): %s", len(removed), step, ", ".join(removed))
+    return removed
+
+
+def load_callback_states(trainer: Any, states: Any, exclude: Any = None) -> int:
+    """Load each callback's saved state (by state key), as Lightning's restore does; returns how many were loaded."""
+    if not isinstance(states, dict):
+        return 0
+    loaded = 0
+    for cb in trainer.callbacks:
+        if cb is exclude:
+            continue
+        state = states.get(cb.state_key)
+        if state:
+            cb.load_state_dict(state)
+            loaded += 1
+    return loaded

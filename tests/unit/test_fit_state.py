@@ -1,0 +1,70 @@
+"""lightning_snapshot.fit_state: the late parameter groups replace the early ones (a group added by a callback after
+``on_train_batch_end`` included), and the merged state loads into the optimizer as the callback left it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_snapshot import fit_state
+from lightning_snapshot.errors import StateMismatchError
+
+
+def _late(groups: list[tuple[dict, list[str]]]) -> dict:
+    return {"lightning_snapshot": {"fit_state": {"param_groups": [[{"hyper": h, "names": n} for h, n in groups]]}}}
+
+
+def test_a_group_added_after_the_early_capture_is_in_the_merged_state():
+    head, backbone = torch.nn.Linear(2, 1), torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(head.parameters(), lr=0.1)
+    head(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    early = opt.state_dict()  # at on_train_batch_end: one group
+    # at the epoch start that follows: the scheduler lowered the lr, a callback added the backbone's group
+    opt.param_groups[0]["lr"] = 0.05
+    opt.add_param_group({"params": list(backbone.parameters()), "lr": 0.01})
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    ckpt = {"optimizer_states": [early], **_late([(hyper[0], ["head.weight", "head.bias"]),
+                                                   (hyper[1], ["backbone.weight", "backbone.bias"])])}
+    fit_state.merge_param_groups(ckpt, "test")
+    merged = ckpt["optimizer_states"][0]
+    assert [g["params"] for g in merged["param_groups"]] == [[0, 1], [2, 3]]
+    assert [g["lr"] for g in merged["param_groups"]] == [0.05, 0.01]
+    assert set(merged["state"]) == {0, 1}  # only the head has state yet
+    # loads into an optimizer set up the way the callback re-adds its group on resume
+    fresh = torch.optim.AdamW(head.parameters(), lr=0.1)
+    fresh.add_param_group({"params": list(backbone.parameters()), "lr": 0.5})
+    fresh.load_state_dict(merged)
+    assert [g["lr"] for g in fresh.param_groups] == [0.05, 0.01]
+    assert torch.equal(fresh.state[head.weight]["exp_avg"], opt.state[head.weight]["exp_avg"])
+
+
+def test_name_keyed_state_keeps_its_names_and_names_the_added_parameters():
+    early = {"state": {"a": {}}, "param_groups": [{"lr": 1.0, "params": ["a"]}]}
+    ckpt = {"optimizer_states": [early], **_late([({"lr": 0.5}, ["a"]), ({"lr": 0.1}, ["b"])])}
+    fit_state.merge_param_groups(ckpt, "test")
+    assert ckpt["optimizer_states"][0]["param_groups"] == [{"lr": 0.5, "params": ["a"]},
+                                                           {"lr": 0.1, "params": ["b"]}]
+
+
+def test_older_snapshots_without_late_groups_are_left_as_they_are():
+    early = {"state": {}, "param_groups": [{"lr": 1.0, "params": [0]}]}
+    ckpt = {"optimizer_states": [early], "lightning_snapshot": {"optimizers": {}}}
+    fit_state.merge_param_groups(ckpt, "test")
+    assert ckpt["optimizer_states"][0]["param_groups"] == [{"lr": 1.0, "params": [0]}]
+
+
+def test_malformed_late_groups_are_refused_with_the_optimizer_named():
+    ckpt = {"optimizer_states": [{"state": {}, "param_groups": [{"params": [0]}]}],
+            **_late([({"lr": 1.0}, ["a"])])}
+    ckpt["lightning_snapshot"]["fit_state"]["param_groups"][0][0]["names"] = "a"
+    with pytest.raises(StateMismatchError, match="parameter groups of optimizer 0 are malformed"):
+        fit_state.merge_param_groups(ckpt, "test")
+
+
+def test_trainable_flags_and_batchnorm_tracking_are_restored():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    saved = {"trainable": {"0.weight": False, "0.bias": True}, "track_running_stats": {"1": False}}
+    fit_state.restore_trainable(model, saved)
+    assert [p.requires_grad for p in model[0].parameters()] == [False, True]
+    assert model[1].track_running_stats is False
