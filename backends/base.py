@@ -11,10 +11,12 @@ import abc
 import datetime as _dt
 import functools
 import importlib
+import os
+import uuid
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
-from lightning_snapshot.errors import ConfigError
+from lightning_snapshot.errors import ConfigError, TierUnavailableError
 
 __all__ = ["Backend", "DEFAULT_EVERY_N_TRAIN_STEPS", "DEFAULT_KEEP_LAST"]
 
@@ -43,6 +45,8 @@ class Backend(abc.ABC):
     tier: ClassVar[str] = "backend"
     #: Whether data survives the loss of the training process and the node's memory.
     durable: ClassVar[bool] = True
+    #: What to do when :meth:`check` finds the tier unusable (the end of its error message).
+    check_hint: ClassVar[str] = "fix the tier's location or permissions, or remove it from the tiers"
     #: How many ``read_into`` calls the engine may make at once, from different threads (restores read large
     #: snapshots in parallel where the backend allows it; 1: one call at a time).
     parallel_reads: ClassVar[int] = 1
@@ -221,3 +225,32 @@ class Backend(abc.ABC):
         """Whether the object ``key`` exists."""
         parent, _, name = key.rpartition("/")
         return name in self.list(parent)
+
+    def require_exists(self) -> None:
+        """Check that the tier itself exists, for callers that only read (``load_snapshot``, the CLI).
+
+        Creates nothing. The default accepts every tier; tiers that can tell a missing root from an empty one say so.
+
+        Raises:
+            SnapshotNotFoundError: the tier's root does not exist; the message names it and the likely fix.
+        """
+
+    # ------------------------------------------------------------------------------------------- start
+    def check(self) -> None:
+        """Check that this process can write to the tier: write a small probe object and delete it.
+
+        Called by the callback at ``setup`` on every rank (each rank writes its own objects), before training, for
+        every durable tier. The probe's name starts with a dot, so a probe left by a crash is never listed.
+
+        Raises:
+            TierUnavailableError: naming the tier (never its credentials), what failed and :attr:`check_hint`.
+        """
+        key = f".lightning-snapshot-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            self.write(key, [b"lightning-snapshot probe"])
+            self.delete(key)
+        except TierUnavailableError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure makes the tier unusable; translated here
+            raise TierUnavailableError(f"the {self.tier} tier {self.url!r} cannot be written (probe object {key!r}):"
+                                       f" {e}. {self.check_hint}") from e

@@ -10,16 +10,29 @@ import mmap
 import os
 import shutil
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any, TypeVar
 
 from lightning_snapshot.backends.base import DEFAULT_KEEP_LAST, Backend
-from lightning_snapshot.errors import ConfigError, SnapshotWriteError, StorageFullError, UnsafePathError
+from lightning_snapshot.errors import (
+    ConfigError,
+    SnapshotError,
+    SnapshotNotFoundError,
+    SnapshotWriteError,
+    StorageFullError,
+    UnsafePathError,
+)
 from lightning_snapshot.manifest import validate_key
 
-__all__ = ["LocalTier"]
+__all__ = ["LocalTier", "NODE_RANK_PLACEHOLDER"]
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+#: The placeholder a path may hold for the node's rank (``/nvme/snap/run-42`` on every node, or
+#: ``/shared/snap/node{node_rank}`` to give each node its own directory, e.g. in a one-machine simulation).
+NODE_RANK_PLACEHOLDER = "{node_rank}"
 
 _PAGE = 4096
 _IO_CHUNK = 64 << 20
@@ -51,6 +64,81 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         view = view[n:]
 
 
+def _map_new(path: Path, size: int, mode: int = 0o600) -> mmap.mmap | None:
+    """A new file of ``size`` bytes (permissions ``mode``), mapped writable (None for an empty one)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    try:
+        os.ftruncate(fd, size)
+        return mmap.mmap(fd, size) if size else None
+    finally:
+        os.close(fd)
+
+
+def _map_existing(path: Path, write: bool = True) -> mmap.mmap | None:
+    fd = os.open(path, (os.O_RDWR if write else os.O_RDONLY) | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        if not size:
+            return None
+        return mmap.mmap(fd, size, access=mmap.ACCESS_WRITE if write else mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+
+
+def _close(mm: mmap.mmap | None) -> None:
+    if mm is None:
+        return
+    try:
+        mm.close()
+    except BufferError:  # a tensor still views it: the mapping goes with the last reference
+        pass
+
+
+def exchange(group: Any, sends: list[tuple[mmap.mmap | None, int]],
+             receives: list[tuple[mmap.mmap | None, int]]) -> None:
+    """Send and receive whole mapped files over the gloo ``group`` (``(map, peer's global rank)``; None: an empty
+    file), all posted at once, in list order per peer; every map is closed after, also on failure."""
+    import torch.distributed as dist
+
+    works = []
+    try:
+        for mm, peer in sends:
+            if mm is not None:
+                works.append(dist.isend(_as_tensor(mm), peer, group=group))
+        for mm, peer in receives:
+            if mm is not None:
+                works.append(dist.irecv(_as_tensor(mm), peer, group=group))
+        for w in works:
+            w.wait()
+    finally:
+        works.clear()
+        for mm, _peer in sends + receives:
+            _close(mm)
+
+
+def _as_tensor(buf: mmap.mmap | memoryview) -> Any:
+    """A uint8 tensor over ``buf`` (no copy). A read-only buffer is only ever sent, never written into."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(buf, dtype=torch.uint8)
+
+
+def _needed_objects(manifest: Any, world_size: int) -> set[str]:
+    """The objects a restore into ``world_size`` ranks reads: those of the shared tensors, and those of the rank
+    sections it restores (every rank's at the same world size; at another, rank 0's, for the data position)."""
+    ranks = range(world_size) if manifest.world_size == world_size else [0]
+    entries = list(manifest.tensors)
+    for r in ranks:
+        section = manifest.rank_section(r)
+        if section is not None:
+            entries += section.tensors
+    return {f.object for t in entries for f in t.fragments}
+
+
 class LocalTier(Backend):
     """Snapshots as files on a local filesystem (node-local NVMe, or any POSIX path).
 
@@ -58,11 +146,22 @@ class LocalTier(Backend):
     and moved into place with ``os.replace``, then the directory is fsynced. A step without a manifest does not
     exist for the loader.
 
-    Args:
-        path: the tier's root directory (created if missing). ``~`` is expanded.
-        every_n_train_steps, train_time_interval, keep_last: see :class:`~lightning_snapshot.backends.base.Backend`.
+    In a multi-node job the directory may be shared by all nodes (a network filesystem) or *node-local* (each node's
+    own disk). Node-local: every node holds its own ranks' data objects and a copy of the manifest; the commit is
+    agreed over the process group (every rank's data written, then every node commits the same manifest), and a
+    restore fetches the objects a node lacks from the nodes that hold them, over the process group (see
+    :meth:`restore`). Which one it is, is detected when training starts (each node writes a probe file and the ranks
+    compare what they see) unless ``node_local`` says so.
 
-    URL form: ``"/path?every=100&keep=3&interval=600"`` or ``"file:///path?..."``.
+    Args:
+        path: the tier's root directory (created if missing). ``~`` is expanded; ``{node_rank}`` is replaced by the
+            node's rank (each node its own directory: node-local; ``NODE_RANK`` or 0 until training binds it).
+        every_n_train_steps, train_time_interval, keep_last: see :class:`~lightning_snapshot.backends.base.Backend`.
+        node_local: ``None`` (default): detect at the start of training; ``True``: each node has its own directory;
+            ``False``: one directory shared by all nodes.
+
+    URL form: ``"/path?every=100&keep=3&interval=600&node_local=auto"`` or ``"file:///path?..."``
+    (``node_local`` is ``auto``, ``true`` or ``false``).
     """
 
     tier = "local"
@@ -70,6 +169,8 @@ class LocalTier(Backend):
     #: Permissions of the files the tier creates.
     file_mode = 0o644
     parallel_reads = 4
+    check_hint = ("Choose a path that is (or can be created as) a directory this process may write: check the"
+                  " permissions, that no part of the path is a file, and that the filesystem is mounted read-write")
 
     def __init__(
         self,
@@ -77,20 +178,33 @@ class LocalTier(Backend):
         every_n_train_steps: int | None = None,
         train_time_interval: _dt.timedelta | float | None = None,
         keep_last: int | None = DEFAULT_KEEP_LAST,
+        *,
+        node_local: bool | None = None,
     ) -> None:
         super().__init__(
             every_n_train_steps=every_n_train_steps, train_time_interval=train_time_interval, keep_last=keep_last
         )
         if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
             raise ConfigError(f"LocalTier path must be a non-empty path, got {path!r}")
-        self.root = Path(os.path.expanduser(os.fspath(path))).absolute()
+        if node_local is not None and not isinstance(node_local, bool):
+            raise ConfigError(f"LocalTier node_local must be True, False or None (detect), got {node_local!r}")
+        self.path_template = os.path.expanduser(os.fspath(path))
+        if NODE_RANK_PLACEHOLDER in self.path_template and node_local is False:
+            raise ConfigError(f"LocalTier path {self.path_template!r} gives each node its own directory"
+                              f" ({NODE_RANK_PLACEHOLDER}), so it cannot be node_local=False: drop one of the two")
+        #: The user's choice (None: detect at set-up).
+        self.node_local_option = node_local
+        #: Whether each node has its own directory (settled by :meth:`settle_layout` in a multi-node job).
+        self.node_local = bool(node_local)
+        self.node_rank, self.num_nodes, self.local_rank, self.ranks_per_node = 0, 1, 0, 1
+        self.root = self._resolve(os.environ.get("NODE_RANK", "0"))
         #: Write page-aligned buffers with O_DIRECT (turned off by itself where the filesystem refuses it).
         self.direct_io = hasattr(os, "O_DIRECT")
         self._init_process_state()
         if self.root.exists() and not self.root.is_dir():
             raise ConfigError(f"LocalTier path {str(self.root)!r} exists and is not a directory: choose another path")
 
-    _process_local = ("direct_bytes", "bytes_read", "_count_lock")
+    _process_local = ("direct_bytes", "bytes_read", "_count_lock", "_fetched")
 
     def _init_process_state(self) -> None:
         super()._init_process_state()
@@ -100,10 +214,213 @@ class LocalTier(Backend):
         #: rank needs).
         self.bytes_read = 0
         self._count_lock = threading.Lock()
+        #: Files a node-local restore fetched from other nodes (deleted by :meth:`finish_restore`).
+        self._fetched: list[Path] = []
 
     @property
     def url(self) -> str:
         return str(self.root)
+
+    def _resolve(self, node_rank: object) -> Path:
+        return Path(self.path_template.replace(NODE_RANK_PLACEHOLDER, str(node_rank))).absolute()
+
+    # ------------------------------------------------------------------------------------------- multi-node
+    def bind(self, *, node_rank: int, num_nodes: int, local_rank: int, ranks_per_node: int) -> None:
+        """Place this tier in the job (called by the callback at set-up, on every rank)."""
+        self.node_rank, self.num_nodes = node_rank, num_nodes
+        self.local_rank, self.ranks_per_node = local_rank, ranks_per_node
+        self.root = self._resolve(node_rank)
+        if self.root.exists() and not self.root.is_dir():
+            raise ConfigError(f"LocalTier path {str(self.root)!r} exists and is not a directory: choose another path")
+
+    @property
+    def node_leader(self) -> bool:
+        """Whether this rank writes what its node holds once (the manifest copy, retention): node-local only."""
+        return self.node_local and self.local_rank == 0
+
+    def settle_layout(self, comm: Any, run_id: str) -> str:
+        """Decide whether the directory is shared by all nodes or node-local (collective: every rank calls it).
+
+        Unless ``node_local`` was given: the first rank of each node writes a probe file, every rank lists the probe
+        files it sees, and the ranks compare over ``comm``: all see every node's probe -> shared; each sees its own
+        node's only -> node-local; anything else is an error (set ``node_local``). Returns how it was settled.
+
+        Raises:
+            ConfigError: on every rank together, when the ranks see inconsistent probes or cannot write one.
+        """
+        if self.num_nodes <= 1 and self.node_local_option is None:
+            self.node_local = False
+            return "one node"
+        if self.node_local_option is not None or NODE_RANK_PLACEHOLDER in self.path_template:
+            self.node_local = self.node_local_option is not False
+            return "set" if self.node_local_option is not None else f"{NODE_RANK_PLACEHOLDER} in the path"
+        probe = self.root / f".probe-{run_id}-node{self.node_rank:05d}"
+        error = ""
+        if self.local_rank == 0:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                probe.write_bytes(b"")
+            except OSError as e:
+                error = f"rank {comm.rank} cannot write {str(probe)!r}: {e}"
+        comm.barrier()
+        try:
+            seen = sorted(n for n in os.listdir(self.root) if n.startswith(f".probe-{run_id}-node"))
+        except OSError as e:
+            seen, error = [], error or f"rank {comm.rank} cannot list {str(self.root)!r}: {e}"
+        views = comm.all_gather((seen, error))
+        comm.barrier()
+        if self.local_rank == 0:
+            try:
+                probe.unlink()
+            except OSError:
+                pass
+        errors = [e for _s, e in views if e]
+        if errors:
+            raise ConfigError(f"cannot tell whether the local tier {self.url} is shared or node-local: {errors[0]}")
+        counts = {len(s) for s, _e in views}
+        if counts == {self.num_nodes}:
+            self.node_local = False
+        elif counts == {1}:
+            self.node_local = True
+        else:
+            raise ConfigError(
+                f"the local tier {self.url}: the ranks see the probe files of different sets of nodes"
+                f" ({sorted(counts)} of {self.num_nodes}); is the directory shared by some nodes only? Pass"
+                " LocalTier(..., node_local=True) or node_local=False (URL: ?node_local=true|false)"
+            )
+        return "detected"
+
+    def publish(self, comm: Any, key: str, data: bytes) -> None:
+        """Commit the manifest ``key`` on this node (node-local: the first rank of every node writes its copy)."""
+        if self.node_leader:
+            self.commit(key, data)
+
+    def collective_steps(self, comm: Any) -> list[int]:
+        """Steps whose manifest any node holds, newest first (collective; node-local tiers)."""
+        from lightning_snapshot.writer import committed_steps
+
+        mine = committed_steps(self) if self.node_leader else []
+        if getattr(comm, "world_size", 1) > 1:
+            return sorted({s for steps in comm.all_gather(mine) for s in steps}, reverse=True)
+        return mine
+
+    def restore(self, comm: Any, step: int, read: Callable[[], _T]) -> _T:
+        """Restore ``step`` (collective): node-local, first make every object of it readable on this node
+        (:meth:`prepare_restore`), then ``read()``, then free what was fetched. Shared: ``read()``."""
+        if not self.node_local:
+            return read()
+        try:
+            self.prepare_restore(comm, step)
+            return read()
+        finally:
+            self.finish_restore()
+
+    def prepare_restore(self, comm: Any, step: int) -> None:
+        """Make every object of ``step`` readable on this node (collective; node-local tiers).
+
+        The first rank of each node says what its node holds; objects a node lacks (the other nodes' ranks' data,
+        needed because every rank writes a share of the replicated state, and after a change of world size) are sent
+        to it over ``comm`` (gloo) from the lowest node that holds them, and the manifest too where it lacks one.
+
+        Raises:
+            SnapshotError: on every rank together, when some object is on no node of the job (a replaced node with
+                an empty disk, or a lost one): naming the nodes that lack the step.
+        """
+        from lightning_snapshot.manifest import MANIFEST_NAME, Manifest, step_dirname
+
+        prefix = step_dirname(step)
+        world = getattr(comm, "world_size", 1)
+        inv: dict[str, Any] | None = None
+        if self.node_leader:
+            inv = {"node": self.node_rank, "manifest": self.exists(f"{prefix}/{MANIFEST_NAME}"), "objects": {}}
+            for name in self.list(prefix):
+                if name.endswith(".bin"):
+                    inv["objects"][name] = self._path(f"{prefix}/{name}").stat().st_size
+        invs = comm.all_gather(inv) if world > 1 else [inv]
+        leaders = [r for r, i in enumerate(invs) if i is not None]
+        holders = [r for r in leaders if invs[r]["manifest"]]
+        if not holders:
+            raise SnapshotNotFoundError(f"no node holds the manifest of step {step} in the local tier {self.url}")
+        text = self._broadcast_from(comm, holders[0], self.read(f"{prefix}/{MANIFEST_NAME}").decode()
+                                    if comm.rank == holders[0] else None)
+        manifest = Manifest.from_json(text, where=f"manifest of {prefix} in the local tier {self.url}")
+        needed = _needed_objects(manifest, world)
+        where: dict[str, list[int]] = {}
+        for o in manifest.objects:
+            where[o.key] = [r for r in leaders if invs[r]["objects"].get(o.key) == o.nbytes]
+        lost = sorted({o.rank for o in manifest.objects if o.key in needed and not where[o.key]})
+        if lost:
+            lacking = sorted(invs[r]["node"] for r in leaders if not invs[r]["manifest"]) or sorted(
+                invs[r]["node"] for r in leaders)
+            raise SnapshotError(
+                f"node(s) {', '.join(map(str, lacking))} of this job do not hold step {step} of the node-local tier"
+                f" {self.url}, and the data of rank(s) {', '.join(map(str, lost))} is on no node (a replaced node with"
+                " an empty disk, or a lost one)"
+            )
+        transfers = [(where[o.key][0], dst, o.key, o.nbytes) for dst in leaders for o in manifest.objects
+                     if o.key in needed and dst not in where[o.key]]
+        self._fetched = []
+        if comm.rank in leaders:
+            self._transfer(comm, [t for t in transfers if comm.rank in t[:2]], prefix)
+            if not invs[comm.rank]["manifest"]:
+                self.commit(f"{prefix}/{MANIFEST_NAME}", text.encode())
+                self._fetched.append(self._path(f"{prefix}/{MANIFEST_NAME}"))
+        if transfers:
+            log.info("lightning-snapshot: local tier %s: fetched %d object(s) of step %d from other nodes",
+                     self.url, len([t for t in transfers if t[1] == comm.rank]), step)
+        if world > 1:
+            comm.barrier()
+
+    @staticmethod
+    def _broadcast_from(comm: Any, src: int, obj: Any) -> Any:
+        if getattr(comm, "world_size", 1) == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(comm.group, src), group=comm.group)
+        return box[0]
+
+    def _transfer(self, comm: Any, transfers: list[tuple[int, int, str, int]], prefix: str) -> None:
+        """Send and receive this rank's part of ``transfers`` ((src, dst, object key, bytes)) over gloo; a received
+        object lands under a temporary name and is renamed into place once complete."""
+        if not transfers:
+            return
+        import torch.distributed as dist
+
+        sends, receives, received = [], [], []
+        try:
+            for src, dst, key, nbytes in transfers:
+                path = self._path(f"{prefix}/{key}")
+                if comm.rank == src:
+                    sends.append((_map_existing(path, write=False), dist.get_global_rank(comm.group, dst)))
+                else:
+                    tmp = path.with_name(f".{path.name}.fetch-{os.getpid()}")
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    received.append((tmp, path))
+                    receives.append((_map_new(tmp, nbytes, self.file_mode), dist.get_global_rank(comm.group, src)))
+        except BaseException:
+            for mm, _peer in sends + receives:
+                _close(mm)
+            raise
+        exchange(comm.group, sends, receives)
+        for tmp, path in received:
+            os.replace(tmp, path)
+            self._fetched.append(path)
+
+    def finish_restore(self) -> None:
+        """Delete what :meth:`prepare_restore` fetched: each node keeps only its own ranks' objects."""
+        fetched, self._fetched = self._fetched, []
+        for path in fetched:
+            try:
+                path.unlink()
+            except OSError:
+                pass
+        for parent in {p.parent for p in fetched}:
+            try:
+                parent.rmdir()  # (only if empty: a step this node did not hold)
+            except OSError:
+                pass
 
     # ------------------------------------------------------------------------------------------- paths
     def _path(self, key: str, *, allow_root: bool = False) -> Path:
@@ -242,10 +559,16 @@ class LocalTier(Backend):
             self.bytes_read += total
 
     def list(self, prefix: str = "") -> list[str]:
+        """Raises ``OSError`` when the tier's root exists and cannot be listed (not a directory, no permission);
+        a root or prefix that does not exist lists as empty."""
         path = self._path(prefix, allow_root=True)
         try:
             return sorted(p.name for p in path.iterdir() if not p.name.startswith("."))
-        except (FileNotFoundError, NotADirectoryError):
+        except FileNotFoundError:
+            return []
+        except NotADirectoryError:
+            if path == self.root:
+                raise
             return []
 
     def delete(self, key: str) -> None:
@@ -260,3 +583,10 @@ class LocalTier(Backend):
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
+
+    def require_exists(self) -> None:
+        if not self.root.is_dir():
+            raise SnapshotNotFoundError(
+                f"no snapshot tier at {str(self.root)!r}: the directory does not exist. Check the path (a tier root"
+                " holds step-* directories)"
+            )

@@ -15,14 +15,21 @@ import logging
 import os
 import re
 import urllib.parse
+import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from lightning_snapshot.backends.base import DEFAULT_KEEP_LAST, Backend
-from lightning_snapshot.errors import ConfigError, SnapshotWriteError
+from lightning_snapshot.errors import (
+    ConfigError,
+    SnapshotError,
+    SnapshotNotFoundError,
+    SnapshotWriteError,
+    TierUnavailableError,
+)
 from lightning_snapshot.manifest import validate_key
 
-__all__ = ["ObjectStoreTier", "redact"]
+__all__ = ["ObjectStoreTier", "redact", "unavailable_reason"]
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +43,13 @@ _INSTALL_HINTS = {
     "abfs": "pip install adlfs",
     "abfss": "pip install adlfs",
 }
+#: exception class names (botocore, aiohttp, fsspec) of a store that does not answer
+_UNREACHABLE = {"EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError",
+                "ClientConnectorError", "ClientConnectionError", "ServerDisconnectedError", "FSTimeoutError",
+                "ConnectionError"}
+_NO_CREDENTIALS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"}
+_REFUSED_CODES = ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
+                  "AuthorizationHeaderMalformed", "Forbidden")
 _SECRET_NAMES = re.compile(r"(secret|password|passwd|token|credential|key|signature|sas)", re.IGNORECASE)
 
 
@@ -58,6 +72,31 @@ def redact(text: str, secrets: Iterable[str] = ()) -> str:
     for s in sorted(set(secrets), key=len, reverse=True):
         text = text.replace(s, "***")
     return text
+
+
+def _chain(e: BaseException) -> list[BaseException]:
+    """``e`` and the exceptions it was raised from or during (s3fs re-raises botocore's as builtins)."""
+    out: list[BaseException] = []
+    while e is not None and e not in out and len(out) < 8:
+        out.append(e)
+        e = e.__cause__ or e.__context__  # type: ignore[assignment]
+    return out
+
+
+def unavailable_reason(e: BaseException) -> str | None:
+    """Why a store call failed, when it is the store's side: ``"bucket"`` (it does not exist), ``"credentials"``
+    (missing or refused), ``"unreachable"`` (no answer); None for any other failure."""
+    chain = _chain(e)
+    names = {k.__name__ for x in chain for k in type(x).__mro__}
+    text = " ".join(str(x) for x in chain)
+    if "NoSuchBucket" in names or "NoSuchBucket" in text or "bucket does not exist" in text.lower():
+        return "bucket"
+    if names & _NO_CREDENTIALS or any(isinstance(x, PermissionError) for x in chain) or any(
+            code in text for code in _REFUSED_CODES):
+        return "credentials"
+    if names & _UNREACHABLE or any(isinstance(x, (ConnectionError, TimeoutError)) for x in chain):
+        return "unreachable"
+    return None
 
 
 class _Parts:
@@ -217,8 +256,49 @@ class ObjectStoreTier(Backend):
         return f"{self.root}/{validate_key(key)}"
 
     def _error(self, what: str, key: str, e: BaseException) -> SnapshotWriteError:
+        """``e`` translated: a :class:`TierUnavailableError` naming the fix when the store is missing, refuses the
+        credentials or does not answer, else a :class:`SnapshotWriteError`. Credentials are redacted."""
+        unavailable = self._unavailable(f"{what} {key!r}", e)
+        if unavailable is not None:
+            return unavailable
         return SnapshotWriteError(f"{what} {key!r} in the {self.scheme} tier {self.url!r} failed:"
                                   f" {type(e).__name__}: {self.redact(str(e))}")
+
+    def _unavailable(self, what: str, e: BaseException) -> TierUnavailableError | None:
+        reason = unavailable_reason(e)
+        if reason is None:
+            return None
+        bucket = self.root.split("/", 1)[0]
+        problem, fix = {
+            "bucket": (f"bucket {bucket!r} does not exist",
+                       f"create it (for example `aws s3 mb {self.scheme}://{bucket}`) or correct the URL"),
+            "credentials": ("refused the credentials or has none",
+                            "check key/secret (or token) in storage_options, the environment or the provider chain,"
+                            " and that they may read, write and delete under the tier's prefix"),
+            "unreachable": ("endpoint does not answer",
+                            "check the endpoint (storage_options client_kwargs endpoint_url) and the network"),
+        }[reason]
+        detail = self.redact(f"{type(e).__name__}: {e}")
+        return TierUnavailableError(f"the {self.scheme} tier {self.url!r}: {problem} ({what}: {detail}); {fix}")
+
+    def _read_error(self, what: str, key: str, e: BaseException) -> BaseException:
+        """A read failure translated when the store is unavailable; a missing object stays FileNotFoundError."""
+        if isinstance(e, FileNotFoundError) and unavailable_reason(e) != "bucket":
+            return e
+        return self._unavailable(f"{what} {key!r}", e) or e
+
+    def check(self) -> None:
+        """Write and delete a probe object (bucket exists, credentials accepted, endpoint answers); see
+        :meth:`Backend.check`."""
+        key = f".lightning-snapshot-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        path = f"{self.root}/{key}"
+        try:
+            self.fs.pipe_file(path, b"lightning-snapshot probe")
+            self.fs.rm(path)
+        except Exception as e:  # noqa: BLE001 - translated: the tier is not usable
+            raise (self._unavailable("writing a probe object", e) or TierUnavailableError(
+                f"the {self.scheme} tier {self.url!r} cannot be written (probe object {key!r}):"
+                f" {self.redact(f'{type(e).__name__}: {e}')}; check the URL and storage_options")) from e
 
     # ------------------------------------------------------------------------------------------- bytes
     def write(self, key: str, buffers: Iterable[bytes | bytearray | memoryview]) -> int:
@@ -232,7 +312,7 @@ class ObjectStoreTier(Backend):
             else:
                 fs.pipe_file(path, bytes(view))
         except Exception as e:  # noqa: BLE001 - any client error is a failed write, with credentials redacted
-            raise self._error("uploading", key, e) from None
+            raise self._error("uploading", key, e) from e
         return view.nbytes
 
     def commit(self, key: str, data: bytes) -> None:
@@ -252,28 +332,40 @@ class ObjectStoreTier(Backend):
             if "PreconditionFailed" in str(e) or "412" in str(e):
                 raise SnapshotWriteError(f"{key!r} is already committed in the {self.scheme} tier {self.url!r};"
                                          " a committed snapshot is never overwritten") from None
-            raise self._error("committing", key, e) from None
+            raise self._error("committing", key, e) from e
 
     def read(self, key: str) -> bytes:
-        data = self.fs.cat_file(self._path(key))
+        try:
+            data = self.fs.cat_file(self._path(key))
+        except Exception as e:  # noqa: BLE001 - translated at the boundary
+            raise self._read_error("reading", key, e) from e
         self.bytes_read += len(data)
         return data
 
     def read_into(self, key: str, offset: int, out: memoryview) -> None:
         view = memoryview(out).cast("B")
-        data = self.fs.cat_file(self._path(key), start=offset, end=offset + view.nbytes)
+        try:
+            data = self.fs.cat_file(self._path(key), start=offset, end=offset + view.nbytes)
+        except Exception as e:  # noqa: BLE001 - translated at the boundary
+            raise self._read_error("reading", key, e) from e
         self.bytes_read += len(data)
         if len(data) != view.nbytes:
             raise EOFError(f"{key!r} in {self.url!r} ends before byte {offset + view.nbytes}")
         view[:] = data
 
     def list(self, prefix: str = "") -> list[str]:
+        """A prefix that does not exist lists as empty; a missing bucket, refused credentials or an unreachable
+        store raise :class:`TierUnavailableError`."""
         path = self._path(prefix, allow_root=True)
-        self.fs.invalidate_cache(path)
         try:
+            self.fs.invalidate_cache(path)
             entries = self.fs.ls(path, detail=False)
-        except (FileNotFoundError, NotADirectoryError):
+        except (FileNotFoundError, NotADirectoryError) as e:
+            if unavailable_reason(e) == "bucket":
+                raise self._error("listing", prefix, e) from e
             return []
+        except Exception as e:  # noqa: BLE001 - translated at the boundary
+            raise self._error("listing", prefix, e) from e
         names = sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries})
         return [n for n in names if n and not n.startswith(".")]
 
@@ -281,14 +373,41 @@ class ObjectStoreTier(Backend):
         path = self._path(key)
         try:
             self.fs.rm(path, recursive=True)
-        except FileNotFoundError:
-            pass
+        except FileNotFoundError as e:
+            if unavailable_reason(e) == "bucket":
+                raise self._error("deleting", key, e) from e
+        except Exception as e:  # noqa: BLE001 - translated at the boundary
+            raise self._error("deleting", key, e) from e
         self.fs.invalidate_cache(path)
 
     def exists(self, key: str) -> bool:
         path = self._path(key)
-        self.fs.invalidate_cache(path)
-        return bool(self.fs.exists(path))
+        try:
+            self.fs.invalidate_cache(path)
+            return bool(self.fs.exists(path))
+        except Exception as e:  # noqa: BLE001 - translated at the boundary
+            raise self._error("looking up", key, e) from e
+
+    def require_exists(self) -> None:
+        try:
+            self.fs.invalidate_cache(self.root)
+            if self.fs.exists(self.root):
+                return
+            bucket, sep, _ = self.root.strip("/").partition("/")
+            bucket_exists = bool(sep and bucket and self.fs.exists(bucket))
+        except Exception as e:  # noqa: BLE001 - any client error: the store cannot be read
+            raise SnapshotError(
+                f"cannot read the {self.scheme} tier {self.url!r}: {type(e).__name__}: {self.redact(str(e))}. Check"
+                " the endpoint and the credentials (storage_options or the environment)"
+            ) from None
+        if bucket_exists:
+            raise SnapshotNotFoundError(
+                f"no snapshot tier at {self.url!r}: bucket {bucket!r} holds nothing under that prefix. Check the path"
+            )
+        raise SnapshotNotFoundError(
+            f"no snapshot tier at {self.url!r}: the bucket (or path) does not exist. Check the name, the endpoint and"
+            " the credentials"
+        )
 
     def abort_incomplete_uploads(self) -> int:
         """Abort multipart uploads left under the tier root by a crashed writer (S3 only); returns how many."""

@@ -41,7 +41,15 @@ import xxhash
 
 from lightning_snapshot.backends import erasure as _ec
 from lightning_snapshot.backends.base import Backend
-from lightning_snapshot.backends.local import LocalTier, _pread_all
+from lightning_snapshot.backends.local import (
+    LocalTier,
+    _as_tensor,
+    _close,
+    _map_existing,
+    _map_new,
+    _pread_all,
+    exchange,
+)
 from lightning_snapshot.errors import ConfigError, SnapshotError, SnapshotNotFoundError, SnapshotWriteError
 from lightning_snapshot.staging import digest
 
@@ -356,6 +364,21 @@ class RamTier(Backend):
     def exists(self, key: str) -> bool:
         return self.store.exists(key) or (key.endswith(".bin") and self.store._path(key + _EC).is_dir())
 
+    def require_exists(self) -> None:
+        if (self.node_dir / "store").is_dir():
+            return
+        base = self.node_dir.parent
+        try:
+            names = sorted(p.name for p in base.iterdir() if (p / "store").is_dir())
+        except OSError:
+            names = []
+        here = f"RAM tiers on this node: {', '.join(f'ram://{n}' for n in names)}" if names else \
+            "this node holds no RAM tier"
+        raise SnapshotNotFoundError(
+            f"no RAM tier named {self.name or 'default'!r} on this node ({self.node_dir} does not exist); {here}"
+            f" under {str(base)!r}. Name the run as ram://NAME, or set {SHM_ENV} to the base directory the job used"
+        )
+
     # ------------------------------------------------------------------------------------------- placement
     def _rank_of(self, node: int, local: int) -> int:
         return node * self.ranks_per_node + local
@@ -632,12 +655,11 @@ class RamTier(Backend):
         from lightning_snapshot.manifest import Manifest
 
         sizes = {o.key: o.nbytes for o in Manifest.from_json(manifest, where=f"RAM tier manifest of {prefix}").objects}
-        works, keep = [], []
+        sends: list[tuple[Any, int]] = []
+        receives: list[tuple[Any, int]] = []
         received: dict[str, dict[int, Any]] = {}
         try:
             if transfers and getattr(comm, "world_size", 1) > 1:
-                import torch.distributed as dist
-
                 for src, dst, key, i in transfers:
                     if src == dst or me not in (src, dst):
                         continue
@@ -648,25 +670,18 @@ class RamTier(Backend):
                         path = self.store._path(f"{key}{_EC}/{i}")
                         size = layouts[key]["stripes"] * layouts[key]["block"]
                     if me == src:
-                        mm = _map_existing(path)
-                        if mm is not None:
-                            keep.append(mm)
-                            works.append(dist.isend(_as_tensor(mm), dst, group=comm.group))
+                        sends.append((_map_existing(path), dst))
                     else:
                         rpath = path if i < 0 else path.with_name(f".{i}.restore")
                         rpath.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-                        mm = _map_new(rpath, size)
-                        if mm is not None:
-                            keep.append(mm)
-                            works.append(dist.irecv(_as_tensor(mm), src, group=comm.group))
+                        receives.append((_map_new(rpath, size), src))
                         if i >= 0:
                             received.setdefault(key, {})[i] = rpath
-                for w in works:
-                    w.wait()
-        finally:
-            works.clear()
-            for mm in keep:
+        except BaseException:
+            for mm, _peer in sends + receives:
                 _close(mm)
+            raise
+        exchange(getattr(comm, "group", None), sends, receives)
         # make every erasure-coded object readable from its data shares, rebuilding the lost ones from parity
         for key, layout in layouts.items():
             if self.store.exists(key):
@@ -881,46 +896,5 @@ def _read_exactly(fd: int, view: memoryview, pos: int, key: str) -> None:
         raise EOFError(f"{key!r}: a file of the RAM tier ends before byte {pos + view.nbytes}")
 
 
-def _map_new(path: Path, size: int) -> mmap.mmap | None:
-    """A new 0600 file of ``size`` bytes, mapped writable (None for an empty one)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        os.ftruncate(fd, size)
-        return mmap.mmap(fd, size) if size else None
-    finally:
-        os.close(fd)
-
-
-def _map_existing(path: Path, write: bool = True) -> mmap.mmap | None:
-    fd = os.open(path, (os.O_RDWR if write else os.O_RDONLY) | os.O_CLOEXEC)
-    try:
-        size = os.fstat(fd).st_size
-        if not size:
-            return None
-        return mmap.mmap(fd, size, access=mmap.ACCESS_WRITE if write else mmap.ACCESS_READ)
-    finally:
-        os.close(fd)
-
-
-def _close(mm: mmap.mmap | None) -> None:
-    if mm is None:
-        return
-    try:
-        mm.close()
-    except BufferError:  # a tensor still views it: the mapping goes with the last reference
-        pass
-
-
 def _view(mm: mmap.mmap | None) -> memoryview:
     return memoryview(mm) if mm is not None else memoryview(bytearray(0))
-
-
-def _as_tensor(buf: mmap.mmap | memoryview) -> Any:
-    """A uint8 tensor over ``buf`` (no copy). A read-only buffer is only ever sent, never written into."""
-    import warnings
-
-    import torch
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        return torch.frombuffer(buf, dtype=torch.uint8)

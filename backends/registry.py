@@ -2,7 +2,8 @@
 
 The scheme picks the backend class lazily (as fsspec's registry does), so a LightningCLI YAML can list tiers as
 strings. Query options: ``every`` (``every_n_train_steps``), ``interval`` (``train_time_interval``: seconds, or a
-number with an ``s``/``m``/``h`` suffix) and ``keep`` (``keep_last``; ``all`` keeps every snapshot).
+number with an ``s``/``m``/``h`` suffix) and ``keep`` (``keep_last``; ``all`` keeps every snapshot); a local path
+also ``node_local`` (``auto``, ``true``, ``false``), a RAM tier ``erasure``, ``idle`` and ``threads``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ _PLANNED: dict[str, str] = {}
 _OPTIONS = {"every": "every_n_train_steps", "interval": "train_time_interval", "keep": "keep_last"}
 #: options only the RAM tier takes (``ram://NAME?erasure=4+2&idle=600``)
 _RAM_OPTIONS = {"erasure": "erasure", "idle": "idle_timeout", "threads": "threads"}
+#: options only the local tier takes (``/nvme/snap?node_local=auto|true|false``)
+_LOCAL_OPTIONS = {"node_local": "node_local"}
+_NODE_LOCAL = {"auto": None, "true": True, "false": False}
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smh]?)$")
 
 
@@ -53,6 +57,10 @@ def _options(query: str, url: str, extra: dict[str, str] | None = None) -> dict[
                 raise ConfigError(f"tier URL option {name!r} is given twice in {url!r}")
             if name == "erasure":
                 kwargs["erasure"] = value
+            elif name == "node_local":
+                if value.lower() not in _NODE_LOCAL:
+                    raise ConfigError(f"tier URL option node_local={value!r} must be auto, true or false")
+                kwargs["node_local"] = _NODE_LOCAL[value.lower()]
             elif name == "idle":
                 m = _DURATION.match(value)
                 if not m:
@@ -66,7 +74,8 @@ def _options(query: str, url: str, extra: dict[str, str] | None = None) -> dict[
                 f"unknown tier URL option {name!r} in {url!r}; accepted options:"
                 f" {', '.join(sorted([*_OPTIONS, *extra]))}"
                 " (every=<steps>, interval=<seconds or 10m/2h>, keep=<count or all>"
-                + (", erasure=<k+m or none>, idle=<seconds>, threads=<count>" if extra else "") + ")"
+                + (", erasure=<k+m or none>, idle=<seconds>, threads=<count>" if "erasure" in extra else "")
+                + (", node_local=<auto, true or false>" if "node_local" in extra else "") + ")"
             )
         if _OPTIONS[name] in kwargs:
             raise ConfigError(f"tier URL option {name!r} is given twice in {url!r}")
@@ -118,4 +127,4 @@ def parse_tier(spec: str | Backend) -> Backend:
             raise ConfigError(f"RAM tier URL {spec!r} has a path; write ram://NAME?every=10&erasure=4+2")
         return cls(name=parsed.netloc or None, **_options(query, spec, _RAM_OPTIONS))
     path = urllib.parse.unquote(parsed.path) if scheme else base
-    return cls(path, **_options(query, spec))
+    return cls(path, **_options(query, spec, _LOCAL_OPTIONS))

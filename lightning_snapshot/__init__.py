@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import importlib as _importlib
 import importlib.util as _ilu
 import os as _os
+from typing import TYPE_CHECKING, Any
+
+from lightning_snapshot.errors import SnapshotError
 
 __version__ = "0.1.0.dev0"
 
@@ -16,8 +20,25 @@ if _ilu.find_spec(__name__ + ".backends") is None and _os.path.isfile(
 ):
     __path__.append(_checkout_root)  # type: ignore[name-defined]  # noqa: F821
 
-from lightning_snapshot.callback import SnapshotCallback  # noqa: E402
-from lightning_snapshot.errors import SnapshotError  # noqa: E402
-from lightning_snapshot.loader import load_snapshot  # noqa: E402
-
 __all__ = ["SnapshotCallback", "SnapshotError", "load_snapshot", "__version__"]
+
+# Imported on first use (PEP 562), so that ``import lightning_snapshot`` (and ``lightning-snapshot --help``) does not
+# import torch and Lightning.
+_LAZY = {"SnapshotCallback": "lightning_snapshot.callback", "load_snapshot": "lightning_snapshot.loader"}
+
+if TYPE_CHECKING:
+    from lightning_snapshot.callback import SnapshotCallback
+    from lightning_snapshot.loader import load_snapshot
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -17,7 +17,6 @@ messages are JSON, tensors are raw bytes in shared memory.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import fcntl
 import json
@@ -33,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lightning_snapshot.errors import ConfigError, SnapshotError
+from lightning_snapshot.errors import SnapshotError
 
 __all__ = ["AgentClient", "ensure_agent", "stop_agent", "agent_status", "main"]
 
@@ -42,7 +41,8 @@ log = logging.getLogger("lightning_snapshot.agent")
 SOCK, LOCK, LOG = "agent.sock", "agent.lock", "agent.log"
 _HEADER = struct.Struct("!I")
 _MAX_MESSAGE = 256 << 20
-#: How long the agent of rank 0 waits for the other ranks' parts of a snapshot it flushes after a crash.
+#: How long (seconds) the agent of rank 0 waits for the other ranks' parts of a snapshot, and the others for its commit,
+#: unless the trainer says otherwise (``SnapshotCallback(collective_timeout=...)``); a failure marker ends it at once.
 PART_WAIT_S = 300.0
 
 
@@ -377,20 +377,32 @@ class Agent:
                 except Exception:  # noqa: BLE001 - the tier is failing anyway
                     pass
             raise
-        deadline = time.monotonic() + PART_WAIT_S
+        wait = float(hello.get("part_wait") or PART_WAIT_S)
+        deadline = time.monotonic() + wait
         if rank != 0:
             while not tier.exists(manifest_key):
-                if tier.exists(f"{prefix}/{run_id}-failed-00000.json") or time.monotonic() > deadline:
-                    raise SnapshotError(f"step {step} was not committed by rank 0 (see its log)")
+                if tier.exists(f"{prefix}/{run_id}-failed-00000.json"):
+                    raise SnapshotError(f"rank {rank}'s agent: rank 0 failed to commit step {step} to the {tier.tier}"
+                                        f" tier {tier.url} (see its log)")
+                if time.monotonic() > deadline:
+                    raise SnapshotError(f"rank {rank}'s agent: waited {wait:g} s for rank 0 to commit step {step} to"
+                                        f" the {tier.tier} tier {tier.url} (collective_timeout); is that directory"
+                                        " shared by all nodes? If not, use LocalTier(..., node_local=True)")
                 time.sleep(0.1)
             return shared.nbytes + private.nbytes
         parts = [part]
         for r in range(1, world):
             key = f"{prefix}/{run_id}-part-{r:05d}.json"
             while not tier.exists(key):
-                if tier.exists(f"{prefix}/{run_id}-failed-{r:05d}.json") or time.monotonic() > deadline:
+                if tier.exists(f"{prefix}/{run_id}-failed-{r:05d}.json"):
                     tier.write(failed, [b"{}"])
-                    raise SnapshotError(f"rank {r} could not write its part of step {step} (see its log)")
+                    raise SnapshotError(f"rank {r} could not write its part of step {step} to the {tier.tier} tier"
+                                        f" {tier.url} (see its log)")
+                if time.monotonic() > deadline:
+                    tier.write(failed, [b"{}"])
+                    raise SnapshotError(f"rank 0's agent: waited {wait:g} s for rank {r}'s part of step {step} in the"
+                                        f" {tier.tier} tier {tier.url} (collective_timeout); is that directory shared"
+                                        " by all nodes? If not, use LocalTier(..., node_local=True)")
                 if tier.exists(manifest_key):
                     return 0
                 time.sleep(0.05)
@@ -423,6 +435,11 @@ def run_agent(node_dir: Path, idle_timeout: float) -> int:
         return 3
     os.ftruncate(lock_fd, 0)
     os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)
+    # Import what the request handlers use (torch, the tiers: seconds on a busy node) before the socket answers, not
+    # on a trainer's first request, which waits only a few seconds for its reply. (``import lightning_snapshot`` no
+    # longer imports torch by itself.)
+    import lightning_snapshot.backends  # noqa: F401
+    import lightning_snapshot.writer  # noqa: F401
     sock_path = node_dir / SOCK
     try:
         sock_path.unlink()
@@ -549,7 +566,7 @@ class AgentClient:
     """
 
     def __init__(self, node_dir: str | os.PathLike[str], *, rank: int, world_size: int, run_id: str,
-                 tiers: list[Any]) -> None:
+                 tiers: list[Any], part_wait: float = PART_WAIT_S) -> None:
         self.node_dir = Path(node_dir)
         self.tiers = list(tiers)
         self._lock = threading.Lock()
@@ -560,7 +577,7 @@ class AgentClient:
         self._waiting: dict[int, tuple[threading.Event, list[dict[str, Any]]]] = {}
         self._ids = iter(range(1, 1 << 62))
         self._send({"op": "hello", "pid": os.getpid(), "rank": rank, "world_size": world_size, "run_id": run_id,
-                    "tiers": [t.spec() for t in self.tiers]})
+                    "tiers": [t.spec() for t in self.tiers], "part_wait": float(part_wait)})
         self._reader = threading.Thread(target=self._read_replies, args=(self._sock,),
                                         name="lightning-snapshot-agent-replies", daemon=True)
         self._reader.start()
@@ -670,33 +687,10 @@ class AgentClient:
 
 # ----------------------------------------------------------------------------------------------- entry point
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="lightning-snapshot agent", description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--dir", required=True, help="the node's memory directory for this run (RamTier.node_dir)")
-    p.add_argument("--idle-timeout", type=float, default=600.0,
-                   help="seconds without an attached trainer after which the agent exits and frees the memory")
-    p.add_argument("--nice", type=int, default=10,
-                   help="CPU niceness added to the agent (default 10): its uploads and writes yield to training")
-    p.add_argument("--stop", action="store_true", help="stop the agent serving --dir (frees its memory)")
-    p.add_argument("--status", action="store_true", help="print the agent's pid, attached trainers and held bytes")
-    args = p.parse_args(argv)
-    node_dir = Path(args.dir).expanduser().absolute()
-    if args.stop:
-        stopped = stop_agent(node_dir)
-        print(f"stopped the agent of {node_dir}" if stopped else f"no agent serves {node_dir}")
-        return 0
-    if args.status:
-        st = agent_status(node_dir)
-        print(json.dumps(st) if st else f"no agent serves {node_dir}")
-        return 0 if st else 1
-    if args.idle_timeout <= 0:
-        raise ConfigError("--idle-timeout must be > 0")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s lightning-snapshot agent: %(message)s")
-    if args.nice:
-        try:
-            os.nice(args.nice)  # background work: the trainer's threads get the CPU first
-        except OSError:
-            pass
-    return run_agent(node_dir, args.idle_timeout)
+    """``lightning-snapshot agent ARGS``; the options are defined with the other commands in the ``cli`` module."""
+    from lightning_snapshot.cli import main as cli_main
+
+    return cli_main(["agent", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 import warnings
@@ -40,13 +41,16 @@ from lightning_snapshot.capture import (
     templates,
 )
 from lightning_snapshot.comm import Comm, GroupComm, LocalComm, StrategyComm
+from lightning_snapshot.ddp_layout import apply_layout, capture_layout, check_layout, is_ddp
 from lightning_snapshot.errors import (
     CaptureError,
     ConfigError,
     FormatVersionError,
+    NotDurableError,
     SnapshotError,
     SnapshotNotFoundError,
     StateMismatchError,
+    TierUnavailableError,
 )
 from lightning_snapshot.loader import ReadStats, read_manifest, read_section, resolve_source
 from lightning_snapshot.metrics import MetricsSink, tier_metric_names
@@ -59,6 +63,12 @@ __all__ = ["SnapshotCallback"]
 log = logging.getLogger(__name__)
 
 _ON_ERROR = ("raise", "warn")
+#: Set to 0 (or off/false/no) to neither store nor give back DDP's gradient-bucket layout (see ddp_layout).
+DDP_LAYOUT_ENV = "LIGHTNING_SNAPSHOT_DDP_LAYOUT"
+
+
+def _ddp_layout_enabled() -> bool:
+    return os.environ.get(DDP_LAYOUT_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 class SnapshotCallback(Checkpoint):
@@ -87,6 +97,14 @@ class SnapshotCallback(Checkpoint):
         sigterm_grace: seconds the callback may take after a SIGTERM (a preempted SLURM or Kubernetes job, through
             Lightning's signal handling) to snapshot the current step into every tier and wait until a durable tier
             holds it; default 25 s, within SLURM's and Kubernetes' default 30 s between SIGTERM and SIGKILL.
+        collective_timeout: the longest any wait across processes of a snapshot may take (seconds; default 300): a
+            collective of a tier's commit (gloo's timeout of the tier's process group), and the snapshot agent's
+            wait for the other ranks' parts of a snapshot. A rank or agent that fails ends these waits at once (its
+            process exits, which breaks its connections, or it leaves a failure marker); the bound is for a peer that
+            is alive but stuck. Raise it when one snapshot takes longer than this to write.
+        shutdown_timeout: the longest ``on_exception`` and ``teardown`` wait for the persist threads (seconds;
+            default 30). After an exception the writes in flight are abandoned after this long (a snapshot already
+            handed to the snapshot agent is still finished by it) and the exception goes on.
 
     Snapshots are taken after the optimizer step of every scheduled ``global_step`` (with gradient accumulation,
     only when ``global_step`` moved). Supported strategies: single device, DDP (``ddp``, ``ddp_spawn``) and
@@ -105,6 +123,8 @@ class SnapshotCallback(Checkpoint):
         max_host_bytes: int | None = None,
         chunk_bytes: int = 8 << 20,
         sigterm_grace: float = 25.0,
+        collective_timeout: float = 300.0,
+        shutdown_timeout: float = 30.0,
     ) -> None:
         if isinstance(tiers, (str, Backend)):
             tiers = [tiers]
@@ -134,12 +154,22 @@ class SnapshotCallback(Checkpoint):
         if isinstance(sigterm_grace, bool) or not isinstance(sigterm_grace, (int, float)) or sigterm_grace <= 0:
             raise ConfigError(f"sigterm_grace must be a positive number of seconds, got {sigterm_grace!r}")
         self.sigterm_grace = float(sigterm_grace)
+        for option, value in (("collective_timeout", collective_timeout), ("shutdown_timeout", shutdown_timeout)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{option} must be a positive number of seconds, got {value!r}")
+        self.collective_timeout = float(collective_timeout)
+        self.shutdown_timeout = float(shutdown_timeout)
         self._arena: HostArena | None = None
         self._persister: Persister | None = None
         self._inflight: AsyncStaged | None = None
         self._metrics = MetricsSink()
         self._metric_names = tier_metric_names(self.tiers)
         self._committed: dict[int, int] = {}
+        #: per tier index: the last step handed to its persist worker in this fit, and why its last write failed
+        self._submitted: dict[int, int] = {}
+        self._tier_problem: dict[int, str] = {}
+        #: the newest step snapshotted for a durable tier in this fit
+        self._last_durable_due: int | None = None
         self._stall = 0.0
         self._skipped = 0
         self._failed = 0
@@ -173,6 +203,7 @@ class SnapshotCallback(Checkpoint):
         self._warned_loaders: set[int] = set()
         self._patched_strategy: Any = None
         self._planned = False
+        self._warned_layout = False
         #: (tier url, step, seconds) of the restore done by the last ``fit``, or None.
         self.restored_from: tuple[str, int, float] | None = None
         #: What this rank read for that restore: bytes of the shared tensors it needed (its shards, or whole
@@ -197,6 +228,9 @@ class SnapshotCallback(Checkpoint):
             )
         self._comm = StrategyComm(strategy) if strategy.world_size > 1 else LocalComm()
         self._run_id = str(self._comm.broadcast(uuid.uuid4().hex[:12]))
+        self._check_tiers()
+        self._committed, self._submitted, self._tier_problem = {}, {}, {}
+        self._last_durable_due = None
         self._last_time = [time.monotonic()] * len(self.tiers)
         self._last_step = trainer.global_step  # a snapshot needs an optimizer step since this one
         self._fit_start_step = trainer.global_step
@@ -205,12 +239,17 @@ class SnapshotCallback(Checkpoint):
         self._planned = False
         comms: list[Comm] = [LocalComm() for _ in self.tiers]
         if strategy.world_size > 1:
+            import datetime as dt
+
             import torch.distributed as dist
 
             # each tier's persist thread has a group of its own: background collectives never touch the trainer's
-            # main group, and a tier in an outage never blocks another's commits
-            comms = [GroupComm(dist.new_group(backend="gloo")) for _ in self.tiers]
+            # main group, and a tier in an outage never blocks another's commits; a stuck peer fails a collective
+            # after collective_timeout (a dead one at once)
+            timeout = dt.timedelta(seconds=self.collective_timeout)
+            comms = [GroupComm(dist.new_group(backend="gloo", timeout=timeout)) for _ in self.tiers]
         self._tier_comms = comms
+        self._setup_node_local_tiers(trainer)
         self._setup_ram_tier(trainer)
         self._persister = Persister(self.tiers, comms, self._run_id, self._arena, agent=self._agent)
         for tier in self.tiers:
@@ -295,11 +334,73 @@ class SnapshotCallback(Checkpoint):
             state = read_section(backend, manifest, section.tensors, section.state)
             return state.get("late") if isinstance(state, dict) else None
 
+        return self._through_tier(backend, step, read)
+
+    def _through_tier(self, backend: Backend, step: int, read: Callable[[], Any]) -> Any:
+        """Run ``read`` (a read of snapshot ``step`` of ``backend``). For a node-local tier of this callback (RAM, a
+        local tier on each node's own disk) the objects are first made readable on every node (RAM: a corrupted
+        share found by the read is repaired from the others) and what the restore added is freed after: collective
+        over the tier's group. Any other backend (a snapshot path given as ``resume``) is read directly."""
         restore = getattr(backend, "restore", None)
-        if restore is None:
+        if restore is None or not getattr(backend, "node_local", False) or backend not in self.tiers:
             return read()
         comm = self._tier_comms[self.tiers.index(backend)] if self._tier_comms else LocalComm()
         return restore(comm, step, read)
+
+    def _check_tiers(self) -> None:
+        """Before training: every rank checks that it can write each durable tier (a probe object written and
+        deleted: the directory is writable, the bucket exists, the credentials are accepted, the endpoint answers).
+
+        Collective: every rank raises the same :class:`TierUnavailableError`, naming the rank, the tier and the fix,
+        when any rank's check failed.
+        """
+        problems: list[str] = []
+        for tier in self.tiers:
+            if not tier.durable:
+                continue  # (the RAM tier is checked when its agent starts)
+            try:
+                tier.check()
+            except TierUnavailableError as e:
+                problems.append(str(e))
+        message = self._agree_problem("; ".join(problems) or None)
+        if message is not None:
+            raise TierUnavailableError(f"lightning-snapshot cannot use its tiers, so training does not start: {message}")
+
+    def _agree_problem(self, problem: str | None) -> str | None:
+        """Collective: None when no rank has a problem, else every rank's problem (prefixed with its rank under
+        DDP) joined, the same text on every rank, so that all raise the same error together."""
+        if self._comm.all_true(problem is None):
+            return None
+        gathered = self._comm.gather(problem)
+        text = None
+        if gathered is not None:  # (rank 0) the same problem on several ranks is said once
+            ranks: dict[str, list[int]] = {}
+            for rank, p in enumerate(gathered):
+                if p:
+                    ranks.setdefault(p, []).append(rank)
+            text = "; ".join(p if self._comm.world_size == 1 else
+                             f"on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {p}"
+                             for p, r in ranks.items())
+        return str(self._comm.broadcast(text))
+
+    def _setup_node_local_tiers(self, trainer: Any) -> None:
+        """Tell each local tier which node this rank is on, and settle whether its directory is shared by all nodes
+        or node-local (detected with probe files unless set; one log line each)."""
+        strategy = trainer.strategy
+        num_nodes = max(1, int(getattr(trainer, "num_nodes", 1) or 1))
+        world = self._comm.world_size
+        for i, tier in enumerate(self.tiers):
+            settle = getattr(tier, "settle_layout", None)
+            if settle is None:
+                continue
+            tier.bind(node_rank=int(getattr(strategy, "node_rank", 0) or 0), num_nodes=num_nodes,
+                      local_rank=int(getattr(strategy, "local_rank", 0) or 0),
+                      ranks_per_node=max(1, world // num_nodes))
+            how = settle(self._tier_comms[i], self._run_id)
+            if num_nodes > 1:
+                layout = ("node-local: each node writes its own ranks' data and a copy of the manifest, commits are"
+                          " agreed over the process group" if tier.node_local else "shared by all nodes")
+                rank_zero_info(f"lightning-snapshot: the {tier.tier} tier {tier.url} is {layout} ({how})")
 
     def _setup_ram_tier(self, trainer: Any) -> None:
         """Place the RAM tier in the job (which node this rank is on) and attach this rank to its node's agent."""
@@ -327,11 +428,15 @@ class SnapshotCallback(Checkpoint):
                 error = e
         if not self._comm.all_true(error is None):
             raise error or SnapshotError("starting the snapshot agent failed on another node (see its log)")
+        # the agent writes the durable tiers whose commit it can see from its node (not the node-local ones, whose
+        # commit the trainers agree on over their process group)
         self._agent = AgentClient(ram.node_dir, rank=self._comm.rank, world_size=world, run_id=self._run_id,
-                                  tiers=[t for t in self.tiers if t is not ram and t.durable])
+                                  tiers=[t for t in self.tiers if t is not ram and t.durable
+                                         and not getattr(t, "node_local", False)],
+                                  part_wait=self.collective_timeout)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        self._shutdown()
+        self._shutdown(abort=False)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         # Lightning skips teardown hooks after an exception: stop here. Snapshots already handed to the persist
@@ -341,7 +446,7 @@ class SnapshotCallback(Checkpoint):
                 self._snapshot_on_sigterm(trainer, pl_module)
         finally:
             self._pending = None
-            self._shutdown()
+            self._shutdown(abort=True)
 
     def _snapshot_on_sigterm(self, trainer: Any, pl_module: Any) -> None:
         """Preemption (SIGTERM, through Lightning's signal handling, on every rank together): snapshot the current
@@ -370,7 +475,9 @@ class SnapshotCallback(Checkpoint):
                       " (held by: %s; still writing: %s)", step, self.sigterm_grace, held or "none",
                       [t.url for t in late] or "none")
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, abort: bool) -> None:
+        """Stop the background machinery, waiting at most ``shutdown_timeout`` for the persist threads (``abort``:
+        after an exception, snapshots still queued are dropped and retries stop)."""
         if self._patched_strategy is not None:
             self._patched_strategy.__dict__.pop("process_dataloader", None)
             self._patched_strategy = None
@@ -393,7 +500,7 @@ class SnapshotCallback(Checkpoint):
                 pass
             self._inflight = None
         if self._persister is not None:
-            self._persister.close()
+            self._persister.close(timeout=self.shutdown_timeout, abort=abort)
             self._persister = None
         if self._agent is not None:
             self._agent.close()
@@ -475,6 +582,7 @@ class SnapshotCallback(Checkpoint):
                 self._apply_rank_state(trainer, rank_state)
                 self._restored_fit_state = _fit_state.saved_state(shared)
                 _fit_state.prune_checkpoints(trainer, self._restored_fit_state, step)
+                self._restore_ddp_layout(trainer, rank_state, where)
                 self._last_step = step
                 seconds = time.monotonic() - t0
                 self.restored_from = (backend.url, step, seconds)
@@ -557,35 +665,35 @@ class SnapshotCallback(Checkpoint):
             steps = [step] if step is not None else committed_steps(backend)[:1]
             return [(backend, s) for s in steps]
         found: list[tuple[int, int]] = []
+        unlisted: list[str] = []
         collective: dict[int, list[int]] = {}
         for i, tier in enumerate(self.tiers):
             steps_of = getattr(tier, "collective_steps", None)
-            if steps_of is not None:  # a node-local tier (RAM): what any node holds
+            if steps_of is not None and getattr(tier, "node_local", False):  # a node-local tier: what any node holds
                 collective[i] = steps_of(self._tier_comms[i] if self._tier_comms else LocalComm())
         if self._comm.rank == 0:
             for i, tier in enumerate(self.tiers):
                 try:
                     found += [(step, i) for step in (collective[i] if i in collective else committed_steps(tier))]
-                except Exception as e:  # noqa: BLE001 - an unreachable tier must not stop the others
+                except Exception as e:  # noqa: BLE001 - a tier that cannot be listed may hold the newest snapshot
                     redact = getattr(tier, "redact", str)
-                    warnings.warn(f"lightning-snapshot: cannot list the {tier.tier} tier {tier.url!r} to resume"
-                                  f" ({type(e).__name__}: {redact(str(e))}); looking in the other tiers",
-                                  stacklevel=2)
+                    detail = str(e) if isinstance(e, SnapshotError) else f"{type(e).__name__}: {redact(str(e))}"
+                    unlisted.append(f"cannot list the {tier.tier} tier {tier.url!r} to resume from it ({detail})")
             found.sort(key=lambda x: (-x[0], x[1]))
             if not isinstance(self.resume, bool):
                 found = [f for f in found if f[0] == self.resume][:1]
-        found = self._comm.broadcast(found)
+        found, problem = self._comm.broadcast((found, "; ".join(unlisted)))
+        if problem:
+            # it may hold the newest snapshot: starting from an older one or fresh could overwrite its history
+            raise TierUnavailableError(f"lightning-snapshot: {problem}. Fix access to the tier and run again, or pass"
+                                       " resume=False to start fresh without reading it (snapshots are still taken;"
+                                       " an object store never overwrites a committed step, so give it a new prefix"
+                                       " too)")
         return [(self.tiers[i], step) for step, i in found]
 
     def _read(self, backend: Backend, step: int, trainer: Any, pl_module: Any, live: Templates
               ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        restore = getattr(backend, "restore", None)
-        if restore is None:
-            return self._read_tier(backend, step, trainer, pl_module, live)
-        # a node-local tier (RAM): the objects are made readable on every node first, a corrupted share found by the
-        # read is repaired from the others, and what the restore added is freed after (collective)
-        comm = self._tier_comms[self.tiers.index(backend)] if self._tier_comms else LocalComm()
-        return restore(comm, step, lambda: self._read_tier(backend, step, trainer, pl_module, live))
+        return self._through_tier(backend, step, lambda: self._read_tier(backend, step, trainer, pl_module, live))
 
     def _read_tier(self, backend: Backend, step: int, trainer: Any, pl_module: Any, live: Templates
                    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -648,6 +756,55 @@ class SnapshotCallback(Checkpoint):
         if self._pending_loaders and all(p is not None for p in self._pending_loaders):
             # Lightning cannot see that our sampler restores the position of plain DataLoaders, and would warn
             warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
+
+    def _restore_ddp_layout(self, trainer: Any, rank_state: dict[str, Any] | None, where: str) -> None:
+        """Give DDP the gradient-bucket layout the snapshot's process all-reduced with (see ``ddp_layout``).
+
+        Called on every rank together in ``on_fit_start``: the strategy has wrapped the model in DDP and nothing has
+        run a forward through it yet (the sanity check and training come later). The layout is untrusted input: it
+        is applied only when every rank holds the same layout and it fits the live DDP module (the parameters that
+        require grad, their sizes and dtypes); otherwise a warning names why and the resume goes on without it (the
+        weights and all other state are restored either way; only the float summation order of the next
+        all-reduces may differ from an uninterrupted run). Only at the same world size (``_read_tier`` passes no
+        layout after a change of the number of processes) and only into DDP (another strategy has no buckets).
+        """
+        model = trainer.strategy.model
+        if not is_ddp(model) or self._comm.world_size < 2:
+            return
+        layout = rank_state.get("ddp_layout") if isinstance(rank_state, dict) else None
+        if not _ddp_layout_enabled():
+            layout = None
+        problem = None
+        try:
+            check_layout(model, layout)
+        except ValueError as e:
+            problem = str(e)
+        except (AttributeError, TypeError, RuntimeError) as e:  # torch's private internals changed
+            problem = f"this torch is not supported ({type(e).__name__}: {e})"
+        first = self._comm.broadcast(layout)
+        if problem is None and layout != first:
+            problem = f"rank {self._comm.rank} holds another layout than rank 0"
+        none_stored, all_fit = self._comm.all_true_each([layout is None, problem is None])
+        if none_stored:  # taken before this feature, without DDP, or where DDP never rebuilds; or turned off
+            return
+        if not all_fit:
+            warnings.warn(f"lightning-snapshot: the {where} holds a DDP gradient-bucket layout that is not applied"
+                          f" ({problem or 'it does not fit on another rank'}); the resume goes on without it, so"
+                          " with 3 or more ranks the next steps may differ in the last bits from an uninterrupted"
+                          " run", stacklevel=2)
+            return
+        error: BaseException | None = None
+        try:
+            apply_layout(model, layout)
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            error = e
+        if not self._comm.all_true(error is None):
+            raise SnapshotError(
+                f"giving DDP the gradient-bucket layout of the {where} failed"
+                f" ({f'{type(error).__name__}: {error}' if error is not None else 'on another rank'}); set"
+                f" {DDP_LAYOUT_ENV}=0 to resume without it (with 3 or more ranks not bitwise identical to an"
+                " uninterrupted run)") from error
+        log.debug("lightning-snapshot: DDP gradient-bucket layout restored: %s", layout["buckets"])
 
     # ------------------------------------------------------------------------------------------- capture
     def _before_fetch(self, trainer: Any) -> None:
@@ -799,17 +956,54 @@ class SnapshotCallback(Checkpoint):
                 self._finish(trainer)
         if self._inflight is not None:
             self._inflight = None
-        if self._persister is not None:
-            # fit returns once every snapshot is durable (or failed); tiers with a drain_timeout (object stores)
-            # are waited for that long at most
-            for tier in self._persister.drain():
-                warnings.warn(f"lightning-snapshot: the {tier.tier} tier {tier.url!r} did not finish its uploads within"
-                              f" drain_timeout={getattr(tier, 'drain_timeout', None)} s; the newest snapshots are in"
-                              " the other tiers", stacklevel=2)
+        # fit returns once every snapshot is durable (or failed); tiers with a drain_timeout (object stores) are
+        # waited for that long at most
+        late = self._persister.drain() if self._persister is not None else []
         self._collect_results(trainer.global_step)
+        for tier in late:
+            i = self.tiers.index(tier)
+            self._tier_problem.setdefault(i, f"its uploads did not finish within drain_timeout="
+                                             f"{getattr(tier, 'drain_timeout', None)} s"
+                                             f" (last error: {self._last_error(i) or 'none'})")
+            warnings.warn(f"lightning-snapshot: the {tier.tier} tier {tier.url!r} did not finish its uploads within"
+                          f" drain_timeout={getattr(tier, 'drain_timeout', None)} s; {self._holders()}", stacklevel=2)
         self._metrics.flush(trainer)
         if not self._comm.all_true(not (self._errors and self.on_error == "raise")):
             self._raise_background_error()
+        self._check_durable()
+
+    def _last_error(self, index: int) -> str | None:
+        return self._persister.last_error(index) if self._persister is not None else None
+
+    def _holders(self) -> str:
+        """Which tiers hold the last snapshot taken for a durable tier in this fit (from the results so far)."""
+        step = self._last_durable_due
+        held = [f"{t.tier} {t.url}" for i, t in enumerate(self.tiers) if self._committed.get(i, -1) >= (step or 0)]
+        return f"step {step} is held by {', '.join(held)}" if held else f"no tier holds step {step} yet"
+
+    def _check_durable(self) -> None:
+        """End of fit (collective): the last snapshot taken in this fit must be held by some durable tier; if it is
+        not, raise :class:`NotDurableError` (``on_error="raise"``) or log an error (``"warn"``), naming each durable
+        tier and why it does not hold it."""
+        step = self._last_durable_due
+        durable = [i for i, t in enumerate(self.tiers) if t.durable]
+        problem = None
+        if step is not None and durable and not any(self._committed.get(i, -1) >= step for i in durable):
+            why = "; ".join(f"the {self.tiers[i].tier} tier {self.tiers[i].url!r}: "
+                            + (self._tier_problem.get(i) or f"it was not given step {step}") for i in durable)
+            ram = [t.url for i, t in enumerate(self.tiers) if not t.durable and self._committed.get(i, -1) >= step]
+            only = f" Only the memory of the RAM tier holds it ({', '.join(ram)})." if ram else ""
+            problem = f"{why}.{only}"
+        message = self._agree_problem(problem)
+        if message is None:
+            return
+        text = (f"lightning-snapshot: the last snapshot of this fit (step {step}) is not durable: no durable tier"
+                f" holds it. {message} Fix the tier (see the reason), then rerun to resume from the newest snapshot"
+                " that is durable")
+        if self.on_error == "raise":
+            raise NotDurableError(text)
+        log.error("%s (on_error='warn': fit returns normally)", text)
+        warnings.warn(text, stacklevel=2)
 
     def _final_snapshot(self, trainer: Any, pl_module: Any, step: int) -> None:
         """Stage the state of the last step for every tier (synchronously: training is over)."""
@@ -845,8 +1039,9 @@ class SnapshotCallback(Checkpoint):
         unfinished = ended and not batches.is_last_batch and consumed < trainer.num_training_batches
         boundary = ended and not unfinished  # training ended with an epoch: the next starts from its beginning
         epoch = trainer.current_epoch - 1 if unfinished else trainer.current_epoch
+        # (at an epoch boundary only persistent loader workers carry something into the next epoch: their RNG)
         loaders = [
-            None if boundary else _data.position(dl, epoch, consumed)
+            _data.position(dl, epoch, 0, ended=True) if boundary else _data.position(dl, epoch, consumed)
             for dl in _data.flatten_loaders(trainer.train_dataloader)
         ]
         # a loader fetched ahead: its state before the first batch this snapshot has not consumed (fetch indices
@@ -858,7 +1053,27 @@ class SnapshotCallback(Checkpoint):
             for counters in late["loops"]["fit_loop"]["epoch_progress"].values():
                 counters["processed"] -= 1
                 counters["completed"] -= 1
-        return {"rng": capture_rng(), "loaders": loaders, "late": late}
+        return {"rng": capture_rng(), "loaders": loaders, "late": late, "ddp_layout": self._ddp_layout(trainer)}
+
+    def _ddp_layout(self, trainer: Any) -> dict[str, Any] | None:
+        """DDP's rebuilt gradient-bucket layout (plain data), or None (not DDP, not rebuilt, or turned off).
+
+        Every rank calls this at the same point on the training thread: when the rebuild is still pending (the
+        snapshot of a process's first step) it is done here, with DDP's own broadcast from rank 0, exactly as the
+        next forward would do it.
+        """
+        model = trainer.strategy.model
+        if not is_ddp(model) or not _ddp_layout_enabled():
+            return None
+        try:
+            return capture_layout(model, rebuild_pending=True)
+        except (AttributeError, TypeError, RuntimeError) as e:  # torch's private internals changed
+            if not self._warned_layout:
+                self._warned_layout = True
+                warnings.warn(f"lightning-snapshot: cannot read DDP's gradient-bucket layout with this torch"
+                              f" ({type(e).__name__}: {e}); snapshots are taken without it, and a resume with 3 or"
+                              f" more ranks will not be bitwise identical to an uninterrupted run", stacklevel=2)
+            return None
 
     def _finish(self, trainer: Any, consumed_offset: int = 0) -> None:
         """Add the rest of the state (loops, callbacks, schedulers, this rank's RNG and data position) to the
@@ -876,6 +1091,8 @@ class SnapshotCallback(Checkpoint):
                 self._arena.release(shared.slot)
             self._handle(e, step)
             return
+        if any(self.tiers[i].durable for i in due):
+            self._last_durable_due = step  # (the end of fit checks that some durable tier holds it)
         # a tier whose queue is full (an object store in an outage) skips this snapshot; every rank agrees
         room = self._comm.all_true_each([self._persister.has_room(i) for i in due])
         accepted = [i for i, ok in zip(due, room) if ok]
@@ -883,9 +1100,13 @@ class SnapshotCallback(Checkpoint):
             if not ok:
                 self._tier_skipped[i] += 1
                 self._metrics.add(f"snapshot/{self._metric_names[i]}/skipped", self._tier_skipped[i])
+                self._tier_problem.setdefault(i, f"step {step} was skipped there: {self._persister.pending(i)}"
+                                                 " snapshot(s) still pending (max_pending)")
                 log.info("lightning-snapshot: step %d skipped for the %s tier %s: %d snapshot(s) still pending there",
                          step, self.tiers[i].tier, self.tiers[i].url, self._persister.pending(i))
         self._persister.submit(PersistJob(step, epoch, shared, private, [self.tiers[i] for i in accepted]), accepted)
+        for i in accepted:
+            self._submitted[i] = step
 
     def _collect_results(self, step: int) -> None:
         """Turn what the persist thread finished into metrics, and failures into warnings."""
@@ -894,10 +1115,12 @@ class SnapshotCallback(Checkpoint):
         while not self._persister.results.empty():
             r = self._persister.results.get_nowait()
             name = self._metric_names[self.tiers.index(r.tier)] if r.tier in self.tiers else r.tier.tier
+            index = self.tiers.index(r.tier) if r.tier in self.tiers else None
+            if r.error is not None and index is not None:
+                self._tier_problem[index] = f"step {r.step} failed: {r.error}"
             if r.abandoned:
                 warnings.warn(f"lightning-snapshot: gave up uploading step {r.step} to the {r.tier.tier} tier"
-                              f" {r.tier.url!r} at the end of training (drain_timeout); the other tiers hold it:"
-                              f" {r.error}", stacklevel=2)
+                              f" {r.tier.url!r} at the end of training (drain_timeout): {r.error}", stacklevel=2)
                 continue
             if r.error is not None:
                 self._failed += 1
@@ -908,12 +1131,16 @@ class SnapshotCallback(Checkpoint):
                               f" {r.tier.url!r} failed; {policy}: {r.error}", stacklevel=2)
                 continue
             self._committed[self.tiers.index(r.tier)] = r.step
+            self._tier_problem.pop(self.tiers.index(r.tier), None)
             self._metrics.add(f"snapshot/{name}/persist_ms", r.seconds * 1000)
             self._metrics.add(f"snapshot/{name}/throughput_MBps", r.nbytes / 1e6 / max(r.seconds, 1e-9))
             if r.stage_seconds is not None:
                 self._metrics.add("snapshot/stage_ms", r.stage_seconds * 1000)
-        for i, last in self._committed.items():
-            self._metrics.add(f"snapshot/{self._metric_names[i]}/lag_steps", step - last)
+        for i in self._submitted:  # (a tier that never committed in this fit lags from where the fit started)
+            self._metrics.add(f"snapshot/{self._metric_names[i]}/lag_steps",
+                              step - self._committed.get(i, self._fit_start_step))
+            if getattr(self.tiers[i], "retry_initial", None):
+                self._metrics.add(f"snapshot/{self._metric_names[i]}/retries", self._persister.retries(i))
 
     def _raise_background_error(self) -> None:
         errors, self._errors = self._errors, []

@@ -23,7 +23,16 @@ What random augmentation draws is restored too (:class:`_IteratorTracker`, insta
   resumed iterator hands batch ``n`` to worker ``n % num_workers`` as the interrupted one did (its round robin is
   rotated), and a ``worker_init_fn`` wrapper sets each resumed worker's RNG after the user's (or Lightning's) init
   function has run. A worker with no batch before ``n`` starts as the replayed base seed and init function make it
-  (persistent workers: as their last batch of the earlier epochs left it).
+  (persistent workers: as their last batch of the earlier epochs left it, batches made ahead and dropped at the end
+  of a shortened epoch included; they are reseeded from their original base seed, as ``get_worker_info().seed``
+  says). A snapshot at the end of an epoch (:func:`position` with ``ended``) holds the persistent workers' states
+  for the next epoch, whose order is drawn when the resumed iterator first needs it.
+
+The wrappers are given to each iterator only (the loader's ``collate_fn`` and ``worker_init_fn`` stay the user's), and
+the hooks hold the iterator weakly, so a dropped iterator still shuts its workers down at once. Torch internals used:
+``DataLoader._get_iterator``, and of ``_MultiProcessingDataLoaderIter`` its ``_get_data``, ``_next_data``,
+``_reset``, ``_try_put_index``, ``_worker_queue_idx_cycle``, ``_sampler_iter`` and ``_base_seed``; in the worker,
+``_generate_state`` and ``_worker_info`` (as in torch 2.13).
 """
 
 from __future__ import annotations
@@ -42,7 +51,6 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler
 from torch.utils.data import SequentialSampler, get_worker_info
-from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 __all__ = [
     "ResumableSampler", "install", "flatten_loaders", "is_stateful", "position", "unsupported_reason", "describe_order",
@@ -60,7 +68,7 @@ class ResumableSampler(Sampler[int]):
     """
 
     _OWN = ("inner", "epoch_state", "pending", "order", "replicas", "base", "offset", "start_batches", "stream",
-            "draws", "hold")
+            "draws", "hold", "sampler_epoch")
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -83,6 +91,8 @@ class ResumableSampler(Sampler[int]):
         #: While True, an iteration yields nothing and draws nothing (a resumed iterator's creation, see
         #: :meth:`_IteratorTracker.get_iterator`).
         self.hold = False
+        #: The wrapped sampler's ``epoch`` (``set_epoch``) when the current order was drawn, or None.
+        self.sampler_epoch: int | None = None
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -111,8 +121,12 @@ class ResumableSampler(Sampler[int]):
         if pending is None:
             self.epoch_state = (torch.get_rng_state(), gen.get_state() if gen is not None else None)
             self.order = describe_order(self.inner, *self.epoch_state)
+            self.sampler_epoch = _epoch_of(self.inner)
             yield from self.inner
             return
+        # A resumed loader with workers draws when its iterator is created, which Lightning does before it calls
+        # set_epoch: a DistributedSampler must draw the interrupted epoch's order
+        self._set_epoch(pending)
         # Replay the RNG from which the interrupted epoch drew its order, forked: the global RNG is put back right
         # after the draw. (Without workers this runs at the first fetch, after the callback restored the global RNG
         # to the interrupted run's state: what the dataset draws next must come from that state.) A generator of
@@ -134,6 +148,15 @@ class ResumableSampler(Sampler[int]):
         yield from head
         yield from it
 
+    def _set_epoch(self, pending: dict[str, Any]) -> None:
+        epoch = pending.get("sampler_epoch")
+        order = (pending.get("global") or {}).get("order") or {}
+        if epoch is None and order.get("kind") == "distributed":  # (a position of an older version)
+            epoch = order.get("epoch")
+        if epoch is not None and callable(getattr(self.inner, "set_epoch", None)):
+            self.inner.set_epoch(int(epoch))
+        self.sampler_epoch = _epoch_of(self.inner)
+
     def global_position(self, consumed_batches: int, batch_size: int) -> dict[str, Any] | None:
         """The global position after this rank consumed ``consumed_batches`` batches of the epoch (loop count)."""
         if self.order is None:
@@ -141,6 +164,11 @@ class ResumableSampler(Sampler[int]):
         local = self.offset + max(0, consumed_batches - self.start_batches) * batch_size
         samples = min(self.order["n"], self.base + local * self.replicas)
         return {"order": self.order, "base": self.base, "samples": samples, "replicas": self.replicas}
+
+
+def _epoch_of(sampler: Any) -> int | None:
+    epoch = getattr(sampler, "epoch", None)
+    return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None
 
 
 def _is_plain_distributed(sampler: Any) -> bool:
@@ -223,7 +251,21 @@ def plan_resume(sampler: ResumableSampler, loader: Any, pending: dict[str, Any],
     bit for bit. Otherwise the epoch continues from the saved *global* sample over the current ranks
     (:func:`split`) and the number of batches the loop should count as consumed is returned, so that the loop's
     count plus the batches left in this rank's stream is the loader's length; None when nothing changes for the loop.
+
+    The loader's next iterator starts as the interrupted one did (exact only: the RNG it was started from, its
+    workers' RNG states and round robin); persistent workers left from an earlier ``fit`` are shut down first.
+    Call before that iterator is created.
     """
+    tracker = _tracker(loader)
+    _drop_persistent_iterator(loader)
+    consumed = int(pending.get("consumed_batches") or 0)
+    # (a position of an older version has no "drawn": it was taken after the draw)
+    if not pending.get("drawn", True):
+        # the epoch's order is not drawn yet: the sampler draws it afresh (from the RNG the callback restores before
+        # the first fetch); the iterator starts from what the interrupted one started from
+        if tracker is not None and exact:
+            tracker.plan = {"iter_rng": pending.get("iter_rng"), "workers": pending.get("workers"), "start": consumed}
+        return None
     saved = pending.get("global")
     replicas, rank, drop_last = _replicas(sampler.inner)
     current = describe_order(sampler.inner, torch.get_rng_state(), None)
@@ -231,11 +273,30 @@ def plan_resume(sampler: ResumableSampler, loader: Any, pending: dict[str, Any],
                   and saved["base"] == 0 and saved["replicas"] == replicas)
     if exact and pending.get("rng") is not None and (saved is None or same_split):
         sampler.pending = pending
+        if tracker is not None:
+            tracker.plan = {"iter_rng": pending.get("iter_rng"), "workers": pending.get("workers"), "start": consumed}
         return None
+    start = _plan_layout_change(sampler, loader, pending, epoch, saved, replicas, rank, drop_last)
+    if tracker is not None:  # (no RNG to replay on another layout; batches counted from where the loop is)
+        tracker.plan = {"iter_rng": None, "workers": None, "start": consumed if start is None else start}
+    return start
+
+
+def _drop_persistent_iterator(loader: Any) -> None:
+    """Shut down the persistent workers of an earlier ``fit`` before a resume (they would carry on as they are)."""
+    it = getattr(loader, "_iterator", None)
+    if it is not None:
+        it._shutdown_workers()
+        loader._iterator = None
+
+
+def _plan_layout_change(sampler: ResumableSampler, loader: Any, pending: dict[str, Any], epoch: int,
+                        saved: dict[str, Any] | None, replicas: int, rank: int, drop_last: bool) -> int | None:
+    """:func:`plan_resume` on another layout: continue the saved global order over this rank's split."""
     if saved is None:
         warnings.warn("lightning-snapshot: the saved run's sampler cannot be replayed on another number of"
                       " processes (only DistributedSampler, RandomSampler and SequentialSampler orders can):"
-                      " the interrupted epoch's data restarts from the new sampler's order", stacklevel=2)
+                      " the interrupted epoch's data restarts from the new sampler's order", stacklevel=3)
         return None
     batch_size = loader.batch_sampler.batch_size
     length = len(loader.batch_sampler)
@@ -296,28 +357,46 @@ def unsupported_reason(loader: Any) -> str | None:
 
 
 def install(loader: Any) -> ResumableSampler | None:
-    """Wrap the index sampler of a plain map-style ``DataLoader`` (idempotent); None when not applicable."""
+    """Wrap the index sampler of a plain map-style ``DataLoader`` and follow its iterators (:class:`_IteratorTracker`)
+    (idempotent); None when not applicable. The loader's own attributes (``collate_fn``, ``worker_init_fn``) are left
+    as they are: the wrappers are given to each iterator's workers only."""
     if unsupported_reason(loader) is not None or is_stateful(loader):
         return None
     batch_sampler = loader.batch_sampler
-    if isinstance(batch_sampler.sampler, ResumableSampler):
-        return batch_sampler.sampler
-    wrapper = ResumableSampler(batch_sampler.sampler)
-    batch_sampler.sampler = wrapper
-    return wrapper
+    if not isinstance(batch_sampler.sampler, ResumableSampler):
+        batch_sampler.sampler = ResumableSampler(batch_sampler.sampler)
+    if _tracker(loader) is None:
+        loader._get_iterator = _IteratorTracker(loader).get_iterator
+        if loader.num_workers > 0 and getattr(loader, "in_order", True) is False:
+            warnings.warn("lightning-snapshot: a train loader with in_order=False hands batches to whichever worker"
+                          " is free: random augmentation in its workers cannot be resumed exactly", stacklevel=2)
+    return batch_sampler.sampler
 
 
-def position(loader: Any, epoch: int, consumed_batches: int) -> dict[str, Any] | None:
-    """The position of a wrapped loader: epoch, batches consumed and the RNG the epoch's order came from (this
-    rank's exact position), and ``global``: the global sample count with what rebuilds the epoch's order."""
+def position(loader: Any, epoch: int, consumed_batches: int, *, ended: bool = False) -> dict[str, Any] | None:
+    """The position of a wrapped loader before the batch ``consumed_batches`` of ``epoch`` is fetched (the loop's
+    count): None before its first iterator exists.
+
+    Keys: ``epoch``, ``consumed_batches``, ``skip`` (samples to skip); ``drawn``: whether the epoch's order was drawn
+    already (without workers it is drawn at the first fetch, from the RNG the resumed run restores right before it);
+    ``rng``/``gen``: the RNG the order was drawn from (this rank's exact position); ``global``: the global sample
+    count with what rebuilds the order (None before the draw); ``iter_rng``: what the epoch's iterator was started
+    from (:class:`_IteratorTracker`); ``workers``: the loader workers' RNG states before that batch, or None.
+
+    ``ended``: the loader's last epoch has ended and ``epoch`` is the next one, whose iterator does not exist yet
+    (a snapshot at the end of training); only persistent workers carry something (their RNG) into it.
+    """
     sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
-    if not isinstance(sampler, ResumableSampler) or (sampler.epoch_state is None and sampler.order is None):
+    if not isinstance(sampler, ResumableSampler):
         return None
-    if consumed_batches == 0 and getattr(loader, "num_workers", 0) == 0:
-        # the epoch's first batch is not fetched yet: without workers its order is drawn then, from the RNG the
-        # resumed run restores right before that fetch (the sampler's recorded state is the previous epoch's)
+    tracker = _tracker(loader)
+    started = tracker is not None and tracker.started
+    if not started and sampler.epoch_state is None and sampler.order is None:
         return None
-    rng, gen = sampler.epoch_state if sampler.epoch_state is not None else (None, None)
+    # an iterator that ran out belongs to the epoch before: nothing of the epoch asked for exists yet
+    current = started and not ended and not (tracker.exhausted and consumed_batches == 0)
+    drawn = current and sampler.draws > tracker.draws_at_start
+    rng, gen = sampler.epoch_state if drawn and sampler.epoch_state is not None else (None, None)
     batch_size = loader.batch_sampler.batch_size
     return {
         "epoch": epoch,
@@ -325,5 +404,322 @@ def position(loader: Any, epoch: int, consumed_batches: int) -> dict[str, Any] |
         "skip": consumed_batches * batch_size,
         "rng": rng,
         "gen": gen,
-        "global": sampler.global_position(consumed_batches, batch_size),
+        "global": sampler.global_position(consumed_batches, batch_size) if drawn else None,
+        "sampler_epoch": sampler.sampler_epoch if drawn else None,
+        "drawn": drawn,
+        "iter_rng": dict(tracker.start_rng) if current and tracker.start_rng is not None else None,
+        "workers": tracker.workers_position(consumed_batches, current) if tracker is not None else None,
     }
+
+
+# --------------------------------------------------------------------------------------- iterators and workers
+
+def _rng_now() -> tuple[bytes, Any, Any]:
+    """This process's torch CPU, python and numpy global RNG states, compact (sent with every worker batch)."""
+    return torch.get_rng_state().numpy().tobytes(), random.getstate(), np.random.get_state()
+
+
+def _rng_dict(compact: tuple[bytes, Any, Any]) -> dict[str, Any]:
+    """:func:`_rng_now` output in the form of :func:`lightning_snapshot.capture.capture_rng`."""
+    torch_state, python, numpy = compact
+    return {"torch": torch.frombuffer(bytearray(torch_state), dtype=torch.uint8), "python": python, "numpy": numpy}
+
+
+class _Batch:
+    """A batch made by a loader worker, with the worker's id and its RNG states right after making it."""
+
+    def __init__(self, data: Any, worker: int, rng: Any) -> None:
+        self.data = data
+        self.worker = worker
+        self.rng = rng
+
+    def pin_memory(self, device: Any = None) -> _Batch:
+        """What torch's pin-memory thread calls: pin the batch, keep the rest."""
+        from torch.utils.data._utils.pin_memory import pin_memory
+
+        return _Batch(pin_memory(self.data, device), self.worker, self.rng)
+
+
+class _Collate:
+    """The loader's ``collate_fn`` as its workers run it: the user's batch, wrapped with the worker's RNG states.
+
+    Picklable when the user's function is (the ``spawn`` start method pickles it to the workers)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __call__(self, samples: Any) -> Any:
+        data = self.inner(samples)
+        info = get_worker_info()
+        return data if info is None else _Batch(data, info.id, _rng_now())
+
+
+class _WorkerInit:
+    """The loader's ``worker_init_fn`` for the workers of a resumed iterator: reseed from the interrupted run's base
+    seed where this iterator drew another one (persistent workers started in an earlier epoch), run the user's (or
+    Lightning's) function, then set the RNG states the worker had before the first resumed batch."""
+
+    def __init__(self, inner: Any, states: list[Any] | None, base_seed: int | None) -> None:
+        self.inner = inner
+        self.states = states
+        self.base_seed = base_seed
+
+    def __call__(self, worker_id: int) -> None:
+        if self.base_seed is not None:
+            _reseed_worker(worker_id, self.base_seed)
+        if self.inner is not None:
+            self.inner(worker_id)
+        state = self.states[worker_id] if self.states is not None else None
+        if state is not None:
+            from lightning_snapshot.capture import restore_rng
+
+            restore_rng(state)
+
+
+def _reseed_worker(worker_id: int, base_seed: int) -> None:
+    """Seed this worker as torch seeds a worker of base seed ``base_seed`` (torch's ``_worker_loop``), including
+    what ``get_worker_info().seed`` and ``torch.initial_seed()`` say; nothing when it already is."""
+    from torch.utils.data._utils import worker as _worker
+
+    info = get_worker_info()
+    seed = base_seed + worker_id
+    if info is None or info.seed == seed:
+        return
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np.random.seed(_worker._generate_state(base_seed, worker_id))
+    _worker._worker_info = _worker.WorkerInfo(id=info.id, num_workers=info.num_workers, seed=seed,
+                                              dataset=info.dataset)
+
+
+class _IteratorTracker:
+    """Follows the iterators of one loader (installed as the loader's ``_get_iterator``) and the RNG states its
+    workers had after each batch; starts a resumed iterator where the interrupted one was (see the module doc).
+
+    Holds the loader and the current iterator weakly: a dropped iterator shuts its workers down as before.
+    """
+
+    #: Batches kept per worker (those fetched ahead of the loop are at most the loader's prefetch plus a few).
+    KEEP = 16
+
+    def __init__(self, loader: DataLoader) -> None:
+        self._loader = weakref.ref(loader)
+        self._iterator: Any = None
+        #: What :func:`plan_resume` set for the next iterator: iter_rng, workers, start (batch index); or None.
+        self.plan: dict[str, Any] | None = None
+        self.started = False
+        self.exhausted = False
+        self.draws_at_start = 0
+        #: The RNG the current epoch's iterator was started from (``created``: it was created then, drawing the
+        #: workers' base seed; False: persistent workers were reset for another epoch).
+        self.start_rng: dict[str, Any] | None = None
+        self.base_seed: int | None = None
+        self.num_workers = 0
+        #: Loop batch index of the current iterator's first batch (a resumed epoch starts past 0).
+        self.offset = 0
+        #: Per worker: its states at the start of the current epoch (None: as seeding and init function make it),
+        #: the newest it sent, and (batch index, state) of the current epoch's batches received.
+        self.carried: list[Any] = []
+        self.latest: list[Any] = []
+        self.history: list[deque[tuple[int, Any]]] = []
+        self.evicted: list[int] = []
+        self._draining = False
+        #: A resumed iterator whose prefetching starts at its first batch (see get_iterator), or None.
+        self._deferred: Any = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _IteratorTracker, (self._loader(),)
+
+    # -------------------------------------------------------------------------------------- iterator start
+    def get_iterator(self) -> Any:
+        """``DataLoader._get_iterator`` with the tracking wrappers, and the resume plan applied once."""
+        loader = self._loader()
+        plan, self.plan = self.plan or {}, None
+        workers = int(loader.num_workers)
+        wplan = plan.get("workers")
+        if wplan is not None and int(wplan["num_workers"]) != workers:
+            warnings.warn(f"lightning-snapshot: the train loader had {wplan['num_workers']} workers, now {workers}:"
+                          " random augmentation in its workers is not resumed exactly", stacklevel=3)
+            wplan = None
+        replay = plan.get("iter_rng")
+        gen = loader.generator if isinstance(loader.generator, torch.Generator) else None
+        live = _rng_of(gen)
+        # resumed workers are held back until they are started as the interrupted ones were (_prime)
+        hold = workers > 0 and wplan is not None
+        if replay is not None:
+            _set_rng_of(gen, replay)
+        draws = loader.batch_sampler.sampler.draws
+        it = self._create(loader, wplan, hold)
+        if hold:
+            if replay is None:
+                _set_rng_of(gen, live)  # (undo the base seed draw: the workers are reseeded to the saved one)
+            elif not replay.get("created", True):
+                _set_rng_of(gen, replay)  # persistent workers were only reset then: no base seed was drawn
+            if loader.batch_sampler.sampler.pending is not None:
+                self._prime(it, int(plan.get("start") or 0) % workers)
+            else:
+                # the epoch's order is not drawn yet (a snapshot at the end of an epoch): it is drawn when the first
+                # batch is asked for, or when Lightning starts the epoch again (its restored RNG is set by then)
+                self._deferred = weakref.ref(it)
+        if replay is not None:
+            torch.set_rng_state(live["torch"])  # a fork: the callback restores the global RNG before the fetch
+        self._started(it, replay if replay is not None else dict(live, created=not hold), draws, workers)
+        self.offset = int(plan.get("start") or 0)
+        if wplan is not None:
+            self.carried = list(wplan["states"])
+            if wplan.get("base_seed") is not None:
+                self.base_seed = int(wplan["base_seed"])
+        return it
+
+    @staticmethod
+    def _create(loader: DataLoader, wplan: dict[str, Any] | None, hold: bool) -> Any:
+        """The loader's own iterator, its workers given the wrappers (the loader's attributes are put back)."""
+        sampler = loader.batch_sampler.sampler
+        collate, init = loader.collate_fn, loader.worker_init_fn
+        try:
+            if loader.num_workers > 0:
+                loader.collate_fn = _Collate(collate)
+                if wplan is not None:
+                    loader.worker_init_fn = _WorkerInit(init, list(wplan["states"]), wplan.get("base_seed"))
+            sampler.hold = hold
+            return type(loader)._get_iterator(loader)
+        finally:
+            sampler.hold = False
+            loader.collate_fn, loader.worker_init_fn = collate, init
+
+    @staticmethod
+    def _prime(it: Any, first_worker: int) -> None:
+        """Start a resumed iterator's prefetching (held back while it was created): its round robin rotated so that
+        the epoch's batch ``n`` goes to worker ``n % num_workers`` as in the interrupted iterator."""
+        k = it._num_workers
+        it._sampler_iter = iter(it._index_sampler)
+        it._worker_queue_idx_cycle = itertools.cycle([(first_worker + i) % k for i in range(k)])
+        for _ in range(it._prefetch_factor * k):
+            it._try_put_index()
+
+    def _started(self, it: Any, start_rng: dict[str, Any], draws: int, workers: int) -> None:
+        self._iterator = weakref.ref(it)
+        self.base_seed = int(it._base_seed) if workers > 0 else None
+        self.started, self.exhausted = True, False
+        self.start_rng = start_rng
+        self.draws_at_start = draws
+        self.num_workers = workers
+        self.carried = [None] * workers
+        self.latest = [None] * workers
+        self.history = [deque(maxlen=self.KEEP) for _ in range(workers)]
+        self.evicted = [-1] * workers
+        _hook(it, "_next_data", self._next_data)
+        if workers > 0:
+            _hook(it, "_get_data", self._get_data)
+            if it._persistent_workers:
+                _hook(it, "_reset", self._reset)
+
+    def _reset(self, it: Any, original: Any, loader: Any, first_iter: bool = False) -> None:
+        """A persistent iterator started for another epoch: its workers carry their RNG into it."""
+        sampler = loader.batch_sampler.sampler
+        gen = loader.generator if isinstance(loader.generator, torch.Generator) else None
+        start_rng = dict(_rng_of(gen), created=False)
+        draws = sampler.draws
+        self._deferred = None  # (the reset starts its prefetching)
+        self._draining = True
+        try:
+            original(it, loader, first_iter)  # (takes in what the workers made past the end of the last epoch)
+        finally:
+            self._draining = False
+        latest = list(self.latest)
+        carried = [s if s is not None else c for s, c in zip(latest, self.carried)]
+        self.started, self.exhausted = True, False
+        self.start_rng = start_rng
+        self.draws_at_start = draws
+        self.offset = 0
+        self.carried, self.latest = carried, [None] * self.num_workers
+        self.history = [deque(maxlen=self.KEEP) for _ in range(self.num_workers)]
+        self.evicted = [-1] * self.num_workers
+
+    # -------------------------------------------------------------------------------------- batches
+    def _next_data(self, it: Any, original: Any) -> Any:
+        if self._deferred is not None and self._deferred() is it:
+            self._deferred = None
+            self._prime(it, self.offset % self.num_workers)
+        try:
+            return original(it)
+        except StopIteration:
+            if self._is_current(it):
+                self.exhausted = True
+            raise
+
+    def _get_data(self, it: Any, original: Any) -> Any:
+        """Unwrap a worker's batch as it reaches the main process (before anyone sees it) and keep its RNG."""
+        idx, data = original(it)
+        if isinstance(data, _Batch):
+            if self._is_current(it):
+                self._record(data.worker, idx, data.rng)
+            data = data.data
+        return idx, data
+
+    def _is_current(self, it: Any) -> bool:
+        return self._iterator is not None and self._iterator() is it
+
+    def _record(self, worker: int, idx: int, rng: Any) -> None:
+        self.latest[worker] = rng
+        if self._draining:  # a batch of the epoch before, made ahead and dropped
+            return
+        history = self.history[worker]
+        if len(history) == history.maxlen:
+            self.evicted[worker] = max(self.evicted[worker], history[0][0])
+        history.append((self.offset + idx, rng))
+
+    def workers_position(self, consumed: int, current: bool) -> dict[str, Any] | None:
+        """Each worker's RNG states after its last batch before batch ``consumed`` of the epoch (None: as seeding
+        and the init function make it), or None without workers (or before a non-persistent epoch's iterator)."""
+        loader = self._loader()
+        if self.num_workers == 0 or loader is None or getattr(loader, "in_order", True) is False:
+            return None
+        persistent = bool(loader.persistent_workers)
+        if not current:
+            if not persistent:
+                return None  # the next epoch's workers do not exist yet
+            states = [s if s is not None else c for s, c in zip(self.latest, self.carried)]
+        else:
+            states = []
+            for w in range(self.num_workers):
+                before = [s for i, s in self.history[w] if i < consumed]
+                if before:
+                    states.append(before[-1])
+                elif self.evicted[w] >= 0 and self.evicted[w] < consumed:
+                    log.warning("lightning-snapshot: loader worker %d's RNG state before batch %d is no longer"
+                                " known; its augmentation will not resume exactly", w, consumed)
+                    states.append(None)
+                else:
+                    states.append(self.carried[w])
+        return {"num_workers": self.num_workers, "persistent": persistent, "base_seed": self.base_seed,
+                "states": [_rng_dict(s) if isinstance(s, tuple) else s for s in states]}
+
+
+def _rng_of(gen: torch.Generator | None) -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "gen": gen.get_state() if gen is not None else None}
+
+
+def _set_rng_of(gen: torch.Generator | None, state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if gen is not None and state.get("gen") is not None:
+        gen.set_state(state["gen"])
+
+
+def _hook(it: Any, name: str, wrapper: Any) -> None:
+    """Route ``it.name(...)`` through ``wrapper(it, original, ...)``, holding ``it`` weakly (an iterator that is
+    dropped still shuts its workers down at once)."""
+    ref = weakref.ref(it)
+    original = getattr(type(it), name)
+
+    def hooked(*args: Any, **kwargs: Any) -> Any:
+        return wrapper(ref(), original, *args, **kwargs)
+
+    setattr(it, name, hooked)
+
+
+def _tracker(loader: Any) -> _IteratorTracker | None:
+    """The tracker :func:`install` put on ``loader``, or None."""
+    hook = getattr(loader, "__dict__", {}).get("_get_iterator")
+    owner = getattr(hook, "__self__", None)
+    return owner if isinstance(owner, _IteratorTracker) else None

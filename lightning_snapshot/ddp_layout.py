@@ -40,8 +40,11 @@ from typing import Any
 
 import torch
 
+__all__ = ["LAYOUT_VERSION", "apply_layout", "capture_layout", "check_layout", "is_ddp"]
+
 LAYOUT_VERSION = 1
 _APPLIED = "_lightning_snapshot_applied_layout"
+_CAPTURED = "_lightning_snapshot_captured_layout"  # the layout read once the reducer has rebuilt (plain data)
 
 
 def _ddp_class():
@@ -52,7 +55,8 @@ def _ddp_class():
     return DistributedDataParallel
 
 
-def _is_ddp(module: Any) -> bool:
+def is_ddp(module: Any) -> bool:
+    """Whether ``module`` is a ``torch.nn.parallel.DistributedDataParallel``."""
     cls = _ddp_class()
     return cls is not None and isinstance(module, cls)
 
@@ -77,10 +81,11 @@ def capture_layout(ddp_module: Any, *, rebuild_pending: bool = False) -> dict | 
     no collective is issued and None is returned in that state.
 
     Reads ``reducer._get_zeros_like_grad_buckets()``, which allocates zeros the size of the gradients for the
-    duration of the call. A layout given to :func:`apply_layout` in this process is returned as is until the reducer
-    has rebuilt again (no allocation).
+    duration of the call, once per reducer: DDP rebuilds only once, so the layout read is kept on the module and
+    returned by later calls. A layout given to :func:`apply_layout` in this process is returned as is until the
+    reducer has rebuilt again (no allocation).
     """
-    if not _is_ddp(ddp_module):
+    if not is_ddp(ddp_module):
         return None
     reducer = getattr(ddp_module, "reducer", None)
     if reducer is None:  # every parameter is all-reduced by DDP's delayed hook, no reducer buckets
@@ -92,11 +97,15 @@ def capture_layout(ddp_module: Any, *, rebuild_pending: bool = False) -> dict | 
         if not rebuild_pending or not reducer._rebuild_buckets():
             return None
         ddp_module._has_rebuilt_buckets = True
-    params = ddp_module._build_params_for_reducer()[0]
-    index = {id(p): i for i, p in enumerate(params)}
-    buckets = [[index[id(p)] for p in bucket.parameters()] for bucket in reducer._get_zeros_like_grad_buckets()]
-    numels, dtypes = _signature(params)
-    return {"version": LAYOUT_VERSION, "buckets": buckets, "numels": numels, "dtypes": dtypes}
+    layout = ddp_module.__dict__.get(_CAPTURED)  # (apply_layout, which replaces the reducer, drops it)
+    if layout is None:
+        params = ddp_module._build_params_for_reducer()[0]
+        index = {id(p): i for i, p in enumerate(params)}
+        buckets = [[index[id(p)] for p in bucket.parameters()] for bucket in reducer._get_zeros_like_grad_buckets()]
+        numels, dtypes = _signature(params)
+        layout = {"version": LAYOUT_VERSION, "buckets": buckets, "numels": numels, "dtypes": dtypes}
+        ddp_module.__dict__[_CAPTURED] = layout
+    return {**layout, "buckets": [list(b) for b in layout["buckets"]]}
 
 
 def _check(layout: Any, params: list[torch.Tensor]) -> list[list[int]]:
@@ -129,25 +138,9 @@ def _check(layout: Any, params: list[torch.Tensor]) -> list[list[int]]:
     return [list(b) for b in buckets]
 
 
-def apply_layout(ddp_module: Any, layout: dict | None) -> None:
-    """Give ``ddp_module`` (a ``DistributedDataParallel``) the bucket layout ``layout`` from :func:`capture_layout`.
-
-    Call it in the restarted process after the model was wrapped (in Lightning: ``trainer.strategy.model`` by
-    ``on_fit_start``) and before the first forward, on every rank with the same layout (no collective is issued).
-    A no-op when ``layout`` is None or ``ddp_module`` is not a ``DistributedDataParallel`` (one process has no
-    all-reduce). Raises ``ValueError`` when the layout does not fit the model (another number of parameters, other
-    sizes or dtypes, not every index exactly once), when the module already ran a forward, or for DDP set-ups this
-    does not handle (``mixed_precision``, the compiled/Python reducer, every parameter delayed).
-
-    It replaces ``ddp_module.reducer`` (and ``ddp_module.logger``) by a reducer built by DDP's own
-    ``_ddp_init_helper`` with the saved bucket indices; the old reducer frees and removes its autograd hooks. Comm
-    hooks registered with ``register_comm_hook`` are registered again on the new reducer (from
-    ``DistributedDataParallel._comm_hooks``); when a comm hook is registered that cannot be (a built-in C++ hook, or a
-    torch without ``_comm_hooks``; seen in ``_get_ddp_logging_data()["comm_hook"]``), ``ValueError`` is raised.
-    """
-    if layout is None or not _is_ddp(ddp_module):
-        return
-    ddp = ddp_module
+def _prepare(ddp: Any, layout: Any) -> tuple[list[torch.Tensor], Any, list[list[int]], list[Any]]:
+    """Everything :func:`apply_layout` checks, without changing ``ddp``: (parameters, expect_sparse_gradient,
+    buckets, comm hooks to carry over). Raises ``ValueError`` naming the problem."""
     if getattr(ddp, "mixed_precision", None) is not None:
         raise ValueError("apply_layout does not support DDP's mixed_precision")
     if getattr(ddp, "_use_python_reducer", False) or getattr(ddp, "_delay_all_reduce_all_params", False):
@@ -161,7 +154,42 @@ def apply_layout(ddp_module: Any, layout: dict | None) -> None:
     hook_name = ddp._get_ddp_logging_data().get("comm_hook") if ddp.logger is not None else None
     if hook_name and not comm_hooks:
         raise ValueError(f"apply_layout cannot carry the comm hook {hook_name!r} over to the new reducer (a built-in "
-                         f"hook, or a torch that does not keep registered hooks in DistributedDataParallel._comm_hooks)")
+                         "hook, or a torch that does not keep registered hooks in "
+                         "DistributedDataParallel._comm_hooks)")
+    return parameters, expect_sparse_gradient, buckets, comm_hooks
+
+
+def check_layout(ddp_module: Any, layout: Any) -> None:
+    """Raise ``ValueError`` (naming why) when :func:`apply_layout` would refuse ``layout`` for ``ddp_module``.
+
+    Changes nothing and issues no collective; a no-op when ``layout`` is None or ``ddp_module`` is not a
+    ``DistributedDataParallel``. ``layout`` is treated as untrusted input (any JSON value).
+    """
+    if layout is not None and is_ddp(ddp_module):
+        _prepare(ddp_module, layout)
+
+
+def apply_layout(ddp_module: Any, layout: dict | None) -> None:
+    """Give ``ddp_module`` (a ``DistributedDataParallel``) the bucket layout ``layout`` from :func:`capture_layout`.
+
+    Call it in the restarted process after the model was wrapped (in Lightning: ``trainer.strategy.model`` by
+    ``on_fit_start``) and before the first forward, on every rank with the same layout (no collective is issued).
+    A no-op when ``layout`` is None or ``ddp_module`` is not a ``DistributedDataParallel`` (one process has no
+    all-reduce). Raises ``ValueError``, before changing anything, when the layout does not fit the model (another
+    number of parameters, other sizes or dtypes, not every index exactly once), when the module already ran a
+    forward, or for DDP set-ups this does not handle (``mixed_precision``, the compiled/Python reducer, every
+    parameter delayed); :func:`check_layout` runs the same checks alone.
+
+    It replaces ``ddp_module.reducer`` (and ``ddp_module.logger``) by a reducer built by DDP's own
+    ``_ddp_init_helper`` with the saved bucket indices; the old reducer frees and removes its autograd hooks. Comm
+    hooks registered with ``register_comm_hook`` are registered again on the new reducer (from
+    ``DistributedDataParallel._comm_hooks``); when a comm hook is registered that cannot be (a built-in C++ hook, or a
+    torch without ``_comm_hooks``; seen in ``_get_ddp_logging_data()["comm_hook"]``), ``ValueError`` is raised.
+    """
+    if layout is None or not is_ddp(ddp_module):
+        return
+    ddp = ddp_module
+    parameters, expect_sparse_gradient, buckets, comm_hooks = _prepare(ddp, layout)
     param_to_name_mapping = ddp._build_debug_param_to_name_mapping(parameters)
 
     dist = torch.distributed
@@ -184,5 +212,6 @@ def apply_layout(ddp_module: Any, layout: dict | None) -> None:
         ddp.logger._set_comm_hook_name(hook.__qualname__)
         dist._register_comm_hook(ddp.reducer, state, hook)
     ddp._has_rebuilt_buckets = False
-    ddp.__dict__[_APPLIED] = {"version": LAYOUT_VERSION, "buckets": buckets, "numels": _signature(parameters)[0],
-                              "dtypes": _signature(parameters)[1]}
+    ddp.__dict__.pop(_CAPTURED, None)
+    numels, dtypes = _signature(parameters)
+    ddp.__dict__[_APPLIED] = {"version": LAYOUT_VERSION, "buckets": buckets, "numels": numels, "dtypes": dtypes}

@@ -19,6 +19,8 @@ __all__ = [
     "CaptureError",
     "SnapshotWriteError",
     "StorageFullError",
+    "TierUnavailableError",
+    "NotDurableError",
 ]
 
 
@@ -64,3 +66,13 @@ class SnapshotWriteError(SnapshotError, OSError):
 
 class StorageFullError(SnapshotWriteError):
     """The tier ran out of space while writing a snapshot; earlier snapshots are untouched."""
+
+
+class TierUnavailableError(SnapshotWriteError):
+    """A tier cannot be used: its bucket does not exist, its credentials are refused, its endpoint does not answer,
+    or its directory cannot be written or listed. The message names the tier (never its credentials) and the fix."""
+
+
+class NotDurableError(SnapshotWriteError):
+    """At the end of ``fit``, the last snapshot is held by no durable tier; the message says which tier failed and
+    why."""

@@ -6,13 +6,14 @@ whole model. The torch file is loadable with ``torch.load(path, weights_only=Tru
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import struct
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,30 @@ class _Progress:
         sys.stderr.flush()
 
 
+@contextlib.contextmanager
+def _replacing(out: Path) -> Iterator[Path]:
+    """A temporary file next to ``out`` that atomically replaces ``out`` when the block succeeds and is removed when
+    it fails (an error, Ctrl-C), so a failed export leaves nothing behind."""
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        os.replace(tmp, out)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+
+
+def _check_out(out: Path) -> None:
+    """Refuse an output path that cannot be a file we write, before anything is read."""
+    if out.is_dir():
+        raise ConfigError(f"{str(out)!r} is a directory: give the path of the file to write, e.g."
+                          f" {str(out / 'model.safetensors')!r}")
+    if not out.parent.is_dir():
+        raise ConfigError(f"cannot write {str(out)!r}: the directory {str(out.parent)!r} does not exist. Create it"
+                          " first or choose another path")
+
+
 def _nbytes(entry: TensorEntry) -> int:
     n = 1
     for d in entry.global_shape:
@@ -103,8 +128,7 @@ def _export_safetensors(backend: Backend, manifest: Manifest, out: Path, progres
         pos += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
+    with _replacing(out) as tmp, open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for _, e in weights:  # tied weights: stored once, written under each key
@@ -114,7 +138,6 @@ def _export_safetensors(backend: Backend, manifest: Manifest, out: Path, progres
             del t
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, out)
 
 
 def _export_torch(backend: Backend, manifest: Manifest, out: Path, progress: _Progress) -> None:
@@ -139,9 +162,8 @@ def _export_torch(backend: Backend, manifest: Manifest, out: Path, progress: _Pr
             if e.alias_of is not None:
                 tensors[e.name] = tensors[e.alias_of]
         state = _tree.decode(tree, tensors)
-        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-        torch.save(state, tmp)
-        os.replace(tmp, out)
+        with _replacing(out) as tmp:
+            torch.save(state, tmp)
 
 
 def export_snapshot(
@@ -156,22 +178,24 @@ def export_snapshot(
 
     Args:
         source: a tier URL/path (newest step), a ``step-*`` directory, or a backend.
-        out: the file to write (replaced atomically).
+        out: the file to write (replaced atomically; its directory must exist). Nothing is left behind when the
+            export fails.
         fmt: ``"safetensors"`` (model weights, names as in the LightningModule's ``state_dict``) or ``"torch"`` (the
             full training state, loadable with ``torch.load(out, weights_only=True)``).
         step: the step; default the newest committed one (or the one ``source`` names).
         progress: print progress to stderr.
 
     Raises:
-        ConfigError: unknown format, or a dtype safetensors cannot store.
+        ConfigError: unknown format, ``out`` is a directory or its directory does not exist, or a dtype
+            safetensors cannot store.
         SnapshotNotFoundError, ManifestError, ChecksumError: as when loading.
     """
     if fmt not in FORMATS:
         raise ConfigError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    out = Path(os.path.expanduser(os.fspath(out))).absolute()
+    _check_out(out)
     backend, manifest = open_snapshot(source, step)
     step = manifest.step
-    out = Path(out).absolute()
-    out.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "torch":
         chosen = [t for t in manifest.tensors if t.alias_of is None]
     else:

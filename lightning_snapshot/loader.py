@@ -79,7 +79,7 @@ def read_manifest(backend: Backend, step: int) -> Manifest:
         raise SnapshotNotFoundError(
             f"no committed snapshot of step {step} in the {backend.tier} tier {backend.url!r}"
         ) from None
-    manifest = Manifest.from_json(data, where=f"manifest of {_where(backend, step)}")
+    manifest = Manifest.from_json(data, where=f"{key} in the {backend.tier} tier {backend.url!r}")
     if manifest.step != step:
         raise ManifestError(f"manifest of {_where(backend, step)} says it is step {manifest.step}")
     return manifest
@@ -393,10 +393,13 @@ def _refs(tree: Any) -> set[str]:
 def open_snapshot(source: str | os.PathLike[str] | Backend, step: int | None = None) -> tuple[Backend, Manifest]:
     """The backend and validated manifest of a snapshot: ``step``, else the one ``source`` names, else the newest.
 
+    Creates nothing (a tier that does not exist is an error, not an empty tier).
+
     Raises:
-        SnapshotNotFoundError: nothing committed matches.
+        SnapshotNotFoundError: the tier does not exist, or nothing committed in it matches.
     """
     backend, named_step = resolve_source(source)
+    backend.require_exists()
     if step is None:
         step = named_step
     if step is None:
@@ -428,7 +431,7 @@ def load_snapshot(
             ``DTensor`` value (a sharded model's state dict, e.g. ``get_model_state_dict(model)`` under FSDP2)
             gets only its local shard, read from whatever layout the snapshot was saved with; see
             :func:`read_section`.
-        rank: also return that rank's private state (RNG, data position) under ``"rank_state"``.
+        rank: also return that rank's private state (RNG, data position, DDP bucket layout) under ``"rank_state"``.
 
     Returns:
         A dict shaped like a Lightning checkpoint (``state_dict``, ``optimizer_states``, ``lr_schedulers``, ``loops``,

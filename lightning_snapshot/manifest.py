@@ -67,13 +67,19 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def dtype_from_name(name: str) -> torch.dtype:
-    """The torch dtype for a manifest dtype name."""
+    """The torch dtype for a manifest dtype name.
+
+    Raises:
+        ManifestError: ``name`` is not a dtype this build of torch has (the message says what to do; the manifest
+            parser adds the file, the tensor and the field).
+    """
     try:
         return DTYPES[name]
     except KeyError:
         raise ManifestError(
-            f"unknown dtype {name!r}; this build of torch supports {sorted(DTYPES)}. The snapshot may come from a"
-            " newer torch or lightning-snapshot: upgrade both"
+            f"unknown dtype {name!r} (this build of torch knows {', '.join(sorted(DTYPES))}). If the snapshot was"
+            " written with a newer torch or lightning-snapshot, upgrade both; otherwise the manifest is corrupted:"
+            " use another snapshot"
         ) from None
 
 
@@ -280,11 +286,17 @@ def _manifest_to_dict(m: Manifest) -> dict[str, Any]:
 class _Reader:
     """Typed field access with the JSON path in every error message."""
 
-    def __init__(self, where: str) -> None:
+    def __init__(self, where: str, tensor: str | None = None) -> None:
         self.where = where
+        self.tensor = tensor
+
+    def within(self, tensor: str) -> _Reader:
+        """A reader whose errors also name ``tensor`` (the entry being parsed)."""
+        return _Reader(self.where, tensor)
 
     def fail(self, path: str, msg: str) -> ManifestError:
-        return ManifestError(f"{self.where}: {path}: {msg}")
+        of = f" (tensor {self.tensor!r})" if self.tensor is not None else ""
+        return ManifestError(f"{self.where}: field {path}{of}: {msg}")
 
     def obj(self, value: Any, path: str, keys: set[str], optional: set[str] = frozenset()) -> Mapping[str, Any]:
         if not isinstance(value, dict):
@@ -341,57 +353,7 @@ def _parse_tensors(r: _Reader, value: Any, path: str, m_objects: Mapping[str, in
         if name in names:
             raise r.fail(p, f"duplicate tensor name {name!r}")
         names.add(name)
-        dtype = r.str_(d["dtype"], f"{p}.dtype")
-        torch_dtype = dtype_from_name(dtype)
-        global_shape = r.shape(d["global_shape"], f"{p}.global_shape")
-        if kind == "alias":
-            out.append(TensorEntry(name, dtype, global_shape, (), r.str_(d["alias_of"], f"{p}.alias_of")))
-            continue
-        itemsize = torch.empty((), dtype=torch_dtype).element_size()
-        frags = []
-        for j, fraw in enumerate(r.list_(d["fragments"], f"{p}.fragments")):
-            fp = f"{p}.fragments[{j}]"
-            fd = r.obj(fraw, fp, {"object", "offset", "nbytes", "global_offsets", "local_shape", "checksums"})
-            obj = r.str_(fd["object"], f"{fp}.object")
-            try:
-                validate_key(obj)
-            except UnsafePathError as e:
-                raise r.fail(fp + ".object", str(e)) from None
-            if obj not in m_objects:
-                raise r.fail(fp + ".object", f"refers to object {obj!r} that the manifest does not list")
-            offset = r.int_(fd["offset"], f"{fp}.offset")
-            nbytes = r.int_(fd["nbytes"], f"{fp}.nbytes")
-            offs = r.shape(fd["global_offsets"], f"{fp}.global_offsets")
-            local = r.shape(fd["local_shape"], f"{fp}.local_shape")
-            if len(offs) != len(global_shape) or len(local) != len(global_shape):
-                raise r.fail(fp, "global_offsets/local_shape do not have the rank of global_shape")
-            if any(o + n > g for o, n, g in zip(offs, local, global_shape)):
-                raise r.fail(fp, f"box {offs}+{local} lies outside global_shape {global_shape}")
-            if nbytes != math.prod(local) * itemsize:
-                raise r.fail(fp, f"nbytes {nbytes} does not match local_shape {local} of {dtype}")
-            if offset % alignment:
-                raise r.fail(fp, f"offset {offset} is not aligned to {alignment}")
-            if offset + nbytes > m_objects[obj]:
-                raise r.fail(fp, f"bytes [{offset}, {offset + nbytes}) lie outside object {obj!r}"
-                                 f" of {m_objects[obj]} bytes")
-            sums = tuple(r.str_(s, f"{fp}.checksums[{k}]") for k, s in enumerate(r.list_(fd["checksums"],
-                                                                                         f"{fp}.checksums")))
-            if len(sums) != max(1, -(-nbytes // chunk_bytes)) or not all(_HEX_RE.match(s) for s in sums):
-                raise r.fail(fp + ".checksums", f"expected {max(1, -(-nbytes // chunk_bytes))} 16-digit hex"
-                                                " checksums (one per chunk)")
-            frags.append(Fragment(obj, offset, nbytes, offs, local, sums))
-        covered = sum(math.prod(f.local_shape) for f in frags)
-        pair = overlapping_boxes([(f.global_offsets, f.local_shape) for f in frags]) if len(frags) > 1 else None
-        if pair is not None:
-            a, b = (frags[k] for k in pair)
-            raise r.fail(p, f"fragments {pair[0]} and {pair[1]} of tensor {name!r} overlap (boxes at"
-                            f" {list(a.global_offsets)} shape {list(a.local_shape)} and {list(b.global_offsets)}"
-                            f" shape {list(b.local_shape)}); each element must be stored exactly once")
-        if covered != math.prod(global_shape):
-            raise r.fail(p, f"fragments cover {covered} of {math.prod(global_shape)} elements of tensor {name!r};"
-                            f" missing region: {_missing_region(global_shape, frags)}. The snapshot is incomplete"
-                            " (a lost shard?): use another snapshot")
-        out.append(TensorEntry(name, dtype, global_shape, tuple(frags)))
+        out.append(_parse_tensor(r.within(name), d, p, kind, name, m_objects, chunk_bytes, alignment))
     by_name = {t.name: t for t in out}
     for t in out:
         if t.alias_of is not None:
@@ -401,6 +363,64 @@ def _parse_tensors(r: _Reader, value: Any, path: str, m_objects: Mapping[str, in
             if target.dtype != t.dtype or target.global_shape != t.global_shape:
                 raise r.fail(path, f"alias {t.name!r} does not match dtype/shape of {t.alias_of!r}")
     return tuple(out)
+
+
+def _parse_tensor(r: _Reader, d: Mapping[str, Any], p: str, kind: str, name: str, m_objects: Mapping[str, int],
+                  chunk_bytes: int, alignment: int) -> TensorEntry:
+    """One tensor or alias entry ``d`` at JSON path ``p``; ``r`` names the tensor in its errors."""
+    dtype = r.str_(d["dtype"], f"{p}.dtype")
+    try:
+        torch_dtype = dtype_from_name(dtype)
+    except ManifestError as e:
+        raise r.fail(f"{p}.dtype", str(e)) from None
+    global_shape = r.shape(d["global_shape"], f"{p}.global_shape")
+    if kind == "alias":
+        return TensorEntry(name, dtype, global_shape, (), r.str_(d["alias_of"], f"{p}.alias_of"))
+    itemsize = torch.empty((), dtype=torch_dtype).element_size()
+    frags = []
+    for j, fraw in enumerate(r.list_(d["fragments"], f"{p}.fragments")):
+        fp = f"{p}.fragments[{j}]"
+        fd = r.obj(fraw, fp, {"object", "offset", "nbytes", "global_offsets", "local_shape", "checksums"})
+        obj = r.str_(fd["object"], f"{fp}.object")
+        try:
+            validate_key(obj)
+        except UnsafePathError as e:
+            raise r.fail(fp + ".object", str(e)) from None
+        if obj not in m_objects:
+            raise r.fail(fp + ".object", f"refers to object {obj!r} that the manifest does not list")
+        offset = r.int_(fd["offset"], f"{fp}.offset")
+        nbytes = r.int_(fd["nbytes"], f"{fp}.nbytes")
+        offs = r.shape(fd["global_offsets"], f"{fp}.global_offsets")
+        local = r.shape(fd["local_shape"], f"{fp}.local_shape")
+        if len(offs) != len(global_shape) or len(local) != len(global_shape):
+            raise r.fail(fp, "global_offsets/local_shape do not have the rank of global_shape")
+        if any(o + n > g for o, n, g in zip(offs, local, global_shape)):
+            raise r.fail(fp, f"box {offs}+{local} lies outside global_shape {global_shape}")
+        if nbytes != math.prod(local) * itemsize:
+            raise r.fail(fp, f"nbytes {nbytes} does not match local_shape {local} of {dtype}")
+        if offset % alignment:
+            raise r.fail(fp, f"offset {offset} is not aligned to {alignment}")
+        if offset + nbytes > m_objects[obj]:
+            raise r.fail(fp, f"bytes [{offset}, {offset + nbytes}) lie outside object {obj!r}"
+                             f" of {m_objects[obj]} bytes")
+        sums = tuple(r.str_(s, f"{fp}.checksums[{k}]") for k, s in enumerate(r.list_(fd["checksums"],
+                                                                                     f"{fp}.checksums")))
+        if len(sums) != max(1, -(-nbytes // chunk_bytes)) or not all(_HEX_RE.match(s) for s in sums):
+            raise r.fail(fp + ".checksums", f"expected {max(1, -(-nbytes // chunk_bytes))} 16-digit hex"
+                                            " checksums (one per chunk)")
+        frags.append(Fragment(obj, offset, nbytes, offs, local, sums))
+    covered = sum(math.prod(f.local_shape) for f in frags)
+    pair = overlapping_boxes([(f.global_offsets, f.local_shape) for f in frags]) if len(frags) > 1 else None
+    if pair is not None:
+        a, b = (frags[k] for k in pair)
+        raise r.fail(p, f"fragments {pair[0]} and {pair[1]} overlap (boxes at"
+                        f" {list(a.global_offsets)} shape {list(a.local_shape)} and {list(b.global_offsets)}"
+                        f" shape {list(b.local_shape)}); each element must be stored exactly once")
+    if covered != math.prod(global_shape):
+        raise r.fail(p, f"fragments cover {covered} of the tensor's {math.prod(global_shape)} elements;"
+                        f" missing region: {_missing_region(global_shape, frags)}. The snapshot is incomplete"
+                        " (a lost shard?): use another snapshot")
+    return TensorEntry(name, dtype, global_shape, tuple(frags))
 
 
 def overlapping_boxes(boxes: Sequence[tuple[Sequence[int], Sequence[int]]]) -> tuple[int, int] | None:
@@ -496,7 +516,7 @@ def _manifest_from_dict(raw: Any, where: str) -> Manifest:
         try:
             validate_key(key)
         except UnsafePathError as e:
-            raise UnsafePathError(f"{where}: {p}.key: {e}") from None
+            raise UnsafePathError(f"{where}: field {p}.key: {e}") from None
         if key in sizes or key == MANIFEST_NAME:
             raise r.fail(p, f"duplicate or reserved object key {key!r}")
         sizes[key] = r.int_(od["nbytes"], f"{p}.nbytes")

@@ -15,11 +15,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import tenacity
+
 from lightning_snapshot.agent import AgentClient
 from lightning_snapshot.arena import AsyncStaged, HostArena
 from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.comm import Comm
 from lightning_snapshot.errors import SnapshotError, SnapshotWriteError
+from lightning_snapshot.manifest import Manifest
 from lightning_snapshot.staging import StagedState
 from lightning_snapshot.writer import SnapshotJob, apply_retention, copy_snapshot, write_snapshot
 
@@ -65,6 +68,15 @@ class _TierWorker:
         self.p, self.index, self.tier, self.comm = persister, index, tier, comm
         self.jobs: queue.Queue[PersistJob | None] = queue.Queue()
         self.stop = threading.Event()
+        #: retries so far (read by the training thread for the ``retries`` metric) and when the current outage
+        #: began (None: the tier works), both written by this worker's thread only
+        self.retries = 0
+        self.outage_since: float | None = None
+        self.last_error: str | None = None
+        #: Set after an exception in training: the jobs still queued are dropped, not written.
+        self.abort = threading.Event()
+        #: The step being persisted (None when idle), for the message of a shutdown that cannot wait for it.
+        self.current: int | None = None
         self.thread = threading.Thread(target=self._run, name=f"lightning-snapshot-persist-{index}", daemon=True)
         self.thread.start()
 
@@ -74,9 +86,22 @@ class _TierWorker:
             try:
                 if job is None:
                     return
+                if self.abort.is_set():
+                    self._drop(job)
+                    continue
+                self.current = job.step
                 self._persist(job)
             finally:
+                self.current = None
                 self.jobs.task_done()
+
+    def _drop(self, job: PersistJob) -> None:
+        """After an exception in training: skip ``job`` (its peers on other ranks drop it too or fail at once)."""
+        job.ok[self.index] = False
+        job.done[self.index].set()
+        if self.index in job.sources:
+            self.p.unpin(job.sources[self.index], job.step)
+        self.p.unref(job)
 
     def _source(self, job: PersistJob) -> int | None:
         """A local tier of the same job whose committed copy this (slower) tier can upload byte for byte."""
@@ -92,14 +117,72 @@ class _TierWorker:
         agent = self.p.agent
         return agent is not None and self.tier.durable and agent.handles(job, self.tier)
 
+    def _retrying(self, job: PersistJob) -> tenacity.Retrying:
+        """How a failed write of ``job`` is retried: with exponential backoff (``retry_initial`` doubling up to
+        ``retry_max``) until it succeeds or the worker is stopped, for tiers that declare ``retry_initial`` (object
+        stores); never for the others. Under DDP the ranks decide together (they failed together, see
+        :func:`~lightning_snapshot.writer.write_snapshot`), so none is left alone in a collective."""
+        initial = getattr(self.tier, "retry_initial", None)
+        if not initial:
+            return tenacity.Retrying(stop=tenacity.stop_after_attempt(1), reraise=True)
+        collective = not self._by_agent(job)  # (the agents agree among themselves; this thread runs no collective)
+
+        def retry(e: BaseException) -> bool:
+            want = _retryable(e) and not self.stop.is_set()
+            return self.comm.all_true(want) if collective else want
+
+        return tenacity.Retrying(
+            retry=tenacity.retry_if_exception(retry),
+            wait=tenacity.wait_exponential(multiplier=initial, max=self.tier.retry_max),  # type: ignore[attr-defined]
+            sleep=self.stop.wait,  # (a stop ends the wait at once)
+            before_sleep=self._on_retry,
+            reraise=True,
+        )
+
+    def _on_retry(self, state: tenacity.RetryCallState) -> None:
+        """Before each backoff: count the retry; one warning per outage (its first failure)."""
+        self.retries += 1
+        error = state.outcome.exception() if state.outcome is not None else None
+        self.last_error = _describe(self.tier, error) if error is not None else None
+        if self.outage_since is None:
+            self.outage_since = time.monotonic()
+            log.warning("lightning-snapshot: the %s tier %s is failing (%s); retrying with backoff (every %s s,"
+                        " doubling up to %s s), training goes on (logged once per outage)", self.tier.tier,
+                        self.tier.url, _describe(self.tier, error) if error is not None else "?",
+                        getattr(self.tier, "retry_initial", None), getattr(self.tier, "retry_max", None))
+        else:
+            log.debug("lightning-snapshot: retry %d of %s in %.1f s: %s", self.retries, self.tier.url,
+                      state.upcoming_sleep, error)
+
+    def _attempt(self, job: PersistJob, source: int | None) -> tuple[Manifest | None, int] | None:
+        """Write ``job`` to this tier once; returns (the committed manifest or None when the agent wrote it, bytes),
+        or None when the write was left to the agent because the worker was stopped."""
+        staged = job.shared
+        if self._by_agent(job):
+            assert self.p.agent is not None and isinstance(staged, AsyncStaged)
+            staged.wait()
+            try:
+                nbytes, _ = self.p.agent.persist(job, self.tier, self.stop)
+            except TimeoutError:
+                return None
+            return None, nbytes
+        if source is not None:
+            return copy_snapshot(self.p.tiers[source], self.tier, job.step, self.comm), 0
+        state = staged.state if isinstance(staged, AsyncStaged) else staged
+        return write_snapshot(
+            self.tier, self.comm, SnapshotJob(job.step, job.epoch, state, job.private), self.p.run_id,
+            prepare=staged.wait if isinstance(staged, AsyncStaged) else None,
+            before_commit=staged.verify if isinstance(staged, AsyncStaged) else None,
+        ), 0
+
+    def _abandoned(self, job: PersistJob, seconds: float, error: BaseException) -> None:
+        self.p.results.put(PersistResult(self.tier, job.step, seconds, 0, error=error, abandoned=True))
+        job.ok[self.index] = False
+
     def _persist(self, job: PersistJob) -> None:
         staged = job.shared
-        state = staged.state if isinstance(staged, AsyncStaged) else staged
         holding = True
-        nbytes = 0
         t0 = time.monotonic()
-        outage_since: float | None = None
-        delay = getattr(self.tier, "retry_initial", 0.0)
         try:
             source = job.sources.get(self.index)
             if source is not None:
@@ -109,49 +192,21 @@ class _TierWorker:
                     holding = False
                 else:
                     source = None
-            while True:
-                try:
-                    if self._by_agent(job):
-                        assert self.p.agent is not None and isinstance(staged, AsyncStaged)
-                        staged.wait()
-                        try:
-                            nbytes, _ = self.p.agent.persist(job, self.tier, self.stop)
-                        except TimeoutError:
-                            self.p.results.put(PersistResult(self.tier, job.step, time.monotonic() - t0, 0,
-                                                             error=SnapshotWriteError("left to the snapshot agent"),
-                                                             abandoned=True))
-                            job.ok[self.index] = False
-                            return
-                        manifest = None
-                        break
-                    if source is not None:
-                        manifest = copy_snapshot(self.p.tiers[source], self.tier, job.step, self.comm)
-                    else:
-                        manifest = write_snapshot(
-                            self.tier, self.comm, SnapshotJob(job.step, job.epoch, state, job.private), self.p.run_id,
-                            prepare=staged.wait if isinstance(staged, AsyncStaged) else None,
-                            before_commit=staged.verify if isinstance(staged, AsyncStaged) else None,
-                        )
-                    break
-                except Exception as e:  # noqa: BLE001 - retried or reported to the training thread
-                    if not (getattr(self.tier, "retry_initial", None) and _retryable(e)):
-                        raise
-                    if self.stop.is_set():
-                        self.p.results.put(PersistResult(self.tier, job.step, time.monotonic() - t0, 0,
-                                                         error=SnapshotWriteError(_describe(self.tier, e)),
-                                                         abandoned=True))
-                        job.ok[self.index] = False
-                        return
-                    if outage_since is None:
-                        outage_since = time.monotonic()
-                        log.warning("lightning-snapshot: the %s tier %s is failing (%s); retrying with backoff,"
-                                    " training goes on (logged once per outage)", self.tier.tier, self.tier.url,
-                                    _describe(self.tier, e))
-                    self.stop.wait(delay)
-                    delay = min(delay * 2, self.tier.retry_max)  # type: ignore[attr-defined]
-            if outage_since is not None:
+            try:
+                done = self._retrying(job)(self._attempt, job, source)
+            except Exception as e:  # noqa: BLE001 - given up: stopped during an outage, or not retryable
+                if _retryable(e) and getattr(self.tier, "retry_initial", None):
+                    self._abandoned(job, time.monotonic() - t0, SnapshotWriteError(_describe(self.tier, e)))
+                    return
+                raise
+            if done is None:
+                self._abandoned(job, time.monotonic() - t0, SnapshotWriteError("left to the snapshot agent"))
+                return
+            manifest, nbytes = done
+            if self.outage_since is not None:
                 log.info("lightning-snapshot: the %s tier %s is back after %.0f s", self.tier.tier, self.tier.url,
-                         time.monotonic() - outage_since)
+                         time.monotonic() - self.outage_since)
+                self.outage_since = None
             if manifest is None:
                 pass  # the agent applied retention
             elif self.comm.rank == 0 or getattr(self.tier, "node_leader", False):  # (RAM: each node its own)
@@ -236,6 +291,14 @@ class Persister:
         """Snapshots queued or being written for tier ``index``."""
         return self._workers[index].jobs.unfinished_tasks
 
+    def retries(self, index: int) -> int:
+        """Failed writes of tier ``index`` retried so far (0 for tiers that do not retry)."""
+        return self._workers[index].retries
+
+    def last_error(self, index: int) -> str | None:
+        """The error of the last failed write of tier ``index`` that was retried (credentials redacted), or None."""
+        return self._workers[index].last_error
+
     def has_room(self, index: int) -> bool:
         limit = getattr(self.tiers[index], "max_pending", None)
         return limit is None or self.pending(index) < limit
@@ -301,15 +364,34 @@ class Persister:
                 late.append(w.tier)
         return late
 
-    def close(self) -> None:
-        """Stop every worker after what it has queued (stopping retries of unreachable tiers)."""
+    def close(self, timeout: float = 30.0, abort: bool = False) -> list[str]:
+        """Stop every worker after what it has queued, waiting ``timeout`` seconds at most in all.
+
+        Retries of unreachable tiers stop. ``abort`` (after an exception in training): queued snapshots are dropped
+        and a write waiting for the snapshot agent's answer is left to the agent. A worker still busy when the time is
+        up (a collective waiting for a stuck peer) is left behind (a daemon thread, ended by the peer's failure or the
+        group's ``collective_timeout``) and logged as an error naming the rank, the tier and the step.
+
+        Returns those messages (empty when every worker finished).
+        """
+        deadline = time.monotonic() + timeout
         for w in self._workers:
-            if w.jobs.unfinished_tasks and getattr(w.tier, "retry_initial", None):
+            if abort:
+                w.abort.set()
+                w.stop.set()
+            elif w.jobs.unfinished_tasks and getattr(w.tier, "retry_initial", None):
                 w.stop.set()
             w.jobs.put(None)
+        late = []
         for w in self._workers:
-            # a worker stopped mid-outage may wait in a collective for a peer that already gave up: bounded join
-            w.thread.join(timeout=60 if w.stop.is_set() else None)
+            w.thread.join(timeout=max(0.0, deadline - time.monotonic()))
+            if w.thread.is_alive():
+                rank = getattr(w.comm, "rank", 0)
+                late.append(f"rank {rank}: the persist thread of the {w.tier.tier} tier {w.tier.url} did not finish"
+                            f" step {w.current} within shutdown_timeout={timeout:g} s (waiting for the other ranks or"
+                            " the store); left behind")
+                log.error("lightning-snapshot: %s", late[-1])
         if self._notifier is not None:
             self._notes.put(None)
-            self._notifier.join(timeout=60)
+            self._notifier.join(timeout=max(0.0, deadline - time.monotonic()))
+        return late

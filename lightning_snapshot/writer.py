@@ -222,17 +222,30 @@ def write_snapshot(
     except Exception as e:  # noqa: BLE001 - re-raised below on every rank
         error = e
 
+    def collective(what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - a peer died or the group's timeout ran out
+            raise SnapshotWriteError(
+                f"rank {comm.rank}: waiting for the other ranks to agree on {what} of the snapshot of step {job.step}"
+                f" in the {backend.tier} tier {backend.url} failed ({type(e).__name__}: {e}): another rank failed,"
+                " exited or is stuck (see its log)"
+            ) from e
+
     def agree(what: str) -> None:
-        if comm.all_true(error is None):
+        if collective(what, comm.all_true, error is None):
             return
         if comm.rank == 0 or node_local:  # a node-local tier (RAM) holds each node's objects on that node only
-            _discard_run_objects(backend, prefix, run_id)
+            try:
+                _discard_run_objects(backend, prefix, run_id)
+            except Exception as e:  # noqa: BLE001 - best effort (the tier may be unreachable): the error says why
+                log.debug("lightning-snapshot: could not discard the objects of step %d: %s", job.step, e)
         if error is not None:
             raise error
         raise SnapshotWriteError(f"{what} of the snapshot of step {job.step} failed on another rank (see its log)")
 
     agree("writing the data")
-    parts = comm.gather(part)
+    parts = collective("the manifest parts", comm.gather, part)
     # a tier that spreads each rank's objects over nodes (the erasure-coded RAM tier) places them now, once every
     # rank's data is written and before anything is committed
     distribute = getattr(backend, "distribute", None)
@@ -255,7 +268,7 @@ def write_snapshot(
         except Exception as e:  # noqa: BLE001 - re-raised below on every rank
             error = e
     agree("committing the manifest")
-    text = comm.broadcast(text)
+    text = collective("the manifest", comm.broadcast, text)
     if node_local:
         # every node holds the manifest of the snapshots it has shares of: one rank per node commits it
         try:

@@ -1,64 +1,106 @@
 """DDP with 3+ ranks resumes bitwise only when the restarted process all-reduces with the rebuilt bucket layout
-(issue 12, item 3): lightning_snapshot.ddp_layout captures it and gives it back (see that module's docstring)."""
+(issue 12, item 3): lightning_snapshot.ddp_layout captures it, SnapshotCallback stores it in every rank's state of a
+snapshot and gives it back in on_fit_start (see ddp_layout's docstring)."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
+import shutil
 
 import pytest
 import torch
-from conftest import run_script
+from conftest import assert_bitwise_equal, run_train
 from torch import nn
 
-from lightning_snapshot.ddp_layout import apply_layout, capture_layout
+from lightning_snapshot.backends import LocalTier
+from lightning_snapshot.callback import DDP_LAYOUT_ENV
+from lightning_snapshot.ddp_layout import apply_layout, capture_layout, check_layout
+from lightning_snapshot.loader import read_manifest
+from lightning_snapshot.writer import committed_steps
+
+# ---------------------------------------------------------------------- 4 ranks, real SIGKILL, SnapshotCallback
+#: train.py's model (Linear, BatchNorm, Linear: 6 parameters, so the gradient-ready order is a real permutation),
+#: 4 CPU ranks on gloo, 8 steps per epoch, snapshots at steps 3, 6, 9, 12
+DDP4 = ("--devices", "4", "--max-steps", "12", "--every", "3", "--batch-size", "2")
+CRASH_AT = 5  # not a snapshot step; the only snapshot before it is step 3's (Crash waits until it is committed)
 
 
-def _differing(ref_path: Path, got_path: Path) -> list[str]:
-    """Names of the weights / optimizer tensors that differ bitwise (the torch RNG is not compared: nothing in
-    ddp4_train.py draws from it, and Lightning's checkpoint does not carry it)."""
-    ref = torch.load(ref_path, weights_only=True)
-    got = torch.load(got_path, weights_only=True)
-    assert got["global_step"] == ref["global_step"]
-    bad = []
-    for section in ("model", "optimizer"):
-        assert got[section].keys() == ref[section].keys()
-        for k, v in ref[section].items():
-            w = got[section][k]
-            if not torch.equal(v.view(torch.uint8) if v.dim() else v, w.view(torch.uint8) if w.dim() else w):
-                bad.append(f"{section}/{k}")
-    if not torch.equal(ref["lr"], got["lr"]):
-        bad.append("lr")
-    return bad
+def _assert_all_ranks_equal(ref, got, ranks: int) -> None:
+    assert_bitwise_equal(ref, got)
+    for r in range(1, ranks):
+        assert_bitwise_equal(ref.with_name(f"{ref.name}.rank{r}"), got.with_name(f"{got.name}.rank{r}"))
+
+
+def _layouts(snaps, step: int) -> list:
+    manifest = read_manifest(LocalTier(snaps), step)
+    return [manifest.rank_section(r).state["ddp_layout"] for r in range(manifest.world_size)]
 
 
 @pytest.fixture(scope="module")
-def ddp4_runs(tmp_path_factory):
-    """An uninterrupted 12-step run on 4 CPU ranks, and a 4-step run that saved a checkpoint and the layout."""
+def ddp4_killed(tmp_path_factory):
+    """The snapshots of a 4-rank run SIGKILLed at step 5 (a pristine copy: every test resumes from its own)."""
     root = tmp_path_factory.mktemp("ddp4")
-    run_script("ddp4_train.py", "--out", str(root / "ref.pt"))
-    proc = run_script("ddp4_train.py", "--out", str(root / "stop.pt"), "--dir", str(root / "d"), "--stop-at", "4")
-    return root, proc
+    run_train(root / "snaps", root / "crashed.pt", *DDP4, "--crash-at", str(CRASH_AT), expect_kill=True)
+    assert committed_steps(LocalTier(root / "snaps")) == [3]
+    return root / "snaps"
+
+
+def _resume(killed, tmp_path, *args: str, step: int = 3):
+    snaps = tmp_path / "snaps"
+    if not snaps.exists():
+        shutil.copytree(killed, snaps)
+    out = tmp_path / "resumed.pt"
+    proc = run_train(snaps, out, *DDP4, *args)
+    assert proc.stdout.count(f"RESTORED step={step} ") == 4, f"every rank must resume from step {step}: {proc.stdout}"
+    return out, proc
 
 
 @pytest.mark.slow
-def test_ddp4_resume_with_layout_is_bitwise(ddp4_runs):
-    root, stop = ddp4_runs
-    layout = json.loads((root / "d" / "layout.json").read_text())
-    assert f"LAYOUT {json.dumps(layout)}" in stop.stdout
-    initial = list(range(len(layout["numels"])))
-    # the rebuilt layout is not the initial one (one bucket in parameter order): that is what makes item 3 bite
-    assert [i for b in layout["buckets"] for i in b] != initial
-    run_script("ddp4_train.py", "--out", str(root / "res.pt"), "--dir", str(root / "d"), "--resume")
-    assert _differing(root / "ref.pt", root / "res.pt") == []
+def test_ddp4_sigkill_and_resume_is_bitwise_exact(ddp4_killed, tmp_path, reference_runs):
+    layouts = _layouts(ddp4_killed, 3)
+    assert all(layout == layouts[0] for layout in layouts), layouts
+    # the rebuilt layout is not DDP's first-step layout (one bucket in parameter order): that is what makes 3+ ranks
+    # differ without it
+    assert [i for b in layouts[0]["buckets"] for i in b] != list(range(len(layouts[0]["numels"])))
+    # The restarted process trains one step and ends (a snapshot of step 4, its first step: the layout it was given
+    # back is stored again before its own rebuild), and a third process continues from there to the end.
+    _resume(ddp4_killed, tmp_path, "--max-steps", "4")
+    assert _layouts(tmp_path / "snaps", 4) == layouts
+    out, _ = _resume(ddp4_killed, tmp_path, step=4)
+    _assert_all_ranks_equal(reference_runs(*DDP4), out, 4)
+
+
+@pytest.fixture(scope="module")
+def ddp4_resumed_without_layout(ddp4_killed, tmp_path_factory):
+    """The same resume with the layout turned off (``LIGHTNING_SNAPSHOT_DDP_LAYOUT=0``)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(DDP_LAYOUT_ENV, "0")
+        out, _ = _resume(ddp4_killed, tmp_path_factory.mktemp("ddp4-off"))
+    return out
 
 
 @pytest.mark.slow
-def test_ddp4_resume_without_layout_differs(ddp4_runs):
-    """Negative control: the same resume without apply_layout is not bitwise (so the test above tests something)."""
-    root, _ = ddp4_runs
-    run_script("ddp4_train.py", "--out", str(root / "neg.pt"), "--dir", str(root / "d"), "--resume", "--no-apply")
-    assert _differing(root / "ref.pt", root / "neg.pt") != []
+def test_ddp4_resume_without_the_layout_is_not_bitwise(ddp4_resumed_without_layout, reference_runs):
+    """Negative control: the comparison above detects the difference the layout makes, so that test can fail."""
+    with pytest.raises(AssertionError, match="differs after resume"):
+        assert_bitwise_equal(reference_runs(*DDP4), ddp4_resumed_without_layout)
+
+
+@pytest.mark.slow
+def test_ddp4_layout_that_does_not_fit_is_ignored_with_a_warning(ddp4_killed, tmp_path, ddp4_resumed_without_layout):
+    """A stored layout is untrusted input: one that does not fit the model is named in a warning and the resume goes
+    on without it, ending exactly as a resume without any layout (the negative control)."""
+    killed = tmp_path / "killed"
+    shutil.copytree(ddp4_killed, killed)
+    path = killed / f"step-{committed_steps(LocalTier(killed))[0]:012d}" / "manifest.json"
+    doc = json.loads(path.read_text())
+    for section in doc["ranks"]:
+        section["state"]["ddp_layout"]["numels"][0] += 1
+    path.write_text(json.dumps(doc))
+    out, proc = _resume(killed, tmp_path)
+    assert ("holds a DDP gradient-bucket layout that is not applied (the DDP bucket layout does not fit this model:"
+            " parameter 0 has 128 elements here, 129 in the layout); the resume goes on without it") in proc.stderr
+    _assert_all_ranks_equal(ddp4_resumed_without_layout, out, 4)
 
 
 # ---------------------------------------------------------------------- in one process (world size 1, gloo)
@@ -130,7 +172,17 @@ def test_apply_refuses_a_layout_that_does_not_fit(one_rank):
     layout = capture_layout(ddp)
     other = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(8, 17), nn.Linear(17, 1)))
     with pytest.raises(ValueError, match="6 parameters requiring grad; this model has 4"):
+        check_layout(other, layout)  # the same checks, changing nothing
+    with pytest.raises(ValueError, match="6 parameters requiring grad; this model has 4"):
         apply_layout(other, layout)
+    fresh = _ddp()
+    check_layout(fresh, layout)
+    assert _live_buckets(fresh) == [list(range(6))]
+    check_layout(fresh, None)
+    check_layout(nn.Linear(2, 2), "not a layout")  # not DDP: nothing to check
+    for junk in ("x", [1], {"version": 1, "buckets": "x"}, {**layout, "numels": None}):
+        with pytest.raises(ValueError):
+            check_layout(fresh, junk)
     wider = nn.parallel.DistributedDataParallel(
         nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2)))
     with pytest.raises(ValueError, match="parameter 4 has 32 elements here, 16 in the layout"):

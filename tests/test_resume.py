@@ -60,6 +60,23 @@ def test_ddp_two_ranks_sigkill_and_resume_is_bitwise_exact(tmp_path, reference_r
 
 
 @pytest.mark.slow
+def test_ddp_two_ranks_augmenting_in_persistent_loader_workers_resume_bitwise(tmp_path, reference_runs):
+    """What a new user writes under DDP: ``DataLoader(ds, shuffle=True, num_workers=2, persistent_workers=True)``
+    whose dataset draws from torch, numpy and python ``random``; each rank has its own workers. Killed at step 9 and
+    resumed from step 8, the first batch of epoch 1 (8 batches a rank and epoch): every worker carries its RNG from
+    epoch 0."""
+    args = ("--devices", "2", "--shuffle", "--workers", "2", "--persistent", "--augment", "--max-steps", "12",
+            "--every", "2")
+    ref = reference_runs(*args)
+    snaps = tmp_path / "snaps"
+    run_train(snaps, tmp_path / "crashed.pt", *args, "--crash-at", "9", "--crash-after-newest", expect_kill=True)
+    proc = run_train(snaps, tmp_path / "resumed.pt", *args)
+    assert proc.stdout.count("RESTORED step=8") == 2, f"both ranks must resume from step 8: {proc.stdout}"
+    assert_bitwise_equal(ref, tmp_path / "resumed.pt")
+    assert_bitwise_equal(ref.with_name("out.pt.rank1"), tmp_path / "resumed.pt.rank1")
+
+
+@pytest.mark.slow
 def test_crash_between_data_and_manifest_leaves_step_invisible(tmp_path, reference_runs):
     args = ("--shuffle", "--dropout", "0.2")
     snaps = tmp_path / "snaps"

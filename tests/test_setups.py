@@ -51,10 +51,6 @@ def run_setup(tmp: Path, name: str, *args: str, expect_kill: bool = False):
                       expect_kill=expect_kill)
 
 
-# Known limit: the RNG state of DataLoader worker processes is not captured yet (the first batches after a resume are
-# augmented with other random numbers). Strict: this fails as soon as it starts to work.
-_WORKERS = pytest.mark.xfail(strict=True, reason="worker RNG is not restored yet (issue 12, item 2)")
-
 # (setup, extra arguments, crash steps). Snapshots every 4 steps; an epoch is 16 steps; validation setups validate
 # at every epoch end (val-epoch, plateau-epoch) or every 4 batches (val-interval, plateau-step).
 CASES = [
@@ -63,8 +59,12 @@ CASES = [
     ("plateau-epoch", ("--every", "3"), (20,)),  # mid-epoch: the epoch-end plateau step must still happen
     ("plateau-step", (), (5, 13)),
     ("aug-main", ("--every", "3"), (8, 17)),
-    pytest.param("aug-workers", ("--every", "3"), (8, 20), marks=_WORKERS, id="aug-workers"),
-    pytest.param("aug-workers-persistent", ("--every", "3"), (20,), marks=_WORKERS, id="aug-workers-persistent"),
+    # 2 loader workers; resumed at batch 9 of epoch 0 and 5 of epoch 1 (odd: the round robin is rotated)
+    ("aug-workers", ("--every", "3"), (10, 23)),
+    # persistent workers carry their RNG across epochs: resumed at the last batch of epoch 0 and at batch 1 of epoch 2
+    ("aug-workers-persistent", ("--every", "3"), (17, 35)),
+    # seed_everything without workers=True (torch seeds the workers); resumed at the first batch of epoch 1
+    ("aug-workers-plain", ("--every", "4"), (18,)),
     ("stateful-iterable", ("--every", "3"), (8, 20)),
     ("manual-two-optimizers", (), (10, 30)),
     ("bf16-mixed", ("--every", "3"), (8,)),
@@ -79,8 +79,7 @@ CASES = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,args,crashes", [c if hasattr(c, "marks") else pytest.param(*c, id=c[0])
-                                                for c in CASES])
+@pytest.mark.parametrize("name,args,crashes", [pytest.param(*c, id=c[0]) for c in CASES])
 def test_sigkill_and_resume_matches_an_uninterrupted_run(tmp_path, name, args, crashes):
     run_setup(tmp_path / "ref", name, *args)
     ref = torch.load(tmp_path / "ref" / "out.pt", weights_only=True)
@@ -95,6 +94,20 @@ def test_sigkill_and_resume_matches_an_uninterrupted_run(tmp_path, name, args, c
             assert_same({k: v for k, v in ref.items() if k != "logged"}, got)
         except AssertionError as e:
             raise AssertionError(f"{name}, SIGKILL at step {crash}: {e}") from None
+
+
+@pytest.mark.slow
+def test_a_finished_fit_continued_keeps_the_persistent_workers_rng(tmp_path):
+    """A fit that ends with its epoch (max_steps=16, 16 batches an epoch), continued with a larger max_steps, ends as
+    one longer fit: its persistent loader workers carry their RNG into epoch 1 (the snapshot at the end of fit holds
+    it)."""
+    run_setup(tmp_path / "ref", "aug-workers-persistent", "--max-steps", "24")
+    ref = torch.load(tmp_path / "ref" / "out.pt", weights_only=True)
+    d = tmp_path / "continued"
+    run_setup(d, "aug-workers-persistent", "--max-steps", "16")
+    proc = run_setup(d, "aug-workers-persistent", "--max-steps", "24")
+    assert "RESTORED step=16" in proc.stdout
+    assert_same(ref, torch.load(d / "out.pt", weights_only=True))
 
 
 @pytest.mark.slow

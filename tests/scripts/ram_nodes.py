@@ -5,6 +5,10 @@ Usage (one process per node; NODE_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set
                                                                        the RAM tier and, for reference, to local tier L
   ram_nodes.py load --base B --erasure K+M --step S --out O            rebuild step S from the RAM tier and write the
                                                                        state every rank read to O.rank<r> (torch.save)
+  ram_nodes.py local-save --base B --step S --mb X       the same state to a node-local LocalTier B/disk<r>
+  ram_nodes.py local-load --base B --step S --out O      restore it (any number of nodes) and write what each rank read
+  ram_nodes.py local-die --base B --step S               write to it while the last rank exits mid-write; the others
+                                                       print "WRITE FAILED: <message>" and exit 1
 Node r's memory lives in B/node<r>. Prints "LOADED" or "FAILED: <message>".
 """
 
@@ -33,9 +37,51 @@ def state(rank: int, mb: float) -> dict:
             "step": 7, "rank_note": f"rank {rank}"}
 
 
+def restore(tier, comm: GroupComm, step: int, out: str, section: int) -> None:
+    """Restore ``step`` through the tier's collective ``restore``; save the shared state and rank ``section``'s
+    tensor to ``out``; print LOADED or FAILED: <why>."""
+    try:
+        def read():
+            manifest = read_manifest(tier, step)
+            mine = manifest.rank_section(section)
+            return (read_section(tier, manifest, manifest.tensors, manifest.state),
+                    read_section(tier, manifest, mine.tensors, mine.state))
+
+        shared, mine = tier.restore(comm, step, read)
+        torch.save({"shared": shared, "rank": mine["t"]}, out)
+        print("LOADED", flush=True)
+    except SnapshotError as e:
+        print(f"FAILED: {e}", flush=True)
+
+
+def local(a: argparse.Namespace, node: int, world: int, comm: GroupComm) -> int:
+    tier = LocalTier(a.base + "/disk{node_rank}", every_n_train_steps=1)
+    tier.bind(node_rank=node, num_nodes=world, local_rank=0, ranks_per_node=1)
+    tier.settle_layout(comm, "run0")
+    if a.mode in ("local-save", "local-die"):
+        shared = stage(state(0, a.mb)["weights"], "shared") if node == 0 else stage({}, "shared")
+        job = SnapshotJob(a.step, 0, shared, stage({"t": torch.arange(4) + node}, "rank"))
+
+        def prepare():
+            if a.mode == "local-die" and node == world - 1:
+                os._exit(3)  # this rank dies in the middle of the snapshot
+
+        try:
+            write_snapshot(tier, comm, job, "run0", prepare=prepare)
+        except SnapshotError as e:
+            print(f"WRITE FAILED: {e}", flush=True)
+            return 1
+        print("SAVED", flush=True)
+    else:
+        restore(tier, comm, a.step, f"{a.out}.rank{node}", 0)  # (a world-size change reads rank 0's section)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["save", "load"])
+    p.add_argument("mode", choices=["save", "load", "local-save", "local-load", "local-die"])
     p.add_argument("--base", required=True)
     p.add_argument("--erasure", default=None)
     p.add_argument("--local", default=None)
@@ -46,6 +92,8 @@ def main() -> None:
     node, world = int(os.environ["NODE_RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=node, world_size=world)
     comm = GroupComm(dist.new_group(backend="gloo"))
+    if a.mode.startswith("local-"):
+        return local(a, node, world, comm)
     ram = RamTier(every_n_train_steps=1, keep_last=2, erasure=a.erasure, name="run", shm_dir=f"{a.base}/node{node}")
     ram.bind(node_rank=node, num_nodes=world, local_rank=0, ranks_per_node=1, default_name="run")
     if a.mode == "save":
@@ -57,18 +105,7 @@ def main() -> None:
             write_snapshot(LocalTier(a.local), comm, job, "run0")
         print(f"SAVED held_bytes={ram.held_bytes()}", flush=True)
     else:
-        try:
-            def read():
-                manifest = read_manifest(ram, a.step)
-                section = manifest.rank_section(node)
-                return (read_section(ram, manifest, manifest.tensors, manifest.state),
-                        read_section(ram, manifest, section.tensors, section.state))
-
-            shared, mine = ram.restore(comm, a.step, read)
-            torch.save({"shared": shared, "rank": mine["t"]}, f"{a.out}.rank{node}")
-            print("LOADED", flush=True)
-        except SnapshotError as e:
-            print(f"FAILED: {e}", flush=True)
+        restore(ram, comm, a.step, f"{a.out}.rank{node}", node)
     dist.barrier()
     dist.destroy_process_group()
 

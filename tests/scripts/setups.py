@@ -1,5 +1,6 @@
 """Ordinary Lightning setups for the exact-resume tests: validation with EarlyStopping and ModelCheckpoint,
-ReduceLROnPlateau, augmentation in the main process and in loader workers, an unsized stateful loader, manual
+ReduceLROnPlateau, augmentation in the main process and in loader workers (fresh or persistent workers, with
+Lightning's worker seeding from ``seed_everything(workers=True)`` or torch's own), an unsized stateful loader, manual
 optimization with two optimizers, bf16-mixed; and Lightning's own callbacks that change the training during fit:
 BackboneFinetuning (unfreezes the backbone and adds its parameter group at epoch 1), StochasticWeightAveraging
 (swaps in SWALR and averages from epoch 1; with BatchNorm it adds an epoch), LearningRateMonitor with OneCycleLR per
@@ -46,7 +47,7 @@ from lightning_snapshot.backends import LocalTier
 from lightning_snapshot.writer import committed_steps
 
 SETUPS = ("val-epoch", "val-interval", "plateau-epoch", "plateau-step", "aug-main", "aug-workers",
-          "aug-workers-persistent", "stateful-iterable", "manual-two-optimizers", "bf16-mixed", "finetune", "swa",
+          "aug-workers-persistent", "aug-workers-plain", "stateful-iterable", "manual-two-optimizers", "bf16-mixed", "finetune", "swa",
           "lr-monitor", "grad-accum", "early-stop-train", "ckpt-steps")
 #: Setups that log through a CSVLogger (the values logged are compared).
 LOGGED = ("lr-monitor", "early-stop-train")
@@ -249,7 +250,9 @@ def main() -> None:
     global ROOT
     ROOT = os.path.abspath(a.dir)
 
-    L.seed_everything(42, workers=True, verbose=False)
+    # aug-workers-plain: what a new user writes, no worker seeding of Lightning's (torch seeds each worker from the
+    # loader's base seed, numpy and python included)
+    L.seed_everything(42, workers=a.setup != "aug-workers-plain", verbose=False)
     setup = a.setup
     model = Model(setup)
     workers = 2 if setup.startswith("aug-workers") else 0
@@ -258,7 +261,8 @@ def main() -> None:
 
         train = StatefulDataLoader(Stream(), batch_size=4)
     else:
-        train = DataLoader(Points(augment=setup.startswith("aug-")), batch_size=4, shuffle=os.environ.get("SETUPS_SHUFFLE", "1") == "1", num_workers=workers,
+        train = DataLoader(Points(augment=setup.startswith("aug-")), batch_size=4,
+                           shuffle=os.environ.get("SETUPS_SHUFFLE", "1") == "1", num_workers=workers,
                            persistent_workers=setup == "aug-workers-persistent")
     val = DataLoader(Points(16, seed=1), batch_size=8)
     ckpt_dir = os.path.join(ROOT, "ckpts")

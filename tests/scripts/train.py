@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import signal
 import sys
 import time
 
 import lightning as L
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
@@ -23,16 +25,23 @@ from lightning_snapshot.backends import LocalTier
 
 
 class Squares(Dataset):
-    def __init__(self, n: int = 64) -> None:
+    """Regression samples; with ``augment`` each sample adds noise drawn from torch, numpy and python ``random`` (in
+    whichever process loads it)."""
+
+    def __init__(self, n: int = 64, augment: bool = False) -> None:
         g = torch.Generator().manual_seed(0)
         self.x = torch.randn(n, 8, generator=g)
         self.y = torch.randn(n, 1, generator=g)
+        self.augment = augment
 
     def __len__(self) -> int:
         return len(self.x)
 
     def __getitem__(self, i: int):
-        return self.x[i], self.y[i]
+        x = self.x[i]
+        if self.augment:
+            x = x + 0.1 * torch.randn(8) + float(np.random.uniform(-0.1, 0.1)) + random.uniform(-0.1, 0.1)
+        return x, self.y[i]
 
 
 class Stream(IterableDataset):
@@ -42,9 +51,13 @@ class Stream(IterableDataset):
 
 
 class Model(L.LightningModule):
-    def __init__(self, dropout: float, tied: bool = False) -> None:
+    def __init__(self, dropout: float, tied: bool = False, tiny: bool = False) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(dropout), nn.Linear(16, 1))
+        if tiny:  # one parameter: DDP's gradient buckets are the same before and after their rebuild (3+ ranks)
+            self.net = nn.Sequential(nn.Linear(8, 1, bias=False))
+        else:
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(dropout),
+                                     nn.Linear(16, 1))
         self.seen = []
 
     def training_step(self, batch, batch_idx):
@@ -74,6 +87,36 @@ class CrashBeforeManifest(LocalTier):
             sys.stdout.flush()
             os.kill(os.getpid(), signal.SIGKILL)
         super().commit(key, data)
+
+
+class SlowLocalTier(LocalTier):
+    """A real local tier whose data writes take ``delay`` seconds longer (a slow disk); ``writing`` is set while one is
+    in progress."""
+
+    def __init__(self, path, delay: float, **kw) -> None:
+        super().__init__(path, **kw)
+        self.delay = delay
+        self.writing = __import__("threading").Event()
+
+    def write(self, key, buffers):
+        self.writing.set()
+        time.sleep(self.delay)
+        return super().write(key, buffers)
+
+
+class Raise(L.Callback):
+    """Raise in the training thread of rank ``rank`` at ``global_step == at``, while a snapshot write is in flight."""
+
+    def __init__(self, at: int, rank: int, tier) -> None:
+        self.at, self.rank, self.tier = at, rank, tier
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.at and trainer.global_rank == self.rank:
+            writing = getattr(self.tier, "writing", None)
+            if writing is not None:
+                writing.wait(30)
+            print(f"RAISING rank={self.rank} step={self.at} at={time.time():.3f}", flush=True)
+            raise RuntimeError(f"injected failure on rank {self.rank} at step {self.at}")
 
 
 class Crash(L.Callback):
@@ -119,6 +162,10 @@ def main() -> None:
     p.add_argument("--shuffle", action="store_true")
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--persistent", action="store_true", help="persistent loader workers")
+    p.add_argument("--augment", action="store_true", help="random augmentation in the dataset")
+    p.add_argument("--crash-after-newest", action="store_true",
+                   help="with --crash-at: wait until the newest step due is committed (not just any)")
     p.add_argument("--no-resume", action="store_true")
     p.add_argument("--kill-before-commit", type=int, default=-1)
     p.add_argument("--s3", default=None, help="also snapshot to this s3:// URL (with --endpoint)")
@@ -129,15 +176,25 @@ def main() -> None:
     p.add_argument("--num-nodes", type=int, default=1, help="nodes (processes launched outside, one per node)")
     p.add_argument("--no-local", action="store_true", help="no local tier (RAM tier only)")
     p.add_argument("--samples", type=int, default=64, help="dataset size")
+    p.add_argument("--find-unused", action="store_true", help="DDP(find_unused_parameters=True)")
+    p.add_argument("--static-graph", action="store_true", help="DDP(static_graph=True)")
+    p.add_argument("--tiny", action="store_true", help="a one-parameter model")
+    p.add_argument("--node-local", choices=["auto", "true", "false"], default="auto",
+                   help="the local tier's node_local option")
+    p.add_argument("--slow-write", type=float, default=0.0, help="seconds added to each local-tier data write")
+    p.add_argument("--raise-at", type=int, default=-1, help="raise in the training thread at this step...")
+    p.add_argument("--raise-rank", type=int, default=1, help="...on this rank")
     p.add_argument("--kill-at", type=int, default=-1,
                    help="SIGKILL at this global step, waiting only for the RAM tier (if any) to hold the newest step"
                         " due in it (its agent has it then), not for any durable tier")
     a = p.parse_args()
+    a.dir = os.path.expandvars(a.dir)  # (a path from an environment variable: each simulated node its own)
 
     L.seed_everything(42, verbose=False)
-    model = Model(a.dropout)
+    model = Model(a.dropout, tiny=a.tiny)
     if a.loader == "plain":
-        loader = DataLoader(Squares(a.samples), batch_size=a.batch_size, shuffle=a.shuffle, num_workers=a.workers)
+        loader = DataLoader(Squares(a.samples, a.augment), batch_size=a.batch_size, shuffle=a.shuffle,
+                            num_workers=a.workers, persistent_workers=a.persistent)
     elif a.loader == "stateful":
         from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -146,8 +203,12 @@ def main() -> None:
         loader = DataLoader(Stream(), batch_size=a.batch_size)
     if a.kill_before_commit >= 0:
         tier = CrashBeforeManifest(a.dir, a.kill_before_commit, every_n_train_steps=a.every, keep_last=2)
+    elif a.slow_write:
+        tier = SlowLocalTier(a.dir, a.slow_write, every_n_train_steps=a.every, keep_last=2,
+                             node_local={"auto": None, "true": True, "false": False}[a.node_local])
     else:
-        tier = LocalTier(a.dir, every_n_train_steps=a.every, keep_last=2)
+        tier = LocalTier(a.dir, every_n_train_steps=a.every, keep_last=2,
+                         node_local={"auto": None, "true": True, "false": False}[a.node_local])
     tiers = [] if a.no_local else [tier]
     if a.ram_every:
         from lightning_snapshot.backends import RamTier
@@ -161,14 +222,21 @@ def main() -> None:
                                      every_n_train_steps=a.s3_every or a.every, keep_last=2, retry_initial=0.1))
     callbacks = [SnapshotCallback(tiers, resume=not a.no_resume)]
     if a.crash_at >= 0:
-        callbacks.append(Crash(a.crash_at, tiers, newest=bool(a.ram_every)))
+        callbacks.append(Crash(a.crash_at, tiers, newest=bool(a.ram_every) or a.crash_after_newest))
+    if a.raise_at >= 0:
+        callbacks.append(Raise(a.raise_at, a.raise_rank, tier))
     if a.kill_at >= 0:
         callbacks.append(Crash(a.kill_at, tiers[:1] if a.ram_every else [], newest=True))
+    strategy = "ddp" if a.devices > 1 or a.num_nodes > 1 else "auto"
+    if a.find_unused or a.static_graph:
+        from lightning.pytorch.strategies import DDPStrategy
+
+        strategy = DDPStrategy(find_unused_parameters=a.find_unused, static_graph=a.static_graph)
     trainer = L.Trainer(
         accelerator=a.accelerator,
         devices=a.devices,
         num_nodes=a.num_nodes,
-        strategy="ddp" if a.devices > 1 or a.num_nodes > 1 else "auto",
+        strategy=strategy,
         max_steps=a.max_steps,
         accumulate_grad_batches=a.accumulate,
         callbacks=callbacks,

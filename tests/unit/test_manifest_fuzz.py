@@ -368,3 +368,59 @@ def test_tampered_tagged_values_in_state_fail_loading_with_manifest_error(tmp_pa
     path.write_text(json.dumps(raw))
     with pytest.raises(ManifestError):
         load_snapshot(str(tmp_path))
+
+
+# ------------------------------------------------------------------------------------- errors name file, tensor, field
+
+
+def _set(entry, field, value):
+    """Set ``field`` ('dtype', 'fragments[0].offset', ...) of a tensor entry."""
+    node, _, last = (entry, None, field)
+    if "." in field:
+        head, last = field.split(".", 1)
+        node = entry["fragments"][int(head[len("fragments["):-1])]
+    if value is _DELETE:
+        del node[last]
+    else:
+        node[last] = value
+
+
+_DELETE = object()
+
+
+@pytest.mark.parametrize("section", ["tensors", "ranks[0].tensors"])
+@pytest.mark.parametrize("field, value, field_path, problem", [
+    ("dtype", "flaot32", "dtype", "unknown dtype 'flaot32'"),
+    ("dtype", 32, "dtype", "expected a string, got int"),
+    ("global_shape", [-3], "global_shape[-1]", "-3 is outside"),  # (the last dim; path set below)
+    ("global_shape", "4x3", "global_shape", "expected a list, got str"),
+    ("fragments", {}, "fragments", "expected a list, got dict"),
+    ("fragments[0].object", "other.bin", "fragments[0].object", "does not list"),
+    ("fragments[0].object", "../x", "fragments[0].object", "would escape the tier root"),
+    ("fragments[0].offset", 3, "fragments[0]", "is not aligned"),
+    ("fragments[0].offset", "0", "fragments[0].offset", "expected an integer"),
+    ("fragments[0].nbytes", 7, "fragments[0]", "does not match local_shape"),
+    ("fragments[0].global_offsets", [9], "fragments[0]", "lies outside global_shape"),
+    ("fragments[0].local_shape", [1, 1, 1, 1], "fragments[0]", "do not have the rank of global_shape"),
+    ("fragments[0].checksums", ["xyz"], "fragments[0].checksums", "16-digit hex"),
+    ("fragments[0].extra", 1, "fragments[0]", "unknown field(s) ['extra']"),
+    ("fragments[0].nbytes", _DELETE, "fragments[0]", "missing field(s) ['nbytes']"),
+])
+def test_a_bad_tensor_field_names_the_file_the_tensor_and_the_field(real, section, field, value, field_path, problem):
+    _, _, text = real
+    raw = json.loads(text)
+    entries = raw["tensors"] if section == "tensors" else raw["ranks"][0]["tensors"]
+    index, entry = next((i, t) for i, t in enumerate(entries)
+                        if t["type"] == "tensor" and t["fragments"] and t["fragments"][0]["nbytes"] > 0)
+    ndim = len(entry["global_shape"])
+    if field == "fragments[0].global_offsets":
+        value = [9] * ndim
+    elif field == "global_shape" and isinstance(value, list):
+        value, field_path = [*entry["global_shape"][:-1], -3], f"global_shape[{ndim - 1}]"
+    _set(entry, field, value)
+    with pytest.raises((ManifestError, UnsafePathError)) as info:
+        Manifest.from_json(json.dumps(raw), where="step-000000000042/manifest.json in the local tier '/t'")
+    msg = str(info.value)
+    assert msg.startswith(f"step-000000000042/manifest.json in the local tier '/t': field {section}[{index}]."
+                          f"{field_path} (tensor {entry['name']!r}): "), msg
+    assert problem in msg
