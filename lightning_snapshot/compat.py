@@ -51,6 +51,8 @@ Lightning's zip once the check has passed.
 A snapshot resumes *within* an epoch, whose ``on_train_epoch_start`` hooks ran before it and do not run again
 (Lightning's mid-epoch ``ckpt_path`` resume is the same). SWA creates SWALR in that hook, so after such a resume it
 would be missing until the next epoch; :func:`reinstate_epoch_start_schedulers` (at ``on_train_start``) puts it back.
+SWA creates SWALR only within its averaging epochs, so after a restore past them (its BatchNorm-update epoch)
+:func:`reinstate_swalr_after_averaging` puts it back.
 
 Snapshots written before :func:`describe` existed have no description (``saved=None``): classes are then unknown,
 and the check relies on what the states themselves show (group structure, hyperparameter and state keys, SWALR and
@@ -60,7 +62,8 @@ ReduceLROnPlateau recognised by their keys, scheduler classes compared by their 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -479,27 +482,35 @@ def reinstate_epoch_start_schedulers(trainer: Any, pl_module: Any) -> list[str]:
     Call it once everything is restored (``on_train_start``), only when the resume is within an epoch (not at an
     epoch boundary, where the next epoch's start hooks run anyway). Returns the names of the callbacks it ran.
     """
+    ran = []
+    for cb in _restored_swa(trainer):
+        epoch = trainer.current_epoch
+        if not (cb.swa_start <= epoch <= cb.swa_end) or getattr(cb, "_latest_update_epoch", -1) < epoch:
+            continue  # not inside an SWA epoch whose start already ran
+        with _hyperparameters_kept(trainer.optimizers):
+            cb.on_train_epoch_start(trainer, pl_module)
+        ran.append(type(cb).__name__)
+    return ran
+
+
+def _restored_swa(trainer: Any) -> list[Any]:
+    """The StochasticWeightAveraging callbacks that hold a restored SWALR state and have not created SWALR yet."""
     try:
         from lightning.pytorch.callbacks import StochasticWeightAveraging
     except ImportError:  # pragma: no cover
         return []
-    ran = []
-    for cb in getattr(trainer, "callbacks", []) or []:
-        if not isinstance(cb, StochasticWeightAveraging) or getattr(cb, "_initialized", True):
-            continue
-        if getattr(cb, "_scheduler_state", None) is None:
-            continue  # SWA had not started when the snapshot was taken
-        epoch = trainer.current_epoch
-        if not (cb.swa_start <= epoch <= cb.swa_end) or getattr(cb, "_latest_update_epoch", -1) < epoch:
-            continue  # not inside an SWA epoch whose start already ran
-        groups = [[{k: v for k, v in g.items() if k != "params"} for g in _raw(o).param_groups]
-                  for o in trainer.optimizers]
-        cb.on_train_epoch_start(trainer, pl_module)
-        for opt, saved_groups in zip(trainer.optimizers, groups):
-            for g, hyper in zip(_raw(opt).param_groups, saved_groups):
-                g.update(hyper)
-        ran.append(type(cb).__name__)
-    return ran
+    return [cb for cb in getattr(trainer, "callbacks", []) or [] if isinstance(cb, StochasticWeightAveraging)
+            and not getattr(cb, "_initialized", True) and getattr(cb, "_scheduler_state", None) is not None]
+
+
+@contextmanager
+def _hyperparameters_kept(optimizers: list[Any]) -> Iterator[None]:
+    """Set the optimizers' parameter-group hyperparameters back to what they are now, after the block."""
+    groups = [[{k: v for k, v in g.items() if k != "params"} for g in _raw(o).param_groups] for o in optimizers]
+    yield
+    for opt, saved_groups in zip(optimizers, groups):
+        for g, hyper in zip(_raw(opt).param_groups, saved_groups):
+            g.update(hyper)
 
 
 def reinstate_swalr_after_averaging(trainer: Any, pl_module: Any) -> list[str]:
@@ -515,39 +526,36 @@ def reinstate_swalr_after_averaging(trainer: Any, pl_module: Any) -> list[str]:
     Call it at ``on_train_start`` after any restore (within an epoch or at a boundary). Returns the names of the
     callbacks it ran.
     """
-    try:
-        from lightning.pytorch.callbacks import StochasticWeightAveraging
-        from lightning.pytorch.utilities.types import LRSchedulerConfig
-        from torch.optim.swa_utils import SWALR
-    except ImportError:  # pragma: no cover
-        return []
     ran = []
-    for cb in getattr(trainer, "callbacks", []) or []:
-        if not isinstance(cb, StochasticWeightAveraging) or getattr(cb, "_initialized", True):
-            continue
-        state = getattr(cb, "_scheduler_state", None)
-        if state is None or getattr(cb, "_max_epochs", -1) == -1 or trainer.current_epoch <= cb.swa_end:
-            continue  # SWA never started, or its own epoch start creates SWALR
-        optimizer = trainer.optimizers[0]
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in _raw(optimizer).param_groups]
-        if isinstance(cb._swa_lrs, float):
-            cb._swa_lrs = [cb._swa_lrs] * len(optimizer.param_groups)
-        for lr, group in zip(cb._swa_lrs, optimizer.param_groups):
-            group["initial_lr"] = lr
-        scheduler = SWALR(optimizer, swa_lr=cb._swa_lrs, anneal_epochs=cb._annealing_epochs,
-                          anneal_strategy=cb._annealing_strategy,
-                          last_epoch=trainer.max_epochs if cb._annealing_strategy == "cos" else -1)
-        scheduler.load_state_dict(state)
-        cb._swa_scheduler = scheduler
-        cb._initialized = True
-        if cb.n_averaged is None:
-            cb.n_averaged = torch.tensor(cb._init_n_averaged, dtype=torch.long, device=pl_module.device)
-        config = LRSchedulerConfig(scheduler)
-        if trainer.lr_scheduler_configs:
-            trainer.lr_scheduler_configs[0] = config
-        else:
-            trainer.lr_scheduler_configs.append(config)
-        for g, hyper in zip(_raw(optimizer).param_groups, groups):
-            g.update(hyper)
+    for cb in _restored_swa(trainer):
+        if getattr(cb, "_max_epochs", -1) == -1 or trainer.current_epoch <= cb.swa_end:
+            continue  # its own epoch start creates SWALR
+        with _hyperparameters_kept(trainer.optimizers):
+            _install_swalr(trainer, pl_module, cb)
         ran.append(type(cb).__name__)
     return ran
+
+
+def _install_swalr(trainer: Any, pl_module: Any, cb: Any) -> None:
+    """What SWA's epoch start does to create SWALR, with its saved state loaded."""
+    from lightning.pytorch.utilities.types import LRSchedulerConfig
+    from torch.optim.swa_utils import SWALR
+
+    optimizer = trainer.optimizers[0]
+    if isinstance(cb._swa_lrs, float):
+        cb._swa_lrs = [cb._swa_lrs] * len(optimizer.param_groups)
+    for lr, group in zip(cb._swa_lrs, optimizer.param_groups):
+        group["initial_lr"] = lr
+    scheduler = SWALR(optimizer, swa_lr=cb._swa_lrs, anneal_epochs=cb._annealing_epochs,
+                      anneal_strategy=cb._annealing_strategy,
+                      last_epoch=trainer.max_epochs if cb._annealing_strategy == "cos" else -1)
+    scheduler.load_state_dict(cb._scheduler_state)
+    cb._swa_scheduler = scheduler
+    cb._initialized = True
+    if cb.n_averaged is None:
+        cb.n_averaged = torch.tensor(cb._init_n_averaged, dtype=torch.long, device=pl_module.device)
+    config = LRSchedulerConfig(scheduler)
+    if trainer.lr_scheduler_configs:
+        trainer.lr_scheduler_configs[0] = config
+    else:
+        trainer.lr_scheduler_configs.append(config)
