@@ -44,6 +44,8 @@ class PersistJob:
     lock: threading.Lock = field(default_factory=threading.Lock)
     #: tier index -> the local tier whose committed copy of this step it uploads (pinned there until it is done)
     sources: dict[int, int] = field(default_factory=dict)
+    #: tier indices that no longer hold the staging buffer (each drops its reference once: :meth:`Persister.unref`)
+    released: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -101,7 +103,7 @@ class _TierWorker:
         job.done[self.index].set()
         if self.index in job.sources:
             self.p.unpin(job.sources[self.index], job.step)
-        self.p.unref(job)
+        self.p.unref(job, self.index)
 
     def _source(self, job: PersistJob) -> int | None:
         """A local tier of the same job whose committed copy this (slower) tier can upload byte for byte."""
@@ -181,15 +183,13 @@ class _TierWorker:
 
     def _persist(self, job: PersistJob) -> None:
         staged = job.shared
-        holding = True
         t0 = time.monotonic()
         try:
             source = job.sources.get(self.index)
             if source is not None:
                 job.done[source].wait()
                 if job.ok.get(source):
-                    self.p.unref(job)  # the staging buffer is no longer needed by this tier
-                    holding = False
+                    self.p.unref(job, self.index)  # (the source's worker has dropped it already)
                 else:
                     source = None
             try:
@@ -229,8 +229,14 @@ class _TierWorker:
             job.done[self.index].set()
             if self.index in job.sources:
                 self.p.unpin(job.sources[self.index], job.step)
-            if holding:
-                self.p.unref(job)
+            self.p.unref(job, self.index)
+            if job.ok.get(self.index):
+                # the tiers that upload this step from this tier's copy no longer need the staging buffer: drop
+                # their references now, not when their workers get to the job (a slow or failing tier with a queue
+                # of jobs would otherwise hold every staging buffer, and training would wait for its outage to end)
+                for i, source in job.sources.items():
+                    if source == self.index:
+                        self.p.unref(job, i)
 
 
 def _describe(tier: Backend, e: BaseException) -> str:
@@ -335,8 +341,12 @@ class Persister:
             if not steps[step]:
                 del steps[step]
 
-    def unref(self, job: PersistJob) -> None:
+    def unref(self, job: PersistJob, index: int) -> None:
+        """Tier ``index`` no longer needs ``job``'s staging buffer (idempotent); the last one releases it."""
         with job.lock:
+            if index in job.released:
+                return
+            job.released.add(index)
             job.refs -= 1
             last = job.refs == 0
         if last:
