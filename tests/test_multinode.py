@@ -16,7 +16,7 @@ from lightning_snapshot.writer import committed_steps
 
 NODES = 3
 # RAM every 4 steps (erasure 2+1 over the 3 nodes), the local tier every 3; killed at step 10: RAM holds 8, local 9
-ARGS = ("--max-steps", "12", "--every", "3", "--shuffle", "--tiny", "--num-nodes", str(NODES), "--ram-every", "4",
+ARGS = ("--max-steps", "12", "--every", "3", "--shuffle", "--num-nodes", str(NODES), "--ram-every", "4",
         "--ram-erasure", "2+1")
 # the directory: each node's own through the {node_rank} placeholder, each node's own through an environment
 # variable that differs per node (the same-looking path on every node: detected with probe files), or one shared
