@@ -384,21 +384,26 @@ class SnapshotCallback(Checkpoint):
                              for p, r in ranks.items())
         return str(self._comm.broadcast(text))
 
+    def _placement(self, trainer: Any) -> dict[str, int]:
+        """Where this rank is in the job, as the tiers' ``bind`` takes it: its node, the number of nodes, its rank on
+        the node and the ranks per node (at least 1)."""
+        strategy = trainer.strategy
+        num_nodes = max(1, int(getattr(trainer, "num_nodes", 1) or 1))
+        return {"node_rank": int(getattr(strategy, "node_rank", 0) or 0), "num_nodes": num_nodes,
+                "local_rank": int(getattr(strategy, "local_rank", 0) or 0),
+                "ranks_per_node": max(1, self._comm.world_size // num_nodes)}
+
     def _setup_node_local_tiers(self, trainer: Any) -> None:
         """Tell each local tier which node this rank is on, and settle whether its directory is shared by all nodes
         or node-local (detected with probe files unless set; one log line each)."""
-        strategy = trainer.strategy
-        num_nodes = max(1, int(getattr(trainer, "num_nodes", 1) or 1))
-        world = self._comm.world_size
+        placement = self._placement(trainer)
         for i, tier in enumerate(self.tiers):
             settle = getattr(tier, "settle_layout", None)
             if settle is None:
                 continue
-            tier.bind(node_rank=int(getattr(strategy, "node_rank", 0) or 0), num_nodes=num_nodes,
-                      local_rank=int(getattr(strategy, "local_rank", 0) or 0),
-                      ranks_per_node=max(1, world // num_nodes))
+            tier.bind(**placement)
             how = settle(self._tier_comms[i], self._run_id)
-            if num_nodes > 1:
+            if placement["num_nodes"] > 1:
                 layout = ("node-local: each node writes its own ranks' data and a copy of the manifest, commits are"
                           " agreed over the process group" if tier.node_local else "shared by all nodes")
                 rank_zero_info(f"lightning-snapshot: the {tier.tier} tier {tier.url} is {layout} ({how})")
@@ -411,16 +416,13 @@ class SnapshotCallback(Checkpoint):
         from lightning_snapshot.agent import AgentClient, ensure_agent
         from lightning_snapshot.backends.ram import default_run_name
 
-        strategy = trainer.strategy
-        num_nodes = max(1, int(getattr(trainer, "num_nodes", 1) or 1))
-        world = self._comm.world_size
+        placement = self._placement(trainer)
+        world, num_nodes = self._comm.world_size, placement["num_nodes"]
         if world % num_nodes:
             raise ConfigError(f"the RAM tier needs the same number of processes on every node ({world} processes on"
                               f" {num_nodes} nodes)")
         name = self._comm.broadcast(default_run_name([t.url for t in self.tiers if t is not ram]))
-        ram.bind(node_rank=int(getattr(strategy, "node_rank", 0) or 0), num_nodes=num_nodes,
-                 local_rank=int(getattr(strategy, "local_rank", 0) or 0), ranks_per_node=world // num_nodes,
-                 default_name=name)
+        ram.bind(**placement, default_name=name)
         error: BaseException | None = None
         if ram.node_leader:
             try:
