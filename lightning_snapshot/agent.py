@@ -44,6 +44,10 @@ _MAX_MESSAGE = 256 << 20
 #: How long (seconds) the agent of rank 0 waits for the other ranks' parts of a snapshot, and the others for its commit,
 #: unless the trainer says otherwise (``SnapshotCallback(collective_timeout=...)``); a failure marker ends it at once.
 PART_WAIT_S = 300.0
+#: How often (seconds) the agent tells each attached trainer that it is alive. A trainer that hears nothing from its
+#: agent for ``collective_timeout`` seconds (a stopped, hung or wedged agent) stops waiting for it with
+#: :class:`~lightning_snapshot.errors.AgentError`.
+HEARTBEAT_S = 1.0
 
 
 # ----------------------------------------------------------------------------------------------- framing
@@ -216,6 +220,13 @@ class Agent:
                 except OSError:
                     return False  # the trainer is gone; the write itself went on
 
+        closed = threading.Event()
+
+        def heartbeat() -> None:  # (an agent that stops or hangs falls silent: its trainers stop waiting for it)
+            while not closed.wait(HEARTBEAT_S):
+                if not reply({"op": "alive"}):
+                    return
+
         def tier_worker(q: Any) -> None:
             while True:
                 msg = q.get()
@@ -264,6 +275,7 @@ class Agent:
                     hello = msg
                     with self.lock:
                         self.attached += 1
+                    threading.Thread(target=heartbeat, name="heartbeat", daemon=True).start()
                     log.info("trainer rank %s (pid %s) attached", msg.get("rank"), msg.get("pid"))
                 elif op == "arena":
                     import mmap
@@ -290,6 +302,7 @@ class Agent:
                 elif op == "bye":
                     break
         finally:
+            closed.set()
             for q in queues.values():
                 q.put(None)
             for w in workers:  # writes in progress finish, whether or not the trainer is still there
@@ -573,7 +586,14 @@ class AgentClient:
         self._slots_lock = threading.Lock()
         self._sent_slots: dict[int, int] = {}
         self._sock: socket.socket | None = _connect(self.node_dir)
-        self._sock.settimeout(None)
+        #: the agent says it is alive every HEARTBEAT_S: a read or a send that waits longer than this means it is
+        #: stuck (stopped, hung); then every wait for it ends (bounded like every other wait across processes)
+        self._limit = max(float(part_wait), 5 * HEARTBEAT_S)
+        self._sock.settimeout(self._limit)
+        #: why the link to the agent ended (None while it works); set once, by the thread that noticed
+        self._lost: str | None = None
+        self._gone = threading.Event()
+        self._closing = False
         self._waiting: dict[int, tuple[threading.Event, list[dict[str, Any]]]] = {}
         self._ids = iter(range(1, 1 << 62))
         self._send({"op": "hello", "pid": os.getpid(), "rank": rank, "world_size": world_size, "run_id": run_id,
@@ -582,34 +602,57 @@ class AgentClient:
                                         name="lightning-snapshot-agent-replies", daemon=True)
         self._reader.start()
 
+    def _agent_name(self) -> str:
+        try:
+            pid = (self.node_dir / LOCK).read_text(errors="replace").strip()[:20]
+        except OSError:
+            pid = ""
+        return f"the snapshot agent{f' (pid {pid})' if pid else ''} of {self.node_dir} (its log: {self.node_dir / LOG})"
+
+    def _lose(self, why: str) -> None:
+        if self._lost is None and not self._closing:
+            self._lost = why
+            log.warning("lightning-snapshot: %s; this rank writes its durable tiers itself from now on, and its"
+                        " snapshots are no longer flushed after a crash", why)
+
     def _read_replies(self, sock: socket.socket) -> None:
         reader = _Reader(sock)
         while True:
             try:
                 msg = reader.next()
-            except (OSError, ValueError):
+            except TimeoutError:
+                self._lose(f"{self._agent_name()} sent nothing for {self._limit:g} s (collective_timeout): it is"
+                           " stopped or hung")
+                msg = None
+            except (OSError, ValueError) as e:
+                if self._sock is not None:
+                    self._lose(f"lost {self._agent_name()}: {e}")
                 msg = None
             if msg is None:
+                if self._sock is not None:
+                    self._lose(f"{self._agent_name()} closed the connection (it exited or was killed)")
                 break
             waiting = self._waiting.pop(msg.get("id"), None) if isinstance(msg.get("id"), int) else None
             if waiting is not None:
                 waiting[1].append(msg)
                 waiting[0].set()
+        self._gone.set()
         for ev, _box in list(self._waiting.values()):  # the agent is gone: nobody answers these
             ev.set()
 
     def handles(self, job: Any, tier: Any) -> bool:
         """Whether the agent writes ``job`` to ``tier`` (a durable tier, staged in shared memory it can map)."""
         slot = getattr(job.shared, "slot", None)
-        return self._sock is not None and tier in self.tiers and slot is not None and slot.fd >= 0
+        return self._lost is None and tier in self.tiers and slot is not None and slot.fd >= 0
 
     def persist(self, job: Any, tier: Any, stop: threading.Event) -> tuple[int, float]:
         """Have the agent write ``job`` to ``tier``; returns (bytes, seconds) once committed.
 
-        Raises SnapshotWriteError when it failed (the caller retries), ``TimeoutError`` when ``stop`` was set
-        meanwhile (the agent finishes the write on its own).
+        Raises SnapshotWriteError when it failed (the caller retries), AgentError when the agent stopped answering
+        (silent for ``collective_timeout``, or gone), ``TimeoutError`` when ``stop`` was set meanwhile (the agent
+        finishes the write on its own).
         """
-        from lightning_snapshot.errors import SnapshotWriteError
+        from lightning_snapshot.errors import AgentError, SnapshotWriteError
 
         sid = self._slot_id(job.shared.slot)
         request = next(self._ids)
@@ -622,8 +665,12 @@ class AgentClient:
             if stop.is_set():
                 self._waiting.pop(request, None)
                 raise TimeoutError("left to the snapshot agent")
+            if self._gone.is_set() or self._lost is not None:
+                break
+        self._waiting.pop(request, None)
         if not box:
-            raise SnapshotWriteError("lost the connection to the snapshot agent")
+            raise AgentError(f"step {job.step} was not written to the {tier.tier} tier {tier.url}:"
+                             f" {self._lost or 'lost the snapshot agent'}")
         answer = box[0]
         if not answer.get("ok"):
             raise SnapshotWriteError(str(answer.get("error", "the snapshot agent failed to write it")))
@@ -635,9 +682,13 @@ class AgentClient:
                 return
             try:
                 _send(self._sock, msg, fds)
+            except TimeoutError:
+                self._lose(f"{self._agent_name()} took no message for {self._limit:g} s (collective_timeout): it is"
+                           " stopped or hung")
+                self._sock.close()
+                self._sock = None
             except OSError as e:
-                log.warning("lightning-snapshot: lost the snapshot agent (%s); snapshots are no longer flushed"
-                            " after a crash", e)
+                self._lose(f"lost {self._agent_name()}: {e}")
                 self._sock.close()
                 self._sock = None
 
@@ -673,6 +724,13 @@ class AgentClient:
             self._send({"op": "release", "slot": sid, "ok": bool(ok)})
 
     def close(self) -> None:
+        self._closing = True
+        sock = self._sock
+        if sock is not None:
+            try:
+                sock.settimeout(min(self._limit, 5.0))  # (a stuck agent does not hold up the end of training)
+            except OSError:
+                pass
         self._send({"op": "bye"})
         with self._lock:
             if self._sock is not None:

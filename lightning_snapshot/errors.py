@@ -21,6 +21,7 @@ __all__ = [
     "StorageFullError",
     "TierUnavailableError",
     "NotDurableError",
+    "AgentError",
 ]
 
 
@@ -76,3 +77,8 @@ class TierUnavailableError(SnapshotWriteError):
 class NotDurableError(SnapshotWriteError):
     """At the end of ``fit``, the last snapshot is held by no durable tier; the message says which tier failed and
     why."""
+
+
+class AgentError(SnapshotError, RuntimeError):
+    """The node's snapshot agent stopped answering (stopped, hung, or gone) while it had a snapshot to write; the
+    message names the agent's process and its log. Not retried: the agent may still be writing."""

@@ -182,6 +182,7 @@ def main() -> None:
     p.add_argument("--node-local", choices=["auto", "true", "false"], default="auto",
                    help="the local tier's node_local option")
     p.add_argument("--slow-write", type=float, default=0.0, help="seconds added to each local-tier data write")
+    p.add_argument("--collective-timeout", type=float, default=300.0, help="SnapshotCallback(collective_timeout=)")
     p.add_argument("--raise-at", type=int, default=-1, help="raise in the training thread at this step...")
     p.add_argument("--raise-rank", type=int, default=1, help="...on this rank")
     p.add_argument("--kill-at", type=int, default=-1,
@@ -220,7 +221,7 @@ def main() -> None:
 
         tiers.append(ObjectStoreTier(a.s3, storage_options=s3_options(a.endpoint),
                                      every_n_train_steps=a.s3_every or a.every, keep_last=2, retry_initial=0.1))
-    callbacks = [SnapshotCallback(tiers, resume=not a.no_resume)]
+    callbacks = [SnapshotCallback(tiers, resume=not a.no_resume, collective_timeout=a.collective_timeout)]
     if a.crash_at >= 0:
         callbacks.append(Crash(a.crash_at, tiers, newest=bool(a.ram_every) or a.crash_after_newest))
     if a.raise_at >= 0:
