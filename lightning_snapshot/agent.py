@@ -45,9 +45,12 @@ _MAX_MESSAGE = 256 << 20
 #: unless the trainer says otherwise (``SnapshotCallback(collective_timeout=...)``); a failure marker ends it at once.
 PART_WAIT_S = 300.0
 #: How often (seconds) the agent tells each attached trainer that it is alive. A trainer that hears nothing from its
-#: agent for ``collective_timeout`` seconds (a stopped, hung or wedged agent) stops waiting for it with
+#: agent for SILENCE_S seconds (a stopped, hung or wedged agent) stops waiting for it with
 #: :class:`~lightning_snapshot.errors.AgentError`.
 HEARTBEAT_S = 1.0
+#: How long (seconds) a trainer waits for a word from its agent before it gives it up (or ``collective_timeout``
+#: when that is shorter); a healthy agent says something every HEARTBEAT_S however long its writes take.
+SILENCE_S = 60.0
 
 
 # ----------------------------------------------------------------------------------------------- framing
@@ -588,7 +591,7 @@ class AgentClient:
         self._sock: socket.socket | None = _connect(self.node_dir)
         #: the agent says it is alive every HEARTBEAT_S: a read or a send that waits longer than this means it is
         #: stuck (stopped, hung); then every wait for it ends (bounded like every other wait across processes)
-        self._limit = max(float(part_wait), 5 * HEARTBEAT_S)
+        self._limit = max(min(float(part_wait), SILENCE_S), 5 * HEARTBEAT_S)
         self._sock.settimeout(self._limit)
         #: why the link to the agent ended (None while it works); set once, by the thread that noticed
         self._lost: str | None = None
@@ -621,7 +624,7 @@ class AgentClient:
             try:
                 msg = reader.next()
             except TimeoutError:
-                self._lose(f"{self._agent_name()} sent nothing for {self._limit:g} s (collective_timeout): it is"
+                self._lose(f"{self._agent_name()} sent nothing for {self._limit:g} s: it is"
                            " stopped or hung")
                 msg = None
             except (OSError, ValueError) as e:
@@ -649,8 +652,8 @@ class AgentClient:
         """Have the agent write ``job`` to ``tier``; returns (bytes, seconds) once committed.
 
         Raises SnapshotWriteError when it failed (the caller retries), AgentError when the agent stopped answering
-        (silent for ``collective_timeout``, or gone), ``TimeoutError`` when ``stop`` was set meanwhile (the agent
-        finishes the write on its own).
+        (silent for SILENCE_S or ``collective_timeout``, or gone), ``TimeoutError`` when ``stop`` was set meanwhile
+        (the agent finishes the write on its own).
         """
         from lightning_snapshot.errors import AgentError, SnapshotWriteError
 
@@ -683,7 +686,7 @@ class AgentClient:
             try:
                 _send(self._sock, msg, fds)
             except TimeoutError:
-                self._lose(f"{self._agent_name()} took no message for {self._limit:g} s (collective_timeout): it is"
+                self._lose(f"{self._agent_name()} took no message for {self._limit:g} s: it is"
                            " stopped or hung")
                 self._sock.close()
                 self._sock = None

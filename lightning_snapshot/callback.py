@@ -100,7 +100,7 @@ class SnapshotCallback(Checkpoint):
         collective_timeout: the longest any wait across processes of a snapshot may take (seconds; default 300): a
             collective of a tier's commit (gloo's timeout of the tier's process group), and the snapshot agent's
             wait for the other ranks' parts of a snapshot; and a trainer's wait for its node's agent, which says it is
-            alive every second (silent this long: ``AgentError``). A rank or agent that fails ends these waits at once (its
+            alive every second (silent for 60 s or this long, whichever is shorter: ``AgentError``). A rank or agent that fails ends these waits at once (its
             process exits, which breaks its connections, or it leaves a failure marker); the bound is for a peer that
             is alive but stuck. Raise it when one snapshot takes longer than this to write.
         shutdown_timeout: the longest ``on_exception`` and ``teardown`` wait for the persist threads (seconds;

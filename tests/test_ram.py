@@ -90,14 +90,17 @@ def test_agent_flushes_a_staged_snapshot_after_the_trainer_died(tmp_path, shm, r
 
 
 @pytest.mark.slow
-def test_a_stuck_agent_stops_training_promptly_with_an_error_naming_it(tmp_path, shm):
-    """The node's agent stops answering (SIGSTOP: alive, connected, silent) while it has snapshots to write: the
-    trainer waits for it at most collective_timeout, then fit fails with AgentError naming the agent's pid and log
-    (before this, the persist thread waited forever and training hung once every staging slot was held)."""
+@pytest.mark.parametrize("how", ["SIGSTOP", "SIGKILL"])
+def test_a_stuck_or_dead_agent_stops_training_with_an_error_naming_it(tmp_path, shm, how):
+    """The node's agent stops answering (SIGSTOP: alive, connected, silent) or dies (SIGKILL) while it has snapshots
+    to write: the trainer waits for a stuck one at most collective_timeout (5 s here), for a dead one not at all, and
+    fit fails with AgentError naming the agent's pid and log (before, the persist thread waited forever for the
+    answer, and training hung once every staging slot was held)."""
     import signal
+    import time
 
     env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning",
-           "LIGHTNING_SNAPSHOT_AGENT_WRITE_DELAY": "1"}  # (the agent is busy writing when it is stopped)
+           "LIGHTNING_SNAPSHOT_AGENT_WRITE_DELAY": "3"}  # (the agent has a snapshot to write when it is stopped)
     proc = subprocess.Popen([sys.executable, str(SCRIPTS / "train.py"), "--dir", str(tmp_path / "local"), "--out",
                              str(tmp_path / "out.pt"), "--max-steps", "400", "--every", "4", "--ram-every", "2",
                              "--collective-timeout", "5"], env=env, text=True, stdout=subprocess.PIPE,
@@ -106,18 +109,23 @@ def test_a_stuck_agent_stops_training_promptly_with_an_error_naming_it(tmp_path,
     try:
         assert _wait(lambda: any("attached" in p.read_text() for p in shm.glob("**/agent.log")), timeout=120), \
             "the trainer never attached to its agent"
+        # the agent committed a first snapshot; 1.5 s later it is in the 3 s it waits before writing the next one
+        assert _wait(lambda: committed_steps(LocalTier(tmp_path / "local")), timeout=120)
+        time.sleep(1.5)
         lock = next(shm.glob("**/agent.lock"))
         pid = int(lock.read_text().strip())
-        os.kill(pid, signal.SIGSTOP)
+        os.kill(pid, getattr(signal, how))
         _out, err = proc.communicate(timeout=180)  # (hung before: the persist thread waited for it forever)
     finally:
         if proc.poll() is None:
             proc.kill()
-        if pid is not None:
+        if pid is not None and os.path.exists(f"/proc/{pid}"):
             os.kill(pid, signal.SIGKILL)
     assert proc.returncode == 1, err[-3000:]
     assert "AgentError" in err and f"snapshot agent (pid {pid}) of {lock.parent}" in err, err[-3000:]
-    assert "sent nothing for 5 s" in err and str(lock.parent / "agent.log") in err, err[-3000:]
+    assert str(lock.parent / "agent.log") in err, err[-3000:]
+    assert ("sent nothing for 5 s: it is stopped or hung" if how == "SIGSTOP" else
+            "closed the connection (it exited or was killed)") in err, err[-3000:]
 
 
 # ------------------------------------------------------------------------------------------------ erasure
