@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from typing import Any, ClassVar
 
 from lightning_snapshot.errors import ConfigError, TierUnavailableError
+from lightning_snapshot.interval import AUTO, FIRST_AUTO_INTERVAL
 
 __all__ = ["Backend", "DEFAULT_EVERY_N_TRAIN_STEPS", "DEFAULT_KEEP_LAST"]
 
@@ -31,11 +32,17 @@ class Backend(abc.ABC):
 
     Args:
         every_n_train_steps: snapshot when ``global_step`` is a multiple of this (>= 1). When neither this nor
-            ``train_time_interval`` is given, it defaults to ``DEFAULT_EVERY_N_TRAIN_STEPS`` (100).
+            ``train_time_interval`` is given, it defaults to ``DEFAULT_EVERY_N_TRAIN_STEPS`` (100). ``"auto"``: the
+            callback picks the interval, in steps since the tier's last snapshot, from Young/Daly's
+            ``sqrt(2 x cost x MTBF)`` with the tier's measured cost and the callback's ``mtbf``, and re-estimates it
+            as training runs (see :mod:`lightning_snapshot.interval`); the attribute then holds the interval in use
+            (first ``FIRST_AUTO_INTERVAL`` = 10 steps, within the bounds) and :attr:`auto_every` is True.
         train_time_interval: also snapshot when this much wall time passed since the last snapshot of the tier
             (a ``datetime.timedelta`` or seconds as a number).
         keep_last: how many committed snapshots the tier keeps (>= 1), or ``None`` to keep all. The newest
             snapshot is never deleted.
+        min_every, max_every: bounds (steps, >= 1) of the interval ``every_n_train_steps="auto"`` picks; only
+            with ``"auto"``. Defaults: 1 and no bound.
 
     Thread-safety: the engine calls one backend from one thread at a time, except ``read_into``, which it may call
     from up to :attr:`parallel_reads` threads at once.
@@ -115,12 +122,20 @@ class Backend(abc.ABC):
         every_n_train_steps: int | None = None,
         train_time_interval: _dt.timedelta | float | None = None,
         keep_last: int | None = DEFAULT_KEEP_LAST,
+        min_every: int | None = None,
+        max_every: int | None = None,
     ) -> None:
+        self.auto_every = every_n_train_steps == AUTO
+        self.min_every, self.max_every = self._auto_bounds(min_every, max_every)
+        if self.auto_every:
+            every_n_train_steps = max(self.min_every, FIRST_AUTO_INTERVAL)
+            if self.max_every is not None:
+                every_n_train_steps = min(every_n_train_steps, self.max_every)
         if every_n_train_steps is not None and (
             isinstance(every_n_train_steps, bool) or not isinstance(every_n_train_steps, int) or every_n_train_steps < 1
         ):
             raise ConfigError(
-                f"every_n_train_steps must be an integer >= 1 (or None), got {every_n_train_steps!r}"
+                f"every_n_train_steps must be an integer >= 1, 'auto' or None, got {every_n_train_steps!r}"
             )
         if train_time_interval is not None:
             if isinstance(train_time_interval, (int, float)) and not isinstance(train_time_interval, bool):
@@ -137,6 +152,19 @@ class Backend(abc.ABC):
         self.every_n_train_steps = every_n_train_steps
         self.train_time_interval: _dt.timedelta | None = train_time_interval
         self.keep_last = keep_last
+
+    def _auto_bounds(self, min_every: int | None, max_every: int | None) -> tuple[int, int | None]:
+        for option, value in (("min_every", min_every), ("max_every", max_every)):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{option} must be an integer >= 1 (steps) or None, got {value!r}")
+            if not self.auto_every:
+                raise ConfigError(f"{option} bounds the interval of every_n_train_steps='auto' (URL every=auto);"
+                                  " set every_n_train_steps='auto' or drop it")
+        if min_every is not None and max_every is not None and min_every > max_every:
+            raise ConfigError(f"min_every ({min_every}) must not be larger than max_every ({max_every})")
+        return (min_every or 1), max_every
 
     # ------------------------------------------------------------------------------------------- pickling
     #: Attributes that belong to one process (locks, open handles, clients, counters): left out when the tier is
@@ -161,14 +189,19 @@ class Backend(abc.ABC):
         self._init_process_state()
 
     # ------------------------------------------------------------------------------------------- schedule
-    def is_due(self, step: int, seconds_since_last: float | None) -> bool:
+    def is_due(self, step: int, seconds_since_last: float | None, steps_since_last: int | None = None) -> bool:
         """Whether a snapshot of ``step`` is due in this tier.
 
         Args:
             step: the trainer's ``global_step`` after the optimizer step that just finished.
             seconds_since_last: wall time since this tier's last snapshot (or since training started).
+            steps_since_last: optimizer steps since this tier's last snapshot in this fit (or since it started);
+                with ``every_n_train_steps="auto"`` the snapshot is due when it reaches the interval in use.
         """
-        if self.every_n_train_steps is not None and step % self.every_n_train_steps == 0:
+        if self.auto_every:
+            if steps_since_last is not None and steps_since_last >= (self.every_n_train_steps or 1):
+                return True
+        elif self.every_n_train_steps is not None and step % self.every_n_train_steps == 0:
             return True
         return (
             self.train_time_interval is not None
@@ -184,7 +217,8 @@ class Backend(abc.ABC):
 
     def __repr__(self) -> str:
         return (
-            f"{type(self).__name__}({self.url!r}, every_n_train_steps={self.every_n_train_steps},"
+            f"{type(self).__name__}({self.url!r}, every_n_train_steps="
+            f"{'auto' if self.auto_every else self.every_n_train_steps},"
             f" train_time_interval={self.train_time_interval}, keep_last={self.keep_last})"
         )
 

@@ -156,7 +156,8 @@ class LocalTier(Backend):
     Args:
         path: the tier's root directory (created if missing). ``~`` is expanded; ``{node_rank}`` is replaced by the
             node's rank (each node its own directory: node-local; ``NODE_RANK`` or 0 until training binds it).
-        every_n_train_steps, train_time_interval, keep_last: see :class:`~lightning_snapshot.backends.base.Backend`.
+        every_n_train_steps, train_time_interval, keep_last, min_every, max_every: see
+            :class:`~lightning_snapshot.backends.base.Backend`.
         node_local: ``None`` (default): detect at the start of training; ``True``: each node has its own directory;
             ``False``: one directory shared by all nodes.
 
@@ -175,14 +176,17 @@ class LocalTier(Backend):
     def __init__(
         self,
         path: str | os.PathLike[str],
-        every_n_train_steps: int | None = None,
+        every_n_train_steps: int | str | None = None,
         train_time_interval: _dt.timedelta | float | None = None,
         keep_last: int | None = DEFAULT_KEEP_LAST,
         *,
+        min_every: int | None = None,
+        max_every: int | None = None,
         node_local: bool | None = None,
     ) -> None:
         super().__init__(
-            every_n_train_steps=every_n_train_steps, train_time_interval=train_time_interval, keep_last=keep_last
+            every_n_train_steps=every_n_train_steps, train_time_interval=train_time_interval, keep_last=keep_last,
+            min_every=min_every, max_every=max_every,
         )
         if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
             raise ConfigError(f"LocalTier path must be a non-empty path, got {path!r}")

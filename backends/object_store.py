@@ -131,7 +131,8 @@ class ObjectStoreTier(Backend):
             ``storage_options``, the environment or the provider's usual chain.
         storage_options: passed to the fsspec filesystem (s3fs: ``key``, ``secret``, ``client_kwargs={"endpoint_url":
             ...}``, ...). Never logged, never written to a manifest, a metric or an error.
-        every_n_train_steps, train_time_interval, keep_last: see :class:`~lightning_snapshot.backends.base.Backend`.
+        every_n_train_steps, train_time_interval, keep_last, min_every, max_every: see
+            :class:`~lightning_snapshot.backends.base.Backend`.
         part_size: multipart upload part size in bytes (>= 5 MiB, the S3 minimum).
         max_concurrency: parts uploaded at once.
         max_pending: snapshots that may wait for this tier at once (the one being uploaded included). When that many
@@ -153,10 +154,12 @@ class ObjectStoreTier(Backend):
         self,
         url: str,
         storage_options: Mapping[str, Any] | None = None,
-        every_n_train_steps: int | None = None,
+        every_n_train_steps: int | str | None = None,
         train_time_interval: _dt.timedelta | float | None = None,
         keep_last: int | None = DEFAULT_KEEP_LAST,
         *,
+        min_every: int | None = None,
+        max_every: int | None = None,
         part_size: int = 16 << 20,
         max_concurrency: int = 8,
         max_pending: int = 1,
@@ -165,7 +168,8 @@ class ObjectStoreTier(Backend):
         drain_timeout: float | None = 300.0,
     ) -> None:
         super().__init__(
-            every_n_train_steps=every_n_train_steps, train_time_interval=train_time_interval, keep_last=keep_last
+            every_n_train_steps=every_n_train_steps, train_time_interval=train_time_interval, keep_last=keep_last,
+            min_every=min_every, max_every=max_every,
         )
         import fsspec
 

@@ -103,7 +103,8 @@ class RamTier(Backend):
     """Snapshots in node memory, held by a per-node snapshot agent that outlives the trainer.
 
     Args:
-        every_n_train_steps, train_time_interval, keep_last: see :class:`~lightning_snapshot.backends.base.Backend`
+        every_n_train_steps, train_time_interval, keep_last, min_every, max_every: see
+            :class:`~lightning_snapshot.backends.base.Backend`
             (``keep_last`` defaults to 2 here: memory is precious).
         erasure: ``None`` keeps a node-local copy of each rank's data (one-node jobs), or ``(k, m)``: each rank's data
             is split into ``k`` data and ``m`` parity shares (zfec) placed on ``k + m`` distinct nodes, so any ``m``
@@ -131,18 +132,21 @@ class RamTier(Backend):
 
     def __init__(
         self,
-        every_n_train_steps: int | None = None,
+        every_n_train_steps: int | str | None = None,
         train_time_interval: _dt.timedelta | float | None = None,
         keep_last: int | None = 2,
         erasure: tuple[int, int] | str | None = None,
         *,
+        min_every: int | None = None,
+        max_every: int | None = None,
         name: str | None = None,
         shm_dir: str | None = None,
         idle_timeout: float = 600.0,
         threads: int | None = None,
     ) -> None:
         super().__init__(
-            every_n_train_steps=every_n_train_steps, train_time_interval=train_time_interval, keep_last=keep_last
+            every_n_train_steps=every_n_train_steps, train_time_interval=train_time_interval, keep_last=keep_last,
+            min_every=min_every, max_every=max_every,
         )
         self.erasure = parse_erasure(erasure)
         if name is not None and (not isinstance(name, str) or not _NAME.match(name)):

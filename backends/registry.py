@@ -1,7 +1,8 @@
 """Select a tier by URL: ``"/path?every=100&keep=3"``, ``"file:///path?..."``.
 
 The scheme picks the backend class lazily (as fsspec's registry does), so a LightningCLI YAML can list tiers as
-strings. Query options: ``every`` (``every_n_train_steps``), ``interval`` (``train_time_interval``: seconds, or a
+strings. Query options: ``every`` (``every_n_train_steps``: steps, or ``auto``), ``min_every``/``max_every`` (the
+bounds of ``every=auto``), ``interval`` (``train_time_interval``: seconds, or a
 number with an ``s``/``m``/``h`` suffix) and ``keep`` (``keep_last``; ``all`` keeps every snapshot); a local path
 also ``node_local`` (``auto``, ``true``, ``false``), a RAM tier ``erasure``, ``idle`` and ``threads``.
 """
@@ -16,6 +17,7 @@ from typing import Any
 
 from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.errors import ConfigError
+from lightning_snapshot.interval import AUTO
 
 __all__ = ["parse_tier", "KNOWN_SCHEMES"]
 
@@ -28,7 +30,8 @@ KNOWN_SCHEMES: dict[str, tuple[str, str]] = {
     "ram": ("lightning_snapshot.backends.ram", "RamTier"),
 }
 _PLANNED: dict[str, str] = {}
-_OPTIONS = {"every": "every_n_train_steps", "interval": "train_time_interval", "keep": "keep_last"}
+_OPTIONS = {"every": "every_n_train_steps", "interval": "train_time_interval", "keep": "keep_last",
+            "min_every": "min_every", "max_every": "max_every"}
 #: options only the RAM tier takes (``ram://NAME?erasure=4+2&idle=600``)
 _RAM_OPTIONS = {"erasure": "erasure", "idle": "idle_timeout", "threads": "threads"}
 #: options only the local tier takes (``/nvme/snap?node_local=auto|true|false``)
@@ -73,14 +76,19 @@ def _options(query: str, url: str, extra: dict[str, str] | None = None) -> dict[
             raise ConfigError(
                 f"unknown tier URL option {name!r} in {url!r}; accepted options:"
                 f" {', '.join(sorted([*_OPTIONS, *extra]))}"
-                " (every=<steps>, interval=<seconds or 10m/2h>, keep=<count or all>"
+                " (every=<steps or auto>, min_every=<steps>, max_every=<steps>, interval=<seconds or 10m/2h>,"
+                " keep=<count or all>"
                 + (", erasure=<k+m or none>, idle=<seconds>, threads=<count>" if "erasure" in extra else "")
                 + (", node_local=<auto, true or false>" if "node_local" in extra else "") + ")"
             )
         if _OPTIONS[name] in kwargs:
             raise ConfigError(f"tier URL option {name!r} is given twice in {url!r}")
         if name == "every":
-            kwargs["every_n_train_steps"] = _int_option(name, value)
+            if value != AUTO and not value.lstrip("-").isdigit():
+                raise ConfigError(f"tier URL option every={value!r} must be a number of steps or auto")
+            kwargs["every_n_train_steps"] = AUTO if value == AUTO else int(value)
+        elif name in ("min_every", "max_every"):
+            kwargs[name] = _int_option(name, value)
         elif name == "keep":
             kwargs["keep_last"] = None if value == "all" else _int_option(name, value)
         else:
