@@ -5,6 +5,7 @@
     lightning-snapshot verify /nvme/snap/run-42 [--step 1200 | --all]
     lightning-snapshot export /nvme/snap/run-42 model.safetensors [--format safetensors|torch] [--step 1200]
     lightning-snapshot agent --dir /dev/shm/lightning-snapshot-$UID/NAME [--stop | --status]
+    lightning-snapshot plan [--nodes 1,64,4096] [--state-bytes 16GB] [--node-mtbf 6000h] [--metrics LOGDIR]
 
 A tier is a path, file:///path, ram://NAME or an fsspec URL (s3://bucket/prefix, ...); list, inspect, verify and
 export also take one step-* directory. These commands only read: they never create a directory or a file other
@@ -167,6 +168,22 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from lightning_snapshot import plan
+
+    plan.run(args)
+    return 0
+
+
+def _add_plan(sub: Any) -> None:
+    from lightning_snapshot import plan
+
+    p = sub.add_parser("plan", help="expected goodput, snapshot intervals and memory per tier set-up, 1-16384 nodes",
+                       description=plan.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    plan.add_arguments(p)
+    p.set_defaults(fn=_cmd_plan)
+
+
 def _cmd_agent(args: argparse.Namespace) -> int:
     from lightning_snapshot import agent
 
@@ -237,6 +254,7 @@ def _parser() -> _Parser:
     what.add_argument("--status", action="store_true",
                       help="print the agent's pid, attached trainers and held bytes")
     p.set_defaults(fn=_cmd_agent)
+    _add_plan(sub)
     return parser
 
 
