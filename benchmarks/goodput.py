@@ -1,0 +1,513 @@
+"""Goodput under failures: real SIGKILLs at seeded exponential times, restarts, until W optimizer steps.
+
+A supervisor runs one training command (this file's ``worker`` mode: an MLP with AdamW under Lightning on CPU,
+seeded, ``deterministic=True``) until it has done ``W`` optimizer steps. It kills it with ``SIGKILL`` at failure times
+drawn from an exponential distribution with mean ``--mtbf`` (seeded: every method sees the same failure times, in
+wall time since its first start; a failure that falls in a restart kills the process that restart starts), and
+restarts the same command ``--restart-delay`` seconds after each kill (a scheduler's requeue; documented, fixed).
+
+Methods (same model, data and steps):
+
+=====================  ===========================================================================================
+``none``               no checkpointing: its failure-free run is the ideal wall time; with failures it restarts
+                       from step 0
+``mc-yd``              ``ModelCheckpoint`` (synchronous ``torch.save``) every K steps, K = Young/Daly for its own
+                       save cost, measured in a failure-free calibration run
+``mc-default``         ``ModelCheckpoint`` every W/20 steps: the common "every 1000 steps" of a 20,000-step run,
+                       scaled to this run
+``async-io``           Lightning ``AsyncCheckpointIO`` + ``ModelCheckpoint``, K = Young/Daly for its calibrated cost
+``dcp``                ``torch.distributed.checkpoint.async_save`` (as in ``benchmarks/stall.py``), K likewise; the
+                       restart loads model, optimizer and the step counters
+``ours-local``         lightning-snapshot, ``LocalTier(every="auto")``, ``mtbf=--mtbf``
+``ours-ram-local``     lightning-snapshot, ``RamTier(every="auto")`` + ``LocalTier(every="auto")``
+=====================  ===========================================================================================
+
+ModelCheckpoint resumes from its newest checkpoint that loads (a kill during ``torch.save`` can leave a torn file:
+the one before it is used); it keeps the two newest, as our tiers do (``keep_last=2``).
+
+Reported per method: goodput (ideal wall / wall with failures), failures, steps lost (steps done before a kill that
+the next start did not restore), restart + restore time (kill -> the restarted process's first step, the fixed
+delay included), snapshot overhead (training wall per step over ``none``'s, times the steps), and for ours whether
+the final weights and optimizer state are bitwise equal to the failure-free ``none`` run's (snapshots never change
+training). A PNG plots goodput against MTBF for 3 MTBFs (the default: ``--mtbf`` and 2x, 4x). The JSON written with
+``--json`` holds what the simulator (:mod:`lightning_snapshot.simulate`) needs to replay each method's run.
+
+Usage::
+
+    python benchmarks/goodput.py --quick                # < 10 min on 2 cores (one MTBF, no plot)
+    python benchmarks/goodput.py                        # 3 MTBFs and the plot, < 40 min on 2 cores
+    python benchmarks/goodput.py --methods ours-local --kills 4,9 --steps 200   # explicit kill times (seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+METHODS = ["none", "mc-yd", "mc-default", "async-io", "dcp", "ours-local", "ours-ram-local"]
+OURS = ("ours-local", "ours-ram-local")
+PEERS = ("mc-yd", "mc-default", "async-io", "dcp")
+
+
+# ================================================================================================ worker
+def _worker(a: argparse.Namespace) -> None:  # noqa: C901 - one training run per method, kept in one place
+    import lightning.pytorch as L
+    import torch
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(256, a.width), nn.ReLU(), nn.Linear(a.width, a.width), nn.ReLU(),
+                                     nn.Linear(a.width, 1))
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    out = Path(a.dir)
+    progress = open(out / "progress.log", "a", buffering=1)  # noqa: SIM115 - lives as long as the process
+
+    class Progress(Callback):
+        def __init__(self) -> None:
+            self.last = -1
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            progress.write(f"ready {trainer.global_step} {time.time():.6f}\n")
+
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            if trainer.global_step != self.last:
+                self.last = trainer.global_step
+                progress.write(f"step {trainer.global_step} {time.time():.6f}\n")
+                if a.method.startswith("mc") or a.method == "async-io":
+                    ckpts = sorted((out / "ckpt").glob("*.ckpt"), key=_ckpt_step)
+                    for old in ckpts[:-2]:
+                        old.unlink(missing_ok=True)
+
+    torch.set_num_threads(1)
+    L.seed_everything(0, verbose=False)
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(4096, 256, generator=g), torch.randn(4096, 1, generator=g))
+    loader = DataLoader(data, batch_size=32, shuffle=True)
+    model = Net()
+    callbacks: list[Any] = [Progress()]
+    plugins: list[Any] = []
+    ckpt_path = None
+    if a.method in ("mc-yd", "mc-default", "async-io"):
+        from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+        callbacks.append(ModelCheckpoint(dirpath=out / "ckpt", filename="{step}", every_n_train_steps=a.every,
+                                         save_top_k=-1))
+        if a.method == "async-io":
+            plugins.append(AsyncCheckpointIO())
+        ckpt_path = _newest_loadable(out / "ckpt")
+    elif a.method == "dcp":
+        callbacks.append(_dcp_callback(out / "dcp", a.every, progress))
+    elif a.method in OURS:
+        from lightning_snapshot import SnapshotCallback
+        from lightning_snapshot.backends import LocalTier, RamTier
+
+        tiers: list[Any] = [LocalTier(out / "local", every_n_train_steps="auto", keep_last=2)]
+        if a.method == "ours-ram-local":
+            tiers.insert(0, RamTier(every_n_train_steps="auto", keep_last=2, name=f"goodput-{out.name}",
+                                    idle_timeout=120))
+        callbacks.append(SnapshotCallback(tiers, mtbf=a.mtbf))
+    trainer = L.Trainer(accelerator="cpu", max_steps=a.steps, callbacks=callbacks, plugins=plugins or None,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=a.method != "none", deterministic=True, num_sanity_val_steps=0)
+    trainer.fit(model, loader, ckpt_path=ckpt_path)
+    opt = trainer.optimizers[0]
+    state = {f"model/{k}": v for k, v in model.state_dict().items()}
+    state.update({f"opt/{pid}/{k}": v for pid, st in opt.state_dict()["state"].items() for k, v in st.items()
+                  if isinstance(v, torch.Tensor)})
+    torch.save(state, out / "final.pt")
+    snap = next((c for c in callbacks if type(c).__name__ == "SnapshotCallback"), None)
+    if snap is not None:
+        stats = {"intervals": [t.every_n_train_steps for t in snap.tiers],
+                 "costs_s": [snap._meter.cost(i) if snap._meter else None for i in range(len(snap.tiers))]}
+        (out / "ours.json").write_text(json.dumps(stats))
+    progress.write(f"done {trainer.global_step} {time.time():.6f}\n")
+
+
+def _ckpt_step(path: Path) -> int:
+    try:
+        return int(path.stem.split("=")[-1].split("-")[0])
+    except ValueError:
+        return -1
+
+
+def _newest_loadable(directory: Path) -> str | None:
+    import torch
+
+    for path in sorted(directory.glob("*.ckpt"), key=_ckpt_step, reverse=True):
+        try:
+            torch.load(path, map_location="cpu", weights_only=False)
+            return str(path)
+        except Exception:  # noqa: BLE001 - a file torn by the kill: the one before it
+            path.unlink(missing_ok=True)
+    return None
+
+
+def _dcp_callback(root: Path, every: int, progress: Any) -> Any:
+    """``dcp.async_save`` of model, optimizer and step counters every ``every`` steps (one reused stager, as in
+    benchmarks/stall.py); at the start, the newest complete save (its ``.metadata`` exists) is loaded."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from lightning.pytorch.callbacks import Checkpoint
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+
+    class Dcp(Checkpoint):
+        def __init__(self) -> None:
+            self.stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=True,
+                                                       use_async_staging=True, use_non_blocking_copy=False))
+            self.staging: Any = None
+            self.upload: Any = None
+            self.last = -1
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            done = sorted((p for p in root.glob("step-*") if (p / ".metadata").exists()),
+                          key=lambda p: int(p.name[5:]))
+            if not done:
+                return
+            model_sd, optim_sd = get_state_dict(pl_module, trainer.optimizers[0])
+            dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(done[-1]))
+            set_state_dict(pl_module, trainer.optimizers[0], model_state_dict=model_sd, optim_state_dict=optim_sd)
+            # the step counter (what max_steps counts); the data order restarts with the epoch (not exact)
+            step = int(done[-1].name[5:])
+            loop = trainer.fit_loop.epoch_loop
+            counter = loop.automatic_optimization.optim_progress.optimizer.step
+            counter.total.completed = counter.total.ready = step
+            loop._batches_that_stepped = step
+            progress.write(f"ready {trainer.global_step} {time.time():.6f}\n")
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+            step = trainer.global_step
+            if step % every or step == self.last:
+                return
+            self.last = step
+            if self.upload is not None:
+                self.upload.result()
+            model_sd, optim_sd = get_state_dict(pl_module, trainer.optimizers[0])
+            response = dcp.async_save({"model": model_sd, "optim": optim_sd},
+                                      storage_writer=dcp.FileSystemWriter(str(root / f"step-{step}")),
+                                      async_stager=self.stager)
+            self.staging, self.upload = response.staging_completion, response.upload_completion
+            for old in sorted((p for p in root.glob("step-*")), key=lambda p: int(p.name[5:]))[:-3]:
+                shutil.rmtree(old, ignore_errors=True)
+
+        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            if self.staging is not None:
+                self.staging.result()
+                self.staging = None
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            if self.upload is not None:
+                self.upload.result()
+            self.stager.close()
+
+    return Dcp()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ================================================================================================ supervisor
+@dataclass
+class Run:
+    """One method's run to W steps (with or without failures)."""
+
+    method: str
+    every: int
+    wall_s: float = 0.0
+    failures: int = 0
+    steps_lost: int = 0
+    restart_s: float = 0.0  # kill -> first step of the restarted process (delay, start-up and restore)
+    starts: list[float] = field(default_factory=list)  # start-up (spawn -> ready) of each process
+    train_s: float = 0.0  # wall from ready to the last step, summed over processes
+    steps_trained: int = 0  # optimizer steps run, summed over processes (redone ones included)
+    kills_at: list[float] = field(default_factory=list)
+    ours: dict[str, Any] | None = None
+    bitwise: str | None = None
+
+
+def _read_progress(path: Path) -> list[tuple[str, int, float]]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        parts = line.split()
+        if len(parts) == 3:
+            rows.append((parts[0], int(parts[1]), float(parts[2])))
+    return rows
+
+
+def run_method(method: str, *, steps: int, every: int, failure_times: list[float], restart_delay: float,
+               mtbf: float, width: int, workdir: Path, timeout: float,
+               kill_steps: list[int] | None = None) -> tuple[Run, Path]:
+    """Run ``method`` to ``steps`` steps under the given failure times (seconds since its first start), or killed
+    when its progress first reaches each of ``kill_steps`` (tests: kills at known steps)."""
+    d = Path(tempfile.mkdtemp(prefix=f"{method}-", dir=workdir))
+    cmd = [sys.executable, str(Path(__file__).resolve()), "worker", "--method", method, "--dir", str(d),
+           "--steps", str(steps), "--every", str(every), "--mtbf", str(mtbf), "--width", str(width)]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    run = Run(method, every)
+    pending = sorted(failure_times)
+    at_steps = sorted(kill_steps or [])
+    kills: list[tuple[float, int]] = []  # (time of the kill, progress lines before it)
+    spawns: list[tuple[float, int]] = []
+    t0 = time.time()
+    while True:
+        spawns.append((time.time(), len(_read_progress(d / "progress.log"))))
+        with open(d / "stderr.log", "ab") as err:
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
+        killed = False
+        while proc.poll() is None:
+            now = time.time()
+            if now - t0 > timeout:
+                proc.kill()
+                proc.wait()
+                raise RuntimeError(f"{method}: did not reach {steps} steps within {timeout} s (see {d}/stderr.log)")
+            due = bool(pending) and now - t0 >= pending[0]
+            if at_steps:
+                rows = _read_progress(d / "progress.log")
+                due = bool(rows) and rows[-1][0] == "step" and rows[-1][1] >= at_steps[0]
+            if due:
+                (at_steps or pending).pop(0)
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+                killed = True
+                kills.append((time.time(), len(_read_progress(d / "progress.log"))))
+                run.kills_at.append(kills[-1][0] - t0)
+                break
+            time.sleep(0.02 if at_steps else 0.005)
+        if not killed:
+            if proc.returncode != 0:
+                raise RuntimeError(f"{method}: the worker failed with exit {proc.returncode}: see {d}/stderr.log")
+            run.wall_s = time.time() - t0
+            _account(run, d, spawns, kills)
+            return run, d
+        run.failures += 1
+        time.sleep(restart_delay)
+
+
+def _account(run: Run, d: Path, spawns: list[tuple[float, int]], kills: list[tuple[float, int]]) -> None:
+    """Start-ups, training time, steps lost and restart time, from the progress log of every process."""
+    rows = _read_progress(d / "progress.log")
+    bounds = [index for _, index in spawns] + [len(rows)]
+    segments = [rows[bounds[i]:bounds[i + 1]] for i in range(len(spawns))]
+    for (spawn, _), seg in zip(spawns, segments):
+        readies = [r for r in seg if r[0] == "ready"]
+        stepped = [r for r in seg if r[0] == "step"]
+        if readies:
+            run.starts.append(readies[-1][2] - spawn)
+            if stepped:
+                run.train_s += stepped[-1][2] - readies[-1][2]
+                run.steps_trained += stepped[-1][1] - readies[-1][1]
+    for k, (kill, _) in enumerate(kills):
+        seg = segments[k]
+        reached = max((r[1] for r in seg if r[0] in ("step", "ready")), default=None)
+        nxt = next((r for later in segments[k + 1:] for r in later if r[0] == "ready"), None)
+        if nxt is not None:
+            if reached is not None:
+                run.steps_lost += max(0, reached - nxt[1])
+            if any(r[0] == "ready" for r in seg):  # (a process killed while starting: already down)
+                run.restart_s += nxt[2] - kill
+
+
+def _bitwise(a: Path, b: Path) -> str:
+    import torch
+
+    x = torch.load(a, weights_only=True)
+    y = torch.load(b, weights_only=True)
+    if x.keys() != y.keys():
+        return "FAIL (different tensors)"
+    bad = [k for k in x if x[k].dtype != y[k].dtype or x[k].shape != y[k].shape or
+           not torch.equal(x[k].view(-1).view(torch.uint8) if x[k].numel() else x[k],
+                           y[k].view(-1).view(torch.uint8) if y[k].numel() else y[k])]
+    return "PASS" if not bad else f"FAIL ({len(bad)} of {len(x)} tensors differ)"
+
+
+def failure_times(seed: int, mtbf: float, horizon: float) -> list[float]:
+    """Seeded exponential failure times (mean ``mtbf``) up to ``horizon`` seconds."""
+    rng = random.Random(seed)
+    times, t = [], 0.0
+    while True:
+        t += rng.expovariate(1.0 / mtbf)
+        if t > horizon:
+            return times
+        times.append(round(t, 3))
+
+
+def young_daly_every(cost_s: float, mtbf: float, step_s: float) -> int:
+    return max(1, round(math.sqrt(2 * max(cost_s, 1e-6) * mtbf) / step_s))
+
+
+def main(argv: list[str] | None = None) -> int:  # noqa: C901
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("mode", nargs="?", default="bench", choices=["bench", "worker"])
+    p.add_argument("--method", default=None)
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--dir", default=None)
+    p.add_argument("--steps", type=int, default=None, help="W, optimizer steps to reach")
+    p.add_argument("--every", type=int, default=0)
+    p.add_argument("--mtbf", type=float, default=None, help="mean time between failures (seconds)")
+    p.add_argument("--mtbfs", default=None, help="comma-separated MTBFs for the plot (default: mtbf, 2x, 4x)")
+    p.add_argument("--width", type=int, default=None, help="hidden width of the MLP")
+    p.add_argument("--restart-delay", type=float, default=2.0, help="seconds from a kill to the restart")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kills", default=None, help="explicit kill times (seconds since start), comma-separated")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--json", default=None, help="write the figures (for the simulator check) here")
+    p.add_argument("--plot", default=None, help="PNG of goodput against MTBF (default: goodput.png unless --quick)")
+    p.add_argument("--timeout", type=float, default=900.0, help="per run")
+    a = p.parse_args(argv)
+    if a.mode == "worker":
+        a.mtbf = a.mtbf or 3600.0
+        a.width = a.width or 512
+        _worker(a)
+        return 0
+    steps = a.steps or (600 if a.quick else 2000)
+    width = a.width or (256 if a.quick else 512)
+    mtbf = a.mtbf or (20.0 if a.quick else 20.0)
+    mtbfs = [float(x) for x in a.mtbfs.split(",")] if a.mtbfs else ([mtbf] if a.quick else [mtbf, 2 * mtbf, 4 * mtbf])
+    methods = [m for m in a.methods.split(",") if m]
+    unknown = set(methods) - set(METHODS)
+    if unknown:
+        p.error(f"unknown methods {sorted(unknown)}; known: {', '.join(METHODS)}")
+    workdir = Path(a.dir or tempfile.mkdtemp(prefix="goodput-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    common = dict(steps=steps, restart_delay=a.restart_delay, width=width, workdir=workdir, timeout=a.timeout)
+    print(f"W={steps} steps, MLP width {width}, restart delay {a.restart_delay} s, MTBFs {mtbfs} s, seed {a.seed}",
+          flush=True)
+    # the ideal: no checkpointing, no failures
+    ideal, ideal_dir = run_method("none", every=0, failure_times=[], mtbf=mtbf, **common)
+    step_s = ideal.train_s / max(1, ideal.steps_trained)
+    print(f"ideal wall {ideal.wall_s:.1f} s (start-up {ideal.starts[0]:.1f} s, {step_s * 1e3:.1f} ms/step)", flush=True)
+    # calibration: each peer's cost per save, failure-free, saving every 50 steps (200 steps)
+    calib: dict[str, float] = {}
+    for method in [m for m in methods if m in ("mc-yd", "async-io", "dcp")]:
+        cal, cal_dir = run_method("async-io" if method == "async-io" else ("dcp" if method == "dcp" else "mc-yd"),
+                                  every=50, failure_times=[], mtbf=mtbf, **{**common, "steps": 400})
+        calib[method] = max(0.0, (cal.train_s / max(1, cal.steps_trained) - step_s) * 50)
+        shutil.rmtree(cal_dir, ignore_errors=True)
+        print(f"calibration {method}: {calib[method] * 1e3:.1f} ms per save", flush=True)
+    results: dict[float, list[Run]] = {}
+    for m in mtbfs:
+        kills = [float(x) for x in a.kills.split(",")] if a.kills else failure_times(a.seed, m, 10 * ideal.wall_s)
+        rows = []
+        for method in methods:
+            every = {"none": 0, "mc-default": max(1, steps // 20)}.get(method)
+            if every is None:
+                every = young_daly_every(calib.get(method, 0.0), m, step_s) if method in calib else 0
+            run, d = run_method(method, every=every, failure_times=kills, mtbf=m, **common)
+            if method in OURS:
+                run.bitwise = _bitwise(ideal_dir / "final.pt", d / "final.pt")
+                if (d / "ours.json").exists():
+                    run.ours = json.loads((d / "ours.json").read_text())
+            rows.append(run)
+            shutil.rmtree(d, ignore_errors=True)
+            print(f"  MTBF {m:g} s {method:<15} wall {run.wall_s:7.1f} s  failures {run.failures}"
+                  f"  goodput {ideal.wall_s / run.wall_s:.3f}", flush=True)
+        results[m] = rows
+    report(ideal, step_s, results, a.restart_delay)
+    if a.json:
+        Path(a.json).write_text(json.dumps(figures(ideal, step_s, results, a.restart_delay, steps), indent=1) + "\n")
+    plot = a.plot or (None if len(mtbfs) < 2 else "goodput.png")
+    if plot:
+        write_plot(ideal, results, plot)
+    shutil.rmtree(ideal_dir, ignore_errors=True)
+    return 0
+
+
+def _overhead(run: Run, step_s: float) -> float:
+    return max(0.0, run.train_s - step_s * run.steps_trained)
+
+
+def report(ideal: Run, step_s: float, results: dict[float, list[Run]], delay: float) -> None:
+    print()
+    print("| MTBF | method | every | goodput | failures | steps lost | restart+restore s | snapshot overhead s |"
+          " lost apart from restart delay s | final state |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for m, rows in results.items():
+        for r in rows:
+            every = "auto" if r.method in OURS else (r.every or "-")
+            if r.ours:
+                every = "auto (" + "/".join(str(i) for i in r.ours["intervals"]) + ")"
+            lost = r.wall_s - ideal.wall_s - delay * r.failures
+            print(f"| {m:g} s | {r.method} | {every} | {ideal.wall_s / r.wall_s:.3f} | {r.failures} | {r.steps_lost}"
+                  f" | {r.restart_s:.1f} | {_overhead(r, step_s):.1f} | {lost:.1f} | {r.bitwise or '-'} |")
+
+
+def figures(ideal: Run, step_s: float, results: dict[float, list[Run]], delay: float, steps: int) -> dict[str, Any]:
+    """What the simulator needs to replay each run, with the measured goodput."""
+    out: dict[str, Any] = {"steps": steps, "step_s": step_s, "ideal_wall_s": ideal.wall_s,
+                           "first_start_s": ideal.starts[0], "restart_delay_s": delay, "runs": []}
+    for m, rows in results.items():
+        for r in rows:
+            cost = _overhead(r, step_s) / max(1, r.steps_trained) * r.every if r.every else 0.0
+            if r.method in OURS and r.ours:
+                interval = r.ours["intervals"][-1]
+                cost = _overhead(r, step_s) / max(1, r.steps_trained) * interval
+            else:
+                interval = r.every
+            out["runs"].append({"mtbf_s": m, "method": r.method, "interval_steps": interval, "cost_s": cost,
+                                "failure_times": r.kills_at, "wall_s": r.wall_s, "failures": r.failures,
+                                "restart_s": r.restart_s / max(1, r.failures), "steps_lost": r.steps_lost,
+                                "train_step_s": r.train_s / max(1, r.steps_trained),
+                                "measured_goodput": ideal.wall_s / r.wall_s, "bitwise": r.bitwise})
+    return out
+
+
+def write_plot(ideal: Run, results: dict[float, list[Run]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    mtbfs = sorted(results)
+    for method in {r.method for rows in results.values() for r in rows}:
+        ys = [next(ideal.wall_s / r.wall_s for r in results[m] if r.method == method) for m in mtbfs]
+        ax.plot(mtbfs, ys, marker="o", label=method)
+    ax.set_xlabel("MTBF (s)")
+    ax.set_ylabel("goodput")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
