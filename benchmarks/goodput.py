@@ -338,7 +338,9 @@ def _account(run: Run, d: Path, spawns: list[tuple[float, int]], kills: list[tup
     for k, (kill, _) in enumerate(kills):
         seg = segments[k]
         reached = max((r[1] for r in seg if r[0] in ("step", "ready")), default=None)
-        nxt = next((r for later in segments[k + 1:] for r in later if r[0] == "ready"), None)
+        # (the last "ready" of the next process that got there: DCP's callback writes a second one once loaded)
+        nxt = next(([r for r in later if r[0] == "ready"][-1] for later in segments[k + 1:]
+                    if any(r[0] == "ready" for r in later)), None)
         if nxt is not None:
             if reached is not None:
                 run.steps_lost += max(0, reached - nxt[1])
@@ -400,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
         return 0
     steps = a.steps or (600 if a.quick else 2000)
     width = a.width or (256 if a.quick else 512)
-    mtbf = a.mtbf or (20.0 if a.quick else 20.0)
+    mtbf = a.mtbf or 30.0
     mtbfs = [float(x) for x in a.mtbfs.split(",")] if a.mtbfs else ([mtbf] if a.quick else [mtbf, 2 * mtbf, 4 * mtbf])
     methods = [m for m in a.methods.split(",") if m]
     unknown = set(methods) - set(METHODS)
@@ -485,6 +487,9 @@ def figures(ideal: Run, step_s: float, results: dict[float, list[Run]], delay: f
             out["runs"].append({"mtbf_s": m, "method": r.method, "interval_steps": interval, "cost_s": cost,
                                 "failure_times": r.kills_at, "wall_s": r.wall_s, "failures": r.failures,
                                 "restart_s": r.restart_s / max(1, r.failures), "steps_lost": r.steps_lost,
+                                "first_start_s": r.starts[0] if r.starts else None,
+                                "restart_attempt_s": delay + (sum(r.starts[1:]) / len(r.starts[1:]) if r.starts[1:]
+                                                              else (r.starts[0] if r.starts else 0.0)),
                                 "train_step_s": r.train_s / max(1, r.steps_trained),
                                 "measured_goodput": ideal.wall_s / r.wall_s, "bitwise": r.bitwise})
     return out

@@ -10,6 +10,9 @@
 ``snapshot/<tier>/persist_ms``          from hand-off to the persist thread until committed in that tier
 ``snapshot/<tier>/throughput_MBps``     bytes committed / persist time, for that tier
 ``snapshot/<tier>/lag_steps``           steps since the newest snapshot committed in that tier
+``snapshot/<tier>/interval_steps``      ``every="auto"``: the interval in use (logged at snapshot steps)
+``snapshot/<tier>/cost_ms``             ``every="auto"``: measured training time lost per snapshot (running mean)
+``snapshot/step_ms``                    ``every="auto"``: median step time with no snapshot in flight
 ``restore/ms``                          time the restore took (logged once, at the first step after it)
 ``restore/step``                        the step restored
 ``restore/tier_index``                  index in ``tiers`` of the tier it came from
