@@ -14,6 +14,9 @@ from lightning_snapshot.backends import LocalTier
 from lightning_snapshot.manifest import MANIFEST_NAME, step_dirname
 from lightning_snapshot.writer import committed_steps
 
+# the module-scoped fixtures below are shared by this file's tests: under pytest-xdist they run in one worker
+pytestmark = pytest.mark.xdist_group("test_multinode")
+
 NODES = 3
 # RAM every 4 steps (erasure 2+1 over the 3 nodes), the local tier every 3; killed at step 10: RAM holds 8, local 9
 ARGS = ("--max-steps", "12", "--every", "3", "--shuffle", "--num-nodes", str(NODES), "--ram-every", "4",

@@ -31,6 +31,9 @@ from lightning_snapshot.planner import Box, shard_boxes
 from lightning_snapshot.staging import dtensor_box, stage
 from lightning_snapshot.writer import SnapshotJob, _merge, _merge_tensors, _write_part, committed_steps, write_snapshot
 
+# the module-scoped fixtures below are shared by this file's tests: under pytest-xdist they run in one worker
+pytestmark = pytest.mark.xdist_group("test_reshard")
+
 _rng = random.Random()
 MAX_AMPLIFICATION = 1.05
 
