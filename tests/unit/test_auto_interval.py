@@ -243,11 +243,12 @@ def _fit(tmp_path, name: str, busy: float) -> tuple[LocalTier, SnapshotCallback]
 def test_interval_reacts_to_a_slowed_tier(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="lightning_snapshot.callback")
     fast, fast_cb = _fit(tmp_path, "fast", 0.0)
-    slow, slow_cb = _fit(tmp_path, "slow", 0.3)
+    slow, slow_cb = _fit(tmp_path, "slow", 0.6)
     fast_cost, slow_cost = fast_cb._meter.cost(0), slow_cb._meter.cost(0)
     print(f"fast: cost {fast_cost * 1e3:.1f} ms interval {fast.every_n_train_steps}; slow: cost"
           f" {slow_cost * 1e3:.1f} ms interval {slow.every_n_train_steps}")
-    assert slow_cost > 5 * fast_cost
-    assert slow.every_n_train_steps > 2 * fast.every_n_train_steps
+    # (margins for a loaded machine: other processes add noise to the fast tier's few-ms cost)
+    assert slow_cost > 3 * fast_cost
+    assert slow.every_n_train_steps > 1.5 * fast.every_n_train_steps  # Young/Daly: sqrt of the cost ratio
     assert any("now snapshots every" in r.getMessage() and str(tmp_path / "slow") in r.getMessage()
                for r in caplog.records)
