@@ -135,7 +135,7 @@ def check_flush_after_death(tmp_path: Path, shm: Path, reference_runs, monkeypat
     # flushed on its own when the trainer's connection dropped before it was even asked)
     assert wait_until(lambda: "step 8 reached tier 0 after trainer rank 0 was gone" in log.read_text()
                       or "step 8 committed to tier 0 after rank 0 died" in log.read_text()), log.read_text()
-    assert stop_agent(shm / "test") and not (shm / "test" / "store").exists()
+    assert stop_agent(shm / "test") and not (shm / "test").exists(), "the stopped agent left files in its directory"
     monkeypatch.delenv("LIGHTNING_SNAPSHOT_AGENT_WRITE_DELAY")
     proc = run_train(local, out, *args)  # no RAM tier, no agent: the local tier alone
     assert "RESTORED step=8 from=" in proc.stdout, proc.stdout + proc.stderr

@@ -57,6 +57,37 @@ def test_agent_exits_when_idle_and_leaves_nothing_in_shared_memory(shm):
     assert "no trainer attached for 1 s: exiting" in agent_log_path(node).read_text()
 
 
+def test_an_agent_whose_directory_another_job_replaced_exits_and_deletes_nothing(shm):
+    node = shm / "run-r"
+    pid = ensure_agent(node, idle_timeout=60)
+    node.rename(shm / "moved")  # another job deletes the directory and makes its own, with files of the same names
+    (node / "store").mkdir(parents=True)
+    for name in ("agent.lock", "agent.sock", "store/x"):
+        (node / name).write_text("not the agent's")
+    assert _wait(lambda: not os.path.exists(f"/proc/{pid}"), timeout=30), "the agent did not notice"
+    assert sorted(str(p.relative_to(node)) for p in node.rglob("*")) == ["agent.lock", "agent.sock", "store",
+                                                                         "store/x"]
+    assert sorted(p.name for p in (shm / "moved").iterdir()) == ["agent.lock", "agent.sock"]
+    assert "was removed or taken over: exiting without touching it" in agent_log_path(node).read_text()
+
+
+def test_the_lock_refuses_a_second_agent_and_follows_a_replaced_lock_file(tmp_path, capsys):
+    from lightning_snapshot.agent import _lock
+
+    first = _lock(tmp_path, tmp_path / "first.log")
+    assert first is not None and (tmp_path / "agent.lock").read_text() == f"{os.getpid()}\n{tmp_path / 'first.log'}\n"
+    assert _lock(tmp_path, None) is None  # (a second open file description: refused like another process)
+    assert f"another agent (pid {os.getpid()}) already serves {tmp_path}" in capsys.readouterr().err
+    # the first agent exits: it deletes the lock file while holding it; the next agent locks a new file, not the
+    # deleted one (which would let a third one in beside it)
+    os.unlink(tmp_path / "agent.lock")
+    second = _lock(tmp_path, None)
+    assert second is not None and os.fstat(second).st_ino == os.stat(tmp_path / "agent.lock").st_ino
+    assert _lock(tmp_path, None) is None
+    os.close(first)
+    os.close(second)
+
+
 def _cli(*args: str) -> tuple[int, str, str]:
     """``lightning-snapshot ARGS`` in this process: (exit status, stdout, stderr)."""
     import contextlib
