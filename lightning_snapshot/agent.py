@@ -5,9 +5,9 @@ One agent per node and run (a lock in its directory). It owns the node's RAM-tie
 ``idle_timeout`` seconds with no trainer attached, or on ``lightning-snapshot agent --stop``. Then it leaves nothing
 in shared memory: the snapshots, its socket, its lock and the directory itself go (and the base directory
 ``/dev/shm/lightning-snapshot-<uid>`` when no other run uses it). Its log is kept outside shared memory, in
-``$XDG_STATE_HOME/lightning-snapshot/`` (default ``~/.local/state/lightning-snapshot/``; see :func:`agent_log_path`). The first local rank of
-a node starts it (in its own session, so a SIGKILL of the trainer's process group does not reach it), or a job script
-starts it beforehand with ``lightning-snapshot agent --dir DIR``.
+``$XDG_STATE_HOME/lightning-snapshot/`` (default ``~/.local/state/lightning-snapshot/``; see :func:`agent_log_path`).
+The first local rank of a node starts it (in its own session, so a SIGKILL of the trainer's process group does not
+reach it), or a job script starts it beforehand with ``lightning-snapshot agent --dir DIR``.
 
 Trainers attach over a Unix socket (``agent.sock``, 0600) and pass it the file descriptors of their staging arena,
 so the agent maps the very memory the trainer staged into: no copy. For every snapshot whose staging finished, the
@@ -540,7 +540,11 @@ def _lock(node_dir: Path, log_path: Path | None) -> int | None:
     would hold a lock on a file no longer in the directory, so the lock counts only if it is still the file there.
     """
     while True:
-        fd = os.open(node_dir / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(node_dir / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except FileNotFoundError:  # (the agent that exited just now removed the directory, empty then)
+            node_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

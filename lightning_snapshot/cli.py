@@ -12,7 +12,8 @@ than export's output.
 
 Exit status: 0 success; 1 the command failed (no tier or snapshot at that place, a snapshot that does not verify,
 an I/O error); 2 the command line is wrong (unknown option or URL scheme, invalid value, a directory where a file is
-expected); 3 (agent) another agent already serves the directory. ``agent --status`` exits 1 when no agent serves it. Errors are one line on stderr.
+expected); 3 (agent) another agent already serves the directory. ``agent --status`` exits 1 when no agent serves
+it. Errors are one line on stderr.
 """
 
 from __future__ import annotations
