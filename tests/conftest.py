@@ -99,7 +99,7 @@ def shm(tmp_path, monkeypatch):
     base = tmp_path / "shm"
     monkeypatch.setenv("LIGHTNING_SNAPSHOT_SHM_DIR", str(base))
     yield base
-    for sock in base.glob("**/agent.sock"):
+    for sock in list(base.glob("**/agent.sock")):  # (listed first: a stopped agent removes its directory)
         stop_agent(sock.parent)
 
 
