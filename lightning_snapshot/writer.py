@@ -21,14 +21,16 @@ from lightning_snapshot.comm import Comm
 from lightning_snapshot.errors import SnapshotError, SnapshotWriteError
 from lightning_snapshot.manifest import (
     MANIFEST_NAME,
+    RESTORES_NAME,
     Manifest,
     dtype_name,
+    health_group,
     overlapping_boxes,
     parse_step_dirname,
     step_dirname,
 )
 from lightning_snapshot.planner import plan_layout
-from lightning_snapshot.staging import StagedState, chunk_digests, tensor_bytes
+from lightning_snapshot.staging import StagedState, chunk_digests, nonfinite_tensors, tensor_bytes
 
 __all__ = ["SnapshotJob", "write_snapshot", "copy_snapshot", "apply_retention", "committed_steps", "DEFAULT_CHUNK_BYTES",
            "DEFAULT_ALIGNMENT"]
@@ -107,7 +109,8 @@ def _write_part(backend: Backend, job: SnapshotJob, rank: int, run_id: str, alig
                 ) -> dict[str, Any]:
     """Write this rank's data objects; returns its manifest part (objects, shared section, rank section)."""
     prefix = step_dirname(job.step)
-    part: dict[str, Any] = {"rank": rank, "objects": [], "tensors": None, "state": None}
+    part: dict[str, Any] = {"rank": rank, "objects": [], "tensors": None, "state": None,
+                            "nonfinite": nonfinite_tensors(job.shared) if job.shared is not None else []}
     sections = [("rank", job.private)] + ([("shared", job.shared)] if job.shared is not None else [])
     for kind, staged in sections:
         obj = f"{run_id}-{kind}-{rank:05d}.bin"
@@ -158,6 +161,18 @@ def _merge_tensors(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(merged.values())
 
 
+def _merge_health(parts: list[dict[str, Any]], tensors: list[dict[str, Any]]) -> dict[str, str | None]:
+    """The manifest's ``health``: every group of the shared tensors, with the first tensor (in manifest order) that a
+    rank found holding a non-finite value, or None."""
+    reported = {name for p in parts for name in p.get("nonfinite") or ()}
+    health: dict[str, str | None] = {}
+    for t in tensors:
+        group = health_group(t["name"])
+        if health.get(group) is None:
+            health[group] = t["name"] if t["name"] in reported else None
+    return health
+
+
 def _merge(parts: list[dict[str, Any]], job: SnapshotJob, world_size: int, alignment: int, chunk_bytes: int
            ) -> dict[str, Any]:
     """One manifest from every rank's part: the shared tensors are the union of the ranks' shares (each rank wrote a
@@ -168,6 +183,7 @@ def _merge(parts: list[dict[str, Any]], job: SnapshotJob, world_size: int, align
         raise SnapshotWriteError("rank 0 did not contribute the shared state tree")
     tensors = _merge_tensors(parts)
     return {
+        "health": _merge_health(parts, tensors),
         "format_version": 1,
         "step": job.step,
         "epoch": job.epoch,
@@ -328,7 +344,7 @@ def _discard_run_objects(backend: Backend, prefix: str, run_id: str) -> None:
 
 def _remove_unreferenced(backend: Backend, prefix: str, manifest: Manifest) -> None:
     """After a commit: drop parts and objects the manifest does not reference (older writes of the same step)."""
-    keep = {o.key for o in manifest.objects} | {MANIFEST_NAME}
+    keep = {o.key for o in manifest.objects} | {MANIFEST_NAME, RESTORES_NAME}
     for name in backend.list(prefix):
         if name not in keep:
             backend.delete(f"{prefix}/{name}")
