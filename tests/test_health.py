@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import assert_bitwise_equal, run_train
 
+from lightning_snapshot import SnapshotCallback
 from lightning_snapshot.backends.local import LocalTier
 from lightning_snapshot.cli import main as cli_main
 from lightning_snapshot.comm import LocalComm
@@ -30,7 +31,6 @@ from lightning_snapshot.resume_policy import (
 )
 from lightning_snapshot.staging import stage
 from lightning_snapshot.writer import SnapshotJob, apply_retention, committed_steps, write_snapshot
-from lightning_snapshot import SnapshotCallback
 
 
 def _write(tier: LocalTier, step: int, *, weight: torch.Tensor | None = None, exp_avg: torch.Tensor | None = None,
@@ -213,25 +213,25 @@ def test_options_are_validated(tmp_path, kw, message):
 
 @pytest.mark.slow
 def test_nan_after_step_n_resumes_from_n_bitwise_equal_to_a_run_without_the_nan(tmp_path, reference_runs):
-    """A NaN enters the gradient of the optimizer step after step 4 (so the state of steps 5.. holds NaNs and the
-    snapshot of step 6 is unhealthy); the run is SIGKILLed at step 7, once step 6 is committed. The restarted run
-    (without the NaN) skips step 6 with one warning and resumes from step 4. The reference: the same schedule run
-    uninterrupted without the NaN, whose state up to step 4 is the crashed run's (the NaN came after it, and the
-    injection draws no random numbers), so from step 4 both follow the same schedule and must end bitwise equal."""
-    args = ("--max-steps", "8", "--every", "2")
+    """A NaN enters the gradient of the optimizer step after step 6 (so the state of steps 7.. holds NaNs and the
+    snapshot of step 9 is unhealthy); the run is SIGKILLed at step 10, once step 9 is committed. The restarted run
+    (without the NaN) skips step 9 with one warning and resumes from step 6. The reference: the same schedule run
+    uninterrupted without the NaN (train.py's defaults: 20 steps, a snapshot every 3; the same reference run as
+    test_resume's "no-shuffle" case), whose state up to step 6 is the crashed run's (the NaN came after it, and the
+    injection draws no random numbers), so from step 6 both follow the same schedule and must end bitwise equal."""
     snaps = tmp_path / "snaps"
-    run_train(snaps, tmp_path / "crashed.pt", *args, "--nan-at", "4", "--crash-at", "7", "--crash-after-newest",
+    run_train(snaps, tmp_path / "crashed.pt", "--nan-at", "6", "--crash-at", "10", "--crash-after-newest",
               expect_kill=True)
     tier = LocalTier(snaps)
-    assert committed_steps(tier) == [6, 4]
-    assert read_manifest(tier, 6).first_nonfinite == ("state_dict", "state_dict/net.0.weight")
-    assert read_manifest(tier, 4).health_text == "healthy"
-    proc = run_train(snaps, tmp_path / "resumed.pt", *args)
-    assert "RESTORED step=4" in proc.stdout, proc.stdout
-    warning = ("lightning-snapshot: skipping the unhealthy snapshot of step 6: tensor 'state_dict/net.0.weight' of"
-               " 'state_dict' holds a NaN or an infinity. Resuming from the newest healthy snapshot (step 4)")
+    assert committed_steps(tier) == [9, 6]
+    assert read_manifest(tier, 9).first_nonfinite == ("state_dict", "state_dict/net.0.weight")
+    assert read_manifest(tier, 6).health_text == "healthy"
+    proc = run_train(snaps, tmp_path / "resumed.pt")
+    assert "RESTORED step=6" in proc.stdout, proc.stdout
+    warning = ("lightning-snapshot: skipping the unhealthy snapshot of step 9: tensor 'state_dict/net.0.weight' of"
+               " 'state_dict' holds a NaN or an infinity. Resuming from the newest healthy snapshot (step 6)")
     assert proc.stderr.count(warning) == 1, proc.stderr
-    assert_bitwise_equal(reference_runs(*args), tmp_path / "resumed.pt")
+    assert_bitwise_equal(reference_runs(), tmp_path / "resumed.pt")
     resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)
     assert all(torch.isfinite(v).all() for v in resumed["model"].values() if v.is_floating_point())
 
