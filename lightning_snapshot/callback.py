@@ -113,7 +113,7 @@ class SnapshotCallback(Checkpoint):
             resumes from the newest healthy one (snapshots written before health was recorded count as healthy).
             ``True``: health does not matter.
         max_restores: the crash-loop breaker. Every restore is recorded next to the snapshot it used
-            (``step-<N>/restores.json`` in each durable tier holding it; rank 0 writes it before training goes on).
+            (``step-<N>/restores.json`` in each tier holding it; rank 0 writes it before training goes on).
             With ``resume=True``, a snapshot restored this many times (default 3) with no newer snapshot committed
             since (the run crashed after each restore) is skipped, with a warning saying why, and the resume takes
             the one before it. The count is the largest over the tiers, read by rank 0 for the whole job. ``None``:
@@ -692,7 +692,7 @@ class SnapshotCallback(Checkpoint):
         """Snapshots to try, newest first (ties: tier order). Rank 0 decides; every rank gets the same list.
 
         With ``resume=True``, unhealthy snapshots (unless ``resume_unhealthy``) and snapshots restored
-        ``max_restores`` times are left out; ``report``: rank 0 gives the warnings that says so (once per fit).
+        ``max_restores`` times are left out; ``report``: rank 0 gives the warnings that say so (once per fit).
 
         Raises:
             SnapshotNotFoundError: every committed snapshot was left out that way.
@@ -757,14 +757,14 @@ class SnapshotCallback(Checkpoint):
 
     def _record_restore(self, backend: Backend, step: int) -> None:
         """Collective, right after a restore from one of this callback's tiers and before training goes on: rank 0
-        records it (the step's restore count + 1) in every durable tier holding that step; a tier that cannot be
+        records it (the step's restore count + 1) in every tier holding that step; a tier that cannot be
         written gives a warning (the resume goes on)."""
         problem = None
         if self._comm.rank == 0 and backend in self.tiers:
             count = 1 + max((n for (s, _), (_, n) in self._facts.items() if s == step), default=0)
             failed = []
             for (s, i), (manifest_id, _) in self._facts.items():
-                if s != step or not self.tiers[i].durable:
+                if s != step:
                     continue
                 try:
                     record_restore(self.tiers[i], step, manifest_id, count)
@@ -776,7 +776,6 @@ class SnapshotCallback(Checkpoint):
         if not self._comm.all_true(problem is None) and problem is not None:
             warnings.warn(f"lightning-snapshot: could not record the restore of step {step} ({problem}); the"
                           " crash-loop breaker (max_restores) does not count this restore there", stacklevel=2)
-
 
     def _read(self, backend: Backend, step: int, trainer: Any, pl_module: Any, live: Templates
               ) -> tuple[dict[str, Any], dict[str, Any] | None]:

@@ -6,8 +6,8 @@ Two facts decide, besides the commit rule:
   state held a NaN or an infinity (see :func:`~lightning_snapshot.staging.nonfinite_tensors`). An unhealthy
   snapshot is skipped unless the user opts out; a manifest without the field counts as healthy.
 * **restores**: every restore is recorded next to the snapshot it used, in a small JSON object
-  ``step-<N>/restores.json`` (:data:`~lightning_snapshot.manifest.RESTORES_NAME`) of each durable tier that holds
-  the step: ``{"restores": count, "manifest": digest}``. The digest is that of the tier's manifest bytes, so a
+  ``step-<N>/restores.json`` (:data:`~lightning_snapshot.manifest.RESTORES_NAME`) of each tier that holds the step
+  (the RAM tier keeps it in the memory of rank 0's node, which outlives the trainer): ``{"restores": count, "manifest": digest}``. The digest is that of the tier's manifest bytes, so a
   step committed again later (a new snapshot of the same step) starts from zero. The count of a step is the largest
   over the tiers. A snapshot restored ``max_restores`` times is skipped: the run crashed after each of those
   restores and committed nothing newer, so the next resume takes the one before it.
@@ -89,7 +89,7 @@ def plan_resume(candidates: Sequence[Candidate], *, max_restores: int | None, re
                 looping.append(c.step)
         else:
             kept.append(c)
-    target = f"the newest healthy snapshot (step {kept[0].step})" if kept else "no snapshot"
+    target = f"step {kept[0].step}" if kept else "none is left"
     messages: list[str] = []
     if unhealthy:
         first = unhealthy[0]
@@ -98,14 +98,14 @@ def plan_resume(candidates: Sequence[Candidate], *, max_restores: int | None, re
         also = f" (also unhealthy: step{'s' if len(others) > 1 else ''} {', '.join(map(str, others))})" if others else ""
         messages.append(
             f"lightning-snapshot: skipping the unhealthy snapshot of step {first.step}: tensor {tensor!r} of"
-            f" {group!r} holds a NaN or an infinity{also}. Resuming from {target}; pass"
+            f" {group!r} holds a NaN or an infinity{also}. Resuming from the newest healthy snapshot ({target}); pass"
             " SnapshotCallback(resume_unhealthy=True) to resume from unhealthy snapshots anyway")
     if looping:
         steps = ", ".join(map(str, looping))
         messages.append(
             f"lightning-snapshot: the snapshot of step {looping[0]} was restored {counts[looping[0]]} times"
             f" (max_restores={max_restores}) and no newer snapshot was committed since: the run crashes after"
-            f" restoring it, so this resume takes the one before it ({target.replace('newest healthy ', '')})"
+            f" restoring it, so this resume takes the snapshot before it ({target})"
             + (f"; skipped for the same reason: steps {steps}" if len(looping) > 1 else "")
             + f". Delete {step_dirname(looping[0])}/{RESTORES_NAME} in its tiers to try it again, or raise"
             " max_restores")
@@ -165,9 +165,9 @@ def read_candidate(backend: Backend, step: int, index: int) -> tuple[Candidate, 
     try:
         text = backend.read(f"{step_dirname(step)}/{MANIFEST_NAME}")
         manifest = Manifest.from_json(text, where=f"manifest of step {step} in {backend.url!r}")
-    except (OSError, SnapshotError) as e:
+    except Exception as e:  # noqa: BLE001 - never stops a resume: reading the snapshot itself reports the problem
         log.debug("lightning-snapshot: health of step %d in %s unknown: %s", step, backend.url, e)
         return Candidate(step, index), None
     manifest_id = manifest_digest(bytes(text))
-    restores = read_restores(backend, step, manifest_id) if backend.durable else 0
+    restores = read_restores(backend, step, manifest_id)
     return Candidate(step, index, manifest.first_nonfinite, restores), manifest_id

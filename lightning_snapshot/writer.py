@@ -183,7 +183,6 @@ def _merge(parts: list[dict[str, Any]], job: SnapshotJob, world_size: int, align
         raise SnapshotWriteError("rank 0 did not contribute the shared state tree")
     tensors = _merge_tensors(parts)
     return {
-        "health": _merge_health(parts, tensors),
         "format_version": 1,
         "step": job.step,
         "epoch": job.epoch,
@@ -197,6 +196,7 @@ def _merge(parts: list[dict[str, Any]], job: SnapshotJob, world_size: int, align
         "tensors": tensors,
         "state": parts[0]["state"],
         "ranks": [p["rank_section"] for p in parts],
+        "health": _merge_health(parts, tensors),
     }
 
 
@@ -363,8 +363,8 @@ def committed_steps(backend: Backend) -> list[int]:
 def apply_retention(backend: Backend, newest: int, pinned: Collection[int] = ()) -> list[int]:
     """Delete committed snapshots beyond ``keep_last`` and uncommitted leftovers older than ``newest``.
 
-    ``newest`` (the step just committed and verified) is never deleted, whatever ``keep_last`` says, nor are the
-    ``pinned`` steps (another tier still uploads them from this one; a later retention deletes them). Called by
+    ``newest`` (the step just committed and verified) is never deleted, whatever ``keep_last`` says, nor is the newest
+    healthy snapshot (no NaN or infinity recorded in its manifest), nor are the ``pinned`` steps (another tier still uploads them from this one; a later retention deletes them). Called by
     rank 0 only, after the commit, when no write of this run is in flight.
 
     Returns the deleted steps.
@@ -372,6 +372,8 @@ def apply_retention(backend: Backend, newest: int, pinned: Collection[int] = ())
     deleted: list[int] = []
     committed = committed_steps(backend)
     keep = set(committed if backend.keep_last is None else committed[: backend.keep_last]) | {newest} | set(pinned)
+    if backend.keep_last is not None:
+        keep |= _newest_healthy(backend, committed)
     for name in backend.list(""):
         step = parse_step_dirname(name)
         if step is None or step in keep:
@@ -383,6 +385,23 @@ def apply_retention(backend: Backend, newest: int, pinned: Collection[int] = ())
             except OSError as e:  # retention must never break training
                 log.warning("lightning-snapshot: could not delete %s from %s: %s", name, backend.url, e)
     return deleted
+
+
+def _newest_healthy(backend: Backend, committed: list[int]) -> set[int]:
+    """The newest committed step whose manifest records no non-finite value (or no health: written before it was
+    recorded), as a one-element set; empty when none is. Retention keeps it whatever ``keep_last`` says, so that a run
+    that went on training with NaNs still has a healthy snapshot to resume from. Reads the newest manifest only,
+    unless it is unhealthy."""
+    for step in committed:
+        try:
+            manifest = Manifest.from_json(backend.read(f"{step_dirname(step)}/{MANIFEST_NAME}"),
+                                          where=f"manifest of step {step} in {backend.url!r}")
+        except Exception as e:  # noqa: BLE001 - retention must never break training: this step counts as unhealthy
+            log.debug("lightning-snapshot: retention cannot read the health of step %d: %s", step, e)
+            continue
+        if manifest.first_nonfinite is None:
+            return {step}
+    return set()
 
 
 def describe_error(e: BaseException) -> str:

@@ -146,6 +146,19 @@ def test_restore_records_are_counted_per_commit_and_leave_the_format_alone(tmp_p
     assert committed_steps(tier) == [8, 6] and not (tmp_path / step_dirname(4)).exists()
 
 
+def test_retention_keeps_the_newest_healthy_snapshot(tmp_path):
+    tier = LocalTier(tmp_path, keep_last=1)
+    nan = torch.full((3, 2), float("nan"))
+    _write(tier, 2)
+    for step in (4, 6):
+        _write(tier, step, weight=nan)
+        apply_retention(tier, step)
+    assert committed_steps(tier) == [6, 2]
+    _write(tier, 8)  # healthy again: the older healthy one goes
+    apply_retention(tier, 8)
+    assert committed_steps(tier) == [8]
+
+
 @pytest.mark.parametrize("content", [b"not json", b'{"restores": -1, "manifest": "x"}', b'{"restores": true}',
                                      b"[1, 2]", b'{"restores": 2}', b" " * 5000])
 def test_malformed_restore_records_count_zero(tmp_path, content, caplog):
@@ -182,7 +195,7 @@ def test_plan_breaks_a_crash_loop_with_the_largest_count_over_tiers():
     (warning,) = plan.warnings
     assert warning.startswith("lightning-snapshot: the snapshot of step 8 was restored 3 times (max_restores=3) and"
                               " no newer snapshot was committed since: the run crashes after restoring it, so this"
-                              " resume takes the one before it (the snapshot (step 6))")
+                              " resume takes the snapshot before it (step 6)")
     assert "Delete step-000000000008/restores.json in its tiers to try it again, or raise max_restores" in warning
     assert plan_resume(cands, max_restores=None, resume_unhealthy=False).candidates == tuple(cands)
     assert [c.step for c in plan_resume(cands, max_restores=2, resume_unhealthy=False).candidates] == [4]
