@@ -7,7 +7,8 @@ Two facts decide, besides the commit rule:
   snapshot is skipped unless the user opts out; a manifest without the field counts as healthy.
 * **restores**: every restore is recorded next to the snapshot it used, in a small JSON object
   ``step-<N>/restores.json`` (:data:`~lightning_snapshot.manifest.RESTORES_NAME`) of each tier that holds the step
-  (the RAM tier keeps it in the memory of rank 0's node, which outlives the trainer): ``{"restores": count, "manifest": digest}``. The digest is that of the tier's manifest bytes, so a
+  (the RAM tier keeps it in the memory of rank 0's node, which outlives the trainer):
+  ``{"restores": count, "manifest": digest}``. The digest is that of the tier's manifest bytes, so a
   step committed again later (a new snapshot of the same step) starts from zero. The count of a step is the largest
   over the tiers. A snapshot restored ``max_restores`` times is skipped: the run crashed after each of those
   restores and committed nothing newer, so the next resume takes the one before it.
@@ -95,7 +96,8 @@ def plan_resume(candidates: Sequence[Candidate], *, max_restores: int | None, re
         first = unhealthy[0]
         group, tensor = first.nonfinite or ("", "")
         others = [u.step for u in unhealthy[1:]]
-        also = f" (also unhealthy: step{'s' if len(others) > 1 else ''} {', '.join(map(str, others))})" if others else ""
+        plural = "s" if len(others) > 1 else ""
+        also = f" (also unhealthy: step{plural} {', '.join(map(str, others))})" if others else ""
         messages.append(
             f"lightning-snapshot: skipping the unhealthy snapshot of step {first.step}: tensor {tensor!r} of"
             f" {group!r} holds a NaN or an infinity{also}. Resuming from the newest healthy snapshot ({target}); pass"

@@ -364,8 +364,9 @@ def apply_retention(backend: Backend, newest: int, pinned: Collection[int] = ())
     """Delete committed snapshots beyond ``keep_last`` and uncommitted leftovers older than ``newest``.
 
     ``newest`` (the step just committed and verified) is never deleted, whatever ``keep_last`` says, nor is the newest
-    healthy snapshot (no NaN or infinity recorded in its manifest), nor are the ``pinned`` steps (another tier still uploads them from this one; a later retention deletes them). Called by
-    rank 0 only, after the commit, when no write of this run is in flight.
+    healthy snapshot (no NaN or infinity recorded in its manifest), nor are the ``pinned`` steps (another tier still
+    uploads them from this one; a later retention deletes them). Called by rank 0 only, after the commit, when no
+    write of this run is in flight.
 
     Returns the deleted steps.
     """

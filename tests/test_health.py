@@ -61,8 +61,8 @@ def test_health_is_recorded_per_group_with_the_first_nonfinite_tensor(tmp_path, 
     bad_avg = torch.zeros(3, 2)
     bad_avg[2, 1] = float("nan")
     sick = _write(tier, 4, weight=bad_weight, exp_avg=bad_avg)
-    assert sick.health == {"state_dict": "state_dict/a.weight", "optimizer_states/0": "optimizer_states/0/state/0/exp_avg",
-                           "optimizer_states/1": None}
+    assert sick.health == {"state_dict": "state_dict/a.weight",
+                           "optimizer_states/0": "optimizer_states/0/state/0/exp_avg", "optimizer_states/1": None}
     assert sick.first_nonfinite == ("state_dict", "state_dict/a.weight")
     # the field travels through the format: parsed back from the file, verified like any snapshot
     again = read_manifest(tier, 4)
@@ -209,6 +209,35 @@ def test_plan_with_nothing_left_says_why():
     assert plan.problem.endswith("(or pass resume=False to start fresh)")
     assert plan_resume([], max_restores=3, resume_unhealthy=False) == plan_resume(
         [], max_restores=1, resume_unhealthy=True)
+
+
+def test_fit_with_only_unhealthy_snapshots_stops_and_says_why(tmp_path):
+    import lightning as L
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_snapshot.errors import SnapshotNotFoundError
+
+    class Tiny(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(2, 3)
+
+        def training_step(self, batch, batch_idx):
+            return self.a(batch[0]).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    _write(LocalTier(tmp_path), 4, weight=torch.full((3, 2), float("nan")))
+    trainer = L.Trainer(max_steps=1, callbacks=[SnapshotCallback(str(tmp_path))], logger=False,
+                        default_root_dir=tmp_path, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(SnapshotNotFoundError) as e, pytest.warns(UserWarning, match="unhealthy snapshot of step 4"):
+        trainer.fit(Tiny(), DataLoader(TensorDataset(torch.ones(4, 2)), batch_size=2))
+    assert str(e.value).startswith("lightning-snapshot cannot resume: every committed snapshot was skipped:"
+                                   " lightning-snapshot: skipping the unhealthy snapshot of step 4: tensor"
+                                   " 'state_dict/a.weight'")
+    assert str(e.value).endswith("(or pass resume=False to start fresh)")
 
 
 @pytest.mark.parametrize("kw,message", [
