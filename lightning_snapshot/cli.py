@@ -113,7 +113,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
     if not steps:
         print(f"no committed snapshots in {backend.url}")
         return 0
-    print(f"{'step':>12}  {'epoch':>5}  {'ranks':>5}  {'MiB':>10}  created")
+    print(f"{'step':>12}  {'epoch':>5}  {'ranks':>5}  {'MiB':>10}  {'health':<8}  created")
     for step in steps:
         try:
             m = read_manifest(backend, step)
@@ -121,7 +121,8 @@ def _cmd_list(args: argparse.Namespace) -> int:
             print(f"{step:>12}  unreadable manifest: {e}")
             continue
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created_unix))
-        print(f"{step:>12}  {m.epoch:>5}  {m.world_size:>5}  {m.total_bytes / 2**20:>10.2f}  {created}")
+        print(f"{step:>12}  {m.epoch:>5}  {m.world_size:>5}  {m.total_bytes / 2**20:>10.2f}  {m.health_text:<8}"
+              f"  {created}")
     return 0
 
 
@@ -133,10 +134,19 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     print(f"step {m.step}, epoch {m.epoch}, world size {m.world_size}, format v{m.format_version},"
           f" written by lightning-snapshot {m.library_version}")
     print(f"{len(m.objects)} objects, {m.total_bytes} bytes; {len(m.tensors)} shared tensors")
+    print(f"health: {_health_line(m)}")
     for t in m.tensors:
         target = f" -> alias of {t.alias_of}" if t.alias_of else ""
         print(f"  {t.name:<60} {t.dtype:<10} {list(t.global_shape)}{target}")
     return 0
+
+
+def _health_line(m: Any) -> str:
+    """The health of a snapshot, per tensor group, for ``inspect``."""
+    if m.health is None:
+        return "unknown (written before lightning-snapshot recorded health; a resume treats it as healthy)"
+    groups = [f"{g}: {'finite' if first is None else f'NaN/inf (first in {first!r})'}" for g, first in m.health.items()]
+    return f"{m.health_text} ({'; '.join(groups) or 'no tensors'})"
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
