@@ -40,7 +40,7 @@ class Backend(abc.ABC):
         train_time_interval: also snapshot when this much wall time passed since the last snapshot of the tier
             (a ``datetime.timedelta`` or seconds as a number).
         keep_last: how many committed snapshots the tier keeps (>= 1), or ``None`` to keep all. The newest
-            snapshot is never deleted.
+            snapshot is never deleted, nor is the newest healthy one (no NaN or infinity recorded in its manifest).
         min_every, max_every: bounds (steps, >= 1) of the interval ``every_n_train_steps="auto"`` picks; only
             with ``"auto"``. Defaults: 1 and no bound.
 

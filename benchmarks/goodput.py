@@ -258,6 +258,7 @@ class Run:
     train_s: float = 0.0  # wall from ready to the last step, summed over processes
     steps_trained: int = 0  # optimizer steps run, summed over processes (redone ones included)
     kills_at: list[float] = field(default_factory=list)
+    tail_s: float = 0.0  # from the last step to the exit of the last process (final state written)
     ours: dict[str, Any] | None = None
     bitwise: str | None = None
 
@@ -317,6 +318,8 @@ def run_method(method: str, *, steps: int, every: int, failure_times: list[float
                 raise RuntimeError(f"{method}: the worker failed with exit {proc.returncode}: see {d}/stderr.log")
             run.wall_s = time.time() - t0
             _account(run, d, spawns, kills)
+            last = [r for r in _read_progress(d / "progress.log") if r[0] == "step"]
+            run.tail_s = t0 + run.wall_s - last[-1][2] if last else 0.0
             return run, d
         run.failures += 1
         time.sleep(restart_delay)
@@ -487,7 +490,7 @@ def figures(ideal: Run, step_s: float, results: dict[float, list[Run]], delay: f
             out["runs"].append({"mtbf_s": m, "method": r.method, "interval_steps": interval, "cost_s": cost,
                                 "failure_times": r.kills_at, "wall_s": r.wall_s, "failures": r.failures,
                                 "restart_s": r.restart_s / max(1, r.failures), "steps_lost": r.steps_lost,
-                                "first_start_s": r.starts[0] if r.starts else None,
+                                "first_start_s": r.starts[0] if r.starts else None, "tail_s": r.tail_s,
                                 "restart_attempt_s": delay + (sum(r.starts[1:]) / len(r.starts[1:]) if r.starts[1:]
                                                               else (r.starts[0] if r.starts else 0.0)),
                                 "train_step_s": r.train_s / max(1, r.steps_trained),

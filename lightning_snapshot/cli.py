@@ -4,7 +4,7 @@
     lightning-snapshot inspect /nvme/snap/run-42 [--step 1200]
     lightning-snapshot verify /nvme/snap/run-42 [--step 1200 | --all]
     lightning-snapshot export /nvme/snap/run-42 model.safetensors [--format safetensors|torch] [--step 1200]
-    lightning-snapshot agent --dir /dev/shm/lightning-snapshot-$UID/NAME [--stop | --status]
+    lightning-snapshot agent --dir /dev/shm/lightning-snapshot-$UID/NAME [--stop | --status [--json]] [--log FILE]
     lightning-snapshot plan [--nodes 1,64,4096] [--state-bytes 16GB] [--node-mtbf 6000h] [--metrics LOGDIR]
 
 A tier is a path, file:///path, ram://NAME or an fsspec URL (s3://bucket/prefix, ...); list, inspect, verify and
@@ -13,7 +13,8 @@ than export's output.
 
 Exit status: 0 success; 1 the command failed (no tier or snapshot at that place, a snapshot that does not verify,
 an I/O error); 2 the command line is wrong (unknown option or URL scheme, invalid value, a directory where a file is
-expected); 3 (agent) another agent already serves the directory. Errors are one line on stderr.
+expected); 3 (agent) another agent already serves the directory. ``agent --status`` exits 1 when no agent serves
+it. Errors are one line on stderr.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
     if not steps:
         print(f"no committed snapshots in {backend.url}")
         return 0
-    print(f"{'step':>12}  {'epoch':>5}  {'ranks':>5}  {'MiB':>10}  created")
+    print(f"{'step':>12}  {'epoch':>5}  {'ranks':>5}  {'MiB':>10}  {'health':<8}  created")
     for step in steps:
         try:
             m = read_manifest(backend, step)
@@ -121,7 +122,8 @@ def _cmd_list(args: argparse.Namespace) -> int:
             print(f"{step:>12}  unreadable manifest: {e}")
             continue
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created_unix))
-        print(f"{step:>12}  {m.epoch:>5}  {m.world_size:>5}  {m.total_bytes / 2**20:>10.2f}  {created}")
+        print(f"{step:>12}  {m.epoch:>5}  {m.world_size:>5}  {m.total_bytes / 2**20:>10.2f}  {m.health_text:<8}"
+              f"  {created}")
     return 0
 
 
@@ -133,10 +135,19 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     print(f"step {m.step}, epoch {m.epoch}, world size {m.world_size}, format v{m.format_version},"
           f" written by lightning-snapshot {m.library_version}")
     print(f"{len(m.objects)} objects, {m.total_bytes} bytes; {len(m.tensors)} shared tensors")
+    print(f"health: {_health_line(m)}")
     for t in m.tensors:
         target = f" -> alias of {t.alias_of}" if t.alias_of else ""
         print(f"  {t.name:<60} {t.dtype:<10} {list(t.global_shape)}{target}")
     return 0
+
+
+def _health_line(m: Any) -> str:
+    """The health of a snapshot, per tensor group, for ``inspect``."""
+    if m.health is None:
+        return "unknown (written before lightning-snapshot recorded health; a resume treats it as healthy)"
+    groups = [f"{g}: {'finite' if first is None else f'NaN/inf (first in {first!r})'}" for g, first in m.health.items()]
+    return f"{m.health_text} ({'; '.join(groups) or 'no tensors'})"
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
@@ -191,11 +202,14 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     if node_dir.exists() and not node_dir.is_dir():
         raise ConfigError(f"--dir {str(node_dir)!r} is a file, not a directory: give the agent's directory"
                           " (RamTier.node_dir)")
+    if args.json and not args.status:
+        raise ConfigError("--json goes with --status: lightning-snapshot agent --dir DIR --status --json")
     if args.stop or args.status:
         if not node_dir.is_dir():
             raise SnapshotNotFoundError(
                 f"no agent directory {str(node_dir)!r}: check --dir (the RAM tier's base directory,"
-                " $LIGHTNING_SNAPSHOT_SHM_DIR or /dev/shm/lightning-snapshot-<uid>, plus the run's name)"
+                " $LIGHTNING_SNAPSHOT_SHM_DIR or /dev/shm/lightning-snapshot-<uid>, plus the run's name); an agent"
+                " that stopped removed it"
             )
         if args.stop:
             stopped = agent.stop_agent(node_dir)
@@ -205,7 +219,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
         if not st:
             raise SnapshotNotFoundError(f"no agent serves {node_dir} (none is running for it); start one with:"
                                         f" {PROG} agent --dir {node_dir}")
-        print(json.dumps(st))
+        print(json.dumps(st, indent=2, sort_keys=True) if args.json else agent.format_status(st))
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s lightning-snapshot agent: %(message)s")
     if args.nice:
@@ -213,7 +227,9 @@ def _cmd_agent(args: argparse.Namespace) -> int:
             os.nice(args.nice)  # background work: the trainer's threads get the CPU first
         except OSError:
             pass
-    return agent.run_agent(node_dir, args.idle_timeout)
+    log_path = None if args.log == "-" else Path(args.log).expanduser().absolute() if args.log else \
+        agent.agent_log_path(node_dir)
+    return agent.run_agent(node_dir, args.idle_timeout, log_path)
 
 
 # ------------------------------------------------------------------------------------------------ parser
@@ -252,7 +268,14 @@ def _parser() -> _Parser:
     what = p.add_mutually_exclusive_group()
     what.add_argument("--stop", action="store_true", help="stop the agent serving --dir (frees its memory)")
     what.add_argument("--status", action="store_true",
-                      help="print the agent's pid, attached trainers and held bytes")
+                      help="print the agent's pid, uptime, attached trainers, memory held per snapshot, idle timeout"
+                           " and log (exit status 1 when no agent serves --dir)")
+    p.add_argument("--json", action="store_true",
+                   help="with --status: the same as one JSON object (stable fields, documented in the README)")
+    p.add_argument("--log", default=None, metavar="FILE",
+                   help="where the agent logs (appended; '-': stderr). Default:"
+                        " $XDG_STATE_HOME/lightning-snapshot/agent-<run>-<hash>.log (~/.local/state/...), outside"
+                        " /dev/shm, kept after the agent exits")
     p.set_defaults(fn=_cmd_agent)
     _add_plan(sub)
     return parser

@@ -165,7 +165,7 @@ def ram_base(tmp_path_factory):
     old = os.environ.get("LIGHTNING_SNAPSHOT_SHM_DIR")
     os.environ["LIGHTNING_SNAPSHOT_SHM_DIR"] = str(base)
     yield base
-    for sock in base.glob("*/agent.sock"):
+    for sock in list(base.glob("*/agent.sock")):  # (a stopped agent removes its directory)
         stop_agent(sock.parent)
     if old is None:
         del os.environ["LIGHTNING_SNAPSHOT_SHM_DIR"]
