@@ -79,7 +79,8 @@ def _intervals(tiers: Sequence[TierModel], mtbf_s: float, node_loss: float) -> l
 
 
 def _one_run(tiers: Sequence[TierModel], work_s: float, restart_s: float, node_loss: float, rng: random.Random,
-             mtbf_s: float, failure_times: Sequence[float] | None) -> tuple[float, int, float, float, float]:
+             mtbf_s: float, failure_times: Sequence[float] | None,
+             start_s: float = 0.0) -> tuple[float, int, float, float, float]:
     rate = 1.0 + sum(t.cost_s / t.interval_s for t in tiers)  # wall seconds per second of training
     times = iter(sorted(failure_times)) if failure_times is not None else None
 
@@ -94,14 +95,15 @@ def _one_run(tiers: Sequence[TierModel], work_s: float, restart_s: float, node_l
     wall, done, failures = 0.0, 0.0, 0
     lost = restart_total = restore_total = 0.0
     source_restore = 0.0  # restore time of what holds `done` (0: nothing to restore, a fresh start)
-    delay = 0.0  # restart and restore before training resumes
+    delay = start_s  # start-up, restart and restore before training (re)starts
     fail = next_failure(0.0)
     while True:
         start = wall + delay
         finish = start + (work_s - done) * rate
         spent = min(delay, min(fail, finish) - wall)  # of the restart and restore before the next event
-        restart_total += min(spent, restart_s)
-        restore_total += max(0.0, spent - restart_s)
+        if failures or not start_s:
+            restart_total += min(spent, restart_s)
+            restore_total += max(0.0, spent - restart_s)
         if fail >= finish:
             return finish, failures, lost, restart_total, restore_total
         failures += 1
@@ -123,7 +125,8 @@ def _one_run(tiers: Sequence[TierModel], work_s: float, restart_s: float, node_l
 
 
 def simulate(tiers: Sequence[TierModel], *, work_s: float, mtbf_s: float, restart_s: float, node_loss: float = 0.0,
-             seed: int = 0, runs: int = 8, failure_times: Sequence[float] | None = None) -> Outcome:
+             seed: int = 0, runs: int = 8, failure_times: Sequence[float] | None = None,
+             start_s: float = 0.0) -> Outcome:
     """Simulate ``runs`` jobs (seeded) and return the mean outcome.
 
     Args:
@@ -137,10 +140,12 @@ def simulate(tiers: Sequence[TierModel], *, work_s: float, mtbf_s: float, restar
         seed: the seed of failure times and node losses.
         runs: how many jobs to average (1 with ``failure_times``).
         failure_times: absolute wall times of failures instead of random ones (a recorded run's).
+        start_s: start-up before training first starts (a failure during it starts the job again after
+            ``restart_s``); counted in the wall time, not in the restart or restore time.
     """
     tiers = _intervals(tiers, mtbf_s, node_loss)
     rng = random.Random(seed)
-    results = [_one_run(tiers, work_s, restart_s, node_loss, rng, mtbf_s, failure_times)
+    results = [_one_run(tiers, work_s, restart_s, node_loss, rng, mtbf_s, failure_times, start_s)
                for _ in range(1 if failure_times is not None else runs)]
     n = len(results)
     wall = sum(r[0] for r in results) / n

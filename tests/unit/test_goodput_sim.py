@@ -20,14 +20,13 @@ FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "goodput_quick.j
 
 
 def replay(fig: dict, run: dict) -> float:
-    start = run["first_start_s"]
     tiers = [TierModel(run["method"], cost_s=0.0, interval_s=run["interval_steps"] * run["train_step_s"])]
     out = simulate(tiers, work_s=fig["steps"] * run["train_step_s"], mtbf_s=run["mtbf_s"],
-                   restart_s=run["restart_attempt_s"],
-                   failure_times=[max(0.0, t - start) for t in run["failure_times"]])
+                   restart_s=run["restart_attempt_s"], failure_times=run["failure_times"],
+                   start_s=run["first_start_s"])
     # after the last step: writing the final state and the exit (the run's own, or as in the ideal run)
     tail = run.get("tail_s", max(0.0, fig["ideal_wall_s"] - fig["first_start_s"] - fig["steps"] * fig["step_s"]))
-    return fig["ideal_wall_s"] / (start + out.wall_s + tail)
+    return fig["ideal_wall_s"] / (out.wall_s + tail)
 
 
 def test_simulator_agrees_with_measured_goodput():

@@ -123,3 +123,11 @@ def test_plan_from_tensorboard_metrics(tmp_path, capsys):
     assert len(capsys.readouterr().out.splitlines()) == 4
     assert main(["plan", "--metrics", str(tmp_path / "nothing")]) == 1
     assert "no TensorBoard events with snapshot metrics" in capsys.readouterr().err
+
+
+def test_a_failure_during_start_up_starts_the_job_again():
+    tier = TierModel("local", cost_s=0.0, interval_s=10.0)
+    # start-up 10 s, a failure at 4 s: 5 s of restart from there, then 100 s of training
+    out = simulate([tier], work_s=100.0, mtbf_s=1e9, restart_s=5.0, failure_times=[4.0], start_s=10.0)
+    assert out.wall_s == pytest.approx(109.0)
+    assert out.failures == 1 and out.lost_work_s == 0
