@@ -94,6 +94,11 @@ def _count_arg(text: str) -> int:
     return value
 
 
+def _add_json(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON document on stdout, no progress bar (fields in the README)")
+
+
 def _emit(document: Any) -> None:
     """One JSON document on stdout (``--json``)."""
     print(json.dumps(document, allow_nan=False))
@@ -339,11 +344,11 @@ def _add_operator_commands(sub: Any) -> None:
                    help="keep the N newest committed snapshots (default: keep all)")
     p.add_argument("--older-than", type=_duration_arg, default=None, metavar="DURATION",
                    help="delete committed snapshots created at least this long ago (90s, 30m, 12h, 7d, 2w)")
-    p.add_argument("--grace", type=_duration_arg, default=3600.0, metavar="DURATION",
+    p.add_argument("--grace", type=_duration_arg, default=3600.0, metavar="DURATION",  # ops.DEFAULT_GRACE_S
                    help="an uncommitted write counts as crashed once nothing in it changed for this long"
                         " (default 1h): a write in progress is never touched")
     p.add_argument("--dry-run", action="store_true", help="print what would be done; change nothing")
-    p.add_argument("--json", action="store_true", help="print a JSON document (fields in the README)")
+    _add_json(p)
     p.set_defaults(fn=_cmd_gc)
     p = sub.add_parser("copy", help="copy one snapshot to another tier, verified, manifest last",
                        description="Copy a committed snapshot to another tier (local -> s3, s3 -> local, local ->"
@@ -353,7 +358,7 @@ def _add_operator_commands(sub: Any) -> None:
     p.add_argument("source", help="tier path/URL, or a step-* directory")
     p.add_argument("dest", help="destination tier path or URL (created if missing)")
     p.add_argument("--step", type=_step_arg, default=None, help="step to copy (default: newest)")
-    p.add_argument("--json", action="store_true", help="print a JSON document (fields in the README)")
+    _add_json(p)
     p.set_defaults(fn=_cmd_copy)
 
 
@@ -395,19 +400,19 @@ def _parser() -> _Parser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("list", help="committed snapshots of a tier")
     p.add_argument("source", help="tier path or URL")
-    p.add_argument("--json", action="store_true", help="print a JSON document (fields in the README)")
+    _add_json(p)
     p.set_defaults(fn=_cmd_list)
     p = sub.add_parser("inspect", help="the manifest of one snapshot")
     p.add_argument("source", help="tier path/URL, or a step-* directory")
     p.add_argument("--step", type=_step_arg, default=None, help="step to inspect (default: newest)")
-    p.add_argument("--json", action="store_true", help="print a JSON document (fields in the README)")
+    _add_json(p)
     p.set_defaults(fn=_cmd_inspect)
     p = sub.add_parser("verify", help="read back every chunk and check its checksum")
     p.add_argument("source", help="tier path/URL, or a step-* directory")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--step", type=_step_arg, default=None, help="step to verify (default: newest)")
     which.add_argument("--all", action="store_true", help="verify every committed snapshot")
-    p.add_argument("--json", action="store_true", help="print a JSON document (fields in the README)")
+    _add_json(p)
     p.set_defaults(fn=_cmd_verify)
     p = sub.add_parser("export", help="one consolidated file: safetensors (weights) or torch (full state)")
     p.add_argument("source", help="tier path/URL, or a step-* directory")

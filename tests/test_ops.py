@@ -6,6 +6,7 @@ documents; progress bars only on a terminal. Snapshots are written in-process wi
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -22,6 +23,7 @@ from test_cli import cli, one_line_error, s3_environment, tree  # noqa: F401 - s
 
 from lightning_snapshot.backends import LocalTier
 from lightning_snapshot.backends.object_store import ObjectStoreTier
+from lightning_snapshot.cli import main
 from lightning_snapshot.comm import LocalComm
 from lightning_snapshot.loader import load_snapshot
 from lightning_snapshot.staging import stage
@@ -138,6 +140,7 @@ def test_gc_s3_aborts_stale_uploads_removes_leftovers_and_keeps_the_newest(s3_se
     for step in (2, 4, 6):
         write(tier, step)
     tier.write("step-000000000008/r8-rank-00000.bin", [b"left by a crashed upload"])
+    tier.write("step-000000000006/old-rank-00000.bin", [b"an older write of step 6"])
     client = s3_client(s3_server)
     upload = client.create_multipart_upload(Bucket=bucket, Key="run/step-000000000008/r8-shared-00000.bin")
     client.upload_part(Bucket=bucket, Key="run/step-000000000008/r8-shared-00000.bin", PartNumber=1,
@@ -149,7 +152,8 @@ def test_gc_s3_aborts_stale_uploads_removes_leftovers_and_keeps_the_newest(s3_se
     assert rc == 0 and err == "", err
     assert [e["step"] for e in plan["snapshots"]] == [2] and plan["kept"] == [6, 4] and plan["protected"] == 6
     assert plan["uploads"] == [] and plan["leftovers"] == []
-    assert sorted(e["key"] for e in plan["in_progress"]) == ["step-000000000008",
+    assert sorted(e["key"] for e in plan["in_progress"]) == ["step-000000000006/old-rank-00000.bin",
+                                                            "step-000000000008",
                                                             "step-000000000008/r8-shared-00000.bin"]
     assert len(client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])) == 1
     assert committed_steps(tier) == [6, 4] and tier.list("step-000000000008") == ["r8-rank-00000.bin"]
@@ -158,7 +162,8 @@ def test_gc_s3_aborts_stale_uploads_removes_leftovers_and_keeps_the_newest(s3_se
     assert rc == 0 and [e["step"] for e in plan["snapshots"]] == [4] and plan["protected"] == 6
     assert [(e["key"], e["upload_id"]) for e in plan["uploads"]] == [
         ("step-000000000008/r8-shared-00000.bin", upload["UploadId"])]
-    assert [e["key"] for e in plan["leftovers"]] == ["step-000000000008"]
+    assert [(e["key"], e["reason"]) for e in plan["leftovers"]] == [
+        ("step-000000000006/old-rank-00000.bin", "unreferenced"), ("step-000000000008", "uncommitted")]
     assert len(client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])) == 1, "--dry-run aborted"
     assert committed_steps(tier) == [6, 4]
 
@@ -167,7 +172,7 @@ def test_gc_s3_aborts_stale_uploads_removes_leftovers_and_keeps_the_newest(s3_se
     assert "aborted multipart upload step-000000000008/r8-shared-00000.bin" in out
     assert "removed leftover step-000000000008 (uncommitted" in out and "deleted snapshot step 4" in out
     assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
-    assert tier.list("") == ["step-000000000006"]
+    assert tier.list("") == ["step-000000000006"] and "old-rank-00000.bin" not in tier.list("step-000000000006")
     assert_state(url, 6)
 
 
@@ -355,19 +360,39 @@ print(json.dumps({"rc": proc.returncode, "stderr": seen.decode(errors="replace")
 
 
 @pytest.mark.slow
-def test_progress_bars_only_on_a_terminal_and_never_with_json(tmp_path):
+def test_a_progress_bar_on_a_real_terminal(tmp_path):
+    """``verify`` in a real process whose stderr is a pseudo-terminal draws a tqdm bar; stdout keeps the result."""
     root = tmp_path / "snaps"
     write(LocalTier(root), 1)
-    cmd = [sys.executable, "-m", "lightning_snapshot.cli"]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    for args, bar in [(["verify", str(root)], "verify step 1"),
-                      (["copy", str(root), str(tmp_path / "c"), "--json"], "")]:
-        proc = subprocess.run([sys.executable, "-c", _TTY, *cmd, *args], capture_output=True, text=True,
-                              timeout=240, env=env)
-        got = json.loads(proc.stdout)
-        assert got["rc"] == 0, proc.stdout + proc.stderr
-        if bar:
-            assert bar in got["stderr"] and "|" in got["stderr"], (args, got)  # a tqdm bar on the terminal
-        else:
-            assert got["stderr"] == "", (args, got)
-    # not a terminal: in-process runs above (stderr captured) assert that stderr stays empty
+    proc = subprocess.run([sys.executable, "-c", _TTY, sys.executable, "-m", "lightning_snapshot.cli", "verify",
+                           str(root)], capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    got = json.loads(proc.stdout)
+    assert got["rc"] == 0, proc.stdout + proc.stderr
+    assert "verify step 1" in got["stderr"] and "|" in got["stderr"], got
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("command", ["verify", "copy", "gc"])
+def test_progress_bars_on_a_terminal_never_with_json_nor_in_a_pipe(tmp_path, monkeypatch, command):
+    root = tmp_path / "snaps"
+    for step in (1, 2):
+        write(LocalTier(root), step)
+    args = {"verify": ["verify", str(root)], "copy": ["copy", str(root), str(tmp_path / "c{}")],
+            "gc": ["gc", str(root), "--keep-last", "1{}"]}[command]
+    outputs = []
+    for i, (stderr, json_flag) in enumerate([(_Terminal(), []), (_Terminal(), ["--json"]), (io.StringIO(), [])]):
+        monkeypatch.setattr(sys, "stderr", stderr)
+        if command == "gc":
+            write(LocalTier(root), 1)  # something to delete each time
+        rc = main([a.format(i) if command == "copy" else a.replace("{}", "") for a in args] + json_flag)
+        assert rc == 0
+        outputs.append(stderr.getvalue())
+    monkeypatch.undo()
+    bar, with_json, in_pipe = outputs
+    assert re.search(rf"{command}( step 2)?: +\d+%\|", bar), bar  # a tqdm bar (erased when done)
+    assert with_json == "" and in_pipe == ""
