@@ -89,7 +89,7 @@ def _manifests(backend: Backend, steps: list[int]) -> dict[int, Manifest | None]
 
 def plan_gc(backend: Backend, *, keep_last: int | None = None, older_than: float | None = None,
             grace: float = DEFAULT_GRACE_S, now: float | None = None) -> GcPlan:
-    """Decide what a garbage collection of ``backend`` removes; reads only.
+    """Decide what a garbage collection of ``backend`` (a durable tier) removes; reads only.
 
     * committed snapshots beyond the ``keep_last`` newest (the retention rule of training,
       :func:`~lightning_snapshot.writer.expired_snapshots`) and those created at least ``older_than`` seconds ago;
@@ -98,9 +98,14 @@ def plan_gc(backend: Backend, *, keep_last: int | None = None, older_than: float
       that its manifest does not reference, once nothing in them changed for ``grace`` seconds;
     * multipart uploads (S3) whose newest part is at least ``grace`` seconds old.
 
+    :func:`run_gc` checks each uncommitted step again right before removing it, and keeps one committed meanwhile.
+
     A write younger than ``grace``, a step directory with a younger upload under it, and anything whose age the tier
     cannot tell are left alone (:attr:`GcPlan.in_progress`).
     """
+    if not backend.durable:
+        raise ConfigError(f"gc prunes durable tiers; the {backend.tier} tier {backend.url!r} keeps its own keep_last"
+                          " and is freed by its agent (lightning-snapshot agent --stop)")
     if keep_last is not None and keep_last < 1:
         raise ConfigError(f"keep_last must be >= 1, got {keep_last!r}")
     now = time.time() if now is None else now
@@ -169,7 +174,10 @@ def run_gc(backend: Backend, plan: GcPlan, on_action: Callable[[], None] | None 
         if on_action is not None:
             on_action()
     for entry in plan.leftovers:
-        backend.delete(entry["key"])
+        if entry["reason"] == "uncommitted" and backend.exists(f"{entry['key']}/{MANIFEST_NAME}"):
+            log.warning("lightning-snapshot: %s was committed while gc ran; kept", entry["key"])
+        else:
+            backend.delete(entry["key"])
         if on_action is not None:
             on_action()
 
@@ -180,11 +188,14 @@ def copy_step(src: Backend, dst: Backend, step: int, on_object: Callable[[int], 
     shows a partial snapshot. One process (:class:`~lightning_snapshot.comm.LocalComm`).
 
     Raises:
-        ConfigError: ``src`` and ``dst`` are the same tier.
+        ConfigError: ``src`` and ``dst`` are the same tier, or ``dst`` is not durable (a RAM tier).
         SnapshotWriteError: ``dst`` already holds a committed snapshot of ``step`` (it is never overwritten).
         ChecksumError / SnapshotError: reading, checking or writing failed; what this call wrote is removed again
             and nothing is committed.
     """
+    if not dst.durable:
+        raise ConfigError(f"copy writes to a durable tier; the {dst.tier} tier {dst.url!r} is filled by training"
+                          " and its agent: give a path or an object-store URL as the destination")
     if src.url == dst.url:
         raise ConfigError(f"the source and the destination are the same tier {src.url!r}: give another destination")
     prefix = step_dirname(step)

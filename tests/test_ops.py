@@ -246,8 +246,12 @@ def test_a_corrupted_source_is_not_copied_and_leaves_nothing_behind(tmp_path):
                                                  " 12h or 7d, got '7days'"),
     (["gc", "{src}", "--keep-last", "0"], 2, "argument --keep-last: expected an integer >= 1, got '0'"),
     (["gc", "{tmp}/missing"], 1, "no snapshot tier at '{tmp}/missing'"),
+    (["copy", "{src}", "ram://run-1"], 2, "copy writes to a durable tier; the ram tier"),
+    (["gc", "ram://run-1"], 2, "gc prunes durable tiers; the ram tier"),
 ])
-def test_bad_input_is_one_line_and_creates_nothing(tmp_path, args, rc, message):
+def test_bad_input_is_one_line_and_creates_nothing(tmp_path, monkeypatch, args, rc, message):
+    (tmp_path / "shm" / "run-1" / "store").mkdir(parents=True)  # this node's RAM tier of run-1
+    monkeypatch.setenv("LIGHTNING_SNAPSHOT_SHM_DIR", str(tmp_path / "shm"))
     src = tmp_path / "src"
     write(LocalTier(src), 4)
     fill = {"tmp": str(tmp_path), "src": str(src)}
@@ -396,3 +400,19 @@ def test_progress_bars_on_a_terminal_never_with_json_nor_in_a_pipe(tmp_path, mon
     bar, with_json, in_pipe = outputs
     assert re.search(rf"{command}( step 2)?: +\d+%\|", bar), bar  # a tqdm bar (erased when done)
     assert with_json == "" and in_pipe == ""
+
+
+def test_a_step_committed_while_gc_runs_is_kept(tmp_path):
+    """gc plans first and removes after: an uncommitted step that gets its manifest meanwhile is not removed."""
+    from lightning_snapshot.ops import plan_gc, run_gc
+
+    root = tmp_path / "snaps"
+    for step in (1, 2):
+        write(LocalTier(root), step)
+    manifest = (root / "step-000000000002" / "manifest.json").read_bytes()
+    (root / "step-000000000002" / "manifest.json").unlink()  # step 2: data written, manifest not yet
+    plan = plan_gc(LocalTier(root), grace=0)
+    assert [(e["key"], e["reason"]) for e in plan.leftovers] == [("step-000000000002", "uncommitted")]
+    LocalTier(root).commit("step-000000000002/manifest.json", manifest)
+    run_gc(LocalTier(root), plan)
+    assert committed_steps(LocalTier(root)) == [2, 1]
