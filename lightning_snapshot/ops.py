@@ -24,10 +24,12 @@ from lightning_snapshot.writer import (
     expired_snapshots,
 )
 
-__all__ = ["DEFAULT_GRACE_S", "GcPlan", "plan_gc", "run_gc", "copy_step"]
+__all__ = ["DEFAULT_GRACE_S", "DATA_SUFFIX", "GcPlan", "plan_gc", "run_gc", "copy_step"]
 
 log = logging.getLogger(__name__)
 
+#: The name ending of the data objects a write creates (``<run>-<kind>-<rank>.bin``).
+DATA_SUFFIX = ".bin"
 #: How long an uncommitted write must have been idle before ``gc`` counts it as a crashed write's leftovers (its
 #: newest object or part is older than this): one hour. A write in progress changes its objects far more often.
 DEFAULT_GRACE_S = 3600.0
@@ -93,9 +95,10 @@ def plan_gc(backend: Backend, *, keep_last: int | None = None, older_than: float
 
     * committed snapshots beyond the ``keep_last`` newest (the retention rule of training,
       :func:`~lightning_snapshot.writer.expired_snapshots`) and those created at least ``older_than`` seconds ago;
-      the newest committed snapshot with a valid manifest is never among them;
-    * leftovers of crashed writes: step directories without a committed manifest, and objects of a committed step
-      that its manifest does not reference, once nothing in them changed for ``grace`` seconds;
+      the newest committed snapshot with a valid manifest is never among them (nor the newest healthy one, where
+      manifests record health);
+    * leftovers of crashed writes: step directories without a committed manifest, and data objects (``*.bin``) of
+      a committed step that its manifest does not reference, once nothing in them changed for ``grace`` seconds;
     * multipart uploads (S3) whose newest part is at least ``grace`` seconds old.
 
     :func:`run_gc` checks each uncommitted step again right before removing it, and keeps one committed meanwhile.
@@ -113,7 +116,10 @@ def plan_gc(backend: Backend, *, keep_last: int | None = None, older_than: float
     committed = committed_steps(backend)
     manifests = _manifests(backend, committed)
     plan.protected = next((s for s in committed if manifests[s] is not None), None)
-    protect = set() if plan.protected is None else {plan.protected}
+    # and the newest healthy one, where manifests record health (as training's retention keeps it)
+    healthy = next((s for s in committed if manifests[s] is not None
+                    and getattr(manifests[s], "first_nonfinite", None) is None), None)
+    protect = {s for s in (plan.protected, healthy) if s is not None}
     expired = dict.fromkeys(expired_snapshots(committed, keep_last, protect), "keep-last")
     if older_than is not None:
         for step in committed:
@@ -151,9 +157,9 @@ def plan_gc(backend: Backend, *, keep_last: int | None = None, older_than: float
         if step not in manifests:
             leftover(name, "uncommitted")
         elif manifests[step] is not None:
-            referenced = {o.key for o in manifests[step].objects} | {MANIFEST_NAME}
-            for obj in backend.list(name):
-                if obj not in referenced:
+            referenced = {o.key for o in manifests[step].objects}
+            for obj in backend.list(name):  # data objects only: other files next to a manifest are not leftovers
+                if obj.endswith(DATA_SUFFIX) and obj not in referenced:
                     leftover(f"{name}/{obj}", "unreferenced")
     return plan
 

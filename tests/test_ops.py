@@ -80,6 +80,8 @@ def test_gc_local_retention_leftovers_dry_run_and_the_newest_valid_snapshot(tmp_
     age(crashed, 2 * HOUR)
     LocalTier(root).write("step-000000000012/old-shared-00000.bin", [b"y" * 10])  # an older write of step 12
     age(root / "step-000000000012" / "old-shared-00000.bin", 2 * HOUR)
+    (root / "step-000000000012" / "restores.json").write_text("{}")  # not a data object: never a leftover
+    age(root / "step-000000000012" / "restores.json", 2 * HOUR)
     LocalTier(root).write("step-000000000018/r18-rank-00000.bin", [b"z"])  # being written now
 
     before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
@@ -109,6 +111,7 @@ def test_gc_local_retention_leftovers_dry_run_and_the_newest_valid_snapshot(tmp_
     assert sorted(p.name for p in root.iterdir()) == ["step-000000000009", "step-000000000012",
                                                      "step-000000000018"], "the write in progress must stay"
     assert not (root / "step-000000000012" / "old-shared-00000.bin").exists()
+    assert (root / "step-000000000012" / "restores.json").exists()
     assert_state(str(root), 12)
     assert_state(str(root), 9)
 
