@@ -8,6 +8,7 @@ import errno
 import logging
 import mmap
 import os
+import re
 import shutil
 import threading
 from collections.abc import Callable, Iterable
@@ -25,7 +26,7 @@ from lightning_snapshot.errors import (
 )
 from lightning_snapshot.manifest import validate_key
 
-__all__ = ["LocalTier", "NODE_RANK_PLACEHOLDER"]
+__all__ = ["LocalTier", "NODE_RANK_PLACEHOLDER", "dir_mode_for", "parse_mode"]
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +65,49 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         view = view[n:]
 
 
-def _map_new(path: Path, size: int, mode: int = 0o600) -> mmap.mmap | None:
-    """A new file of ``size`` bytes (permissions ``mode``), mapped writable (None for an empty one)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+def parse_mode(value: object, where: str = "LocalTier mode") -> int | None:
+    """The permissions ``value`` names: None, an int or an octal string (``"0600"``, ``"0o600"``), between 0o600 and
+    0o777 with read and write for the owner (the tier reads and rewrites its own files).
+
+    Raises:
+        ConfigError: naming ``where`` and the accepted form.
+    """
+    if value is None:
+        return None
+    mode: int | None = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        mode = value
+    elif isinstance(value, str) and re.fullmatch(r"(0o?)?[0-7]{3}", value.strip().lower()):
+        mode = int(value.strip().lower().replace("0o", "", 1), 8)
+    if mode is None or not 0 <= mode <= 0o777 or mode & 0o600 != 0o600:
+        raise ConfigError(
+            f"{where} must be file permissions in octal that give the owner read and write, from 0o600 to 0o777,"
+            f" e.g. mode=0o600 (URL: ?mode=0600) for files only the owner can read; got"
+            f" {oct(value) if isinstance(value, int) and not isinstance(value, bool) else repr(value)}"
+        )
+    return mode
+
+
+def dir_mode_for(mode: int) -> int:
+    """The directory permissions matching the file permissions ``mode``: search (x) wherever read is allowed."""
+    return mode | (mode & 0o444) >> 2
+
+
+def _create(path: Path, flags: int, mode: int | None, default: int) -> int:
+    """Open ``path`` creating it: permissions exactly ``mode`` when given, else ``default`` under the umask."""
+    fd = os.open(path, flags | os.O_CREAT | os.O_CLOEXEC, default if mode is None else mode)
+    if mode is not None:
+        try:
+            os.fchmod(fd, mode)  # (exactly ``mode``, whatever the umask)
+        except OSError:
+            os.close(fd)
+            raise
+    return fd
+
+
+def _map_new(path: Path, size: int, mode: int | None = None, default: int = 0o600) -> mmap.mmap | None:
+    """A new file of ``size`` bytes (permissions: see ``_create``), mapped writable (None for an empty one)."""
+    fd = _create(path, os.O_RDWR | os.O_TRUNC, mode, default)
     try:
         os.ftruncate(fd, size)
         return mmap.mmap(fd, size) if size else None
@@ -159,15 +200,19 @@ class LocalTier(Backend):
         every_n_train_steps, train_time_interval, keep_last: see :class:`~lightning_snapshot.backends.base.Backend`.
         node_local: ``None`` (default): detect at the start of training; ``True``: each node has its own directory;
             ``False``: one directory shared by all nodes.
+        mode: permissions of the files the tier creates, exactly (e.g. ``0o600``: only the owner can read them);
+            the directories it creates get the matching search bits (``0o700``). ``None`` (default): files
+            ``0o666`` and directories ``0o777`` less the process umask, as ``torch.save`` and ``open`` do (umask
+            022: 0644 and 0755). The snapshot agent, writing in the trainer's place, keeps the same mode.
 
-    URL form: ``"/path?every=100&keep=3&interval=600&node_local=auto"`` or ``"file:///path?..."``
-    (``node_local`` is ``auto``, ``true`` or ``false``).
+    URL form: ``"/path?every=100&keep=3&interval=600&node_local=auto&mode=0600"`` or ``"file:///path?..."``
+    (``node_local`` is ``auto``, ``true`` or ``false``; ``mode`` is octal, ``0600`` to ``0777``).
     """
 
     tier = "local"
     durable = True
-    #: Permissions of the files the tier creates.
-    file_mode = 0o644
+    #: Permissions of the files the tier creates, less the umask, unless ``mode`` is given.
+    file_mode = 0o666
     parallel_reads = 4
     check_hint = ("Choose a path that is (or can be created as) a directory this process may write: check the"
                   " permissions, that no part of the path is a file, and that the filesystem is mounted read-write")
@@ -180,6 +225,7 @@ class LocalTier(Backend):
         keep_last: int | None = DEFAULT_KEEP_LAST,
         *,
         node_local: bool | None = None,
+        mode: int | str | None = None,
     ) -> None:
         super().__init__(
             every_n_train_steps=every_n_train_steps, train_time_interval=train_time_interval, keep_last=keep_last
@@ -188,6 +234,8 @@ class LocalTier(Backend):
             raise ConfigError(f"LocalTier path must be a non-empty path, got {path!r}")
         if node_local is not None and not isinstance(node_local, bool):
             raise ConfigError(f"LocalTier node_local must be True, False or None (detect), got {node_local!r}")
+        #: Exact permissions of the files the tier creates (None: ``file_mode`` less the umask).
+        self.mode = parse_mode(mode)
         self.path_template = os.path.expanduser(os.fspath(path))
         if NODE_RANK_PLACEHOLDER in self.path_template and node_local is False:
             raise ConfigError(f"LocalTier path {self.path_template!r} gives each node its own directory"
@@ -258,7 +306,7 @@ class LocalTier(Backend):
         error = ""
         if self.local_rank == 0:
             try:
-                self.root.mkdir(parents=True, exist_ok=True)
+                self._mkdirs(self.root)
                 probe.write_bytes(b"")
             except OSError as e:
                 error = f"rank {comm.rank} cannot write {str(probe)!r}: {e}"
@@ -396,9 +444,10 @@ class LocalTier(Backend):
                     sends.append((_map_existing(path, write=False), dist.get_global_rank(comm.group, dst)))
                 else:
                     tmp = path.with_name(f".{path.name}.fetch-{os.getpid()}")
-                    path.parent.mkdir(parents=True, exist_ok=True)
+                    self._mkdirs(path.parent)
                     received.append((tmp, path))
-                    receives.append((_map_new(tmp, nbytes, self.file_mode), dist.get_global_rank(comm.group, src)))
+                    receives.append((_map_new(tmp, nbytes, self.mode, self.file_mode),
+                                     dist.get_global_rank(comm.group, src)))
         except BaseException:
             for mm, _peer in sends + receives:
                 _close(mm)
@@ -448,6 +497,28 @@ class LocalTier(Backend):
             )
         return SnapshotWriteError(e.errno, f"writing {key!r} to the local tier {str(self.root)!r} failed: {e}")
 
+    def _mkdirs(self, path: Path) -> None:
+        """Create ``path`` and its missing parents: with ``mode``'s directory permissions exactly when given, else
+        under the umask. Directories that exist are left as they are."""
+        if self.mode is None:
+            path.mkdir(parents=True, exist_ok=True)
+            return
+        missing = []
+        while not path.is_dir():
+            missing.append(path)
+            if path.parent == path:
+                break
+            path = path.parent
+        dmode = dir_mode_for(self.mode)
+        for d in reversed(missing):
+            try:
+                os.mkdir(d, dmode)
+            except FileExistsError:
+                if d.is_dir():
+                    continue  # (another rank made it)
+                raise
+            os.chmod(d, dmode)  # (exactly, whatever the umask)
+
     @staticmethod
     def _fsync_dir(path: Path) -> None:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -467,8 +538,8 @@ class LocalTier(Backend):
         path = self._path(key)
         total = 0
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, self.file_mode)
+            self._mkdirs(path.parent)
+            fd = _create(path, os.O_WRONLY | os.O_TRUNC, self.mode, self.file_mode)
             direct_fd = -1
             try:
                 for buf in buffers:
@@ -516,8 +587,8 @@ class LocalTier(Backend):
         path = self._path(key)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, self.file_mode)
+            self._mkdirs(path.parent)
+            fd = _create(tmp, os.O_WRONLY | os.O_TRUNC, self.mode, self.file_mode)
             try:
                 view = memoryview(data)
                 while view.nbytes:

@@ -3,7 +3,8 @@
 The scheme picks the backend class lazily (as fsspec's registry does), so a LightningCLI YAML can list tiers as
 strings. Query options: ``every`` (``every_n_train_steps``), ``interval`` (``train_time_interval``: seconds, or a
 number with an ``s``/``m``/``h`` suffix) and ``keep`` (``keep_last``; ``all`` keeps every snapshot); a local path
-also ``node_local`` (``auto``, ``true``, ``false``), a RAM tier ``erasure``, ``idle`` and ``threads``.
+also ``node_local`` (``auto``, ``true``, ``false``) and ``mode`` (octal file permissions, ``0600``), a RAM tier
+``erasure``, ``idle`` and ``threads``.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ _PLANNED: dict[str, str] = {}
 _OPTIONS = {"every": "every_n_train_steps", "interval": "train_time_interval", "keep": "keep_last"}
 #: options only the RAM tier takes (``ram://NAME?erasure=4+2&idle=600``)
 _RAM_OPTIONS = {"erasure": "erasure", "idle": "idle_timeout", "threads": "threads"}
-#: options only the local tier takes (``/nvme/snap?node_local=auto|true|false``)
-_LOCAL_OPTIONS = {"node_local": "node_local"}
+#: options only the local tier takes (``/nvme/snap?node_local=auto|true|false&mode=0600``)
+_LOCAL_OPTIONS = {"node_local": "node_local", "mode": "mode"}
 _NODE_LOCAL = {"auto": None, "true": True, "false": False}
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smh]?)$")
 
@@ -61,6 +62,10 @@ def _options(query: str, url: str, extra: dict[str, str] | None = None) -> dict[
                 if value.lower() not in _NODE_LOCAL:
                     raise ConfigError(f"tier URL option node_local={value!r} must be auto, true or false")
                 kwargs["node_local"] = _NODE_LOCAL[value.lower()]
+            elif name == "mode":
+                from lightning_snapshot.backends.local import parse_mode
+
+                kwargs["mode"] = parse_mode(value, "tier URL option mode")
             elif name == "idle":
                 m = _DURATION.match(value)
                 if not m:
@@ -75,7 +80,8 @@ def _options(query: str, url: str, extra: dict[str, str] | None = None) -> dict[
                 f" {', '.join(sorted([*_OPTIONS, *extra]))}"
                 " (every=<steps>, interval=<seconds or 10m/2h>, keep=<count or all>"
                 + (", erasure=<k+m or none>, idle=<seconds>, threads=<count>" if "erasure" in extra else "")
-                + (", node_local=<auto, true or false>" if "node_local" in extra else "") + ")"
+                + (", node_local=<auto, true or false>, mode=<octal permissions, e.g. 0600>" if "node_local" in extra
+                   else "") + ")"
             )
         if _OPTIONS[name] in kwargs:
             raise ConfigError(f"tier URL option {name!r} is given twice in {url!r}")

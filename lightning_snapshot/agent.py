@@ -2,9 +2,12 @@
 
 One agent per node and run (a lock in its directory). It owns the node's RAM-tier memory (the directory
 ``RamTier.node_dir``: shared-memory files, mode 0600 in a 0700 directory) and frees it when it exits: after
-``idle_timeout`` seconds with no trainer attached, or on ``lightning-snapshot agent --stop``. The first local rank of
-a node starts it (in its own session, so a SIGKILL of the trainer's process group does not reach it), or a job script
-starts it beforehand with ``lightning-snapshot agent --dir DIR``.
+``idle_timeout`` seconds with no trainer attached, or on ``lightning-snapshot agent --stop``. Then it leaves nothing
+in shared memory: the snapshots, its socket, its lock and the directory itself go (and the base directory
+``/dev/shm/lightning-snapshot-<uid>`` when no other run uses it). Its log is kept outside shared memory, in
+``$XDG_STATE_HOME/lightning-snapshot/`` (default ``~/.local/state/lightning-snapshot/``; see :func:`agent_log_path`).
+The first local rank of a node starts it (in its own session, so a SIGKILL of the trainer's process group does not
+reach it), or a job script starts it beforehand with ``lightning-snapshot agent --dir DIR``.
 
 Trainers attach over a Unix socket (``agent.sock``, 0600) and pass it the file descriptors of their staging arena,
 so the agent maps the very memory the trainer staged into: no copy. For every snapshot whose staging finished, the
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -27,6 +31,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -34,11 +39,13 @@ from typing import Any
 
 from lightning_snapshot.errors import SnapshotError
 
-__all__ = ["AgentClient", "ensure_agent", "stop_agent", "agent_status", "main"]
+__all__ = ["AgentClient", "agent_log_path", "agent_status", "ensure_agent", "format_status", "main", "stop_agent"]
 
 log = logging.getLogger("lightning_snapshot.agent")
 
-SOCK, LOCK, LOG = "agent.sock", "agent.lock", "agent.log"
+SOCK, LOCK = "agent.sock", "agent.lock"
+#: Version of the ``status`` reply (``lightning-snapshot agent --status --json``); fields are only ever added.
+STATUS_VERSION = 1
 _HEADER = struct.Struct("!I")
 _MAX_MESSAGE = 256 << 20
 #: How long (seconds) the agent of rank 0 waits for the other ranks' parts of a snapshot, and the others for its commit,
@@ -51,6 +58,52 @@ HEARTBEAT_S = 1.0
 #: How long (seconds) a trainer waits for a word from its agent before it gives it up (or ``collective_timeout``
 #: when that is shorter); a healthy agent says something every HEARTBEAT_S however long its writes take.
 SILENCE_S = 60.0
+
+
+# ----------------------------------------------------------------------------------------------- where the log goes
+def agent_log_path(node_dir: str | os.PathLike[str]) -> Path:
+    """Where the agent of ``node_dir`` writes its log unless told otherwise (``agent --log``).
+
+    ``$XDG_STATE_HOME/lightning-snapshot/agent-<run>-<hash of node_dir>.log`` (``XDG_STATE_HOME`` defaults to
+    ``~/.local/state``): outside shared memory, so that it survives the agent, which leaves nothing in ``/dev/shm``.
+    Successive agents of the same directory append to the same file. Nothing deletes it.
+    """
+    node_dir = Path(node_dir).expanduser().absolute()
+    state = os.environ.get("XDG_STATE_HOME", "")
+    if not os.path.isabs(state):  # (the XDG spec: a relative value is ignored)
+        state = os.path.join(os.path.expanduser("~"), ".local", "state")
+    digest = hashlib.sha256(str(node_dir).encode()).hexdigest()[:12]
+    return Path(state) / "lightning-snapshot" / f"agent-{node_dir.name}-{digest}.log"
+
+
+def _open_log(path: Path) -> int:
+    """A file descriptor appending to ``path`` (its directory made, owner-only, if missing)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+
+def _read_lock(node_dir: Path) -> tuple[str, str]:
+    """(pid, log path) as the agent of ``node_dir`` wrote them in its lock file; empty strings where unknown."""
+    try:
+        lines = (node_dir / LOCK).read_text(errors="replace").splitlines()
+    except OSError:
+        return "", ""
+    return (lines[0].strip()[:20] if lines else ""), (lines[1].strip() if len(lines) > 1 else "")
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
 
 
 # ----------------------------------------------------------------------------------------------- framing
@@ -164,8 +217,15 @@ def _verify(staged: Any) -> None:
 class Agent:
     """The agent process' state: attached trainers, the arenas they passed, snapshots not yet released."""
 
-    def __init__(self, node_dir: Path, idle_timeout: float, owned: dict[str, int] | None = None) -> None:
+    def __init__(self, node_dir: Path, idle_timeout: float, owned: dict[str, int] | None = None,
+                 log_path: Path | None = None) -> None:
         self.dir = node_dir
+        #: where this agent logs (None: to the stderr of whoever started it)
+        self.log_path = log_path
+        self.started_unix = time.time()
+        self.started = time.monotonic()
+        #: one entry per attached trainer: its hello message and the snapshots it staged and has not released
+        self.trainers: dict[int, tuple[dict[str, Any], dict[int, dict[str, Any]]]] = {}
         #: inode of each file the agent made (socket, lock): it stops, and deletes nothing, once they were removed
         #: or replaced (the node's memory directory was deleted, e.g. by a job that simulates losing the node)
         self.owned = owned or {}
@@ -266,11 +326,7 @@ class Agent:
                 if op == "ping":
                     _send(conn, {"op": "reply", "ok": True, "pid": os.getpid()})
                 elif op == "status":
-                    from lightning_snapshot.backends.ram import allocated_bytes
-
-                    with self.lock:
-                        _send(conn, {"op": "reply", "ok": True, "pid": os.getpid(), "attached": self.attached,
-                                     "held_bytes": allocated_bytes(self.dir / "store")})
+                    _send(conn, {"op": "reply", "ok": True, **self.status()})
                 elif op == "stop":
                     _send(conn, {"op": "reply", "ok": True, "pid": os.getpid()})
                     self.stop.set()
@@ -278,6 +334,7 @@ class Agent:
                     hello = msg
                     with self.lock:
                         self.attached += 1
+                        self.trainers[id(conn)] = (hello, entries)
                     threading.Thread(target=heartbeat, name="heartbeat", daemon=True).start()
                     log.info("trainer rank %s (pid %s) attached", msg.get("rank"), msg.get("pid"))
                 elif op == "arena":
@@ -316,6 +373,7 @@ class Agent:
                 with self.lock:
                     self.attached -= 1
                     self.flushing += 1
+                    self.trainers.pop(id(conn), None)
                 try:
                     for entry in sorted(entries.values(), key=lambda e: e["step"]):
                         self._flush(hello, entry, arenas.get(int(entry["slot"])))
@@ -328,6 +386,44 @@ class Agent:
                     mm.close()
                 except BufferError:
                     pass
+
+    def status(self) -> dict[str, Any]:
+        """What ``lightning-snapshot agent --status`` shows (the ``status`` reply; fields documented in the README).
+
+        Thread-safe (any connection's thread calls it).
+        """
+        from lightning_snapshot.backends.ram import allocated_bytes
+        from lightning_snapshot.manifest import parse_step_dirname
+
+        snapshots = []
+        try:
+            names = os.listdir(self.dir / "store")
+        except OSError:
+            names = []
+        for name in names:
+            step = parse_step_dirname(name)
+            if step is not None:
+                snapshots.append({"step": step, "bytes": allocated_bytes(self.dir / "store" / name)})
+        snapshots.sort(key=lambda e: e["step"], reverse=True)
+        now = time.monotonic()
+        with self.lock:
+            idle = self.attached == 0 and self.flushing == 0
+            trainers = [{"rank": h.get("rank"), "pid": h.get("pid"), "world_size": h.get("world_size"),
+                         "run_id": h.get("run_id")} for h, _entries in self.trainers.values()]
+            pending = sorted(({"step": int(e["step"]), "rank": h.get("rank"), "tiers": len(e.get("tiers", ()))}
+                              for h, entries in self.trainers.values() for e in list(entries.values())),
+                             key=lambda e: (e["step"], e["rank"] if isinstance(e["rank"], int) else -1))
+            idle_since = self.idle_since
+            flushing = self.flushing
+        return {
+            "version": STATUS_VERSION, "pid": os.getpid(), "dir": str(self.dir), "started_unix": self.started_unix,
+            "uptime_s": now - self.started, "attached": len(trainers), "trainers": trainers,
+            "held_bytes": allocated_bytes(self.dir / "store"), "snapshots": snapshots, "pending": pending,
+            "flushing": flushing, "idle_timeout_s": self.idle_timeout,
+            "idle_s": now - idle_since if idle else None,
+            "exits_in_s": max(0.0, self.idle_timeout - (now - idle_since)) if idle else None,
+            "log": str(self.log_path) if self.log_path is not None else None,
+        }
 
     def _flush(self, hello: dict[str, Any], entry: dict[str, Any], arena: Any) -> None:
         """Write a snapshot the trainer staged but could not make durable to the tiers it was due in."""
@@ -437,20 +533,87 @@ class Agent:
         return manifest.total_bytes
 
 
-def run_agent(node_dir: Path, idle_timeout: float) -> int:
-    """The agent's main loop (in its own process). Returns the exit status."""
+def _lock(node_dir: Path, log_path: Path | None) -> int | None:
+    """Take the directory's lock (writing this pid and the log path into it); None when another agent holds it.
+
+    The lock file is deleted by the agent that exits: an agent that opened it just before and locks it just after
+    would hold a lock on a file no longer in the directory, so the lock counts only if it is still the file there.
+    """
+    while True:
+        try:
+            fd = os.open(node_dir / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except FileNotFoundError:  # (the agent that exited just now removed the directory, empty then)
+            node_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            other = os.pread(fd, 32, 0).decode(errors="replace").split("\n")[0].strip()
+            os.close(fd)
+            print(f"lightning-snapshot agent: another agent (pid {other or '?'}) already serves {node_dir}",
+                  file=sys.stderr)
+            return None
+        try:
+            if os.stat(node_dir / LOCK).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # (the agent that held it exited meanwhile and removed it: take the new one)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n{log_path or ''}\n".encode(), 0)
+    return fd
+
+
+def _remove_own_files(node_dir: Path) -> None:
+    """Delete what the agent of ``node_dir`` owns there (it still does: see ``Agent.owner``), then the directory if
+    that left it empty, then the base directory of the RAM tier's memory if no other run uses it."""
+    from lightning_snapshot.backends.ram import default_shm_base
+
+    for name in ("store", SOCK, LOCK):  # (the socket before the lock: a new agent waits for the lock)
+        p = node_dir / name
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass
+    for d in (node_dir, node_dir.parent):
+        if d == node_dir.parent and os.path.abspath(default_shm_base()) != str(d):
+            break  # (a directory this library did not make for RAM tiers is not ours to remove)
+        try:
+            os.rmdir(d)  # only when empty: files someone else put there, or a new agent's, stay
+        except OSError:
+            break
+
+
+def _log_to(path: Path) -> None:
+    """Send this process' stdout and stderr (its log, and any crash) to the end of ``path``."""
+    fd = _open_log(path)
+    try:
+        if os.path.sameopenfile(fd, 2):
+            return  # (started by ensure_agent: already there)
+        print(f"lightning-snapshot agent: pid {os.getpid()} logs to {path}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+    finally:
+        os.close(fd)
+
+
+def run_agent(node_dir: Path, idle_timeout: float, log_path: Path | None = None) -> int:
+    """The agent's main loop (in its own process). Returns the exit status.
+
+    ``log_path``: where its log goes (stdout and stderr are sent there once it holds the lock; None: they stay),
+    reported by ``status`` and in the lock file, where a trainer that lost its agent finds it.
+    """
     node_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(node_dir, 0o700)
-    lock_fd = os.open(node_dir / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        other = os.pread(lock_fd, 32, 0).decode(errors="replace").strip()
-        print(f"lightning-snapshot agent: another agent (pid {other or '?'}) already serves {node_dir}",
-              file=sys.stderr)
+    lock_fd = _lock(node_dir, log_path)
+    if lock_fd is None:
         return 3
-    os.ftruncate(lock_fd, 0)
-    os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)
+    if log_path is not None:
+        _log_to(log_path)
     # Import what the request handlers use (torch, the tiers: seconds on a busy node) before the socket answers, not
     # on a trainer's first request, which waits only a few seconds for its reply. (``import lightning_snapshot`` no
     # longer imports torch by itself.)
@@ -469,7 +632,8 @@ def run_agent(node_dir: Path, idle_timeout: float) -> int:
         os.umask(old)
     os.chmod(sock_path, 0o600)
     server.listen(64)
-    agent = Agent(node_dir, idle_timeout, {SOCK: os.stat(sock_path).st_ino, LOCK: os.fstat(lock_fd).st_ino})
+    agent = Agent(node_dir, idle_timeout, {SOCK: os.stat(sock_path).st_ino, LOCK: os.fstat(lock_fd).st_ino},
+                  log_path=log_path)
     log.info("agent pid %d serving %s (idle timeout %.0f s)", os.getpid(), node_dir, idle_timeout)
     try:
         agent.serve(server)
@@ -478,16 +642,12 @@ def run_agent(node_dir: Path, idle_timeout: float) -> int:
         # wait for flushes in progress, then free the memory
         while agent.flushing:
             time.sleep(0.1)
-        for name in ("store", SOCK) if agent.owner() else ():  # the socket last: stop_agent waits for it
-            p = node_dir / name
-            if p.is_dir():
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                try:
-                    p.unlink()
-                except FileNotFoundError:
-                    pass
-        log.info("agent pid %d stopped; memory freed", os.getpid())
+        if agent.owner():
+            _remove_own_files(node_dir)
+            log.info("agent pid %d stopped; memory freed, %s removed", os.getpid(), node_dir)
+        else:
+            log.info("agent pid %d stopped; %s was not its own any more: left as it is", os.getpid(), node_dir)
+        os.close(lock_fd)
     return 0
 
 
@@ -519,18 +679,74 @@ def _request(node_dir: Path, op: str) -> dict[str, Any] | None:
 
 
 def agent_status(node_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """``{"pid", "attached", "held_bytes"}`` of the agent serving ``node_dir``, or None."""
-    return _request(Path(node_dir), "status")
+    """The state of the agent serving ``node_dir`` (the fields of ``agent --status --json``, see the README), or
+    None when none answers."""
+    answer = _request(Path(node_dir), "status")
+    if answer is not None:
+        answer.pop("op", None)
+        answer.pop("ok", None)
+        answer.pop("fds", None)
+    return answer
+
+
+def _bytes(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _duration(seconds: float) -> str:
+    s = int(seconds)
+    if s < 120:
+        return f"{s} s"
+    if s < 7200:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+
+def format_status(st: dict[str, Any]) -> str:
+    """The readable form of :func:`agent_status`'s answer (what ``agent --status`` prints)."""
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(st["started_unix"]))
+    lines = [f"agent pid {st['pid']} serving {st['dir']}",
+             f"  up {_duration(st['uptime_s'])} (since {started})"]
+    trainers = st.get("trainers") or []
+    who = ", ".join(f"rank {t['rank']} pid {t['pid']}" for t in trainers)
+    lines.append(f"  trainers attached: {len(trainers)}{f' ({who})' if who else ''}")
+    snaps = st.get("snapshots") or []
+    lines.append(f"  memory held: {_bytes(st['held_bytes'])}"
+                 + (f" in {len(snaps)} snapshot{'s' if len(snaps) != 1 else ''}" if snaps else ""))
+    lines += [f"    step {e['step']}: {_bytes(e['bytes'])}" for e in snaps]
+    pending = st.get("pending") or []
+    if pending:
+        lines.append("  staged, not yet in every durable tier (written by the agent if the trainer dies): "
+                     + ", ".join(f"step {e['step']} (rank {e['rank']})" for e in pending))
+    if st.get("flushing"):
+        lines.append(f"  writing now: {st['flushing']} snapshot write(s) to durable tiers")
+    timeout = _duration(st["idle_timeout_s"])
+    if st.get("exits_in_s") is None:
+        lines.append(f"  idle timeout: {timeout} (counts once no trainer is attached and nothing is being written)")
+    else:
+        lines.append(f"  idle timeout: {timeout}; idle for {_duration(st['idle_s'])}, exits in"
+                     f" {_duration(st['exits_in_s'])} unless a trainer attaches")
+    lines.append(f"  log: {st['log'] or 'stderr of the process that started it (agent --log -)'}")
+    return "\n".join(lines)
 
 
 def stop_agent(node_dir: str | os.PathLike[str], timeout: float = 30.0) -> bool:
-    """Ask the agent of ``node_dir`` to exit and free its memory; True once it is gone (False: none was running)."""
+    """Ask the agent of ``node_dir`` to exit and free its memory; True once it is gone (False: none was running).
+
+    Once it returns True within ``timeout``, the agent has exited: it wrote what it had to write and removed its
+    files and ``node_dir`` (unless someone else's files are in it).
+    """
     node_dir = Path(node_dir)
     answer = _request(node_dir, "stop")
     if answer is None:
         return False
+    pid = int(answer.get("pid", 0))
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and (node_dir / SOCK).exists():
+    while time.monotonic() < deadline and (_alive(pid) if pid > 0 else (node_dir / SOCK).exists()):
         time.sleep(0.05)
     return True
 
@@ -549,9 +765,24 @@ def ensure_agent(node_dir: str | os.PathLike[str], *, idle_timeout: float = 600.
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_PORT", "MASTER_ADDR"):
         env.pop(var, None)  # the agent is no rank of the job
-    logf = open(node_dir / LOG, "ab")  # noqa: SIM115 - handed to the child
+    log_path = agent_log_path(node_dir)
+    try:
+        logfd = _open_log(log_path)
+    except OSError as e:  # (a read-only home: the temporary directory, still outside shared memory)
+        fallback = Path(tempfile.gettempdir()) / f"lightning-snapshot-{os.getuid()}-logs" / log_path.name
+        log.warning("lightning-snapshot: cannot write the agent's log %s (%s); it goes to %s. Set XDG_STATE_HOME to"
+                    " a directory this user may write", log_path, e, fallback)
+        try:
+            logfd = _open_log(fallback)
+        except OSError as e2:
+            raise SnapshotError(
+                f"could not start the snapshot agent for {node_dir}: cannot write its log {log_path} ({e}) nor"
+                f" {fallback} ({e2}). Set XDG_STATE_HOME to a directory this user may write"
+            ) from e2
+        log_path = fallback
+    logf = os.fdopen(logfd, "ab")  # (handed to the child)
     agent_cmd = [sys.executable, "-c", "import sys; from lightning_snapshot.agent import main; sys.exit(main())",
-                 "--dir", str(node_dir), "--idle-timeout", str(idle_timeout)]
+                 "--dir", str(node_dir), "--idle-timeout", str(idle_timeout), "--log", str(log_path)]
     try:
         # through a short-lived intermediate process, so that the agent is nobody's child (no zombie when it exits
         # before the trainer) and runs in a session of its own (a SIGKILL of the trainer's group does not reach it)
@@ -571,8 +802,9 @@ def ensure_agent(node_dir: str | os.PathLike[str], *, idle_timeout: float = 600.
         if answer is not None:
             return int(answer["pid"])
         time.sleep(0.05)
-    tail = (node_dir / LOG).read_text(errors="replace")[-2000:] if (node_dir / LOG).exists() else ""
-    raise SnapshotError(f"the snapshot agent for {node_dir} did not answer within {timeout:.0f} s; its log:\n{tail}")
+    tail = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
+    raise SnapshotError(f"the snapshot agent for {node_dir} did not answer within {timeout:.0f} s; its log"
+                        f" ({log_path}):\n{tail}")
 
 
 class AgentClient:
@@ -606,11 +838,9 @@ class AgentClient:
         self._reader.start()
 
     def _agent_name(self) -> str:
-        try:
-            pid = (self.node_dir / LOCK).read_text(errors="replace").strip()[:20]
-        except OSError:
-            pid = ""
-        return f"the snapshot agent{f' (pid {pid})' if pid else ''} of {self.node_dir} (its log: {self.node_dir / LOG})"
+        pid, logged = _read_lock(self.node_dir)
+        where = logged or agent_log_path(self.node_dir)
+        return f"the snapshot agent{f' (pid {pid})' if pid else ''} of {self.node_dir} (its log: {where})"
 
     def _lose(self, why: str) -> None:
         if self._lost is None and not self._closing:

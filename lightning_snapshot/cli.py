@@ -7,7 +7,7 @@ snapshot agent.
     lightning-snapshot export /nvme/snap/run-42 model.safetensors [--format safetensors|torch] [--step 1200]
     lightning-snapshot copy /nvme/snap/run-42 s3://bucket/run-42 [--step 1200] [--json]
     lightning-snapshot gc s3://bucket/run-42 [--keep-last 5] [--older-than 7d] [--grace 1h] [--dry-run] [--json]
-    lightning-snapshot agent --dir /dev/shm/lightning-snapshot-$UID/NAME [--stop | --status]
+    lightning-snapshot agent --dir /dev/shm/lightning-snapshot-$UID/NAME [--stop | --status [--json]] [--log FILE]
 
 A tier is a path, file:///path, ram://NAME or an fsspec URL (s3://bucket/prefix, ...); list, inspect, verify,
 export and copy's source also take one step-* directory. list, inspect and verify only read: they never create a
@@ -16,7 +16,8 @@ progress bar is drawn on stderr only when it is a terminal.
 
 Exit status: 0 success; 1 the command failed (no tier or snapshot at that place, a snapshot that does not verify,
 an I/O error); 2 the command line is wrong (unknown option or URL scheme, invalid value, a directory where a file is
-expected); 3 (agent) another agent already serves the directory. Errors are one line on stderr.
+expected); 3 (agent) another agent already serves the directory. ``agent --status`` exits 1 when no agent serves
+it. Errors are one line on stderr.
 """
 
 from __future__ import annotations
@@ -369,11 +370,14 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     if node_dir.exists() and not node_dir.is_dir():
         raise ConfigError(f"--dir {str(node_dir)!r} is a file, not a directory: give the agent's directory"
                           " (RamTier.node_dir)")
+    if args.json and not args.status:
+        raise ConfigError("--json goes with --status: lightning-snapshot agent --dir DIR --status --json")
     if args.stop or args.status:
         if not node_dir.is_dir():
             raise SnapshotNotFoundError(
                 f"no agent directory {str(node_dir)!r}: check --dir (the RAM tier's base directory,"
-                " $LIGHTNING_SNAPSHOT_SHM_DIR or /dev/shm/lightning-snapshot-<uid>, plus the run's name)"
+                " $LIGHTNING_SNAPSHOT_SHM_DIR or /dev/shm/lightning-snapshot-<uid>, plus the run's name); an agent"
+                " that stopped removed it"
             )
         if args.stop:
             stopped = agent.stop_agent(node_dir)
@@ -383,7 +387,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
         if not st:
             raise SnapshotNotFoundError(f"no agent serves {node_dir} (none is running for it); start one with:"
                                         f" {PROG} agent --dir {node_dir}")
-        print(json.dumps(st))
+        print(json.dumps(st, indent=2, sort_keys=True) if args.json else agent.format_status(st))
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s lightning-snapshot agent: %(message)s")
     if args.nice:
@@ -391,7 +395,9 @@ def _cmd_agent(args: argparse.Namespace) -> int:
             os.nice(args.nice)  # background work: the trainer's threads get the CPU first
         except OSError:
             pass
-    return agent.run_agent(node_dir, args.idle_timeout)
+    log_path = None if args.log == "-" else Path(args.log).expanduser().absolute() if args.log else \
+        agent.agent_log_path(node_dir)
+    return agent.run_agent(node_dir, args.idle_timeout, log_path)
 
 
 # ------------------------------------------------------------------------------------------------ parser
@@ -434,7 +440,14 @@ def _parser() -> _Parser:
     what = p.add_mutually_exclusive_group()
     what.add_argument("--stop", action="store_true", help="stop the agent serving --dir (frees its memory)")
     what.add_argument("--status", action="store_true",
-                      help="print the agent's pid, attached trainers and held bytes")
+                      help="print the agent's pid, uptime, attached trainers, memory held per snapshot, idle timeout"
+                           " and log (exit status 1 when no agent serves --dir)")
+    p.add_argument("--json", action="store_true",
+                   help="with --status: the same as one JSON object (stable fields, documented in the README)")
+    p.add_argument("--log", default=None, metavar="FILE",
+                   help="where the agent logs (appended; '-': stderr). Default:"
+                        " $XDG_STATE_HOME/lightning-snapshot/agent-<run>-<hash>.log (~/.local/state/...), outside"
+                        " /dev/shm, kept after the agent exits")
     p.set_defaults(fn=_cmd_agent)
     return parser
 

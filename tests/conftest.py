@@ -67,6 +67,18 @@ def reference_runs(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _agent_logs_in_a_temporary_state_dir(tmp_path_factory: pytest.TempPathFactory):
+    """Snapshot agents started by the tests log under a temporary $XDG_STATE_HOME, not the user's home."""
+    old = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state"))
+    yield
+    if old is None:
+        os.environ.pop("XDG_STATE_HOME", None)
+    else:
+        os.environ["XDG_STATE_HOME"] = old
+
+
 def wait_until(predicate, timeout: float = 60.0) -> bool:
     """Poll ``predicate`` every 0.1 s until it holds (True) or ``timeout`` seconds passed (False)."""
     import time
@@ -87,7 +99,7 @@ def shm(tmp_path, monkeypatch):
     base = tmp_path / "shm"
     monkeypatch.setenv("LIGHTNING_SNAPSHOT_SHM_DIR", str(base))
     yield base
-    for sock in base.glob("**/agent.sock"):
+    for sock in list(base.glob("**/agent.sock")):  # (listed first: a stopped agent removes its directory)
         stop_agent(sock.parent)
 
 
@@ -100,7 +112,7 @@ def check_flush_after_death(tmp_path: Path, shm: Path, reference_runs, monkeypat
     ``before_kill()`` runs after the reference run, before the run that is killed; ``after_kill(killed run)`` right
     after the kill. Returns the killed run.
     """
-    from lightning_snapshot.agent import stop_agent
+    from lightning_snapshot.agent import agent_log_path, stop_agent
     from lightning_snapshot.backends import LocalTier
     from lightning_snapshot.writer import committed_steps
 
@@ -117,13 +129,13 @@ def check_flush_after_death(tmp_path: Path, shm: Path, reference_runs, monkeypat
     if after_kill is not None:
         after_kill(killed)
     assert 8 not in committed_steps(LocalTier(local)), "the kill came too late to test anything"
-    log = shm / "test" / "agent.log"
+    log = agent_log_path(shm / "test")
     assert wait_until(lambda: 8 in committed_steps(LocalTier(local)), timeout=120), log.read_text()
     # (either the write the trainer had asked for, finished after its death, or the staged snapshot the agent
     # flushed on its own when the trainer's connection dropped before it was even asked)
     assert wait_until(lambda: "step 8 reached tier 0 after trainer rank 0 was gone" in log.read_text()
                       or "step 8 committed to tier 0 after rank 0 died" in log.read_text()), log.read_text()
-    assert stop_agent(shm / "test") and not (shm / "test" / "store").exists()
+    assert stop_agent(shm / "test") and not (shm / "test").exists(), "the stopped agent left files in its directory"
     monkeypatch.delenv("LIGHTNING_SNAPSHOT_AGENT_WRITE_DELAY")
     proc = run_train(local, out, *args)  # no RAM tier, no agent: the local tier alone
     assert "RESTORED step=8 from=" in proc.stdout, proc.stdout + proc.stderr

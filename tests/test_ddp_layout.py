@@ -18,6 +18,9 @@ from lightning_snapshot.ddp_layout import apply_layout, capture_layout, check_la
 from lightning_snapshot.loader import read_manifest
 from lightning_snapshot.writer import committed_steps
 
+# the module-scoped fixtures below are shared by this file's tests: under pytest-xdist they run in one worker
+pytestmark = pytest.mark.xdist_group("test_ddp_layout")
+
 # ---------------------------------------------------------------------- 4 ranks, real SIGKILL, SnapshotCallback
 #: train.py's model (Linear, BatchNorm, Linear: 6 parameters, so the gradient-ready order is a real permutation),
 #: 4 CPU ranks on gloo, 8 steps per epoch, snapshots at steps 3, 6, 9, 12

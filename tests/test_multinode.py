@@ -14,6 +14,9 @@ from lightning_snapshot.backends import LocalTier
 from lightning_snapshot.manifest import MANIFEST_NAME, step_dirname
 from lightning_snapshot.writer import committed_steps
 
+# the module-scoped fixtures below are shared by this file's tests: under pytest-xdist they run in one worker
+pytestmark = pytest.mark.xdist_group("test_multinode")
+
 NODES = 3
 # RAM every 4 steps (erasure 2+1 over the 3 nodes), the local tier every 3; killed at step 10: RAM holds 8, local 9
 ARGS = ("--max-steps", "12", "--every", "3", "--shuffle", "--num-nodes", str(NODES), "--ram-every", "4",
@@ -29,7 +32,7 @@ def _env(base: Path) -> dict[str, str]:
 
 
 def _stop_agents(base: Path) -> None:
-    for sock in (base / "shm").glob("**/agent.sock"):
+    for sock in list((base / "shm").glob("**/agent.sock")):  # (a stopped agent removes its directory)
         stop_agent(sock.parent)
 
 
@@ -97,8 +100,8 @@ def test_replaced_node_falls_back_to_the_ram_tier_naming_the_node_and_step(tmp_p
         assert [p.returncode for p in procs] == [-9] * NODES, [p.stderr[-3000:] for p in procs]
         assert "is node-local" in procs[0].stderr and "(detected)" in procs[0].stderr, procs[0].stderr[-3000:]
         # node 1 is replaced: its memory (agent and files) and its disk are empty
-        stop_agent(tmp_path / "shm" / "node1" / "test")
-        shutil.rmtree(tmp_path / "shm" / "node1")
+        stop_agent(tmp_path / "shm" / "node1" / "test")  # (the stopped agent leaves nothing in node 1's memory)
+        assert not (tmp_path / "shm" / "node1").exists(), sorted(str(p) for p in (tmp_path / "shm").rglob("*"))
         shutil.rmtree(tmp_path / "local" / "node1")
         procs = _run(tmp_path, "node-local-env")
         _ok(procs)

@@ -15,7 +15,7 @@ import torch
 from conftest import SCRIPTS, assert_bitwise_equal, check_flush_after_death, launch_nodes, run_train
 from conftest import wait_until as _wait
 
-from lightning_snapshot.agent import agent_status, ensure_agent, stop_agent
+from lightning_snapshot.agent import agent_log_path, agent_status, ensure_agent, stop_agent
 from lightning_snapshot.arena import FAKE_REGISTER_ENV
 from lightning_snapshot.backends import LocalTier
 from lightning_snapshot.writer import committed_steps
@@ -35,18 +35,133 @@ def test_one_agent_per_node_and_run_in_its_own_session_owner_only(shm):
     assert proc.returncode == 3 and f"another agent (pid {pid}) already serves" in proc.stderr
     (node / "store").mkdir()
     (node / "store" / "x").write_bytes(b"held")
+    (node / "job-notes.txt").write_text("a file the agent does not own")
     assert agent_status(node)["pid"] == pid
     assert stop_agent(node)
-    assert _wait(lambda: not (node / "store").exists()), "--stop must free the memory"
     assert _wait(lambda: not os.path.exists(f"/proc/{pid}"))
+    # it freed the memory and removed what it owns, and nothing else: the directory stays for the other file
+    assert sorted(p.name for p in node.iterdir()) == ["job-notes.txt"]
+    assert sorted(p.name for p in shm.iterdir()) == ["run-a"]
 
 
-def test_agent_exits_and_frees_memory_when_idle(shm):
+def test_agent_exits_when_idle_and_leaves_nothing_in_shared_memory(shm):
     node = shm / "run-b"
     pid = ensure_agent(node, idle_timeout=1.0)
-    (node / "store").mkdir()
+    (node / "store" / "step-000000000002").mkdir(parents=True)
+    (node / "store" / "step-000000000002" / "0.bin").write_bytes(b"x" * 5000)
+    st = agent_status(node)
+    assert st["snapshots"][0]["step"] == 2 and 0 <= st["exits_in_s"] <= 1.0 and st["idle_timeout_s"] == 1.0
     assert _wait(lambda: not os.path.exists(f"/proc/{pid}"), timeout=30), "idle agent did not exit"
-    assert not (node / "store").exists()
+    # socket, lock, memory, its directory and the (then empty) base directory are gone; the log is kept elsewhere
+    assert not shm.exists(), sorted(str(p) for p in shm.rglob("*"))
+    assert "no trainer attached for 1 s: exiting" in agent_log_path(node).read_text()
+
+
+def test_an_agent_whose_directory_another_job_replaced_exits_and_deletes_nothing(shm):
+    node = shm / "run-r"
+    pid = ensure_agent(node, idle_timeout=60)
+    node.rename(shm / "moved")  # another job deletes the directory and makes its own, with files of the same names
+    (node / "store").mkdir(parents=True)
+    for name in ("agent.lock", "agent.sock", "store/x"):
+        (node / name).write_text("not the agent's")
+    assert _wait(lambda: not os.path.exists(f"/proc/{pid}"), timeout=30), "the agent did not notice"
+    assert sorted(str(p.relative_to(node)) for p in node.rglob("*")) == ["agent.lock", "agent.sock", "store",
+                                                                         "store/x"]
+    assert sorted(p.name for p in (shm / "moved").iterdir()) == ["agent.lock", "agent.sock"]
+    assert "was removed or taken over: exiting without touching it" in agent_log_path(node).read_text()
+
+
+def test_the_lock_refuses_a_second_agent_and_follows_a_replaced_lock_file(tmp_path, capsys):
+    from lightning_snapshot.agent import _lock
+
+    first = _lock(tmp_path, tmp_path / "first.log")
+    assert first is not None and (tmp_path / "agent.lock").read_text() == f"{os.getpid()}\n{tmp_path / 'first.log'}\n"
+    assert _lock(tmp_path, None) is None  # (a second open file description: refused like another process)
+    assert f"another agent (pid {os.getpid()}) already serves {tmp_path}" in capsys.readouterr().err
+    # the first agent exits: it deletes the lock file while holding it; the next agent locks a new file, not the
+    # deleted one (which would let a third one in beside it)
+    os.unlink(tmp_path / "agent.lock")
+    second = _lock(tmp_path, None)
+    assert second is not None and os.fstat(second).st_ino == os.stat(tmp_path / "agent.lock").st_ino
+    assert _lock(tmp_path, None) is None
+    os.close(first)
+    os.close(second)
+
+
+def _cli(*args: str) -> tuple[int, str, str]:
+    """``lightning-snapshot ARGS`` in this process: (exit status, stdout, stderr)."""
+    import contextlib
+    import io
+
+    from lightning_snapshot.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(list(args))
+    return rc, out.getvalue(), err.getvalue()
+
+
+def test_agent_status_readable_and_json_then_stop_leaves_nothing_in_shared_memory(tmp_path, shm):
+    import json
+
+    from lightning_snapshot.agent import AgentClient
+
+    node = shm / "run-s"
+    pid = ensure_agent(node, idle_timeout=300)
+    for step, nbytes in ((8, 8192), (4, 4096)):  # what the RAM tier holds (its files, as the trainer writes them)
+        (node / "store" / f"step-{step:012d}").mkdir(parents=True)
+        (node / "store" / f"step-{step:012d}" / "0.bin").write_bytes(b"x" * nbytes)
+    client = AgentClient(node, rank=0, world_size=1, run_id="run-s-id", tiers=[LocalTier(tmp_path / "local")])
+    try:
+        assert _wait(lambda: agent_status(node)["attached"] == 1)
+        rc, out, err = _cli("agent", "--dir", str(node), "--status", "--json")
+        assert rc == 0 and err == ""
+        st = json.loads(out)
+        assert sorted(st) == ["attached", "dir", "exits_in_s", "flushing", "held_bytes", "idle_s", "idle_timeout_s",
+                              "log", "pending", "pid", "snapshots", "started_unix", "trainers", "uptime_s",
+                              "version"]
+        assert st["version"] == 1 and st["pid"] == pid and st["dir"] == str(node) and st["attached"] == 1
+        assert st["trainers"] == [{"rank": 0, "pid": os.getpid(), "world_size": 1, "run_id": "run-s-id"}]
+        assert [e["step"] for e in st["snapshots"]] == [8, 4] and st["snapshots"][0]["bytes"] >= 8192
+        assert st["held_bytes"] == sum(e["bytes"] for e in st["snapshots"])
+        assert st["idle_timeout_s"] == 300 and st["idle_s"] is None and st["exits_in_s"] is None
+        assert st["log"] == str(agent_log_path(node)) and st["pending"] == [] and st["flushing"] == 0
+        assert 0 <= st["uptime_s"] < 600 and abs(st["started_unix"] - __import__("time").time()) < 600
+        rc, out, err = _cli("agent", "--dir", str(node), "--status")
+        assert rc == 0 and err == ""
+        lines = out.splitlines()
+        assert lines[0] == f"agent pid {pid} serving {node}"
+        assert lines[1].startswith("  up ") and " s (since " in lines[1]
+        assert lines[2] == f"  trainers attached: 1 (rank 0 pid {os.getpid()})"
+        assert lines[3].startswith("  memory held: ") and lines[3].endswith(" KiB in 2 snapshots")
+        assert lines[4].startswith("    step 8: ") and lines[5].startswith("    step 4: ")
+        assert lines[6] == "  idle timeout: 5 min 00 s (counts once no trainer is attached and nothing is being" \
+                           " written)"
+        assert lines[7] == f"  log: {agent_log_path(node)}" and len(lines) == 8
+    finally:
+        client.close()
+    assert _wait(lambda: agent_status(node)["attached"] == 0)
+    st = agent_status(node)
+    assert st["trainers"] == [] and 0 < st["exits_in_s"] <= 300 and st["idle_s"] >= 0
+    rc, out, _err = _cli("agent", "--dir", str(node), "--status")
+    assert "  trainers attached: 0\n" in out and ", exits in 4 min " in out
+    # --stop: the agent exits, and nothing of it is left in shared memory; its log stays where status said
+    rc, out, err = _cli("agent", "--dir", str(node), "--stop")
+    assert (rc, out, err) == (0, f"stopped the agent of {node}\n", "")
+    assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split(") ")[1][0] == "Z"
+    assert not shm.exists(), sorted(str(p) for p in shm.rglob("*"))
+    assert f"agent pid {pid} stopped; memory freed, {node} removed" in agent_log_path(node).read_text()
+    # no agent: exit status 1 and one line, with or without --json
+    for extra in ((), ("--json",)):
+        rc, out, err = _cli("agent", "--dir", str(node), "--status", *extra)
+        assert rc == 1 and out == "" and len(err.splitlines()) == 1
+        assert err.startswith(f"lightning-snapshot agent: error: no agent directory {str(node)!r}: check --dir")
+        assert err.rstrip().endswith("an agent that stopped removed it")
+    node.mkdir(parents=True)
+    rc, out, err = _cli("agent", "--dir", str(node), "--status", "--json")
+    assert rc == 1 and out == "" and err == (f"lightning-snapshot agent: error: no agent serves {node} (none is"
+                                             f" running for it); start one with: lightning-snapshot agent --dir"
+                                             f" {node}\n")
 
 
 # ------------------------------------------------------------------------------------------------ crash + restart
@@ -107,13 +222,14 @@ def test_a_stuck_or_dead_agent_stops_training_with_an_error_naming_it(tmp_path, 
                             stderr=subprocess.PIPE, start_new_session=True)
     pid = None
     try:
-        assert _wait(lambda: any("attached" in p.read_text() for p in shm.glob("**/agent.log")), timeout=120), \
-            "the trainer never attached to its agent"
+        assert _wait(lambda: any("attached" in agent_log_path(p.parent).read_text()
+                                 for p in shm.glob("**/agent.lock") if agent_log_path(p.parent).exists()),
+                     timeout=120), "the trainer never attached to its agent"
         # the agent committed a first snapshot; 1.5 s later it is in the 3 s it waits before writing the next one
         assert _wait(lambda: committed_steps(LocalTier(tmp_path / "local")), timeout=120)
         time.sleep(1.5)
         lock = next(shm.glob("**/agent.lock"))
-        pid = int(lock.read_text().strip())
+        pid = int(lock.read_text().splitlines()[0])
         os.kill(pid, getattr(signal, how))
         _out, err = proc.communicate(timeout=180)  # (hung before: the persist thread waited for it forever)
     finally:
@@ -123,7 +239,7 @@ def test_a_stuck_or_dead_agent_stops_training_with_an_error_naming_it(tmp_path, 
             os.kill(pid, signal.SIGKILL)
     assert proc.returncode == 1, err[-3000:]
     assert "AgentError" in err and f"snapshot agent (pid {pid}) of {lock.parent}" in err, err[-3000:]
-    assert str(lock.parent / "agent.log") in err, err[-3000:]
+    assert f"(its log: {agent_log_path(lock.parent)})" in err, err[-3000:]
     assert ("sent nothing for 5 s: it is stopped or hung" if how == "SIGSTOP" else
             "closed the connection (it exited or was killed)") in err, err[-3000:]
 
@@ -214,8 +330,8 @@ def test_too_many_lost_shares_fall_back_to_the_local_tier_with_one_log_line(tmp_
         procs = launch_nodes("train.py", 2, *common, "--crash-at", "8", env=env)
         assert [p.returncode for p in procs] == [-9, -9], [p.stderr[-2000:] for p in procs]
         assert committed_steps(LocalTier(tmp_path / "local"))[0] == 6
-        stop_agent(base / "node0" / "test")
-        shutil.rmtree(base / "node0")
+        stop_agent(base / "node0" / "test")  # node 0's memory is lost: the agent frees it and leaves nothing
+        assert not (base / "node0").exists(), sorted(str(p) for p in (base / "node0").rglob("*"))
         for share in (base / "node1" / "test" / "store").glob("step-*/*.ec/[0-9]*"):
             raw = bytearray(share.read_bytes())
             raw[0] ^= 1
@@ -227,7 +343,7 @@ def test_too_many_lost_shares_fall_back_to_the_local_tier_with_one_log_line(tmp_
             procs[0].stdout + log[-3000:])
         assert "RESTORED step=6 from=" + str(tmp_path / "local") in procs[0].stdout
     finally:
-        for sock in base.glob("**/agent.sock"):
+        for sock in list(base.glob("**/agent.sock")):  # (listed first: a stopped agent removes its directory)
             stop_agent(sock.parent)
     ref = tmp_path / "ref"
     procs = launch_nodes("train.py", 2, "--dir", str(ref / "local"), "--out", str(ref / "out.pt"), *args,

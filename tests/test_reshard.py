@@ -31,6 +31,9 @@ from lightning_snapshot.planner import Box, shard_boxes
 from lightning_snapshot.staging import dtensor_box, stage
 from lightning_snapshot.writer import SnapshotJob, _merge, _merge_tensors, _write_part, committed_steps, write_snapshot
 
+# the module-scoped fixtures below are shared by this file's tests: under pytest-xdist they run in one worker
+pytestmark = pytest.mark.xdist_group("test_reshard")
+
 _rng = random.Random()
 MAX_AMPLIFICATION = 1.05
 
@@ -162,7 +165,7 @@ def ram_base(tmp_path_factory):
     old = os.environ.get("LIGHTNING_SNAPSHOT_SHM_DIR")
     os.environ["LIGHTNING_SNAPSHOT_SHM_DIR"] = str(base)
     yield base
-    for sock in base.glob("*/agent.sock"):
+    for sock in list(base.glob("*/agent.sock")):  # (a stopped agent removes its directory)
         stop_agent(sock.parent)
     if old is None:
         del os.environ["LIGHTNING_SNAPSHOT_SHM_DIR"]

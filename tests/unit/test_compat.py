@@ -26,6 +26,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from lightning_snapshot import compat
 from lightning_snapshot.errors import StateMismatchError
 
+# the module-scoped fixtures below are shared by this file's tests: under pytest-xdist they run in one worker
+pytestmark = pytest.mark.xdist_group("test_compat")
+
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 WHERE = "snapshot of step 8 in the local tier '/snaps'"
 

@@ -22,6 +22,9 @@ from lightning_snapshot.manifest import Manifest, step_dirname
 from lightning_snapshot.staging import stage
 from lightning_snapshot.writer import SnapshotJob, write_snapshot
 
+# the module-scoped fixtures below are shared by this file's tests: under pytest-xdist they run in one worker
+pytestmark = pytest.mark.xdist_group("test_manifest_fuzz")
+
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
