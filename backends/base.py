@@ -35,7 +35,7 @@ class Backend(abc.ABC):
         train_time_interval: also snapshot when this much wall time passed since the last snapshot of the tier
             (a ``datetime.timedelta`` or seconds as a number).
         keep_last: how many committed snapshots the tier keeps (>= 1), or ``None`` to keep all. The newest
-            snapshot is never deleted.
+            snapshot is never deleted, nor is the newest healthy one (no NaN or infinity recorded in its manifest).
 
     Thread-safety: the engine calls one backend from one thread at a time, except ``read_into``, which it may call
     from up to :attr:`parallel_reads` threads at once.

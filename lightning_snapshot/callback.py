@@ -55,6 +55,7 @@ from lightning_snapshot.errors import (
 from lightning_snapshot.loader import ReadStats, read_manifest, read_section, resolve_source
 from lightning_snapshot.metrics import MetricsSink, tier_metric_names
 from lightning_snapshot.persist import Persister, PersistJob
+from lightning_snapshot.resume_policy import Candidate, plan_resume, read_candidate, record_restore
 from lightning_snapshot.staging import dtensor_box, is_dtensor, stage
 from lightning_snapshot.writer import committed_steps
 
@@ -106,6 +107,17 @@ class SnapshotCallback(Checkpoint):
         shutdown_timeout: the longest ``on_exception`` and ``teardown`` wait for the persist threads (seconds;
             default 30). After an exception the writes in flight are abandoned after this long (a snapshot already
             handed to the snapshot agent is still finished by it) and the exception goes on.
+        resume_unhealthy: every snapshot records, per tensor group (the model, each optimizer), whether its
+            parameters and optimizer state held a NaN or an infinity. ``False`` (default): ``resume=True`` skips
+            unhealthy snapshots, with one warning naming the newest one's step and first non-finite tensor, and
+            resumes from the newest healthy one (snapshots written before health was recorded count as healthy).
+            ``True``: health does not matter.
+        max_restores: the crash-loop breaker. Every restore is recorded next to the snapshot it used
+            (``step-<N>/restores.json`` in each tier holding it; rank 0 writes it before training goes on).
+            With ``resume=True``, a snapshot restored this many times (default 3) with no newer snapshot committed
+            since (the run crashed after each restore) is skipped, with a warning saying why, and the resume takes
+            the one before it. The count is the largest over the tiers, read by rank 0 for the whole job. ``None``:
+            never skip (restores are still recorded).
 
     Snapshots are taken after the optimizer step of every scheduled ``global_step`` (with gradient accumulation,
     only when ``global_step`` moved). Supported strategies: single device, DDP (``ddp``, ``ddp_spawn``) and
@@ -126,6 +138,8 @@ class SnapshotCallback(Checkpoint):
         sigterm_grace: float = 25.0,
         collective_timeout: float = 300.0,
         shutdown_timeout: float = 30.0,
+        resume_unhealthy: bool = False,
+        max_restores: int | None = 3,
     ) -> None:
         if isinstance(tiers, (str, Backend)):
             tiers = [tiers]
@@ -160,6 +174,17 @@ class SnapshotCallback(Checkpoint):
                 raise ConfigError(f"{option} must be a positive number of seconds, got {value!r}")
         self.collective_timeout = float(collective_timeout)
         self.shutdown_timeout = float(shutdown_timeout)
+        if not isinstance(resume_unhealthy, bool):
+            raise ConfigError(f"resume_unhealthy must be True or False, got {resume_unhealthy!r}")
+        if max_restores is not None and (
+            isinstance(max_restores, bool) or not isinstance(max_restores, int) or max_restores < 1
+        ):
+            raise ConfigError(f"max_restores must be an integer >= 1 (or None to never skip a snapshot the run keeps"
+                              f" crashing after), got {max_restores!r}")
+        self.resume_unhealthy = resume_unhealthy
+        self.max_restores = max_restores
+        #: (rank 0) per (step, tier index) of the last candidate list: the manifest digest and the restore count
+        self._facts: dict[tuple[int, int], tuple[str, int]] = {}
         self._arena: HostArena | None = None
         self._persister: Persister | None = None
         self._inflight: AsyncStaged | None = None
@@ -558,7 +583,7 @@ class SnapshotCallback(Checkpoint):
                      trainer.ckpt_path)
             return
         t0 = time.monotonic()
-        candidates = self._candidates()
+        candidates = self._candidates(report=True)
         if not candidates:
             if self.resume is not True:
                 raise SnapshotNotFoundError(f"resume={self.resume!r}: no committed snapshot matches it in"
@@ -584,6 +609,7 @@ class SnapshotCallback(Checkpoint):
                 restore_shared(trainer, pl_module, shared, where, live,
                                load_callbacks=self._preloaded != (backend.url, step))
                 self._apply_rank_state(trainer, rank_state)
+                self._record_restore(backend, step)
                 self._restored_fit_state = _fit_state.saved_state(shared)
                 _fit_state.prune_checkpoints(trainer, self._restored_fit_state, step)
                 self._restore_ddp_layout(trainer, rank_state, where)
@@ -662,14 +688,23 @@ class SnapshotCallback(Checkpoint):
                 except CaptureError as e:
                     raise ConfigError(f"SnapshotCallback cannot snapshot this model's sharding: {e}") from None
 
-    def _candidates(self) -> list[tuple[Backend, int]]:
-        """Snapshots to try, newest first (ties: tier order). Rank 0 decides; every rank gets the same list."""
+    def _candidates(self, report: bool = False) -> list[tuple[Backend, int]]:
+        """Snapshots to try, newest first (ties: tier order). Rank 0 decides; every rank gets the same list.
+
+        With ``resume=True``, unhealthy snapshots (unless ``resume_unhealthy``) and snapshots restored
+        ``max_restores`` times are left out; ``report``: rank 0 gives the warnings that say so (once per fit).
+
+        Raises:
+            SnapshotNotFoundError: every committed snapshot was left out that way.
+        """
         if isinstance(self.resume, str):
             backend, step = resolve_source(self.resume)
             steps = [step] if step is not None else committed_steps(backend)[:1]
             return [(backend, s) for s in steps]
         found: list[tuple[int, int]] = []
         unlisted: list[str] = []
+        messages: list[str] = []
+        skipped_all: str | None = None
         collective: dict[int, list[int]] = {}
         for i, tier in enumerate(self.tiers):
             steps_of = getattr(tier, "collective_steps", None)
@@ -686,14 +721,61 @@ class SnapshotCallback(Checkpoint):
             found.sort(key=lambda x: (-x[0], x[1]))
             if not isinstance(self.resume, bool):
                 found = [f for f in found if f[0] == self.resume][:1]
-        found, problem = self._comm.broadcast((found, "; ".join(unlisted)))
+            if not unlisted:
+                found, messages, skipped_all = self._apply_resume_policy(found)
+        found, problem, messages, skipped_all = self._comm.broadcast(
+            (found, "; ".join(unlisted), messages, skipped_all) if self._comm.rank == 0 else None)
         if problem:
             # it may hold the newest snapshot: starting from an older one or fresh could overwrite its history
             raise TierUnavailableError(f"lightning-snapshot: {problem}. Fix access to the tier and run again, or pass"
                                        " resume=False to start fresh without reading it (snapshots are still taken;"
                                        " an object store never overwrites a committed step, so give it a new prefix"
                                        " too)")
+        if report and self._comm.rank == 0:
+            for message in messages:  # (one warning each, from rank 0 only)
+                warnings.warn(message, stacklevel=2)
+        if skipped_all:
+            raise SnapshotNotFoundError(f"lightning-snapshot cannot resume: {skipped_all}")
         return [(self.tiers[i], step) for step, i in found]
+
+    def _apply_resume_policy(self, found: list[tuple[int, int]]
+                             ) -> tuple[list[tuple[int, int]], list[str], str | None]:
+        """(Rank 0) Read each candidate's health and restore count, and with ``resume=True`` drop the unhealthy
+        ones and those the run keeps crashing after (:func:`~lightning_snapshot.resume_policy.plan_resume`).
+        Returns the (step, tier index) pairs left, the warnings to give, and why none is left (or None)."""
+        self._facts = {}
+        candidates: list[Candidate] = []
+        for step, i in found:
+            candidate, manifest_id = read_candidate(self.tiers[i], step, i)
+            candidates.append(candidate)
+            if manifest_id is not None:
+                self._facts[(step, i)] = (manifest_id, candidate.restores)
+        if self.resume is not True:
+            return found, [], None
+        plan = plan_resume(candidates, max_restores=self.max_restores, resume_unhealthy=self.resume_unhealthy)
+        return [(c.step, c.tier) for c in plan.candidates], list(plan.warnings), plan.problem
+
+    def _record_restore(self, backend: Backend, step: int) -> None:
+        """Collective, right after a restore from one of this callback's tiers and before training goes on: rank 0
+        records it (the step's restore count + 1) in every tier holding that step; a tier that cannot be
+        written gives a warning (the resume goes on)."""
+        problem = None
+        if self._comm.rank == 0 and backend in self.tiers:
+            count = 1 + max((n for (s, _), (_, n) in self._facts.items() if s == step), default=0)
+            failed = []
+            for (s, i), (manifest_id, _) in self._facts.items():
+                if s != step:
+                    continue
+                try:
+                    record_restore(self.tiers[i], step, manifest_id, count)
+                except (OSError, SnapshotError) as e:
+                    failed.append(f"{self.tiers[i].tier} {self.tiers[i].url}: {e}")
+            if failed:
+                problem = "; ".join(failed)
+            log.debug("lightning-snapshot: step %d restored %d time(s)", step, count)
+        if not self._comm.all_true(problem is None) and problem is not None:
+            warnings.warn(f"lightning-snapshot: could not record the restore of step {step} ({problem}); the"
+                          " crash-loop breaker (max_restores) does not count this restore there", stacklevel=2)
 
     def _read(self, backend: Backend, step: int, trainer: Any, pl_module: Any, live: Templates
               ) -> tuple[dict[str, Any], dict[str, Any] | None]:

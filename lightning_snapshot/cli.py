@@ -153,11 +153,11 @@ def _list_rows(backend: Any) -> list[dict[str, Any]]:
             m = read_manifest(backend, step)
         except SnapshotError as e:
             rows.append({"step": step, "epoch": None, "world_size": None, "bytes": None, "objects": None,
-                         "created_unix": None, "age_s": None, "error": _one_line(str(e))})
+                         "created_unix": None, "age_s": None, "health": None, "error": _one_line(str(e))})
             continue
         rows.append({"step": step, "epoch": m.epoch, "world_size": m.world_size, "bytes": m.total_bytes,
                      "objects": len(m.objects), "created_unix": m.created_unix,
-                     "age_s": max(0.0, now - m.created_unix), "error": None})
+                     "age_s": max(0.0, now - m.created_unix), "health": m.health_text, "error": None})
     return rows
 
 
@@ -172,14 +172,14 @@ def _cmd_list(args: argparse.Namespace) -> int:
     if not rows:
         print(f"no committed snapshots in {backend.url}")
         return 0
-    print(f"{'step':>12}  {'epoch':>5}  {'ranks':>5}  {'size':>10}  {'created':<19}  age")
+    print(f"{'step':>12}  {'epoch':>5}  {'ranks':>5}  {'size':>10}  {'health':<8}  {'created':<19}  age")
     for r in rows:
         if r["error"] is not None:
             print(f"{r['step']:>12}  unreadable manifest: {r['error']}")
             continue
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created_unix"]))
-        print(f"{r['step']:>12}  {r['epoch']:>5}  {r['world_size']:>5}  {human_bytes(r['bytes']):>10}  {created}"
-              f"  {human_age(r['age_s'])}")
+        print(f"{r['step']:>12}  {r['epoch']:>5}  {r['world_size']:>5}  {human_bytes(r['bytes']):>10}"
+              f"  {r['health']:<8}  {created}  {human_age(r['age_s'])}")
     return 0
 
 
@@ -193,7 +193,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if args.json:
         _emit({"tier": backend.url, "step": m.step, "epoch": m.epoch, "world_size": m.world_size,
                "format_version": m.format_version, "library_version": m.library_version,
-               "created_unix": m.created_unix, "age_s": age, "bytes": m.total_bytes,
+               "created_unix": m.created_unix, "age_s": age, "bytes": m.total_bytes, "health": m.health_text,
+               "health_groups": None if m.health is None else dict(m.health),
                "objects": [{"key": o.key, "bytes": o.nbytes, "rank": o.rank} for o in m.objects],
                "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.global_shape), "alias_of": t.alias_of}
                            for t in m.tensors]})
@@ -201,10 +202,19 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     print(f"step {m.step}, epoch {m.epoch}, world size {m.world_size}, format v{m.format_version},"
           f" written by lightning-snapshot {m.library_version}, {human_age(age)} ago")
     print(f"{len(m.objects)} objects, {human_bytes(m.total_bytes)}; {len(m.tensors)} shared tensors")
+    print(f"health: {_health_line(m)}")
     for t in m.tensors:
         target = f" -> alias of {t.alias_of}" if t.alias_of else ""
         print(f"  {t.name:<60} {t.dtype:<10} {list(t.global_shape)}{target}")
     return 0
+
+
+def _health_line(m: Any) -> str:
+    """The health of a snapshot, per tensor group, for ``inspect``."""
+    if m.health is None:
+        return "unknown (written before lightning-snapshot recorded health; a resume treats it as healthy)"
+    groups = [f"{g}: {'finite' if first is None else f'NaN/inf (first in {first!r})'}" for g, first in m.health.items()]
+    return f"{m.health_text} ({'; '.join(groups) or 'no tensors'})"
 
 
 def _verify_step(backend: Any, step: int, bar: Any) -> dict[str, Any]:

@@ -37,11 +37,16 @@ __all__ = [
     "parse_step_dirname",
     "validate_key",
     "overlapping_boxes",
+    "health_group",
+    "RESTORES_NAME",
 ]
 
 FORMAT_VERSION = 1
 CHECKSUM_ALGORITHM = "xxh3_64"
 MANIFEST_NAME = "manifest.json"
+#: The crash-loop breaker's record of restores, next to the manifest of the step it counts (not part of the snapshot:
+#: never listed in a manifest, never checksummed, removed with its step).
+RESTORES_NAME = "restores.json"
 
 _DTYPE_NAMES = [
     "float64", "float32", "float16", "bfloat16",
@@ -59,6 +64,19 @@ _STEP_RE = re.compile(r"^step-(\d{12})$")
 _KEY_PART_RE = re.compile(r"^[A-Za-z0-9._-]+$")
 _HEX_RE = re.compile(r"^[0-9a-f]{16}$")
 _MAX_DIMS = 64
+_GROUP_RE = re.compile(r"^[A-Za-z0-9._-]{1,100}(/[0-9]{1,6})?$")
+_MAX_GROUPS = 4096
+
+
+def health_group(name: str) -> str:
+    """The health group of a shared tensor name: ``state_dict`` (the model's parameters and buffers),
+    ``optimizer_states/<i>`` (the state of optimizer ``i``), or the name's first part for anything else."""
+    head, _, rest = name.partition("/")
+    if head == "optimizer_states" and rest:
+        index = rest.partition("/")[0]
+        if index.isdigit() and len(index) <= 6:
+            return f"{head}/{index}"
+    return head if _GROUP_RE.match(head) else "other"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -179,6 +197,10 @@ class Manifest:
     alignment: int = 64
     checksum: str = CHECKSUM_ALGORITHM
     format_version: int = FORMAT_VERSION
+    #: Per tensor group (:func:`health_group`): None when every floating-point value of its tensors is finite, else
+    #: the name of its first tensor holding a NaN or an infinity. None for the whole field: not recorded (a snapshot
+    #: written before lightning-snapshot recorded health), which counts as healthy.
+    health: Mapping[str, str | None] | None = None
 
     # -- lookups
     def object(self, key: str) -> ObjectEntry:
@@ -196,6 +218,22 @@ class Manifest:
     @property
     def total_bytes(self) -> int:
         return sum(o.nbytes for o in self.objects)
+
+    @property
+    def first_nonfinite(self) -> tuple[str, str] | None:
+        """``(group, tensor name)`` of the first tensor group holding a non-finite value (groups in manifest
+        order), or None when the snapshot is healthy or its health was not recorded."""
+        for group, first in (self.health or {}).items():
+            if first is not None:
+                return group, first
+        return None
+
+    @property
+    def health_text(self) -> str:
+        """One word for listings: ``healthy``, ``NaN/inf`` or ``unknown`` (not recorded)."""
+        if self.health is None:
+            return "unknown"
+        return "healthy" if self.first_nonfinite is None else "NaN/inf"
 
     # -- JSON
     def to_json(self) -> str:
@@ -261,7 +299,7 @@ def _tensor_to_dict(t: TensorEntry) -> dict[str, Any]:
 
 
 def _manifest_to_dict(m: Manifest) -> dict[str, Any]:
-    return {
+    d = {
         "format_version": m.format_version,
         "step": m.step,
         "epoch": m.epoch,
@@ -278,6 +316,9 @@ def _manifest_to_dict(m: Manifest) -> dict[str, Any]:
             {"rank": r.rank, "state": r.state, "tensors": [_tensor_to_dict(t) for t in r.tensors]} for r in m.ranks
         ],
     }
+    if m.health is not None:
+        d["health"] = dict(m.health)
+    return d
 
 
 # ---------------------------------------------------------------------------------------------------- decoding
@@ -490,7 +531,8 @@ def _manifest_from_dict(raw: Any, where: str) -> Manifest:
                 " Upgrade with: pip install -U lightning-snapshot"
             )
     d = r.obj(raw, "$", {"format_version", "step", "epoch", "world_size", "created_unix", "library_version",
-                         "checksum", "chunk_bytes", "alignment", "objects", "tensors", "state", "ranks"})
+                         "checksum", "chunk_bytes", "alignment", "objects", "tensors", "state", "ranks"},
+              optional={"health"})
     r.int_(d["format_version"], "format_version", 1, FORMAT_VERSION)
     checksum = r.str_(d["checksum"], "checksum")
     if checksum != CHECKSUM_ALGORITHM:
@@ -533,6 +575,7 @@ def _manifest_from_dict(raw: Any, where: str) -> Manifest:
         rt = _parse_tensors(r, rd["tensors"], f"{p}.tensors", sizes, chunk_bytes, alignment)
         _check_refs(r, rd["state"], f"{p}.state", {t.name for t in rt})
         ranks.append(RankSection(rank, rd["state"], rt))
+    health = _parse_health(r, d["health"], {t.name for t in tensors}) if "health" in d else None
     return Manifest(
         step=r.int_(d["step"], "step", 0, 10**12 - 1),
         epoch=r.int_(d["epoch"], "epoch", 0),
@@ -547,7 +590,29 @@ def _manifest_from_dict(raw: Any, where: str) -> Manifest:
         alignment=alignment,
         checksum=checksum,
         format_version=d["format_version"],
+        health=health,
     )
+
+
+def _parse_health(r: _Reader, value: Any, names: set[str]) -> dict[str, str | None]:
+    """The optional ``health`` field: ``{group: null | first non-finite tensor}``; every group a valid group name
+    and every tensor one of the manifest's shared tensors."""
+    if not isinstance(value, dict):
+        raise r.fail("health", f"expected an object mapping tensor groups to null or a tensor name, got"
+                               f" {type(value).__name__}")
+    if len(value) > _MAX_GROUPS:
+        raise r.fail("health", f"{len(value)} groups is more than {_MAX_GROUPS}")
+    out: dict[str, str | None] = {}
+    for group, first in value.items():
+        if not _GROUP_RE.match(group):
+            raise r.fail("health", f"group name {group!r} is not a tensor group (like 'state_dict' or"
+                                   " 'optimizer_states/0'); the manifest is corrupted: use another snapshot")
+        if first is not None and (not isinstance(first, str) or first not in names):
+            raise r.fail(f"health.{group}", f"expected null (all values finite) or the name of a shared tensor of"
+                                            f" this manifest, got {first!r}; the manifest is corrupted: use another"
+                                            " snapshot")
+        out[group] = first
+    return out
 
 
 def tensors_by_name(entries: Sequence[TensorEntry]) -> dict[str, TensorEntry]:

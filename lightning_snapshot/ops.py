@@ -41,7 +41,8 @@ class GcPlan:
 
     Attributes:
         tier: the tier's URL.
-        protected: the newest committed snapshot whose manifest is valid: never removed (None: there is none).
+        protected: the newest committed snapshot whose manifest is valid: never removed (None: there is none). The
+            newest healthy one is never removed either.
         kept: committed steps that stay, newest first.
         snapshots: committed snapshots to delete: ``{"step", "reason" ("keep-last" or "older-than"), "bytes",
             "age_s"}`` (bytes and age are None when the manifest cannot be read).
@@ -95,8 +96,8 @@ def plan_gc(backend: Backend, *, keep_last: int | None = None, older_than: float
 
     * committed snapshots beyond the ``keep_last`` newest (the retention rule of training,
       :func:`~lightning_snapshot.writer.expired_snapshots`) and those created at least ``older_than`` seconds ago;
-      the newest committed snapshot with a valid manifest is never among them (nor the newest healthy one, where
-      manifests record health);
+      the newest committed snapshot with a valid manifest is never among them, nor the newest healthy one (no NaN
+      or infinity recorded in its manifest);
     * leftovers of crashed writes: step directories without a committed manifest, and data objects (``*.bin``) of
       a committed step that its manifest does not reference, once nothing in them changed for ``grace`` seconds;
     * multipart uploads (S3) whose newest part is at least ``grace`` seconds old.
@@ -116,9 +117,8 @@ def plan_gc(backend: Backend, *, keep_last: int | None = None, older_than: float
     committed = committed_steps(backend)
     manifests = _manifests(backend, committed)
     plan.protected = next((s for s in committed if manifests[s] is not None), None)
-    # and the newest healthy one, where manifests record health (as training's retention keeps it)
-    healthy = next((s for s in committed if manifests[s] is not None
-                    and getattr(manifests[s], "first_nonfinite", None) is None), None)
+    # and the newest healthy one (no NaN or infinity recorded), as training's retention keeps it
+    healthy = next((s for s in committed if manifests[s] is not None and manifests[s].first_nonfinite is None), None)
     protect = {s for s in (plan.protected, healthy) if s is not None}
     expired = dict.fromkeys(expired_snapshots(committed, keep_last, protect), "keep-last")
     if older_than is not None:

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import xxhash
 
@@ -21,8 +22,8 @@ from lightning_snapshot.errors import CaptureError
 from lightning_snapshot.manifest import DTYPES, dtype_name
 from lightning_snapshot.planner import Box, chunk_ranges, shard_boxes
 
-__all__ = ["StagedState", "chunk_digests", "digest", "dtensor_box", "is_dtensor", "local_tensor", "prepare_tensors",
-           "stage", "tensor_bytes"]
+__all__ = ["StagedState", "chunk_digests", "digest", "dtensor_box", "is_dtensor", "local_tensor", "nonfinite_tensors",
+           "prepare_tensors", "stage", "tensor_bytes"]
 
 
 @dataclass
@@ -51,6 +52,9 @@ class StagedState:
     shards: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
     #: With ``packed``: (name, offset in the region, bytes) of every tensor, in region order.
     layout: list[tuple[str, int, int]] | None = None
+    #: The staged tensors holding a NaN or an infinity, the first of each health group (see
+    #: :func:`nonfinite_tensors`); None until computed.
+    nonfinite: list[str] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -223,6 +227,56 @@ def stage(obj: Any, prefix: str = "") -> StagedState:
         host.copy_(t)
         staged.tensors[name] = host
     return staged
+
+
+#: Elements checked at once by :func:`nonfinite_tensors` (bounds its temporary memory to 4 MiB of booleans).
+_FINITE_BLOCK = 4 << 20
+
+
+#: dtypes numpy checks itself (single-threaded, without the GIL: it does not compete with torch's intra-op threads of
+#: the training thread); the others go through torch.
+_NUMPY_FINITE = (torch.float64, torch.float32, torch.float16)
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """Whether every value of the contiguous host tensor ``t`` (real floating point) is finite; checked in blocks
+    of :data:`_FINITE_BLOCK` elements, stopping at the first block with a NaN or an infinity."""
+    flat = t.reshape(-1)
+    as_numpy = flat.numpy() if t.dtype in _NUMPY_FINITE else None
+    for a in range(0, flat.numel(), _FINITE_BLOCK):
+        if as_numpy is not None:
+            ok = bool(np.isfinite(as_numpy[a: a + _FINITE_BLOCK]).all())
+        else:
+            block = flat[a: a + _FINITE_BLOCK]
+            try:
+                ok = bool(torch.isfinite(block).all())
+            except (RuntimeError, TypeError, NotImplementedError):  # a dtype without isfinite (some float8 kinds)
+                ok = bool(torch.isfinite(block.to(torch.float32)).all())
+        if not ok:
+            return False
+    return True
+
+
+def nonfinite_tensors(staged: StagedState) -> list[str]:
+    """The staged (host) tensors of ``staged`` that hold a NaN or an infinity: the first of each health group
+    (:func:`~lightning_snapshot.manifest.health_group`), in staging order. Integer and bool tensors are always finite.
+
+    One pass over the staged floating-point bytes, off the training thread (the persist thread or the snapshot agent
+    calls it while it writes); the result is kept in ``staged.nonfinite``, so several tiers compute it once.
+    """
+    if staged.nonfinite is not None:
+        return staged.nonfinite
+    from lightning_snapshot.manifest import health_group
+
+    bad: dict[str, str] = {}
+    for name, t in staged.tensors.items():
+        group = health_group(name)
+        if group in bad or not (t.dtype.is_floating_point or t.dtype.is_complex) or not t.numel():
+            continue
+        if not _all_finite(torch.view_as_real(t) if t.dtype.is_complex else t):
+            bad[group] = name
+    staged.nonfinite = list(bad.values())
+    return staged.nonfinite
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

@@ -21,14 +21,16 @@ from lightning_snapshot.comm import Comm
 from lightning_snapshot.errors import ChecksumError, SnapshotError, SnapshotWriteError
 from lightning_snapshot.manifest import (
     MANIFEST_NAME,
+    RESTORES_NAME,
     Manifest,
     dtype_name,
+    health_group,
     overlapping_boxes,
     parse_step_dirname,
     step_dirname,
 )
 from lightning_snapshot.planner import chunk_ranges, plan_layout
-from lightning_snapshot.staging import StagedState, chunk_digests, tensor_bytes
+from lightning_snapshot.staging import StagedState, chunk_digests, nonfinite_tensors, tensor_bytes
 
 __all__ = ["SnapshotJob", "write_snapshot", "copy_snapshot", "verify_object", "apply_retention", "expired_snapshots",
            "committed_steps", "DEFAULT_CHUNK_BYTES", "DEFAULT_ALIGNMENT"]
@@ -107,7 +109,8 @@ def _write_part(backend: Backend, job: SnapshotJob, rank: int, run_id: str, alig
                 ) -> dict[str, Any]:
     """Write this rank's data objects; returns its manifest part (objects, shared section, rank section)."""
     prefix = step_dirname(job.step)
-    part: dict[str, Any] = {"rank": rank, "objects": [], "tensors": None, "state": None}
+    part: dict[str, Any] = {"rank": rank, "objects": [], "tensors": None, "state": None,
+                            "nonfinite": nonfinite_tensors(job.shared) if job.shared is not None else []}
     sections = [("rank", job.private)] + ([("shared", job.shared)] if job.shared is not None else [])
     for kind, staged in sections:
         obj = f"{run_id}-{kind}-{rank:05d}.bin"
@@ -158,6 +161,18 @@ def _merge_tensors(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(merged.values())
 
 
+def _merge_health(parts: list[dict[str, Any]], tensors: list[dict[str, Any]]) -> dict[str, str | None]:
+    """The manifest's ``health``: every group of the shared tensors, with the first tensor (in manifest order) that a
+    rank found holding a non-finite value, or None."""
+    reported = {name for p in parts for name in p.get("nonfinite") or ()}
+    health: dict[str, str | None] = {}
+    for t in tensors:
+        group = health_group(t["name"])
+        if health.get(group) is None:
+            health[group] = t["name"] if t["name"] in reported else None
+    return health
+
+
 def _merge(parts: list[dict[str, Any]], job: SnapshotJob, world_size: int, alignment: int, chunk_bytes: int
            ) -> dict[str, Any]:
     """One manifest from every rank's part: the shared tensors are the union of the ranks' shares (each rank wrote a
@@ -181,6 +196,7 @@ def _merge(parts: list[dict[str, Any]], job: SnapshotJob, world_size: int, align
         "tensors": tensors,
         "state": parts[0]["state"],
         "ranks": [p["rank_section"] for p in parts],
+        "health": _merge_health(parts, tensors),
     }
 
 
@@ -366,7 +382,7 @@ def _discard_run_objects(backend: Backend, prefix: str, run_id: str) -> None:
 
 def _remove_unreferenced(backend: Backend, prefix: str, manifest: Manifest) -> None:
     """After a commit: drop parts and objects the manifest does not reference (older writes of the same step)."""
-    keep = {o.key for o in manifest.objects} | {MANIFEST_NAME}
+    keep = {o.key for o in manifest.objects} | {MANIFEST_NAME, RESTORES_NAME}
     for name in backend.list(prefix):
         if name not in keep:
             backend.delete(f"{prefix}/{name}")
@@ -393,15 +409,18 @@ def expired_snapshots(committed: list[int], keep_last: int | None, keep: Collect
 def apply_retention(backend: Backend, newest: int, pinned: Collection[int] = ()) -> list[int]:
     """Delete committed snapshots beyond ``keep_last`` and uncommitted leftovers older than ``newest``.
 
-    ``newest`` (the step just committed and verified) is never deleted, whatever ``keep_last`` says, nor are the
-    ``pinned`` steps (another tier still uploads them from this one; a later retention deletes them). Called by
-    rank 0 only, after the commit, when no write of this run is in flight.
+    ``newest`` (the step just committed and verified) is never deleted, whatever ``keep_last`` says, nor is the newest
+    healthy snapshot (no NaN or infinity recorded in its manifest), nor are the ``pinned`` steps (another tier still
+    uploads them from this one; a later retention deletes them). Called by rank 0 only, after the commit, when no
+    write of this run is in flight.
 
     Returns the deleted steps.
     """
     deleted: list[int] = []
     committed = committed_steps(backend)
     keep = {newest, *pinned}
+    if backend.keep_last is not None:
+        keep |= _newest_healthy(backend, committed)
     expired = set(expired_snapshots(committed, backend.keep_last, keep))
     for name in backend.list(""):
         step = parse_step_dirname(name)
@@ -414,6 +433,23 @@ def apply_retention(backend: Backend, newest: int, pinned: Collection[int] = ())
             except OSError as e:  # retention must never break training
                 log.warning("lightning-snapshot: could not delete %s from %s: %s", name, backend.url, e)
     return deleted
+
+
+def _newest_healthy(backend: Backend, committed: list[int]) -> set[int]:
+    """The newest committed step whose manifest records no non-finite value (or no health: written before it was
+    recorded), as a one-element set; empty when none is. Retention keeps it whatever ``keep_last`` says, so that a run
+    that went on training with NaNs still has a healthy snapshot to resume from. Reads the newest manifest only,
+    unless it is unhealthy."""
+    for step in committed:
+        try:
+            manifest = Manifest.from_json(backend.read(f"{step_dirname(step)}/{MANIFEST_NAME}"),
+                                          where=f"manifest of step {step} in {backend.url!r}")
+        except Exception as e:  # noqa: BLE001 - retention must never break training: this step counts as unhealthy
+            log.debug("lightning-snapshot: retention cannot read the health of step %d: %s", step, e)
+            continue
+        if manifest.first_nonfinite is None:
+            return {step}
+    return set()
 
 
 def describe_error(e: BaseException) -> str:

@@ -320,14 +320,16 @@ def test_list_inspect_verify_json_and_human_units(tmp_path):
     rows = doc["snapshots"]
     assert [r["step"] for r in rows] == [2, 1]
     assert rows[0] == {"step": 2, "epoch": 0, "world_size": 1, "bytes": size2, "objects": 2,
-                       "created_unix": m2["created_unix"], "age_s": rows[0]["age_s"], "error": None}
+                       "created_unix": m2["created_unix"], "age_s": rows[0]["age_s"], "health": "healthy",
+                       "error": None}
     assert rows[0]["age_s"] < 600 and rows[1]["age_s"] == pytest.approx(3 * HOUR + 60, abs=60)
     rc, out, _ = cli("list", str(root))
-    assert re.search(r"^ +2 +0 +1 +1[0-9.]* KiB +\d{4}-\d\d-\d\d \d\d:\d\d:\d\d +\d+s$", out, re.M), out
+    assert re.search(r"^ +2 +0 +1 +1[0-9.]* KiB +healthy +\d{4}-\d\d-\d\d \d\d:\d\d:\d\d +\d+s$", out, re.M), out
     assert re.search(r"^ +1 .* 3h 1m$", out, re.M), out
 
     rc, doc, _ = run("inspect", str(root), "--step", "2")
     assert rc == 0 and doc["step"] == 2 and doc["bytes"] == size2 and doc["format_version"] == 1
+    assert doc["health"] == "healthy" and doc["health_groups"] == {"state_dict": None}
     assert {t["name"]: (t["dtype"], t["shape"], t["alias_of"]) for t in doc["tensors"]} == {
         "state_dict/net.weight": ("float32", [64, 64], None), "state_dict/net.bias": ("float32", [64], None)}
     assert [(o["key"], o["bytes"], o["rank"]) for o in doc["objects"]] == [
@@ -419,3 +421,18 @@ def test_a_step_committed_while_gc_runs_is_kept(tmp_path):
     LocalTier(root).commit("step-000000000002/manifest.json", manifest)
     run_gc(LocalTier(root), plan)
     assert committed_steps(LocalTier(root)) == [2, 1]
+
+
+def test_gc_keeps_the_newest_healthy_snapshot(tmp_path):
+    """As training's retention: a newer snapshot holding a NaN does not push the newest healthy one out."""
+    root = tmp_path / "snaps"
+    for step in (1, 2):
+        write(LocalTier(root), step)
+    sick = state_of(3)
+    sick["state_dict"]["net.weight"][0, 0] = float("nan")
+    write_snapshot(LocalTier(root), LocalComm(), SnapshotJob(3, 0, stage(sick), stage({}, "rank")), "r3")
+    rc, doc, _ = run("list", str(root))
+    assert [r["health"] for r in doc["snapshots"]] == ["NaN/inf", "healthy", "healthy"]
+    rc, plan, _ = run("gc", str(root), "--keep-last", "1")
+    assert rc == 0 and plan["protected"] == 3 and [e["step"] for e in plan["snapshots"]] == [1]
+    assert committed_steps(LocalTier(root)) == [3, 2]

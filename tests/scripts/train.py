@@ -147,6 +147,34 @@ class Crash(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class NanGradient(L.Callback):
+    """Put a NaN into the first parameter's gradient right before the optimizer step that follows ``global_step ==
+    at``: the parameters and optimizer state after that step (snapshots of ``at + 1`` on) hold NaNs, while the state
+    of step ``at`` and everything up to it are as in a run without this callback (it draws no random numbers)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step == self.at:
+            next(pl_module.parameters()).grad.view(-1)[0] = float("nan")
+
+
+class CrashAfterRestore(L.Callback):
+    """Print the restored step, then SIGKILL this process when training starts (a run that crashes right after every
+    restore); a run that restored nothing trains normally."""
+
+    def __init__(self, snapshot_callback) -> None:
+        self.cb = snapshot_callback
+
+    def on_train_start(self, trainer, pl_module):
+        if self.cb.restored_from is not None:
+            print(f"RESTORED step={self.cb.restored_from[1]} from={self.cb.restored_from[0]}"
+                  f" rank={trainer.global_rank}", flush=True)
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--dir", required=True)
@@ -185,6 +213,10 @@ def main() -> None:
     p.add_argument("--collective-timeout", type=float, default=300.0, help="SnapshotCallback(collective_timeout=)")
     p.add_argument("--raise-at", type=int, default=-1, help="raise in the training thread at this step...")
     p.add_argument("--raise-rank", type=int, default=1, help="...on this rank")
+    p.add_argument("--nan-at", type=int, default=-1,
+                   help="a NaN into the gradient of the optimizer step after this global step")
+    p.add_argument("--crash-after-restore", action="store_true", help="SIGKILL right after a restore")
+    p.add_argument("--max-restores", type=int, default=3, help="SnapshotCallback(max_restores=)")
     p.add_argument("--kill-at", type=int, default=-1,
                    help="SIGKILL at this global step, waiting only for the RAM tier (if any) to hold the newest step"
                         " due in it (its agent has it then), not for any durable tier")
@@ -221,7 +253,12 @@ def main() -> None:
 
         tiers.append(ObjectStoreTier(a.s3, storage_options=s3_options(a.endpoint),
                                      every_n_train_steps=a.s3_every or a.every, keep_last=2, retry_initial=0.1))
-    callbacks = [SnapshotCallback(tiers, resume=not a.no_resume, collective_timeout=a.collective_timeout)]
+    callbacks = [SnapshotCallback(tiers, resume=not a.no_resume, collective_timeout=a.collective_timeout,
+                                  max_restores=a.max_restores)]
+    if a.nan_at >= 0:
+        callbacks.append(NanGradient(a.nan_at))
+    if a.crash_after_restore:
+        callbacks.append(CrashAfterRestore(callbacks[0]))
     if a.crash_at >= 0:
         callbacks.append(Crash(a.crash_at, tiers, newest=bool(a.ram_every) or a.crash_after_newest))
     if a.raise_at >= 0:
