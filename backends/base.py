@@ -260,6 +260,15 @@ class Backend(abc.ABC):
         parent, _, name = key.rpartition("/")
         return name in self.list(parent)
 
+    def modified(self, key: str) -> float | None:
+        """When ``key`` (an object, or a prefix and everything under it) last changed, as Unix time: the newest
+        modification of what it holds. ``None`` when the tier cannot tell or ``key`` holds nothing.
+
+        ``lightning-snapshot gc`` removes an uncommitted step only when this is older than its grace period, so a
+        tier that cannot tell (the default) never loses a snapshot that is being written.
+        """
+        return None
+
     def require_exists(self) -> None:
         """Check that the tier itself exists, for callers that only read (``load_snapshot``, the CLI).
 

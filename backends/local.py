@@ -659,6 +659,24 @@ class LocalTier(Backend):
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
 
+    def modified(self, key: str) -> float | None:
+        """The newest ``st_mtime`` of ``key`` and of every file and directory under it (hidden ones included: a
+        manifest being committed is a hidden temporary file); a file being written changes it with every write."""
+        path = self._path(key)
+        newest: float | None = None
+        try:
+            newest = path.lstat().st_mtime
+            if path.is_dir() and not path.is_symlink():
+                for base, dirs, files in os.walk(path):
+                    for name in dirs + files:
+                        try:
+                            newest = max(newest, os.lstat(os.path.join(base, name)).st_mtime)
+                        except FileNotFoundError:  # removed meanwhile
+                            continue
+        except FileNotFoundError:
+            return None
+        return newest
+
     def require_exists(self) -> None:
         if not self.root.is_dir():
             raise SnapshotNotFoundError(

@@ -14,6 +14,7 @@ import inspect
 import logging
 import os
 import re
+import time
 import urllib.parse
 import uuid
 from collections.abc import Iterable, Mapping
@@ -391,6 +392,20 @@ class ObjectStoreTier(Backend):
         except Exception as e:  # noqa: BLE001 - translated at the boundary
             raise self._error("looking up", key, e) from e
 
+    def modified(self, key: str) -> float | None:
+        """The newest ``LastModified`` (or ``mtime``) of the object ``key`` or of the objects under the prefix."""
+        path = self._path(key)
+        try:
+            self.fs.invalidate_cache(path)
+            infos = self.fs.find(path, detail=True, withdirs=False)
+        except FileNotFoundError:
+            return None
+        except Exception as e:  # noqa: BLE001 - translated at the boundary
+            raise self._error("looking up", key, e) from e
+        times = [_unix_time(info.get("LastModified", info.get("mtime"))) for info in infos.values()]
+        known = [t for t in times if t is not None]
+        return max(known) if known and len(known) == len(times) else None
+
     def require_exists(self) -> None:
         try:
             self.fs.invalidate_cache(self.root)
@@ -409,18 +424,63 @@ class ObjectStoreTier(Backend):
             " the credentials"
         )
 
-    def abort_incomplete_uploads(self) -> int:
-        """Abort multipart uploads left under the tier root by a crashed writer (S3 only); returns how many."""
+    def incomplete_uploads(self) -> list[dict[str, Any]]:
+        """Multipart uploads under the tier root that were started and neither completed nor aborted (S3 only;
+        empty for other stores), each ``{"key": key relative to the root, "upload_id": ..., "modified": Unix time
+        of its newest part, or of its start when it has none}``."""
         call = getattr(self.fs, "call_s3", None)
         if call is None:
-            return 0
+            return []
         bucket, _, prefix = self.root.partition("/")
+        prefix = f"{prefix}/" if prefix else ""
+        uploads: list[dict[str, Any]] = []
+        markers: dict[str, str] = {}
+        while True:
+            listing = call("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **markers)
+            for upload in listing.get("Uploads", []):
+                modified = _unix_time(upload.get("Initiated")) or 0.0
+                parts = call("list_parts", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                for part in parts.get("Parts", []):
+                    modified = max(modified, _unix_time(part.get("LastModified")) or 0.0)
+                uploads.append({"key": upload["Key"][len(prefix):], "upload_id": upload["UploadId"],
+                                "modified": modified})
+            if not listing.get("IsTruncated"):
+                return uploads
+            markers = {"KeyMarker": listing["NextKeyMarker"], "UploadIdMarker": listing["NextUploadIdMarker"]}
+
+    def abort_upload(self, upload: dict[str, Any]) -> None:
+        """Abort one upload of :meth:`incomplete_uploads` (its parts are freed; an upload still running fails)."""
+        bucket, _, prefix = self.root.partition("/")
+        key = f"{prefix}/{upload['key']}" if prefix else upload["key"]
+        try:
+            self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload["upload_id"])
+        except Exception as e:  # noqa: BLE001 - translated at the boundary
+            raise self._error("aborting the upload of", upload["key"], e) from e
+
+    def abort_incomplete_uploads(self, older_than: float | None = None) -> int:
+        """Abort multipart uploads left under the tier root by a crashed writer (S3 only); returns how many.
+
+        Args:
+            older_than: only those whose newest part is at least this many seconds old (None: all of them).
+        """
         aborted = 0
         try:
-            listing = call("list_multipart_uploads", Bucket=bucket, Prefix=prefix)
-            for upload in listing.get("Uploads", []):
-                call("abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
-                aborted += 1
+            now = time.time()
+            for upload in self.incomplete_uploads():
+                if older_than is None or now - upload["modified"] >= older_than:
+                    self.abort_upload(upload)
+                    aborted += 1
         except Exception as e:  # noqa: BLE001 - cleanup is best effort
             log.info("lightning-snapshot: could not list multipart uploads in %s: %s", self.url, self.redact(str(e)))
         return aborted
+
+
+def _unix_time(value: Any) -> float | None:
+    """A timestamp from a listing (a datetime, or a number of seconds) as Unix time; None when there is none."""
+    if isinstance(value, _dt.datetime):
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=_dt.timezone.utc)
+        return value.timestamp()
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None

@@ -1,15 +1,19 @@
-"""The ``lightning-snapshot`` command: list, inspect, verify and export snapshots; run a node's snapshot agent.
+"""The ``lightning-snapshot`` command: list, inspect, verify, export, copy and prune snapshots; run a node's
+snapshot agent.
 
-    lightning-snapshot list /nvme/snap/run-42
-    lightning-snapshot inspect /nvme/snap/run-42 [--step 1200]
-    lightning-snapshot verify /nvme/snap/run-42 [--step 1200 | --all]
+    lightning-snapshot list /nvme/snap/run-42 [--json]
+    lightning-snapshot inspect /nvme/snap/run-42 [--step 1200] [--json]
+    lightning-snapshot verify /nvme/snap/run-42 [--step 1200 | --all] [--json]
     lightning-snapshot export /nvme/snap/run-42 model.safetensors [--format safetensors|torch] [--step 1200]
+    lightning-snapshot copy /nvme/snap/run-42 s3://bucket/run-42 [--step 1200] [--json]
+    lightning-snapshot gc s3://bucket/run-42 [--keep-last 5] [--older-than 7d] [--grace 1h] [--dry-run] [--json]
     lightning-snapshot agent --dir /dev/shm/lightning-snapshot-$UID/NAME [--stop | --status [--json]] [--log FILE]
     lightning-snapshot plan [--nodes 1,64,4096] [--state-bytes 16GB] [--node-mtbf 6000h] [--metrics LOGDIR]
 
-A tier is a path, file:///path, ram://NAME or an fsspec URL (s3://bucket/prefix, ...); list, inspect, verify and
-export also take one step-* directory. These commands only read: they never create a directory or a file other
-than export's output.
+A tier is a path, file:///path, ram://NAME or an fsspec URL (s3://bucket/prefix, ...); list, inspect, verify,
+export and copy's source also take one step-* directory. list, inspect and verify only read: they never create a
+directory or a file. --json prints one JSON document on stdout (fields in the README) and no progress bar; a
+progress bar is drawn on stderr only when it is a terminal.
 
 Exit status: 0 success; 1 the command failed (no tier or snapshot at that place, a snapshot that does not verify,
 an I/O error); 2 the command line is wrong (unknown option or URL scheme, invalid value, a directory where a file is
@@ -69,6 +73,39 @@ def _seconds_arg(text: str) -> float:
     return value
 
 
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def _duration_arg(text: str) -> float:
+    """``90``, ``90s``, ``30m``, ``12h``, ``7d`` or ``2w`` as seconds (>= 0)."""
+    import re
+
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", text.lower())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected a duration such as 90s, 30m, 12h or 7d, got {text!r}")
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+def _count_arg(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _add_json(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON document on stdout, no progress bar (fields in the README)")
+
+
+def _emit(document: Any) -> None:
+    """One JSON document on stdout (``--json``)."""
+    print(json.dumps(document, allow_nan=False))
+
+
 # ------------------------------------------------------------------------------------------------ sources
 def _open_tier(source: str) -> tuple[Any, int | None]:
     """The tier ``source`` names (and the step, for a step-* directory); an error when the tier does not exist.
@@ -105,36 +142,67 @@ def _steps(source: str, step: int | None, every: bool = False) -> tuple[Any, lis
 
 
 # ------------------------------------------------------------------------------------------------ commands
-def _cmd_list(args: argparse.Namespace) -> int:
+def _list_rows(backend: Any) -> list[dict[str, Any]]:
+    """The ``--json`` rows of ``list``: one per committed step, newest first."""
     from lightning_snapshot.loader import read_manifest
     from lightning_snapshot.writer import committed_steps
 
-    backend, _ = _open_tier(args.source)
-    steps = committed_steps(backend)
-    if not steps:
-        print(f"no committed snapshots in {backend.url}")
-        return 0
-    print(f"{'step':>12}  {'epoch':>5}  {'ranks':>5}  {'MiB':>10}  {'health':<8}  created")
-    for step in steps:
+    rows = []
+    now = time.time()
+    for step in committed_steps(backend):
         try:
             m = read_manifest(backend, step)
         except SnapshotError as e:
-            print(f"{step:>12}  unreadable manifest: {e}")
+            rows.append({"step": step, "epoch": None, "world_size": None, "bytes": None, "objects": None,
+                         "created_unix": None, "age_s": None, "health": None, "error": _one_line(str(e))})
             continue
-        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created_unix))
-        print(f"{step:>12}  {m.epoch:>5}  {m.world_size:>5}  {m.total_bytes / 2**20:>10.2f}  {m.health_text:<8}"
-              f"  {created}")
+        rows.append({"step": step, "epoch": m.epoch, "world_size": m.world_size, "bytes": m.total_bytes,
+                     "objects": len(m.objects), "created_unix": m.created_unix,
+                     "age_s": max(0.0, now - m.created_unix), "health": m.health_text, "error": None})
+    return rows
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    from lightning_snapshot.progress import human_age, human_bytes
+
+    backend, _ = _open_tier(args.source)
+    rows = _list_rows(backend)
+    if args.json:
+        _emit({"tier": backend.url, "snapshots": rows})
+        return 0
+    if not rows:
+        print(f"no committed snapshots in {backend.url}")
+        return 0
+    print(f"{'step':>12}  {'epoch':>5}  {'ranks':>5}  {'size':>10}  {'health':<8}  {'created':<19}  age")
+    for r in rows:
+        if r["error"] is not None:
+            print(f"{r['step']:>12}  unreadable manifest: {r['error']}")
+            continue
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created_unix"]))
+        print(f"{r['step']:>12}  {r['epoch']:>5}  {r['world_size']:>5}  {human_bytes(r['bytes']):>10}"
+              f"  {r['health']:<8}  {created}  {human_age(r['age_s'])}")
     return 0
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from lightning_snapshot.loader import read_manifest
+    from lightning_snapshot.progress import human_age, human_bytes
 
     backend, steps = _steps(args.source, args.step)
     m = read_manifest(backend, steps[0])
+    age = max(0.0, time.time() - m.created_unix)
+    if args.json:
+        _emit({"tier": backend.url, "step": m.step, "epoch": m.epoch, "world_size": m.world_size,
+               "format_version": m.format_version, "library_version": m.library_version,
+               "created_unix": m.created_unix, "age_s": age, "bytes": m.total_bytes, "health": m.health_text,
+               "health_groups": None if m.health is None else dict(m.health),
+               "objects": [{"key": o.key, "bytes": o.nbytes, "rank": o.rank} for o in m.objects],
+               "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.global_shape), "alias_of": t.alias_of}
+                           for t in m.tensors]})
+        return 0
     print(f"step {m.step}, epoch {m.epoch}, world size {m.world_size}, format v{m.format_version},"
-          f" written by lightning-snapshot {m.library_version}")
-    print(f"{len(m.objects)} objects, {m.total_bytes} bytes; {len(m.tensors)} shared tensors")
+          f" written by lightning-snapshot {m.library_version}, {human_age(age)} ago")
+    print(f"{len(m.objects)} objects, {human_bytes(m.total_bytes)}; {len(m.tensors)} shared tensors")
     print(f"health: {_health_line(m)}")
     for t in m.tensors:
         target = f" -> alias of {t.alias_of}" if t.alias_of else ""
@@ -150,24 +218,50 @@ def _health_line(m: Any) -> str:
     return f"{m.health_text} ({'; '.join(groups) or 'no tensors'})"
 
 
-def _cmd_verify(args: argparse.Namespace) -> int:
+def _verify_step(backend: Any, step: int, bar: Any) -> dict[str, Any]:
+    """Read back every chunk of ``step`` (checksums checked); its ``--json`` row. ``bar`` advances by the bytes of
+    each section read."""
     from lightning_snapshot.loader import read_manifest, read_section
 
+    t0 = time.monotonic()
+    row: dict[str, Any] = {"step": step, "ok": False, "bytes": None, "seconds": None, "error": None}
+    try:
+        m = read_manifest(backend, step)
+        row["bytes"] = m.total_bytes
+        bar.total = (bar.total or 0) + m.total_bytes
+        bar.refresh()
+        for tensors, state in [(m.tensors, m.state)] + [(r.tensors, r.state) for r in m.ranks]:
+            read_section(backend, m, tensors, state)
+            bar.update(sum(f.nbytes for t in tensors for f in t.fragments))
+    except SnapshotError as e:
+        row["error"] = _one_line(str(e))
+    else:
+        row["ok"] = True
+    row["seconds"] = time.monotonic() - t0
+    return row
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from lightning_snapshot.progress import human_bytes, progress_bar
+
     backend, steps = _steps(args.source, args.step, every=args.all)
-    bad = 0
-    for step in steps:
-        t0 = time.monotonic()
-        try:
-            m = read_manifest(backend, step)
-            read_section(backend, m, m.tensors, m.state)
-            for section in m.ranks:
-                read_section(backend, m, section.tensors, section.state)
-        except SnapshotError as e:
-            bad += 1
-            print(f"step {step}: FAILED: {e}")
-            continue
-        print(f"step {step}: OK ({m.total_bytes} bytes verified in {time.monotonic() - t0:.2f} s)")
-    return 1 if bad else 0
+    rows = []
+    with progress_bar(0, "verify", enabled=not args.json) as bar:
+        for step in steps:
+            bar.set_description(f"verify step {step}")
+            row = _verify_step(backend, step, bar)
+            rows.append(row)
+            if args.json:
+                continue
+            if row["ok"]:
+                bar.write(f"step {step}: OK ({human_bytes(row['bytes'])} verified in {row['seconds']:.2f} s)",
+                          file=sys.stdout)
+            else:
+                bar.write(f"step {step}: FAILED: {row['error']}", file=sys.stdout)
+    ok = all(r["ok"] for r in rows)
+    if args.json:
+        _emit({"tier": backend.url, "ok": ok, "steps": rows})
+    return 0 if ok else 1
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -175,8 +269,109 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     backend, steps = _steps(args.source, args.step)
     out = export_snapshot(backend, args.out, fmt=args.format, step=steps[0], progress=not args.quiet)
-    print(f"wrote {out} ({out.stat().st_size} bytes)")
+    from lightning_snapshot.progress import human_bytes
+
+    print(f"wrote {out} ({human_bytes(out.stat().st_size)})")
     return 0
+
+
+def _cmd_gc(args: argparse.Namespace) -> int:
+    from lightning_snapshot.ops import plan_gc, run_gc
+    from lightning_snapshot.progress import progress_bar
+
+    backend, step = _open_tier(args.source)
+    if step is not None:
+        raise ConfigError(f"gc takes a tier, not one snapshot directory ({args.source!r}): give the tier's root")
+    plan = plan_gc(backend, keep_last=args.keep_last, older_than=args.older_than, grace=args.grace)
+    if not args.dry_run and plan.actions:
+        with progress_bar(plan.actions, "gc", unit="item", enabled=not args.json) as bar:
+            run_gc(backend, plan, on_action=lambda: bar.update(1))
+    if args.json:
+        _emit({"dry_run": args.dry_run, **plan.to_json()})
+    else:
+        _print_gc(plan, args.dry_run)
+    return 0
+
+
+def _print_gc(plan: Any, dry_run: bool) -> None:
+    """What ``gc`` did (or would do), one line per removal, in human units."""
+    from lightning_snapshot.progress import human_age, human_bytes
+
+    def age(seconds: float | None) -> str:
+        return "age unknown" if seconds is None else human_age(seconds)
+
+    verb = {True: ("would delete", "would remove", "would abort"), False: ("deleted", "removed", "aborted")}[dry_run]
+    for e in plan.snapshots:
+        size = "size unknown" if e["bytes"] is None else human_bytes(e["bytes"])
+        print(f"{verb[0]} snapshot step {e['step']} ({e['reason']}; {size}, {age(e['age_s'])} old)")
+    for e in plan.leftovers:
+        print(f"{verb[1]} leftover {e['key']} ({e['reason']}, idle {age(e['age_s'])})")
+    for e in plan.uploads:
+        print(f"{verb[2]} multipart upload {e['key']} (idle {age(e['age_s'])})")
+    for e in plan.in_progress:
+        print(f"left alone {e['key']} (being written? changed {age(e['age_s'])} ago, within --grace)")
+    kept = ", ".join(map(str, plan.kept)) or "none"
+    newest = "none" if plan.protected is None else f"step {plan.protected}"
+    print(f"{plan.tier}: {len(plan.kept)} snapshots kept ({kept}); newest valid snapshot: {newest}"
+          + ("; dry run: nothing changed" if dry_run else ""))
+
+
+def _cmd_copy(args: argparse.Namespace) -> int:
+    from lightning_snapshot.backends.registry import parse_tier
+    from lightning_snapshot.loader import read_manifest
+    from lightning_snapshot.manifest import parse_step_dirname
+    from lightning_snapshot.ops import copy_step
+    from lightning_snapshot.progress import human_bytes, progress_bar
+
+    base = args.dest.partition("?")[0].rstrip("/")
+    if parse_step_dirname(base.rpartition("/")[2]) is not None:
+        raise ConfigError(f"the destination {args.dest!r} is a snapshot directory: give the tier's root (the"
+                          " snapshot keeps its step-* name there)")
+    dst = parse_tier(args.dest)
+    src, steps = _steps(args.source, args.step)
+    step = steps[0]
+    t0 = time.monotonic()
+    total = read_manifest(src, step).total_bytes
+    with progress_bar(total, f"copy step {step}", enabled=not args.json) as bar:
+        manifest = copy_step(src, dst, step, on_object=bar.update)
+    seconds = time.monotonic() - t0
+    if args.json:
+        _emit({"source": src.url, "destination": dst.url, "step": step, "bytes": manifest.total_bytes,
+               "objects": len(manifest.objects), "seconds": seconds})
+    else:
+        print(f"copied step {step} ({human_bytes(manifest.total_bytes)}, {len(manifest.objects)} objects, verified)"
+              f" from {src.url} to {dst.url} in {seconds:.2f} s")
+    return 0
+
+
+def _add_operator_commands(sub: Any) -> None:
+    """The ``gc`` and ``copy`` sub-commands."""
+    p = sub.add_parser("gc", help="prune a tier: old snapshots, leftovers of crashed writes, stale uploads",
+                       description="Delete committed snapshots beyond --keep-last or older than --older-than, remove"
+                                   " what crashed writes left (uncommitted step directories, unreferenced objects)"
+                                   " and abort stale multipart uploads (S3). The newest snapshot with a valid"
+                                   " manifest is never deleted, nor anything that changed within --grace.")
+    p.add_argument("source", help="tier path or URL")
+    p.add_argument("--keep-last", type=_count_arg, default=None, metavar="N",
+                   help="keep the N newest committed snapshots (default: keep all)")
+    p.add_argument("--older-than", type=_duration_arg, default=None, metavar="DURATION",
+                   help="delete committed snapshots created at least this long ago (90s, 30m, 12h, 7d, 2w)")
+    p.add_argument("--grace", type=_duration_arg, default=3600.0, metavar="DURATION",  # ops.DEFAULT_GRACE_S
+                   help="an uncommitted write counts as crashed once nothing in it changed for this long"
+                        " (default 1h): a write in progress is never touched")
+    p.add_argument("--dry-run", action="store_true", help="print what would be done; change nothing")
+    _add_json(p)
+    p.set_defaults(fn=_cmd_gc)
+    p = sub.add_parser("copy", help="copy one snapshot to another tier, verified, manifest last",
+                       description="Copy a committed snapshot to another tier (local -> s3, s3 -> local, local ->"
+                                   " local): every object is checked against the manifest's checksums as it is"
+                                   " read, and the manifest is committed last, so the destination never shows a"
+                                   " partial snapshot.")
+    p.add_argument("source", help="tier path/URL, or a step-* directory")
+    p.add_argument("dest", help="destination tier path or URL (created if missing)")
+    p.add_argument("--step", type=_step_arg, default=None, help="step to copy (default: newest)")
+    _add_json(p)
+    p.set_defaults(fn=_cmd_copy)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -238,16 +433,19 @@ def _parser() -> _Parser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("list", help="committed snapshots of a tier")
     p.add_argument("source", help="tier path or URL")
+    _add_json(p)
     p.set_defaults(fn=_cmd_list)
     p = sub.add_parser("inspect", help="the manifest of one snapshot")
     p.add_argument("source", help="tier path/URL, or a step-* directory")
     p.add_argument("--step", type=_step_arg, default=None, help="step to inspect (default: newest)")
+    _add_json(p)
     p.set_defaults(fn=_cmd_inspect)
     p = sub.add_parser("verify", help="read back every chunk and check its checksum")
     p.add_argument("source", help="tier path/URL, or a step-* directory")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--step", type=_step_arg, default=None, help="step to verify (default: newest)")
     which.add_argument("--all", action="store_true", help="verify every committed snapshot")
+    _add_json(p)
     p.set_defaults(fn=_cmd_verify)
     p = sub.add_parser("export", help="one consolidated file: safetensors (weights) or torch (full state)")
     p.add_argument("source", help="tier path/URL, or a step-* directory")
@@ -257,6 +455,7 @@ def _parser() -> _Parser:
     p.add_argument("--step", type=_step_arg, default=None, help="step to export (default: newest)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(fn=_cmd_export)
+    _add_operator_commands(sub)
     p = sub.add_parser("agent", help="run, stop or query a node's snapshot agent",
                        description="Run the snapshot agent of one node and run (it holds the RAM tier's memory),"
                                    " or stop or query the one that runs.")

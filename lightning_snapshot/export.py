@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import struct
-import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,6 +23,7 @@ from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.errors import ConfigError, SnapshotNotFoundError
 from lightning_snapshot.loader import checkpoint_tree, open_snapshot, read_section
 from lightning_snapshot.manifest import Manifest, TensorEntry, dtype_from_name
+from lightning_snapshot.progress import progress_bar
 
 __all__ = ["export_snapshot", "FORMATS"]
 
@@ -38,28 +38,22 @@ _ST_DTYPES = {
 
 
 class _Progress:
-    """A progress line on stderr (a bar when stderr is a terminal), in tensors and bytes."""
+    """Export progress in bytes: a ``tqdm`` bar on stderr when it is a terminal and ``enabled``; else silent."""
 
     def __init__(self, total_bytes: int, count: int, enabled: bool) -> None:
         self.total, self.count, self.enabled = total_bytes, count, enabled
         self.done_bytes = self.done = 0
-        self.tty = sys.stderr.isatty()
+        self.bar = progress_bar(total_bytes, "export", enabled=enabled)
 
     def step(self, nbytes: int) -> None:
         self.done += 1
         self.done_bytes += nbytes
-        if not self.enabled:
-            return
-        frac = self.done_bytes / self.total if self.total else 1.0
-        if self.tty:
-            bar = "#" * int(frac * 30)
-            sys.stderr.write(f"\rexport [{bar:<30}] {self.done}/{self.count} tensors,"
-                             f" {self.done_bytes / 1e9:.2f}/{self.total / 1e9:.2f} GB")
-            if self.done == self.count:
-                sys.stderr.write("\n")
-        elif self.done == self.count or self.done % max(1, self.count // 10) == 0:
-            sys.stderr.write(f"export: {self.done}/{self.count} tensors, {100 * frac:.0f}%\n")
-        sys.stderr.flush()
+        self.bar.update(nbytes)
+        if self.done == self.count:
+            self.bar.close()
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 @contextlib.contextmanager
@@ -183,7 +177,7 @@ def export_snapshot(
         fmt: ``"safetensors"`` (model weights, names as in the LightningModule's ``state_dict``) or ``"torch"`` (the
             full training state, loadable with ``torch.load(out, weights_only=True)``).
         step: the step; default the newest committed one (or the one ``source`` names).
-        progress: print progress to stderr.
+        progress: show a progress bar on stderr (only when stderr is a terminal).
 
     Raises:
         ConfigError: unknown format, ``out`` is a directory or its directory does not exist, or a dtype
@@ -204,6 +198,9 @@ def export_snapshot(
     exporter: Callable[[Backend, Manifest, Path, _Progress], None] = (
         _export_safetensors if fmt == "safetensors" else _export_torch
     )
-    exporter(backend, manifest, out, bar)
+    try:
+        exporter(backend, manifest, out, bar)
+    finally:
+        bar.close()
     log.info("lightning-snapshot: exported step %d of %s to %s (%s)", step, backend.url, out, fmt)
     return out

@@ -18,7 +18,7 @@ from typing import Any
 import lightning_snapshot
 from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.comm import Comm
-from lightning_snapshot.errors import SnapshotError, SnapshotWriteError
+from lightning_snapshot.errors import ChecksumError, SnapshotError, SnapshotWriteError
 from lightning_snapshot.manifest import (
     MANIFEST_NAME,
     RESTORES_NAME,
@@ -29,11 +29,11 @@ from lightning_snapshot.manifest import (
     parse_step_dirname,
     step_dirname,
 )
-from lightning_snapshot.planner import plan_layout
+from lightning_snapshot.planner import chunk_ranges, plan_layout
 from lightning_snapshot.staging import StagedState, chunk_digests, nonfinite_tensors, tensor_bytes
 
-__all__ = ["SnapshotJob", "write_snapshot", "copy_snapshot", "apply_retention", "committed_steps", "DEFAULT_CHUNK_BYTES",
-           "DEFAULT_ALIGNMENT"]
+__all__ = ["SnapshotJob", "write_snapshot", "copy_snapshot", "verify_object", "apply_retention", "expired_snapshots",
+           "committed_steps", "DEFAULT_CHUNK_BYTES", "DEFAULT_ALIGNMENT"]
 
 log = logging.getLogger(__name__)
 
@@ -299,11 +299,17 @@ def write_snapshot(
     return manifest
 
 
-def copy_snapshot(src: Backend, dst: Backend, step: int, comm: Comm) -> Manifest:
+def copy_snapshot(src: Backend, dst: Backend, step: int, comm: Comm, *, verify: bool = False,
+                  on_object: Callable[[int], None] | None = None) -> Manifest:
     """Copy the committed snapshot of ``step`` from ``src`` to ``dst`` byte for byte, under ``dst``'s commit rule.
 
     Each rank copies the objects it wrote; rank 0 commits the very same manifest bytes once all are durable.
     Called by every rank, at the same point.
+
+    Args:
+        verify: check every object read from ``src`` against the manifest's sizes and checksums before writing it
+            (:func:`verify_object`); a mismatch fails the copy and nothing is committed.
+        on_object: called with the size of each object once it is written (progress).
     """
     prefix = step_dirname(step)
     error: BaseException | None = None
@@ -314,7 +320,12 @@ def copy_snapshot(src: Backend, dst: Backend, step: int, comm: Comm) -> Manifest
         manifest = Manifest.from_json(text, where=f"manifest of {prefix} in {src.url!r}")
         for obj in manifest.objects:
             if obj.rank % comm.world_size == comm.rank:
-                dst.write(f"{prefix}/{obj.key}", [src.read_view(f"{prefix}/{obj.key}")])
+                data = src.read_view(f"{prefix}/{obj.key}")
+                if verify:
+                    verify_object(manifest, obj.key, data, where=f"the {src.tier} tier {src.url!r}")
+                dst.write(f"{prefix}/{obj.key}", [data])
+                if on_object is not None:
+                    on_object(obj.nbytes)
     except Exception as e:  # noqa: BLE001 - re-raised below on every rank
         error = e
     if comm.all_true(error is None) and comm.rank == 0:
@@ -328,6 +339,33 @@ def copy_snapshot(src: Backend, dst: Backend, step: int, comm: Comm) -> Manifest
         raise SnapshotWriteError(f"copying step {step} to {dst.url!r} failed on another rank (see its log)")
     assert manifest is not None
     return manifest
+
+
+def verify_object(manifest: Manifest, key: str, data: memoryview | bytes, where: str = "") -> None:
+    """Check the bytes ``data`` of the object ``key`` of ``manifest``: its size, and the checksum of every chunk of
+    every tensor fragment stored in it (shared and per-rank sections).
+
+    Raises:
+        ChecksumError: naming the object, the tensor and the byte range that differ.
+    """
+    view = memoryview(data).cast("B")
+    step = f"step {manifest.step}" + (f" in {where}" if where else "")
+    expected = manifest.object(key).nbytes
+    if view.nbytes != expected:
+        raise ChecksumError(f"object {key!r} of {step} holds {view.nbytes} bytes, the manifest says {expected}:"
+                            " it is truncated or was replaced. Use another snapshot")
+    entries = list(manifest.tensors) + [t for section in manifest.ranks for t in section.tensors]
+    for entry in entries:
+        for frag in entry.fragments:
+            if frag.object != key:
+                continue
+            got = chunk_digests(view[frag.offset: frag.offset + frag.nbytes], manifest.chunk_bytes)
+            for i, (a, b) in enumerate(chunk_ranges(frag.nbytes, manifest.chunk_bytes)):
+                if got[i] != frag.checksums[i]:
+                    raise ChecksumError(
+                        f"checksum mismatch in tensor {entry.name!r}, object {key!r}, bytes [{frag.offset + a},"
+                        f" {frag.offset + b}) of {step}: the data is corrupted. Use an earlier snapshot"
+                    )
 
 
 def _discard_run_objects(backend: Backend, prefix: str, run_id: str) -> None:
@@ -360,6 +398,14 @@ def committed_steps(backend: Backend) -> list[int]:
     return sorted(steps, reverse=True)
 
 
+def expired_snapshots(committed: list[int], keep_last: int | None, keep: Collection[int] = ()) -> list[int]:
+    """The committed steps (newest first, as :func:`committed_steps` lists them) that ``keep_last`` lets go: all
+    but the ``keep_last`` newest (none when it is None), except the steps in ``keep``. Decides; deletes nothing."""
+    if keep_last is None:
+        return []
+    return [step for step in committed[keep_last:] if step not in keep]
+
+
 def apply_retention(backend: Backend, newest: int, pinned: Collection[int] = ()) -> list[int]:
     """Delete committed snapshots beyond ``keep_last`` and uncommitted leftovers older than ``newest``.
 
@@ -372,14 +418,15 @@ def apply_retention(backend: Backend, newest: int, pinned: Collection[int] = ())
     """
     deleted: list[int] = []
     committed = committed_steps(backend)
-    keep = set(committed if backend.keep_last is None else committed[: backend.keep_last]) | {newest} | set(pinned)
+    keep = {newest, *pinned}
     if backend.keep_last is not None:
         keep |= _newest_healthy(backend, committed)
+    expired = set(expired_snapshots(committed, backend.keep_last, keep))
     for name in backend.list(""):
         step = parse_step_dirname(name)
         if step is None or step in keep:
             continue
-        if step in committed or step < newest:  # old snapshot, or a crashed write's leftovers
+        if step in expired or (step not in committed and step < newest):  # old snapshot, or a crashed write's leftovers
             try:
                 backend.delete(name)
                 deleted.append(step)

@@ -320,7 +320,7 @@ print("HEAVY", heavy)
 """
 
 
-@pytest.mark.parametrize("command", ["", "list", "inspect", "verify", "export", "agent"])
+@pytest.mark.parametrize("command", ["", "list", "inspect", "verify", "export", "copy", "gc", "agent"])
 def test_help_does_not_import_torch_or_lightning(command):
     args = [command, "--help"] if command else ["--help"]
     proc = subprocess.run([sys.executable, "-c", _HELP, *args], capture_output=True, text=True, timeout=120,

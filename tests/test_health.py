@@ -71,7 +71,7 @@ def test_health_is_recorded_per_group_with_the_first_nonfinite_tensor(tmp_path, 
     # list and inspect show it
     assert cli_main(["list", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert [line.split()[4] for line in out.splitlines()[1:]] == ["NaN/inf", "healthy"]
+    assert [line.split()[5] for line in out.splitlines()[1:]] == ["NaN/inf", "healthy"]  # (size: "348 B")
     assert cli_main(["inspect", str(tmp_path), "--step", "4"]) == 0
     out = capsys.readouterr().out
     assert ("health: NaN/inf (state_dict: NaN/inf (first in 'state_dict/a.weight'); optimizer_states/0: NaN/inf"
