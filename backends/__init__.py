@@ -5,7 +5,7 @@ from __future__ import annotations
 from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.backends.local import LocalTier
 from lightning_snapshot.backends.object_store import ObjectStoreTier
-from lightning_snapshot.backends.ram import RamTier
+from lightning_snapshot.backends.ram.tier import RamTier
 from lightning_snapshot.backends.registry import parse_tier
 
 __all__ = ["Backend", "LocalTier", "ObjectStoreTier", "RamTier", "parse_tier"]

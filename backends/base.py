@@ -99,18 +99,28 @@ class Backend(abc.ABC):
                 return {str(k): plain(x) for k, x in v.items()}
             return str(v)  # a path
 
-        return {"module": cls.__module__, "class": cls.__qualname__, "args": plain(list(args)),
-                "kwargs": plain(dict(kw))}
+        return {
+            "module": cls.__module__,
+            "class": cls.__qualname__,
+            "args": plain(list(args)),
+            "kwargs": plain(dict(kw)),
+        }
 
     @staticmethod
     def from_spec(spec: Any) -> Backend:
         """The tier :meth:`spec` describes. Only classes of ``lightning_snapshot.backends`` are accepted."""
-        if not isinstance(spec, dict) or not isinstance(spec.get("module"), str) or not isinstance(
-                spec.get("class"), str) or not isinstance(spec.get("args"), list) or not isinstance(
-                spec.get("kwargs"), dict):
+        if (
+            not isinstance(spec, dict)
+            or not isinstance(spec.get("module"), str)
+            or not isinstance(spec.get("class"), str)
+            or not isinstance(spec.get("args"), list)
+            or not isinstance(spec.get("kwargs"), dict)
+        ):
             raise ConfigError(f"malformed tier spec {spec!r}")
         if not spec["module"].startswith("lightning_snapshot.backends."):
-            raise ConfigError(f"tier spec names {spec['module']!r}; only lightning_snapshot.backends tiers are accepted")
+            raise ConfigError(
+                f"tier spec names {spec['module']!r}; only lightning_snapshot.backends tiers are accepted"
+            )
         cls = getattr(importlib.import_module(spec["module"]), spec["class"], None)
         if not (isinstance(cls, type) and issubclass(cls, Backend)):
             raise ConfigError(f"tier spec names {spec['module']}.{spec['class']}, which is not a tier class")
@@ -160,8 +170,10 @@ class Backend(abc.ABC):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{option} must be an integer >= 1 (steps) or None, got {value!r}")
             if not self.auto_every:
-                raise ConfigError(f"{option} bounds the interval of every_n_train_steps='auto' (URL every=auto);"
-                                  " set every_n_train_steps='auto' or drop it")
+                raise ConfigError(
+                    f"{option} bounds the interval of every_n_train_steps='auto' (URL every=auto);"
+                    " set every_n_train_steps='auto' or drop it"
+                )
         if min_every is not None and max_every is not None and min_every > max_every:
             raise ConfigError(f"min_every ({min_every}) must not be larger than max_every ({max_every})")
         return (min_every or 1), max_every
@@ -295,5 +307,6 @@ class Backend(abc.ABC):
         except TierUnavailableError:
             raise
         except Exception as e:  # noqa: BLE001 - any failure makes the tier unusable; translated here
-            raise TierUnavailableError(f"the {self.tier} tier {self.url!r} cannot be written (probe object {key!r}):"
-                                       f" {e}. {self.check_hint}") from e
+            raise TierUnavailableError(
+                f"the {self.tier} tier {self.url!r} cannot be written (probe object {key!r}): {e}. {self.check_hint}"
+            ) from e

@@ -135,8 +135,9 @@ def _close(mm: mmap.mmap | None) -> None:
         pass
 
 
-def exchange(group: Any, sends: list[tuple[mmap.mmap | None, int]],
-             receives: list[tuple[mmap.mmap | None, int]]) -> None:
+def exchange(
+    group: Any, sends: list[tuple[mmap.mmap | None, int]], receives: list[tuple[mmap.mmap | None, int]]
+) -> None:
     """Send and receive whole mapped files over the gloo ``group`` (``(map, peer's global rank)``; None: an empty
     file), all posted at once, in list order per peer; every map is closed after, also on failure."""
     import torch.distributed as dist
@@ -215,8 +216,10 @@ class LocalTier(Backend):
     #: Permissions of the files the tier creates, less the umask, unless ``mode`` is given.
     file_mode = 0o666
     parallel_reads = 4
-    check_hint = ("Choose a path that is (or can be created as) a directory this process may write: check the"
-                  " permissions, that no part of the path is a file, and that the filesystem is mounted read-write")
+    check_hint = (
+        "Choose a path that is (or can be created as) a directory this process may write: check the"
+        " permissions, that no part of the path is a file, and that the filesystem is mounted read-write"
+    )
 
     def __init__(
         self,
@@ -231,8 +234,11 @@ class LocalTier(Backend):
         mode: int | str | None = None,
     ) -> None:
         super().__init__(
-            every_n_train_steps=every_n_train_steps, train_time_interval=train_time_interval, keep_last=keep_last,
-            min_every=min_every, max_every=max_every,
+            every_n_train_steps=every_n_train_steps,
+            train_time_interval=train_time_interval,
+            keep_last=keep_last,
+            min_every=min_every,
+            max_every=max_every,
         )
         if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
             raise ConfigError(f"LocalTier path must be a non-empty path, got {path!r}")
@@ -242,8 +248,10 @@ class LocalTier(Backend):
         self.mode = parse_mode(mode)
         self.path_template = os.path.expanduser(os.fspath(path))
         if NODE_RANK_PLACEHOLDER in self.path_template and node_local is False:
-            raise ConfigError(f"LocalTier path {self.path_template!r} gives each node its own directory"
-                              f" ({NODE_RANK_PLACEHOLDER}), so it cannot be node_local=False: drop one of the two")
+            raise ConfigError(
+                f"LocalTier path {self.path_template!r} gives each node its own directory"
+                f" ({NODE_RANK_PLACEHOLDER}), so it cannot be node_local=False: drop one of the two"
+            )
         #: The user's choice (None: detect at set-up).
         self.node_local_option = node_local
         #: Whether each node has its own directory (settled by :meth:`settle_layout` in a multi-node job).
@@ -393,8 +401,9 @@ class LocalTier(Backend):
         holders = [r for r in leaders if invs[r]["manifest"]]
         if not holders:
             raise SnapshotNotFoundError(f"no node holds the manifest of step {step} in the local tier {self.url}")
-        text = self._broadcast_from(comm, holders[0], self.read(f"{prefix}/{MANIFEST_NAME}").decode()
-                                    if comm.rank == holders[0] else None)
+        text = self._broadcast_from(
+            comm, holders[0], self.read(f"{prefix}/{MANIFEST_NAME}").decode() if comm.rank == holders[0] else None
+        )
         manifest = Manifest.from_json(text, where=f"manifest of {prefix} in the local tier {self.url}")
         needed = _needed_objects(manifest, world)
         where: dict[str, list[int]] = {}
@@ -403,14 +412,19 @@ class LocalTier(Backend):
         lost = sorted({o.rank for o in manifest.objects if o.key in needed and not where[o.key]})
         if lost:
             lacking = sorted(invs[r]["node"] for r in leaders if not invs[r]["manifest"]) or sorted(
-                invs[r]["node"] for r in leaders)
+                invs[r]["node"] for r in leaders
+            )
             raise SnapshotError(
                 f"node(s) {', '.join(map(str, lacking))} of this job do not hold step {step} of the node-local tier"
                 f" {self.url}, and the data of rank(s) {', '.join(map(str, lost))} is on no node (a replaced node with"
                 " an empty disk, or a lost one)"
             )
-        transfers = [(where[o.key][0], dst, o.key, o.nbytes) for dst in leaders for o in manifest.objects
-                     if o.key in needed and dst not in where[o.key]]
+        transfers = [
+            (where[o.key][0], dst, o.key, o.nbytes)
+            for dst in leaders
+            for o in manifest.objects
+            if o.key in needed and dst not in where[o.key]
+        ]
         self._fetched = []
         if comm.rank in leaders:
             self._transfer(comm, [t for t in transfers if comm.rank in t[:2]], prefix)
@@ -418,8 +432,12 @@ class LocalTier(Backend):
                 self.commit(f"{prefix}/{MANIFEST_NAME}", text.encode())
                 self._fetched.append(self._path(f"{prefix}/{MANIFEST_NAME}"))
         if transfers:
-            log.info("lightning-snapshot: local tier %s: fetched %d object(s) of step %d from other nodes",
-                     self.url, len([t for t in transfers if t[1] == comm.rank]), step)
+            log.info(
+                "lightning-snapshot: local tier %s: fetched %d object(s) of step %d from other nodes",
+                self.url,
+                len([t for t in transfers if t[1] == comm.rank]),
+                step,
+            )
         if world > 1:
             comm.barrier()
 
@@ -450,8 +468,9 @@ class LocalTier(Backend):
                     tmp = path.with_name(f".{path.name}.fetch-{os.getpid()}")
                     self._mkdirs(path.parent)
                     received.append((tmp, path))
-                    receives.append((_map_new(tmp, nbytes, self.mode, self.file_mode),
-                                     dist.get_global_rank(comm.group, src)))
+                    receives.append(
+                        (_map_new(tmp, nbytes, self.mode, self.file_mode), dist.get_global_rank(comm.group, src))
+                    )
         except BaseException:
             for mm, _peer in sends + receives:
                 _close(mm)
@@ -596,7 +615,7 @@ class LocalTier(Backend):
             try:
                 view = memoryview(data)
                 while view.nbytes:
-                    view = view[os.write(fd, view):]
+                    view = view[os.write(fd, view) :]
                 os.fsync(fd)
             finally:
                 os.close(fd)

@@ -44,12 +44,27 @@ _INSTALL_HINTS = {
     "abfss": "pip install adlfs",
 }
 #: exception class names (botocore, aiohttp, fsspec) of a store that does not answer
-_UNREACHABLE = {"EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError",
-                "ClientConnectorError", "ClientConnectionError", "ServerDisconnectedError", "FSTimeoutError",
-                "ConnectionError"}
+_UNREACHABLE = {
+    "EndpointConnectionError",
+    "ConnectTimeoutError",
+    "ReadTimeoutError",
+    "ConnectionClosedError",
+    "ClientConnectorError",
+    "ClientConnectionError",
+    "ServerDisconnectedError",
+    "FSTimeoutError",
+    "ConnectionError",
+}
 _NO_CREDENTIALS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"}
-_REFUSED_CODES = ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
-                  "AuthorizationHeaderMalformed", "Forbidden")
+_REFUSED_CODES = (
+    "AccessDenied",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "InvalidToken",
+    "AuthorizationHeaderMalformed",
+    "Forbidden",
+)
 _SECRET_NAMES = re.compile(r"(secret|password|passwd|token|credential|key|signature|sas)", re.IGNORECASE)
 
 
@@ -67,8 +82,9 @@ def _secret_values(options: Mapping[str, Any]) -> list[str]:
 def redact(text: str, secrets: Iterable[str] = ()) -> str:
     """``text`` with URL userinfo, credential-like query parameters and the given secret values replaced by ***."""
     text = re.sub(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@", r"\g<scheme>***@", text)
-    text = re.sub(r"(?i)([?&][^=&\s]*(?:secret|token|key|signature|sig|password|credential)[^=&\s]*=)[^&\s]+",
-                  r"\1***", text)
+    text = re.sub(
+        r"(?i)([?&][^=&\s]*(?:secret|token|key|signature|sig|password|credential)[^=&\s]*=)[^&\s]+", r"\1***", text
+    )
     for s in sorted(set(secrets), key=len, reverse=True):
         text = text.replace(s, "***")
     return text
@@ -91,8 +107,11 @@ def unavailable_reason(e: BaseException) -> str | None:
     text = " ".join(str(x) for x in chain)
     if "NoSuchBucket" in names or "NoSuchBucket" in text or "bucket does not exist" in text.lower():
         return "bucket"
-    if names & _NO_CREDENTIALS or any(isinstance(x, PermissionError) for x in chain) or any(
-            code in text for code in _REFUSED_CODES):
+    if (
+        names & _NO_CREDENTIALS
+        or any(isinstance(x, PermissionError) for x in chain)
+        or any(code in text for code in _REFUSED_CODES)
+    ):
         return "credentials"
     if names & _UNREACHABLE or any(isinstance(x, (ConnectionError, TimeoutError)) for x in chain):
         return "unreachable"
@@ -169,8 +188,11 @@ class ObjectStoreTier(Backend):
         drain_timeout: float | None = 300.0,
     ) -> None:
         super().__init__(
-            every_n_train_steps=every_n_train_steps, train_time_interval=train_time_interval, keep_last=keep_last,
-            min_every=min_every, max_every=max_every,
+            every_n_train_steps=every_n_train_steps,
+            train_time_interval=train_time_interval,
+            keep_last=keep_last,
+            min_every=min_every,
+            max_every=max_every,
         )
         import fsspec
 
@@ -178,12 +200,18 @@ class ObjectStoreTier(Backend):
             raise ConfigError(f"ObjectStoreTier needs a URL with a scheme such as s3://bucket/path, got {url!r}")
         if storage_options is not None and not isinstance(storage_options, Mapping):
             raise ConfigError(f"storage_options must be a dict, got {type(storage_options).__name__}")
-        for name, value, lo in (("part_size", part_size, 5 << 20), ("max_concurrency", max_concurrency, 1),
-                                ("max_pending", max_pending, 1)):
+        for name, value, lo in (
+            ("part_size", part_size, 5 << 20),
+            ("max_concurrency", max_concurrency, 1),
+            ("max_pending", max_pending, 1),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < lo:
                 raise ConfigError(f"{name} must be an integer >= {lo}, got {value!r}")
-        if not (isinstance(retry_initial, (int, float)) and isinstance(retry_max, (int, float))
-                and 0 < retry_initial <= retry_max):
+        if not (
+            isinstance(retry_initial, (int, float))
+            and isinstance(retry_max, (int, float))
+            and 0 < retry_initial <= retry_max
+        ):
             raise ConfigError("retry_initial and retry_max must be numbers with 0 < retry_initial <= retry_max")
         self.scheme = url.split("://", 1)[0].lower()
         self._options = dict(storage_options or {})
@@ -265,8 +293,9 @@ class ObjectStoreTier(Backend):
         unavailable = self._unavailable(f"{what} {key!r}", e)
         if unavailable is not None:
             return unavailable
-        return SnapshotWriteError(f"{what} {key!r} in the {self.scheme} tier {self.url!r} failed:"
-                                  f" {type(e).__name__}: {self.redact(str(e))}")
+        return SnapshotWriteError(
+            f"{what} {key!r} in the {self.scheme} tier {self.url!r} failed: {type(e).__name__}: {self.redact(str(e))}"
+        )
 
     def _unavailable(self, what: str, e: BaseException) -> TierUnavailableError | None:
         reason = unavailable_reason(e)
@@ -274,13 +303,19 @@ class ObjectStoreTier(Backend):
             return None
         bucket = self.root.split("/", 1)[0]
         problem, fix = {
-            "bucket": (f"bucket {bucket!r} does not exist",
-                       f"create it (for example `aws s3 mb {self.scheme}://{bucket}`) or correct the URL"),
-            "credentials": ("refused the credentials or has none",
-                            "check key/secret (or token) in storage_options, the environment or the provider chain,"
-                            " and that they may read, write and delete under the tier's prefix"),
-            "unreachable": ("endpoint does not answer",
-                            "check the endpoint (storage_options client_kwargs endpoint_url) and the network"),
+            "bucket": (
+                f"bucket {bucket!r} does not exist",
+                f"create it (for example `aws s3 mb {self.scheme}://{bucket}`) or correct the URL",
+            ),
+            "credentials": (
+                "refused the credentials or has none",
+                "check key/secret (or token) in storage_options, the environment or the provider chain,"
+                " and that they may read, write and delete under the tier's prefix",
+            ),
+            "unreachable": (
+                "endpoint does not answer",
+                "check the endpoint (storage_options client_kwargs endpoint_url) and the network",
+            ),
         }[reason]
         detail = self.redact(f"{type(e).__name__}: {e}")
         return TierUnavailableError(f"the {self.scheme} tier {self.url!r}: {problem} ({what}: {detail}); {fix}")
@@ -300,9 +335,13 @@ class ObjectStoreTier(Backend):
             self.fs.pipe_file(path, b"lightning-snapshot probe")
             self.fs.rm(path)
         except Exception as e:  # noqa: BLE001 - translated: the tier is not usable
-            raise (self._unavailable("writing a probe object", e) or TierUnavailableError(
-                f"the {self.scheme} tier {self.url!r} cannot be written (probe object {key!r}):"
-                f" {self.redact(f'{type(e).__name__}: {e}')}; check the URL and storage_options")) from e
+            raise (
+                self._unavailable("writing a probe object", e)
+                or TierUnavailableError(
+                    f"the {self.scheme} tier {self.url!r} cannot be written (probe object {key!r}):"
+                    f" {self.redact(f'{type(e).__name__}: {e}')}; check the URL and storage_options"
+                )
+            ) from e
 
     # ------------------------------------------------------------------------------------------- bytes
     def write(self, key: str, buffers: Iterable[bytes | bytearray | memoryview]) -> int:
@@ -330,12 +369,16 @@ class ObjectStoreTier(Backend):
                     raise FileExistsError(path)
                 fs.pipe_file(path, bytes(data))
         except FileExistsError:
-            raise SnapshotWriteError(f"{key!r} is already committed in the {self.scheme} tier {self.url!r};"
-                                     " a committed snapshot is never overwritten") from None
+            raise SnapshotWriteError(
+                f"{key!r} is already committed in the {self.scheme} tier {self.url!r};"
+                " a committed snapshot is never overwritten"
+            ) from None
         except Exception as e:  # noqa: BLE001
             if "PreconditionFailed" in str(e) or "412" in str(e):
-                raise SnapshotWriteError(f"{key!r} is already committed in the {self.scheme} tier {self.url!r};"
-                                         " a committed snapshot is never overwritten") from None
+                raise SnapshotWriteError(
+                    f"{key!r} is already committed in the {self.scheme} tier {self.url!r};"
+                    " a committed snapshot is never overwritten"
+                ) from None
             raise self._error("committing", key, e) from e
 
     def read(self, key: str) -> bytes:
@@ -442,8 +485,9 @@ class ObjectStoreTier(Backend):
                 parts = call("list_parts", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
                 for part in parts.get("Parts", []):
                     modified = max(modified, _unix_time(part.get("LastModified")) or 0.0)
-                uploads.append({"key": upload["Key"][len(prefix):], "upload_id": upload["UploadId"],
-                                "modified": modified})
+                uploads.append(
+                    {"key": upload["Key"][len(prefix) :], "upload_id": upload["UploadId"], "modified": modified}
+                )
             if not listing.get("IsTruncated"):
                 return uploads
             markers = {"KeyMarker": listing["NextKeyMarker"], "UploadIdMarker": listing["NextUploadIdMarker"]}

@@ -31,8 +31,13 @@ KNOWN_SCHEMES: dict[str, tuple[str, str]] = {
     "ram": ("lightning_snapshot.backends.ram", "RamTier"),
 }
 _PLANNED: dict[str, str] = {}
-_OPTIONS = {"every": "every_n_train_steps", "interval": "train_time_interval", "keep": "keep_last",
-            "min_every": "min_every", "max_every": "max_every"}
+_OPTIONS = {
+    "every": "every_n_train_steps",
+    "interval": "train_time_interval",
+    "keep": "keep_last",
+    "min_every": "min_every",
+    "max_every": "max_every",
+}
 #: options only the RAM tier takes (``ram://NAME?erasure=4+2&idle=600``)
 _RAM_OPTIONS = {"erasure": "erasure", "idle": "idle_timeout", "threads": "threads"}
 #: options only the local tier takes (``/nvme/snap?node_local=auto|true|false&mode=0600``)
@@ -84,8 +89,12 @@ def _options(query: str, url: str, extra: dict[str, str] | None = None) -> dict[
                 " (every=<steps or auto>, min_every=<steps>, max_every=<steps>, interval=<seconds or 10m/2h>,"
                 " keep=<count or all>"
                 + (", erasure=<k+m or none>, idle=<seconds>, threads=<count>" if "erasure" in extra else "")
-                + (", node_local=<auto, true or false>, mode=<octal permissions, e.g. 0600>" if "node_local" in extra
-                   else "") + ")"
+                + (
+                    ", node_local=<auto, true or false>, mode=<octal permissions, e.g. 0600>"
+                    if "node_local" in extra
+                    else ""
+                )
+                + ")"
             )
         if _OPTIONS[name] in kwargs:
             raise ConfigError(f"tier URL option {name!r} is given twice in {url!r}")

@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from lightning_snapshot.arena import HostArena  # noqa: E402
+from lightning_snapshot.staging.arena import HostArena  # noqa: E402
 from lightning_snapshot.backends import ObjectStoreTier, RamTier  # noqa: E402
 from lightning_snapshot.backends.base import Backend  # noqa: E402
 from lightning_snapshot.comm import LocalComm  # noqa: E402
@@ -135,7 +135,7 @@ def training_stall(endpoint: str, steps: int, every: int, width: int) -> dict[st
     import s3fs
 
     s3fs.S3FileSystem(**options(endpoint)).call_s3("create_bucket", Bucket="bench-train")
-    from lightning_snapshot.agent import stop_agent
+    from lightning_snapshot.backends.ram.agent import stop_agent
 
     results = {}
     shm = tempfile.mkdtemp(prefix="bench-ram-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)

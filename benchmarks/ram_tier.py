@@ -1,4 +1,4 @@
-"""RAM tier benchmark: zfec erasure coding (``backends/erasure.py``) and restore from RAM (``RamTier``).
+"""RAM tier benchmark: zfec erasure coding (``backends/ram/erasure.py``) and restore from RAM (``RamTier``).
 
     python benchmarks/ram_tier.py            # ~1.5 GB state (1536 MiB of fp32 tensors)
     python benchmarks/ram_tier.py --quick    # ~200 MB, under 2 minutes on 2 cores
@@ -21,7 +21,7 @@ Rows
    * ``zfec raw, N threads``: the same, each of ``N`` threads (the cores ``erasure.encode`` uses) taking its share
      of the stripes: how far zfec itself scales on this machine (on a VM the cores may not give N times one);
    * ``erasure.encode, parity``, 1 thread and ``os.cpu_count()`` threads: the coding itself, the work ``zfec raw``
-     does. The data shares are the object's own bytes (contiguous slices, see ``backends/erasure.py``), so they are
+     does. The data shares are the object's own bytes (contiguous slices, see ``backends/ram/erasure.py``), so they are
      passed as ``None`` and zfec's C ``fec_encode`` reads the object where it lies and writes the 2 parity shares
      straight into preallocated, touched share buffers (0.8 GB of distinct memory, where zfec's Python API hands
      back, and here drops, fresh ``bytes`` per stripe that the allocator recycles in the cache);
@@ -95,10 +95,10 @@ import zfec
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from lightning_snapshot.backends import LocalTier, RamTier
-from lightning_snapshot.backends import erasure as ec
-from lightning_snapshot.backends.ram import allocated_bytes
+from lightning_snapshot.backends.ram import erasure as ec
+from lightning_snapshot.backends.ram.tier import allocated_bytes
 
-from lightning_snapshot.arena import HostArena
+from lightning_snapshot.staging.arena import HostArena
 from lightning_snapshot.comm import LocalComm
 from lightning_snapshot.loader import read_manifest, read_section
 from lightning_snapshot.manifest import step_dirname

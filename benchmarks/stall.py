@@ -811,7 +811,8 @@ class BackgroundCpu:
     """
 
     def __init__(self) -> None:
-        from lightning_snapshot import arena, persist
+        from lightning_snapshot import persist
+        from lightning_snapshot.staging import arena
 
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}

@@ -23,7 +23,7 @@ except ImportError:  # pragma: no cover - lightning without it
 from lightning_snapshot import compat as _compat
 from lightning_snapshot import data as _data
 from lightning_snapshot import fit_state as _fit_state
-from lightning_snapshot.arena import AsyncStaged, HostArena
+from lightning_snapshot.staging.arena import AsyncStaged, HostArena
 from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.backends.registry import parse_tier
 from lightning_snapshot.capture import (
@@ -159,9 +159,7 @@ class SnapshotCallback(Checkpoint):
         if not isinstance(resume, (bool, int, str)) or (
             isinstance(resume, int) and not isinstance(resume, bool) and resume < 0
         ):
-            raise ConfigError(
-                f"resume must be True, False, a step number >= 0 or a snapshot path/URL, got {resume!r}"
-            )
+            raise ConfigError(f"resume must be True, False, a step number >= 0 or a snapshot path/URL, got {resume!r}")
         if on_error not in _ON_ERROR:
             raise ConfigError(f"on_error must be one of {', '.join(map(repr, _ON_ERROR))}, got {on_error!r}")
         if max_host_bytes is not None and (
@@ -187,8 +185,10 @@ class SnapshotCallback(Checkpoint):
         if max_restores is not None and (
             isinstance(max_restores, bool) or not isinstance(max_restores, int) or max_restores < 1
         ):
-            raise ConfigError(f"max_restores must be an integer >= 1 (or None to never skip a snapshot the run keeps"
-                              f" crashing after), got {max_restores!r}")
+            raise ConfigError(
+                f"max_restores must be an integer >= 1 (or None to never skip a snapshot the run keeps"
+                f" crashing after), got {max_restores!r}"
+            )
         self.resume_unhealthy = resume_unhealthy
         self.max_restores = max_restores
         #: (rank 0) per (step, tier index) of the last candidate list: the manifest digest and the restore count
@@ -420,7 +420,8 @@ class SnapshotCallback(Checkpoint):
         message = self._agree_problem("; ".join(problems) or None)
         if message is not None:
             raise TierUnavailableError(
-                f"lightning-snapshot cannot use its tiers, so training does not start: {message}")
+                f"lightning-snapshot cannot use its tiers, so training does not start: {message}"
+            )
 
     def _agree_problem(self, problem: str | None) -> str | None:
         """Collective: None when no rank has a problem, else every rank's problem (prefixed with its rank under
@@ -434,9 +435,10 @@ class SnapshotCallback(Checkpoint):
             for rank, p in enumerate(gathered):
                 if p:
                     ranks.setdefault(p, []).append(rank)
-            text = "; ".join(p if self._comm.world_size == 1 else
-                             f"on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {p}"
-                             for p, r in ranks.items())
+            text = "; ".join(
+                p if self._comm.world_size == 1 else f"on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {p}"
+                for p, r in ranks.items()
+            )
         return str(self._comm.broadcast(text))
 
     def _placement(self, trainer: Any) -> dict[str, int]:
@@ -444,9 +446,12 @@ class SnapshotCallback(Checkpoint):
         the node and the ranks per node (at least 1)."""
         strategy = trainer.strategy
         num_nodes = max(1, int(getattr(trainer, "num_nodes", 1) or 1))
-        return {"node_rank": int(getattr(strategy, "node_rank", 0) or 0), "num_nodes": num_nodes,
-                "local_rank": int(getattr(strategy, "local_rank", 0) or 0),
-                "ranks_per_node": max(1, self._comm.world_size // num_nodes)}
+        return {
+            "node_rank": int(getattr(strategy, "node_rank", 0) or 0),
+            "num_nodes": num_nodes,
+            "local_rank": int(getattr(strategy, "local_rank", 0) or 0),
+            "ranks_per_node": max(1, self._comm.world_size // num_nodes),
+        }
 
     def _setup_node_local_tiers(self, trainer: Any) -> None:
         """Tell each local tier which node this rank is on, and settle whether its directory is shared by all nodes
@@ -459,8 +464,12 @@ class SnapshotCallback(Checkpoint):
             tier.bind(**placement)
             how = settle(self._tier_comms[i], self._run_id)
             if placement["num_nodes"] > 1:
-                layout = ("node-local: each node writes its own ranks' data and a copy of the manifest, commits are"
-                          " agreed over the process group" if tier.node_local else "shared by all nodes")
+                layout = (
+                    "node-local: each node writes its own ranks' data and a copy of the manifest, commits are"
+                    " agreed over the process group"
+                    if tier.node_local
+                    else "shared by all nodes"
+                )
                 rank_zero_info(f"lightning-snapshot: the {tier.tier} tier {tier.url} is {layout} ({how})")
 
     def _setup_ram_tier(self, trainer: Any) -> None:
@@ -468,14 +477,16 @@ class SnapshotCallback(Checkpoint):
         ram = next((t for t in self.tiers if t.tier == "ram"), None)
         if ram is None:
             return
-        from lightning_snapshot.agent import AgentClient, ensure_agent
-        from lightning_snapshot.backends.ram import default_run_name
+        from lightning_snapshot.backends.ram.agent import AgentClient, ensure_agent
+        from lightning_snapshot.backends.ram.tier import default_run_name
 
         placement = self._placement(trainer)
         world, num_nodes = self._comm.world_size, placement["num_nodes"]
         if world % num_nodes:
-            raise ConfigError(f"the RAM tier needs the same number of processes on every node ({world} processes on"
-                              f" {num_nodes} nodes)")
+            raise ConfigError(
+                f"the RAM tier needs the same number of processes on every node ({world} processes on"
+                f" {num_nodes} nodes)"
+            )
         name = self._comm.broadcast(default_run_name([t.url for t in self.tiers if t is not ram]))
         ram.bind(**placement, default_name=name)
         error: BaseException | None = None
@@ -488,10 +499,14 @@ class SnapshotCallback(Checkpoint):
             raise error or SnapshotError("starting the snapshot agent failed on another node (see its log)")
         # the agent writes the durable tiers whose commit it can see from its node (not the node-local ones, whose
         # commit the trainers agree on over their process group)
-        self._agent = AgentClient(ram.node_dir, rank=self._comm.rank, world_size=world, run_id=self._run_id,
-                                  tiers=[t for t in self.tiers if t is not ram and t.durable
-                                         and not getattr(t, "node_local", False)],
-                                  part_wait=self.collective_timeout)
+        self._agent = AgentClient(
+            ram.node_dir,
+            rank=self._comm.rank,
+            world_size=world,
+            run_id=self._run_id,
+            tiers=[t for t in self.tiers if t is not ram and t.durable and not getattr(t, "node_local", False)],
+            part_wait=self.collective_timeout,
+        )
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._shutdown(abort=False)
@@ -526,12 +541,18 @@ class SnapshotCallback(Checkpoint):
         held = [t.url for i, t in enumerate(self.tiers) if self._committed.get(i) == step]
         durable = [t.url for i, t in enumerate(self.tiers) if t.durable and self._committed.get(i) == step]
         if durable:
-            rank_zero_info(f"lightning-snapshot: SIGTERM: step {step} is held by {', '.join(held)}"
-                           f" ({time.monotonic() - t0:.1f} s)")
+            rank_zero_info(
+                f"lightning-snapshot: SIGTERM: step {step} is held by {', '.join(held)} ({time.monotonic() - t0:.1f} s)"
+            )
         else:
-            log.error("lightning-snapshot: SIGTERM: step %d did not become durable within sigterm_grace=%s s"
-                      " (held by: %s; still writing: %s)", step, self.sigterm_grace, held or "none",
-                      [t.url for t in late] or "none")
+            log.error(
+                "lightning-snapshot: SIGTERM: step %d did not become durable within sigterm_grace=%s s"
+                " (held by: %s; still writing: %s)",
+                step,
+                self.sigterm_grace,
+                held or "none",
+                [t.url for t in late] or "none",
+            )
 
     def _shutdown(self, abort: bool) -> None:
         """Stop the background machinery, waiting at most ``shutdown_timeout`` for the persist threads (``abort``:
@@ -578,14 +599,18 @@ class SnapshotCallback(Checkpoint):
                 if target is not None and count == 1 and index == 0:
                     self._shift_batch_counters(trainer, target)
                 elif target is not None:
-                    warnings.warn("lightning-snapshot: with several train dataloaders, the epoch's batch count after a"
-                                  " change of the number of processes follows Lightning's restored count, not the"
-                                  " data left", stacklevel=2)
+                    warnings.warn(
+                        "lightning-snapshot: with several train dataloaders, the epoch's batch count after a"
+                        " change of the number of processes follows Lightning's restored count, not the"
+                        " data left",
+                        stacklevel=2,
+                    )
         reason = _data.unsupported_reason(loader)
         if reason is not None and id(type(loader)) not in self._warned_loaders:
             self._warned_loaders.add(id(type(loader)))
-            warnings.warn(f"lightning-snapshot cannot restore the exact position of a train dataloader: {reason}.",
-                          stacklevel=2)
+            warnings.warn(
+                f"lightning-snapshot cannot restore the exact position of a train dataloader: {reason}.", stacklevel=2
+            )
 
     @staticmethod
     def _shift_batch_counters(trainer: Any, consumed: int) -> None:
@@ -608,15 +633,15 @@ class SnapshotCallback(Checkpoint):
         if self.resume is False:
             return
         if trainer.ckpt_path:
-            log.info("lightning-snapshot: fit(ckpt_path=%r) was given; not resuming from a snapshot",
-                     trainer.ckpt_path)
+            log.info("lightning-snapshot: fit(ckpt_path=%r) was given; not resuming from a snapshot", trainer.ckpt_path)
             return
         t0 = time.monotonic()
         candidates = self._candidates(report=True)
         if not candidates:
             if self.resume is not True:
-                raise SnapshotNotFoundError(f"resume={self.resume!r}: no committed snapshot matches it in"
-                                            f" {[t.url for t in self.tiers]}")
+                raise SnapshotNotFoundError(
+                    f"resume={self.resume!r}: no committed snapshot matches it in {[t.url for t in self.tiers]}"
+                )
             return
         reasons = []
         live: Templates | None = None
@@ -635,8 +660,9 @@ class SnapshotCallback(Checkpoint):
                 raise fatal or SnapshotError(f"restoring the {where} failed on another rank (see its log)")
             if self._comm.all_true(error is None):
                 shared, rank_state = loaded
-                restore_shared(trainer, pl_module, shared, where, live,
-                               load_callbacks=self._preloaded != (backend.url, step))
+                restore_shared(
+                    trainer, pl_module, shared, where, live, load_callbacks=self._preloaded != (backend.url, step)
+                )
                 self._apply_rank_state(trainer, rank_state)
                 self._record_restore(backend, step)
                 self._restored_fit_state = _fit_state.saved_state(shared)
@@ -651,8 +677,10 @@ class SnapshotCallback(Checkpoint):
                     self._metrics.add("restore/bytes_read", self.restore_stats["bytes_read"])
                 if backend in self.tiers:
                     self._metrics.add("restore/tier_index", self.tiers.index(backend))
-                rank_zero_info(f"lightning-snapshot: restored step {step} from the {backend.tier} tier {backend.url}"
-                               f" in {seconds:.2f} s")
+                rank_zero_info(
+                    f"lightning-snapshot: restored step {step} from the {backend.tier} tier {backend.url}"
+                    f" in {seconds:.2f} s"
+                )
                 return
             reason = str(error) if error is not None else "it failed to load on another rank"
             reasons.append(f"step {step} ({backend.tier} {backend.url}): {reason}")
@@ -660,10 +688,13 @@ class SnapshotCallback(Checkpoint):
                 break
             if self._comm.rank == 0:
                 log.warning("lightning-snapshot: cannot restore the %s (%s); trying the next snapshot", where, reason)
-            warnings.warn(f"lightning-snapshot: skipping the {where}: {reason}. Falling back to an earlier snapshot.",
-                          stacklevel=2)
+            warnings.warn(
+                f"lightning-snapshot: skipping the {where}: {reason}. Falling back to an earlier snapshot.",
+                stacklevel=2,
+            )
         raise SnapshotError(
-            "no snapshot could be restored; tried " + "; ".join(reasons)
+            "no snapshot could be restored; tried "
+            + "; ".join(reasons)
             + ". The snapshots were left untouched: fix or move them, or pass resume=False to start fresh"
         )
 
@@ -753,13 +784,16 @@ class SnapshotCallback(Checkpoint):
             if not unlisted:
                 found, messages, skipped_all = self._apply_resume_policy(found)
         found, problem, messages, skipped_all = self._comm.broadcast(
-            (found, "; ".join(unlisted), messages, skipped_all) if self._comm.rank == 0 else None)
+            (found, "; ".join(unlisted), messages, skipped_all) if self._comm.rank == 0 else None
+        )
         if problem:
             # it may hold the newest snapshot: starting from an older one or fresh could overwrite its history
-            raise TierUnavailableError(f"lightning-snapshot: {problem}. Fix access to the tier and run again, or pass"
-                                       " resume=False to start fresh without reading it (snapshots are still taken;"
-                                       " an object store never overwrites a committed step, so give it a new prefix"
-                                       " too)")
+            raise TierUnavailableError(
+                f"lightning-snapshot: {problem}. Fix access to the tier and run again, or pass"
+                " resume=False to start fresh without reading it (snapshots are still taken;"
+                " an object store never overwrites a committed step, so give it a new prefix"
+                " too)"
+            )
         if report and self._comm.rank == 0:
             for message in messages:  # (one warning each, from rank 0 only)
                 warnings.warn(message, stacklevel=2)
@@ -767,8 +801,7 @@ class SnapshotCallback(Checkpoint):
             raise SnapshotNotFoundError(f"lightning-snapshot cannot resume: {skipped_all}")
         return [(self.tiers[i], step) for step, i in found]
 
-    def _apply_resume_policy(self, found: list[tuple[int, int]]
-                             ) -> tuple[list[tuple[int, int]], list[str], str | None]:
+    def _apply_resume_policy(self, found: list[tuple[int, int]]) -> tuple[list[tuple[int, int]], list[str], str | None]:
         """(Rank 0) Read each candidate's health and restore count, and with ``resume=True`` drop the unhealthy
         ones and those the run keeps crashing after (:func:`~lightning_snapshot.resume_policy.plan_resume`).
         Returns the (step, tier index) pairs left, the warnings to give, and why none is left (or None)."""
@@ -803,15 +836,20 @@ class SnapshotCallback(Checkpoint):
                 problem = "; ".join(failed)
             log.debug("lightning-snapshot: step %d restored %d time(s)", step, count)
         if not self._comm.all_true(problem is None) and problem is not None:
-            warnings.warn(f"lightning-snapshot: could not record the restore of step {step} ({problem}); the"
-                          " crash-loop breaker (max_restores) does not count this restore there", stacklevel=2)
+            warnings.warn(
+                f"lightning-snapshot: could not record the restore of step {step} ({problem}); the"
+                " crash-loop breaker (max_restores) does not count this restore there",
+                stacklevel=2,
+            )
 
-    def _read(self, backend: Backend, step: int, trainer: Any, pl_module: Any, live: Templates
-              ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    def _read(
+        self, backend: Backend, step: int, trainer: Any, pl_module: Any, live: Templates
+    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         return self._through_tier(backend, step, lambda: self._read_tier(backend, step, trainer, pl_module, live))
 
-    def _read_tier(self, backend: Backend, step: int, trainer: Any, pl_module: Any, live: Templates
-                   ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    def _read_tier(
+        self, backend: Backend, step: int, trainer: Any, pl_module: Any, live: Templates
+    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         manifest = read_manifest(backend, step)
         where = f"snapshot of step {step} in the {backend.tier} tier {backend.url!r}"
         # the model's own tensors are read into directly (verified chunk by chunk); under a sharded strategy the
@@ -822,7 +860,8 @@ class SnapshotCallback(Checkpoint):
         shared = read_section(backend, manifest, manifest.tensors, manifest.state, targets=targets, stats=stats)
         after = getattr(backend, "bytes_read", None)
         self.restore_stats = {
-            "bytes_needed": stats.bytes_needed, "bytes_read": stats.bytes_read,
+            "bytes_needed": stats.bytes_needed,
+            "bytes_read": stats.bytes_read,
             "tier_bytes_read": after - counted if isinstance(counted, int) and isinstance(after, int) else None,
             "tensors_resharded": stats.tensors_resharded,
         }
@@ -843,8 +882,12 @@ class SnapshotCallback(Checkpoint):
             first = manifest.rank_section(0)
             if first is not None:
                 saved = read_section(backend, manifest, first.tensors, first.state)
-                rank_state = {"rng": None, "loaders": saved.get("loaders", []), "exact": False,
-                              "late": saved.get("late")}
+                rank_state = {
+                    "rng": None,
+                    "loaders": saved.get("loaders", []),
+                    "exact": False,
+                    "late": saved.get("late"),
+                }
         elif section is not None:
             rank_state = read_section(backend, manifest, section.tensors, section.state)
         # loops, callbacks, schedulers: taken with the rank state, right before the next step (this rank's own)
@@ -903,10 +946,13 @@ class SnapshotCallback(Checkpoint):
         if none_stored:  # taken before this feature, without DDP, or where DDP never rebuilds; or turned off
             return
         if not all_fit:
-            warnings.warn(f"lightning-snapshot: the {where} holds a DDP gradient-bucket layout that is not applied"
-                          f" ({problem or 'it does not fit on another rank'}); the resume goes on without it, so"
-                          " with 3 or more ranks the next steps may differ in the last bits from an uninterrupted"
-                          " run", stacklevel=2)
+            warnings.warn(
+                f"lightning-snapshot: the {where} holds a DDP gradient-bucket layout that is not applied"
+                f" ({problem or 'it does not fit on another rank'}); the resume goes on without it, so"
+                " with 3 or more ranks the next steps may differ in the last bits from an uninterrupted"
+                " run",
+                stacklevel=2,
+            )
             return
         error: BaseException | None = None
         try:
@@ -918,7 +964,8 @@ class SnapshotCallback(Checkpoint):
                 f"giving DDP the gradient-bucket layout of the {where} failed"
                 f" ({f'{type(error).__name__}: {error}' if error is not None else 'on another rank'}); set"
                 f" {DDP_LAYOUT_ENV}=0 to resume without it (with 3 or more ranks not bitwise identical to an"
-                " uninterrupted run)") from error
+                " uninterrupted run)"
+            ) from error
         log.debug("lightning-snapshot: DDP gradient-bucket layout restored: %s", layout["buckets"])
 
     # ------------------------------------------------------------------------------------------- capture
@@ -1002,8 +1049,12 @@ class SnapshotCallback(Checkpoint):
         if not self._planned:
             self._planned = True
             try:
-                arena.plan_ahead(capture_shared(trainer, pl_module), self._frozen(trainer), rank=self._comm.rank,
-                                 world_size=self._comm.world_size)
+                arena.plan_ahead(
+                    capture_shared(trainer, pl_module),
+                    self._frozen(trainer),
+                    rank=self._comm.rank,
+                    world_size=self._comm.world_size,
+                )
             except Exception as e:  # noqa: BLE001 - the snapshot itself reports what cannot be captured
                 log.debug("lightning-snapshot: planning ahead failed (%s); the first snapshot plans itself", e)
             return
@@ -1068,10 +1119,17 @@ class SnapshotCallback(Checkpoint):
             if max(old, tier.every_n_train_steps) > 2 * min(old, tier.every_n_train_steps):
                 self._logged_interval[i] = tier.every_n_train_steps
                 if self._comm.rank == 0:
-                    log.info("lightning-snapshot: the %s tier %s now snapshots every %d steps (was %d): measured"
-                             " cost %.1f ms per snapshot, step %.1f ms, MTBF %.0f s", tier.tier, tier.url,
-                             tier.every_n_train_steps, old, (meter.cost(i) or 0) * 1000,
-                             (meter.step_seconds or 0) * 1000, self._mtbf_s)
+                    log.info(
+                        "lightning-snapshot: the %s tier %s now snapshots every %d steps (was %d): measured"
+                        " cost %.1f ms per snapshot, step %.1f ms, MTBF %.0f s",
+                        tier.tier,
+                        tier.url,
+                        tier.every_n_train_steps,
+                        old,
+                        (meter.cost(i) or 0) * 1000,
+                        (meter.step_seconds or 0) * 1000,
+                        self._mtbf_s,
+                    )
         if meter.step_seconds is not None:
             self._metrics.add("snapshot/step_ms", meter.step_seconds * 1000)
 
@@ -1101,8 +1159,13 @@ class SnapshotCallback(Checkpoint):
         assert self._arena is not None
         self._planned = True  # (the first snapshot plans itself if no earlier step did)
         try:  # every rank stages (and later writes) its own share of the replicated state
-            staged = self._arena.stage_async(capture_shared(trainer, pl_module), self._frozen(trainer), step,
-                                             rank=self._comm.rank, world_size=self._comm.world_size)
+            staged = self._arena.stage_async(
+                capture_shared(trainer, pl_module),
+                self._frozen(trainer),
+                step,
+                rank=self._comm.rank,
+                world_size=self._comm.world_size,
+            )
         except SnapshotError as e:
             error = e
         if not self._comm.all_true(error is None and staged is not None):
@@ -1114,8 +1177,11 @@ class SnapshotCallback(Checkpoint):
             self._skipped += 1
             self._metrics.add("snapshot/skipped", self._skipped)
             reason = self._arena.last_skip_reason if staged is None else "another rank could not stage it"
-            warnings.warn(f"lightning-snapshot: skipped the snapshot of step {step}: {reason}. Raise"
-                          " max_host_bytes or snapshot less often.", stacklevel=2)
+            warnings.warn(
+                f"lightning-snapshot: skipped the snapshot of step {step}: {reason}. Raise"
+                " max_host_bytes or snapshot less often.",
+                stacklevel=2,
+            )
             return True
         if staged is not None:
             self._metrics.add("snapshot/bytes", staged.state.nbytes)
@@ -1148,11 +1214,17 @@ class SnapshotCallback(Checkpoint):
         self._collect_results(trainer.global_step)
         for tier in late:
             i = self.tiers.index(tier)
-            self._tier_problem.setdefault(i, f"its uploads did not finish within drain_timeout="
-                                             f"{getattr(tier, 'drain_timeout', None)} s"
-                                             f" (last error: {self._last_error(i) or 'none'})")
-            warnings.warn(f"lightning-snapshot: the {tier.tier} tier {tier.url!r} did not finish its uploads within"
-                          f" drain_timeout={getattr(tier, 'drain_timeout', None)} s; {self._holders()}", stacklevel=2)
+            self._tier_problem.setdefault(
+                i,
+                f"its uploads did not finish within drain_timeout="
+                f"{getattr(tier, 'drain_timeout', None)} s"
+                f" (last error: {self._last_error(i) or 'none'})",
+            )
+            warnings.warn(
+                f"lightning-snapshot: the {tier.tier} tier {tier.url!r} did not finish its uploads within"
+                f" drain_timeout={getattr(tier, 'drain_timeout', None)} s; {self._holders()}",
+                stacklevel=2,
+            )
         self._metrics.flush(trainer)
         if not self._comm.all_true(not (self._errors and self.on_error == "raise")):
             self._raise_background_error()
@@ -1175,17 +1247,22 @@ class SnapshotCallback(Checkpoint):
         durable = [i for i, t in enumerate(self.tiers) if t.durable]
         problem = None
         if step is not None and durable and not any(self._committed.get(i, -1) >= step for i in durable):
-            why = "; ".join(f"the {self.tiers[i].tier} tier {self.tiers[i].url!r}: "
-                            + (self._tier_problem.get(i) or f"it was not given step {step}") for i in durable)
+            why = "; ".join(
+                f"the {self.tiers[i].tier} tier {self.tiers[i].url!r}: "
+                + (self._tier_problem.get(i) or f"it was not given step {step}")
+                for i in durable
+            )
             ram = [t.url for i, t in enumerate(self.tiers) if not t.durable and self._committed.get(i, -1) >= step]
             only = f" Only the memory of the RAM tier holds it ({', '.join(ram)})." if ram else ""
             problem = f"{why}.{only}"
         message = self._agree_problem(problem)
         if message is None:
             return
-        text = (f"lightning-snapshot: the last snapshot of this fit (step {step}) is not durable: no durable tier"
-                f" holds it. {message} Fix the tier (see the reason), then rerun to resume from the newest snapshot"
-                " that is durable")
+        text = (
+            f"lightning-snapshot: the last snapshot of this fit (step {step}) is not durable: no durable tier"
+            f" holds it. {message} Fix the tier (see the reason), then rerun to resume from the newest snapshot"
+            " that is durable"
+        )
         if self.on_error == "raise":
             raise NotDurableError(text)
         log.error("%s (on_error='warn': fit returns normally)", text)
@@ -1201,8 +1278,13 @@ class SnapshotCallback(Checkpoint):
         staged: AsyncStaged | None = None
         error: SnapshotError | None = None
         try:
-            staged = self._arena.stage_async(capture_shared(trainer, pl_module), self._frozen(trainer), step,
-                                             rank=self._comm.rank, world_size=self._comm.world_size)
+            staged = self._arena.stage_async(
+                capture_shared(trainer, pl_module),
+                self._frozen(trainer),
+                step,
+                rank=self._comm.rank,
+                world_size=self._comm.world_size,
+            )
         except SnapshotError as e:
             error = e
         if not self._comm.all_true(error is None and staged is not None):
@@ -1211,8 +1293,9 @@ class SnapshotCallback(Checkpoint):
             if error is not None:
                 self._handle(error, step)
                 return
-            warnings.warn(f"lightning-snapshot: no snapshot of the last step {step}: {self._arena.last_skip_reason}",
-                          stacklevel=2)
+            warnings.warn(
+                f"lightning-snapshot: no snapshot of the last step {step}: {self._arena.last_skip_reason}", stacklevel=2
+            )
             return
         self._pending = (step, staged, list(range(len(self.tiers))))
 
@@ -1256,9 +1339,12 @@ class SnapshotCallback(Checkpoint):
         except (AttributeError, TypeError, RuntimeError) as e:  # torch's private internals changed
             if not self._warned_layout:
                 self._warned_layout = True
-                warnings.warn(f"lightning-snapshot: cannot read DDP's gradient-bucket layout with this torch"
-                              f" ({type(e).__name__}: {e}); snapshots are taken without it, and a resume with 3 or"
-                              f" more ranks will not be bitwise identical to an uninterrupted run", stacklevel=2)
+                warnings.warn(
+                    f"lightning-snapshot: cannot read DDP's gradient-bucket layout with this torch"
+                    f" ({type(e).__name__}: {e}); snapshots are taken without it, and a resume with 3 or"
+                    f" more ranks will not be bitwise identical to an uninterrupted run",
+                    stacklevel=2,
+                )
             return None
 
     def _finish(self, trainer: Any, consumed_offset: int = 0) -> None:
@@ -1288,10 +1374,18 @@ class SnapshotCallback(Checkpoint):
             if not ok:
                 self._tier_skipped[i] += 1
                 self._metrics.add(f"snapshot/{self._metric_names[i]}/skipped", self._tier_skipped[i])
-                self._tier_problem.setdefault(i, f"step {step} was skipped there: {self._persister.pending(i)}"
-                                                 " snapshot(s) still pending (max_pending)")
-                log.info("lightning-snapshot: step %d skipped for the %s tier %s: %d snapshot(s) still pending there",
-                         step, self.tiers[i].tier, self.tiers[i].url, self._persister.pending(i))
+                self._tier_problem.setdefault(
+                    i,
+                    f"step {step} was skipped there: {self._persister.pending(i)}"
+                    " snapshot(s) still pending (max_pending)",
+                )
+                log.info(
+                    "lightning-snapshot: step %d skipped for the %s tier %s: %d snapshot(s) still pending there",
+                    step,
+                    self.tiers[i].tier,
+                    self.tiers[i].url,
+                    self._persister.pending(i),
+                )
         self._persister.submit(PersistJob(step, epoch, shared, private, [self.tiers[i] for i in accepted]), accepted)
         for i in accepted:
             self._submitted[i] = step
@@ -1315,16 +1409,22 @@ class SnapshotCallback(Checkpoint):
             if index is not None and self._meter is not None:
                 self._meter.closed(index, measured=not r.abandoned)
             if r.abandoned:
-                warnings.warn(f"lightning-snapshot: gave up uploading step {r.step} to the {r.tier.tier} tier"
-                              f" {r.tier.url!r} at the end of training (drain_timeout): {r.error}", stacklevel=2)
+                warnings.warn(
+                    f"lightning-snapshot: gave up uploading step {r.step} to the {r.tier.tier} tier"
+                    f" {r.tier.url!r} at the end of training (drain_timeout): {r.error}",
+                    stacklevel=2,
+                )
                 continue
             if r.error is not None:
                 self._failed += 1
                 self._errors.append(r.error)
                 self._metrics.add("snapshot/failed", self._failed)
                 policy = "training goes on (on_error='warn')" if self.on_error == "warn" else "training will stop"
-                warnings.warn(f"lightning-snapshot: the snapshot of step {r.step} to the {r.tier.tier} tier"
-                              f" {r.tier.url!r} failed; {policy}: {r.error}", stacklevel=2)
+                warnings.warn(
+                    f"lightning-snapshot: the snapshot of step {r.step} to the {r.tier.tier} tier"
+                    f" {r.tier.url!r} failed; {policy}: {r.error}",
+                    stacklevel=2,
+                )
                 continue
             self._committed[self.tiers.index(r.tier)] = r.step
             self._tier_problem.pop(self.tiers.index(r.tier), None)
@@ -1333,8 +1433,9 @@ class SnapshotCallback(Checkpoint):
             if r.stage_seconds is not None:
                 self._metrics.add("snapshot/stage_ms", r.stage_seconds * 1000)
         for i in self._submitted:  # (a tier that never committed in this fit lags from where the fit started)
-            self._metrics.add(f"snapshot/{self._metric_names[i]}/lag_steps",
-                              step - self._committed.get(i, self._fit_start_step))
+            self._metrics.add(
+                f"snapshot/{self._metric_names[i]}/lag_steps", step - self._committed.get(i, self._fit_start_step)
+            )
             if getattr(self.tiers[i], "retry_initial", None):
                 self._metrics.add(f"snapshot/{self._metric_names[i]}/retries", self._persister.retries(i))
 
@@ -1348,8 +1449,11 @@ class SnapshotCallback(Checkpoint):
         where = f" to the {tier.tier} tier {tier.url!r}" if tier is not None else ""
         if self.on_error == "raise":
             raise error
-        warnings.warn(f"lightning-snapshot: the snapshot of step {step}{where} failed and training goes on"
-                      f" (on_error='warn'): {error}", stacklevel=2)
+        warnings.warn(
+            f"lightning-snapshot: the snapshot of step {step}{where} failed and training goes on"
+            f" (on_error='warn'): {error}",
+            stacklevel=2,
+        )
 
     # ------------------------------------------------------------------------------------------- checkpoint state
     def state_dict(self) -> dict[str, Any]:
@@ -1362,14 +1466,28 @@ class SnapshotCallback(Checkpoint):
     def __getstate__(self) -> dict[str, Any]:
         """The configuration only (``ddp_spawn`` pickles the trainer and its callbacks to start its processes, before
         ``setup``): the tiers leave their locks and clients behind, and ``setup`` makes the rest in each process."""
-        if self._persister is not None or self._arena is not None or self._agent is not None or \
-                self._patched_strategy is not None or self._pending is not None:
-            raise TypeError("a SnapshotCallback in use by a running fit (its persist threads, staging memory and"
-                            " agent connection belong to this process) cannot be pickled; pickle it before"
-                            " trainer.fit or after it returns")
+        if (
+            self._persister is not None
+            or self._arena is not None
+            or self._agent is not None
+            or self._patched_strategy is not None
+            or self._pending is not None
+        ):
+            raise TypeError(
+                "a SnapshotCallback in use by a running fit (its persist threads, staging memory and"
+                " agent connection belong to this process) cannot be pickled; pickle it before"
+                " trainer.fit or after it returns"
+            )
         state = dict(self.__dict__)
-        for name in ("_comm", "_tier_comms", "_inflight", "_patched_loop", "_patched_fit_loop", "_fetch_states",
-                     "_restored_fit_state"):
+        for name in (
+            "_comm",
+            "_tier_comms",
+            "_inflight",
+            "_patched_loop",
+            "_patched_fit_loop",
+            "_fetch_states",
+            "_restored_fit_state",
+        ):
             state.pop(name, None)
         return state
 

@@ -28,8 +28,20 @@ from lightning_snapshot import tree as _tree
 from lightning_snapshot.errors import ManifestError, StateMismatchError
 from lightning_snapshot.staging import dtensor_box, is_dtensor, local_tensor
 
-__all__ = ["capture_late", "capture_shared", "restore_shared", "capture_rng", "restore_rng", "check_model",
-           "frozen_predicate", "is_sharded", "check_optimizers", "Templates", "templates", "restore_targets"]
+__all__ = [
+    "capture_late",
+    "capture_shared",
+    "restore_shared",
+    "capture_rng",
+    "restore_rng",
+    "check_model",
+    "frozen_predicate",
+    "is_sharded",
+    "check_optimizers",
+    "Templates",
+    "templates",
+    "restore_targets",
+]
 
 
 def is_sharded(strategy: Any) -> bool:
@@ -56,8 +68,10 @@ def _sharded_state_dicts(trainer: Any) -> tuple[dict[str, Any], list[dict[str, A
 
     options = StateDictOptions(full_state_dict=False, cpu_offload=False)
     model = trainer.strategy.model
-    return (get_model_state_dict(model, options=options),
-            [get_optimizer_state_dict(model, _raw_optimizer(opt), options=options) for opt in trainer.optimizers])
+    return (
+        get_model_state_dict(model, options=options),
+        [get_optimizer_state_dict(model, _raw_optimizer(opt), options=options) for opt in trainer.optimizers],
+    )
 
 
 def capture_shared(trainer: Any, pl_module: Any) -> dict[str, Any]:
@@ -107,9 +121,11 @@ def capture_late(trainer: Any, pl_module: Any, loader_states: list[Any] | None =
         # what ReduceLROnPlateau, EarlyStopping and ModelCheckpoint read between validations
         "callback_metrics": {k: v for k, v in trainer.callback_metrics.items() if isinstance(v, torch.Tensor)},
         # the optimizer and scheduler classes and layout, checked before a restore applies anything
-        "lightning_snapshot": {"optimizers": _compat.describe(trainer),
-                               # parameter groups, trainable flags, accumulation, epoch metrics, checkpoint files
-                               "fit_state": _fit_state.capture(trainer, pl_module)},
+        "lightning_snapshot": {
+            "optimizers": _compat.describe(trainer),
+            # parameter groups, trainable flags, accumulation, epoch metrics, checkpoint files
+            "fit_state": _fit_state.capture(trainer, pl_module),
+        },
     }
     for cb in trainer.callbacks:
         state = cb.state_dict()
@@ -123,8 +139,11 @@ def capture_late(trainer: Any, pl_module: Any, loader_states: list[Any] | None =
         dm_state = datamodule.state_dict()
         if dm_state:
             late[type(datamodule).__qualname__] = dm_state
-    ckpt = {**late, "global_step": trainer.global_step, "state_dict": trainer.strategy.lightning_module_state_dict()
-            if not is_sharded(trainer.strategy) else {}}
+    ckpt = {
+        **late,
+        "global_step": trainer.global_step,
+        "state_dict": trainer.strategy.lightning_module_state_dict() if not is_sharded(trainer.strategy) else {},
+    }
     pl_module.on_save_checkpoint(ckpt)
     late.update({k: v for k, v in ckpt.items() if k not in ("global_step", "state_dict")})
     return late
@@ -138,8 +157,11 @@ def frozen_predicate(parameters: Iterable[torch.Tensor], optimizers: Iterable[An
     storages: set[int] = {local_tensor(p).untyped_storage().data_ptr() for p in parameters}
     for opt in optimizers:
         for state in opt.state.values():
-            storages.update(local_tensor(v).untyped_storage().data_ptr() for v in state.values()
-                            if isinstance(v, torch.Tensor) and v.numel())
+            storages.update(
+                local_tensor(v).untyped_storage().data_ptr()
+                for v in state.values()
+                if isinstance(v, torch.Tensor) and v.numel()
+            )
 
     def frozen(t: torch.Tensor) -> bool:
         t = local_tensor(t)  # a DTensor's storage is its local shard's
@@ -175,7 +197,8 @@ def check_model(pl_module: Any, state_dict: Any, where: str) -> None:
     if mismatched:
         parts.append("shape mismatches: " + show(mismatched, lambda k: f"{k} snapshot {have[k]} vs model {want[k]}"))
     raise StateMismatchError(
-        f"{where} was taken from a different model: " + "; ".join(parts)
+        f"{where} was taken from a different model: "
+        + "; ".join(parts)
         + ". Point the callback at this model's snapshot directory, or pass resume=False to start fresh"
     )
 
@@ -224,8 +247,10 @@ def templates(trainer: Any, pl_module: Any) -> Templates:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         model = trainer.strategy.model
-        return Templates(get_model_state_dict(model),
-                         [get_optimizer_state_dict(model, _raw_optimizer(opt)) for opt in trainer.optimizers])
+        return Templates(
+            get_model_state_dict(model),
+            [get_optimizer_state_dict(model, _raw_optimizer(opt)) for opt in trainer.optimizers],
+        )
     return Templates(pl_module.state_dict(), None)
 
 
@@ -243,9 +268,13 @@ def _key_map(saved: Any, keys: list[list[Any]], where: str) -> dict[Any, Any]:
     name; both list the keys of every group in the order of the optimizer's parameters, so position maps them.
     """
     groups = saved.get("param_groups") if isinstance(saved, dict) else None
-    if not isinstance(groups, list) or len(groups) != len(keys) or any(
-        not isinstance(g, dict) or not isinstance(g.get("params"), list) or len(g["params"]) != len(k)
-        for g, k in zip(groups, keys)
+    if (
+        not isinstance(groups, list)
+        or len(groups) != len(keys)
+        or any(
+            not isinstance(g, dict) or not isinstance(g.get("params"), list) or len(g["params"]) != len(k)
+            for g, k in zip(groups, keys)
+        )
     ):
         have = [len(g.get("params", [])) if isinstance(g, dict) else "?" for g in groups or []]
         raise StateMismatchError(
@@ -262,10 +291,14 @@ def _rekey(saved: dict[str, Any], keys: list[list[Any]], where: str) -> dict[str
     state = saved.get("state", {})
     unknown = [k for k in state if k not in mapping]
     if unknown:
-        raise StateMismatchError(f"{where}: optimizer state for parameter(s) {unknown[:5]} that no parameter group"
-                                 " lists")
-    return {**saved, "state": {mapping[k]: v for k, v in state.items()},
-            "param_groups": [{**g, "params": list(k)} for g, k in zip(saved["param_groups"], keys)]}
+        raise StateMismatchError(
+            f"{where}: optimizer state for parameter(s) {unknown[:5]} that no parameter group lists"
+        )
+    return {
+        **saved,
+        "state": {mapping[k]: v for k, v in state.items()},
+        "param_groups": [{**g, "params": list(k)} for g, k in zip(saved["param_groups"], keys)],
+    }
 
 
 def restore_targets(trainer: Any, live: Templates, tree: Any, where: str) -> dict[str, Any]:
@@ -309,8 +342,9 @@ def _into_template(template: Any, value: Any, where: str, what: str) -> Any:
     if not is_dtensor(template) or value is template:
         return value
     if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(template.shape):
-        raise StateMismatchError(f"{where}: {what} has shape {getattr(value, 'shape', None)}, the model"
-                                 f" {tuple(template.shape)}")
+        raise StateMismatchError(
+            f"{where}: {what} has shape {getattr(value, 'shape', None)}, the model {tuple(template.shape)}"
+        )
     box, _ = dtensor_box(template, what)
     with torch.no_grad():
         template.to_local().copy_(local_tensor(value)[box.slices()])
@@ -324,8 +358,9 @@ def _restore_sharded(trainer: Any, ckpt: dict[str, Any], live: Templates, where:
     model = trainer.strategy.model
     model_sd = {k: _into_template(live.model.get(k), v, where, k) for k, v in ckpt["state_dict"].items()}
     set_model_state_dict(model, model_sd)
-    for opt, saved, osd, keys in zip(trainer.optimizers, ckpt["optimizer_states"], live.optimizers or [],
-                                     _optimizer_keys(trainer, live)):
+    for opt, saved, osd, keys in zip(
+        trainer.optimizers, ckpt["optimizer_states"], live.optimizers or [], _optimizer_keys(trainer, live)
+    ):
         state = _rekey(saved, keys, where)
         for key, values in state["state"].items():
             template = osd["state"].get(key, {})
@@ -342,8 +377,14 @@ def check_optimizers(trainer: Any, ckpt: dict[str, Any], where: str) -> None:
     _compat.check(trainer, description, ckpt.get("optimizer_states", []), ckpt.get("lr_schedulers", []), where)
 
 
-def restore_shared(trainer: Any, pl_module: Any, ckpt: dict[str, Any], where: str,
-                   live: Templates | None = None, load_callbacks: bool = True) -> None:
+def restore_shared(
+    trainer: Any,
+    pl_module: Any,
+    ckpt: dict[str, Any],
+    where: str,
+    live: Templates | None = None,
+    load_callbacks: bool = True,
+) -> None:
     """Load the shared state into a trainer whose strategy is set up (optimizers exist): at ``on_fit_start``.
 
     Works across strategies: optimizer state stored by parameter index (DDP, single device) or by parameter name

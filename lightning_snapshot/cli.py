@@ -97,8 +97,9 @@ def _count_arg(text: str) -> int:
 
 
 def _add_json(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON document on stdout, no progress bar (fields in the README)")
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON document on stdout, no progress bar (fields in the README)"
+    )
 
 
 def _emit(document: Any) -> None:
@@ -153,12 +154,33 @@ def _list_rows(backend: Any) -> list[dict[str, Any]]:
         try:
             m = read_manifest(backend, step)
         except SnapshotError as e:
-            rows.append({"step": step, "epoch": None, "world_size": None, "bytes": None, "objects": None,
-                         "created_unix": None, "age_s": None, "health": None, "error": _one_line(str(e))})
+            rows.append(
+                {
+                    "step": step,
+                    "epoch": None,
+                    "world_size": None,
+                    "bytes": None,
+                    "objects": None,
+                    "created_unix": None,
+                    "age_s": None,
+                    "health": None,
+                    "error": _one_line(str(e)),
+                }
+            )
             continue
-        rows.append({"step": step, "epoch": m.epoch, "world_size": m.world_size, "bytes": m.total_bytes,
-                     "objects": len(m.objects), "created_unix": m.created_unix,
-                     "age_s": max(0.0, now - m.created_unix), "health": m.health_text, "error": None})
+        rows.append(
+            {
+                "step": step,
+                "epoch": m.epoch,
+                "world_size": m.world_size,
+                "bytes": m.total_bytes,
+                "objects": len(m.objects),
+                "created_unix": m.created_unix,
+                "age_s": max(0.0, now - m.created_unix),
+                "health": m.health_text,
+                "error": None,
+            }
+        )
     return rows
 
 
@@ -179,8 +201,10 @@ def _cmd_list(args: argparse.Namespace) -> int:
             print(f"{r['step']:>12}  unreadable manifest: {r['error']}")
             continue
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created_unix"]))
-        print(f"{r['step']:>12}  {r['epoch']:>5}  {r['world_size']:>5}  {human_bytes(r['bytes']):>10}"
-              f"  {r['health']:<8}  {created}  {human_age(r['age_s'])}")
+        print(
+            f"{r['step']:>12}  {r['epoch']:>5}  {r['world_size']:>5}  {human_bytes(r['bytes']):>10}"
+            f"  {r['health']:<8}  {created}  {human_age(r['age_s'])}"
+        )
     return 0
 
 
@@ -192,16 +216,31 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     m = read_manifest(backend, steps[0])
     age = max(0.0, time.time() - m.created_unix)
     if args.json:
-        _emit({"tier": backend.url, "step": m.step, "epoch": m.epoch, "world_size": m.world_size,
-               "format_version": m.format_version, "library_version": m.library_version,
-               "created_unix": m.created_unix, "age_s": age, "bytes": m.total_bytes, "health": m.health_text,
-               "health_groups": None if m.health is None else dict(m.health),
-               "objects": [{"key": o.key, "bytes": o.nbytes, "rank": o.rank} for o in m.objects],
-               "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.global_shape), "alias_of": t.alias_of}
-                           for t in m.tensors]})
+        _emit(
+            {
+                "tier": backend.url,
+                "step": m.step,
+                "epoch": m.epoch,
+                "world_size": m.world_size,
+                "format_version": m.format_version,
+                "library_version": m.library_version,
+                "created_unix": m.created_unix,
+                "age_s": age,
+                "bytes": m.total_bytes,
+                "health": m.health_text,
+                "health_groups": None if m.health is None else dict(m.health),
+                "objects": [{"key": o.key, "bytes": o.nbytes, "rank": o.rank} for o in m.objects],
+                "tensors": [
+                    {"name": t.name, "dtype": t.dtype, "shape": list(t.global_shape), "alias_of": t.alias_of}
+                    for t in m.tensors
+                ],
+            }
+        )
         return 0
-    print(f"step {m.step}, epoch {m.epoch}, world size {m.world_size}, format v{m.format_version},"
-          f" written by lightning-snapshot {m.library_version}, {human_age(age)} ago")
+    print(
+        f"step {m.step}, epoch {m.epoch}, world size {m.world_size}, format v{m.format_version},"
+        f" written by lightning-snapshot {m.library_version}, {human_age(age)} ago"
+    )
     print(f"{len(m.objects)} objects, {human_bytes(m.total_bytes)}; {len(m.tensors)} shared tensors")
     print(f"health: {_health_line(m)}")
     for t in m.tensors:
@@ -254,8 +293,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             if args.json:
                 continue
             if row["ok"]:
-                bar.write(f"step {step}: OK ({human_bytes(row['bytes'])} verified in {row['seconds']:.2f} s)",
-                          file=sys.stdout)
+                bar.write(
+                    f"step {step}: OK ({human_bytes(row['bytes'])} verified in {row['seconds']:.2f} s)", file=sys.stdout
+                )
             else:
                 bar.write(f"step {step}: FAILED: {row['error']}", file=sys.stdout)
     ok = all(r["ok"] for r in rows)
@@ -312,8 +352,10 @@ def _print_gc(plan: Any, dry_run: bool) -> None:
         print(f"left alone {e['key']} (being written? changed {age(e['age_s'])} ago, within --grace)")
     kept = ", ".join(map(str, plan.kept)) or "none"
     newest = "none" if plan.protected is None else f"step {plan.protected}"
-    print(f"{plan.tier}: {len(plan.kept)} snapshots kept ({kept}); newest valid snapshot: {newest}"
-          + ("; dry run: nothing changed" if dry_run else ""))
+    print(
+        f"{plan.tier}: {len(plan.kept)} snapshots kept ({kept}); newest valid snapshot: {newest}"
+        + ("; dry run: nothing changed" if dry_run else "")
+    )
 
 
 def _cmd_copy(args: argparse.Namespace) -> int:
@@ -325,8 +367,10 @@ def _cmd_copy(args: argparse.Namespace) -> int:
 
     base = args.dest.partition("?")[0].rstrip("/")
     if parse_step_dirname(base.rpartition("/")[2]) is not None:
-        raise ConfigError(f"the destination {args.dest!r} is a snapshot directory: give the tier's root (the"
-                          " snapshot keeps its step-* name there)")
+        raise ConfigError(
+            f"the destination {args.dest!r} is a snapshot directory: give the tier's root (the"
+            " snapshot keeps its step-* name there)"
+        )
     dst = parse_tier(args.dest)
     src, steps = _steps(args.source, args.step)
     step = steps[0]
@@ -336,37 +380,68 @@ def _cmd_copy(args: argparse.Namespace) -> int:
         manifest = copy_step(src, dst, step, on_object=bar.update)
     seconds = time.monotonic() - t0
     if args.json:
-        _emit({"source": src.url, "destination": dst.url, "step": step, "bytes": manifest.total_bytes,
-               "objects": len(manifest.objects), "seconds": seconds})
+        _emit(
+            {
+                "source": src.url,
+                "destination": dst.url,
+                "step": step,
+                "bytes": manifest.total_bytes,
+                "objects": len(manifest.objects),
+                "seconds": seconds,
+            }
+        )
     else:
-        print(f"copied step {step} ({human_bytes(manifest.total_bytes)}, {len(manifest.objects)} objects, verified)"
-              f" from {src.url} to {dst.url} in {seconds:.2f} s")
+        print(
+            f"copied step {step} ({human_bytes(manifest.total_bytes)}, {len(manifest.objects)} objects, verified)"
+            f" from {src.url} to {dst.url} in {seconds:.2f} s"
+        )
     return 0
 
 
 def _add_operator_commands(sub: Any) -> None:
     """The ``gc`` and ``copy`` sub-commands."""
-    p = sub.add_parser("gc", help="prune a tier: old snapshots, leftovers of crashed writes, stale uploads",
-                       description="Delete committed snapshots beyond --keep-last or older than --older-than, remove"
-                                   " what crashed writes left (uncommitted step directories, unreferenced objects)"
-                                   " and abort stale multipart uploads (S3). The newest snapshot with a valid"
-                                   " manifest is never deleted, nor anything that changed within --grace.")
+    p = sub.add_parser(
+        "gc",
+        help="prune a tier: old snapshots, leftovers of crashed writes, stale uploads",
+        description="Delete committed snapshots beyond --keep-last or older than --older-than, remove"
+        " what crashed writes left (uncommitted step directories, unreferenced objects)"
+        " and abort stale multipart uploads (S3). The newest snapshot with a valid"
+        " manifest is never deleted, nor anything that changed within --grace.",
+    )
     p.add_argument("source", help="tier path or URL")
-    p.add_argument("--keep-last", type=_count_arg, default=None, metavar="N",
-                   help="keep the N newest committed snapshots (default: keep all)")
-    p.add_argument("--older-than", type=_duration_arg, default=None, metavar="DURATION",
-                   help="delete committed snapshots created at least this long ago (90s, 30m, 12h, 7d, 2w)")
-    p.add_argument("--grace", type=_duration_arg, default=3600.0, metavar="DURATION",  # ops.DEFAULT_GRACE_S
-                   help="an uncommitted write counts as crashed once nothing in it changed for this long"
-                        " (default 1h): a write in progress is never touched")
+    p.add_argument(
+        "--keep-last",
+        type=_count_arg,
+        default=None,
+        metavar="N",
+        help="keep the N newest committed snapshots (default: keep all)",
+    )
+    p.add_argument(
+        "--older-than",
+        type=_duration_arg,
+        default=None,
+        metavar="DURATION",
+        help="delete committed snapshots created at least this long ago (90s, 30m, 12h, 7d, 2w)",
+    )
+    p.add_argument(
+        "--grace",
+        type=_duration_arg,
+        default=3600.0,
+        metavar="DURATION",  # ops.DEFAULT_GRACE_S
+        help="an uncommitted write counts as crashed once nothing in it changed for this long"
+        " (default 1h): a write in progress is never touched",
+    )
     p.add_argument("--dry-run", action="store_true", help="print what would be done; change nothing")
     _add_json(p)
     p.set_defaults(fn=_cmd_gc)
-    p = sub.add_parser("copy", help="copy one snapshot to another tier, verified, manifest last",
-                       description="Copy a committed snapshot to another tier (local -> s3, s3 -> local, local ->"
-                                   " local): every object is checked against the manifest's checksums as it is"
-                                   " read, and the manifest is committed last, so the destination never shows a"
-                                   " partial snapshot.")
+    p = sub.add_parser(
+        "copy",
+        help="copy one snapshot to another tier, verified, manifest last",
+        description="Copy a committed snapshot to another tier (local -> s3, s3 -> local, local ->"
+        " local): every object is checked against the manifest's checksums as it is"
+        " read, and the manifest is committed last, so the destination never shows a"
+        " partial snapshot.",
+    )
     p.add_argument("source", help="tier path/URL, or a step-* directory")
     p.add_argument("dest", help="destination tier path or URL (created if missing)")
     p.add_argument("--step", type=_step_arg, default=None, help="step to copy (default: newest)")
@@ -384,19 +459,24 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _add_plan(sub: Any) -> None:
     from lightning_snapshot import plan
 
-    p = sub.add_parser("plan", help="expected goodput, snapshot intervals and memory per tier set-up, 1-16384 nodes",
-                       description=plan.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "plan",
+        help="expected goodput, snapshot intervals and memory per tier set-up, 1-16384 nodes",
+        description=plan.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     plan.add_arguments(p)
     p.set_defaults(fn=_cmd_plan)
 
 
 def _cmd_agent(args: argparse.Namespace) -> int:
-    from lightning_snapshot import agent
+    from lightning_snapshot.backends.ram import agent
 
     node_dir = Path(args.dir).expanduser().absolute()
     if node_dir.exists() and not node_dir.is_dir():
-        raise ConfigError(f"--dir {str(node_dir)!r} is a file, not a directory: give the agent's directory"
-                          " (RamTier.node_dir)")
+        raise ConfigError(
+            f"--dir {str(node_dir)!r} is a file, not a directory: give the agent's directory (RamTier.node_dir)"
+        )
     if args.json and not args.status:
         raise ConfigError("--json goes with --status: lightning-snapshot agent --dir DIR --status --json")
     if args.stop or args.status:
@@ -412,8 +492,9 @@ def _cmd_agent(args: argparse.Namespace) -> int:
             return 0
         st = agent.agent_status(node_dir)
         if not st:
-            raise SnapshotNotFoundError(f"no agent serves {node_dir} (none is running for it); start one with:"
-                                        f" {PROG} agent --dir {node_dir}")
+            raise SnapshotNotFoundError(
+                f"no agent serves {node_dir} (none is running for it); start one with: {PROG} agent --dir {node_dir}"
+            )
         print(json.dumps(st, indent=2, sort_keys=True) if args.json else agent.format_status(st))
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s lightning-snapshot agent: %(message)s")
@@ -422,8 +503,13 @@ def _cmd_agent(args: argparse.Namespace) -> int:
             os.nice(args.nice)  # background work: the trainer's threads get the CPU first
         except OSError:
             pass
-    log_path = None if args.log == "-" else Path(args.log).expanduser().absolute() if args.log else \
-        agent.agent_log_path(node_dir)
+    log_path = (
+        None
+        if args.log == "-"
+        else Path(args.log).expanduser().absolute()
+        if args.log
+        else agent.agent_log_path(node_dir)
+    )
     return agent.run_agent(node_dir, args.idle_timeout, log_path)
 
 
@@ -450,31 +536,56 @@ def _parser() -> _Parser:
     p = sub.add_parser("export", help="one consolidated file: safetensors (weights) or torch (full state)")
     p.add_argument("source", help="tier path/URL, or a step-* directory")
     p.add_argument("out", help="file to write (its directory must exist; replaced atomically)")
-    p.add_argument("--format", choices=["safetensors", "torch"], default="safetensors",
-                   help="safetensors: model weights; torch: the full training state for torch.load(weights_only=True)")
+    p.add_argument(
+        "--format",
+        choices=["safetensors", "torch"],
+        default="safetensors",
+        help="safetensors: model weights; torch: the full training state for torch.load(weights_only=True)",
+    )
     p.add_argument("--step", type=_step_arg, default=None, help="step to export (default: newest)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(fn=_cmd_export)
     _add_operator_commands(sub)
-    p = sub.add_parser("agent", help="run, stop or query a node's snapshot agent",
-                       description="Run the snapshot agent of one node and run (it holds the RAM tier's memory),"
-                                   " or stop or query the one that runs.")
+    p = sub.add_parser(
+        "agent",
+        help="run, stop or query a node's snapshot agent",
+        description="Run the snapshot agent of one node and run (it holds the RAM tier's memory),"
+        " or stop or query the one that runs.",
+    )
     p.add_argument("--dir", required=True, help="the node's memory directory for this run (RamTier.node_dir)")
-    p.add_argument("--idle-timeout", type=_seconds_arg, default=600.0,
-                   help="seconds without an attached trainer after which the agent exits and frees the memory")
-    p.add_argument("--nice", type=int, default=10,
-                   help="CPU niceness added to the agent (default 10): its uploads and writes yield to training")
+    p.add_argument(
+        "--idle-timeout",
+        type=_seconds_arg,
+        default=600.0,
+        help="seconds without an attached trainer after which the agent exits and frees the memory",
+    )
+    p.add_argument(
+        "--nice",
+        type=int,
+        default=10,
+        help="CPU niceness added to the agent (default 10): its uploads and writes yield to training",
+    )
     what = p.add_mutually_exclusive_group()
     what.add_argument("--stop", action="store_true", help="stop the agent serving --dir (frees its memory)")
-    what.add_argument("--status", action="store_true",
-                      help="print the agent's pid, uptime, attached trainers, memory held per snapshot, idle timeout"
-                           " and log (exit status 1 when no agent serves --dir)")
-    p.add_argument("--json", action="store_true",
-                   help="with --status: the same as one JSON object (stable fields, documented in the README)")
-    p.add_argument("--log", default=None, metavar="FILE",
-                   help="where the agent logs (appended; '-': stderr). Default:"
-                        " $XDG_STATE_HOME/lightning-snapshot/agent-<run>-<hash>.log (~/.local/state/...), outside"
-                        " /dev/shm, kept after the agent exits")
+    what.add_argument(
+        "--status",
+        action="store_true",
+        help="print the agent's pid, uptime, attached trainers, memory held per snapshot, idle timeout"
+        " and log (exit status 1 when no agent serves --dir)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="with --status: the same as one JSON object (stable fields, documented in the README)",
+    )
+    p.add_argument(
+        "--log",
+        default=None,
+        metavar="FILE",
+        help="where the agent logs (appended; '-': stderr). Default:"
+        " $XDG_STATE_HOME/lightning-snapshot/agent-<run>-<hash>.log (~/.local/state/...), outside"
+        " /dev/shm, kept after the agent exits",
+    )
     p.set_defaults(fn=_cmd_agent)
     _add_plan(sub)
     return parser
@@ -504,8 +615,11 @@ def _run(fn: Callable[[argparse.Namespace], int], args: argparse.Namespace, prog
     except Exception as e:  # noqa: BLE001 - never a traceback for the user; one line that says how to get it
         if os.environ.get(DEBUG_ENV) == "1":
             raise
-        print(f"{prog}: error: unexpected {type(e).__name__}: {_one_line(str(e))}. This is a bug: rerun with"
-              f" {DEBUG_ENV}=1 for the traceback and report it", file=sys.stderr)
+        print(
+            f"{prog}: error: unexpected {type(e).__name__}: {_one_line(str(e))}. This is a bug: rerun with"
+            f" {DEBUG_ENV}=1 for the traceback and report it",
+            file=sys.stderr,
+        )
         return 1
 
 

@@ -70,8 +70,14 @@ import torch
 
 from lightning_snapshot.errors import StateMismatchError
 
-__all__ = ["describe", "check", "schedulers_to_load", "reinstate_epoch_start_schedulers", "reinstate_swalr_after_averaging",
-           "DESCRIPTION_VERSION"]
+__all__ = [
+    "describe",
+    "check",
+    "schedulers_to_load",
+    "reinstate_epoch_start_schedulers",
+    "reinstate_swalr_after_averaging",
+    "DESCRIPTION_VERSION",
+]
 
 DESCRIPTION_VERSION = 1
 
@@ -81,12 +87,25 @@ _NOT_HYPER = frozenset({"params", "param_names"})
 #: (SWA re-adds ``initial_lr``/``swa_lr`` itself).
 _SCHEDULER_KEYS = frozenset({"initial_lr", "swa_lr"})
 #: Keys every ``LRScheduler`` state has (across torch versions); the rest are the class's own.
-_BASE_SCHEDULER_KEYS = frozenset({"base_lrs", "last_epoch", "verbose", "_step_count", "_get_lr_called_within_step",
-                                  "_last_lr", "_is_initial", "_initial_step", "optimizer"})
+_BASE_SCHEDULER_KEYS = frozenset(
+    {
+        "base_lrs",
+        "last_epoch",
+        "verbose",
+        "_step_count",
+        "_get_lr_called_within_step",
+        "_last_lr",
+        "_is_initial",
+        "_initial_step",
+        "optimizer",
+    }
+)
 #: Device- and implementation-only flags; forced off for the dry run (they do not change which state is kept).
 _IMPL_FLAGS = {"foreach": False, "fused": None, "capturable": False, "differentiable": False}
-_FIX = ("Nothing was restored. Pass resume=False to start fresh, or point the callback at the snapshot directory of"
-        " this setup")
+_FIX = (
+    "Nothing was restored. Pass resume=False to start fresh, or point the callback at the snapshot directory of"
+    " this setup"
+)
 
 
 # ------------------------------------------------------------------------------------------------- describe
@@ -117,25 +136,31 @@ def describe(trainer: Any) -> dict[str, Any]:
     optimizers = [_raw(o) for o in trainer.optimizers]
     out_opts = []
     for opt in optimizers:
-        out_opts.append({
-            "class": _class_name(opt),
-            "param_groups": [{"keys": sorted(str(k) for k in g if k not in _NOT_HYPER), "params": len(g["params"])}
-                             for g in opt.param_groups],
-        })
+        out_opts.append(
+            {
+                "class": _class_name(opt),
+                "param_groups": [
+                    {"keys": sorted(str(k) for k in g if k not in _NOT_HYPER), "params": len(g["params"])}
+                    for g in opt.param_groups
+                ],
+            }
+        )
     out_scheds = []
     for cfg in trainer.lr_scheduler_configs:
         sched = cfg.scheduler
         target = getattr(sched, "optimizer", None)
         index = next((i for i, o in enumerate(optimizers) if o is _raw(target)), None) if target is not None else None
-        out_scheds.append({
-            "class": _class_name(sched),
-            "plateau": _is_plateau(sched),
-            "optimizer": index,
-            "interval": getattr(cfg, "interval", None),
-            "frequency": getattr(cfg, "frequency", None),
-            "monitor": getattr(cfg, "monitor", None),
-            "name": getattr(cfg, "name", None),
-        })
+        out_scheds.append(
+            {
+                "class": _class_name(sched),
+                "plateau": _is_plateau(sched),
+                "optimizer": index,
+                "interval": getattr(cfg, "interval", None),
+                "frequency": getattr(cfg, "frequency", None),
+                "monitor": getattr(cfg, "monitor", None),
+                "name": getattr(cfg, "name", None),
+            }
+        )
     return {"version": DESCRIPTION_VERSION, "optimizers": out_opts, "schedulers": out_scheds}
 
 
@@ -188,9 +213,15 @@ def _loaded_groups(cls: type, live_opt: Any, saved_groups: list[dict[str, Any]])
         return None
     opt, params = dummy
     try:
-        opt.load_state_dict({"state": {}, "param_groups": [
-            {**{k: v for k, v in g.items() if k not in _NOT_HYPER}, "params": [j]}
-            for j, g in enumerate(saved_groups)]})
+        opt.load_state_dict(
+            {
+                "state": {},
+                "param_groups": [
+                    {**{k: v for k, v in g.items() if k not in _NOT_HYPER}, "params": [j]}
+                    for j, g in enumerate(saved_groups)
+                ],
+            }
+        )
     except Exception:  # noqa: BLE001 - inconclusive: the caller falls back to the plain key comparison
         return None
     return [{k: v for k, v in g.items() if k not in _NOT_HYPER} for g in opt.param_groups]
@@ -212,8 +243,9 @@ def _dummy(cls: type, live_opt: Any, ndims: list[list[int]]) -> tuple[Any, list[
     return opt, params
 
 
-def _dry_run(cls: type, live_opt: Any, groups: list[dict[str, Any]], ndims: list[list[int]]
-             ) -> list[dict[int, frozenset[str]]] | None:
+def _dry_run(
+    cls: type, live_opt: Any, groups: list[dict[str, Any]], ndims: list[list[int]]
+) -> list[dict[int, frozenset[str]]] | None:
     """Per group, per parameter dimensionality: the names of the per-parameter state the live class keeps after one
     step with these hyperparameters. None when that cannot be found out cheaply and safely."""
     dummy = _dummy(cls, live_opt, ndims)
@@ -246,8 +278,9 @@ def _dry_run(cls: type, live_opt: Any, groups: list[dict[str, Any]], ndims: list
 
 
 # ------------------------------------------------------------------------------------------------- optimizers
-def _check_optimizer(i: int, live_opt: Any, saved_desc: dict[str, Any] | None, state: Any,
-                     finetuning: list[str]) -> str | None:
+def _check_optimizer(
+    i: int, live_opt: Any, saved_desc: dict[str, Any] | None, state: Any, finetuning: list[str]
+) -> str | None:
     """What is wrong with optimizer ``i``, as one clause (None: it fits)."""
     live_cls = type(live_opt)
     live_name = _class_name(live_opt)
@@ -257,8 +290,10 @@ def _check_optimizer(i: int, live_opt: Any, saved_desc: dict[str, Any] | None, s
     elif saved_name:
         head = f"optimizer {i} ({_short(live_name)})"
     else:
-        head = (f"optimizer {i} ({_short(live_name)} now; the snapshot does not record its class, it was taken by an"
-                " older version)")
+        head = (
+            f"optimizer {i} ({_short(live_name)} now; the snapshot does not record its class, it was taken by an"
+            " older version)"
+        )
     parts: list[str] = []
     groups = _groups(state)
     if groups is None:
@@ -270,11 +305,15 @@ def _check_optimizer(i: int, live_opt: Any, saved_desc: dict[str, Any] | None, s
     if have != want:
         hint = ""
         if len(groups) != len(live_groups) and finetuning:
-            hint = (f" ({', '.join(finetuning)} adds parameter groups during fit and re-adds them in its on_fit_start"
-                    " from its own state: that state must be loaded before on_fit_start, and be the one saved with"
-                    " this optimizer state)")
-        parts.append(f"the snapshot has {len(groups)} parameter group(s) of {have} parameters, the optimizer"
-                     f" {len(live_groups)} of {want}{hint}")
+            hint = (
+                f" ({', '.join(finetuning)} adds parameter groups during fit and re-adds them in its on_fit_start"
+                " from its own state: that state must be loaded before on_fit_start, and be the one saved with"
+                " this optimizer state)"
+            )
+        parts.append(
+            f"the snapshot has {len(groups)} parameter group(s) of {have} parameters, the optimizer"
+            f" {len(live_groups)} of {want}{hint}"
+        )
         return f"{head}: {', and '.join(parts)}"  # keys cannot be compared group by group
     # hyperparameters: torch replaces the live groups' with the saved ones, then fills in the defaults it knows
     saved_hyper = [{k: v for k, v in g.items() if k not in _NOT_HYPER} for g in groups]
@@ -286,14 +325,22 @@ def _check_optimizer(i: int, live_opt: Any, saved_desc: dict[str, Any] | None, s
     else:
         after = [set(map(str, g)) for g in saved_hyper]
     if after is not None:
-        missing = set().union(*(
-            {str(k) for k in lg if k not in _NOT_HYPER and k not in _SCHEDULER_KEYS} - a
-            for lg, a in zip(live_groups, after)))
+        missing = set().union(
+            *(
+                {str(k) for k in lg if k not in _NOT_HYPER and k not in _SCHEDULER_KEYS} - a
+                for lg, a in zip(live_groups, after)
+            )
+        )
         if missing:
-            extra = set().union(*(set(map(str, g)) for g in saved_hyper)) - set().union(
-                *(set(map(str, lg)) for lg in live_groups)) - _SCHEDULER_KEYS
-            parts.append(f"its saved parameter groups lack {_keys(missing)}, which {live_cls.__name__} reads"
-                         + (f" (they have {_keys(extra)} instead)" if extra else ""))
+            extra = (
+                set().union(*(set(map(str, g)) for g in saved_hyper))
+                - set().union(*(set(map(str, lg)) for lg in live_groups))
+                - _SCHEDULER_KEYS
+            )
+            parts.append(
+                f"its saved parameter groups lack {_keys(missing)}, which {live_cls.__name__} reads"
+                + (f" (they have {_keys(extra)} instead)" if extra else "")
+            )
     # per-parameter state: what the live class keeps for the saved hyperparameters
     saved_keys = _param_state_keys(state)
     if saved_keys:
@@ -301,8 +348,9 @@ def _check_optimizer(i: int, live_opt: Any, saved_desc: dict[str, Any] | None, s
         live_params = [list(g["params"]) for g in live_groups]
         ndims = [sorted({p.dim() for p in ps}) or [1] for ps in live_params]
         # a missing hyperparameter is reported above; run with the live value to find the expected state
-        run_groups = [{**{k: v for k, v in lg.items() if k not in _NOT_HYPER}, **g}
-                      for g, lg in zip(saved_hyper, live_groups)]
+        run_groups = [
+            {**{k: v for k, v in lg.items() if k not in _NOT_HYPER}, **g} for g, lg in zip(saved_hyper, live_groups)
+        ]
         expected = _dry_run(live_cls, live_opt, run_groups, ndims)
         if expected is not None:
             wrong: dict[frozenset[str], frozenset[str]] = {}
@@ -316,8 +364,10 @@ def _check_optimizer(i: int, live_opt: Any, saved_desc: dict[str, Any] | None, s
                         wrong.setdefault(have_k, want_k)
             if wrong:
                 have_k, want_k = next(iter(wrong.items()))
-                parts.append(f"its saved per-parameter state has {_keys(have_k)} where {live_cls.__name__} with these"
-                             f" hyperparameters keeps {_keys(want_k) if want_k else 'no per-parameter state'}")
+                parts.append(
+                    f"its saved per-parameter state has {_keys(have_k)} where {live_cls.__name__} with these"
+                    f" hyperparameters keeps {_keys(want_k) if want_k else 'no per-parameter state'}"
+                )
     if saved_name and saved_name != live_name:
         return f"{head}" + (f": {', and '.join(parts)}" if parts else "")
     return f"{head}: {', and '.join(parts)}" if parts else None
@@ -343,8 +393,11 @@ def _owners(trainer: Any) -> list[Any]:
         from lightning.pytorch.callbacks import StochasticWeightAveraging
     except ImportError:  # pragma: no cover
         return []
-    return [cb for cb in getattr(trainer, "callbacks", []) or []
-            if isinstance(cb, StochasticWeightAveraging) and getattr(cb, "_scheduler_state", None) is not None]
+    return [
+        cb
+        for cb in getattr(trainer, "callbacks", []) or []
+        if isinstance(cb, StochasticWeightAveraging) and getattr(cb, "_scheduler_state", None) is not None
+    ]
 
 
 def _swa_hint(trainer: Any, desc: dict[str, Any] | None, state: Any) -> str:
@@ -357,13 +410,19 @@ def _swa_hint(trainer: Any, desc: dict[str, Any] | None, state: Any) -> str:
         return ""
     swa = [cb for cb in getattr(trainer, "callbacks", []) or [] if isinstance(cb, StochasticWeightAveraging)]
     if not swa:
-        return (" (SWALR is StochasticWeightAveraging's scheduler: resume this snapshot with that callback, as it was"
-                " configured)")
+        return (
+            " (SWALR is StochasticWeightAveraging's scheduler: resume this snapshot with that callback, as it was"
+            " configured)"
+        )
     if all(getattr(cb, "_scheduler_state", None) is None for cb in swa):
-        return (" (StochasticWeightAveraging restores SWALR from its own state, which must be loaded before its"
-                " on_fit_start; it was not)")
-    return (" (StochasticWeightAveraging clears the schedulers in its on_fit_start: check after every callback's"
-            " on_fit_start)")
+        return (
+            " (StochasticWeightAveraging restores SWALR from its own state, which must be loaded before its"
+            " on_fit_start; it was not)"
+        )
+    return (
+        " (StochasticWeightAveraging clears the schedulers in its on_fit_start: check after every callback's"
+        " on_fit_start)"
+    )
 
 
 def _check_schedulers(trainer: Any, saved: dict[str, Any] | None, lr_schedulers: list[Any]) -> list[str]:
@@ -376,27 +435,34 @@ def _check_schedulers(trainer: Any, saved: dict[str, Any] | None, lr_schedulers:
         saved_name = desc.get("class") if desc else None
         if saved_name:
             if saved_name != live_name:
-                problems.append(f"LR scheduler {i} is {_short(saved_name)} in the snapshot but {_short(live_name)}"
-                                " now" + _swa_hint(trainer, desc, state))
+                problems.append(
+                    f"LR scheduler {i} is {_short(saved_name)} in the snapshot but {_short(live_name)}"
+                    " now" + _swa_hint(trainer, desc, state)
+                )
                 continue
         elif _saved_plateau(desc, state) != _is_plateau(sched):
-            problems.append(f"LR scheduler {i} is {'' if _saved_plateau(desc, state) else 'not '}ReduceLROnPlateau"
-                            f" in the snapshot but {_short(live_name)} now")
+            problems.append(
+                f"LR scheduler {i} is {'' if _saved_plateau(desc, state) else 'not '}ReduceLROnPlateau"
+                f" in the snapshot but {_short(live_name)} now"
+            )
             continue
         elif isinstance(state, dict):
             live_keys = set(map(str, sched.state_dict())) - _BASE_SCHEDULER_KEYS
             saved_keys = set(map(str, state)) - _BASE_SCHEDULER_KEYS
             if live_keys != saved_keys:
-                problems.append(f"LR scheduler {i}: the saved state has {_keys(saved_keys - live_keys)} where the live"
-                                f" {type(sched).__name__} has {_keys(live_keys - saved_keys)}"
-                                + _swa_hint(trainer, desc, state))
+                problems.append(
+                    f"LR scheduler {i}: the saved state has {_keys(saved_keys - live_keys)} where the live"
+                    f" {type(sched).__name__} has {_keys(live_keys - saved_keys)}" + _swa_hint(trainer, desc, state)
+                )
                 continue
         if not isinstance(state, dict):
             problems.append(f"LR scheduler {i}: the snapshot holds no scheduler state_dict")
     if len(configs) > len(lr_schedulers):
-        added = ", ".join(_short(_class_name(c.scheduler)) for c in configs[len(lr_schedulers):])
-        problems.append(f"the snapshot has {len(lr_schedulers)} LR scheduler(s), configure_optimizers() now"
-                        f" {len(configs)} (added: {added})")
+        added = ", ".join(_short(_class_name(c.scheduler)) for c in configs[len(lr_schedulers) :])
+        problems.append(
+            f"the snapshot has {len(lr_schedulers)} LR scheduler(s), configure_optimizers() now"
+            f" {len(configs)} (added: {added})"
+        )
     elif len(lr_schedulers) > len(configs):
         rest = list(range(len(configs), len(lr_schedulers)))
         owners = _owners(trainer)
@@ -406,18 +472,30 @@ def _check_schedulers(trainer: Any, saved: dict[str, Any] | None, lr_schedulers:
         names = []
         for j in rest:
             d = _saved_entry(saved, "schedulers", j)
-            names.append(_short(d.get("class")) if d and d.get("class") else
-                         ("SWALR" if _is_swalr(d, lr_schedulers[j]) else "a scheduler"))
-        hint = next((_swa_hint(trainer, _saved_entry(saved, "schedulers", j), lr_schedulers[j]) for j in rest
-                     if _is_swalr(_saved_entry(saved, "schedulers", j), lr_schedulers[j])), "")
-        problems.append(f"the snapshot has {len(lr_schedulers)} LR scheduler(s), the trainer now {len(configs)}"
-                        f" (not restored: {', '.join(names)}){hint}")
+            names.append(
+                _short(d.get("class"))
+                if d and d.get("class")
+                else ("SWALR" if _is_swalr(d, lr_schedulers[j]) else "a scheduler")
+            )
+        hint = next(
+            (
+                _swa_hint(trainer, _saved_entry(saved, "schedulers", j), lr_schedulers[j])
+                for j in rest
+                if _is_swalr(_saved_entry(saved, "schedulers", j), lr_schedulers[j])
+            ),
+            "",
+        )
+        problems.append(
+            f"the snapshot has {len(lr_schedulers)} LR scheduler(s), the trainer now {len(configs)}"
+            f" (not restored: {', '.join(names)}){hint}"
+        )
     return problems
 
 
 # ------------------------------------------------------------------------------------------------- API
-def check(trainer: Any, saved: dict[str, Any] | None, optimizer_states: list[Any], lr_schedulers: list[Any],
-          where: str) -> None:
+def check(
+    trainer: Any, saved: dict[str, Any] | None, optimizer_states: list[Any], lr_schedulers: list[Any], where: str
+) -> None:
     """Raise :class:`StateMismatchError` if the saved optimizer and scheduler states do not fit the live trainer
     (the rule is in the module docstring); return None if they do.
 
@@ -433,24 +511,29 @@ def check(trainer: Any, saved: dict[str, Any] | None, optimizer_states: list[Any
     problems: list[str] = []
     saved_opts = saved.get("optimizers") if isinstance(saved, dict) else None
     if len(optimizer_states) != len(optimizers):
-        saved_names = ([_short(d.get("class")) for d in saved_opts if isinstance(d, dict)]
-                       if isinstance(saved_opts, list) else None)
+        saved_names = (
+            [_short(d.get("class")) for d in saved_opts if isinstance(d, dict)]
+            if isinstance(saved_opts, list)
+            else None
+        )
         live_names = [_short(_class_name(o)) for o in optimizers]
-        problems.append(f"the snapshot has {len(optimizer_states)} optimizer(s)"
-                        + (f" ({', '.join(saved_names)})" if saved_names else "")
-                        + f", configure_optimizers() now returns {len(optimizers)}"
-                        + (f" ({', '.join(live_names)})" if live_names else ""))
+        problems.append(
+            f"the snapshot has {len(optimizer_states)} optimizer(s)"
+            + (f" ({', '.join(saved_names)})" if saved_names else "")
+            + f", configure_optimizers() now returns {len(optimizers)}"
+            + (f" ({', '.join(live_names)})" if live_names else "")
+        )
     else:
-        finetuning = [type(cb).__name__ for cb in getattr(trainer, "callbacks", []) or []
-                      if _is_finetuning(cb)]
+        finetuning = [type(cb).__name__ for cb in getattr(trainer, "callbacks", []) or [] if _is_finetuning(cb)]
         for i, (opt, state) in enumerate(zip(optimizers, optimizer_states)):
             problem = _check_optimizer(i, opt, _saved_entry(saved, "optimizers", i), state, finetuning)
             if problem:
                 problems.append(problem)
     problems.extend(_check_schedulers(trainer, saved, lr_schedulers))
     if problems:
-        raise StateMismatchError(f"{where} was taken with a different optimizer or LR scheduler setup: "
-                                 + "; ".join(problems) + f". {_FIX}")
+        raise StateMismatchError(
+            f"{where} was taken with a different optimizer or LR scheduler setup: " + "; ".join(problems) + f". {_FIX}"
+        )
 
 
 def _is_finetuning(cb: Any) -> bool:
@@ -499,8 +582,13 @@ def _restored_swa(trainer: Any) -> list[Any]:
         from lightning.pytorch.callbacks import StochasticWeightAveraging
     except ImportError:  # pragma: no cover
         return []
-    return [cb for cb in getattr(trainer, "callbacks", []) or [] if isinstance(cb, StochasticWeightAveraging)
-            and not getattr(cb, "_initialized", True) and getattr(cb, "_scheduler_state", None) is not None]
+    return [
+        cb
+        for cb in getattr(trainer, "callbacks", []) or []
+        if isinstance(cb, StochasticWeightAveraging)
+        and not getattr(cb, "_initialized", True)
+        and getattr(cb, "_scheduler_state", None) is not None
+    ]
 
 
 @contextmanager
@@ -546,9 +634,13 @@ def _install_swalr(trainer: Any, pl_module: Any, cb: Any) -> None:
         cb._swa_lrs = [cb._swa_lrs] * len(optimizer.param_groups)
     for lr, group in zip(cb._swa_lrs, optimizer.param_groups):
         group["initial_lr"] = lr
-    scheduler = SWALR(optimizer, swa_lr=cb._swa_lrs, anneal_epochs=cb._annealing_epochs,
-                      anneal_strategy=cb._annealing_strategy,
-                      last_epoch=trainer.max_epochs if cb._annealing_strategy == "cos" else -1)
+    scheduler = SWALR(
+        optimizer,
+        swa_lr=cb._swa_lrs,
+        anneal_epochs=cb._annealing_epochs,
+        anneal_strategy=cb._annealing_strategy,
+        last_epoch=trainer.max_epochs if cb._annealing_strategy == "cos" else -1,
+    )
     scheduler.load_state_dict(cb._scheduler_state)
     cb._swa_scheduler = scheduler
     cb._initialized = True

@@ -53,8 +53,16 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Itera
 from torch.utils.data import SequentialSampler, get_worker_info
 
 __all__ = [
-    "ResumableSampler", "install", "flatten_loaders", "is_stateful", "position", "unsupported_reason", "describe_order",
-    "global_order", "split", "plan_resume",
+    "ResumableSampler",
+    "install",
+    "flatten_loaders",
+    "is_stateful",
+    "position",
+    "unsupported_reason",
+    "describe_order",
+    "global_order",
+    "split",
+    "plan_resume",
 ]
 
 log = logging.getLogger(__name__)
@@ -67,8 +75,20 @@ class ResumableSampler(Sampler[int]):
     ``DistributedSampler``).
     """
 
-    _OWN = ("inner", "epoch_state", "pending", "order", "replicas", "base", "offset", "start_batches", "stream",
-            "draws", "hold", "sampler_epoch")
+    _OWN = (
+        "inner",
+        "epoch_state",
+        "pending",
+        "order",
+        "replicas",
+        "base",
+        "offset",
+        "start_batches",
+        "stream",
+        "draws",
+        "hold",
+        "sampler_epoch",
+    )
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -192,12 +212,16 @@ def describe_order(sampler: Any, rng: torch.Tensor, gen: torch.Tensor | None) ->
     * ``RandomSampler`` without replacement: the permutation drawn from the recorded RNG or generator state.
     """
     if _is_plain_distributed(sampler):
-        return {"kind": "distributed", "n": len(sampler.dataset), "shuffle": bool(sampler.shuffle),
-                "seed": int(sampler.seed), "epoch": int(sampler.epoch)}
+        return {
+            "kind": "distributed",
+            "n": len(sampler.dataset),
+            "shuffle": bool(sampler.shuffle),
+            "seed": int(sampler.seed),
+            "epoch": int(sampler.epoch),
+        }
     if type(sampler) is SequentialSampler:
         return {"kind": "sequential", "n": len(sampler.data_source)}
-    if (type(sampler) is RandomSampler and not sampler.replacement
-            and sampler.num_samples == len(sampler.data_source)):
+    if type(sampler) is RandomSampler and not sampler.replacement and sampler.num_samples == len(sampler.data_source):
         return {"kind": "random", "n": len(sampler.data_source), "rng": rng, "gen": gen}
     return None
 
@@ -242,8 +266,7 @@ def split(order: list[int], start: int, replicas: int, rank: int, drop_last: boo
     return rest[rank:total:replicas]
 
 
-def plan_resume(sampler: ResumableSampler, loader: Any, pending: dict[str, Any], exact: bool,
-                epoch: int) -> int | None:
+def plan_resume(sampler: ResumableSampler, loader: Any, pending: dict[str, Any], exact: bool, epoch: int) -> int | None:
     """Prepare ``sampler`` to continue from the saved position ``pending`` (:func:`position` of the saving rank).
 
     ``exact``: this rank's own position was restored with its RNG (same world size), so when the order is split
@@ -269,8 +292,13 @@ def plan_resume(sampler: ResumableSampler, loader: Any, pending: dict[str, Any],
     saved = pending.get("global")
     replicas, rank, drop_last = _replicas(sampler.inner)
     current = describe_order(sampler.inner, torch.get_rng_state(), None)
-    same_split = (saved is not None and current is not None and saved["order"]["kind"] == current["kind"]
-                  and saved["base"] == 0 and saved["replicas"] == replicas)
+    same_split = (
+        saved is not None
+        and current is not None
+        and saved["order"]["kind"] == current["kind"]
+        and saved["base"] == 0
+        and saved["replicas"] == replicas
+    )
     if exact and pending.get("rng") is not None and (saved is None or same_split):
         sampler.pending = pending
         if tracker is not None:
@@ -290,13 +318,24 @@ def _drop_persistent_iterator(loader: Any) -> None:
         loader._iterator = None
 
 
-def _plan_layout_change(sampler: ResumableSampler, loader: Any, pending: dict[str, Any], epoch: int,
-                        saved: dict[str, Any] | None, replicas: int, rank: int, drop_last: bool) -> int | None:
+def _plan_layout_change(
+    sampler: ResumableSampler,
+    loader: Any,
+    pending: dict[str, Any],
+    epoch: int,
+    saved: dict[str, Any] | None,
+    replicas: int,
+    rank: int,
+    drop_last: bool,
+) -> int | None:
     """:func:`plan_resume` on another layout: continue the saved global order over this rank's split."""
     if saved is None:
-        warnings.warn("lightning-snapshot: the saved run's sampler cannot be replayed on another number of"
-                      " processes (only DistributedSampler, RandomSampler and SequentialSampler orders can):"
-                      " the interrupted epoch's data restarts from the new sampler's order", stacklevel=3)
+        warnings.warn(
+            "lightning-snapshot: the saved run's sampler cannot be replayed on another number of"
+            " processes (only DistributedSampler, RandomSampler and SequentialSampler orders can):"
+            " the interrupted epoch's data restarts from the new sampler's order",
+            stacklevel=3,
+        )
         return None
     batch_size = loader.batch_sampler.batch_size
     length = len(loader.batch_sampler)
@@ -368,8 +407,11 @@ def install(loader: Any) -> ResumableSampler | None:
     if _tracker(loader) is None:
         loader._get_iterator = _IteratorTracker(loader).get_iterator
         if loader.num_workers > 0 and getattr(loader, "in_order", True) is False:
-            warnings.warn("lightning-snapshot: a train loader with in_order=False hands batches to whichever worker"
-                          " is free: random augmentation in its workers cannot be resumed exactly", stacklevel=2)
+            warnings.warn(
+                "lightning-snapshot: a train loader with in_order=False hands batches to whichever worker"
+                " is free: random augmentation in its workers cannot be resumed exactly",
+                stacklevel=2,
+            )
     return batch_sampler.sampler
 
 
@@ -413,6 +455,7 @@ def position(loader: Any, epoch: int, consumed_batches: int, *, ended: bool = Fa
 
 
 # --------------------------------------------------------------------------------------- iterators and workers
+
 
 def _rng_now() -> tuple[bytes, Any, Any]:
     """This process's torch CPU, python and numpy global RNG states, compact (sent with every worker batch)."""
@@ -488,8 +531,7 @@ def _reseed_worker(worker_id: int, base_seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
     np.random.seed(_worker._generate_state(base_seed, worker_id))
-    _worker._worker_info = _worker.WorkerInfo(id=info.id, num_workers=info.num_workers, seed=seed,
-                                              dataset=info.dataset)
+    _worker._worker_info = _worker.WorkerInfo(id=info.id, num_workers=info.num_workers, seed=seed, dataset=info.dataset)
 
 
 class _IteratorTracker:
@@ -538,8 +580,11 @@ class _IteratorTracker:
         workers = int(loader.num_workers)
         wplan = plan.get("workers")
         if wplan is not None and int(wplan["num_workers"]) != workers:
-            warnings.warn(f"lightning-snapshot: the train loader had {wplan['num_workers']} workers, now {workers}:"
-                          " random augmentation in its workers is not resumed exactly", stacklevel=3)
+            warnings.warn(
+                f"lightning-snapshot: the train loader had {wplan['num_workers']} workers, now {workers}:"
+                " random augmentation in its workers is not resumed exactly",
+                stacklevel=3,
+            )
             wplan = None
         replay = plan.get("iter_rng")
         gen = loader.generator if isinstance(loader.generator, torch.Generator) else None
@@ -687,13 +732,21 @@ class _IteratorTracker:
                 if before:
                     states.append(before[-1])
                 elif self.evicted[w] >= 0 and self.evicted[w] < consumed:
-                    log.warning("lightning-snapshot: loader worker %d's RNG state before batch %d is no longer"
-                                " known; its augmentation will not resume exactly", w, consumed)
+                    log.warning(
+                        "lightning-snapshot: loader worker %d's RNG state before batch %d is no longer"
+                        " known; its augmentation will not resume exactly",
+                        w,
+                        consumed,
+                    )
                     states.append(None)
                 else:
                     states.append(self.carried[w])
-        return {"num_workers": self.num_workers, "persistent": persistent, "base_seed": self.base_seed,
-                "states": [_rng_dict(s) if isinstance(s, tuple) else s for s in states]}
+        return {
+            "num_workers": self.num_workers,
+            "persistent": persistent,
+            "base_seed": self.base_seed,
+            "states": [_rng_dict(s) if isinstance(s, tuple) else s for s in states],
+        }
 
 
 def _rng_of(gen: torch.Generator | None) -> dict[str, Any]:

@@ -112,26 +112,38 @@ def _check(layout: Any, params: list[torch.Tensor]) -> list[list[int]]:
     if not isinstance(layout, dict) or layout.get("version") != LAYOUT_VERSION:
         raise ValueError(f"not a DDP bucket layout of version {LAYOUT_VERSION}: {layout!r:.200}")
     buckets, numels, dtypes = layout.get("buckets"), layout.get("numels"), layout.get("dtypes")
-    if (not isinstance(buckets, list) or not buckets or not all(isinstance(b, list) and b for b in buckets)
-            or not all(isinstance(i, int) and not isinstance(i, bool) for b in buckets for i in b)):
+    if (
+        not isinstance(buckets, list)
+        or not buckets
+        or not all(isinstance(b, list) and b for b in buckets)
+        or not all(isinstance(i, int) and not isinstance(i, bool) for b in buckets for i in b)
+    ):
         raise ValueError(f"malformed DDP bucket layout: buckets={buckets!r:.200}")
     live_numels, live_dtypes = _signature(params)
     if not isinstance(numels, list) or len(numels) != len(params):
-        raise ValueError(f"the DDP bucket layout was taken for a model with "
-                         f"{len(numels) if isinstance(numels, list) else '?'} parameters requiring grad; this model "
-                         f"has {len(params)}")
+        raise ValueError(
+            f"the DDP bucket layout was taken for a model with "
+            f"{len(numels) if isinstance(numels, list) else '?'} parameters requiring grad; this model "
+            f"has {len(params)}"
+        )
     if numels != live_numels:
         bad = next(i for i, (a, b) in enumerate(zip(numels, live_numels)) if a != b)
-        raise ValueError(f"the DDP bucket layout does not fit this model: parameter {bad} has {live_numels[bad]} "
-                         f"elements here, {numels[bad]} in the layout")
+        raise ValueError(
+            f"the DDP bucket layout does not fit this model: parameter {bad} has {live_numels[bad]} "
+            f"elements here, {numels[bad]} in the layout"
+        )
     if dtypes is not None and dtypes != live_dtypes:
         bad = next(i for i, (a, b) in enumerate(zip(dtypes, live_dtypes)) if a != b)
-        raise ValueError(f"the DDP bucket layout does not fit this model: parameter {bad} is {live_dtypes[bad]} "
-                         f"here, {dtypes[bad]} in the layout")
+        raise ValueError(
+            f"the DDP bucket layout does not fit this model: parameter {bad} is {live_dtypes[bad]} "
+            f"here, {dtypes[bad]} in the layout"
+        )
     flat = sorted(i for b in buckets for i in b)
     if flat != list(range(len(params))):
-        raise ValueError(f"malformed DDP bucket layout: its buckets must hold every parameter index 0.."
-                         f"{len(params) - 1} exactly once, got {buckets!r:.200}")
+        raise ValueError(
+            f"malformed DDP bucket layout: its buckets must hold every parameter index 0.."
+            f"{len(params) - 1} exactly once, got {buckets!r:.200}"
+        )
     for b in buckets:  # a flat bucket holds one dtype (and device) only
         if len({live_dtypes[i] for i in b}) > 1 or len({params[i].device for i in b}) > 1:
             raise ValueError(f"the DDP bucket layout does not fit this model: bucket {b} mixes dtypes or devices")
@@ -144,8 +156,9 @@ def _prepare(ddp: Any, layout: Any) -> tuple[list[torch.Tensor], Any, list[list[
     if getattr(ddp, "mixed_precision", None) is not None:
         raise ValueError("apply_layout does not support DDP's mixed_precision")
     if getattr(ddp, "_use_python_reducer", False) or getattr(ddp, "_delay_all_reduce_all_params", False):
-        raise ValueError("apply_layout needs DDP's C++ reducer (not the compiled/Python reducer, not every parameter "
-                         "delayed)")
+        raise ValueError(
+            "apply_layout needs DDP's C++ reducer (not the compiled/Python reducer, not every parameter delayed)"
+        )
     if getattr(ddp, "_lazy_init_ran", False) or getattr(ddp, "_has_rebuilt_buckets", False):
         raise ValueError("apply_layout must be called before the DDP module's first forward")
     parameters, expect_sparse_gradient = ddp._build_params_for_reducer()
@@ -153,9 +166,11 @@ def _prepare(ddp: Any, layout: Any) -> tuple[list[torch.Tensor], Any, list[list[
     comm_hooks = list(getattr(ddp, "_comm_hooks", []))  # (hook, state), kept by register_comm_hook (newer torch)
     hook_name = ddp._get_ddp_logging_data().get("comm_hook") if ddp.logger is not None else None
     if hook_name and not comm_hooks:
-        raise ValueError(f"apply_layout cannot carry the comm hook {hook_name!r} over to the new reducer (a built-in "
-                         "hook, or a torch that does not keep registered hooks in "
-                         "DistributedDataParallel._comm_hooks)")
+        raise ValueError(
+            f"apply_layout cannot carry the comm hook {hook_name!r} over to the new reducer (a built-in "
+            "hook, or a torch that does not keep registered hooks in "
+            "DistributedDataParallel._comm_hooks)"
+        )
     return parameters, expect_sparse_gradient, buckets, comm_hooks
 
 

@@ -31,9 +31,21 @@ log = logging.getLogger(__name__)
 
 FORMATS = ("safetensors", "torch")
 _ST_DTYPES = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
-    "int16": "I16", "int8": "I8", "uint8": "U8", "uint16": "U16", "uint32": "U32", "uint64": "U64", "bool": "BOOL",
-    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "uint16": "U16",
+    "uint32": "U32",
+    "uint64": "U64",
+    "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
 }
 
 
@@ -73,11 +85,14 @@ def _replacing(out: Path) -> Iterator[Path]:
 def _check_out(out: Path) -> None:
     """Refuse an output path that cannot be a file we write, before anything is read."""
     if out.is_dir():
-        raise ConfigError(f"{str(out)!r} is a directory: give the path of the file to write, e.g."
-                          f" {str(out / 'model.safetensors')!r}")
+        raise ConfigError(
+            f"{str(out)!r} is a directory: give the path of the file to write, e.g. {str(out / 'model.safetensors')!r}"
+        )
     if not out.parent.is_dir():
-        raise ConfigError(f"cannot write {str(out)!r}: the directory {str(out.parent)!r} does not exist. Create it"
-                          " first or choose another path")
+        raise ConfigError(
+            f"cannot write {str(out)!r}: the directory {str(out.parent)!r} does not exist. Create it"
+            " first or choose another path"
+        )
 
 
 def _nbytes(entry: TensorEntry) -> int:
@@ -87,8 +102,9 @@ def _nbytes(entry: TensorEntry) -> int:
     return n * torch.empty((), dtype=dtype_from_name(entry.dtype)).element_size()
 
 
-def _read_one(backend: Backend, manifest: Manifest, entry: TensorEntry,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+def _read_one(
+    backend: Backend, manifest: Manifest, entry: TensorEntry, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """One tensor, read and verified (into ``out`` when given)."""
     targets = {entry.name: out} if out is not None else None
     return read_section(backend, manifest, [entry], {"$tensor": entry.name}, targets=targets)
@@ -110,13 +126,16 @@ def _export_safetensors(backend: Backend, manifest: Manifest, out: Path, progres
     weights = _weights(manifest)
     if not weights:
         raise SnapshotNotFoundError(f"step {manifest.step} holds no model weights (state_dict) to export")
-    header: dict[str, Any] = {"__metadata__": {"format": "pt", "step": str(manifest.step),
-                                               "exported_by": "lightning-snapshot"}}
+    header: dict[str, Any] = {
+        "__metadata__": {"format": "pt", "step": str(manifest.step), "exported_by": "lightning-snapshot"}
+    }
     pos = 0
     for key, e in weights:
         if e.dtype not in _ST_DTYPES:
-            raise ConfigError(f"tensor {e.name!r} has dtype {e.dtype}, which safetensors cannot store; export the"
-                              " torch format instead (--format torch)")
+            raise ConfigError(
+                f"tensor {e.name!r} has dtype {e.dtype}, which safetensors cannot store; export the"
+                " torch format instead (--format torch)"
+            )
         n = _nbytes(e)
         header[key] = {"dtype": _ST_DTYPES[e.dtype], "shape": list(e.global_shape), "data_offsets": [pos, pos + n]}
         pos += n

@@ -40,8 +40,16 @@ import torch
 
 from lightning_snapshot.errors import StateMismatchError
 
-__all__ = ["capture", "saved_state", "restore_grads", "merge_param_groups", "restore_trainable", "restore_in_epoch", "prune_checkpoints",
-           "load_callback_states"]
+__all__ = [
+    "capture",
+    "saved_state",
+    "restore_grads",
+    "merge_param_groups",
+    "restore_trainable",
+    "restore_in_epoch",
+    "prune_checkpoints",
+    "load_callback_states",
+]
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +69,11 @@ def capture(trainer: Any, pl_module: Any) -> dict[str, Any]:
     return {
         "param_groups": [_param_groups(_raw(opt), names) for opt in trainer.optimizers],
         "trainable": {n: bool(p.requires_grad) for n, p in pl_module.named_parameters()},
-        "track_running_stats": {n: bool(m.track_running_stats) for n, m in pl_module.named_modules()
-                                if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)},
+        "track_running_stats": {
+            n: bool(m.track_running_stats)
+            for n, m in pl_module.named_modules()
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+        },
         "accumulate_grad_batches": int(trainer.accumulate_grad_batches),
         "train_results": _train_results(trainer),
         "logger_connector": _logger_connector_state(trainer),
@@ -78,16 +89,26 @@ def _reused_grads(trainer: Any, pl_module: Any) -> dict[str, torch.Tensor]:
     from lightning.pytorch.callbacks import StochasticWeightAveraging
 
     epoch = trainer.current_epoch
-    if not any(isinstance(cb, StochasticWeightAveraging) and getattr(cb, "_model_contains_batch_norm", False)
-               and getattr(cb, "_max_epochs", -1) != -1 and epoch == cb.swa_end + 1 for cb in trainer.callbacks):
+    if not any(
+        isinstance(cb, StochasticWeightAveraging)
+        and getattr(cb, "_model_contains_batch_norm", False)
+        and getattr(cb, "_max_epochs", -1) != -1
+        and epoch == cb.swa_end + 1
+        for cb in trainer.callbacks
+    ):
         return {}
     return {n: p.grad for n, p in pl_module.named_parameters() if p.grad is not None}
 
 
 def _param_groups(opt: Any, names: dict[int, str]) -> list[dict[str, Any]]:
     """The optimizer's groups: hyperparameters and the names of their parameters, in the optimizer's order."""
-    return [{"hyper": {k: v for k, v in g.items() if k not in ("params", "param_names")},
-             "names": [names.get(id(p), "") for p in g["params"]]} for g in opt.param_groups]
+    return [
+        {
+            "hyper": {k: v for k, v in g.items() if k not in ("params", "param_names")},
+            "names": [names.get(id(p), "") for p in g["params"]],
+        }
+        for g in opt.param_groups
+    ]
 
 
 def _train_results(trainer: Any) -> list[dict[str, Any]]:
@@ -103,8 +124,12 @@ def _train_results(trainer: Any) -> list[dict[str, Any]]:
             continue
         sync = meta._sync
         entry: dict[str, Any] = {
-            "key": key, "fx": meta.fx, "name": meta.name, "reduce_fx": reduce,
-            "dataloader_idx": meta.dataloader_idx, "metric_attribute": meta.metric_attribute,
+            "key": key,
+            "fx": meta.fx,
+            "name": meta.name,
+            "reduce_fx": reduce,
+            "dataloader_idx": meta.dataloader_idx,
+            "metric_attribute": meta.metric_attribute,
             "sync_dist": bool(sync is not None and sync._should),
             "rank_zero_only": bool(sync is not None and sync.rank_zero_only),
             "value": metric.value,
@@ -124,8 +149,10 @@ def _logger_connector_state(trainer: Any) -> dict[str, Any]:
     connector = trainer._logger_connector
     first = getattr(connector, "_first_loop_iter", None)
     fx = getattr(connector, "_current_fx", None)
-    return {"first_loop_iter": first if isinstance(first, bool) else None, "current_fx": fx if isinstance(fx, str)
-            else None}
+    return {
+        "first_loop_iter": first if isinstance(first, bool) else None,
+        "current_fx": fx if isinstance(fx, str) else None,
+    }
 
 
 def _model_checkpoints(trainer: Any) -> list[Any]:
@@ -250,10 +277,18 @@ def _restore_train_results(trainer: Any, entries: list[dict[str, Any]]) -> None:
             continue
         # Lightning's own log call makes the metric exactly as training_step's self.log makes it (its metadata must
         # match at the next self.log); its accumulated state is then set to the saved one
-        results.log(e["fx"], e["name"], value.clone(), reduce_fx=getattr(torch, e["reduce_fx"]),
-                    sync_dist=e["sync_dist"], sync_dist_fn=trainer.strategy.reduce, batch_size=1,
-                    metric_attribute=e["metric_attribute"], rank_zero_only=e["rank_zero_only"],
-                    **{flag: e[flag] for flag in _RESULT_FLAGS})
+        results.log(
+            e["fx"],
+            e["name"],
+            value.clone(),
+            reduce_fx=getattr(torch, e["reduce_fx"]),
+            sync_dist=e["sync_dist"],
+            sync_dist_fn=trainer.strategy.reduce,
+            batch_size=1,
+            metric_attribute=e["metric_attribute"],
+            rank_zero_only=e["rank_zero_only"],
+            **{flag: e[flag] for flag in _RESULT_FLAGS},
+        )
         metric = results.get(e["key"])
         if metric is None:
             log.debug("lightning-snapshot: logged metric %s not restored (key %s)", e["name"], e["key"])
@@ -288,8 +323,13 @@ def prune_checkpoints(trainer: Any, saved: dict[str, Any] | None, step: int) -> 
                     os.remove(path)
                     removed.append(path)
     if removed:
-        log.info("lightning-snapshot: removed %d checkpoint file(s) the interrupted run wrote after step %d (the"
-                 " resumed run writes them again): %s", len(removed), step, ", ".join(removed))
+        log.info(
+            "lightning-snapshot: removed %d checkpoint file(s) the interrupted run wrote after step %d (the"
+            " resumed run writes them again): %s",
+            len(removed),
+            step,
+            ", ".join(removed),
+        )
     return removed
 
 

@@ -59,8 +59,9 @@ def parse_duration(value: object, option: str) -> float:
     else:
         seconds = float("nan")
     if not (math.isfinite(seconds) and seconds > 0):
-        raise ConfigError(f"{option} must be a positive duration: seconds (14400) or a number with s, m, h or d"
-                          f" (\"4h\"), got {value!r}")
+        raise ConfigError(
+            f'{option} must be a positive duration: seconds (14400) or a number with s, m, h or d ("4h"), got {value!r}'
+        )
     return seconds
 
 
@@ -76,8 +77,9 @@ def young_daly_seconds(cost: float, mtbf: float) -> float:
     return math.sqrt(2.0 * cost * mtbf)
 
 
-def young_daly_steps(cost: float, mtbf: float, step_seconds: float, min_every: int = 1,
-                     max_every: int | None = None) -> int:
+def young_daly_steps(
+    cost: float, mtbf: float, step_seconds: float, min_every: int = 1, max_every: int | None = None
+) -> int:
     """Young/Daly's interval in optimizer steps, rounded to the nearest step, within ``[min_every, max_every]``."""
     if step_seconds <= 0:
         return max(1, min_every)

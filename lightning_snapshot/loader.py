@@ -30,8 +30,17 @@ from lightning_snapshot.planner import Box, bytes_planned, chunk_ranges, plan_te
 from lightning_snapshot.staging import digest, dtensor_box, is_dtensor, tensor_bytes
 from lightning_snapshot.writer import committed_steps
 
-__all__ = ["checkpoint_tree", "read_manifest", "read_section", "load_snapshot", "open_snapshot", "resolve_source",
-           "committed_steps", "ShardTarget", "ReadStats"]
+__all__ = [
+    "checkpoint_tree",
+    "read_manifest",
+    "read_section",
+    "load_snapshot",
+    "open_snapshot",
+    "resolve_source",
+    "committed_steps",
+    "ShardTarget",
+    "ReadStats",
+]
 
 
 @dataclass(frozen=True)
@@ -57,6 +66,7 @@ class ReadStats:
     bytes_needed: int = 0
     bytes_read: int = 0
     tensors_resharded: int = 0
+
 
 log = logging.getLogger(__name__)
 
@@ -103,12 +113,19 @@ def _contiguous_run(box: Box, shape: tuple[int, ...]) -> tuple[int, int] | None:
         j += 1
     if any(box.offsets[d] != 0 or box.shape[d] != shape[d] for d in range(j + 1, n)):
         return None
-    start = sum(box.offsets[d] * math.prod(shape[d + 1:]) for d in range(n))
+    start = sum(box.offsets[d] * math.prod(shape[d + 1 :]) for d in range(n))
     return start, start + math.prod(box.shape)
 
 
-def _box_reads(backend: Backend, manifest: Manifest, entry: TensorEntry, shard: ShardTarget, reads: list[_Read],
-               after: list[tuple[torch.Tensor, torch.Tensor]], stats: ReadStats | None) -> Any:
+def _box_reads(
+    backend: Backend,
+    manifest: Manifest,
+    entry: TensorEntry,
+    shard: ShardTarget,
+    reads: list[_Read],
+    after: list[tuple[torch.Tensor, torch.Tensor]],
+    stats: ReadStats | None,
+) -> Any:
     """Plan filling ``shard.out`` with ``shard.box`` of ``entry``: append the reads of the checksum chunks that
     overlap it to ``reads`` (read and verified in parallel with the others by :func:`_read_all`), and to ``after``
     the ``(destination, source)`` copies that must follow them, in order. Returns the value the decoded state holds."""
@@ -122,25 +139,35 @@ def _box_reads(backend: Backend, manifest: Manifest, entry: TensorEntry, shard: 
         items = plan_tensor_reads(entry, entry.global_shape, itemsize, box, size)
     except ValueError as e:
         raise ManifestError(f"step {manifest.step} in the {backend.tier} tier {backend.url!r}: {e}") from e
-    direct = (out.dtype == dtype and out.device.type == "cpu" and out.layout == torch.strided
-              and out.is_contiguous())
+    direct = out.dtype == dtype and out.device.type == "cpu" and out.layout == torch.strided and out.is_contiguous()
     dst = out.detach() if direct else torch.empty(box.shape, dtype=dtype)
     dst_bytes = tensor_bytes(dst) if dst.numel() else None
 
     def read(frag: Any, a: int, view: memoryview) -> None:  # whole checksum chunks of ``frag`` from byte ``a``
         first = a // size
-        reads.append(_Read(entry.name, frag.object, frag.offset + a, view,
-                           tuple(frag.checksums[first: first + -(-view.nbytes // size)])))
+        reads.append(
+            _Read(
+                entry.name,
+                frag.object,
+                frag.offset + a,
+                view,
+                tuple(frag.checksums[first : first + -(-view.nbytes // size)]),
+            )
+        )
 
     for item in items:
         frag = entry.fragments[item.fragment_index]
         src_run = _contiguous_run(item.src_box, frag.local_shape)
         dst_run = _contiguous_run(item.dst_box, box.shape)
-        if (dst_bytes is not None and src_run is not None and dst_run is not None
-                and item.read_ranges == ((src_run[0] * itemsize, src_run[1] * itemsize),)):
+        if (
+            dst_bytes is not None
+            and src_run is not None
+            and dst_run is not None
+            and item.read_ranges == ((src_run[0] * itemsize, src_run[1] * itemsize),)
+        ):
             # the overlap is one run of the fragment, read whole chunks exactly, and one run of the target: the
             # bytes go straight into the target (no staging buffer, no second copy), verified there
-            read(frag, src_run[0] * itemsize, dst_bytes[dst_run[0] * itemsize: dst_run[1] * itemsize])
+            read(frag, src_run[0] * itemsize, dst_bytes[dst_run[0] * itemsize : dst_run[1] * itemsize])
             continue
         # a fragment-sized buffer whose pages are only touched where the planned ranges land (lazily allocated)
         buf = torch.empty(frag.nbytes, dtype=torch.uint8)
@@ -183,8 +210,11 @@ def _read_all(backend: Backend, manifest: Manifest, prefix: str, reads: list[_Re
     """
     total = sum(r.view.nbytes for r in reads)
     workers = min(max(1, int(getattr(backend, "parallel_reads", 1))), len(reads), os.cpu_count() or 1)
-    chunks = [(r, a, b, expected) for r in sorted(reads, key=lambda r: (r.object, r.offset))
-              for (a, b), expected in zip(chunk_ranges(r.view.nbytes, manifest.chunk_bytes), r.checksums)]
+    chunks = [
+        (r, a, b, expected)
+        for r in sorted(reads, key=lambda r: (r.object, r.offset))
+        for (a, b), expected in zip(chunk_ranges(r.view.nbytes, manifest.chunk_bytes), r.checksums)
+    ]
     if workers <= 1 or total < _PARALLEL_MIN_BYTES:
         for chunk in chunks:
             _read_chunk(backend, manifest, prefix, *chunk)
@@ -285,8 +315,12 @@ def read_section(
             tensors[entry.name] = _box_reads(backend, manifest, entry, shard, reads, after, stats)
             continue
         if (
-            isinstance(target, torch.Tensor) and target.dtype == dtype and tuple(target.shape) == entry.global_shape
-            and target.device.type == "cpu" and target.is_contiguous() and target.layout == torch.strided
+            isinstance(target, torch.Tensor)
+            and target.dtype == dtype
+            and tuple(target.shape) == entry.global_shape
+            and target.device.type == "cpu"
+            and target.is_contiguous()
+            and target.layout == torch.strided
         ):
             out = target.detach()
         else:
@@ -295,7 +329,7 @@ def read_section(
             box = Box(frag.global_offsets, frag.local_shape)
             run = _contiguous_run(box, entry.global_shape)
             if run is not None:  # the whole tensor, or a slab of whole rows (DTensor Shard(0)): straight into ``out``
-                buf = out.reshape(-1)[run[0]:run[1]].view(frag.local_shape)
+                buf = out.reshape(-1)[run[0] : run[1]].view(frag.local_shape)
             else:
                 buf = torch.empty(frag.local_shape, dtype=dtype)
                 after.append((out[box.slices()], buf))
@@ -342,8 +376,12 @@ def checkpoint_tree(manifest: Manifest) -> tuple[Any, tuple[TensorEntry, ...]]:
     tree = manifest.state
     entries = tuple(manifest.tensors)
     section = manifest.rank_section(0)
-    if isinstance(tree, dict) and section is not None and isinstance(section.state, dict) and \
-            isinstance(section.state.get("late"), dict):
+    if (
+        isinstance(tree, dict)
+        and section is not None
+        and isinstance(section.state, dict)
+        and isinstance(section.state.get("late"), dict)
+    ):
         tree = {**tree, **section.state["late"]}
         entries += tuple(section.tensors)
     return tree, entries
@@ -465,5 +503,6 @@ def state_bytes(manifest: Manifest) -> int:
     """Bytes of tensor data in a manifest (for logs)."""
     return sum(
         math.prod(f.local_shape) * torch.empty((), dtype=dtype_from_name(t.dtype)).element_size()
-        for t in manifest.tensors for f in t.fragments
+        for t in manifest.tensors
+        for f in t.fragments
     )

@@ -49,10 +49,26 @@ MANIFEST_NAME = "manifest.json"
 RESTORES_NAME = "restores.json"
 
 _DTYPE_NAMES = [
-    "float64", "float32", "float16", "bfloat16",
-    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
-    "complex64", "complex128",
-    "int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64", "bool",
+    "float64",
+    "float32",
+    "float16",
+    "bfloat16",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+    "complex64",
+    "complex128",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "bool",
 ]
 #: Every dtype the format stores, by its name in the manifest (only those this torch build has).
 DTYPES: dict[str, torch.dtype] = {
@@ -289,8 +305,12 @@ def _fragment_to_dict(f: Fragment) -> dict[str, Any]:
 
 
 def _tensor_to_dict(t: TensorEntry) -> dict[str, Any]:
-    d: dict[str, Any] = {"type": "alias" if t.alias_of is not None else "tensor", "name": t.name, "dtype": t.dtype,
-                         "global_shape": list(t.global_shape)}
+    d: dict[str, Any] = {
+        "type": "alias" if t.alias_of is not None else "tensor",
+        "name": t.name,
+        "dtype": t.dtype,
+        "global_shape": list(t.global_shape),
+    }
     if t.alias_of is not None:
         d["alias_of"] = t.alias_of
     else:
@@ -374,8 +394,9 @@ class _Reader:
         return tuple(self.int_(v, f"{path}[{i}]", 0, 2**62) for i, v in enumerate(items))
 
 
-def _parse_tensors(r: _Reader, value: Any, path: str, m_objects: Mapping[str, int], chunk_bytes: int,
-                   alignment: int) -> tuple[TensorEntry, ...]:
+def _parse_tensors(
+    r: _Reader, value: Any, path: str, m_objects: Mapping[str, int], chunk_bytes: int, alignment: int
+) -> tuple[TensorEntry, ...]:
     out: list[TensorEntry] = []
     names: set[str] = set()
     for i, raw in enumerate(r.list_(value, path)):
@@ -388,8 +409,11 @@ def _parse_tensors(r: _Reader, value: Any, path: str, m_objects: Mapping[str, in
         elif kind == "alias":
             d = r.obj(raw, p, {"type", "name", "dtype", "global_shape", "alias_of"})
         else:
-            raise r.fail(p, f"unknown entry type {kind!r} (known: 'tensor', 'alias'); this snapshot needs a newer"
-                            " lightning-snapshot")
+            raise r.fail(
+                p,
+                f"unknown entry type {kind!r} (known: 'tensor', 'alias'); this snapshot needs a newer"
+                " lightning-snapshot",
+            )
         name = r.str_(d["name"], f"{p}.name")
         if name in names:
             raise r.fail(p, f"duplicate tensor name {name!r}")
@@ -406,8 +430,16 @@ def _parse_tensors(r: _Reader, value: Any, path: str, m_objects: Mapping[str, in
     return tuple(out)
 
 
-def _parse_tensor(r: _Reader, d: Mapping[str, Any], p: str, kind: str, name: str, m_objects: Mapping[str, int],
-                  chunk_bytes: int, alignment: int) -> TensorEntry:
+def _parse_tensor(
+    r: _Reader,
+    d: Mapping[str, Any],
+    p: str,
+    kind: str,
+    name: str,
+    m_objects: Mapping[str, int],
+    chunk_bytes: int,
+    alignment: int,
+) -> TensorEntry:
     """One tensor or alias entry ``d`` at JSON path ``p``; ``r`` names the tensor in its errors."""
     dtype = r.str_(d["dtype"], f"{p}.dtype")
     try:
@@ -442,25 +474,35 @@ def _parse_tensor(r: _Reader, d: Mapping[str, Any], p: str, kind: str, name: str
         if offset % alignment:
             raise r.fail(fp, f"offset {offset} is not aligned to {alignment}")
         if offset + nbytes > m_objects[obj]:
-            raise r.fail(fp, f"bytes [{offset}, {offset + nbytes}) lie outside object {obj!r}"
-                             f" of {m_objects[obj]} bytes")
-        sums = tuple(r.str_(s, f"{fp}.checksums[{k}]") for k, s in enumerate(r.list_(fd["checksums"],
-                                                                                     f"{fp}.checksums")))
+            raise r.fail(
+                fp, f"bytes [{offset}, {offset + nbytes}) lie outside object {obj!r} of {m_objects[obj]} bytes"
+            )
+        sums = tuple(
+            r.str_(s, f"{fp}.checksums[{k}]") for k, s in enumerate(r.list_(fd["checksums"], f"{fp}.checksums"))
+        )
         if len(sums) != max(1, -(-nbytes // chunk_bytes)) or not all(_HEX_RE.match(s) for s in sums):
-            raise r.fail(fp + ".checksums", f"expected {max(1, -(-nbytes // chunk_bytes))} 16-digit hex"
-                                            " checksums (one per chunk)")
+            raise r.fail(
+                fp + ".checksums",
+                f"expected {max(1, -(-nbytes // chunk_bytes))} 16-digit hex checksums (one per chunk)",
+            )
         frags.append(Fragment(obj, offset, nbytes, offs, local, sums))
     covered = sum(math.prod(f.local_shape) for f in frags)
     pair = overlapping_boxes([(f.global_offsets, f.local_shape) for f in frags]) if len(frags) > 1 else None
     if pair is not None:
         a, b = (frags[k] for k in pair)
-        raise r.fail(p, f"fragments {pair[0]} and {pair[1]} overlap (boxes at"
-                        f" {list(a.global_offsets)} shape {list(a.local_shape)} and {list(b.global_offsets)}"
-                        f" shape {list(b.local_shape)}); each element must be stored exactly once")
+        raise r.fail(
+            p,
+            f"fragments {pair[0]} and {pair[1]} overlap (boxes at"
+            f" {list(a.global_offsets)} shape {list(a.local_shape)} and {list(b.global_offsets)}"
+            f" shape {list(b.local_shape)}); each element must be stored exactly once",
+        )
     if covered != math.prod(global_shape):
-        raise r.fail(p, f"fragments cover {covered} of the tensor's {math.prod(global_shape)} elements;"
-                        f" missing region: {_missing_region(global_shape, frags)}. The snapshot is incomplete"
-                        " (a lost shard?): use another snapshot")
+        raise r.fail(
+            p,
+            f"fragments cover {covered} of the tensor's {math.prod(global_shape)} elements;"
+            f" missing region: {_missing_region(global_shape, frags)}. The snapshot is incomplete"
+            " (a lost shard?): use another snapshot",
+        )
     return TensorEntry(name, dtype, global_shape, tuple(frags))
 
 
@@ -480,7 +522,7 @@ def overlapping_boxes(boxes: Sequence[tuple[Sequence[int], Sequence[int]]]) -> t
     live.sort(key=lambda b: b[0][dim])
     for n, (o, s, i) in enumerate(live):
         end = o[dim] + s[dim]
-        for o2, s2, j in live[n + 1:]:
+        for o2, s2, j in live[n + 1 :]:
             if o2[dim] >= end:
                 break
             if all(a < b2 + c2 and b2 < a + c for a, c, b2, c2 in zip(o, s, o2, s2)):
@@ -530,9 +572,26 @@ def _manifest_from_dict(raw: Any, where: str) -> Manifest:
                 f"{where}: format_version {version} is newer than this lightning-snapshot reads ({FORMAT_VERSION})."
                 " Upgrade with: pip install -U lightning-snapshot"
             )
-    d = r.obj(raw, "$", {"format_version", "step", "epoch", "world_size", "created_unix", "library_version",
-                         "checksum", "chunk_bytes", "alignment", "objects", "tensors", "state", "ranks"},
-              optional={"health"})
+    d = r.obj(
+        raw,
+        "$",
+        {
+            "format_version",
+            "step",
+            "epoch",
+            "world_size",
+            "created_unix",
+            "library_version",
+            "checksum",
+            "chunk_bytes",
+            "alignment",
+            "objects",
+            "tensors",
+            "state",
+            "ranks",
+        },
+        optional={"health"},
+    )
     r.int_(d["format_version"], "format_version", 1, FORMAT_VERSION)
     checksum = r.str_(d["checksum"], "checksum")
     if checksum != CHECKSUM_ALGORITHM:
@@ -551,8 +610,9 @@ def _manifest_from_dict(raw: Any, where: str) -> Manifest:
         p = f"objects[{i}]"
         if not isinstance(raw_o, dict) or raw_o.get("type") != "object":
             kind = raw_o.get("type") if isinstance(raw_o, dict) else type(raw_o).__name__
-            raise r.fail(p, f"unknown entry type {kind!r} (known: 'object'); this snapshot needs a newer"
-                            " lightning-snapshot")
+            raise r.fail(
+                p, f"unknown entry type {kind!r} (known: 'object'); this snapshot needs a newer lightning-snapshot"
+            )
         od = r.obj(raw_o, p, {"type", "key", "nbytes", "rank"})
         key = r.str_(od["key"], f"{p}.key")
         try:
@@ -598,19 +658,26 @@ def _parse_health(r: _Reader, value: Any, names: set[str]) -> dict[str, str | No
     """The optional ``health`` field: ``{group: null | first non-finite tensor}``; every group a valid group name
     and every tensor one of the manifest's shared tensors."""
     if not isinstance(value, dict):
-        raise r.fail("health", f"expected an object mapping tensor groups to null or a tensor name, got"
-                               f" {type(value).__name__}")
+        raise r.fail(
+            "health", f"expected an object mapping tensor groups to null or a tensor name, got {type(value).__name__}"
+        )
     if len(value) > _MAX_GROUPS:
         raise r.fail("health", f"{len(value)} groups is more than {_MAX_GROUPS}")
     out: dict[str, str | None] = {}
     for group, first in value.items():
         if not _GROUP_RE.match(group):
-            raise r.fail("health", f"group name {group!r} is not a tensor group (like 'state_dict' or"
-                                   " 'optimizer_states/0'); the manifest is corrupted: use another snapshot")
+            raise r.fail(
+                "health",
+                f"group name {group!r} is not a tensor group (like 'state_dict' or"
+                " 'optimizer_states/0'); the manifest is corrupted: use another snapshot",
+            )
         if first is not None and (not isinstance(first, str) or first not in names):
-            raise r.fail(f"health.{group}", f"expected null (all values finite) or the name of a shared tensor of"
-                                            f" this manifest, got {first!r}; the manifest is corrupted: use another"
-                                            " snapshot")
+            raise r.fail(
+                f"health.{group}",
+                f"expected null (all values finite) or the name of a shared tensor of"
+                f" this manifest, got {first!r}; the manifest is corrupted: use another"
+                " snapshot",
+            )
         out[group] = first
     return out
 

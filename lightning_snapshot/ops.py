@@ -90,8 +90,14 @@ def _manifests(backend: Backend, steps: list[int]) -> dict[int, Manifest | None]
     return out
 
 
-def plan_gc(backend: Backend, *, keep_last: int | None = None, older_than: float | None = None,
-            grace: float = DEFAULT_GRACE_S, now: float | None = None) -> GcPlan:
+def plan_gc(
+    backend: Backend,
+    *,
+    keep_last: int | None = None,
+    older_than: float | None = None,
+    grace: float = DEFAULT_GRACE_S,
+    now: float | None = None,
+) -> GcPlan:
     """Decide what a garbage collection of ``backend`` (a durable tier) removes; reads only.
 
     * committed snapshots beyond the ``keep_last`` newest (the retention rule of training,
@@ -108,8 +114,10 @@ def plan_gc(backend: Backend, *, keep_last: int | None = None, older_than: float
     cannot tell are left alone (:attr:`GcPlan.in_progress`).
     """
     if not backend.durable:
-        raise ConfigError(f"gc prunes durable tiers; the {backend.tier} tier {backend.url!r} keeps its own keep_last"
-                          " and is freed by its agent (lightning-snapshot agent --stop)")
+        raise ConfigError(
+            f"gc prunes durable tiers; the {backend.tier} tier {backend.url!r} keeps its own keep_last"
+            " and is freed by its agent (lightning-snapshot agent --stop)"
+        )
     if keep_last is not None and keep_last < 1:
         raise ConfigError(f"keep_last must be >= 1, got {keep_last!r}")
     now = time.time() if now is None else now
@@ -129,8 +137,14 @@ def plan_gc(backend: Backend, *, keep_last: int | None = None, older_than: float
     for step in committed:
         m = manifests[step]
         if step in expired:
-            plan.snapshots.append({"step": step, "reason": expired[step], "bytes": m and m.total_bytes,
-                                   "age_s": m and max(0.0, now - m.created_unix)})
+            plan.snapshots.append(
+                {
+                    "step": step,
+                    "reason": expired[step],
+                    "bytes": m and m.total_bytes,
+                    "age_s": m and max(0.0, now - m.created_unix),
+                }
+            )
         else:
             plan.kept.append(step)
 
@@ -200,8 +214,10 @@ def copy_step(src: Backend, dst: Backend, step: int, on_object: Callable[[int], 
             and nothing is committed.
     """
     if not dst.durable:
-        raise ConfigError(f"copy writes to a durable tier; the {dst.tier} tier {dst.url!r} is filled by training"
-                          " and its agent: give a path or an object-store URL as the destination")
+        raise ConfigError(
+            f"copy writes to a durable tier; the {dst.tier} tier {dst.url!r} is filled by training"
+            " and its agent: give a path or an object-store URL as the destination"
+        )
     if src.url == dst.url:
         raise ConfigError(f"the source and the destination are the same tier {src.url!r}: give another destination")
     prefix = step_dirname(step)

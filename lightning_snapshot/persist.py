@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import tenacity
 
-from lightning_snapshot.agent import AgentClient
-from lightning_snapshot.arena import AsyncStaged, HostArena
+from lightning_snapshot.backends.ram.agent import AgentClient
+from lightning_snapshot.staging.arena import AsyncStaged, HostArena
 from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.comm import Comm
 from lightning_snapshot.errors import SnapshotError, SnapshotWriteError
@@ -148,13 +148,23 @@ class _TierWorker:
         self.last_error = _describe(self.tier, error) if error is not None else None
         if self.outage_since is None:
             self.outage_since = time.monotonic()
-            log.warning("lightning-snapshot: the %s tier %s is failing (%s); retrying with backoff (every %s s,"
-                        " doubling up to %s s), training goes on (logged once per outage)", self.tier.tier,
-                        self.tier.url, _describe(self.tier, error) if error is not None else "?",
-                        getattr(self.tier, "retry_initial", None), getattr(self.tier, "retry_max", None))
+            log.warning(
+                "lightning-snapshot: the %s tier %s is failing (%s); retrying with backoff (every %s s,"
+                " doubling up to %s s), training goes on (logged once per outage)",
+                self.tier.tier,
+                self.tier.url,
+                _describe(self.tier, error) if error is not None else "?",
+                getattr(self.tier, "retry_initial", None),
+                getattr(self.tier, "retry_max", None),
+            )
         else:
-            log.debug("lightning-snapshot: retry %d of %s in %.1f s: %s", self.retries, self.tier.url,
-                      state.upcoming_sleep, error)
+            log.debug(
+                "lightning-snapshot: retry %d of %s in %.1f s: %s",
+                self.retries,
+                self.tier.url,
+                state.upcoming_sleep,
+                error,
+            )
 
     def _attempt(self, job: PersistJob, source: int | None) -> tuple[Manifest | None, int] | None:
         """Write ``job`` to this tier once; returns (the committed manifest or None when the agent wrote it, bytes),
@@ -172,7 +182,10 @@ class _TierWorker:
             return copy_snapshot(self.p.tiers[source], self.tier, job.step, self.comm), 0
         state = staged.state if isinstance(staged, AsyncStaged) else staged
         return write_snapshot(
-            self.tier, self.comm, SnapshotJob(job.step, job.epoch, state, job.private), self.p.run_id,
+            self.tier,
+            self.comm,
+            SnapshotJob(job.step, job.epoch, state, job.private),
+            self.p.run_id,
             prepare=staged.wait if isinstance(staged, AsyncStaged) else None,
             before_commit=staged.verify if isinstance(staged, AsyncStaged) else None,
         ), 0
@@ -204,8 +217,12 @@ class _TierWorker:
                 return
             manifest, nbytes = done
             if self.outage_since is not None:
-                log.info("lightning-snapshot: the %s tier %s is back after %.0f s", self.tier.tier, self.tier.url,
-                         time.monotonic() - self.outage_since)
+                log.info(
+                    "lightning-snapshot: the %s tier %s is back after %.0f s",
+                    self.tier.tier,
+                    self.tier.url,
+                    time.monotonic() - self.outage_since,
+                )
                 self.outage_since = None
             if manifest is None:
                 pass  # the agent applied retention
@@ -213,12 +230,23 @@ class _TierWorker:
                 try:
                     apply_retention(self.tier, job.step, pinned=self.p.pinned(self.index))
                 except Exception as e:  # noqa: BLE001 - the snapshot is committed; cleanup waits for the next one
-                    log.warning("lightning-snapshot: retention in the %s tier %s failed: %s", self.tier.tier,
-                                self.tier.url, _describe(self.tier, e))
+                    log.warning(
+                        "lightning-snapshot: retention in the %s tier %s failed: %s",
+                        self.tier.tier,
+                        self.tier.url,
+                        _describe(self.tier, e),
+                    )
             job.ok[self.index] = True
             stage_s = staged.copy_seconds if isinstance(staged, AsyncStaged) else None
-            self.p.results.put(PersistResult(self.tier, job.step, time.monotonic() - t0,
-                                             manifest.total_bytes if manifest is not None else nbytes, stage_s))
+            self.p.results.put(
+                PersistResult(
+                    self.tier,
+                    job.step,
+                    time.monotonic() - t0,
+                    manifest.total_bytes if manifest is not None else nbytes,
+                    stage_s,
+                )
+            )
         except Exception as e:  # noqa: BLE001 - reported to the training thread
             job.ok[self.index] = False
             log.debug("lightning-snapshot: persisting step %d to %s failed", job.step, self.tier.url, exc_info=True)
@@ -257,8 +285,9 @@ class Persister:
     Thread-safety: ``pending``, ``submit``, ``drain`` and ``close`` are called from the training thread only.
     """
 
-    def __init__(self, tiers: list[Backend], comms: list[Comm], run_id: str, arena: HostArena,
-                 agent: AgentClient | None = None) -> None:
+    def __init__(
+        self, tiers: list[Backend], comms: list[Comm], run_id: str, arena: HostArena, agent: AgentClient | None = None
+    ) -> None:
         self.tiers = tiers
         self.run_id = run_id
         self.arena = arena
@@ -397,9 +426,11 @@ class Persister:
             w.thread.join(timeout=max(0.0, deadline - time.monotonic()))
             if w.thread.is_alive():
                 rank = getattr(w.comm, "rank", 0)
-                late.append(f"rank {rank}: the persist thread of the {w.tier.tier} tier {w.tier.url} did not finish"
-                            f" step {w.current} within shutdown_timeout={timeout:g} s (waiting for the other ranks or"
-                            " the store); left behind")
+                late.append(
+                    f"rank {rank}: the persist thread of the {w.tier.tier} tier {w.tier.url} did not finish"
+                    f" step {w.current} within shutdown_timeout={timeout:g} s (waiting for the other ranks or"
+                    " the store); left behind"
+                )
                 log.error("lightning-snapshot: %s", late[-1])
         if self._notifier is not None:
             self._notes.put(None)

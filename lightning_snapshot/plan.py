@@ -31,7 +31,7 @@ from lightning_snapshot.simulate import Outcome, TierModel, simulate
 
 __all__ = ["Figures", "add_arguments", "figures_from_events", "plan", "run"]
 
-NODE_COUNTS = tuple(2 ** i for i in range(15))  # 1 .. 16,384
+NODE_COUNTS = tuple(2**i for i in range(15))  # 1 .. 16,384
 _RAM_KEEP = 2
 
 
@@ -73,8 +73,10 @@ def figures_from_events(logdir: str | os.PathLike[str]) -> Figures:
         for tag in acc.Tags().get("scalars", []):
             scalars.setdefault(tag, []).extend(e.value for e in acc.Scalars(tag))
     if not scalars.get("snapshot/bytes"):
-        raise SnapshotNotFoundError(f"no TensorBoard events with snapshot metrics under {logdir!r}: pass the log"
-                                    " directory of a run that used SnapshotCallback with a TensorBoardLogger")
+        raise SnapshotNotFoundError(
+            f"no TensorBoard events with snapshot metrics under {logdir!r}: pass the log"
+            " directory of a run that used SnapshotCallback with a TensorBoardLogger"
+        )
 
     def mean(tag: str) -> float | None:
         values = scalars.get(tag)
@@ -108,14 +110,24 @@ def setups(figures: Figures, node_bytes: float, erasure: tuple[int, int], gpus: 
 
     def tier(name: str, write_gbps: float, read_gbps: float, survives: bool) -> TierModel:
         persist = gb / write_gbps
-        return TierModel(name, cost_s=stall + f.interference * persist, persist_s=persist,
-                         restore_s=gb / read_gbps, survives_node_loss=survives)
+        return TierModel(
+            name,
+            cost_s=stall + f.interference * persist,
+            persist_s=persist,
+            restore_s=gb / read_gbps,
+            survives_node_loss=survives,
+        )
 
     local = tier("local", f.local_gbps, f.local_read_gbps, True)
     ram = tier("ram", f.ram_gbps, f.ram_read_gbps, False)
     coded = gb * (k + m) / k
-    ram_ec = TierModel("ram-ec", cost_s=stall + f.interference * coded / f.net_gbps, persist_s=coded / f.net_gbps,
-                       restore_s=gb / f.net_gbps, survives_node_loss=True)
+    ram_ec = TierModel(
+        "ram-ec",
+        cost_s=stall + f.interference * coded / f.net_gbps,
+        persist_s=coded / f.net_gbps,
+        restore_s=gb / f.net_gbps,
+        survives_node_loss=True,
+    )
     obj = tier("object", f.object_gbps, f.object_gbps, True)
     return {"local": [local], "ram+local": [ram, local], f"ram-ec{k}+{m}+local+object": [ram_ec, local, obj]}
 
@@ -131,9 +143,20 @@ def memory_bytes(setup: str, node_bytes: float, erasure: tuple[int, int]) -> flo
     return arena
 
 
-def plan(*, nodes: list[int], gpus_per_node: int, node_mtbf_s: float, state_bytes: float, restart_s: float,
-         work_s: float, figures: Figures, erasure: tuple[int, int] = (4, 2), node_loss: float = 0.5,
-         seed: int = 0, runs: int = 4) -> list[dict[str, Any]]:
+def plan(
+    *,
+    nodes: list[int],
+    gpus_per_node: int,
+    node_mtbf_s: float,
+    state_bytes: float,
+    restart_s: float,
+    work_s: float,
+    figures: Figures,
+    erasure: tuple[int, int] = (4, 2),
+    node_loss: float = 0.5,
+    seed: int = 0,
+    runs: int = 4,
+) -> list[dict[str, Any]]:
     """One row per node count and set-up: goodput, each tier's interval, memory per node."""
     rows = []
     node_bytes = gpus_per_node * state_bytes
@@ -141,23 +164,44 @@ def plan(*, nodes: list[int], gpus_per_node: int, node_mtbf_s: float, state_byte
         mtbf = node_mtbf_s / n
         for name, tiers in setups(figures, node_bytes, erasure, gpus_per_node).items():
             usable = [t for t in tiers if not (t.name.startswith("ram-ec") and n < sum(erasure))]
-            out: Outcome = simulate(usable, work_s=work_s, mtbf_s=mtbf, restart_s=restart_s, node_loss=node_loss,
-                                    seed=seed, runs=runs)
-            rows.append({"nodes": n, "setup": name, "mtbf_s": mtbf, "goodput": out.goodput,
-                         "failures": out.failures,
-                         "intervals_s": {t.name: i for t, i in zip(usable, out.intervals_s)},
-                         "memory_bytes": memory_bytes(name, node_bytes, erasure),
-                         "note": "" if len(usable) == len(tiers) else f"RAM erasure needs >= {sum(erasure)} nodes"})
+            out: Outcome = simulate(
+                usable, work_s=work_s, mtbf_s=mtbf, restart_s=restart_s, node_loss=node_loss, seed=seed, runs=runs
+            )
+            rows.append(
+                {
+                    "nodes": n,
+                    "setup": name,
+                    "mtbf_s": mtbf,
+                    "goodput": out.goodput,
+                    "failures": out.failures,
+                    "intervals_s": {t.name: i for t, i in zip(usable, out.intervals_s)},
+                    "memory_bytes": memory_bytes(name, node_bytes, erasure),
+                    "note": "" if len(usable) == len(tiers) else f"RAM erasure needs >= {sum(erasure)} nodes",
+                }
+            )
     return rows
 
 
 def _bytes_arg(text: str) -> float:
-    units = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "kib": 1024, "mib": 1 << 20, "gib": 1 << 30,
-             "tib": 1 << 40, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}
+    units = {
+        "": 1,
+        "k": 1e3,
+        "m": 1e6,
+        "g": 1e9,
+        "t": 1e12,
+        "kib": 1024,
+        "mib": 1 << 20,
+        "gib": 1 << 30,
+        "tib": 1 << 40,
+        "kb": 1e3,
+        "mb": 1e6,
+        "gb": 1e9,
+        "tb": 1e12,
+    }
     t = text.strip().lower()
     digits = t.rstrip("abcdefghijklmnopqrstuvwxyz")
     try:
-        value = float(digits) * units[t[len(digits):]]
+        value = float(digits) * units[t[len(digits) :]]
     except (ValueError, KeyError):
         raise argparse.ArgumentTypeError(f"expected bytes such as 2e9, 16GiB or 500MB, got {text!r}") from None
     if not value > 0:
@@ -191,27 +235,60 @@ def _erasure_arg(text: str) -> tuple[int, int]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``plan`` subcommand's options."""
-    p.add_argument("--nodes", type=_nodes_arg, default=list(NODE_COUNTS),
-                   help="node counts, comma-separated (default: 1,2,4,...,16384)")
+    p.add_argument(
+        "--nodes",
+        type=_nodes_arg,
+        default=list(NODE_COUNTS),
+        help="node counts, comma-separated (default: 1,2,4,...,16384)",
+    )
     p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--node-mtbf", type=_duration_arg, default=DEFAULT_NODE_MTBF_S,
-                   help="mean time between failures of one node (default 6000h)")
-    p.add_argument("--state-bytes", type=_bytes_arg, default=16e9,
-                   help="snapshot bytes per GPU: weights, optimizer state, buffers (default 16GB)")
-    p.add_argument("--restart", type=_duration_arg, default=300.0,
-                   help="from a failure until the job starts restoring (default 5m)")
-    p.add_argument("--work", type=_duration_arg, default=30 * 86400.0,
-                   help="failure-free training time of the job (default 30d)")
+    p.add_argument(
+        "--node-mtbf",
+        type=_duration_arg,
+        default=DEFAULT_NODE_MTBF_S,
+        help="mean time between failures of one node (default 6000h)",
+    )
+    p.add_argument(
+        "--state-bytes",
+        type=_bytes_arg,
+        default=16e9,
+        help="snapshot bytes per GPU: weights, optimizer state, buffers (default 16GB)",
+    )
+    p.add_argument(
+        "--restart",
+        type=_duration_arg,
+        default=300.0,
+        help="from a failure until the job starts restoring (default 5m)",
+    )
+    p.add_argument(
+        "--work", type=_duration_arg, default=30 * 86400.0, help="failure-free training time of the job (default 30d)"
+    )
     p.add_argument("--erasure", type=_erasure_arg, default=(4, 2), help="the RAM tier's k+m (default 4+2)")
-    p.add_argument("--node-loss", type=float, default=0.5,
-                   help="probability that a failure loses its node's memory (default 0.5)")
-    p.add_argument("--metrics", default=None,
-                   help="a real run's TensorBoard log directory: its measured speeds replace the figures below")
+    p.add_argument(
+        "--node-loss", type=float, default=0.5, help="probability that a failure loses its node's memory (default 0.5)"
+    )
+    p.add_argument(
+        "--metrics",
+        default=None,
+        help="a real run's TensorBoard log directory: its measured speeds replace the figures below",
+    )
     defaults = Figures()
-    for field in ("stall_gbps", "interference", "local_gbps", "ram_gbps", "net_gbps", "object_gbps",
-                  "local_read_gbps", "ram_read_gbps"):
-        p.add_argument(f"--{field.replace('_', '-')}", type=float, default=getattr(defaults, field),
-                       help=f"default {getattr(defaults, field)}")
+    for field in (
+        "stall_gbps",
+        "interference",
+        "local_gbps",
+        "ram_gbps",
+        "net_gbps",
+        "object_gbps",
+        "local_read_gbps",
+        "ram_read_gbps",
+    ):
+        p.add_argument(
+            f"--{field.replace('_', '-')}",
+            type=float,
+            default=getattr(defaults, field),
+            help=f"default {getattr(defaults, field)}",
+        )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--runs", type=int, default=4, help="simulated jobs averaged per row")
 
@@ -235,12 +312,24 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         figures = Figures(**{f: getattr(args, f) for f in Figures.__dataclass_fields__})
     if any(not (v > 0) for k, v in vars(figures).items() if k != "interference") or figures.interference < 0:
         raise ConfigError(f"bandwidths must be positive and interference >= 0, got {figures}")
-    rows = plan(nodes=args.nodes, gpus_per_node=args.gpus_per_node, node_mtbf_s=args.node_mtbf,
-                state_bytes=args.state_bytes, restart_s=args.restart, work_s=args.work, figures=figures,
-                erasure=args.erasure, node_loss=args.node_loss, seed=args.seed, runs=args.runs)
+    rows = plan(
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        node_mtbf_s=args.node_mtbf,
+        state_bytes=args.state_bytes,
+        restart_s=args.restart,
+        work_s=args.work,
+        figures=figures,
+        erasure=args.erasure,
+        node_loss=args.node_loss,
+        seed=args.seed,
+        runs=args.runs,
+    )
     print(f"{'nodes':>6} {'job MTBF':>9} {'set-up':<26} {'goodput':>8} {'failures':>9}  {'memory/node':>12}  intervals")
     for r in rows:
         intervals = ", ".join(f"{k} {_human(v)}" for k, v in r["intervals_s"].items())
-        print(f"{r['nodes']:>6} {_human(r['mtbf_s']):>9} {r['setup']:<26} {r['goodput']:>8.4f} {r['failures']:>9.1f}"
-              f"  {r['memory_bytes'] / 1e9:>9.1f} GB  {intervals}{'  (' + r['note'] + ')' if r['note'] else ''}")
+        print(
+            f"{r['nodes']:>6} {_human(r['mtbf_s']):>9} {r['setup']:<26} {r['goodput']:>8.4f} {r['failures']:>9.1f}"
+            f"  {r['memory_bytes'] / 1e9:>9.1f} GB  {intervals}{'  (' + r['note'] + ')' if r['note'] else ''}"
+        )
     return rows

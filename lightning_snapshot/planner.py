@@ -7,8 +7,19 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["align_up", "plan_layout", "chunk_ranges", "assign_writers",
-           "Box", "shard_boxes", "even_shards", "ReadItem", "plan_tensor_reads", "bytes_needed", "bytes_planned"]
+__all__ = [
+    "align_up",
+    "plan_layout",
+    "chunk_ranges",
+    "assign_writers",
+    "Box",
+    "shard_boxes",
+    "even_shards",
+    "ReadItem",
+    "plan_tensor_reads",
+    "bytes_needed",
+    "bytes_planned",
+]
 
 
 def align_up(n: int, alignment: int) -> int:
@@ -157,12 +168,19 @@ def _placement(placement: Any, ndim: int) -> tuple[str, int | None, int]:
             return "replicate", None, 1
         if kind == "shard" and len(placement) == 2 and isinstance(placement[1], int):
             dim = placement[1]
-        elif (kind == "strided" and len(placement) == 3 and isinstance(placement[1], int)
-              and isinstance(placement[2], int) and placement[2] >= 1):
+        elif (
+            kind == "strided"
+            and len(placement) == 3
+            and isinstance(placement[1], int)
+            and isinstance(placement[2], int)
+            and placement[2] >= 1
+        ):
             dim, split_factor = placement[1], placement[2]
         else:
-            raise ValueError(f"unknown placement {placement!r}; expected ('shard', dim), ('strided', dim,"
-                             " split_factor) or ('replicate',)")
+            raise ValueError(
+                f"unknown placement {placement!r}; expected ('shard', dim), ('strided', dim,"
+                " split_factor) or ('replicate',)"
+            )
     else:
         name = type(placement).__name__  # duck-typed torch.distributed.tensor placements, without importing them
         if name == "Replicate":
@@ -211,8 +229,9 @@ def _take(runs: list[tuple[int, int]], lo: int, hi: int, out: list[tuple[int, in
             break
 
 
-def _dim_order(mesh_dims: list[int], kinds: dict[int, tuple[str, int]], mesh_shape: tuple[int, ...]
-               ) -> list[int] | None:
+def _dim_order(
+    mesh_dims: list[int], kinds: dict[int, tuple[str, int]], mesh_shape: tuple[int, ...]
+) -> list[int] | None:
     """The order in which the mesh dims that shard one tensor dim split it, when every ``_StridedShard`` among them
     is FSDP2's (its split factor is the product of the sizes of the mesh dims to its right that shard the same tensor
     dim): those mesh dims split first and the strided one splits inside each of their pieces (right to left), the
@@ -381,7 +400,7 @@ class _Runs:
     """
 
     def __init__(self, shape: tuple[int, ...], src: Box) -> None:
-        self.strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+        self.strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
         self.shape = shape
         self.numel = math.prod(shape)
         j = max(len(shape) - 1, 0)
@@ -404,7 +423,7 @@ class _Runs:
         """Lexicographic successor of ``t[:d]`` inside the box (remaining dims at their lowest), or None."""
         for k in range(d - 1, -1, -1):
             if t[k] + 1 < self.hi[k]:
-                return t[:k] + [t[k] + 1] + list(self.lo[k + 1:])
+                return t[:k] + [t[k] + 1] + list(self.lo[k + 1 :])
         return None
 
     def _run(self, t: Sequence[int]) -> tuple[int, int]:
@@ -438,8 +457,9 @@ class _Runs:
         return None if t is None else self._run(t)
 
 
-def _read_ranges(shape: tuple[int, ...], src: Box, itemsize: int, chunk_bytes: int,
-                 nbytes: int) -> list[tuple[int, int]]:
+def _read_ranges(
+    shape: tuple[int, ...], src: Box, itemsize: int, chunk_bytes: int, nbytes: int
+) -> list[tuple[int, int]]:
     """The runs of ``src`` in bytes, expanded to checksum chunks and merged.
 
     Walks the runs by jumping: each step takes the first run not yet covered, so the cost is bounded by both the
@@ -474,17 +494,24 @@ def _subtract(box: Box, cut: Box) -> list[Box]:
     lo, hi = list(box.offsets), list(box.end)
     for d in range(box.ndim):
         if lo[d] < inter.offsets[d]:
-            phi = hi[:d] + [inter.offsets[d]] + hi[d + 1:]
+            phi = hi[:d] + [inter.offsets[d]] + hi[d + 1 :]
             pieces.append(Box(tuple(lo), tuple(h - low for low, h in zip(lo, phi))))
         if inter.end[d] < hi[d]:
-            plo = lo[:d] + [inter.end[d]] + lo[d + 1:]
+            plo = lo[:d] + [inter.end[d]] + lo[d + 1 :]
             pieces.append(Box(tuple(plo), tuple(h - low for low, h in zip(plo, hi))))
         lo[d], hi[d] = inter.offsets[d], inter.end[d]
     return pieces
 
 
-def plan_tensor_reads(entry_fragments: Any, global_shape: Sequence[int], itemsize: int, target: Box,
-                      chunk_bytes: int, *, name: str | None = None) -> list[ReadItem]:
+def plan_tensor_reads(
+    entry_fragments: Any,
+    global_shape: Sequence[int],
+    itemsize: int,
+    target: Box,
+    chunk_bytes: int,
+    *,
+    name: str | None = None,
+) -> list[ReadItem]:
     """Plan the reads that fill ``target`` (a box of the global tensor) from a tensor's saved fragments.
 
     For every fragment overlapping ``target``: the row-major contiguous runs of the overlap inside the fragment
@@ -531,12 +558,16 @@ def plan_tensor_reads(entry_fragments: Any, global_shape: Sequence[int], itemsiz
         if fbox.ndim != len(global_shape) or not whole.contains(fbox):
             raise ValueError(f"tensor {name!r}: fragment {index} box {fbox} does not fit global shape {global_shape}")
         if frag.nbytes != fbox.numel * itemsize:
-            raise ValueError(f"tensor {name!r}: fragment {index} has {frag.nbytes} bytes, but its box {fbox} of"
-                             f" {itemsize}-byte elements has {fbox.numel * itemsize}")
+            raise ValueError(
+                f"tensor {name!r}: fragment {index} has {frag.nbytes} bytes, but its box {fbox} of"
+                f" {itemsize}-byte elements has {fbox.numel * itemsize}"
+            )
         n_chunks = max(1, -(-frag.nbytes // chunk_bytes))
         if len(frag.checksums) != n_chunks:
-            raise ValueError(f"tensor {name!r}: fragment {index} has {len(frag.checksums)} checksums, but"
-                             f" {n_chunks} chunks of {chunk_bytes} bytes")
+            raise ValueError(
+                f"tensor {name!r}: fragment {index} has {len(frag.checksums)} checksums, but"
+                f" {n_chunks} chunks of {chunk_bytes} bytes"
+            )
         overlap = fbox.intersect(target)
         if overlap is None or not any(overlap.intersect(r) for r in remaining):
             continue
@@ -544,14 +575,25 @@ def plan_tensor_reads(entry_fragments: Any, global_shape: Sequence[int], itemsiz
         src = overlap.translate(fbox.offsets)
         ranges = _read_ranges(fbox.shape, src, itemsize, chunk_bytes, frag.nbytes)
         chunks = tuple(i for a, b in ranges for i in range(a // chunk_bytes, -(-b // chunk_bytes)))
-        items.append(ReadItem(
-            tensor=name, object=frag.object, offset=frag.offset, fragment_index=index, fragment_shape=fbox.shape,
-            nbytes=frag.nbytes, chunk_bytes=chunk_bytes, read_ranges=tuple(ranges), chunk_indices=chunks,
-            src_box=src, dst_box=overlap.translate(target.offsets),
-        ))
+        items.append(
+            ReadItem(
+                tensor=name,
+                object=frag.object,
+                offset=frag.offset,
+                fragment_index=index,
+                fragment_shape=fbox.shape,
+                nbytes=frag.nbytes,
+                chunk_bytes=chunk_bytes,
+                read_ranges=tuple(ranges),
+                chunk_indices=chunks,
+                src_box=src,
+                dst_box=overlap.translate(target.offsets),
+            )
+        )
     if remaining:
-        shown = ", ".join(str(r) for r in remaining[:4]) + (f" and {len(remaining) - 4} more" if len(remaining) > 4
-                                                             else "")
+        shown = ", ".join(str(r) for r in remaining[:4]) + (
+            f" and {len(remaining) - 4} more" if len(remaining) > 4 else ""
+        )
         raise ValueError(
             f"missing fragment: tensor {name!r} has no saved fragment for region(s) {shown} (global coordinates)"
             f" of the requested box {target} of global shape {global_shape}; {sum(r.numel for r in remaining)}"

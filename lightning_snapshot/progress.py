@@ -18,9 +18,17 @@ def progress_bar(total: float, desc: str, *, unit: str = "B", enabled: bool = Tr
     from tqdm import tqdm
 
     scaled = unit == "B"
-    return tqdm(total=total, desc=desc, unit=unit, unit_scale=scaled, unit_divisor=1024 if scaled else 1000,
-                file=sys.stderr, leave=False, dynamic_ncols=True,
-                disable=not (enabled and sys.stderr.isatty()))
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        unit_scale=scaled,
+        unit_divisor=1024 if scaled else 1000,
+        file=sys.stderr,
+        leave=False,
+        dynamic_ncols=True,
+        disable=not (enabled and sys.stderr.isatty()),
+    )
 
 
 def human_bytes(n: float) -> str:

@@ -30,8 +30,15 @@ from lightning_snapshot.errors import SnapshotError
 from lightning_snapshot.manifest import MANIFEST_NAME, RESTORES_NAME, Manifest, step_dirname, validate_key
 from lightning_snapshot.staging import digest
 
-__all__ = ["Candidate", "ResumePlan", "plan_resume", "read_candidate", "read_restores", "record_restore",
-           "manifest_digest"]
+__all__ = [
+    "Candidate",
+    "ResumePlan",
+    "plan_resume",
+    "read_candidate",
+    "read_restores",
+    "record_restore",
+    "manifest_digest",
+]
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +73,7 @@ class ResumePlan:
     problem: str | None = None
 
 
-def plan_resume(candidates: Sequence[Candidate], *, max_restores: int | None, resume_unhealthy: bool
-                ) -> ResumePlan:
+def plan_resume(candidates: Sequence[Candidate], *, max_restores: int | None, resume_unhealthy: bool) -> ResumePlan:
     """Drop unhealthy snapshots (unless ``resume_unhealthy``) and those restored ``max_restores`` times or more
     (unless ``max_restores`` is None) from ``candidates`` (newest first), keeping the order of the rest.
 
@@ -101,7 +107,8 @@ def plan_resume(candidates: Sequence[Candidate], *, max_restores: int | None, re
         messages.append(
             f"lightning-snapshot: skipping the unhealthy snapshot of step {first.step}: tensor {tensor!r} of"
             f" {group!r} holds a NaN or an infinity{also}. Resuming from the newest healthy snapshot ({target}); pass"
-            " SnapshotCallback(resume_unhealthy=True) to resume from unhealthy snapshots anyway")
+            " SnapshotCallback(resume_unhealthy=True) to resume from unhealthy snapshots anyway"
+        )
     if looping:
         steps = ", ".join(map(str, looping))
         messages.append(
@@ -110,11 +117,13 @@ def plan_resume(candidates: Sequence[Candidate], *, max_restores: int | None, re
             f" restoring it, so this resume takes the snapshot before it ({target})"
             + (f"; skipped for the same reason: steps {steps}" if len(looping) > 1 else "")
             + f". Delete {step_dirname(looping[0])}/{RESTORES_NAME} in its tiers to try it again, or raise"
-            " max_restores")
+            " max_restores"
+        )
     problem = None
     if not kept and candidates:
-        problem = ("every committed snapshot was skipped: " + " ".join(messages)
-                   + " (or pass resume=False to start fresh)")
+        problem = (
+            "every committed snapshot was skipped: " + " ".join(messages) + " (or pass resume=False to start fresh)"
+        )
     return ResumePlan(tuple(kept), tuple(messages), problem)
 
 
@@ -136,8 +145,7 @@ def read_restores(backend: Backend, step: int, manifest_id: str) -> int:
             return 0
         raw = backend.read(key)
     except (OSError, SnapshotError) as e:
-        log.warning("lightning-snapshot: cannot read the restore record %s of %s (%s); counting 0", key, backend.url,
-                    e)
+        log.warning("lightning-snapshot: cannot read the restore record %s of %s (%s); counting 0", key, backend.url, e)
         return 0
     try:
         if len(raw) > _MAX_RECORD_BYTES:

@@ -78,9 +78,16 @@ def _intervals(tiers: Sequence[TierModel], mtbf_s: float, node_loss: float) -> l
     return out
 
 
-def _one_run(tiers: Sequence[TierModel], work_s: float, restart_s: float, node_loss: float, rng: random.Random,
-             mtbf_s: float, failure_times: Sequence[float] | None,
-             start_s: float = 0.0) -> tuple[float, int, float, float, float]:
+def _one_run(
+    tiers: Sequence[TierModel],
+    work_s: float,
+    restart_s: float,
+    node_loss: float,
+    rng: random.Random,
+    mtbf_s: float,
+    failure_times: Sequence[float] | None,
+    start_s: float = 0.0,
+) -> tuple[float, int, float, float, float]:
     rate = 1.0 + sum(t.cost_s / t.interval_s for t in tiers)  # wall seconds per second of training
     times = iter(sorted(failure_times)) if failure_times is not None else None
 
@@ -124,9 +131,18 @@ def _one_run(tiers: Sequence[TierModel], work_s: float, restart_s: float, node_l
         delay = restart_s + source_restore
 
 
-def simulate(tiers: Sequence[TierModel], *, work_s: float, mtbf_s: float, restart_s: float, node_loss: float = 0.0,
-             seed: int = 0, runs: int = 8, failure_times: Sequence[float] | None = None,
-             start_s: float = 0.0) -> Outcome:
+def simulate(
+    tiers: Sequence[TierModel],
+    *,
+    work_s: float,
+    mtbf_s: float,
+    restart_s: float,
+    node_loss: float = 0.0,
+    seed: int = 0,
+    runs: int = 8,
+    failure_times: Sequence[float] | None = None,
+    start_s: float = 0.0,
+) -> Outcome:
     """Simulate ``runs`` jobs (seeded) and return the mean outcome.
 
     Args:
@@ -145,8 +161,10 @@ def simulate(tiers: Sequence[TierModel], *, work_s: float, mtbf_s: float, restar
     """
     tiers = _intervals(tiers, mtbf_s, node_loss)
     rng = random.Random(seed)
-    results = [_one_run(tiers, work_s, restart_s, node_loss, rng, mtbf_s, failure_times, start_s)
-               for _ in range(1 if failure_times is not None else runs)]
+    results = [
+        _one_run(tiers, work_s, restart_s, node_loss, rng, mtbf_s, failure_times, start_s)
+        for _ in range(1 if failure_times is not None else runs)
+    ]
     n = len(results)
     wall = sum(r[0] for r in results) / n
     lost = sum(r[2] for r in results) / n
@@ -154,6 +172,13 @@ def simulate(tiers: Sequence[TierModel], *, work_s: float, mtbf_s: float, restar
     restores = sum(r[4] for r in results) / n
     failures = sum(r[1] for r in results) / n
     overhead = wall - work_s - lost - restarts - restores
-    return Outcome(goodput=sum(work_s / r[0] for r in results) / n, wall_s=wall, failures=failures,
-                   lost_work_s=lost, overhead_s=max(0.0, overhead), restart_s=restarts, restore_s=restores,
-                   intervals_s=tuple(t.interval_s or 0.0 for t in tiers))
+    return Outcome(
+        goodput=sum(work_s / r[0] for r in results) / n,
+        wall_s=wall,
+        failures=failures,
+        lost_work_s=lost,
+        overhead_s=max(0.0, overhead),
+        restart_s=restarts,
+        restore_s=restores,
+        intervals_s=tuple(t.interval_s or 0.0 for t in tiers),
+    )

@@ -108,8 +108,10 @@ def encode(obj: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
         if isinstance(x, np.ndarray):
             kind = str(x.dtype.newbyteorder("="))
             if kind not in _NUMPY_KINDS:
-                raise CaptureError(f"numpy array at {path!r} has dtype {x.dtype}, which cannot be stored;"
-                                   f" supported: {sorted(_NUMPY_KINDS)}")
+                raise CaptureError(
+                    f"numpy array at {path!r} has dtype {x.dtype}, which cannot be stored;"
+                    f" supported: {sorted(_NUMPY_KINDS)}"
+                )
             arr = x.astype(x.dtype.newbyteorder("="), order="C", copy=True)  # native order, C layout, 0-d kept
             if kind in ("uint32", "uint16"):
                 arr = arr.astype(np.int64)
@@ -135,8 +137,11 @@ def encode(obj: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
         if isinstance(x, Mapping):
             if all(isinstance(k, str) and not k.startswith("$") for k in x):
                 return {k: walk(v, f"{path}/{k}" if path else k, depth + 1) for k, v in x.items()}
-            return {"$dict": [[walk(k, f"{path}/<key>", depth + 1), walk(v, f"{path}/{k}", depth + 1)]
-                              for k, v in x.items()]}
+            return {
+                "$dict": [
+                    [walk(k, f"{path}/<key>", depth + 1), walk(v, f"{path}/{k}", depth + 1)] for k, v in x.items()
+                ]
+            }
         raise CaptureError(
             f"cannot store the value at {path!r} of type {type(x).__module__}.{type(x).__qualname__}: snapshots hold"
             " tensors, numbers, strings, bools, None, bytes and lists/tuples/dicts of them. Convert it in your"
@@ -234,9 +239,19 @@ def decode(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
 
 #: numpy dtype -> the torch dtype it is stored as (unsigned wider types widen to, or reinterpret as, int64)
 _NUMPY_STORAGE = {
-    "float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "int64": torch.int64,
-    "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "uint16": torch.int64,
-    "uint32": torch.int64, "uint64": torch.int64, "bool": torch.bool, "complex64": torch.complex64,
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "uint16": torch.int64,
+    "uint32": torch.int64,
+    "uint64": torch.int64,
+    "bool": torch.bool,
+    "complex64": torch.complex64,
     "complex128": torch.complex128,
 }
 _NUMPY_KINDS = set(_NUMPY_STORAGE)

@@ -32,8 +32,17 @@ from lightning_snapshot.manifest import (
 from lightning_snapshot.planner import chunk_ranges, plan_layout
 from lightning_snapshot.staging import StagedState, chunk_digests, nonfinite_tensors, tensor_bytes
 
-__all__ = ["SnapshotJob", "write_snapshot", "copy_snapshot", "verify_object", "apply_retention", "expired_snapshots",
-           "committed_steps", "DEFAULT_CHUNK_BYTES", "DEFAULT_ALIGNMENT"]
+__all__ = [
+    "SnapshotJob",
+    "write_snapshot",
+    "copy_snapshot",
+    "verify_object",
+    "apply_retention",
+    "expired_snapshots",
+    "committed_steps",
+    "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_ALIGNMENT",
+]
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +61,9 @@ class SnapshotJob:
     private: StagedState
 
 
-def _section(staged: StagedState, object_key: str, alignment: int, chunk_bytes: int
-             ) -> tuple[list[memoryview | bytes], list[dict[str, Any]], int]:
+def _section(
+    staged: StagedState, object_key: str, alignment: int, chunk_bytes: int
+) -> tuple[list[memoryview | bytes], list[dict[str, Any]], int]:
     """Lay out one section's tensors in one object; returns (buffers, tensor entries as JSON, object size).
 
     A staged state that is already packed (the arena) is written as its region, with its staging checksums.
@@ -90,27 +100,51 @@ def _section(staged: StagedState, object_key: str, alignment: int, chunk_bytes: 
         else:
             assert views is not None
             sums = chunk_digests(views[name], chunk_bytes)
-        entries.append({
-            "type": "tensor", "name": name, "dtype": dtype_name(t.dtype), "global_shape": list(global_shape),
-            "fragments": [{
-                "object": object_key, "offset": offset, "nbytes": nbytes,
-                "global_offsets": list(offsets), "local_shape": shape, "checksums": sums,
-            }],
-        })
+        entries.append(
+            {
+                "type": "tensor",
+                "name": name,
+                "dtype": dtype_name(t.dtype),
+                "global_shape": list(global_shape),
+                "fragments": [
+                    {
+                        "object": object_key,
+                        "offset": offset,
+                        "nbytes": nbytes,
+                        "global_offsets": list(offsets),
+                        "local_shape": shape,
+                        "checksums": sums,
+                    }
+                ],
+            }
+        )
     for name, target in staged.aliases.items():
         t = staged.tensors[target]
         global_shape = staged.shards[target][0] if target in staged.shards else tuple(t.shape)
-        entries.append({"type": "alias", "name": name, "dtype": dtype_name(t.dtype),
-                        "global_shape": list(global_shape), "alias_of": target})
+        entries.append(
+            {
+                "type": "alias",
+                "name": name,
+                "dtype": dtype_name(t.dtype),
+                "global_shape": list(global_shape),
+                "alias_of": target,
+            }
+        )
     return buffers, entries, size
 
 
-def _write_part(backend: Backend, job: SnapshotJob, rank: int, run_id: str, alignment: int, chunk_bytes: int
-                ) -> dict[str, Any]:
+def _write_part(
+    backend: Backend, job: SnapshotJob, rank: int, run_id: str, alignment: int, chunk_bytes: int
+) -> dict[str, Any]:
     """Write this rank's data objects; returns its manifest part (objects, shared section, rank section)."""
     prefix = step_dirname(job.step)
-    part: dict[str, Any] = {"rank": rank, "objects": [], "tensors": None, "state": None,
-                            "nonfinite": nonfinite_tensors(job.shared) if job.shared is not None else []}
+    part: dict[str, Any] = {
+        "rank": rank,
+        "objects": [],
+        "tensors": None,
+        "state": None,
+        "nonfinite": nonfinite_tensors(job.shared) if job.shared is not None else [],
+    }
     sections = [("rank", job.private)] + ([("shared", job.shared)] if job.shared is not None else [])
     for kind, staged in sections:
         obj = f"{run_id}-{kind}-{rank:05d}.bin"
@@ -173,8 +207,9 @@ def _merge_health(parts: list[dict[str, Any]], tensors: list[dict[str, Any]]) ->
     return health
 
 
-def _merge(parts: list[dict[str, Any]], job: SnapshotJob, world_size: int, alignment: int, chunk_bytes: int
-           ) -> dict[str, Any]:
+def _merge(
+    parts: list[dict[str, Any]], job: SnapshotJob, world_size: int, alignment: int, chunk_bytes: int
+) -> dict[str, Any]:
     """One manifest from every rank's part: the shared tensors are the union of the ranks' shares (each rank wrote a
     disjoint share of the replicated state, and its own shards of sharded state); the shared JSON tree is rank
     0's."""
@@ -299,8 +334,15 @@ def write_snapshot(
     return manifest
 
 
-def copy_snapshot(src: Backend, dst: Backend, step: int, comm: Comm, *, verify: bool = False,
-                  on_object: Callable[[int], None] | None = None) -> Manifest:
+def copy_snapshot(
+    src: Backend,
+    dst: Backend,
+    step: int,
+    comm: Comm,
+    *,
+    verify: bool = False,
+    on_object: Callable[[int], None] | None = None,
+) -> Manifest:
     """Copy the committed snapshot of ``step`` from ``src`` to ``dst`` byte for byte, under ``dst``'s commit rule.
 
     Each rank copies the objects it wrote; rank 0 commits the very same manifest bytes once all are durable.
@@ -352,14 +394,16 @@ def verify_object(manifest: Manifest, key: str, data: memoryview | bytes, where:
     step = f"step {manifest.step}" + (f" in {where}" if where else "")
     expected = manifest.object(key).nbytes
     if view.nbytes != expected:
-        raise ChecksumError(f"object {key!r} of {step} holds {view.nbytes} bytes, the manifest says {expected}:"
-                            " it is truncated or was replaced. Use another snapshot")
+        raise ChecksumError(
+            f"object {key!r} of {step} holds {view.nbytes} bytes, the manifest says {expected}:"
+            " it is truncated or was replaced. Use another snapshot"
+        )
     entries = list(manifest.tensors) + [t for section in manifest.ranks for t in section.tensors]
     for entry in entries:
         for frag in entry.fragments:
             if frag.object != key:
                 continue
-            got = chunk_digests(view[frag.offset: frag.offset + frag.nbytes], manifest.chunk_bytes)
+            got = chunk_digests(view[frag.offset : frag.offset + frag.nbytes], manifest.chunk_bytes)
             for i, (a, b) in enumerate(chunk_ranges(frag.nbytes, manifest.chunk_bytes)):
                 if got[i] != frag.checksums[i]:
                     raise ChecksumError(
@@ -442,8 +486,10 @@ def _newest_healthy(backend: Backend, committed: list[int]) -> set[int]:
     unless it is unhealthy."""
     for step in committed:
         try:
-            manifest = Manifest.from_json(backend.read(f"{step_dirname(step)}/{MANIFEST_NAME}"),
-                                          where=f"manifest of step {step} in {backend.url!r}")
+            manifest = Manifest.from_json(
+                backend.read(f"{step_dirname(step)}/{MANIFEST_NAME}"),
+                where=f"manifest of step {step} in {backend.url!r}",
+            )
         except Exception as e:  # noqa: BLE001 - retention must never break training: this step counts as unhealthy
             log.debug("lightning-snapshot: retention cannot read the health of step %d: %s", step, e)
             continue

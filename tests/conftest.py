@@ -94,7 +94,7 @@ def wait_until(predicate, timeout: float = 60.0) -> bool:
 @pytest.fixture
 def shm(tmp_path, monkeypatch):
     """A memory base directory for this test's agents; every agent started under it is stopped at the end."""
-    from lightning_snapshot.agent import stop_agent
+    from lightning_snapshot.backends.ram.agent import stop_agent
 
     base = tmp_path / "shm"
     monkeypatch.setenv("LIGHTNING_SNAPSHOT_SHM_DIR", str(base))
@@ -112,7 +112,7 @@ def check_flush_after_death(tmp_path: Path, shm: Path, reference_runs, monkeypat
     ``before_kill()`` runs after the reference run, before the run that is killed; ``after_kill(killed run)`` right
     after the kill. Returns the killed run.
     """
-    from lightning_snapshot.agent import agent_log_path, stop_agent
+    from lightning_snapshot.backends.ram.agent import agent_log_path, stop_agent
     from lightning_snapshot.backends import LocalTier
     from lightning_snapshot.writer import committed_steps
 

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 from train import Model, Squares
 
 from lightning_snapshot import SnapshotCallback, load_snapshot
-from lightning_snapshot.arena import HostArena
+from lightning_snapshot.staging.arena import HostArena
 from lightning_snapshot.capture import frozen_predicate
 from lightning_snapshot.backends import LocalTier
 from lightning_snapshot.comm import LocalComm

@@ -12,7 +12,7 @@ import torch
 from conftest import assert_bitwise_equal, check_flush_after_death, run_train
 from torch import nn
 
-from lightning_snapshot.arena import HostArena
+from lightning_snapshot.staging.arena import HostArena
 from lightning_snapshot.capture import capture_rng, frozen_predicate, restore_rng
 
 pytestmark = pytest.mark.gpu

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import assert_bitwise_equal, launch_nodes
 
-from lightning_snapshot.agent import stop_agent
+from lightning_snapshot.backends.ram.agent import stop_agent
 from lightning_snapshot.backends import LocalTier
 from lightning_snapshot.manifest import MANIFEST_NAME, step_dirname
 from lightning_snapshot.writer import committed_steps
@@ -198,7 +198,7 @@ class _StuckDisk(LocalTier):
 def test_shutdown_after_an_exception_waits_at_most_shutdown_timeout_and_names_rank_tier_step(tmp_path, caplog):
     import torch
 
-    from lightning_snapshot.arena import HostArena
+    from lightning_snapshot.staging.arena import HostArena
     from lightning_snapshot.comm import LocalComm
     from lightning_snapshot.persist import PersistJob, Persister
     from lightning_snapshot.staging import stage

@@ -15,8 +15,8 @@ import torch
 from conftest import SCRIPTS, assert_bitwise_equal, check_flush_after_death, launch_nodes, run_train
 from conftest import wait_until as _wait
 
-from lightning_snapshot.agent import agent_log_path, agent_status, ensure_agent, stop_agent
-from lightning_snapshot.arena import FAKE_REGISTER_ENV
+from lightning_snapshot.backends.ram.agent import agent_log_path, agent_status, ensure_agent, stop_agent
+from lightning_snapshot.staging.arena import FAKE_REGISTER_ENV
 from lightning_snapshot.backends import LocalTier
 from lightning_snapshot.writer import committed_steps
 
@@ -72,7 +72,7 @@ def test_an_agent_whose_directory_another_job_replaced_exits_and_deletes_nothing
 
 
 def test_the_lock_refuses_a_second_agent_and_follows_a_replaced_lock_file(tmp_path, capsys):
-    from lightning_snapshot.agent import _lock
+    from lightning_snapshot.backends.ram.agent import _lock
 
     first = _lock(tmp_path, tmp_path / "first.log")
     assert first is not None and (tmp_path / "agent.lock").read_text() == f"{os.getpid()}\n{tmp_path / 'first.log'}\n"
@@ -104,7 +104,7 @@ def _cli(*args: str) -> tuple[int, str, str]:
 def test_agent_status_readable_and_json_then_stop_leaves_nothing_in_shared_memory(tmp_path, shm):
     import json
 
-    from lightning_snapshot.agent import AgentClient
+    from lightning_snapshot.backends.ram.agent import AgentClient
 
     node = shm / "run-s"
     pid = ensure_agent(node, idle_timeout=300)

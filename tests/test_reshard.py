@@ -159,7 +159,7 @@ def test_model_parallel_snapshot_loads_in_one_process_as_full_tensors(mp_run):
 @pytest.fixture(scope="module")
 def ram_base(tmp_path_factory):
     """The node memory of the RAM-tier runs of this module; their agents are stopped at the end."""
-    from lightning_snapshot.agent import stop_agent
+    from lightning_snapshot.backends.ram.agent import stop_agent
 
     base = tmp_path_factory.mktemp("shm")
     old = os.environ.get("LIGHTNING_SNAPSHOT_SHM_DIR")
@@ -547,7 +547,7 @@ def test_dtensor_box_writers_and_refused_placements():
 
 
 def test_write_snapshot_records_the_arena_chunk_size(tmp_path):
-    from lightning_snapshot.arena import HostArena
+    from lightning_snapshot.staging.arena import HostArena
 
     arena = HostArena(chunk_bytes=256)
     try:

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from lightning_snapshot.backends import erasure as ec
+from lightning_snapshot.backends.ram import erasure as ec
 from lightning_snapshot.errors import ChecksumError, ConfigError
 
 

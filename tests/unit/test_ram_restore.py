@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_snapshot.backends import RamTier
-from lightning_snapshot.backends import ram as ram_module
+from lightning_snapshot.backends.ram import tier as ram_module
 from lightning_snapshot.errors import SnapshotError
 from lightning_snapshot.comm import LocalComm
 from lightning_snapshot.loader import read_manifest, read_section

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_snapshot.backends.ram import JOB_ID_VARIABLES, default_run_name, job_ids
+from lightning_snapshot.backends.ram.tier import JOB_ID_VARIABLES, default_run_name, job_ids
 
 URLS = ["/nvme/snap/run-42", "s3://bucket/run-42"]
 

@@ -123,9 +123,14 @@ def _load_native() -> _Native | None:
         out = [ctypes.create_string_buffer(b) for _ in range(n - k)]
         code = nat.new(k, n)
         try:
-            nat.lib.fec_encode(code, (ctypes.c_void_p * k)(*[ctypes.addressof(x) for x in src]),
-                               (ctypes.c_void_p * (n - k))(*[ctypes.addressof(x) for x in out]),
-                               (ctypes.c_uint * (n - k))(*range(k, n)), n - k, b)
+            nat.lib.fec_encode(
+                code,
+                (ctypes.c_void_p * k)(*[ctypes.addressof(x) for x in src]),
+                (ctypes.c_void_p * (n - k))(*[ctypes.addressof(x) for x in out]),
+                (ctypes.c_uint * (n - k))(*range(k, n)),
+                n - k,
+                b,
+            )
         finally:
             nat.lib.fec_free(code)
     except (ImportError, OSError, AttributeError, TypeError, ValueError, RuntimeError, ctypes.ArgumentError):
@@ -180,17 +185,18 @@ def _run(fn, stripes: int, threads: int | None) -> None:  # type: ignore[no-unty
             f.result()
 
 
-def encode(data: memoryview, lay: ShareLayout, shares: list[memoryview | None], *,
-           threads: int | None = None) -> None:
+def encode(data: memoryview, lay: ShareLayout, shares: list[memoryview | None], *, threads: int | None = None) -> None:
     """Fill ``shares`` (``k + m`` writable buffers of ``lay.share_nbytes`` each) with the shares of ``data``.
 
     A data share given as ``None`` is not copied (its bytes are ``data``'s, see the module docstring): with every
     data share ``None`` only the parity is computed, reading the object where it lies.
     """
     k, m = lay.k, lay.m
-    if data.nbytes != lay.nbytes or len(shares) != k + m or \
-            any((s is None and i >= k) or (s is not None and s.nbytes != lay.share_nbytes)
-                for i, s in enumerate(shares)):
+    if (
+        data.nbytes != lay.nbytes
+        or len(shares) != k + m
+        or any((s is None and i >= k) or (s is not None and s.nbytes != lay.share_nbytes) for i, s in enumerate(shares))
+    ):
         raise ValueError("encode: buffers do not match the share layout")
     data = data.cast("B") if data.format != "B" else data
     (_encode_native if _NATIVE is not None else _encode_py)(data, lay, shares, threads)
@@ -261,10 +267,10 @@ def _encode_py(data: memoryview, lay: ShareLayout, shares: list[memoryview | Non
                 if dst[i]:
                     _fill(dst[i] + s * b, src, lo, b, n)
                 if lo + b <= n:
-                    blocks.append(data[lo: lo + b])
+                    blocks.append(data[lo : lo + b])
                 else:  # a block past the object's end: zero-padded
                     _fill(pad_addr + i * b, src, lo, b, n)
-                    blocks.append(pv[i * b: (i + 1) * b])
+                    blocks.append(pv[i * b : (i + 1) * b])
             if m:
                 for j, blk in enumerate(enc.encode(tuple(blocks), parity)):
                     _copy(dst[k + j] + s * b, _addr(memoryview(blk)), b)
@@ -354,7 +360,7 @@ def _decode_py(shares: dict[int, memoryview], lay: ShareLayout, out: memoryview,
             if dec is None:
                 prim_addr = [share_addr[i] + s * b for i in use]
             else:
-                prim = dec.decode(tuple(shares[i][s * b: (s + 1) * b] for i in use), nums)
+                prim = dec.decode(tuple(shares[i][s * b : (s + 1) * b] for i in use), nums)
                 prim_addr = [_addr(memoryview(p)) for p in prim]
             for i in range(k):
                 lo = lay.data_offset(i, s)
@@ -364,8 +370,9 @@ def _decode_py(shares: dict[int, memoryview], lay: ShareLayout, out: memoryview,
     _run(work, lay.stripes, threads)
 
 
-def rebuild(shares: dict[int, memoryview], lay: ShareLayout, out: dict[int, memoryview], *,
-            threads: int | None = None) -> None:
+def rebuild(
+    shares: dict[int, memoryview], lay: ShareLayout, out: dict[int, memoryview], *, threads: int | None = None
+) -> None:
     """Rebuild lost *data shares* from any ``k`` shares: ``out`` maps each data share index missing from
     ``shares`` to a writable buffer of ``lay.share_nbytes``, filled with that share's bytes (the object's bytes, as
     :func:`encode` laid them out, padding included). The data shares present need no copy: a reader takes the
@@ -394,7 +401,7 @@ def rebuild(shares: dict[int, memoryview], lay: ShareLayout, out: dict[int, memo
 
         def work_py(a: int, z: int) -> None:
             for s in range(a, z):
-                prim = dec.decode(tuple(shares[i][s * b: (s + 1) * b] for i in use), nums)
+                prim = dec.decode(tuple(shares[i][s * b : (s + 1) * b] for i in use), nums)
                 for r in lost:
                     _copy(out_addr[r] + s * b, _addr(memoryview(prim[r])), b)
 

@@ -1,7 +1,7 @@
 """RAM tier: snapshots in node memory (shared memory held by the node's snapshot agent), erasure coded across nodes.
 
 Storage: every node has a directory in shared memory (``/dev/shm/lightning-snapshot-<uid>/<run>``, mode 0700, files
-0600) that the node's snapshot agent (:mod:`lightning_snapshot.agent`) owns: it outlives the trainer and frees it
+0600) that the node's snapshot agent (:mod:`lightning_snapshot.backends.ram.agent`) owns: it outlives the trainer and frees it
 after an idle time. The snapshot format is the one of every tier (``step-<n>/manifest.json`` + data objects); with
 ``erasure=(k, m)`` a data object is stored as ``<object>.ec/<i>`` shares instead, share ``i`` of an object written by
 a rank on node ``n`` living on node ``(n + i) % num_nodes``, with ``<object>.ec/layout.json`` (the share layout and
@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 
 import xxhash
 
-from lightning_snapshot.backends import erasure as _ec
+from lightning_snapshot.backends.ram import erasure as _ec
 from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.backends.local import (
     LocalTier,
@@ -145,8 +145,11 @@ class RamTier(Backend):
         threads: int | None = None,
     ) -> None:
         super().__init__(
-            every_n_train_steps=every_n_train_steps, train_time_interval=train_time_interval, keep_last=keep_last,
-            min_every=min_every, max_every=max_every,
+            every_n_train_steps=every_n_train_steps,
+            train_time_interval=train_time_interval,
+            keep_last=keep_last,
+            min_every=min_every,
+            max_every=max_every,
         )
         self.erasure = parse_erasure(erasure)
         if name is not None and (not isinstance(name, str) or not _NAME.match(name)):
@@ -174,8 +177,7 @@ class RamTier(Backend):
         self._paths: dict[str, Path] = {}  # key -> its file, checked once (see read_into)
 
     # ------------------------------------------------------------------------------------------- set-up
-    def bind(self, *, node_rank: int, num_nodes: int, local_rank: int, ranks_per_node: int,
-             default_name: str) -> None:
+    def bind(self, *, node_rank: int, num_nodes: int, local_rank: int, ranks_per_node: int, default_name: str) -> None:
         """Place this tier in the job: which node this rank is on (called by the callback at set-up)."""
         if self.erasure is not None:
             k, m = self.erasure
@@ -233,18 +235,24 @@ class RamTier(Backend):
         try:
             for i in files:
                 maps[i] = _map_new(ec_dir / str(i), lay.share_nbytes)
-            _ec.encode(data, lay, [_view(maps[i]) if i in maps else None for i in range(k + m)],
-                       threads=self.threads)
-            sums = _digests([(_view(maps[i]), 0) if i in maps else _data_share(data, lay, i) for i in range(k + m)],
-                            self.threads)
+            _ec.encode(data, lay, [_view(maps[i]) if i in maps else None for i in range(k + m)], threads=self.threads)
+            sums = _digests(
+                [(_view(maps[i]), 0) if i in maps else _data_share(data, lay, i) for i in range(k + m)], self.threads
+            )
         except OSError as e:
             raise SnapshotWriteError(e.errno, f"erasure-coding {key!r} into {ec_dir} failed: {e}") from e
         finally:
             for mm in maps.values():
                 _close(mm)
-        self._pending[key] = {"layout": _LAYOUT_KIND, "k": k, "m": m, "nbytes": lay.nbytes, "block": lay.block,
-                              "stripes": lay.stripes,
-                              "checksums": sums}
+        self._pending[key] = {
+            "layout": _LAYOUT_KIND,
+            "k": k,
+            "m": m,
+            "nbytes": lay.nbytes,
+            "block": lay.block,
+            "stripes": lay.stripes,
+            "checksums": sums,
+        }
         self._sources[key] = data
         return data.nbytes
 
@@ -314,11 +322,18 @@ class RamTier(Backend):
             reading = json.loads(raw)
         except (OSError, ValueError):
             return None
-        ok = isinstance(reading, dict) and all(isinstance(reading.get(f), int) and reading[f] > 0
-                                               for f in ("k", "share_nbytes")) and \
-            isinstance(reading.get("nbytes"), int) and reading["nbytes"] <= reading["k"] * reading["share_nbytes"]
-        if not ok or not isinstance(reading.get("files"), list) or len(reading["files"]) != reading["k"] or \
-                not all(isinstance(f, str) and _SHARE_FILE.match(f) for f in reading["files"]):
+        ok = (
+            isinstance(reading, dict)
+            and all(isinstance(reading.get(f), int) and reading[f] > 0 for f in ("k", "share_nbytes"))
+            and isinstance(reading.get("nbytes"), int)
+            and reading["nbytes"] <= reading["k"] * reading["share_nbytes"]
+        )
+        if (
+            not ok
+            or not isinstance(reading.get("files"), list)
+            or len(reading["files"]) != reading["k"]
+            or not all(isinstance(f, str) and _SHARE_FILE.match(f) for f in reading["files"])
+        ):
             raise SnapshotError(f"{key}{_EC}/{_READING} in the RAM tier {self.url} is malformed; restore again")
         ec_dir = self.store._path(key + _EC)
         reading["paths"] = [os.path.join(ec_dir, f) for f in reading["files"]]  # (joined once: reads are hot)
@@ -337,7 +352,7 @@ class RamTier(Backend):
             piece = min(size - at, n - pos)
             fd = os.open(reading["paths"][i], os.O_RDONLY | os.O_CLOEXEC)
             try:
-                _read_exactly(fd, view[pos: pos + piece], at, key)
+                _read_exactly(fd, view[pos : pos + piece], at, key)
             finally:
                 os.close(fd)
             pos += piece
@@ -376,8 +391,11 @@ class RamTier(Backend):
             names = sorted(p.name for p in base.iterdir() if (p / "store").is_dir())
         except OSError:
             names = []
-        here = f"RAM tiers on this node: {', '.join(f'ram://{n}' for n in names)}" if names else \
-            "this node holds no RAM tier"
+        here = (
+            f"RAM tiers on this node: {', '.join(f'ram://{n}' for n in names)}"
+            if names
+            else "this node holds no RAM tier"
+        )
         raise SnapshotNotFoundError(
             f"no RAM tier named {self.name or 'default'!r} on this node ({self.node_dir} does not exist); {here}"
             f" under {str(base)!r}. Name the run as ram://NAME, or set {SHM_ENV} to the base directory the job used"
@@ -508,8 +526,9 @@ class RamTier(Backend):
 
         def check(item: tuple[str, int, str, dict[str, Any]]) -> bool:
             _key, i, share, layout = item
-            return _share_ok(self.store._path(share), layout["stripes"] * layout["block"], layout["checksums"][i],
-                             verify)
+            return _share_ok(
+                self.store._path(share), layout["stripes"] * layout["block"], layout["checksums"][i], verify
+            )
 
         # every share hashed once, on as many threads as the tier codes with (xxh3 releases the GIL)
         workers = min(len(checks), self.threads or min(8, os.cpu_count() or 1)) if verify else 1
@@ -555,9 +574,13 @@ class RamTier(Backend):
                 corrupt = not comm.all_true(not corrupt)  # on any rank
             if corrupt and self.erasure is not None:
                 if getattr(comm, "rank", 0) == 0:
-                    log.warning("lightning-snapshot: RAM tier %s: a chunk of step %d failed its checksum; verifying"
-                                " every share and rebuilding the corrupted ones from the others (%s)",
-                                self.url, step, error if error is not None else "on another rank")
+                    log.warning(
+                        "lightning-snapshot: RAM tier %s: a chunk of step %d failed its checksum; verifying"
+                        " every share and rebuilding the corrupted ones from the others (%s)",
+                        self.url,
+                        step,
+                        error if error is not None else "on another rank",
+                    )
                 self.finish_restore(step)
                 if world > 1:
                     comm.barrier()
@@ -652,8 +675,17 @@ class RamTier(Backend):
         if world > 1:
             comm.barrier()
 
-    def _execute(self, comm: Any, transfers: list[tuple[int, int, str, int]], layouts: dict[str, dict[str, Any]],
-                 me: int, prefix: str, manifest: str, verified: dict[str, set[int]], verify: bool) -> None:
+    def _execute(
+        self,
+        comm: Any,
+        transfers: list[tuple[int, int, str, int]],
+        layouts: dict[str, dict[str, Any]],
+        me: int,
+        prefix: str,
+        manifest: str,
+        verified: dict[str, set[int]],
+        verify: bool,
+    ) -> None:
         """Run this leader's part of the ``transfers`` and rebuild every erasure-coded object from ``k`` good
         shares: its own that ``_inventory`` listed (``verified``), the others checked here (``verify``: hashed)."""
         from lightning_snapshot.manifest import Manifest
@@ -700,8 +732,9 @@ class RamTier(Backend):
             used: set[Path] = set()
             try:
                 for i, p in sorted(paths.items()):
-                    if i not in verified.get(key, ()) and not _share_ok(p, lay.share_nbytes, layout["checksums"][i],
-                                                                         verify):
+                    if i not in verified.get(key, ()) and not _share_ok(
+                        p, lay.share_nbytes, layout["checksums"][i], verify
+                    ):
                         continue
                     maps[i] = _map_existing(p, write=False)
                     if len(maps) == lay.k:
@@ -709,15 +742,25 @@ class RamTier(Backend):
                 lost = [i for i in range(lay.k) if i not in maps]
                 outs = {i: _map_new(inv_dir / f".{i}.rebuilt", lay.share_nbytes) for i in lost if len(maps) >= lay.k}
                 try:
-                    _ec.rebuild({i: _view(mm) for i, mm in maps.items()}, lay, {i: _view(mm) for i, mm in outs.items()},
-                                threads=self.threads)
+                    _ec.rebuild(
+                        {i: _view(mm) for i, mm in maps.items()},
+                        lay,
+                        {i: _view(mm) for i, mm in outs.items()},
+                        threads=self.threads,
+                    )
                 finally:
                     for mm in outs.values():
                         _close(mm)
                 files = [f".{i}.rebuilt" if i in outs else paths[i].name for i in range(lay.k)]
                 used = {inv_dir / f for f in files}
-                self.store.write(f"{key}{_EC}/{_READING}", [json.dumps(
-                    {"k": lay.k, "share_nbytes": lay.share_nbytes, "nbytes": lay.nbytes, "files": files}).encode()])
+                self.store.write(
+                    f"{key}{_EC}/{_READING}",
+                    [
+                        json.dumps(
+                            {"k": lay.k, "share_nbytes": lay.share_nbytes, "nbytes": lay.nbytes, "files": files}
+                        ).encode()
+                    ],
+                )
             finally:
                 for mm in maps.values():
                     _close(mm)
@@ -787,8 +830,9 @@ def job_ids(environ: Any = None) -> list[str]:
 def default_run_name(tier_urls: list[str]) -> str:
     """A run name for the agent and memory directory: the same script, working directory, other tiers and launcher
     job id (:data:`JOB_ID_VARIABLES`, where one is set) mean the same run."""
-    text = "\n".join([os.getcwd(), os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else "", *tier_urls,
-                      *job_ids()])
+    text = "\n".join(
+        [os.getcwd(), os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else "", *tier_urls, *job_ids()]
+    )
     return "run-" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -798,15 +842,21 @@ def _parse_layout(raw: bytes, key: str) -> dict[str, Any]:
     except ValueError as e:
         raise SnapshotError(f"share layout of {key!r} is not JSON: {e}") from None
     if isinstance(layout, dict) and layout.get("layout") != _LAYOUT_KIND:
-        raise SnapshotError(f"the shares of {key!r} were laid out by another version of lightning-snapshot"
-                            f" (layout {layout.get('layout', 'striped')!r}, this one reads {_LAYOUT_KIND!r}); restore"
-                            " from a durable tier, or with the version that wrote them")
+        raise SnapshotError(
+            f"the shares of {key!r} were laid out by another version of lightning-snapshot"
+            f" (layout {layout.get('layout', 'striped')!r}, this one reads {_LAYOUT_KIND!r}); restore"
+            " from a durable tier, or with the version that wrote them"
+        )
     ints = ("k", "m", "nbytes", "block", "stripes")
-    if not isinstance(layout, dict) or any(not isinstance(layout.get(f), int) or layout[f] < 0 for f in ints) or \
-            layout["k"] < 1 or not isinstance(layout.get("checksums"), list) or \
-            len(layout["checksums"]) != layout["k"] + layout["m"] or \
-            not all(isinstance(c, str) for c in layout["checksums"]) or \
-            layout["stripes"] * layout["block"] * layout["k"] < layout["nbytes"]:
+    if (
+        not isinstance(layout, dict)
+        or any(not isinstance(layout.get(f), int) or layout[f] < 0 for f in ints)
+        or layout["k"] < 1
+        or not isinstance(layout.get("checksums"), list)
+        or len(layout["checksums"]) != layout["k"] + layout["m"]
+        or not all(isinstance(c, str) for c in layout["checksums"])
+        or layout["stripes"] * layout["block"] * layout["k"] < layout["nbytes"]
+    ):
         raise SnapshotError(f"share layout of {key!r} is malformed; delete the RAM tier's memory for this run")
     return layout
 
@@ -824,7 +874,7 @@ def _data_share(data: memoryview, lay: _ec.ShareLayout, i: int) -> tuple[memoryv
     """Data share ``i`` of the object ``data``: its bytes of the object (a view) and the zeros that follow."""
     have = _data_share_nbytes(lay, i)
     at = min(i * lay.share_nbytes, lay.nbytes)
-    return data[at: at + have], lay.share_nbytes - have
+    return data[at : at + have], lay.share_nbytes - have
 
 
 _ZEROS = memoryview(bytes(1 << 20))

@@ -1,6 +1,13 @@
 """Staging: copy captured tensors into host memory so training can go on mutating the originals.
 
-This is the synchronous stager; the asynchronous arena builds on the same :class:`StagedState`.
+Two parts, one unit:
+
+- this module: :class:`StagedState` (a point-in-time host copy of a state structure, what every tier writes), the
+  synchronous stager :func:`stage`, checksums (:func:`digest`, :func:`chunk_digests`) and the health check
+  (:func:`nonfinite_tensors`);
+- :mod:`~lightning_snapshot.staging.arena`: the host arena (reused, page-aligned shared-memory slots, CUDA-registered
+  when the state is on a GPU) and the asynchronous copy into it that training overlaps with; it produces the same
+  :class:`StagedState`.
 
 Sharded tensors (``DTensor``, as ``ModelParallelStrategy``/FSDP2 hold them) are never gathered: each rank stages its
 local shard only, recorded with the box of the global tensor it covers (:func:`dtensor_box`). A shard that several
@@ -22,8 +29,18 @@ from lightning_snapshot.errors import CaptureError
 from lightning_snapshot.manifest import DTYPES, dtype_name
 from lightning_snapshot.planner import Box, chunk_ranges, shard_boxes
 
-__all__ = ["StagedState", "chunk_digests", "digest", "dtensor_box", "is_dtensor", "local_tensor", "nonfinite_tensors",
-           "prepare_tensors", "stage", "tensor_bytes"]
+__all__ = [
+    "StagedState",
+    "chunk_digests",
+    "digest",
+    "dtensor_box",
+    "is_dtensor",
+    "local_tensor",
+    "nonfinite_tensors",
+    "prepare_tensors",
+    "stage",
+    "tensor_bytes",
+]
 
 
 @dataclass
@@ -169,9 +186,9 @@ def _identity(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
-def prepare_tensors(tensors: dict[str, torch.Tensor]
-                    ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, str],
-                               dict[str, tuple[tuple[int, ...], tuple[int, ...]]]]:
+def prepare_tensors(
+    tensors: dict[str, torch.Tensor],
+) -> tuple[list[tuple[str, torch.Tensor]], dict[str, str], dict[str, tuple[tuple[int, ...], tuple[int, ...]]]]:
     """The tensors of an encoding (:func:`~lightning_snapshot.tree.encode`) as they are staged.
 
     Returns ([(name, tensor to copy)], aliases, shards), with tied views found and every tensor checked. DTensors
@@ -205,8 +222,9 @@ def prepare_tensors(tensors: dict[str, torch.Tensor]
     return items, aliases, shards
 
 
-def _prepare(obj: Any, prefix: str) -> tuple[Any, list[tuple[str, torch.Tensor]], dict[str, str],
-                                           dict[str, tuple[tuple[int, ...], tuple[int, ...]]]]:
+def _prepare(
+    obj: Any, prefix: str
+) -> tuple[Any, list[tuple[str, torch.Tensor]], dict[str, str], dict[str, tuple[tuple[int, ...], tuple[int, ...]]]]:
     """Encode ``obj``; returns (tree, [(name, tensor to copy)], aliases, shards) (see :func:`prepare_tensors`)."""
     tree, tensors = _tree.encode(obj, prefix)
     return (tree, *prepare_tensors(tensors))
@@ -245,9 +263,9 @@ def _all_finite(t: torch.Tensor) -> bool:
     as_numpy = flat.numpy() if t.dtype in _NUMPY_FINITE else None
     for a in range(0, flat.numel(), _FINITE_BLOCK):
         if as_numpy is not None:
-            ok = bool(np.isfinite(as_numpy[a: a + _FINITE_BLOCK]).all())
+            ok = bool(np.isfinite(as_numpy[a : a + _FINITE_BLOCK]).all())
         else:
-            block = flat[a: a + _FINITE_BLOCK]
+            block = flat[a : a + _FINITE_BLOCK]
             try:
                 ok = bool(torch.isfinite(block).all())
             except (RuntimeError, TypeError, NotImplementedError):  # a dtype without isfinite (some float8 kinds)

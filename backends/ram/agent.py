@@ -41,7 +41,7 @@ from lightning_snapshot.errors import SnapshotError
 
 __all__ = ["AgentClient", "agent_log_path", "agent_status", "ensure_agent", "format_status", "main", "stop_agent"]
 
-log = logging.getLogger("lightning_snapshot.agent")
+log = logging.getLogger("lightning_snapshot.backends.ram.agent")
 
 SOCK, LOCK = "agent.sock", "agent.lock"
 #: Version of the ``status`` reply (``lightning-snapshot agent --status --json``); fields are only ever added.
@@ -130,7 +130,7 @@ class _Reader:
                 if n > _MAX_MESSAGE:
                     raise ValueError(f"message of {n} bytes is too long")
                 if len(self.buf) >= 4 + n:
-                    raw = bytes(self.buf[4: 4 + n])
+                    raw = bytes(self.buf[4 : 4 + n])
                     del self.buf[: 4 + n]
                     msg = json.loads(raw)
                     if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
@@ -156,8 +156,11 @@ def describe_staged(staged: Any, *, inline: bool) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "tree": staged.tree,
         "tensors": [[n, dtype_name(t.dtype), list(t.shape)] for n, t in staged.tensors.items()],
-        "aliases": staged.aliases, "alignment": staged.alignment, "chunk_bytes": staged.chunk_bytes,
-        "checksums": staged.checksums, "packed": staged.packed is not None,
+        "aliases": staged.aliases,
+        "alignment": staged.alignment,
+        "chunk_bytes": staged.chunk_bytes,
+        "checksums": staged.checksums,
+        "packed": staged.packed is not None,
         "shards": {n: [list(g), list(o)] for n, (g, o) in staged.shards.items()},
     }
     if inline:
@@ -195,11 +198,18 @@ def rebuild_staged(meta: dict[str, Any], region: memoryview | None) -> Any:
         placed, size = plan_layout(sizes, meta["alignment"])
         base = torch.frombuffer(region, dtype=torch.uint8) if region.nbytes else torch.empty(0, dtype=torch.uint8)
         for (name, dtype, shape), (_n, offset), (_m, nbytes) in zip(specs, placed, sizes):
-            tensors[name] = base[offset: offset + nbytes].view(DTYPES[dtype]).reshape(shape)
+            tensors[name] = base[offset : offset + nbytes].view(DTYPES[dtype]).reshape(shape)
         packed = region[:size] if meta["packed"] else None
-    return StagedState(tree=meta["tree"], tensors=tensors, aliases=dict(meta["aliases"]), packed=packed,
-                       alignment=meta["alignment"], checksums=meta["checksums"], chunk_bytes=meta["chunk_bytes"],
-                       shards={n: (tuple(g), tuple(o)) for n, (g, o) in meta["shards"].items()})
+    return StagedState(
+        tree=meta["tree"],
+        tensors=tensors,
+        aliases=dict(meta["aliases"]),
+        packed=packed,
+        alignment=meta["alignment"],
+        checksums=meta["checksums"],
+        chunk_bytes=meta["chunk_bytes"],
+        shards={n: (tuple(g), tuple(o)) for n, (g, o) in meta["shards"].items()},
+    )
 
 
 def _verify(staged: Any) -> None:
@@ -217,8 +227,9 @@ def _verify(staged: Any) -> None:
 class Agent:
     """The agent process' state: attached trainers, the arenas they passed, snapshots not yet released."""
 
-    def __init__(self, node_dir: Path, idle_timeout: float, owned: dict[str, int] | None = None,
-                 log_path: Path | None = None) -> None:
+    def __init__(
+        self, node_dir: Path, idle_timeout: float, owned: dict[str, int] | None = None, log_path: Path | None = None
+    ) -> None:
         self.dir = node_dir
         #: where this agent logs (None: to the stderr of whoever started it)
         self.log_path = log_path
@@ -302,10 +313,21 @@ class Agent:
                     if self.write_delay:
                         time.sleep(self.write_delay)
                     nbytes = self._write_tier(hello or {}, msg, arenas.get(int(msg["slot"])), int(msg["tier"]))
-                    if not reply({"op": "result", "id": msg["id"], "ok": True, "nbytes": nbytes,
-                                  "seconds": time.monotonic() - t0}):
-                        log.info("step %s reached tier %s after trainer rank %s was gone", msg["step"], msg["tier"],
-                                 (hello or {}).get("rank"))
+                    if not reply(
+                        {
+                            "op": "result",
+                            "id": msg["id"],
+                            "ok": True,
+                            "nbytes": nbytes,
+                            "seconds": time.monotonic() - t0,
+                        }
+                    ):
+                        log.info(
+                            "step %s reached tier %s after trainer rank %s was gone",
+                            msg["step"],
+                            msg["tier"],
+                            (hello or {}).get("rank"),
+                        )
                 except Exception as e:  # noqa: BLE001 - sent to the trainer, which retries or reports it
                     reply({"op": "result", "id": msg["id"], "ok": False, "error": self._describe(hello, msg, e)})
                 finally:
@@ -392,7 +414,7 @@ class Agent:
 
         Thread-safe (any connection's thread calls it).
         """
-        from lightning_snapshot.backends.ram import allocated_bytes
+        from lightning_snapshot.backends.ram.tier import allocated_bytes
         from lightning_snapshot.manifest import parse_step_dirname
 
         snapshots = []
@@ -408,18 +430,38 @@ class Agent:
         now = time.monotonic()
         with self.lock:
             idle = self.attached == 0 and self.flushing == 0
-            trainers = [{"rank": h.get("rank"), "pid": h.get("pid"), "world_size": h.get("world_size"),
-                         "run_id": h.get("run_id")} for h, _entries in self.trainers.values()]
-            pending = sorted(({"step": int(e["step"]), "rank": h.get("rank"), "tiers": len(e.get("tiers", ()))}
-                              for h, entries in self.trainers.values() for e in list(entries.values())),
-                             key=lambda e: (e["step"], e["rank"] if isinstance(e["rank"], int) else -1))
+            trainers = [
+                {
+                    "rank": h.get("rank"),
+                    "pid": h.get("pid"),
+                    "world_size": h.get("world_size"),
+                    "run_id": h.get("run_id"),
+                }
+                for h, _entries in self.trainers.values()
+            ]
+            pending = sorted(
+                (
+                    {"step": int(e["step"]), "rank": h.get("rank"), "tiers": len(e.get("tiers", ()))}
+                    for h, entries in self.trainers.values()
+                    for e in list(entries.values())
+                ),
+                key=lambda e: (e["step"], e["rank"] if isinstance(e["rank"], int) else -1),
+            )
             idle_since = self.idle_since
             flushing = self.flushing
         return {
-            "version": STATUS_VERSION, "pid": os.getpid(), "dir": str(self.dir), "started_unix": self.started_unix,
-            "uptime_s": now - self.started, "attached": len(trainers), "trainers": trainers,
-            "held_bytes": allocated_bytes(self.dir / "store"), "snapshots": snapshots, "pending": pending,
-            "flushing": flushing, "idle_timeout_s": self.idle_timeout,
+            "version": STATUS_VERSION,
+            "pid": os.getpid(),
+            "dir": str(self.dir),
+            "started_unix": self.started_unix,
+            "uptime_s": now - self.started,
+            "attached": len(trainers),
+            "trainers": trainers,
+            "held_bytes": allocated_bytes(self.dir / "store"),
+            "snapshots": snapshots,
+            "pending": pending,
+            "flushing": flushing,
+            "idle_timeout_s": self.idle_timeout,
             "idle_s": now - idle_since if idle else None,
             "exits_in_s": max(0.0, self.idle_timeout - (now - idle_since)) if idle else None,
             "log": str(self.log_path) if self.log_path is not None else None,
@@ -432,8 +474,12 @@ class Agent:
                 if self._write_tier(hello, entry, arena, int(index), after_death=True):
                     log.info("step %s committed to tier %d after rank %s died", entry["step"], index, hello["rank"])
             except Exception as e:  # noqa: BLE001 - logged; the other tiers still get it
-                log.warning("flushing step %s of rank %s failed: %s", entry["step"], hello["rank"],
-                            self._describe(hello, entry, e))
+                log.warning(
+                    "flushing step %s of rank %s failed: %s",
+                    entry["step"],
+                    hello["rank"],
+                    self._describe(hello, entry, e),
+                )
 
     @staticmethod
     def _describe(hello: dict[str, Any] | None, msg: dict[str, Any], e: BaseException) -> str:
@@ -447,8 +493,9 @@ class Agent:
         except Exception:  # noqa: BLE001 - cannot build the tier: say nothing that could hold a secret
             return type(e).__name__
 
-    def _write_tier(self, hello: dict[str, Any], entry: dict[str, Any], arena: Any, index: int, *,
-                    after_death: bool = False) -> int:
+    def _write_tier(
+        self, hello: dict[str, Any], entry: dict[str, Any], arena: Any, index: int, *, after_death: bool = False
+    ) -> int:
         """Write the staged snapshot ``entry`` to the trainer's tier ``index`` under the commit rule.
 
         Every rank's agent writes that rank's data objects and manifest part; the agent of rank 0 waits for every
@@ -494,12 +541,16 @@ class Agent:
         if rank != 0:
             while not tier.exists(manifest_key):
                 if tier.exists(f"{prefix}/{run_id}-failed-00000.json"):
-                    raise SnapshotError(f"rank {rank}'s agent: rank 0 failed to commit step {step} to the {tier.tier}"
-                                        f" tier {tier.url} (see its log)")
+                    raise SnapshotError(
+                        f"rank {rank}'s agent: rank 0 failed to commit step {step} to the {tier.tier}"
+                        f" tier {tier.url} (see its log)"
+                    )
                 if time.monotonic() > deadline:
-                    raise SnapshotError(f"rank {rank}'s agent: waited {wait:g} s for rank 0 to commit step {step} to"
-                                        f" the {tier.tier} tier {tier.url} (collective_timeout); is that directory"
-                                        " shared by all nodes? If not, use LocalTier(..., node_local=True)")
+                    raise SnapshotError(
+                        f"rank {rank}'s agent: waited {wait:g} s for rank 0 to commit step {step} to"
+                        f" the {tier.tier} tier {tier.url} (collective_timeout); is that directory"
+                        " shared by all nodes? If not, use LocalTier(..., node_local=True)"
+                    )
                 time.sleep(0.1)
             return shared.nbytes + private.nbytes
         parts = [part]
@@ -508,13 +559,17 @@ class Agent:
             while not tier.exists(key):
                 if tier.exists(f"{prefix}/{run_id}-failed-{r:05d}.json"):
                     tier.write(failed, [b"{}"])
-                    raise SnapshotError(f"rank {r} could not write its part of step {step} to the {tier.tier} tier"
-                                        f" {tier.url} (see its log)")
+                    raise SnapshotError(
+                        f"rank {r} could not write its part of step {step} to the {tier.tier} tier"
+                        f" {tier.url} (see its log)"
+                    )
                 if time.monotonic() > deadline:
                     tier.write(failed, [b"{}"])
-                    raise SnapshotError(f"rank 0's agent: waited {wait:g} s for rank {r}'s part of step {step} in the"
-                                        f" {tier.tier} tier {tier.url} (collective_timeout); is that directory shared"
-                                        " by all nodes? If not, use LocalTier(..., node_local=True)")
+                    raise SnapshotError(
+                        f"rank 0's agent: waited {wait:g} s for rank {r}'s part of step {step} in the"
+                        f" {tier.tier} tier {tier.url} (collective_timeout); is that directory shared"
+                        " by all nodes? If not, use LocalTier(..., node_local=True)"
+                    )
                 if tier.exists(manifest_key):
                     return 0
                 time.sleep(0.05)
@@ -550,8 +605,10 @@ def _lock(node_dir: Path, log_path: Path | None) -> int | None:
         except BlockingIOError:
             other = os.pread(fd, 32, 0).decode(errors="replace").split("\n")[0].strip()
             os.close(fd)
-            print(f"lightning-snapshot agent: another agent (pid {other or '?'}) already serves {node_dir}",
-                  file=sys.stderr)
+            print(
+                f"lightning-snapshot agent: another agent (pid {other or '?'}) already serves {node_dir}",
+                file=sys.stderr,
+            )
             return None
         try:
             if os.stat(node_dir / LOCK).st_ino == os.fstat(fd).st_ino:
@@ -567,7 +624,7 @@ def _lock(node_dir: Path, log_path: Path | None) -> int | None:
 def _remove_own_files(node_dir: Path) -> None:
     """Delete what the agent of ``node_dir`` owns there (it still does: see ``Agent.owner``), then the directory if
     that left it empty, then the base directory of the RAM tier's memory if no other run uses it."""
-    from lightning_snapshot.backends.ram import default_shm_base
+    from lightning_snapshot.backends.ram.tier import default_shm_base
 
     for name in ("store", SOCK, LOCK):  # (the socket before the lock: a new agent waits for the lock)
         p = node_dir / name
@@ -619,6 +676,7 @@ def run_agent(node_dir: Path, idle_timeout: float, log_path: Path | None = None)
     # longer imports torch by itself.)
     import lightning_snapshot.backends  # noqa: F401
     import lightning_snapshot.writer  # noqa: F401
+
     sock_path = node_dir / SOCK
     try:
         sock_path.unlink()
@@ -632,8 +690,9 @@ def run_agent(node_dir: Path, idle_timeout: float, log_path: Path | None = None)
         os.umask(old)
     os.chmod(sock_path, 0o600)
     server.listen(64)
-    agent = Agent(node_dir, idle_timeout, {SOCK: os.stat(sock_path).st_ino, LOCK: os.fstat(lock_fd).st_ino},
-                  log_path=log_path)
+    agent = Agent(
+        node_dir, idle_timeout, {SOCK: os.stat(sock_path).st_ino, LOCK: os.fstat(lock_fd).st_ino}, log_path=log_path
+    )
     log.info("agent pid %d serving %s (idle timeout %.0f s)", os.getpid(), node_dir, idle_timeout)
     try:
         agent.serve(server)
@@ -709,27 +768,32 @@ def _duration(seconds: float) -> str:
 def format_status(st: dict[str, Any]) -> str:
     """The readable form of :func:`agent_status`'s answer (what ``agent --status`` prints)."""
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(st["started_unix"]))
-    lines = [f"agent pid {st['pid']} serving {st['dir']}",
-             f"  up {_duration(st['uptime_s'])} (since {started})"]
+    lines = [f"agent pid {st['pid']} serving {st['dir']}", f"  up {_duration(st['uptime_s'])} (since {started})"]
     trainers = st.get("trainers") or []
     who = ", ".join(f"rank {t['rank']} pid {t['pid']}" for t in trainers)
     lines.append(f"  trainers attached: {len(trainers)}{f' ({who})' if who else ''}")
     snaps = st.get("snapshots") or []
-    lines.append(f"  memory held: {_bytes(st['held_bytes'])}"
-                 + (f" in {len(snaps)} snapshot{'s' if len(snaps) != 1 else ''}" if snaps else ""))
+    lines.append(
+        f"  memory held: {_bytes(st['held_bytes'])}"
+        + (f" in {len(snaps)} snapshot{'s' if len(snaps) != 1 else ''}" if snaps else "")
+    )
     lines += [f"    step {e['step']}: {_bytes(e['bytes'])}" for e in snaps]
     pending = st.get("pending") or []
     if pending:
-        lines.append("  staged, not yet in every durable tier (written by the agent if the trainer dies): "
-                     + ", ".join(f"step {e['step']} (rank {e['rank']})" for e in pending))
+        lines.append(
+            "  staged, not yet in every durable tier (written by the agent if the trainer dies): "
+            + ", ".join(f"step {e['step']} (rank {e['rank']})" for e in pending)
+        )
     if st.get("flushing"):
         lines.append(f"  writing now: {st['flushing']} snapshot write(s) to durable tiers")
     timeout = _duration(st["idle_timeout_s"])
     if st.get("exits_in_s") is None:
         lines.append(f"  idle timeout: {timeout} (counts once no trainer is attached and nothing is being written)")
     else:
-        lines.append(f"  idle timeout: {timeout}; idle for {_duration(st['idle_s'])}, exits in"
-                     f" {_duration(st['exits_in_s'])} unless a trainer attaches")
+        lines.append(
+            f"  idle timeout: {timeout}; idle for {_duration(st['idle_s'])}, exits in"
+            f" {_duration(st['exits_in_s'])} unless a trainer attaches"
+        )
     lines.append(f"  log: {st['log'] or 'stderr of the process that started it (agent --log -)'}")
     return "\n".join(lines)
 
@@ -770,8 +834,13 @@ def ensure_agent(node_dir: str | os.PathLike[str], *, idle_timeout: float = 600.
         logfd = _open_log(log_path)
     except OSError as e:  # (a read-only home: the temporary directory, still outside shared memory)
         fallback = Path(tempfile.gettempdir()) / f"lightning-snapshot-{os.getuid()}-logs" / log_path.name
-        log.warning("lightning-snapshot: cannot write the agent's log %s (%s); it goes to %s. Set XDG_STATE_HOME to"
-                    " a directory this user may write", log_path, e, fallback)
+        log.warning(
+            "lightning-snapshot: cannot write the agent's log %s (%s); it goes to %s. Set XDG_STATE_HOME to"
+            " a directory this user may write",
+            log_path,
+            e,
+            fallback,
+        )
         try:
             logfd = _open_log(fallback)
         except OSError as e2:
@@ -781,15 +850,35 @@ def ensure_agent(node_dir: str | os.PathLike[str], *, idle_timeout: float = 600.
             ) from e2
         log_path = fallback
     logf = os.fdopen(logfd, "ab")  # (handed to the child)
-    agent_cmd = [sys.executable, "-c", "import sys; from lightning_snapshot.agent import main; sys.exit(main())",
-                 "--dir", str(node_dir), "--idle-timeout", str(idle_timeout), "--log", str(log_path)]
+    agent_cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from lightning_snapshot.backends.ram.agent import main; sys.exit(main())",
+        "--dir",
+        str(node_dir),
+        "--idle-timeout",
+        str(idle_timeout),
+        "--log",
+        str(log_path),
+    ]
     try:
         # through a short-lived intermediate process, so that the agent is nobody's child (no zombie when it exits
         # before the trainer) and runs in a session of its own (a SIGKILL of the trainer's group does not reach it)
         subprocess.run(
-            [sys.executable, "-c", "import subprocess, sys; subprocess.Popen(sys.argv[1:], start_new_session=True,"
-             " stdin=subprocess.DEVNULL, close_fds=True)", *agent_cmd],
-            stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, close_fds=True, env=env, cwd="/", check=True,
+            [
+                sys.executable,
+                "-c",
+                "import subprocess, sys; subprocess.Popen(sys.argv[1:], start_new_session=True,"
+                " stdin=subprocess.DEVNULL, close_fds=True)",
+                *agent_cmd,
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=logf,
+            stderr=logf,
+            close_fds=True,
+            env=env,
+            cwd="/",
+            check=True,
             timeout=timeout,
         )
     except (subprocess.SubprocessError, OSError) as e:
@@ -803,8 +892,9 @@ def ensure_agent(node_dir: str | os.PathLike[str], *, idle_timeout: float = 600.
             return int(answer["pid"])
         time.sleep(0.05)
     tail = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
-    raise SnapshotError(f"the snapshot agent for {node_dir} did not answer within {timeout:.0f} s; its log"
-                        f" ({log_path}):\n{tail}")
+    raise SnapshotError(
+        f"the snapshot agent for {node_dir} did not answer within {timeout:.0f} s; its log ({log_path}):\n{tail}"
+    )
 
 
 class AgentClient:
@@ -813,8 +903,16 @@ class AgentClient:
     Thread-safe: the persist threads and the training thread call it; one lock guards the socket.
     """
 
-    def __init__(self, node_dir: str | os.PathLike[str], *, rank: int, world_size: int, run_id: str,
-                 tiers: list[Any], part_wait: float = PART_WAIT_S) -> None:
+    def __init__(
+        self,
+        node_dir: str | os.PathLike[str],
+        *,
+        rank: int,
+        world_size: int,
+        run_id: str,
+        tiers: list[Any],
+        part_wait: float = PART_WAIT_S,
+    ) -> None:
         self.node_dir = Path(node_dir)
         self.tiers = list(tiers)
         self._lock = threading.Lock()
@@ -831,10 +929,20 @@ class AgentClient:
         self._closing = False
         self._waiting: dict[int, tuple[threading.Event, list[dict[str, Any]]]] = {}
         self._ids = iter(range(1, 1 << 62))
-        self._send({"op": "hello", "pid": os.getpid(), "rank": rank, "world_size": world_size, "run_id": run_id,
-                    "tiers": [t.spec() for t in self.tiers], "part_wait": float(part_wait)})
-        self._reader = threading.Thread(target=self._read_replies, args=(self._sock,),
-                                        name="lightning-snapshot-agent-replies", daemon=True)
+        self._send(
+            {
+                "op": "hello",
+                "pid": os.getpid(),
+                "rank": rank,
+                "world_size": world_size,
+                "run_id": run_id,
+                "tiers": [t.spec() for t in self.tiers],
+                "part_wait": float(part_wait),
+            }
+        )
+        self._reader = threading.Thread(
+            target=self._read_replies, args=(self._sock,), name="lightning-snapshot-agent-replies", daemon=True
+        )
         self._reader.start()
 
     def _agent_name(self) -> str:
@@ -845,8 +953,11 @@ class AgentClient:
     def _lose(self, why: str) -> None:
         if self._lost is None and not self._closing:
             self._lost = why
-            log.warning("lightning-snapshot: %s; this rank writes its durable tiers itself from now on, and its"
-                        " snapshots are no longer flushed after a crash", why)
+            log.warning(
+                "lightning-snapshot: %s; this rank writes its durable tiers itself from now on, and its"
+                " snapshots are no longer flushed after a crash",
+                why,
+            )
 
     def _read_replies(self, sock: socket.socket) -> None:
         reader = _Reader(sock)
@@ -854,8 +965,7 @@ class AgentClient:
             try:
                 msg = reader.next()
             except TimeoutError:
-                self._lose(f"{self._agent_name()} sent nothing for {self._limit:g} s: it is"
-                           " stopped or hung")
+                self._lose(f"{self._agent_name()} sent nothing for {self._limit:g} s: it is stopped or hung")
                 msg = None
             except (OSError, ValueError) as e:
                 if self._sock is not None:
@@ -891,9 +1001,18 @@ class AgentClient:
         request = next(self._ids)
         ev, box = threading.Event(), []
         self._waiting[request] = (ev, box)
-        self._send({"op": "persist", "id": request, "slot": sid, "step": job.step, "epoch": job.epoch,
-                    "tier": self.tiers.index(tier), "shared": describe_staged(job.shared.state, inline=False),
-                    "private": describe_staged(job.private, inline=True)})
+        self._send(
+            {
+                "op": "persist",
+                "id": request,
+                "slot": sid,
+                "step": job.step,
+                "epoch": job.epoch,
+                "tier": self.tiers.index(tier),
+                "shared": describe_staged(job.shared.state, inline=False),
+                "private": describe_staged(job.private, inline=True),
+            }
+        )
         while not ev.wait(0.2):
             if stop.is_set():
                 self._waiting.pop(request, None)
@@ -902,8 +1021,10 @@ class AgentClient:
                 break
         self._waiting.pop(request, None)
         if not box:
-            raise AgentError(f"step {job.step} was not written to the {tier.tier} tier {tier.url}:"
-                             f" {self._lost or 'lost the snapshot agent'}")
+            raise AgentError(
+                f"step {job.step} was not written to the {tier.tier} tier {tier.url}:"
+                f" {self._lost or 'lost the snapshot agent'}"
+            )
         answer = box[0]
         if not answer.get("ok"):
             raise SnapshotWriteError(str(answer.get("error", "the snapshot agent failed to write it")))
@@ -916,8 +1037,7 @@ class AgentClient:
             try:
                 _send(self._sock, msg, fds)
             except TimeoutError:
-                self._lose(f"{self._agent_name()} took no message for {self._limit:g} s: it is"
-                           " stopped or hung")
+                self._lose(f"{self._agent_name()} took no message for {self._limit:g} s: it is stopped or hung")
                 self._sock.close()
                 self._sock = None
             except OSError as e:
@@ -932,8 +1052,7 @@ class AgentClient:
             key = id(slot)
             if key not in self._sent_slots:
                 self._sent_slots[key] = len(self._sent_slots)
-                self._send({"op": "arena", "slot": self._sent_slots[key], "size": slot.capacity, "nfds": 1},
-                           [slot.fd])
+                self._send({"op": "arena", "slot": self._sent_slots[key], "size": slot.capacity, "nfds": 1}, [slot.fd])
             return self._sent_slots[key]
 
     def staged(self, job: Any) -> None:
@@ -946,9 +1065,17 @@ class AgentClient:
         sid = self._slot_id(slot)
         if sid is None:
             return
-        self._send({"op": "staged", "slot": sid, "step": job.step, "epoch": job.epoch, "tiers": tiers,
-                    "shared": describe_staged(shared, inline=False), "private": describe_staged(job.private,
-                                                                                                inline=True)})
+        self._send(
+            {
+                "op": "staged",
+                "slot": sid,
+                "step": job.step,
+                "epoch": job.epoch,
+                "tiers": tiers,
+                "shared": describe_staged(shared, inline=False),
+                "private": describe_staged(job.private, inline=True),
+            }
+        )
 
     def release(self, slot: Any, ok: bool) -> None:
         """Every tier is done with ``slot`` (``ok``: all committed it)."""

@@ -46,8 +46,18 @@ from lightning_snapshot.planner import align_up, assign_writers, chunk_ranges, p
 from lightning_snapshot.staging import SMALL_HASH as _SMALL
 from lightning_snapshot.staging import StagedState, chunk_digests, prepare_tensors, tensor_bytes
 
-__all__ = ["HostArena", "ArenaSlot", "AsyncStaged", "FAKE_REGISTER_ENV", "HostRegisterError", "PAGE",
-           "cuda_host_register", "cuda_host_unregister", "noop_host_register", "noop_host_unregister"]
+__all__ = [
+    "HostArena",
+    "ArenaSlot",
+    "AsyncStaged",
+    "FAKE_REGISTER_ENV",
+    "HostRegisterError",
+    "PAGE",
+    "cuda_host_register",
+    "cuda_host_unregister",
+    "noop_host_register",
+    "noop_host_unregister",
+]
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +97,10 @@ def cuda_host_register(ptr: int, nbytes: int, device: int) -> None:
     cudart = _cudart_on(device)
     code = int(cudart.cudaHostRegister(ptr, nbytes, _HOST_REGISTER_PORTABLE))
     if code != 0:
-        raise HostRegisterError(f"cudaHostRegister of {nbytes} bytes for cuda:{device} failed with"
-                                f" {_cuda_error(cudart, code)}{_memlock_note()}")
+        raise HostRegisterError(
+            f"cudaHostRegister of {nbytes} bytes for cuda:{device} failed with"
+            f" {_cuda_error(cudart, code)}{_memlock_note()}"
+        )
 
 
 def cuda_host_unregister(ptr: int, device: int) -> None:
@@ -272,7 +284,7 @@ class AsyncStaged:
         assert self.state.checksums is not None and self.state.packed is not None
         packed = self.state.packed
         for name, offset, nbytes in self.state.layout or ():
-            if chunk_digests(packed[offset: offset + nbytes], self._chunk_bytes) != self.state.checksums[name]:
+            if chunk_digests(packed[offset : offset + nbytes], self._chunk_bytes) != self.state.checksums[name]:
                 raise RuntimeError(f"staged bytes of {name!r} changed after staging (step {self.step}); not committed")
 
     _chunk_bytes: int = 8 << 20
@@ -355,8 +367,14 @@ class HostArena:
     thread; a lock guards slot state.
     """
 
-    def __init__(self, *, max_host_bytes: int | None = None, slots: int = 2, chunk_bytes: int = 8 << 20,
-                 shm_dir: str = "/dev/shm") -> None:
+    def __init__(
+        self,
+        *,
+        max_host_bytes: int | None = None,
+        slots: int = 2,
+        chunk_bytes: int = 8 << 20,
+        shm_dir: str = "/dev/shm",
+    ) -> None:
         self.max_host_bytes = max_host_bytes
         self.max_slots = slots
         self.chunk_bytes = chunk_bytes
@@ -448,7 +466,9 @@ class HostArena:
         :func:`cuda_host_register`) and wait for it; raises what ``fn`` raised."""
         with self._lock:
             if self._cuda_host is None:
-                self._cuda_host = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-snapshot-cuda-host")
+                self._cuda_host = cf.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="lightning-snapshot-cuda-host"
+                )
             pool = self._cuda_host
         pool.submit(fn, *args).result()
 
@@ -469,7 +489,10 @@ class HostArena:
                     " are staged in unregistered (pageable) shared memory instead: device-to-host copies are slower"
                     " and hold up the training thread while they run (the snapshot agent still maps the memory, so a"
                     " staged snapshot still survives a crash). If a memory limit is the cause, raise it (ulimit -l,"
-                    " the container's locked-memory limit) or lower max_host_bytes.", RuntimeWarning, stacklevel=2)
+                    " the container's locked-memory limit) or lower max_host_bytes.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             return
         slot.device = device
 
@@ -497,8 +520,9 @@ class HostArena:
 
     def _fits(self, size: int) -> bool:
         budget = self.max_host_bytes
-        return (len(self.slots) + (self._growing > 0) < self.max_slots
-                and (budget is None or self.allocated_bytes + size <= budget))
+        return len(self.slots) + (self._growing > 0) < self.max_slots and (
+            budget is None or self.allocated_bytes + size <= budget
+        )
 
     def reserve(self, nbytes: int) -> bool:
         """Start allocating a slot of at least ``nbytes`` in a background thread, unless a free slot that large
@@ -537,8 +561,7 @@ class HostArena:
                     self.slots.append(slot)
             self._lock.notify_all()
 
-    def plan_ahead(self, obj: Any, frozen: Callable[[torch.Tensor], bool], rank: int = 0, world_size: int = 1
-                   ) -> int:
+    def plan_ahead(self, obj: Any, frozen: Callable[[torch.Tensor], bool], rank: int = 0, world_size: int = 1) -> int:
         """Plan the snapshot of ``obj`` (as :meth:`stage_async` would) and reserve a slot for it in the background.
 
         Call it once the state has its final shape (after the first optimizer step created the optimizer state),
@@ -624,8 +647,9 @@ class HostArena:
             pool.shutdown(wait=True)
 
     # ------------------------------------------------------------------------------------------- planning
-    def _build_plan(self, tensors: dict[str, torch.Tensor], frozen: Callable[[torch.Tensor], bool], rank: int,
-                    world_size: int) -> tuple[_Plan, list[torch.Tensor]]:
+    def _build_plan(
+        self, tensors: dict[str, torch.Tensor], frozen: Callable[[torch.Tensor], bool], rank: int, world_size: int
+    ) -> tuple[_Plan, list[torch.Tensor]]:
         """A new plan for ``tensors``, and the tensors to copy (in the order of its entries)."""
         items, aliases, shards = prepare_tensors(tensors)
         if world_size > 1:
@@ -634,8 +658,11 @@ class HostArena:
             # state are identical on every rank; buffers (BatchNorm statistics) are not, so rank 0 writes those, as
             # Lightning's own checkpoint would.
             replicated = [i for i, (name, _) in enumerate(items) if name not in shards]
-            owners = assign_writers([items[i][1].numel() * items[i][1].element_size() for i in replicated],
-                                    world_size, pinned=[None if frozen(items[i][1]) else 0 for i in replicated])
+            owners = assign_writers(
+                [items[i][1].numel() * items[i][1].element_size() for i in replicated],
+                world_size,
+                pinned=[None if frozen(items[i][1]) else 0 for i in replicated],
+            )
             dropped = {i for i, owner in zip(replicated, owners) if owner != rank}
             items = [item for i, item in enumerate(items) if i not in dropped]
             if rank != 0:  # rank 0 records the aliases of replicated tensors; every rank those of its shards
@@ -655,17 +682,34 @@ class HostArena:
             else:
                 how = _NOW  # changes before the next optimizer step (buffers), or is not contiguous: copy now
             entries.append((name, index[name], offset, nbytes, how))
-        cacheable = not shards and all(
-            type(tensors[name]) in _PLAIN and t.data_ptr() == tensors[name].data_ptr()
-            and t.dtype == tensors[name].dtype for name, t in items
-        ) and all(type(t) in _PLAIN for t in tensors.values())
+        cacheable = (
+            not shards
+            and all(
+                type(tensors[name]) in _PLAIN
+                and t.data_ptr() == tensors[name].data_ptr()
+                and t.dtype == tensors[name].dtype
+                for name, t in items
+            )
+            and all(type(t) in _PLAIN for t in tensors.values())
+        )
         sources = [t for _, t in items]
-        plan = _Plan(names, [_key(t) for t in tensors.values()] if cacheable else [], entries, aliases, shards, size,
-                     self._register_device(sources), cacheable,
-                     [(name, offset, nbytes) for name, _, offset, nbytes, _ in entries],
-                     [(name, offset, t.data_ptr(), nbytes) for (name, _, offset, nbytes, how), t in zip(entries, sources)
-                      if how == _BACKGROUND],
-                     any(how != _BACKGROUND for *_, how in entries))
+        plan = _Plan(
+            names,
+            [_key(t) for t in tensors.values()] if cacheable else [],
+            entries,
+            aliases,
+            shards,
+            size,
+            self._register_device(sources),
+            cacheable,
+            [(name, offset, nbytes) for name, _, offset, nbytes, _ in entries],
+            [
+                (name, offset, t.data_ptr(), nbytes)
+                for (name, _, offset, nbytes, how), t in zip(entries, sources)
+                if how == _BACKGROUND
+            ],
+            any(how != _BACKGROUND for *_, how in entries),
+        )
         self._device = plan.device
         return plan, sources
 
@@ -681,15 +725,23 @@ class HostArena:
     def _views(slot: ArenaSlot, plan: _Plan, sources: list[torch.Tensor]) -> None:
         """Make the plan's tensors as views into ``slot`` (kept with the slot while the plan is used)."""
         region = slot.buffer
-        slot.views = [region[offset: offset + nbytes].view(t.dtype).view(t.shape)
-                      for (_, _, offset, nbytes, _), t in zip(plan.entries, sources)]
+        slot.views = [
+            region[offset : offset + nbytes].view(t.dtype).view(t.shape)
+            for (_, _, offset, nbytes, _), t in zip(plan.entries, sources)
+        ]
         slot.tensors = {entry[0]: view for entry, view in zip(plan.entries, slot.views)}
         slot.plan = plan
 
     # ------------------------------------------------------------------------------------------- staging
-    def stage_async(self, obj: Any, frozen: Callable[[torch.Tensor], bool], step: int,
-                    copy_hook: Callable[[], None] | None = None, rank: int = 0, world_size: int = 1
-                    ) -> AsyncStaged | None:
+    def stage_async(
+        self,
+        obj: Any,
+        frozen: Callable[[torch.Tensor], bool],
+        step: int,
+        copy_hook: Callable[[], None] | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> AsyncStaged | None:
         """Stage ``obj`` into a slot. Tensors for which ``frozen(t)`` holds are copied in the background.
 
         With ``world_size`` > 1, ``obj`` is replicated on every rank (DDP) and this rank stages only its share of the
@@ -717,8 +769,15 @@ class HostArena:
         if plan.device is not None and slot.device is None:  # (a slot reserved before this plan existed)
             self._register(slot, plan.device)
         slot.step = step
-        state = StagedState(tree, aliases=plan.aliases, packed=slot.region(size), alignment=_ALIGN,
-                            chunk_bytes=self.chunk_bytes, shards=plan.shards, layout=plan.layout)
+        state = StagedState(
+            tree,
+            aliases=plan.aliases,
+            packed=slot.region(size),
+            alignment=_ALIGN,
+            chunk_bytes=self.chunk_bytes,
+            shards=plan.shards,
+            layout=plan.layout,
+        )
         if slot.plan is not plan:
             if sources is None:
                 values = list(tensors.values())
@@ -766,13 +825,28 @@ class HostArena:
         handle.cuda_event = events[0] if events else None
         handle.cpu_pending = bool(background)
         # the sources stay referenced until copied (a resolved conjugate view is a temporary)
-        handle.future = self._copier.submit(self._copy, handle, slot.buffer.data_ptr(), background, hashed, events,
-                                            copy_hook, sources if sources is not None else tensors)
+        handle.future = self._copier.submit(
+            self._copy,
+            handle,
+            slot.buffer.data_ptr(),
+            background,
+            hashed,
+            events,
+            copy_hook,
+            sources if sources is not None else tensors,
+        )
         return handle
 
-    def _copy(self, handle: AsyncStaged, base: int, background: list[tuple[str, int, int, int]],
-              hashed: list[tuple[str, int, int]], events: list[Any], copy_hook: Callable[[], None] | None,
-              keepalive: Any) -> dict[str, list[str]]:
+    def _copy(
+        self,
+        handle: AsyncStaged,
+        base: int,
+        background: list[tuple[str, int, int, int]],
+        hashed: list[tuple[str, int, int]],
+        events: list[Any],
+        copy_hook: Callable[[], None] | None,
+        keepalive: Any,
+    ) -> dict[str, list[str]]:
         if copy_hook is not None:
             copy_hook()
         packed = handle.state.packed
@@ -780,10 +854,10 @@ class HostArena:
         chunk = self.chunk_bytes
         sums: dict[str, list[str]] = {}
         for name, offset, src, nbytes in background:
-            sums[name] = _copy_digests(packed[offset: offset + nbytes], base + offset, src, chunk)
+            sums[name] = _copy_digests(packed[offset : offset + nbytes], base + offset, src, chunk)
         for event in events:
             event.synchronize()
         for name, offset, nbytes in hashed:  # copied on the training thread or the CUDA stream: hash them here
-            sums[name] = chunk_digests(packed[offset: offset + nbytes], chunk)
+            sums[name] = chunk_digests(packed[offset : offset + nbytes], chunk)
         handle.copy_seconds = time.monotonic() - handle.started
         return sums
