@@ -265,7 +265,8 @@ def test_nan_after_step_n_resumes_from_n_bitwise_equal_to_a_run_without_the_nan(
     run_train(snaps, tmp_path / "crashed.pt", "--nan-at", "6", "--crash-at", "10", "--crash-after-newest",
               expect_kill=True)
     tier = LocalTier(snaps)
-    assert committed_steps(tier) == [9, 6]
+    # (step 3 may still be there: the kill comes as soon as step 9's manifest is committed, maybe before retention)
+    assert committed_steps(tier)[:2] == [9, 6]
     assert read_manifest(tier, 9).first_nonfinite == ("state_dict", "state_dict/net.0.weight")
     assert read_manifest(tier, 6).health_text == "healthy"
     proc = run_train(snaps, tmp_path / "resumed.pt")

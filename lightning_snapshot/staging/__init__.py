@@ -263,7 +263,11 @@ def _all_finite(t: torch.Tensor) -> bool:
     as_numpy = flat.numpy() if t.dtype in _NUMPY_FINITE else None
     for a in range(0, flat.numel(), _FINITE_BLOCK):
         if as_numpy is not None:
-            ok = bool(np.isfinite(as_numpy[a : a + _FINITE_BLOCK]).all())
+            block = as_numpy[a : a + _FINITE_BLOCK]
+            # A NaN or an infinity makes the sum non-finite, so a finite sum proves the block finite in one pass
+            # without allocating a mask; a non-finite sum (or an overflow of finite values) is checked exactly.
+            with np.errstate(over="ignore", invalid="ignore"):
+                ok = bool(np.isfinite(np.add.reduce(block))) or bool(np.isfinite(block).all())
         else:
             block = flat[a : a + _FINITE_BLOCK]
             try:
