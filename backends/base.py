@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 from lightning_snapshot.errors import ConfigError, TierUnavailableError
 from lightning_snapshot.interval import AUTO, FIRST_AUTO_INTERVAL
 
-__all__ = ["Backend", "DEFAULT_EVERY_N_TRAIN_STEPS", "DEFAULT_KEEP_LAST"]
+__all__ = ["DEFAULT_EVERY_N_TRAIN_STEPS", "DEFAULT_KEEP_LAST", "Backend"]
 
 DEFAULT_EVERY_N_TRAIN_STEPS = 100
 DEFAULT_KEEP_LAST = 3
@@ -306,7 +306,7 @@ class Backend(abc.ABC):
             self.delete(key)
         except TierUnavailableError:
             raise
-        except Exception as e:  # noqa: BLE001 - any failure makes the tier unusable; translated here
+        except Exception as e:  # any failure makes the tier unusable; translated here
             raise TierUnavailableError(
                 f"the {self.tier} tier {self.url!r} cannot be written (probe object {key!r}): {e}. {self.check_hint}"
             ) from e

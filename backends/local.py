@@ -26,7 +26,7 @@ from lightning_snapshot.errors import (
 )
 from lightning_snapshot.manifest import validate_key
 
-__all__ = ["LocalTier", "NODE_RANK_PLACEHOLDER", "dir_mode_for", "parse_mode"]
+__all__ = ["NODE_RANK_PLACEHOLDER", "LocalTier", "dir_mode_for", "parse_mode"]
 
 log = logging.getLogger(__name__)
 

@@ -334,7 +334,7 @@ class ObjectStoreTier(Backend):
         try:
             self.fs.pipe_file(path, b"lightning-snapshot probe")
             self.fs.rm(path)
-        except Exception as e:  # noqa: BLE001 - translated: the tier is not usable
+        except Exception as e:  # translated: the tier is not usable
             raise (
                 self._unavailable("writing a probe object", e)
                 or TierUnavailableError(
@@ -354,7 +354,7 @@ class ObjectStoreTier(Backend):
                 fs.pipe_file(path, _Parts(view), chunksize=self.part_size, max_concurrency=self.max_concurrency)
             else:
                 fs.pipe_file(path, bytes(view))
-        except Exception as e:  # noqa: BLE001 - any client error is a failed write, with credentials redacted
+        except Exception as e:  # any client error is a failed write, with credentials redacted
             raise self._error("uploading", key, e) from e
         return view.nbytes
 
@@ -373,7 +373,7 @@ class ObjectStoreTier(Backend):
                 f"{key!r} is already committed in the {self.scheme} tier {self.url!r};"
                 " a committed snapshot is never overwritten"
             ) from None
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             if "PreconditionFailed" in str(e) or "412" in str(e):
                 raise SnapshotWriteError(
                     f"{key!r} is already committed in the {self.scheme} tier {self.url!r};"
@@ -384,7 +384,7 @@ class ObjectStoreTier(Backend):
     def read(self, key: str) -> bytes:
         try:
             data = self.fs.cat_file(self._path(key))
-        except Exception as e:  # noqa: BLE001 - translated at the boundary
+        except Exception as e:  # translated at the boundary
             raise self._read_error("reading", key, e) from e
         self.bytes_read += len(data)
         return data
@@ -393,7 +393,7 @@ class ObjectStoreTier(Backend):
         view = memoryview(out).cast("B")
         try:
             data = self.fs.cat_file(self._path(key), start=offset, end=offset + view.nbytes)
-        except Exception as e:  # noqa: BLE001 - translated at the boundary
+        except Exception as e:  # translated at the boundary
             raise self._read_error("reading", key, e) from e
         self.bytes_read += len(data)
         if len(data) != view.nbytes:
@@ -411,7 +411,7 @@ class ObjectStoreTier(Backend):
             if unavailable_reason(e) == "bucket":
                 raise self._error("listing", prefix, e) from e
             return []
-        except Exception as e:  # noqa: BLE001 - translated at the boundary
+        except Exception as e:  # translated at the boundary
             raise self._error("listing", prefix, e) from e
         names = sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries})
         return [n for n in names if n and not n.startswith(".")]
@@ -423,7 +423,7 @@ class ObjectStoreTier(Backend):
         except FileNotFoundError as e:
             if unavailable_reason(e) == "bucket":
                 raise self._error("deleting", key, e) from e
-        except Exception as e:  # noqa: BLE001 - translated at the boundary
+        except Exception as e:  # translated at the boundary
             raise self._error("deleting", key, e) from e
         self.fs.invalidate_cache(path)
 
@@ -432,7 +432,7 @@ class ObjectStoreTier(Backend):
         try:
             self.fs.invalidate_cache(path)
             return bool(self.fs.exists(path))
-        except Exception as e:  # noqa: BLE001 - translated at the boundary
+        except Exception as e:  # translated at the boundary
             raise self._error("looking up", key, e) from e
 
     def modified(self, key: str) -> float | None:
@@ -443,7 +443,7 @@ class ObjectStoreTier(Backend):
             infos = self.fs.find(path, detail=True, withdirs=False)
         except FileNotFoundError:
             return None
-        except Exception as e:  # noqa: BLE001 - translated at the boundary
+        except Exception as e:  # translated at the boundary
             raise self._error("looking up", key, e) from e
         times = [_unix_time(info.get("LastModified", info.get("mtime"))) for info in infos.values()]
         known = [t for t in times if t is not None]
@@ -498,7 +498,7 @@ class ObjectStoreTier(Backend):
         key = f"{prefix}/{upload['key']}" if prefix else upload["key"]
         try:
             self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload["upload_id"])
-        except Exception as e:  # noqa: BLE001 - translated at the boundary
+        except Exception as e:  # translated at the boundary
             raise self._error("aborting the upload of", upload["key"], e) from e
 
     def abort_incomplete_uploads(self, older_than: float | None = None) -> int:

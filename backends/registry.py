@@ -20,7 +20,7 @@ from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.errors import ConfigError
 from lightning_snapshot.interval import AUTO
 
-__all__ = ["parse_tier", "KNOWN_SCHEMES"]
+__all__ = ["KNOWN_SCHEMES", "parse_tier"]
 
 #: scheme -> (module, class). Schemes of later tiers are listed with the release that brings them.
 _OBJECT = ("lightning_snapshot.backends.object_store", "ObjectStoreTier")

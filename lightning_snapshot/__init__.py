@@ -18,9 +18,9 @@ _checkout_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
 if _ilu.find_spec(__name__ + ".backends") is None and _os.path.isfile(
     _os.path.join(_checkout_root, "backends", "local.py")
 ):
-    __path__.append(_checkout_root)  # type: ignore[name-defined]  # noqa: F821
+    __path__.append(_checkout_root)  # type: ignore[name-defined]
 
-__all__ = ["SnapshotCallback", "SnapshotError", "load_snapshot", "__version__"]
+__all__ = ["SnapshotCallback", "SnapshotError", "__version__", "load_snapshot"]
 
 # Imported on first use (PEP 562), so that ``import lightning_snapshot`` (and ``lightning-snapshot --help``) does not
 # import torch and Lightning.

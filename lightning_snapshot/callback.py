@@ -23,7 +23,6 @@ except ImportError:  # pragma: no cover - lightning without it
 from lightning_snapshot import compat as _compat
 from lightning_snapshot import data as _data
 from lightning_snapshot import fit_state as _fit_state
-from lightning_snapshot.staging.arena import AsyncStaged, HostArena
 from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.backends.registry import parse_tier
 from lightning_snapshot.capture import (
@@ -58,6 +57,7 @@ from lightning_snapshot.metrics import MetricsSink, tier_metric_names
 from lightning_snapshot.persist import Persister, PersistJob
 from lightning_snapshot.resume_policy import Candidate, plan_resume, read_candidate, record_restore
 from lightning_snapshot.staging import dtensor_box, is_dtensor, stage
+from lightning_snapshot.staging.arena import AsyncStaged, HostArena
 from lightning_snapshot.writer import committed_steps
 
 __all__ = ["SnapshotCallback"]

@@ -29,18 +29,18 @@ from lightning_snapshot.errors import ManifestError, StateMismatchError
 from lightning_snapshot.staging import dtensor_box, is_dtensor, local_tensor
 
 __all__ = [
+    "Templates",
     "capture_late",
-    "capture_shared",
-    "restore_shared",
     "capture_rng",
-    "restore_rng",
+    "capture_shared",
     "check_model",
+    "check_optimizers",
     "frozen_predicate",
     "is_sharded",
-    "check_optimizers",
-    "Templates",
-    "templates",
+    "restore_rng",
+    "restore_shared",
     "restore_targets",
+    "templates",
 ]
 
 

@@ -612,7 +612,7 @@ def _run(fn: Callable[[argparse.Namespace], int], args: argparse.Namespace, prog
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:  # noqa: BLE001 - never a traceback for the user; one line that says how to get it
+    except Exception as e:  # never a traceback for the user; one line that says how to get it
         if os.environ.get(DEBUG_ENV) == "1":
             raise
         print(

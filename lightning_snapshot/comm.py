@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-__all__ = ["Comm", "LocalComm", "StrategyComm", "GroupComm"]
+__all__ = ["Comm", "GroupComm", "LocalComm", "StrategyComm"]
 
 
 class Comm(Protocol):

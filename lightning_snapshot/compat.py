@@ -71,12 +71,12 @@ import torch
 from lightning_snapshot.errors import StateMismatchError
 
 __all__ = [
-    "describe",
+    "DESCRIPTION_VERSION",
     "check",
-    "schedulers_to_load",
+    "describe",
     "reinstate_epoch_start_schedulers",
     "reinstate_swalr_after_averaging",
-    "DESCRIPTION_VERSION",
+    "schedulers_to_load",
 ]
 
 DESCRIPTION_VERSION = 1

@@ -49,20 +49,28 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler
-from torch.utils.data import SequentialSampler, get_worker_info
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+    get_worker_info,
+)
 
 __all__ = [
     "ResumableSampler",
-    "install",
-    "flatten_loaders",
-    "is_stateful",
-    "position",
-    "unsupported_reason",
     "describe_order",
+    "flatten_loaders",
     "global_order",
-    "split",
+    "install",
+    "is_stateful",
     "plan_resume",
+    "position",
+    "split",
+    "unsupported_reason",
 ]
 
 log = logging.getLogger(__name__)

@@ -8,20 +8,20 @@ Messages name the problem and the fix.
 from __future__ import annotations
 
 __all__ = [
-    "SnapshotError",
-    "ConfigError",
-    "ManifestError",
-    "FormatVersionError",
-    "ChecksumError",
-    "SnapshotNotFoundError",
-    "StateMismatchError",
-    "UnsafePathError",
+    "AgentError",
     "CaptureError",
+    "ChecksumError",
+    "ConfigError",
+    "FormatVersionError",
+    "ManifestError",
+    "NotDurableError",
+    "SnapshotError",
+    "SnapshotNotFoundError",
     "SnapshotWriteError",
+    "StateMismatchError",
     "StorageFullError",
     "TierUnavailableError",
-    "NotDurableError",
-    "AgentError",
+    "UnsafePathError",
 ]
 
 

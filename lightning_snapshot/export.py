@@ -25,7 +25,7 @@ from lightning_snapshot.loader import checkpoint_tree, open_snapshot, read_secti
 from lightning_snapshot.manifest import Manifest, TensorEntry, dtype_from_name
 from lightning_snapshot.progress import progress_bar
 
-__all__ = ["export_snapshot", "FORMATS"]
+__all__ = ["FORMATS", "export_snapshot"]
 
 log = logging.getLogger(__name__)
 

@@ -42,13 +42,13 @@ from lightning_snapshot.errors import StateMismatchError
 
 __all__ = [
     "capture",
-    "saved_state",
-    "restore_grads",
-    "merge_param_groups",
-    "restore_trainable",
-    "restore_in_epoch",
-    "prune_checkpoints",
     "load_callback_states",
+    "merge_param_groups",
+    "prune_checkpoints",
+    "restore_grads",
+    "restore_in_epoch",
+    "restore_trainable",
+    "saved_state",
 ]
 
 log = logging.getLogger(__name__)

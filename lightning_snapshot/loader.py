@@ -31,15 +31,15 @@ from lightning_snapshot.staging import digest, dtensor_box, is_dtensor, tensor_b
 from lightning_snapshot.writer import committed_steps
 
 __all__ = [
+    "ReadStats",
+    "ShardTarget",
     "checkpoint_tree",
-    "read_manifest",
-    "read_section",
+    "committed_steps",
     "load_snapshot",
     "open_snapshot",
+    "read_manifest",
+    "read_section",
     "resolve_source",
-    "committed_steps",
-    "ShardTarget",
-    "ReadStats",
 ]
 
 

@@ -23,22 +23,22 @@ import torch
 from lightning_snapshot.errors import FormatVersionError, ManifestError, UnsafePathError
 
 __all__ = [
-    "FORMAT_VERSION",
     "CHECKSUM_ALGORITHM",
     "DTYPES",
+    "FORMAT_VERSION",
+    "RESTORES_NAME",
     "Fragment",
-    "TensorEntry",
+    "Manifest",
     "ObjectEntry",
     "RankSection",
-    "Manifest",
-    "dtype_name",
+    "TensorEntry",
     "dtype_from_name",
-    "step_dirname",
-    "parse_step_dirname",
-    "validate_key",
-    "overlapping_boxes",
+    "dtype_name",
     "health_group",
-    "RESTORES_NAME",
+    "overlapping_boxes",
+    "parse_step_dirname",
+    "step_dirname",
+    "validate_key",
 ]
 
 FORMAT_VERSION = 1

@@ -24,7 +24,7 @@ from lightning_snapshot.writer import (
     expired_snapshots,
 )
 
-__all__ = ["DEFAULT_GRACE_S", "DATA_SUFFIX", "GcPlan", "plan_gc", "run_gc", "copy_step"]
+__all__ = ["DATA_SUFFIX", "DEFAULT_GRACE_S", "GcPlan", "copy_step", "plan_gc", "run_gc"]
 
 log = logging.getLogger(__name__)
 

@@ -17,16 +17,16 @@ from dataclasses import dataclass, field
 
 import tenacity
 
-from lightning_snapshot.backends.ram.agent import AgentClient
-from lightning_snapshot.staging.arena import AsyncStaged, HostArena
 from lightning_snapshot.backends.base import Backend
+from lightning_snapshot.backends.ram.agent import AgentClient
 from lightning_snapshot.comm import Comm
 from lightning_snapshot.errors import SnapshotError, SnapshotWriteError
 from lightning_snapshot.manifest import Manifest
 from lightning_snapshot.staging import StagedState
+from lightning_snapshot.staging.arena import AsyncStaged, HostArena
 from lightning_snapshot.writer import SnapshotJob, apply_retention, copy_snapshot, write_snapshot
 
-__all__ = ["Persister", "PersistJob", "PersistResult"]
+__all__ = ["PersistJob", "PersistResult", "Persister"]
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ class _TierWorker:
                     source = None
             try:
                 done = self._retrying(job)(self._attempt, job, source)
-            except Exception as e:  # noqa: BLE001 - given up: stopped during an outage, or not retryable
+            except Exception as e:  # given up: stopped during an outage, or not retryable
                 if _retryable(e) and getattr(self.tier, "retry_initial", None):
                     self._abandoned(job, time.monotonic() - t0, SnapshotWriteError(_describe(self.tier, e)))
                     return
@@ -247,7 +247,7 @@ class _TierWorker:
                     stage_s,
                 )
             )
-        except Exception as e:  # noqa: BLE001 - reported to the training thread
+        except Exception as e:  # reported to the training thread
             job.ok[self.index] = False
             log.debug("lightning-snapshot: persisting step %d to %s failed", job.step, self.tier.url, exc_info=True)
             if not isinstance(e, SnapshotError):

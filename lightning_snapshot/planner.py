@@ -8,17 +8,17 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
-    "align_up",
-    "plan_layout",
-    "chunk_ranges",
-    "assign_writers",
     "Box",
-    "shard_boxes",
-    "even_shards",
     "ReadItem",
-    "plan_tensor_reads",
+    "align_up",
+    "assign_writers",
     "bytes_needed",
     "bytes_planned",
+    "chunk_ranges",
+    "even_shards",
+    "plan_layout",
+    "plan_tensor_reads",
+    "shard_boxes",
 ]
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-__all__ = ["progress_bar", "human_bytes", "human_age"]
+__all__ = ["human_age", "human_bytes", "progress_bar"]
 
 
 def progress_bar(total: float, desc: str, *, unit: str = "B", enabled: bool = True) -> Any:

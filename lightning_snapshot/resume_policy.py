@@ -33,11 +33,11 @@ from lightning_snapshot.staging import digest
 __all__ = [
     "Candidate",
     "ResumePlan",
+    "manifest_digest",
     "plan_resume",
     "read_candidate",
     "read_restores",
     "record_restore",
-    "manifest_digest",
 ]
 
 log = logging.getLogger(__name__)

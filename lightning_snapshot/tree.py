@@ -33,7 +33,7 @@ import torch
 from lightning_snapshot.errors import CaptureError, ManifestError
 from lightning_snapshot.manifest import DTYPES
 
-__all__ = ["encode", "decode"]
+__all__ = ["decode", "encode"]
 
 _MAX_DEPTH = 200
 

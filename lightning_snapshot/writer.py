@@ -33,15 +33,15 @@ from lightning_snapshot.planner import chunk_ranges, plan_layout
 from lightning_snapshot.staging import StagedState, chunk_digests, nonfinite_tensors, tensor_bytes
 
 __all__ = [
-    "SnapshotJob",
-    "write_snapshot",
-    "copy_snapshot",
-    "verify_object",
-    "apply_retention",
-    "expired_snapshots",
-    "committed_steps",
-    "DEFAULT_CHUNK_BYTES",
     "DEFAULT_ALIGNMENT",
+    "DEFAULT_CHUNK_BYTES",
+    "SnapshotJob",
+    "apply_retention",
+    "committed_steps",
+    "copy_snapshot",
+    "expired_snapshots",
+    "verify_object",
+    "write_snapshot",
 ]
 
 log = logging.getLogger(__name__)
@@ -276,7 +276,7 @@ def write_snapshot(
     def collective(what: str, fn: Callable[..., Any], *args: Any) -> Any:
         try:
             return fn(*args)
-        except Exception as e:  # noqa: BLE001 - a peer died or the group's timeout ran out
+        except Exception as e:  # a peer died or the group's timeout ran out
             raise SnapshotWriteError(
                 f"rank {comm.rank}: waiting for the other ranks to agree on {what} of the snapshot of step {job.step}"
                 f" in the {backend.tier} tier {backend.url} failed ({type(e).__name__}: {e}): another rank failed,"

@@ -255,7 +255,7 @@ class Agent:
         while not self.stop.is_set():
             try:
                 conn, _ = server.accept()
-            except socket.timeout:
+            except TimeoutError:
                 if not self.owner():
                     log.warning("%s was removed or taken over: exiting without touching it", self.dir)
                     return
@@ -674,7 +674,7 @@ def run_agent(node_dir: Path, idle_timeout: float, log_path: Path | None = None)
     # Import what the request handlers use (torch, the tiers: seconds on a busy node) before the socket answers, not
     # on a trainer's first request, which waits only a few seconds for its reply. (``import lightning_snapshot`` no
     # longer imports torch by itself.)
-    import lightning_snapshot.backends  # noqa: F401
+    import lightning_snapshot.backends
     import lightning_snapshot.writer  # noqa: F401
 
     sock_path = node_dir / SOCK

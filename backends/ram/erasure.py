@@ -32,7 +32,7 @@ import zfec
 
 from lightning_snapshot.errors import ChecksumError, ConfigError
 
-__all__ = ["ShareLayout", "layout", "encode", "decode", "rebuild", "check_params", "DEFAULT_BLOCK"]
+__all__ = ["DEFAULT_BLOCK", "ShareLayout", "check_params", "decode", "encode", "layout", "rebuild"]
 
 #: Largest block (bytes of one share per stripe): k blocks of a stripe stay in the L2 cache while they are copied
 #: and encoded (measured here: 128 KiB scales better on two threads than 1 MiB).

@@ -39,7 +39,6 @@ from typing import Any, TypeVar
 
 import xxhash
 
-from lightning_snapshot.backends.ram import erasure as _ec
 from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.backends.local import (
     LocalTier,
@@ -50,6 +49,7 @@ from lightning_snapshot.backends.local import (
     _pread_all,
     exchange,
 )
+from lightning_snapshot.backends.ram import erasure as _ec
 from lightning_snapshot.errors import ConfigError, SnapshotError, SnapshotNotFoundError, SnapshotWriteError
 from lightning_snapshot.staging import digest
 

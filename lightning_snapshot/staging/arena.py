@@ -47,12 +47,12 @@ from lightning_snapshot.staging import SMALL_HASH as _SMALL
 from lightning_snapshot.staging import StagedState, chunk_digests, prepare_tensors, tensor_bytes
 
 __all__ = [
-    "HostArena",
+    "FAKE_REGISTER_ENV",
+    "PAGE",
     "ArenaSlot",
     "AsyncStaged",
-    "FAKE_REGISTER_ENV",
+    "HostArena",
     "HostRegisterError",
-    "PAGE",
     "cuda_host_register",
     "cuda_host_unregister",
     "noop_host_register",
@@ -548,7 +548,7 @@ class HostArena:
         error: BaseException | None = None
         try:
             slot = self._allocate(nbytes, device)
-        except BaseException as e:  # noqa: BLE001 - the next snapshot allocates (and reports) on its own thread
+        except BaseException as e:  # the next snapshot allocates (and reports) on its own thread
             error = e
             log.debug("lightning-snapshot: background allocation of %d bytes failed", nbytes, exc_info=True)
         with self._lock:
