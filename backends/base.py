@@ -49,7 +49,7 @@ class Backend(abc.ABC):
     """
 
     #: Short tier name used in logs and metric names (``local``, ``ram``, ``s3``...).
-    tier: ClassVar[str] = "backend"
+    tier: str = "backend"  # (an instance may name itself: the object-store tier says its scheme, ``s3``...)
     #: Whether data survives the loss of the training process and the node's memory.
     durable: ClassVar[bool] = True
     #: What to do when :meth:`check` finds the tier unusable (the end of its error message).
@@ -61,6 +61,8 @@ class Backend(abc.ABC):
     #: read, while it is still in the CPU cache (for memory-speed tiers, where a call is cheap); None: one
     #: ``read_into`` per chunk (object stores, where a request costs more than the hash pass it saves).
     read_piece_bytes: ClassVar[int | None] = None
+    #: (cls, args, kwargs) of the outermost library constructor, set by ``__init_subclass__``'s wrapper
+    _spec_args: tuple[type[Backend], tuple[Any, ...], dict[str, Any]]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -129,7 +131,7 @@ class Backend(abc.ABC):
     def __init__(
         self,
         *,
-        every_n_train_steps: int | None = None,
+        every_n_train_steps: int | str | None = None,
         train_time_interval: _dt.timedelta | float | None = None,
         keep_last: int | None = DEFAULT_KEEP_LAST,
         min_every: int | None = None,
@@ -184,7 +186,7 @@ class Backend(abc.ABC):
     #: :meth:`_init_process_state` in the process that unpickles it. Each class lists its own; they add up.
     _process_local: ClassVar[tuple[str, ...]] = ()
 
-    def _init_process_state(self) -> None:
+    def _init_process_state(self) -> None:  # noqa: B027 - an optional hook: by default there is no such state
         """Create this process's runtime state (the attributes of ``_process_local``); called after unpickling.
         Subclasses that have some call it from ``__init__`` too and call ``super()._init_process_state()``."""
 
@@ -281,7 +283,7 @@ class Backend(abc.ABC):
         """
         return None
 
-    def require_exists(self) -> None:
+    def require_exists(self) -> None:  # noqa: B027 - an optional check: the default accepts every tier
         """Check that the tier itself exists, for callers that only read (``load_snapshot``, the CLI).
 
         Creates nothing. The default accepts every tier; tiers that can tell a missing root from an empty one say so.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime as _dt
 import errno
@@ -129,10 +130,8 @@ def _map_existing(path: Path, write: bool = True) -> mmap.mmap | None:
 def _close(mm: mmap.mmap | None) -> None:
     if mm is None:
         return
-    try:
+    with contextlib.suppress(BufferError):  # a tensor still views it: the mapping goes with the last reference
         mm.close()
-    except BufferError:  # a tensor still views it: the mapping goes with the last reference
-        pass
 
 
 def exchange(
@@ -151,7 +150,8 @@ def exchange(
             if mm is not None:
                 works.append(dist.irecv(_as_tensor(mm), peer, group=group))
         for w in works:
-            w.wait()
+            if w is not None:  # (None: this rank is not in the group, nothing was posted)
+                w.wait()
     finally:
         works.clear()
         for mm, _peer in sends + receives:
@@ -330,10 +330,8 @@ class LocalTier(Backend):
         views = comm.all_gather((seen, error))
         comm.barrier()
         if self.local_rank == 0:
-            try:
+            with contextlib.suppress(OSError):
                 probe.unlink()
-            except OSError:
-                pass
         errors = [e for _s, e in views if e]
         if errors:
             raise ConfigError(f"cannot tell whether the local tier {self.url} is shared or node-local: {errors[0]}")
@@ -396,8 +394,9 @@ class LocalTier(Backend):
             for name in self.list(prefix):
                 if name.endswith(".bin"):
                     inv["objects"][name] = self._path(f"{prefix}/{name}").stat().st_size
-        invs = comm.all_gather(inv) if world > 1 else [inv]
-        leaders = [r for r, i in enumerate(invs) if i is not None]
+        gathered: list[dict[str, Any] | None] = comm.all_gather(inv) if world > 1 else [inv]
+        invs = {r: i for r, i in enumerate(gathered) if i is not None}  # the node leaders' inventories
+        leaders = list(invs)
         holders = [r for r in leaders if invs[r]["manifest"]]
         if not holders:
             raise SnapshotNotFoundError(f"no node holds the manifest of step {step} in the local tier {self.url}")
@@ -484,15 +483,11 @@ class LocalTier(Backend):
         """Delete what :meth:`prepare_restore` fetched: each node keeps only its own ranks' objects."""
         fetched, self._fetched = self._fetched, []
         for path in fetched:
-            try:
+            with contextlib.suppress(OSError):
                 path.unlink()
-            except OSError:
-                pass
         for parent in {p.parent for p in fetched}:
-            try:
+            with contextlib.suppress(OSError):
                 parent.rmdir()  # (only if empty: a step this node did not hold)
-            except OSError:
-                pass
 
     # ------------------------------------------------------------------------------------------- paths
     def _path(self, key: str, *, allow_root: bool = False) -> Path:
@@ -589,10 +584,8 @@ class LocalTier(Backend):
                 if direct_fd >= 0:
                     os.close(direct_fd)
         except OSError as e:
-            try:
+            with contextlib.suppress(OSError):
                 path.unlink()
-            except OSError:
-                pass
             raise self._fail(key, e, total) from e
         return total
 
@@ -622,10 +615,8 @@ class LocalTier(Backend):
             os.replace(tmp, path)
             self._fsync_dir(path.parent)
         except OSError as e:
-            try:
+            with contextlib.suppress(OSError):
                 tmp.unlink()
-            except OSError:
-                pass
             raise self._fail(key, e, len(data)) from e
 
     def read(self, key: str) -> bytes:
@@ -670,10 +661,8 @@ class LocalTier(Backend):
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
         else:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 path.unlink()
-            except FileNotFoundError:
-                pass
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()

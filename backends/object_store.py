@@ -8,6 +8,7 @@ manifest is invisible to the loader, and retention removes it. Large objects go 
 
 from __future__ import annotations
 
+import builtins
 import ctypes
 import datetime as _dt
 import inspect
@@ -467,7 +468,7 @@ class ObjectStoreTier(Backend):
             " the credentials"
         )
 
-    def incomplete_uploads(self) -> list[dict[str, Any]]:
+    def incomplete_uploads(self) -> builtins.list[dict[str, Any]]:  # (``list`` here is the method above)
         """Multipart uploads under the tier root that were started and neither completed nor aborted (S3 only;
         empty for other stores), each ``{"key": key relative to the root, "upload_id": ..., "modified": Unix time
         of its newest part, or of its start when it has none}``."""

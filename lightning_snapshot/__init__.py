@@ -18,7 +18,7 @@ _checkout_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
 if _ilu.find_spec(__name__ + ".backends") is None and _os.path.isfile(
     _os.path.join(_checkout_root, "backends", "local.py")
 ):
-    __path__.append(_checkout_root)  # type: ignore[name-defined]
+    __path__.append(_checkout_root)
 
 __all__ = ["SnapshotCallback", "SnapshotError", "__version__", "load_snapshot"]
 

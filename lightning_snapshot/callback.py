@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 import uuid
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.loops.loop import _Loop
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-
-try:
-    from lightning.pytorch.strategies import ModelParallelStrategy
-except ImportError:  # pragma: no cover - lightning without it
-    ModelParallelStrategy = None
 
 from lightning_snapshot import compat as _compat
 from lightning_snapshot import data as _data
@@ -59,6 +55,10 @@ from lightning_snapshot.resume_policy import Candidate, plan_resume, read_candid
 from lightning_snapshot.staging import dtensor_box, is_dtensor, stage
 from lightning_snapshot.staging.arena import AsyncStaged, HostArena
 from lightning_snapshot.writer import committed_steps
+
+if TYPE_CHECKING:
+    from lightning_snapshot.backends.local import LocalTier
+    from lightning_snapshot.backends.ram.tier import RamTier
 
 __all__ = ["SnapshotCallback"]
 
@@ -102,9 +102,10 @@ class SnapshotCallback(Checkpoint):
         collective_timeout: the longest any wait across processes of a snapshot may take (seconds; default 300): a
             collective of a tier's commit (gloo's timeout of the tier's process group), and the snapshot agent's
             wait for the other ranks' parts of a snapshot; and a trainer's wait for its node's agent, which says it is
-            alive every second (silent for 60 s or this long, whichever is shorter: ``AgentError``). A rank or agent that fails ends these waits at once (its
-            process exits, which breaks its connections, or it leaves a failure marker); the bound is for a peer that
-            is alive but stuck. Raise it when one snapshot takes longer than this to write.
+            alive every second (silent for 60 s or this long, whichever is shorter: ``AgentError``). A rank or agent
+            that fails ends these waits at once (its process exits, which breaks its connections, or it leaves a
+            failure marker); the bound is for a peer that is alive but stuck. Raise it when one snapshot takes longer
+            than this to write.
         shutdown_timeout: the longest ``on_exception`` and ``teardown`` wait for the persist threads (seconds;
             default 30). After an exception the writes in flight are abandoned after this long (a snapshot already
             handed to the snapshot agent is still finished by it) and the exception goes on.
@@ -264,7 +265,7 @@ class SnapshotCallback(Checkpoint):
         if stage != "fit":
             return
         strategy = trainer.strategy
-        supported = (SingleDeviceStrategy, DDPStrategy) + ((ModelParallelStrategy,) if ModelParallelStrategy else ())
+        supported = (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy)
         if not isinstance(strategy, supported):
             raise ConfigError(
                 f"SnapshotCallback does not support the {type(strategy).__name__} strategy in this release; use a"
@@ -310,7 +311,7 @@ class SnapshotCallback(Checkpoint):
                 self._on_train_loader(dataloader, trainer)
             return dataloader
 
-        strategy.process_dataloader = process_dataloader
+        strategy.process_dataloader = process_dataloader  # type: ignore[method-assign]  # undone in teardown
         self._patched_strategy = strategy
         # The rest of a snapshot (loops, callbacks, schedulers, RNG, data position) is taken right before the next
         # batch is fetched: after validation, epoch end and everything that reacts to them. Lightning's epoch loop
@@ -461,22 +462,24 @@ class SnapshotCallback(Checkpoint):
             settle = getattr(tier, "settle_layout", None)
             if settle is None:
                 continue
-            tier.bind(**placement)
+            local = cast("LocalTier", tier)  # (the tiers with a layout to settle)
+            local.bind(**placement)
             how = settle(self._tier_comms[i], self._run_id)
             if placement["num_nodes"] > 1:
                 layout = (
                     "node-local: each node writes its own ranks' data and a copy of the manifest, commits are"
                     " agreed over the process group"
-                    if tier.node_local
+                    if local.node_local
                     else "shared by all nodes"
                 )
                 rank_zero_info(f"lightning-snapshot: the {tier.tier} tier {tier.url} is {layout} ({how})")
 
     def _setup_ram_tier(self, trainer: Any) -> None:
         """Place the RAM tier in the job (which node this rank is on) and attach this rank to its node's agent."""
-        ram = next((t for t in self.tiers if t.tier == "ram"), None)
-        if ram is None:
+        found = next((t for t in self.tiers if t.tier == "ram"), None)
+        if found is None:
             return
+        ram = cast("RamTier", found)
         from lightning_snapshot.backends.ram.agent import AgentClient, ensure_agent
         from lightning_snapshot.backends.ram.tier import default_run_name
 
@@ -573,10 +576,8 @@ class SnapshotCallback(Checkpoint):
             if staged is not None and self._arena is not None:
                 self._arena.release(staged.slot)
         if self._inflight is not None:
-            try:
+            with contextlib.suppress(Exception):  # reported by the persist thread
                 self._inflight.fence_training()
-            except Exception:  # noqa: BLE001 - reported by the persist thread
-                pass
             self._inflight = None
         if self._persister is not None:
             self._persister.close(timeout=self.shutdown_timeout, abort=abort)
@@ -659,7 +660,7 @@ class SnapshotCallback(Checkpoint):
             if not self._comm.all_true(fatal is None):
                 raise fatal or SnapshotError(f"restoring the {where} failed on another rank (see its log)")
             if self._comm.all_true(error is None):
-                shared, rank_state = loaded
+                shared, rank_state = cast("tuple[dict[str, Any], Any]", loaded)  # (read without an error everywhere)
                 restore_shared(
                     trainer, pl_module, shared, where, live, load_callbacks=self._preloaded != (backend.url, step)
                 )
@@ -674,7 +675,7 @@ class SnapshotCallback(Checkpoint):
                 self._metrics.add("restore/ms", seconds * 1000)
                 self._metrics.add("restore/step", step)
                 if self.restore_stats is not None:
-                    self._metrics.add("restore/bytes_read", self.restore_stats["bytes_read"])
+                    self._metrics.add("restore/bytes_read", self.restore_stats["bytes_read"] or 0)
                 if backend in self.tiers:
                     self._metrics.add("restore/tier_index", self.tiers.index(backend))
                 rank_zero_info(
@@ -711,7 +712,7 @@ class SnapshotCallback(Checkpoint):
         if resumed == "boundary":
             # a finished epoch: the next one starts as in a run that never stopped (its start hooks, a new loader
             # iterator, counters from zero)
-            _Loop.restarting.fset(fit_loop, False)
+            _Loop.restarting.fset(fit_loop, False)  # type: ignore[attr-defined]  # mypy does not type a property's fset
             fit_loop._resuming_from_checkpoint = False
             _fit_state.restore_grads(pl_module, saved)
             _compat.reinstate_swalr_after_averaging(trainer, pl_module)
@@ -966,7 +967,7 @@ class SnapshotCallback(Checkpoint):
                 f" {DDP_LAYOUT_ENV}=0 to resume without it (with 3 or more ranks not bitwise identical to an"
                 " uninterrupted run)"
             ) from error
-        log.debug("lightning-snapshot: DDP gradient-bucket layout restored: %s", layout["buckets"])
+        log.debug("lightning-snapshot: DDP gradient-bucket layout restored: %s", first["buckets"])
 
     # ------------------------------------------------------------------------------------------- capture
     def _before_fetch(self, trainer: Any) -> None:
@@ -1003,10 +1004,8 @@ class SnapshotCallback(Checkpoint):
         if self._inflight is not None:
             # parameters and optimizer state change in the step that follows: the copy must be complete
             t0 = time.perf_counter()
-            try:
+            with contextlib.suppress(Exception):  # the persist thread reports it
                 self._inflight.fence_training()
-            except Exception:  # noqa: BLE001 - the persist thread reports it
-                pass
             self._stall += time.perf_counter() - t0
             self._metrics.add("snapshot/stall_ms", self._stall * 1000)
             self._inflight = None
@@ -1099,7 +1098,7 @@ class SnapshotCallback(Checkpoint):
             return
         meter = self._meter
         proposal = []
-        for tier, cost in zip(self.tiers, (meter.cost(i) for i in range(len(self.tiers)))):
+        for tier, cost in zip(self.tiers, (meter.cost(i) for i in range(len(self.tiers))), strict=True):
             step_s = meter.step_seconds
             if not tier.auto_every or cost is None or step_s is None:
                 proposal.append(tier.every_n_train_steps)
@@ -1107,14 +1106,15 @@ class SnapshotCallback(Checkpoint):
                 proposal.append(young_daly_steps(cost, self._mtbf_s, step_s, tier.min_every, tier.max_every))
         if self._comm.world_size > 1:
             proposal = self._comm.broadcast(proposal)  # the same snapshot steps on every rank
-        for i, (tier, steps) in enumerate(zip(self.tiers, proposal)):
-            if not tier.auto_every:
+        for i, (tier, steps) in enumerate(zip(self.tiers, proposal, strict=True)):
+            if not tier.auto_every or steps is None:  # (an "auto" tier always has an interval)
                 continue
             tier.every_n_train_steps = int(steps)
             name = self._metric_names[i]
             self._metrics.add(f"snapshot/{name}/interval_steps", tier.every_n_train_steps)
-            if meter.cost(i) is not None:
-                self._metrics.add(f"snapshot/{name}/cost_ms", meter.cost(i) * 1000)
+            cost = meter.cost(i)
+            if cost is not None:
+                self._metrics.add(f"snapshot/{name}/cost_ms", cost * 1000)
             old = self._logged_interval[i] or tier.every_n_train_steps
             if max(old, tier.every_n_train_steps) > 2 * min(old, tier.every_n_train_steps):
                 self._logged_interval[i] = tier.every_n_train_steps
@@ -1368,9 +1368,9 @@ class SnapshotCallback(Checkpoint):
             self._last_durable_due = step  # (the end of fit checks that some durable tier holds it)
         # a tier whose queue is full (an object store in an outage) skips this snapshot; every rank agrees
         room = self._comm.all_true_each([self._persister.has_room(i) for i in due])
-        accepted = [i for i, ok in zip(due, room) if ok]
-        self._close_measurements([i for i, ok in zip(due, room) if not ok])
-        for i, ok in zip(due, room):
+        accepted = [i for i, ok in zip(due, room, strict=True) if ok]
+        self._close_measurements([i for i, ok in zip(due, room, strict=True) if not ok])
+        for i, ok in zip(due, room, strict=True):
             if not ok:
                 self._tier_skipped[i] += 1
                 self._metrics.add(f"snapshot/{self._metric_names[i]}/skipped", self._tier_skipped[i])

@@ -212,7 +212,7 @@ class _Ref:
         self.name = name
 
 
-class _Refs(dict):  # type: ignore[type-arg]
+class _Refs(dict[str, Any]):
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str)
 
@@ -273,7 +273,7 @@ def _key_map(saved: Any, keys: list[list[Any]], where: str) -> dict[Any, Any]:
         or len(groups) != len(keys)
         or any(
             not isinstance(g, dict) or not isinstance(g.get("params"), list) or len(g["params"]) != len(k)
-            for g, k in zip(groups, keys)
+            for g, k in zip(groups, keys, strict=True)
         )
     ):
         have = [len(g.get("params", [])) if isinstance(g, dict) else "?" for g in groups or []]
@@ -282,7 +282,7 @@ def _key_map(saved: Any, keys: list[list[Any]], where: str) -> dict[Any, Any]:
             f" {have} parameters, the optimizer {[len(k) for k in keys]}. Restore into the same optimizer setup, or"
             " pass resume=False"
         )
-    return {s: t for g, k in zip(groups, keys) for s, t in zip(g["params"], k)}
+    return {s: t for g, k in zip(groups, keys, strict=True) for s, t in zip(g["params"], k, strict=True)}
 
 
 def _rekey(saved: dict[str, Any], keys: list[list[Any]], where: str) -> dict[str, Any]:
@@ -297,7 +297,7 @@ def _rekey(saved: dict[str, Any], keys: list[list[Any]], where: str) -> dict[str
     return {
         **saved,
         "state": {mapping[k]: v for k, v in state.items()},
-        "param_groups": [{**g, "params": list(k)} for g, k in zip(saved["param_groups"], keys)],
+        "param_groups": [{**g, "params": list(k)} for g, k in zip(saved["param_groups"], keys, strict=True)],
     }
 
 
@@ -321,7 +321,7 @@ def restore_targets(trainer: Any, live: Templates, tree: Any, where: str) -> dic
     saved_opts = tree.get("optimizer_states")
     if not isinstance(saved_opts, list) or len(saved_opts) != len(live.optimizers):
         return targets  # restore_shared reports the mismatch
-    for saved_tree, osd, keys in zip(saved_opts, live.optimizers, _optimizer_keys(trainer, live)):
+    for saved_tree, osd, keys in zip(saved_opts, live.optimizers, _optimizer_keys(trainer, live), strict=True):
         saved = _skeleton(saved_tree)
         if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict):
             continue
@@ -359,7 +359,7 @@ def _restore_sharded(trainer: Any, ckpt: dict[str, Any], live: Templates, where:
     model_sd = {k: _into_template(live.model.get(k), v, where, k) for k, v in ckpt["state_dict"].items()}
     set_model_state_dict(model, model_sd)
     for opt, saved, osd, keys in zip(
-        trainer.optimizers, ckpt["optimizer_states"], live.optimizers or [], _optimizer_keys(trainer, live)
+        trainer.optimizers, ckpt["optimizer_states"], live.optimizers or [], _optimizer_keys(trainer, live), strict=True
     ):
         state = _rekey(saved, keys, where)
         for key, values in state["state"].items():
@@ -427,7 +427,7 @@ def restore_shared(
     if not sharded:
         keys = _optimizer_keys(trainer, Templates({}, None))
         try:
-            rekeyed = [_rekey(saved, k, where) for saved, k in zip(optimizer_states, keys)]
+            rekeyed = [_rekey(saved, k, where) for saved, k in zip(optimizer_states, keys, strict=True)]
             trainer.strategy.load_optimizer_state_dict({**ckpt, "optimizer_states": rekeyed})
         except (ValueError, KeyError) as e:
             raise StateMismatchError(f"{where}: the optimizer state does not fit this optimizer: {e}") from e

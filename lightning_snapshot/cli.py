@@ -24,6 +24,7 @@ it. Errors are one line on stderr.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -148,7 +149,7 @@ def _list_rows(backend: Any) -> list[dict[str, Any]]:
     from lightning_snapshot.loader import read_manifest
     from lightning_snapshot.writer import committed_steps
 
-    rows = []
+    rows: list[dict[str, Any]] = []
     now = time.time()
     for step in committed_steps(backend):
         try:
@@ -499,10 +500,8 @@ def _cmd_agent(args: argparse.Namespace) -> int:
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s lightning-snapshot agent: %(message)s")
     if args.nice:
-        try:
+        with contextlib.suppress(OSError):
             os.nice(args.nice)  # background work: the trainer's threads get the CPU first
-        except OSError:
-            pass
     log_path = (
         None
         if args.log == "-"

@@ -211,7 +211,7 @@ def _loaded_groups(cls: type, live_opt: Any, saved_groups: list[dict[str, Any]])
     dummy = _dummy(cls, live_opt, [[0] for _ in saved_groups])
     if dummy is None:
         return None
-    opt, params = dummy
+    opt, _ = dummy
     try:
         opt.load_state_dict(
             {
@@ -254,7 +254,7 @@ def _dry_run(
     opt, params = dummy
     with torch.random.fork_rng(devices=[]):
         try:
-            for g, (hyper, ps) in enumerate(zip(groups, params)):
+            for g, (hyper, ps) in enumerate(zip(groups, params, strict=True)):
                 opt.param_groups[g].update({k: v for k, v in hyper.items() if k not in _NOT_HYPER})
                 for k, v in _IMPL_FLAGS.items():
                     if k in opt.param_groups[g]:
@@ -272,8 +272,8 @@ def _dry_run(
         except Exception:  # noqa: BLE001 - LBFGS (needs a closure), SparseAdam (sparse gradients), ...
             return None
     out: list[dict[int, frozenset[str]]] = []
-    for ps, dims in zip(params, ndims):
-        out.append({d: frozenset(str(n) for n in opt.state.get(p, {})) for p, d in zip(ps, dims)})
+    for ps, dims in zip(params, ndims, strict=True):
+        out.append({d: frozenset(str(n) for n in opt.state.get(p, {})) for p, d in zip(ps, dims, strict=True)})
     return out
 
 
@@ -328,7 +328,7 @@ def _check_optimizer(
         missing = set().union(
             *(
                 {str(k) for k in lg if k not in _NOT_HYPER and k not in _SCHEDULER_KEYS} - a
-                for lg, a in zip(live_groups, after)
+                for lg, a in zip(live_groups, after, strict=True)
             )
         )
         if missing:
@@ -349,13 +349,14 @@ def _check_optimizer(
         ndims = [sorted({p.dim() for p in ps}) or [1] for ps in live_params]
         # a missing hyperparameter is reported above; run with the live value to find the expected state
         run_groups = [
-            {**{k: v for k, v in lg.items() if k not in _NOT_HYPER}, **g} for g, lg in zip(saved_hyper, live_groups)
+            {**{k: v for k, v in lg.items() if k not in _NOT_HYPER}, **g}
+            for g, lg in zip(saved_hyper, live_groups, strict=True)
         ]
         expected = _dry_run(live_cls, live_opt, run_groups, ndims)
         if expected is not None:
             wrong: dict[frozenset[str], frozenset[str]] = {}
-            for g, (keys, lps) in enumerate(zip(params_of, live_params)):
-                for key, lp in zip(keys, lps):
+            for g, (keys, lps) in enumerate(zip(params_of, live_params, strict=True)):
+                for key, lp in zip(keys, lps, strict=True):
                     have_k = saved_keys.get(key)
                     if have_k is None:
                         continue  # no state yet (no gradient so far): nothing to disagree with
@@ -428,7 +429,8 @@ def _swa_hint(trainer: Any, desc: dict[str, Any] | None, state: Any) -> str:
 def _check_schedulers(trainer: Any, saved: dict[str, Any] | None, lr_schedulers: list[Any]) -> list[str]:
     configs = list(trainer.lr_scheduler_configs)
     problems: list[str] = []
-    for i, (cfg, state) in enumerate(zip(configs, lr_schedulers)):
+    # pairs by position; the counts are compared elsewhere (saved states beyond the live list are SWA's SWALR)
+    for i, (cfg, state) in enumerate(zip(configs, lr_schedulers, strict=False)):
         sched = cfg.scheduler
         desc = _saved_entry(saved, "schedulers", i)
         live_name = _class_name(sched)
@@ -525,7 +527,7 @@ def check(
         )
     else:
         finetuning = [type(cb).__name__ for cb in getattr(trainer, "callbacks", []) or [] if _is_finetuning(cb)]
-        for i, (opt, state) in enumerate(zip(optimizers, optimizer_states)):
+        for i, (opt, state) in enumerate(zip(optimizers, optimizer_states, strict=True)):
             problem = _check_optimizer(i, opt, _saved_entry(saved, "optimizers", i), state, finetuning)
             if problem:
                 problems.append(problem)
@@ -548,7 +550,7 @@ def schedulers_to_load(trainer: Any, lr_schedulers: list[Any]) -> list[tuple[Any
     """The (live ``LRSchedulerConfig``, saved state) pairs to load, after :func:`check` passed: Lightning's pairing
     by position. Saved states beyond the live list are those a callback restores itself (SWA's SWALR) and are left
     to it."""
-    return list(zip(trainer.lr_scheduler_configs, lr_schedulers or []))
+    return list(zip(trainer.lr_scheduler_configs, lr_schedulers or [], strict=False))
 
 
 def reinstate_epoch_start_schedulers(trainer: Any, pl_module: Any) -> list[str]:
@@ -596,8 +598,9 @@ def _hyperparameters_kept(optimizers: list[Any]) -> Iterator[None]:
     """Set the optimizers' parameter-group hyperparameters back to what they are now, after the block."""
     groups = [[{k: v for k, v in g.items() if k != "params"} for g in _raw(o).param_groups] for o in optimizers]
     yield
-    for opt, saved_groups in zip(optimizers, groups):
-        for g, hyper in zip(_raw(opt).param_groups, saved_groups):
+    for opt, saved_groups in zip(optimizers, groups, strict=True):
+        # (a group the block added has no saved hyperparameters and keeps its own)
+        for g, hyper in zip(_raw(opt).param_groups, saved_groups, strict=False):
             g.update(hyper)
 
 
@@ -632,7 +635,7 @@ def _install_swalr(trainer: Any, pl_module: Any, cb: Any) -> None:
     optimizer = trainer.optimizers[0]
     if isinstance(cb._swa_lrs, float):
         cb._swa_lrs = [cb._swa_lrs] * len(optimizer.param_groups)
-    for lr, group in zip(cb._swa_lrs, optimizer.param_groups):
+    for lr, group in zip(cb._swa_lrs, optimizer.param_groups, strict=False):  # as Lightning's SWA pairs them
         group["initial_lr"] = lr
     scheduler = SWALR(
         optimizer,

@@ -45,7 +45,7 @@ import warnings
 import weakref
 from collections import deque
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -444,8 +444,8 @@ def position(loader: Any, epoch: int, consumed_batches: int, *, ended: bool = Fa
     if not started and sampler.epoch_state is None and sampler.order is None:
         return None
     # an iterator that ran out belongs to the epoch before: nothing of the epoch asked for exists yet
-    current = started and not ended and not (tracker.exhausted and consumed_batches == 0)
-    drawn = current and sampler.draws > tracker.draws_at_start
+    current = tracker is not None and started and not ended and not (tracker.exhausted and consumed_batches == 0)
+    drawn = current and tracker is not None and sampler.draws > tracker.draws_at_start
     rng, gen = sampler.epoch_state if drawn and sampler.epoch_state is not None else (None, None)
     batch_size = loader.batch_sampler.batch_size
     return {
@@ -457,7 +457,9 @@ def position(loader: Any, epoch: int, consumed_batches: int, *, ended: bool = Fa
         "global": sampler.global_position(consumed_batches, batch_size) if drawn else None,
         "sampler_epoch": sampler.sampler_epoch if drawn else None,
         "drawn": drawn,
-        "iter_rng": dict(tracker.start_rng) if current and tracker.start_rng is not None else None,
+        "iter_rng": dict(tracker.start_rng)
+        if current and tracker is not None and tracker.start_rng is not None
+        else None,
         "workers": tracker.workers_position(consumed_batches, current) if tracker is not None else None,
     }
 
@@ -584,6 +586,8 @@ class _IteratorTracker:
     def get_iterator(self) -> Any:
         """``DataLoader._get_iterator`` with the tracking wrappers, and the resume plan applied once."""
         loader = self._loader()
+        if loader is None:  # (called by the loader's own _get_iterator)
+            raise ReferenceError("lightning-snapshot: the tracked DataLoader no longer exists")
         plan, self.plan = self.plan or {}, None
         workers = int(loader.num_workers)
         wplan = plan.get("workers")
@@ -601,14 +605,14 @@ class _IteratorTracker:
         hold = workers > 0 and wplan is not None
         if replay is not None:
             _set_rng_of(gen, replay)
-        draws = loader.batch_sampler.sampler.draws
+        draws = _resumable(loader).draws
         it = self._create(loader, wplan, hold)
         if hold:
             if replay is None:
                 _set_rng_of(gen, live)  # (undo the base seed draw: the workers are reseeded to the saved one)
             elif not replay.get("created", True):
                 _set_rng_of(gen, replay)  # persistent workers were only reset then: no base seed was drawn
-            if loader.batch_sampler.sampler.pending is not None:
+            if _resumable(loader).pending is not None:
                 self._prime(it, int(plan.get("start") or 0) % workers)
             else:
                 # the epoch's order is not drawn yet (a snapshot at the end of an epoch): it is drawn when the first
@@ -627,7 +631,7 @@ class _IteratorTracker:
     @staticmethod
     def _create(loader: DataLoader, wplan: dict[str, Any] | None, hold: bool) -> Any:
         """The loader's own iterator, its workers given the wrappers (the loader's attributes are put back)."""
-        sampler = loader.batch_sampler.sampler
+        sampler = _resumable(loader)
         collate, init = loader.collate_fn, loader.worker_init_fn
         try:
             if loader.num_workers > 0:
@@ -680,7 +684,7 @@ class _IteratorTracker:
         finally:
             self._draining = False
         latest = list(self.latest)
-        carried = [s if s is not None else c for s, c in zip(latest, self.carried)]
+        carried = [s if s is not None else c for s, c in zip(latest, self.carried, strict=True)]
         self.started, self.exhausted = True, False
         self.start_rng = start_rng
         self.draws_at_start = draws
@@ -732,7 +736,7 @@ class _IteratorTracker:
         if not current:
             if not persistent:
                 return None  # the next epoch's workers do not exist yet
-            states = [s if s is not None else c for s, c in zip(self.latest, self.carried)]
+            states = [s if s is not None else c for s, c in zip(self.latest, self.carried, strict=True)]
         else:
             states = []
             for w in range(self.num_workers):
@@ -777,6 +781,13 @@ def _hook(it: Any, name: str, wrapper: Any) -> None:
         return wrapper(ref(), original, *args, **kwargs)
 
     setattr(it, name, hooked)
+
+
+def _resumable(loader: DataLoader) -> ResumableSampler:
+    """The :class:`ResumableSampler` in the batch sampler of a loader :func:`install` wrapped (torch types
+    ``batch_sampler`` as any iterable of batches)."""
+    batch_sampler: Any = loader.batch_sampler
+    return cast(ResumableSampler, batch_sampler.sampler)
 
 
 def _tracker(loader: Any) -> _IteratorTracker | None:

@@ -127,13 +127,15 @@ def _check(layout: Any, params: list[torch.Tensor]) -> list[list[int]]:
             f"has {len(params)}"
         )
     if numels != live_numels:
-        bad = next(i for i, (a, b) in enumerate(zip(numels, live_numels)) if a != b)
+        bad = next(i for i, (a, b) in enumerate(zip(numels, live_numels, strict=True)) if a != b)
         raise ValueError(
             f"the DDP bucket layout does not fit this model: parameter {bad} has {live_numels[bad]} "
             f"elements here, {numels[bad]} in the layout"
         )
+    if dtypes is not None and (not isinstance(dtypes, list) or len(dtypes) != len(params)):
+        raise ValueError(f"malformed DDP bucket layout: dtypes={dtypes!r:.200} does not name one dtype per parameter")
     if dtypes is not None and dtypes != live_dtypes:
-        bad = next(i for i, (a, b) in enumerate(zip(dtypes, live_dtypes)) if a != b)
+        bad = next(i for i, (a, b) in enumerate(zip(dtypes, live_dtypes, strict=True)) if a != b)
         raise ValueError(
             f"the DDP bucket layout does not fit this model: parameter {bad} is {live_dtypes[bad]} "
             f"here, {dtypes[bad]} in the layout"

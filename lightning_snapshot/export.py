@@ -24,6 +24,7 @@ from lightning_snapshot.errors import ConfigError, SnapshotNotFoundError
 from lightning_snapshot.loader import checkpoint_tree, open_snapshot, read_section
 from lightning_snapshot.manifest import Manifest, TensorEntry, dtype_from_name
 from lightning_snapshot.progress import progress_bar
+from lightning_snapshot.staging import tensor_bytes
 
 __all__ = ["FORMATS", "export_snapshot"]
 
@@ -146,7 +147,7 @@ def _export_safetensors(backend: Backend, manifest: Manifest, out: Path, progres
         f.write(raw)
         for _, e in weights:  # tied weights: stored once, written under each key
             t = _read_one(backend, manifest, e)
-            f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b"")
+            f.write(tensor_bytes(t) if t.numel() else b"")
             progress.step(_nbytes(e))
             del t
         f.flush()

@@ -206,7 +206,7 @@ def merge_param_groups(ckpt: dict[str, Any], where: str) -> None:
     states = ckpt.get("optimizer_states")
     if not isinstance(late, list) or not isinstance(states, list) or len(late) != len(states):
         return  # (the optimizer check reports a different count)
-    for i, (state, groups) in enumerate(zip(states, late)):
+    for i, (state, groups) in enumerate(zip(states, late, strict=True)):
         early = state.get("param_groups") if isinstance(state, dict) else None
         if not isinstance(early, list) or not isinstance(groups, list):
             continue

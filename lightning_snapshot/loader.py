@@ -213,7 +213,7 @@ def _read_all(backend: Backend, manifest: Manifest, prefix: str, reads: list[_Re
     chunks = [
         (r, a, b, expected)
         for r in sorted(reads, key=lambda r: (r.object, r.offset))
-        for (a, b), expected in zip(chunk_ranges(r.view.nbytes, manifest.chunk_bytes), r.checksums)
+        for (a, b), expected in zip(chunk_ranges(r.view.nbytes, manifest.chunk_bytes), r.checksums, strict=True)
     ]
     if workers <= 1 or total < _PARALLEL_MIN_BYTES:
         for chunk in chunks:
@@ -485,7 +485,7 @@ def load_snapshot(
     if keys is not None:
         wanted = _refs(tree)
         by_name = {t.name: t for t in entries}
-        wanted |= {by_name[n].alias_of for n in wanted if n in by_name and by_name[n].alias_of}
+        wanted |= {a for n in wanted if n in by_name and (a := by_name[n].alias_of)}
         entries = tuple(t for t in entries if t.name in wanted)
     targets = {f"state_dict/{k}": v for k, v in into.items()} if into is not None else None
     state = read_section(backend, manifest, entries, tree, targets=targets)

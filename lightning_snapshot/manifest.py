@@ -15,6 +15,7 @@ import json
 import math
 import re
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -359,7 +360,7 @@ class _Reader:
         of = f" (tensor {self.tensor!r})" if self.tensor is not None else ""
         return ManifestError(f"{self.where}: field {path}{of}: {msg}")
 
-    def obj(self, value: Any, path: str, keys: set[str], optional: set[str] = frozenset()) -> Mapping[str, Any]:
+    def obj(self, value: Any, path: str, keys: set[str], optional: AbstractSet[str] = frozenset()) -> Mapping[str, Any]:
         if not isinstance(value, dict):
             raise self.fail(path, f"expected an object, got {type(value).__name__}")
         missing = keys - value.keys()
@@ -467,7 +468,7 @@ def _parse_tensor(
         local = r.shape(fd["local_shape"], f"{fp}.local_shape")
         if len(offs) != len(global_shape) or len(local) != len(global_shape):
             raise r.fail(fp, "global_offsets/local_shape do not have the rank of global_shape")
-        if any(o + n > g for o, n, g in zip(offs, local, global_shape)):
+        if any(o + n > g for o, n, g in zip(offs, local, global_shape, strict=True)):
             raise r.fail(fp, f"box {offs}+{local} lies outside global_shape {global_shape}")
         if nbytes != math.prod(local) * itemsize:
             raise r.fail(fp, f"nbytes {nbytes} does not match local_shape {local} of {dtype}")
@@ -525,7 +526,7 @@ def overlapping_boxes(boxes: Sequence[tuple[Sequence[int], Sequence[int]]]) -> t
         for o2, s2, j in live[n + 1 :]:
             if o2[dim] >= end:
                 break
-            if all(a < b2 + c2 and b2 < a + c for a, c, b2, c2 in zip(o, s, o2, s2)):
+            if all(a < b2 + c2 and b2 < a + c for a, c, b2, c2 in zip(o, s, o2, s2, strict=True)):
                 return (i, j) if i < j else (j, i)
     return None
 
@@ -540,7 +541,7 @@ def _missing_region(global_shape: tuple[int, ...], frags: list[Fragment]) -> str
 
     count = np.zeros(global_shape, dtype=np.int32)
     for f in frags:
-        count[tuple(slice(o, o + n) for o, n in zip(f.global_offsets, f.local_shape))] += 1
+        count[tuple(slice(o, o + n) for o, n in zip(f.global_offsets, f.local_shape, strict=True))] += 1
     bad = np.argwhere(count != 1)
     lo, hi = bad.min(axis=0), bad.max(axis=0) + 1
     return f"offsets {lo.tolist()} shape {(hi - lo).tolist()}"

@@ -126,7 +126,7 @@ def plan_gc(
     manifests = _manifests(backend, committed)
     plan.protected = next((s for s in committed if manifests[s] is not None), None)
     # and the newest healthy one (no NaN or infinity recorded), as training's retention keeps it
-    healthy = next((s for s in committed if manifests[s] is not None and manifests[s].first_nonfinite is None), None)
+    healthy = next((s for s in committed if (m := manifests[s]) is not None and m.first_nonfinite is None), None)
     protect = {s for s in (plan.protected, healthy) if s is not None}
     expired = dict.fromkeys(expired_snapshots(committed, keep_last, protect), "keep-last")
     if older_than is not None:
@@ -165,13 +165,13 @@ def plan_gc(
             plan.in_progress.append({"key": key, "age_s": age})
 
     for name in backend.list(""):
-        step = parse_step_dirname(name)
-        if step is None or step in expired:
+        listed = parse_step_dirname(name)
+        if listed is None or listed in expired:
             continue
-        if step not in manifests:
+        if listed not in manifests:
             leftover(name, "uncommitted")
-        elif manifests[step] is not None:
-            referenced = {o.key for o in manifests[step].objects}
+        elif (manifest := manifests[listed]) is not None:
+            referenced = {o.key for o in manifest.objects}
             for obj in backend.list(name):  # data objects only: other files next to a manifest are not leftovers
                 if obj.endswith(DATA_SUFFIX) and obj not in referenced:
                     leftover(f"{name}/{obj}", "unreferenced")

@@ -133,10 +133,13 @@ class _TierWorker:
             want = _retryable(e) and not self.stop.is_set()
             return self.comm.all_true(want) if collective else want
 
+        def sleep(seconds: float) -> None:
+            self.stop.wait(seconds)  # (a stop ends the wait at once)
+
         return tenacity.Retrying(
             retry=tenacity.retry_if_exception(retry),
             wait=tenacity.wait_exponential(multiplier=initial, max=self.tier.retry_max),  # type: ignore[attr-defined]
-            sleep=self.stop.wait,  # (a stop ends the wait at once)
+            sleep=sleep,
             before_sleep=self._on_retry,
             reraise=True,
         )
@@ -293,7 +296,7 @@ class Persister:
         self.arena = arena
         self.agent = agent
         self.results: queue.Queue[PersistResult] = queue.Queue()
-        self._workers = [_TierWorker(self, i, t, c) for i, (t, c) in enumerate(zip(tiers, comms))]
+        self._workers = [_TierWorker(self, i, t, c) for i, (t, c) in enumerate(zip(tiers, comms, strict=True))]
         # steps a slower tier still uploads from a local tier's committed copy: that tier's retention keeps them
         self._pins: dict[int, dict[int, int]] = {}
         self._pin_lock = threading.Lock()

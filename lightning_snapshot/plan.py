@@ -90,8 +90,9 @@ def figures_from_events(logdir: str | os.PathLike[str]) -> Figures:
         kw["stall_gbps"] = gb / (stall / 1000)
     persist = {tier: mean(f"snapshot/{tier}/persist_ms") for tier in ("local", "ram", "object")}
     for tier, field in (("local", "local_gbps"), ("ram", "ram_gbps"), ("object", "object_gbps")):
-        if persist[tier]:
-            kw[field] = gb / (persist[tier] / 1000)
+        ms = persist[tier]
+        if ms:
+            kw[field] = gb / (ms / 1000)
     costs = [(mean(f"snapshot/{t}/cost_ms"), persist[t]) for t in ("local", "ram", "object")]
     fractions = [max(0.0, c - (stall or 0.0)) / p for c, p in costs if c is not None and p]
     if fractions:
@@ -174,7 +175,7 @@ def plan(
                     "mtbf_s": mtbf,
                     "goodput": out.goodput,
                     "failures": out.failures,
-                    "intervals_s": {t.name: i for t, i in zip(usable, out.intervals_s)},
+                    "intervals_s": {t.name: i for t, i in zip(usable, out.intervals_s, strict=True)},
                     "memory_bytes": memory_bytes(name, node_bytes, erasure),
                     "note": "" if len(usable) == len(tiers) else f"RAM erasure needs >= {sum(erasure)} nodes",
                 }

@@ -111,7 +111,7 @@ class Box:
     @property
     def end(self) -> tuple[int, ...]:
         """One past the last index, per dimension."""
-        return tuple(o + s for o, s in zip(self.offsets, self.shape))
+        return tuple(o + s for o, s in zip(self.offsets, self.shape, strict=True))
 
     @property
     def numel(self) -> int:
@@ -126,28 +126,30 @@ class Box:
         """
         if self.ndim != other.ndim:
             raise ValueError(f"cannot intersect a {self.ndim}-d box with a {other.ndim}-d box")
-        lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets))
-        hi = tuple(min(a, b) for a, b in zip(self.end, other.end))
-        if any(h <= low for low, h in zip(lo, hi)):
+        lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets, strict=True))
+        hi = tuple(min(a, b) for a, b in zip(self.end, other.end, strict=True))
+        if any(h <= low for low, h in zip(lo, hi, strict=True)):
             return None
-        return Box(lo, tuple(h - low for low, h in zip(lo, hi)))
+        return Box(lo, tuple(h - low for low, h in zip(lo, hi, strict=True)))
 
     def contains(self, other: Box) -> bool:
         """Whether ``other`` lies inside this box (an empty box lies inside any box whose bounds hold it)."""
         if self.ndim != other.ndim:
             return False
-        return all(a <= b and be <= ae for a, b, ae, be in zip(self.offsets, other.offsets, self.end, other.end))
+        return all(
+            a <= b and be <= ae for a, b, ae, be in zip(self.offsets, other.offsets, self.end, other.end, strict=True)
+        )
 
     def translate(self, origin: Sequence[int]) -> Box:
         """This box in the coordinates of a box that starts at ``origin`` (``offsets - origin``)."""
-        return Box(tuple(o - g for o, g in zip(self.offsets, origin)), self.shape)
+        return Box(tuple(o - g for o, g in zip(self.offsets, origin, strict=True)), self.shape)
 
     def slices(self) -> tuple[slice, ...]:
         """Index this box out of an array: ``array[box.slices()]``."""
-        return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.shape))
+        return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.shape, strict=True))
 
     def __str__(self) -> str:
-        return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.shape)) + "]"
+        return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.shape, strict=True)) + "]"
 
 
 # -- which box each rank of a device mesh owns
@@ -185,11 +187,11 @@ def _placement(placement: Any, ndim: int) -> tuple[str, int | None, int]:
         name = type(placement).__name__  # duck-typed torch.distributed.tensor placements, without importing them
         if name == "Replicate":
             return "replicate", None, 1
-        dim = getattr(placement, "dim", None)
-        if name == "Shard" and isinstance(dim, int):
-            kind = "shard"
-        elif name == "_StridedShard" and isinstance(dim, int):
-            kind = "strided"
+        attr = getattr(placement, "dim", None)
+        if name == "Shard" and isinstance(attr, int):
+            kind, dim = "shard", attr
+        elif name == "_StridedShard" and isinstance(attr, int):
+            kind, dim = "strided", attr
             try:
                 split_factor = int(placement.split_factor)
             except (AttributeError, TypeError, ValueError):
@@ -417,17 +419,17 @@ class _Runs:
 
     @property
     def count(self) -> int:
-        return math.prod(h - lo for lo, h in zip(self.lo, self.hi))
+        return math.prod(h - lo for lo, h in zip(self.lo, self.hi, strict=True))
 
     def _bump(self, t: list[int], d: int) -> list[int] | None:
         """Lexicographic successor of ``t[:d]`` inside the box (remaining dims at their lowest), or None."""
         for k in range(d - 1, -1, -1):
             if t[k] + 1 < self.hi[k]:
-                return t[:k] + [t[k] + 1] + list(self.lo[k + 1 :])
+                return [*t[:k], t[k] + 1, *self.lo[k + 1 :]]
         return None
 
     def _run(self, t: Sequence[int]) -> tuple[int, int]:
-        base = sum(i * s for i, s in zip(t, self.strides))
+        base = sum(i * s for i, s in zip(t, self.strides, strict=False))  # t: the outer dims only
         return base + self.run_lo, base + self.run_hi
 
     def first_ending_after(self, e: int) -> tuple[int, int] | None:
@@ -439,15 +441,18 @@ class _Runs:
         for s in self.strides[: self.j]:
             x.append(rem // s)
             rem %= s
-        t: list[int] | None = []
+        prefix: list[int] = []
+        t: list[int] | None = None
         for d in range(len(x)):
             if x[d] < self.lo[d]:
-                t = t + list(self.lo[d:])
+                t = prefix + list(self.lo[d:])
                 break
             if x[d] >= self.hi[d]:
-                t = self._bump(t, d)
+                t = self._bump(prefix, d)
                 break
-            t.append(x[d])
+            prefix.append(x[d])
+        else:
+            t = prefix
         if t is None:
             return None
         run = self._run(t)
@@ -494,11 +499,11 @@ def _subtract(box: Box, cut: Box) -> list[Box]:
     lo, hi = list(box.offsets), list(box.end)
     for d in range(box.ndim):
         if lo[d] < inter.offsets[d]:
-            phi = hi[:d] + [inter.offsets[d]] + hi[d + 1 :]
-            pieces.append(Box(tuple(lo), tuple(h - low for low, h in zip(lo, phi))))
+            phi = [*hi[:d], inter.offsets[d], *hi[d + 1 :]]
+            pieces.append(Box(tuple(lo), tuple(h - low for low, h in zip(lo, phi, strict=True))))
         if inter.end[d] < hi[d]:
-            plo = lo[:d] + [inter.end[d]] + lo[d + 1 :]
-            pieces.append(Box(tuple(plo), tuple(h - low for low, h in zip(plo, hi))))
+            plo = [*lo[:d], inter.end[d], *lo[d + 1 :]]
+            pieces.append(Box(tuple(plo), tuple(h - low for low, h in zip(plo, hi, strict=True))))
         lo[d], hi[d] = inter.offsets[d], inter.end[d]
     return pieces
 

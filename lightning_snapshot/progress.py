@@ -35,11 +35,15 @@ def human_bytes(n: float) -> str:
     """``n`` bytes in binary units: ``512 B``, ``1.5 KiB``, ``12.0 MiB``, ``3.25 GiB``."""
     if n < 1024:
         return f"{int(n)} B"
-    value, unit = float(n), "B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        value /= 1024
+    value = n / 1024
+    for unit in ("KiB", "MiB", "GiB"):
         if value < 1024:
-            break
+            return _scaled(value, unit)
+        value /= 1024
+    return _scaled(value, "TiB")
+
+
+def _scaled(value: float, unit: str) -> str:
     return f"{value:.3g} {unit}" if value < 100 else f"{value:.0f} {unit}"
 
 

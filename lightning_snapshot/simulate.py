@@ -62,6 +62,13 @@ class Outcome:
 MIN_SHARE = 0.01
 
 
+def _interval(t: TierModel) -> float:
+    """A planned tier's interval (seconds); :func:`_intervals` gives every tier one."""
+    if t.interval_s is None:
+        raise ValueError(f"tier {t.name!r} has no interval: plan the tiers with _intervals first")
+    return t.interval_s
+
+
 def _intervals(tiers: Sequence[TierModel], mtbf_s: float, node_loss: float) -> list[TierModel]:
     """Young/Daly intervals for the tiers without one. A tier is planned for the failures its cheaper tiers do not
     cover (one that does not survive a node loss covers ``1 - node_loss`` of them): MTBF / that share."""
@@ -88,7 +95,7 @@ def _one_run(
     failure_times: Sequence[float] | None,
     start_s: float = 0.0,
 ) -> tuple[float, int, float, float, float]:
-    rate = 1.0 + sum(t.cost_s / t.interval_s for t in tiers)  # wall seconds per second of training
+    rate = 1.0 + sum(t.cost_s / _interval(t) for t in tiers)  # wall seconds per second of training
     times = iter(sorted(failure_times)) if failure_times is not None else None
 
     def next_failure(now: float) -> float:
@@ -121,7 +128,8 @@ def _one_run(
             for t in tiers:
                 if node_lost and not t.survives_node_loss:
                     continue
-                held = math.floor(max(0.0, (fail - start - t.persist_s) / rate) / t.interval_s) * t.interval_s
+                every = _interval(t)
+                held = math.floor(max(0.0, (fail - start - t.persist_s) / rate) / every) * every
                 if held > 0 and (done + held > best or (done + held == best and t.restore_s < best_restore)):
                     best, best_restore = done + held, t.restore_s
             lost += done + trained - best

@@ -8,12 +8,13 @@ re-writing a step (a resumed run passing the same step again) never touches the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, cast
 
 import lightning_snapshot
 from lightning_snapshot.backends.base import Backend
@@ -45,6 +46,14 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+class _NodeLocal(Protocol):
+    """A tier whose nodes each hold their own objects (``node_local``): the local and RAM tiers."""
+
+    def publish(self, comm: Any, key: str, data: bytes) -> None:
+        """Commit ``key`` on every node (collective)."""
+
 
 DEFAULT_CHUNK_BYTES = 8 << 20
 DEFAULT_ALIGNMENT = 64
@@ -80,8 +89,8 @@ def _section(
             alignment = staged.alignment
         names = list(staged.tensors)
         views = {n: tensor_bytes(staged.tensors[n]) for n in names}
-        offsets, size = plan_layout([(n, views[n].nbytes) for n in names], alignment)
-        placed = [(n, offset, views[n].nbytes) for n, offset in offsets]
+        planned, size = plan_layout([(n, views[n].nbytes) for n in names], alignment)
+        placed = [(n, offset, views[n].nbytes) for n, offset in planned]
         if staged.packed is not None:
             buffers.append(staged.packed[:size])
     entries: list[dict[str, Any]] = []
@@ -323,7 +332,7 @@ def write_snapshot(
     if node_local:
         # every node holds the manifest of the snapshots it has shares of: one rank per node commits it
         try:
-            backend.publish(comm, f"{prefix}/{MANIFEST_NAME}", text.encode())
+            cast(_NodeLocal, backend).publish(comm, f"{prefix}/{MANIFEST_NAME}", text.encode())
         except Exception as e:  # noqa: BLE001 - re-raised below on every rank
             error = e
         agree("committing the manifest")
@@ -416,10 +425,8 @@ def _discard_run_objects(backend: Backend, prefix: str, run_id: str) -> None:
     """Best-effort removal of this run's objects of an uncommitted step."""
     for name in backend.list(prefix):
         if name.startswith(run_id + "-"):
-            try:
+            with contextlib.suppress(OSError):
                 backend.delete(f"{prefix}/{name}")
-            except OSError:
-                pass
     if not backend.list(prefix):
         backend.delete(prefix)
 

@@ -196,6 +196,8 @@ def test_apply_refuses_a_layout_that_does_not_fit(one_rank):
         apply_layout(_ddp(), {"buckets": layout["buckets"]})
     with pytest.raises(ValueError, match="malformed"):
         apply_layout(_ddp(), {**layout, "buckets": [[0, 1, 2], []]})
+    with pytest.raises(ValueError, match="malformed DDP bucket layout: dtypes="):  # (was a StopIteration)
+        apply_layout(_ddp(), {**layout, "dtypes": layout["dtypes"][:-1]})
 
 
 def test_apply_carries_a_python_comm_hook_over_and_refuses_a_builtin_one(one_rank):

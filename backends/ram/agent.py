@@ -21,6 +21,7 @@ messages are JSON, tensors are raw bytes in shared memory.
 from __future__ import annotations
 
 import base64
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -120,7 +121,8 @@ def _send(sock: socket.socket, msg: dict[str, Any], fds: list[int] | None = None
 
 class _Reader:
     def __init__(self, sock: socket.socket) -> None:
-        self.sock, self.buf, self.fds = sock, bytearray(), []
+        self.sock, self.buf = sock, bytearray()
+        self.fds: list[int] = []
 
     def next(self) -> dict[str, Any] | None:
         """The next message (its passed fds in ``msg["fds"]``), or None at end of stream."""
@@ -187,7 +189,7 @@ def rebuild_staged(meta: dict[str, Any], region: memoryview | None) -> Any:
             n *= int(d)
         sizes.append((name, n * torch.empty(0, dtype=DTYPES[dtype]).element_size()))
     if meta.get("data") is not None:
-        for (name, dtype, shape), b64 in zip(specs, meta["data"]):
+        for (name, dtype, shape), b64 in zip(specs, meta["data"], strict=True):
             raw = bytearray(base64.b64decode(b64))
             t = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
             tensors[name] = t.view(DTYPES[dtype]).reshape(shape)
@@ -197,7 +199,7 @@ def rebuild_staged(meta: dict[str, Any], region: memoryview | None) -> Any:
             raise ValueError("the staged state lies in an arena slot the agent does not have")
         placed, size = plan_layout(sizes, meta["alignment"])
         base = torch.frombuffer(region, dtype=torch.uint8) if region.nbytes else torch.empty(0, dtype=torch.uint8)
-        for (name, dtype, shape), (_n, offset), (_m, nbytes) in zip(specs, placed, sizes):
+        for (name, dtype, shape), (_n, offset), (_m, nbytes) in zip(specs, placed, sizes, strict=True):
             tensors[name] = base[offset : offset + nbytes].view(DTYPES[dtype]).reshape(shape)
         packed = region[:size] if meta["packed"] else None
     return StagedState(
@@ -404,10 +406,8 @@ class Agent:
                         self.flushing -= 1
                         self.idle_since = time.monotonic()
             for mm in arenas.values():
-                try:
+                with contextlib.suppress(BufferError):
                     mm.close()
-                except BufferError:
-                    pass
 
     def status(self) -> dict[str, Any]:
         """What ``lightning-snapshot agent --status`` shows (the ``status`` reply; fields documented in the README).
@@ -531,10 +531,8 @@ class Agent:
                 tier.write(f"{prefix}/{run_id}-part-{rank:05d}.json", [json.dumps(part).encode()])
         except Exception:
             if world > 1:
-                try:
+                with contextlib.suppress(Exception):  # the tier is failing anyway
                     tier.write(failed, [b"{}"])
-                except Exception:  # noqa: BLE001 - the tier is failing anyway
-                    pass
             raise
         wait = float(hello.get("part_wait") or PART_WAIT_S)
         deadline = time.monotonic() + wait
@@ -631,10 +629,8 @@ def _remove_own_files(node_dir: Path) -> None:
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p, ignore_errors=True)
         else:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 p.unlink()
-            except FileNotFoundError:
-                pass
     for d in (node_dir, node_dir.parent):
         if d == node_dir.parent and os.path.abspath(default_shm_base()) != str(d):
             break  # (a directory this library did not make for RAM tiers is not ours to remove)
@@ -678,10 +674,8 @@ def run_agent(node_dir: Path, idle_timeout: float, log_path: Path | None = None)
     import lightning_snapshot.writer  # noqa: F401
 
     sock_path = node_dir / SOCK
-    try:
+    with contextlib.suppress(FileNotFoundError):
         sock_path.unlink()
-    except FileNotFoundError:
-        pass
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o177)
     try:
@@ -975,7 +969,8 @@ class AgentClient:
                 if self._sock is not None:
                     self._lose(f"{self._agent_name()} closed the connection (it exited or was killed)")
                 break
-            waiting = self._waiting.pop(msg.get("id"), None) if isinstance(msg.get("id"), int) else None
+            request = msg.get("id")
+            waiting = self._waiting.pop(request, None) if isinstance(request, int) else None
             if waiting is not None:
                 waiting[1].append(msg)
                 waiting[0].set()
@@ -999,7 +994,8 @@ class AgentClient:
 
         sid = self._slot_id(job.shared.slot)
         request = next(self._ids)
-        ev, box = threading.Event(), []
+        ev = threading.Event()
+        box: list[dict[str, Any]] = []
         self._waiting[request] = (ev, box)
         self._send(
             {
@@ -1087,17 +1083,13 @@ class AgentClient:
         self._closing = True
         sock = self._sock
         if sock is not None:
-            try:
+            with contextlib.suppress(OSError):
                 sock.settimeout(min(self._limit, 5.0))  # (a stuck agent does not hold up the end of training)
-            except OSError:
-                pass
         self._send({"op": "bye"})
         with self._lock:
             if self._sock is not None:
-                try:
+                with contextlib.suppress(OSError):
                     self._sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
                 self._sock.close()
                 self._sock = None
         self._reader.join(timeout=10)

@@ -24,7 +24,7 @@ import concurrent.futures as cf
 import ctypes
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -161,7 +161,7 @@ def _threads(stripes: int, threads: int | None) -> int:
 _GRAIN = 16
 
 
-def _run(fn, stripes: int, threads: int | None) -> None:  # type: ignore[no-untyped-def]
+def _run(fn: Callable[[int, int], None], stripes: int, threads: int | None) -> None:
     """``fn(a, z)`` over stripes ``[0, stripes)`` on up to ``threads`` threads, each taking the next ``_GRAIN``
     stripes when it is done with its last (a core slowed by another process does not hold the others up)."""
     n = _threads(stripes, threads)

@@ -1,11 +1,12 @@
 """RAM tier: snapshots in node memory (shared memory held by the node's snapshot agent), erasure coded across nodes.
 
 Storage: every node has a directory in shared memory (``/dev/shm/lightning-snapshot-<uid>/<run>``, mode 0700, files
-0600) that the node's snapshot agent (:mod:`lightning_snapshot.backends.ram.agent`) owns: it outlives the trainer and frees it
-after an idle time. The snapshot format is the one of every tier (``step-<n>/manifest.json`` + data objects); with
-``erasure=(k, m)`` a data object is stored as ``<object>.ec/<i>`` shares instead, share ``i`` of an object written by
-a rank on node ``n`` living on node ``(n + i) % num_nodes``, with ``<object>.ec/layout.json`` (the share layout and
-the xxh3 checksum of every share) next to it. Each node holds the manifest of the snapshots it has shares of.
+0600) that the node's snapshot agent (:mod:`lightning_snapshot.backends.ram.agent`) owns: it outlives the trainer and
+frees it after an idle time. The snapshot format is the one of every tier (``step-<n>/manifest.json`` + data
+objects); with ``erasure=(k, m)`` a data object is stored as ``<object>.ec/<i>`` shares instead, share ``i`` of an
+object written by a rank on node ``n`` living on node ``(n + i) % num_nodes``, with ``<object>.ec/layout.json``
+(the share layout and the xxh3 checksum of every share) next to it. Each node holds the manifest of the snapshots it
+has shares of.
 
 Commit rule: the manifest is committed on every node only after every rank's shares were placed (the collective
 agreement of :func:`~lightning_snapshot.writer.write_snapshot`), so a committed step has all ``k + m`` shares of
@@ -24,7 +25,9 @@ runs on a gloo group of the trainers made for this tier, never on the trainer's 
 
 from __future__ import annotations
 
+import builtins
 import concurrent.futures as cf
+import contextlib
 import datetime as _dt
 import hashlib
 import json
@@ -447,7 +450,8 @@ class RamTier(Backend):
                         if size:
                             recvs.append(dist.irecv(_as_tensor(mm)[:size], src, group=comm.group))
             for w in sends + recvs:
-                w.wait()
+                if w is not None:  # (None: this rank is not in the group, nothing was posted)
+                    w.wait()
         finally:
             sends.clear()
             recvs.clear()
@@ -486,7 +490,7 @@ class RamTier(Backend):
             self.store.write(f"{key}{_EC}/{_LAYOUT}", [json.dumps(layout).encode()])
 
     # ------------------------------------------------------------------------------------------- restore
-    def collective_steps(self, comm: Any) -> list[int]:
+    def collective_steps(self, comm: Any) -> builtins.list[int]:  # (``list`` here is the method above)
         """Steps committed on any node, newest first (collective: every rank calls it)."""
         from lightning_snapshot.writer import committed_steps
 
@@ -503,10 +507,8 @@ class RamTier(Backend):
         inv: dict[str, Any] = {"manifest": None, "whole": {}, "shares": {}, "bad": [], "broken": {}}
         if not self.node_leader:
             return inv
-        try:
+        with contextlib.suppress(OSError, UnicodeDecodeError):
             inv["manifest"] = self.store.read(f"{prefix}/{MANIFEST_NAME}").decode()
-        except (OSError, UnicodeDecodeError):
-            pass
         checks: list[tuple[str, int, str, dict[str, Any]]] = []  # (key, share index, share key, layout)
         for name in self.store.list(prefix):
             if name.endswith(_EC):
@@ -537,7 +539,7 @@ class RamTier(Backend):
                 results = list(pool.map(check, checks))
         else:
             results = [check(c) for c in checks]
-        for (key, i, _share, _layout), ok in zip(checks, results):
+        for (key, i, _share, _layout), ok in zip(checks, results, strict=True):
             if ok:
                 inv["shares"][key]["good"].append(i)
             else:
@@ -678,7 +680,7 @@ class RamTier(Backend):
     def _execute(
         self,
         comm: Any,
-        transfers: list[tuple[int, int, str, int]],
+        transfers: builtins.list[tuple[int, int, str, int]],
         layouts: dict[str, dict[str, Any]],
         me: int,
         prefix: str,
@@ -766,10 +768,8 @@ class RamTier(Backend):
                     _close(mm)
                 for p in received.get(key, {}).values():
                     if p not in used:
-                        try:
+                        with contextlib.suppress(OSError):
                             os.unlink(p)
-                        except OSError:
-                            pass
 
     def finish_restore(self, step: int) -> None:
         """Free what :meth:`prepare_restore` added: received and rebuilt shares, whole objects it got from peers
@@ -787,10 +787,8 @@ class RamTier(Backend):
                 ec_dir = self.store._path(f"{prefix}/{name}")
                 for entry in os.listdir(ec_dir) if ec_dir.is_dir() else []:
                     if entry == _READING or (entry.startswith(".") and _SHARE_FILE.match(entry)):
-                        try:
+                        with contextlib.suppress(OSError):
                             os.unlink(ec_dir / entry)
-                        except OSError:
-                            pass
 
     def held_bytes(self) -> int:
         """Bytes of memory this node's RAM tier holds (its files, as allocated)."""
@@ -802,10 +800,8 @@ def allocated_bytes(path: str | os.PathLike[str]) -> int:
     total = 0
     for root, _dirs, files in os.walk(path):
         for f in files:
-            try:
+            with contextlib.suppress(OSError):
                 total += os.stat(os.path.join(root, f)).st_blocks * 512
-            except OSError:
-                pass
     return total
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import numpy as np
 import torch
@@ -28,6 +28,9 @@ from lightning_snapshot import tree as _tree
 from lightning_snapshot.errors import CaptureError
 from lightning_snapshot.manifest import DTYPES, dtype_name
 from lightning_snapshot.planner import Box, chunk_ranges, shard_boxes
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = [
     "StagedState",
@@ -88,12 +91,13 @@ def _dtensor_type() -> Any:
         try:
             from torch.distributed.tensor import DTensor
         except ImportError:  # pragma: no cover - torch without distributed
-            DTensor = False
-        _DTENSOR = DTensor
+            _DTENSOR = False
+        else:
+            _DTENSOR = DTensor
     return _DTENSOR
 
 
-def is_dtensor(t: Any) -> bool:
+def is_dtensor(t: Any) -> TypeGuard[DTensor]:
     """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (a sharded or replicated distributed tensor)."""
     cls = _dtensor_type()
     return bool(cls) and isinstance(t, cls)
@@ -135,7 +139,7 @@ def dtensor_box(t: Any, name: str = "<tensor>") -> tuple[Box, bool]:
     if coord is None:
         raise CaptureError(f"tensor {name!r}: this rank is not part of the DTensor's device mesh {mesh}")
     index = 0
-    for c, m in zip(coord, mesh.shape):
+    for c, m in zip(coord, mesh.shape, strict=True):
         index = index * int(m) + int(c)
     box = boxes[index]
     local = t.to_local()
@@ -145,7 +149,7 @@ def dtensor_box(t: Any, name: str = "<tensor>") -> tuple[Box, bool]:
             f" {placements} on mesh {tuple(mesh.shape)} gives {box.shape} at coordinate {tuple(coord)} (uneven"
             " sharding the format cannot describe)"
         )
-    writer = all(c == 0 for c, p in zip(coord, placements) if type(p).__name__ == "Replicate")
+    writer = all(c == 0 for c, p in zip(coord, placements, strict=True) if type(p).__name__ == "Replicate")
     writer = writer and _first_copy_in_world(mesh, name)
     if box.numel == 0:
         writer = writer and math.prod(t.shape) == 0 and all(int(c) == 0 for c in coord)
@@ -170,7 +174,7 @@ def _first_copy_in_world(mesh: Any, name: str) -> bool:
             " mesh; which rank writes its shard is unknown. Use a mesh whose dimensions are named sub-dimensions of"
             " the world mesh (as ModelParallelStrategy's are)"
         )
-    return all(int(c) == 0 for n, c in zip(root_names, root_coord) if n not in names)
+    return all(int(c) == 0 for n, c in zip(root_names, root_coord, strict=True) if n not in names)
 
 
 def _check(t: torch.Tensor, name: str) -> None:
@@ -269,11 +273,11 @@ def _all_finite(t: torch.Tensor) -> bool:
             with np.errstate(over="ignore", invalid="ignore"):
                 ok = bool(np.isfinite(np.add.reduce(block))) or bool(np.isfinite(block).all())
         else:
-            block = flat[a : a + _FINITE_BLOCK]
+            part = flat[a : a + _FINITE_BLOCK]
             try:
-                ok = bool(torch.isfinite(block).all())
+                ok = bool(torch.isfinite(part).all())
             except (RuntimeError, TypeError, NotImplementedError):  # a dtype without isfinite (some float8 kinds)
-                ok = bool(torch.isfinite(block.to(torch.float32)).all())
+                ok = bool(torch.isfinite(part.to(torch.float32)).all())
         if not ok:
             return False
     return True
@@ -306,7 +310,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     flat = t.reshape(-1)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+    return memoryview(flat.numpy()).cast("B")  # type: ignore[arg-type]  # numpy's stubs: buffer only on 3.12+
 
 
 def dtype_str(t: torch.Tensor) -> str:

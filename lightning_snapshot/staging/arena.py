@@ -663,7 +663,7 @@ class HostArena:
                 world_size,
                 pinned=[None if frozen(items[i][1]) else 0 for i in replicated],
             )
-            dropped = {i for i, owner in zip(replicated, owners) if owner != rank}
+            dropped = {i for i, owner in zip(replicated, owners, strict=True) if owner != rank}
             items = [item for i, item in enumerate(items) if i not in dropped]
             if rank != 0:  # rank 0 records the aliases of replicated tensors; every rank those of its shards
                 aliases = {a: c for a, c in aliases.items() if c in shards}
@@ -674,7 +674,7 @@ class HostArena:
         # written with O_DIRECT in one go
         placed, size = plan_layout(sizes, _ALIGN)
         entries = []
-        for (name, t), (_, offset), (_, nbytes) in zip(items, placed, sizes):
+        for (name, t), (_, offset), (_, nbytes) in zip(items, placed, sizes, strict=True):
             if t.is_cuda:
                 how = _CUDA_FROZEN if frozen(t) else _CUDA_NOW
             elif frozen(t) and t.is_contiguous():
@@ -705,7 +705,7 @@ class HostArena:
             [(name, offset, nbytes) for name, _, offset, nbytes, _ in entries],
             [
                 (name, offset, t.data_ptr(), nbytes)
-                for (name, _, offset, nbytes, how), t in zip(entries, sources)
+                for (name, _, offset, nbytes, how), t in zip(entries, sources, strict=True)
                 if how == _BACKGROUND
             ],
             any(how != _BACKGROUND for *_, how in entries),
@@ -727,9 +727,9 @@ class HostArena:
         region = slot.buffer
         slot.views = [
             region[offset : offset + nbytes].view(t.dtype).view(t.shape)
-            for (_, _, offset, nbytes, _), t in zip(plan.entries, sources)
+            for (_, _, offset, nbytes, _), t in zip(plan.entries, sources, strict=True)
         ]
-        slot.tensors = {entry[0]: view for entry, view in zip(plan.entries, slot.views)}
+        slot.tensors = {entry[0]: view for entry, view in zip(plan.entries, slot.views, strict=True)}
         slot.plan = plan
 
     # ------------------------------------------------------------------------------------------- staging
@@ -790,7 +790,7 @@ class HostArena:
             if sources is None:
                 values = list(tensors.values())
                 sources = [values[i] for _, i, _, _, _ in plan.entries]
-            for (name, _, offset, nbytes, how), src, dst in zip(plan.entries, sources, slot.views):
+            for (name, _, offset, nbytes, how), src, dst in zip(plan.entries, sources, slot.views, strict=True):
                 if how == _BACKGROUND:
                     continue
                 hashed.append((name, offset, nbytes))
