@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import shutil
 import socket
 import subprocess
@@ -30,7 +29,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-__all__ = ["main", "train", "screenshot"]
+__all__ = ["main", "screenshot", "train"]
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +42,11 @@ def train(run_dir: Path) -> Path:
     import lightning as L
     import torch
     from lightning.pytorch.loggers import TensorBoardLogger
+    from lightning_snapshot.backends import LocalTier
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_snapshot import SnapshotCallback
-    from lightning_snapshot.backends import LocalTier
 
     class Model(L.LightningModule):
         def __init__(self) -> None:
@@ -151,7 +150,17 @@ def main(argv: list[str] | None = None) -> int:
         logs = train(work)
         port = _free_port()
         tb = subprocess.Popen(
-            [sys.executable, "-m", "tensorboard.main", "--logdir", str(logs), "--host", "127.0.0.1", "--port", str(port)],
+            [
+                sys.executable,
+                "-m",
+                "tensorboard.main",
+                "--logdir",
+                str(logs),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+            ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
