@@ -35,9 +35,11 @@ class FormatError(Exception):
 
 
 def newest_step_dir(root: Path) -> Path:
-    """The committed step directories (a manifest inside), newest first."""
+    """The newest committed step directory (a step-* directory holding a manifest)."""
     steps = sorted(
-        (int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and (p / "manifest.json").is_file()
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := STEP_DIR.match(p.name)) and (p / "manifest.json").is_file()
     )
     if not steps:
         raise FormatError(f"no committed snapshot in {root}")
@@ -90,10 +92,10 @@ def read_tensor(step_dir: Path, manifest: dict, entries: list[dict], name: str) 
         sums = frag["checksums"]
         if len(sums) != max(1, -(-nbytes // cb)) or not all(HEX16.match(s) for s in sums):
             raise FormatError("wrong number of checksums")
-        for c, (chunk, want) in enumerate(zip(chunks, sums)):
+        for c, (chunk, want) in enumerate(zip(chunks, sums, strict=True)):
             if xxhash.xxh3_64_hexdigest(chunk) != want:
                 raise FormatError(f"checksum mismatch in {name}, chunk {c}")
-        box = tuple(slice(o, o + n) for o, n in zip(frag["global_offsets"], local))
+        box = tuple(slice(o, o + n) for o, n in zip(frag["global_offsets"], local, strict=True))
         out[box] = np.frombuffer(data, dtype=dtype).reshape(local)
         covered += math.prod(local)
     if covered != math.prod(entry["global_shape"]):
@@ -137,11 +139,11 @@ def decode(tree, read):
 def trained(tmp_path_factory):
     import lightning as L
     import torch
+    from lightning_snapshot.backends import LocalTier
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_snapshot import SnapshotCallback
-    from lightning_snapshot.backends import LocalTier
 
     class Tiny(L.LightningModule):
         def __init__(self):
@@ -244,7 +246,7 @@ def test_a_flipped_byte_is_caught_by_the_pages_checksum_rule(trained, tmp_path):
     data = bytearray(path.read_bytes())
     data[frag["offset"] + 1] ^= 0x01
     path.write_bytes(bytes(data))
-    with pytest.raises(FormatError, match="checksum mismatch in state_dict/enc.bias"):
+    with pytest.raises(FormatError, match=r"checksum mismatch in state_dict/enc\.bias"):
         read_tensor(step_dir, manifest, manifest["tensors"], "state_dict/enc.bias")
 
 
