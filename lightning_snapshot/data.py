@@ -448,6 +448,7 @@ def position(loader: Any, epoch: int, consumed_batches: int, *, ended: bool = Fa
     drawn = current and tracker is not None and sampler.draws > tracker.draws_at_start
     rng, gen = sampler.epoch_state if drawn and sampler.epoch_state is not None else (None, None)
     batch_size = loader.batch_sampler.batch_size
+    iter_rng = tracker.start_rng if current and tracker is not None else None
     return {
         "epoch": epoch,
         "consumed_batches": consumed_batches,
@@ -457,9 +458,7 @@ def position(loader: Any, epoch: int, consumed_batches: int, *, ended: bool = Fa
         "global": sampler.global_position(consumed_batches, batch_size) if drawn else None,
         "sampler_epoch": sampler.sampler_epoch if drawn else None,
         "drawn": drawn,
-        "iter_rng": dict(tracker.start_rng)
-        if current and tracker is not None and tracker.start_rng is not None
-        else None,
+        "iter_rng": dict(iter_rng) if iter_rng is not None else None,
         "workers": tracker.workers_position(consumed_batches, current) if tracker is not None else None,
     }
 
