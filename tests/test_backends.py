@@ -73,3 +73,14 @@ class TestRamTier(BackendTests):
 
     def raw_names(self, backend):
         return _files_under(backend.node_dir / "store")
+
+
+class TestMemoryObjectStoreTier(TestObjectStoreTier):
+    """The object-store tier on fsspec's in-process ``memory://`` filesystem (no rename, no conditional put)."""
+
+    #: fsspec's memory filesystem records no modification time: ``modified`` says None (cannot tell)
+    tells_modified = False
+
+    @pytest.fixture
+    def new_backend(self):
+        return lambda **options: ObjectStoreTier(f"memory://conformance-{uuid.uuid4().hex[:12]}/run", **options)
