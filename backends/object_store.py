@@ -386,8 +386,9 @@ class ObjectStoreTier(Backend):
             raise self._error("committing", key, e) from e
 
     def read(self, key: str) -> bytes:
+        path = self._path(key)
         try:
-            data = self.fs.cat_file(self._path(key))
+            data = self.fs.cat_file(path)
         except Exception as e:  # noqa: BLE001 - translated at the boundary
             raise self._read_error("reading", key, e) from e
         self.bytes_read += len(data)

@@ -12,7 +12,8 @@ import pytest
 from backend_conformance import BackendTests
 from train import s3_options
 
-from lightning_snapshot.backends import LocalTier, ObjectStoreTier, RamTier
+from lightning_snapshot.backends import Backend, LocalTier, ObjectStoreTier, RamTier
+from lightning_snapshot.errors import UnsafePathError
 
 
 def _files_under(root: Path) -> list[str]:
@@ -84,3 +85,14 @@ class TestMemoryObjectStoreTier(TestObjectStoreTier):
     @pytest.fixture
     def new_backend(self):
         return lambda **options: ObjectStoreTier(f"memory://conformance-{uuid.uuid4().hex[:12]}/run", **options)
+
+
+def test_the_default_exists_tells_an_object_from_a_prefix(tmp_path):
+    class DefaultExists(LocalTier):  # a tier that keeps Backend.exists, as a new tier may
+        exists = Backend.exists
+
+    tier = DefaultExists(tmp_path)
+    tier.write("p/sub/a.bin", [b"x"])
+    assert tier.exists("p/sub/a.bin") and not tier.exists("p/sub") and not tier.exists("p/missing.bin")
+    with pytest.raises(UnsafePathError):
+        tier.exists("../p")
