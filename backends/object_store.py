@@ -363,6 +363,12 @@ class ObjectStoreTier(Backend):
         return view.nbytes
 
     def commit(self, key: str, data: bytes) -> None:
+        """Create ``key`` with a conditional put; a committed object is never overwritten. Committing the very bytes
+        it already holds succeeds (a retried request whose first attempt landed).
+
+        Raises:
+            SnapshotWriteError: ``key`` is already committed with other bytes, or the put failed.
+        """
         path = self._path(key)
         try:
             fs = self.fs  # (first: it sets _pipe_params)
@@ -372,18 +378,17 @@ class ObjectStoreTier(Backend):
                 if fs.exists(path):
                     raise FileExistsError(path)
                 fs.pipe_file(path, bytes(data))
+            return
         except FileExistsError:
+            pass
+        except Exception as e:  # noqa: BLE001
+            if "PreconditionFailed" not in str(e) and "412" not in str(e):
+                raise self._error("committing", key, e) from e
+        if self.read(key) != bytes(data):
             raise SnapshotWriteError(
                 f"{key!r} is already committed in the {self.scheme} tier {self.url!r};"
                 " a committed snapshot is never overwritten"
-            ) from None
-        except Exception as e:  # noqa: BLE001
-            if "PreconditionFailed" in str(e) or "412" in str(e):
-                raise SnapshotWriteError(
-                    f"{key!r} is already committed in the {self.scheme} tier {self.url!r};"
-                    " a committed snapshot is never overwritten"
-                ) from None
-            raise self._error("committing", key, e) from e
+            )
 
     def read(self, key: str) -> bytes:
         path = self._path(key)

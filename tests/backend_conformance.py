@@ -218,6 +218,13 @@ class BackendTests:
             assert backend.read(f"step/{MANIFEST_NAME}") == b"first"
         assert self.raw_names(backend) == [f"step/{MANIFEST_NAME}"]
 
+    def test_committing_the_same_bytes_again_succeeds(self, backend):
+        # (a retried commit whose first request landed but whose answer was lost)
+        backend.commit(f"step/{MANIFEST_NAME}", b"the manifest")
+        backend.commit(f"step/{MANIFEST_NAME}", b"the manifest")
+        assert backend.read(f"step/{MANIFEST_NAME}") == b"the manifest"
+        assert self.raw_names(backend) == [f"step/{MANIFEST_NAME}"]
+
     def test_data_without_a_manifest_is_not_a_snapshot(self, new_backend):
         backend = new_backend(keep_last=None)
         _snapshot(backend, 5)
