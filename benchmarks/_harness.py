@@ -651,9 +651,9 @@ class Report:
         """Print (and return) the header: the machine and the benchmark's ``settings`` (kept for the JSON)."""
         self.settings.update(settings)
         m = self.machine
-        text = (f"lightning-snapshot {self.name} benchmark: torch {m['torch']}, lightning {m['lightning']},"
-                f" {m['threads']} threads, {m['cpus']} CPUs; load average {m['load_average']:.2f}"
-                f"\nlibrary at {m['library']}")
+        threads = f" {m['threads']} threads," if m["threads"] else ""
+        text = (f"lightning-snapshot {self.name} benchmark: torch {m['torch']}, lightning {m['lightning']},{threads}"
+                f" {m['cpus']} CPUs; load average {m['load_average']:.2f}\nlibrary at {m['library']}")
         if settings:
             text += "\n" + "; ".join(f"{k} {v}" for k, v in settings.items())
         print(text, flush=True)

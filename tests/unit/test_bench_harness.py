@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -62,6 +63,12 @@ def test_noise_bookkeeping_flags_unreliable_runs():
     assert harness.quiet_median([(1.0, 0.0), (2.0, 0.0), (3.0, 0.05), (100.0, 0.9)]) == (2.0, 3)
     assert harness.quiet_median([(1.0, 0.0), (5.0, 0.5), (9.0, 0.9)]) == (5.0, 3)
     assert harness.quiet_median([]) == (None, 0)
+
+    # helper processes the benchmark counts as its own (a server): their CPU is not "other processes"
+    alone = harness.NoiseMeter.mark()[2]
+    twice = harness.NoiseMeter.mark(pids=[os.getpid()])[2]
+    assert twice >= 2 * alone - 0.05
+    assert harness.NoiseMeter.mark(pids=[4_194_999])[2] >= alone  # a process that is gone counts 0
 
     with harness.NoiseMeter() as meter:  # real /proc/stat readings
         sum(range(10_000))
