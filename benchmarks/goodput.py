@@ -454,11 +454,12 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
         results[m] = rows
     out.table(report(ideal, step_s, results, a.restart_delay))
     out.fields.update(figures(ideal, step_s, results, a.restart_delay, steps))
+    status = out.finish()  # (the JSON is written before the plot, which needs matplotlib)
     plot = a.plot or (None if len(mtbfs) < 2 else "goodput.png")
     if plot:
         write_plot(ideal, results, plot)
     shutil.rmtree(ideal_dir, ignore_errors=True)
-    return out.finish()
+    return status
 
 
 def _overhead(run: Run, step_s: float) -> float:

@@ -75,7 +75,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import ctypes
 import logging
 import os
 import shutil
@@ -631,11 +630,7 @@ def memcpy(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[float, 
     base = buf.data_ptr()
 
     def memmove() -> None:
-        pos = 0
-        for t in tensors:
-            n = t.numel() * t.element_size()
-            ctypes.memmove(base + pos, t.data_ptr(), n)
-            pos += n
+        harness.memmove_into(tensors, base)
 
     def torch_copy() -> None:
         pos = 0
