@@ -626,7 +626,8 @@ def jsonable(obj: Any) -> Any:
 
 
 class Report:
-    """One benchmark run's output: header, tables and targets, printed as they come and written as JSON.
+    """One benchmark run's output: header, tables and targets, printed as they come and written as JSON, and the
+    noise of the whole run (from its creation to :meth:`finish`) in the footer.
 
     Args:
         name: the benchmark (``"stall"``, ...).
@@ -645,7 +646,7 @@ class Report:
         self.data: dict[str, Any] = {}
         self.fields: dict[str, Any] = {}  # top-level keys a benchmark's JSON already had (its established format)
         self.lines: list[str] = []
-        self._started = time.perf_counter()
+        self._meter = NoiseMeter().__enter__()  # the whole benchmark: how much other processes disturbed it
 
     def header(self, **settings: Any) -> str:
         """Print (and return) the header: the machine and the benchmark's ``settings`` (kept for the JSON)."""
@@ -655,7 +656,7 @@ class Report:
         text = (f"lightning-snapshot {self.name} benchmark: torch {m['torch']}, lightning {m['lightning']},{threads}"
                 f" {m['cpus']} CPUs; load average {m['load_average']:.2f}\nlibrary at {m['library']}")
         if settings:
-            text += "\n" + "; ".join(f"{k} {v}" for k, v in settings.items())
+            text += "\n" + "; ".join(f"{k.replace('_', ' ')} {v}" for k, v in settings.items())
         print(text, flush=True)
         return text
 
@@ -676,10 +677,15 @@ class Report:
         self.data.update(data)
         if self.targets.lines:
             print(f"\n{self.targets.text()}", flush=True)
-        load = os.getloadavg()[0]
-        print(f"\n{self.name}: {time.perf_counter() - self._started:.0f} s in all; load average"
-              f" {self.machine['load_average']:.2f} -> {load:.2f}", flush=True)
-        self.machine["load_average_end"] = round(load, 2)
+        self._meter.__exit__(None, None, None)
+        noise = self._meter.noise
+        if noise is None:  # (set by __exit__)
+            raise RuntimeError("the noise meter did not stop")
+        print(f"\n{self.name}: {noise.wall_s:.0f} s in all; load average {noise.load_before:.2f} ->"
+              f" {noise.load_after:.2f}; other processes used {noise.foreign_cpu_s:.0f} CPU-s ({noise.share:.0%} of"
+              " the CPUs)" + (" (NOISE: wall-clock figures unreliable)" if noise.unreliable else ""), flush=True)
+        self.machine.update(load_average_end=round(noise.load_after, 2), noise_share=noise.share,
+                            foreign_cpu_s=noise.foreign_cpu_s, wall_s=noise.wall_s)
         if self.json_path:
             Path(self.json_path).write_text(json.dumps(self.document(), indent=1) + "\n")
             print(f"json: {self.json_path}")

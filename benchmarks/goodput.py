@@ -466,8 +466,8 @@ def _overhead(run: Run, step_s: float) -> float:
     return max(0.0, run.train_s - step_s * run.steps_trained)
 
 
-COLUMNS = ["MTBF", "method", "every", "goodput", "failures", "steps lost", "restart+restore s", "snapshot overhead s",
-           "lost apart from restart delay s", "final state"]
+COLUMNS = ["MTBF", harness.Column("method", "<"), harness.Column("every", "<"), "goodput", "failures", "steps lost",
+           "restart+restore s", "snapshot overhead s", "lost apart from restart delay s", "final state"]
 
 
 def report(ideal: Run, step_s: float, results: dict[float, list[Run]], delay: float) -> harness.Table:

@@ -180,7 +180,8 @@ def test_report_prints_and_writes_json_and_strict_exit_status(tmp_path, capsys):
     assert doc["tables"] == {"results": {"title": "results of 1 run", "rows": [{"method": "a", "s": 1.0, "bad": None}]}}
     assert doc["targets"] == [{"status": "FAIL", "text": "a: 1.00 s <= 0.5 s", "value": 1.0, "limit": 0.5}]
     assert doc["summary"]["verdict"] == "FAIL" and doc["data"] == {"runs": [{"runs": [1.0, 2.0]}]}
-    assert {"torch", "lightning", "cpus", "library", "load_average"} <= doc["machine"].keys()
+    assert {"torch", "lightning", "cpus", "library", "load_average", "noise_share"} <= doc["machine"].keys()
+    assert "demo: 0 s in all; load average" in printed and "of the CPUs)" in printed
 
     lenient = harness.Report("demo", parser.parse_args([]))
     lenient.targets.check(False, "fails")
