@@ -519,8 +519,9 @@ class Target:
 
 
 class Targets:
-    """The targets block: each check a ``PASS``/``FAIL`` line (``--`` where it cannot be judged), notes as
-    ``info`` lines, then one machine-readable line ``TARGETS pass=N fail=N info=N verdict=PASS|FAIL|NONE``."""
+    """The targets block: each check a ``PASS``/``FAIL`` line (``--`` where it cannot be judged), figures as
+    ``info`` lines, unmet assumptions as ``WARN`` lines, then one machine-readable line
+    ``TARGETS pass=N fail=N unjudged=N warn=N info=N verdict=PASS|FAIL|NONE``."""
 
     def __init__(self, title: str = "targets") -> None:
         self.title = title
@@ -536,6 +537,10 @@ class Targets:
         """A figure that is reported next to the targets but is not one."""
         self.lines.append(Target("info", text, value))
 
+    def warn(self, text: str, value: float | None = None) -> None:
+        """A condition the targets assume that this run did not meet (not a target: the verdict ignores it)."""
+        self.lines.append(Target("WARN", text, value))
+
     def count(self, status: str) -> int:
         return sum(1 for t in self.lines if t.status == status)
 
@@ -548,12 +553,12 @@ class Targets:
 
     def summary(self) -> dict[str, Any]:
         return {"pass": self.count("PASS"), "fail": self.count("FAIL"), "unjudged": self.count("--"),
-                "info": self.count("info"), "verdict": self.verdict}
+                "warn": self.count("WARN"), "info": self.count("info"), "verdict": self.verdict}
 
     def summary_line(self) -> str:
         s = self.summary()
-        return (f"TARGETS pass={s['pass']} fail={s['fail']} unjudged={s['unjudged']} info={s['info']}"
-                f" verdict={s['verdict']}")
+        return (f"TARGETS pass={s['pass']} fail={s['fail']} unjudged={s['unjudged']} warn={s['warn']}"
+                f" info={s['info']} verdict={s['verdict']}")
 
     def text(self) -> str:
         out = [self.title]

@@ -147,16 +147,19 @@ def test_targets_block_summary_and_exit_status():
     targets.check(None, "restore: not measured")
     targets.info("CPU per snapshot 0.09 s", 0.09)
     assert targets.verdict == "PASS" and targets.exit_status() == 0
+    targets.warn(">= 5 failures per method: no: mc-yd")
+    assert targets.verdict == "PASS"  # a warning is not a target
     targets.check(False, "durable 3.1 s <= 0.5 x 4.0 s", 3.1, 2.0)
     assert targets.text().splitlines() == [
         "targets",
         "  PASS  median stall 2.9 ms <= 5 ms",
         "   --   restore: not measured",
         "  info  CPU per snapshot 0.09 s",
+        "  WARN  >= 5 failures per method: no: mc-yd",
         "  FAIL  durable 3.1 s <= 0.5 x 4.0 s",
-        "TARGETS pass=1 fail=1 unjudged=1 info=1 verdict=FAIL",
+        "TARGETS pass=1 fail=1 unjudged=1 warn=1 info=1 verdict=FAIL",
     ]
-    assert targets.summary() == {"pass": 1, "fail": 1, "unjudged": 1, "info": 1, "verdict": "FAIL"}
+    assert targets.summary() == {"pass": 1, "fail": 1, "unjudged": 1, "warn": 1, "info": 1, "verdict": "FAIL"}
     assert targets.exit_status() == 1
 
 
