@@ -476,7 +476,10 @@ def load_snapshot(
         ``callbacks``, ``epoch``, ``global_step``...), or its ``keys``, with full CPU tensors.
 
     Raises:
-        SnapshotNotFoundError, ManifestError, FormatVersionError, ChecksumError.
+        SnapshotNotFoundError: no committed snapshot at ``source`` (or no step ``step``, or no state for ``rank``).
+        ManifestError: the manifest is malformed or truncated.
+        FormatVersionError: the manifest was written by a newer format than this library reads.
+        ChecksumError: a chunk read back does not match its recorded checksum.
     """
     backend, manifest = open_snapshot(source, step)
     step = manifest.step

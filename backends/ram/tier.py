@@ -119,7 +119,7 @@ class RamTier(Backend):
         idle_timeout: seconds the agent keeps the memory once no trainer is attached, then exits and frees it.
         threads: encoding/decoding threads (default: the cores of the machine, at most 8).
 
-    URL form: ``"ram://?every=10&keep=2&erasure=4+2&name=run-42&idle=600"``.
+    URL form: ``"ram://run-42?every=10&keep=2&erasure=4+2&idle=600"`` (``ram://?...`` for the default name).
     """
 
     tier = "ram"

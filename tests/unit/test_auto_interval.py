@@ -229,10 +229,24 @@ class BusyTier(LocalTier):
         return super().write(key, buffers)
 
 
-def _fit(tmp_path, name: str, busy: float) -> tuple[LocalTier, SnapshotCallback]:
+class RecordingCallback(SnapshotCallback):
+    """Records, after every re-tuning from a measured cost, the interval chosen and the step time it was converted
+    with."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.decisions: list[tuple[int, float]] = []
+
+    def _retune(self) -> None:
+        super()._retune()
+        if self._meter is not None and self._meter.cost(0) is not None:  # (decided from a measured cost)
+            self.decisions.append((self.tiers[0].every_n_train_steps, self._meter.step_seconds))
+
+
+def _fit(tmp_path, name: str, busy: float) -> tuple[LocalTier, RecordingCallback]:
     L.seed_everything(0, verbose=False)
     tier = BusyTier(tmp_path / name, busy, every_n_train_steps="auto", min_every=2, max_every=2000, keep_last=1)
-    cb = SnapshotCallback(tier, mtbf=2.0, resume=False)
+    cb = RecordingCallback(tier, mtbf=2.0, resume=False)
     data = TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
     trainer = L.Trainer(max_steps=150, callbacks=[cb], logger=False, enable_progress_bar=False,
                         enable_model_summary=False)
@@ -250,10 +264,9 @@ def test_interval_reacts_to_a_slowed_tier(tmp_path, caplog):
     # (margins for a loaded machine: other processes add noise to the fast tier's few-ms cost)
     assert slow_cost > 3 * fast_cost
     # Young/Daly: the time between snapshots grows with the sqrt of the cost ratio. Compared in seconds of training
-    # (interval x the step time each run measured): on a loaded machine the two runs' step times differ, and the
-    # slow run, in flight most of the time, measures its step time on fewer clean steps.
-    fast_s = fast.every_n_train_steps * fast_cb._meter.step_seconds
-    slow_s = slow.every_n_train_steps * slow_cb._meter.step_seconds
-    assert slow_s > 1.5 * fast_s
+    # as each run decided it (the last interval chosen x the step time it was converted with): on a loaded machine
+    # the two runs' step times differ, so their intervals in steps need not.
+    (fast_steps, fast_step_s), (slow_steps, slow_step_s) = fast_cb.decisions[-1], slow_cb.decisions[-1]
+    assert slow_steps * slow_step_s > 1.5 * fast_steps * fast_step_s, (fast_cb.decisions, slow_cb.decisions)
     assert any("now snapshots every" in r.getMessage() and str(tmp_path / "slow") in r.getMessage()
                for r in caplog.records)
