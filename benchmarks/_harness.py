@@ -12,10 +12,15 @@ A benchmark file keeps only what it measures (its model, its methods' runners, i
   share of the machine's CPUs, and the load average; a run above :data:`NOISY` is flagged unreliable (and run
   again, keeping the quietest, where the benchmark offers ``--retries``).
 * :class:`Table`: aligned text or Markdown, and the rows as records for the JSON output.
-* :class:`Targets`: the ``PASS``/``FAIL``/``info`` block with a machine-readable summary line
-  (``TARGETS pass=N fail=N info=N verdict=...``) and the exit status of ``--strict``.
+* :class:`Targets`: the ``PASS``/``FAIL``/``WARN``/``info`` block with a machine-readable summary line
+  (``TARGETS pass=N fail=N unjudged=N warn=N info=N verdict=...``) and the exit status of ``--strict``.
 * :class:`Report`: the header (benchmark, torch and lightning versions, threads, CPUs, library git revision, load
-  average), the tables and targets printed as they come, and ``--json PATH``: everything as one JSON document.
+  average), the tables and targets printed as they come, the noise of the whole run, and ``--json PATH``:
+  everything as one JSON document; :func:`add_arguments` gives every benchmark ``--json``, ``--markdown`` and
+  ``--strict``.
+* Measuring helpers more than one benchmark needs: :class:`Timing` and :func:`repeat` (median, best and spread of
+  repeats), :func:`timed`, :func:`memmove_into` (the "one memcpy" reference), :func:`evict` (cold reads),
+  :func:`memory_logger` (logged metrics kept in memory), :func:`trim_memory`, :func:`free_port`.
 
 Contracts: everything here runs in the benchmark's main thread (``NoiseMeter`` reads machine-wide counters, so
 nested or concurrent meters are fine); nothing here changes what is measured.
@@ -24,7 +29,9 @@ nested or concurrent meters are fine); nothing here changes what is measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
+import functools
 import gc
 import importlib.metadata
 import json
@@ -60,8 +67,9 @@ __all__ = [
     "free_port",
     "jsonable",
     "library_version",
-    "memmove_into",
     "machine",
+    "memmove_into",
+    "memory_logger",
     "quiet_median",
     "ratio",
     "repeat",
@@ -135,7 +143,7 @@ class Methods:
         right = width - left - 2
         rule = f"{'=' * left}  {'=' * right}"
         lines = [rule]
-        for name, method in zip(names, self._methods.values()):
+        for name, method in zip(names, self._methods.values(), strict=True):
             wrapped = textwrap.wrap(method.doc, right) or [""]
             lines.append(f"{name:<{left}}  {wrapped[0]}".rstrip())
             lines += [f"{'':<{left}}  {more}" for more in wrapped[1:]]
@@ -277,10 +285,8 @@ def quiet_median(periods: Sequence[tuple[float, float]], threshold: float = NOIS
 def trim_memory() -> None:
     """Return freed memory to the OS, so that RSS before the next run starts from what is really in use."""
     gc.collect()
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def run_quietest(name: str, attempt: Callable[[], R], *, retries: int, noise: Callable[[R], float],
@@ -299,7 +305,7 @@ def run_quietest(name: str, attempt: Callable[[], R], *, retries: int, noise: Ca
         t0 = time.perf_counter()
         try:
             result = attempt()
-        except Exception as e:  # noqa: BLE001 - one method failing must not hide the others
+        except Exception as e:
             traceback.print_exc()
             result = on_error(e)
         if after is not None:
@@ -460,7 +466,7 @@ class Table:
         widths = [max(c.width, len(c.header)) for c in self.columns]
         for row in self.rows:
             if row.span is None:
-                widths = [max(w, len(cell)) for w, cell in zip(widths, row.cells)]
+                widths = [max(w, len(cell)) for w, cell in zip(widths, row.cells, strict=True)]
             else:
                 widths[0] = max(widths[0], len(row.cells[0]))
         return widths
@@ -470,7 +476,8 @@ class Table:
         widths = self._widths()
 
         def line(cells: Sequence[str]) -> str:
-            return " ".join(f"{cell:{col.align}{w}}" for cell, col, w in zip(cells, self.columns, widths)).rstrip()
+            padded = (f"{cell:{col.align}{w}}" for cell, col, w in zip(cells, self.columns, widths, strict=True))
+            return " ".join(padded).rstrip()
 
         head = line([c.header for c in self.columns])
         out = [head, "-" * len(head)]
@@ -489,7 +496,7 @@ class Table:
         for row in self.rows:
             cells = row.cells if row.span is None else [row.cells[0], row.span] + [""] * (len(self.columns) - 2)
             out.append(line(cells))
-        return "\n".join(out + ([""] + self.notes if self.notes else []))
+        return "\n".join(out + (["", *self.notes] if self.notes else []))
 
     def render(self, markdown: bool) -> str:
         return self.markdown() if markdown else self.text()
@@ -503,7 +510,7 @@ class Table:
             elif row.span is not None:
                 out.append({self.columns[0].header: row.cells[0], "note": row.span})
             else:
-                out.append({c.header: cell for c, cell in zip(self.columns, row.cells)})
+                out.append({c.header: cell for c, cell in zip(self.columns, row.cells, strict=True)})
         return out
 
 
@@ -729,6 +736,41 @@ def memmove_into(tensors: Iterable[Any], address: int) -> int:
         ctypes.memmove(address + pos, t.data_ptr(), n)
         pos += n
     return pos
+
+
+def memory_logger() -> Any:
+    """A Lightning ``Logger`` that keeps every logged metric in memory: ``records`` (step, metrics) in order and
+    ``values(key)``, every value of one metric. Lightning is imported on the first call."""
+    return _memory_logger_class()()
+
+
+@functools.cache
+def _memory_logger_class() -> type:
+    from lightning.pytorch.loggers import Logger
+
+    class MemoryLogger(Logger):
+        def __init__(self) -> None:
+            super().__init__()
+            self.records: list[tuple[int, dict[str, float]]] = []
+
+        @property
+        def name(self) -> str:
+            return "memory"
+
+        @property
+        def version(self) -> str:
+            return "0"
+
+        def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+            self.records.append((step or 0, dict(metrics)))
+
+        def values(self, key: str) -> list[float]:
+            return [m[key] for _, m in self.records if key in m]
+
+    return MemoryLogger
 
 
 def _files(path: Path) -> list[Path]:

@@ -116,7 +116,7 @@ def upload_throughput(endpoint: str, nbytes: int, repeats: int) -> tuple[dict[st
             ctx = Upload(endpoint, fs, staged, f.name)
             for r in range(repeats):
                 for name in UPLOADS.names:
-                    _, seconds = harness.timed(lambda name=name: UPLOADS.run(name, ctx, r))
+                    _, seconds = harness.timed(lambda name=name, r=r: UPLOADS.run(name, ctx, r))
                     rates[name].append(total / seconds / 1e6)
     finally:
         arena.close()
@@ -157,20 +157,6 @@ def training_stall(endpoint: str, steps: int, every: int, width: int, server: in
 
     from lightning_snapshot import SnapshotCallback
 
-    class Rec(L.pytorch.loggers.Logger):
-        name, version = "rec", 0
-
-        def __init__(self):
-            super().__init__()
-            self.stalls: list[float] = []
-
-        def log_metrics(self, metrics, step=None):
-            if "snapshot/stall_ms" in metrics:
-                self.stalls.append(metrics["snapshot/stall_ms"])
-
-        def log_hyperparams(self, *a, **k):
-            pass
-
     class Model(L.LightningModule):
         def __init__(self):
             super().__init__()
@@ -192,13 +178,13 @@ def training_stall(endpoint: str, steps: int, every: int, width: int, server: in
     try:
         for name in TRAININGS.names:
             tiers = TRAININGS.run(name, endpoint, every, shm)
-            rec = Rec()
+            rec = harness.memory_logger()
             L.seed_everything(0, verbose=False)
             trainer = L.Trainer(accelerator="cpu", max_steps=steps, callbacks=[SnapshotCallback(tiers, resume=False)],
                                 logger=rec, log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False)
             with harness.NoiseMeter(pids=[server]) as meter:
                 trainer.fit(Model(), DataLoader(TensorDataset(torch.randn(64 * steps, width)), batch_size=64))
-            results[name] = (statistics.median(rec.stalls), meter.noise)
+            results[name] = (statistics.median(rec.values("snapshot/stall_ms")), meter.noise)
     finally:
         stop_agent(os.path.join(shm, "bench"))
         shutil.rmtree(shm, ignore_errors=True)

@@ -99,12 +99,11 @@ for _path in (ROOT, ROOT / "benchmarks"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-import _harness as harness
-from _harness import NOISY, NoiseMeter, evict, fmt, quiet_median, ratio, timed, trim_memory
+import _harness as harness  # noqa: E402
+from _harness import NOISY, NoiseMeter, evict, fmt, quiet_median, ratio, timed, trim_memory  # noqa: E402
 
 import lightning.pytorch as L
 from lightning.pytorch.callbacks import Callback, Checkpoint, ModelCheckpoint
-from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 
 from lightning_snapshot import SnapshotCallback, load_snapshot
@@ -351,31 +350,6 @@ class FsyncLater:
         self.pool.shutdown(wait=True)
 
 
-class MemoryLogger(Logger):
-    """Keeps every logged metric in memory."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[tuple[int, dict[str, float]]] = []
-
-    @property
-    def name(self) -> str:
-        return "memory"
-
-    @property
-    def version(self) -> str:
-        return "0"
-
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.records.append((step or 0, dict(metrics)))
-
-    def values(self, key: str) -> list[float]:
-        return [m[key] for _, m in self.records if key in m]
-
-
 HOOKS = ("on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end")
 
 
@@ -485,7 +459,7 @@ class Bench:
 class TrainRun:
     module: GPT
     optimizer: torch.optim.Optimizer
-    logger: MemoryLogger
+    logger: Any  # harness.memory_logger()
     probe: Probe
     tail: Tail
     hooks: HookTimer
@@ -526,7 +500,7 @@ def train(bench: Bench, method_callbacks: list[Callback], *, plugins: list[Any] 
     probe = Probe(bench.schedule, bench.check_step)
     tail = Tail(bench.check_step)
     hooks = HookTimer()
-    logger = MemoryLogger()
+    logger = harness.memory_logger()
     loader = torch.utils.data.DataLoader(RandomTokens(bench.steps * bench.cfg.batch * 2, bench.cfg.seq,
                                                       bench.cfg.vocab), batch_size=bench.cfg.batch)
     trainer = L.Trainer(

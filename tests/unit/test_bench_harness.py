@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-import _harness as harness  # noqa: E402
+import _harness as harness
 
 
 def test_methods_registry_docstring_selection_and_schedule():
