@@ -14,7 +14,7 @@ ModelCheckpoint resumes from its newest checkpoint that loads (a kill during ``t
 the one before it is used); it keeps the two newest, as our tiers do (``keep_last=2``).
 
 The default MTBF, 10 s, is chosen so that every method sees at least 5 failures in a run whose failure-free wall
-time is about 35 s (W=12000 steps of a width-256 MLP at about 2.6 ms per step on an idle 2-core machine, 3 s of
+time is about 25 s (W=8000 steps of a width-256 MLP at about 2.6 ms per step on an idle 2-core machine, 3 s of
 start-up): failures every few hundred steps of a small model stand for failures every few hours of a large one, the
 ratio of snapshot cost to MTBF being what decides goodput.
 
@@ -32,8 +32,8 @@ training). A PNG plots goodput against MTBF for 3 MTBFs (the default: ``--mtbf``
 
 Usage::
 
-    python benchmarks/goodput.py --quick                # < 10 min on 2 cores (W=8000, MTBF 10 s, no plot)
-    python benchmarks/goodput.py                        # W=12000, MTBF 10, 20, 40 s and the plot, < 40 min
+    python benchmarks/goodput.py --quick                # < 10 min on 2 cores (W=5000, MTBF 10 s, no plot)
+    python benchmarks/goodput.py                        # W=8000, MTBF 10, 20, 40 s and the plot, < 40 min
     python benchmarks/goodput.py --methods ours-local --kills 4,9 --steps 200   # explicit kill times (seconds)
 """
 
@@ -420,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
         a.width = a.width or 512
         _worker(a)
         return 0
-    steps = a.steps or (8000 if a.quick else 12000)
+    steps = a.steps or (5000 if a.quick else 8000)
     width = a.width or 256
     mtbf = a.mtbf or 10.0
     mtbfs = [float(x) for x in a.mtbfs.split(",")] if a.mtbfs else ([mtbf] if a.quick else [mtbf, 2 * mtbf, 4 * mtbf])
