@@ -30,6 +30,11 @@ Buffer = "bytes | bytearray | memoryview"
 class Backend(abc.ABC):
     """A storage tier: where snapshots go, how often, and how many are kept.
 
+    Keys are '/'-separated and relative to the tier's root; every method that takes one refuses a key that could
+    leave the root (absolute, ``..``, empty parts, characters outside ``[A-Za-z0-9._-]``) with ``UnsafePathError``
+    before touching anything. ``tests/backend_conformance.py`` checks this contract; a new tier's tests subclass
+    its ``BackendTests``.
+
     Args:
         every_n_train_steps: snapshot when ``global_step`` is a multiple of this (>= 1). When neither this nor
             ``train_time_interval`` is given, it defaults to ``DEFAULT_EVERY_N_TRAIN_STEPS`` (100). ``"auto"``: the
@@ -251,7 +256,7 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def read(self, key: str) -> bytes:
-        """The whole object ``key``. Raises ``FileNotFoundError`` when it does not exist."""
+        """The whole object ``key``. Raises ``FileNotFoundError`` naming ``key`` when it does not exist."""
 
     def read_view(self, key: str) -> memoryview:
         """The whole object ``key`` as a read-only buffer (a backend may map it instead of copying it)."""
@@ -259,20 +264,27 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def read_into(self, key: str, offset: int, out: memoryview) -> None:
-        """Fill ``out`` with the bytes of ``key`` starting at ``offset``; raises ``EOFError`` on a short object."""
+        """Fill ``out`` with the bytes of ``key`` starting at ``offset``, and only ``out``.
+
+        Raises ``EOFError`` naming ``key`` when the object ends before ``offset + len(out)`` (also when ``offset`` is
+        past its end), ``FileNotFoundError`` when it does not exist. Reading no bytes reads nothing.
+        """
 
     @abc.abstractmethod
     def list(self, prefix: str = "") -> list[str]:
-        """Names of the objects and sub-prefixes directly under ``prefix`` (no recursion), sorted."""
+        """Names of the objects and sub-prefixes directly under ``prefix`` (no recursion), sorted; names starting
+        with a dot are left out. A prefix that does not exist, or an object, lists as empty."""
 
     @abc.abstractmethod
     def delete(self, key: str) -> None:
         """Delete ``key`` and everything under it; deleting what does not exist is not an error."""
 
     def exists(self, key: str) -> bool:
-        """Whether the object ``key`` exists."""
-        parent, _, name = key.rpartition("/")
-        return name in self.list(parent)
+        """Whether the object ``key`` exists (a prefix with objects under it is not an object)."""
+        from lightning_snapshot.manifest import validate_key  # (lazy: the manifest module imports torch)
+
+        parent, _, name = validate_key(key).rpartition("/")
+        return name in self.list(parent) and not self.list(key)  # (an object lists as empty, a prefix does not)
 
     def modified(self, key: str) -> float | None:
         """When ``key`` (an object, or a prefix and everything under it) last changed, as Unix time: the newest

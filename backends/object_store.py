@@ -11,6 +11,7 @@ from __future__ import annotations
 import builtins
 import ctypes
 import datetime as _dt
+import errno
 import inspect
 import logging
 import os
@@ -322,9 +323,12 @@ class ObjectStoreTier(Backend):
         return TierUnavailableError(f"the {self.scheme} tier {self.url!r}: {problem} ({what}: {detail}); {fix}")
 
     def _read_error(self, what: str, key: str, e: BaseException) -> BaseException:
-        """A read failure translated when the store is unavailable; a missing object stays FileNotFoundError."""
+        """A read failure translated: the store unavailable, a missing object (a ``FileNotFoundError`` naming the key
+        and the tier) or a range that starts past the object's end (``EOFError``); others unchanged."""
         if isinstance(e, FileNotFoundError) and unavailable_reason(e) != "bucket":
-            return e
+            return FileNotFoundError(errno.ENOENT, f"no object {key!r} in the {self.scheme} tier {self.url!r}")
+        if any("InvalidRange" in str(x) or "not satisfiable" in str(x) for x in _chain(e)):  # HTTP 416
+            return EOFError(f"{key!r} in {self.url!r} ends before the range asked for ({what})")
         return self._unavailable(f"{what} {key!r}", e) or e
 
     def check(self) -> None:
@@ -360,6 +364,12 @@ class ObjectStoreTier(Backend):
         return view.nbytes
 
     def commit(self, key: str, data: bytes) -> None:
+        """Create ``key`` with a conditional put; a committed object is never overwritten. Committing the very bytes
+        it already holds succeeds (a retried request whose first attempt landed).
+
+        Raises:
+            SnapshotWriteError: ``key`` is already committed with other bytes, or the put failed.
+        """
         path = self._path(key)
         try:
             fs = self.fs  # (first: it sets _pipe_params)
@@ -369,22 +379,22 @@ class ObjectStoreTier(Backend):
                 if fs.exists(path):
                     raise FileExistsError(path)
                 fs.pipe_file(path, bytes(data))
+            return
         except FileExistsError:
+            pass
+        except Exception as e:
+            if "PreconditionFailed" not in str(e) and "412" not in str(e):
+                raise self._error("committing", key, e) from e
+        if self.read(key) != bytes(data):
             raise SnapshotWriteError(
                 f"{key!r} is already committed in the {self.scheme} tier {self.url!r};"
                 " a committed snapshot is never overwritten"
-            ) from None
-        except Exception as e:
-            if "PreconditionFailed" in str(e) or "412" in str(e):
-                raise SnapshotWriteError(
-                    f"{key!r} is already committed in the {self.scheme} tier {self.url!r};"
-                    " a committed snapshot is never overwritten"
-                ) from None
-            raise self._error("committing", key, e) from e
+            )
 
     def read(self, key: str) -> bytes:
+        path = self._path(key)
         try:
-            data = self.fs.cat_file(self._path(key))
+            data = self.fs.cat_file(path)
         except Exception as e:  # translated at the boundary
             raise self._read_error("reading", key, e) from e
         self.bytes_read += len(data)
@@ -392,8 +402,11 @@ class ObjectStoreTier(Backend):
 
     def read_into(self, key: str, offset: int, out: memoryview) -> None:
         view = memoryview(out).cast("B")
+        path = self._path(key)
+        if not view.nbytes:
+            return  # (nothing to fill; a request for no bytes is refused by S3 as an unsatisfiable range)
         try:
-            data = self.fs.cat_file(self._path(key), start=offset, end=offset + view.nbytes)
+            data = self.fs.cat_file(path, start=offset, end=offset + view.nbytes)
         except Exception as e:  # translated at the boundary
             raise self._read_error("reading", key, e) from e
         self.bytes_read += len(data)
@@ -414,7 +427,8 @@ class ObjectStoreTier(Backend):
             return []
         except Exception as e:  # translated at the boundary
             raise self._error("listing", prefix, e) from e
-        names = sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries})
+        # (an object lists as itself: it has no children)
+        names = sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != path.rstrip("/")})
         return [n for n in names if n and not n.startswith(".")]
 
     def delete(self, key: str) -> None:
@@ -429,10 +443,15 @@ class ObjectStoreTier(Backend):
         self.fs.invalidate_cache(path)
 
     def exists(self, key: str) -> bool:
+        """Whether the object ``key`` exists (a prefix with objects under it is not an object)."""
         path = self._path(key)
         try:
             self.fs.invalidate_cache(path)
-            return bool(self.fs.exists(path))
+            return self.fs.info(path)["type"] == "file"
+        except FileNotFoundError as e:
+            if unavailable_reason(e) == "bucket":
+                raise self._error("looking up", key, e) from e
+            return False
         except Exception as e:  # translated at the boundary
             raise self._error("looking up", key, e) from e
 

@@ -8,25 +8,13 @@ restarts the same command ``--restart-delay`` seconds after each kill (a schedul
 
 Methods (same model, data and steps):
 
-=====================  ===========================================================================================
-``none``               no checkpointing: its failure-free run is the ideal wall time (not run with failures: it
-                       would restart from step 0 until one attempt outlives the whole job)
-``mc-yd``              ``ModelCheckpoint`` (synchronous ``torch.save``) every K steps, K = Young/Daly for its own
-                       save cost, measured in a failure-free calibration run
-``mc-default``         ``ModelCheckpoint`` every W/20 steps: the common "every 1000 steps" of a 20,000-step run,
-                       scaled to this run
-``async-io``           Lightning ``AsyncCheckpointIO`` + ``ModelCheckpoint``, K = Young/Daly for its calibrated cost
-``dcp``                ``torch.distributed.checkpoint.async_save`` (as in ``benchmarks/stall.py``), K likewise; the
-                       restart loads model, optimizer and the step counters
-``ours-local``         lightning-snapshot, ``LocalTier(every="auto")``, ``mtbf=--mtbf``
-``ours-ram-local``     lightning-snapshot, ``RamTier(every="auto")`` + ``LocalTier(every="auto")``
-=====================  ===========================================================================================
+{methods}
 
 ModelCheckpoint resumes from its newest checkpoint that loads (a kill during ``torch.save`` can leave a torn file:
 the one before it is used); it keeps the two newest, as our tiers do (``keep_last=2``).
 
 The default MTBF, 10 s, is chosen so that every method sees at least 5 failures in a run whose failure-free wall
-time is about 35 s (W=12000 steps of a width-256 MLP at about 2.6 ms per step on an idle 2-core machine, 3 s of
+time is about 25 s (W=8000 steps of a width-256 MLP at about 2.6 ms per step on an idle 2-core machine, 3 s of
 start-up): failures every few hundred steps of a small model stand for failures every few hours of a large one, the
 ratio of snapshot cost to MTBF being what decides goodput.
 
@@ -44,8 +32,8 @@ training). A PNG plots goodput against MTBF for 3 MTBFs (the default: ``--mtbf``
 
 Usage::
 
-    python benchmarks/goodput.py --quick                # < 10 min on 2 cores (W=8000, MTBF 10 s, no plot)
-    python benchmarks/goodput.py                        # W=12000, MTBF 10, 20, 40 s and the plot, < 40 min
+    python benchmarks/goodput.py --quick                # < 10 min on 2 cores (W=5000, MTBF 10 s, no plot)
+    python benchmarks/goodput.py                        # W=8000, MTBF 10, 20, 40 s and the plot, < 40 min
     python benchmarks/goodput.py --methods ours-local --kills 4,9 --steps 200   # explicit kill times (seconds)
 """
 
@@ -67,10 +55,27 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _path in (ROOT, ROOT / "benchmarks"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
-METHODS = ["none", "mc-yd", "mc-default", "async-io", "dcp", "ours-local", "ours-ram-local"]
+import _harness as harness  # noqa: E402
+
+# (no runners: every method runs through ``run_method``, its worker picks the callbacks by name)
+METHODS = harness.Methods()
+METHODS.add("none", None, "no checkpointing: its failure-free run is the ideal wall time (not run with failures: it"
+            " would restart from step 0 until one attempt outlives the whole job)")
+METHODS.add("mc-yd", None, "``ModelCheckpoint`` (synchronous ``torch.save``) every K steps, K = Young/Daly for its own"
+            " save cost, measured in a failure-free calibration run")
+METHODS.add("mc-default", None, "``ModelCheckpoint`` every W/20 steps: the common \"every 1000 steps\" of a 20,000-step"
+            " run, scaled to this run")
+METHODS.add("async-io", None, "Lightning ``AsyncCheckpointIO`` + ``ModelCheckpoint``, K = Young/Daly for its calibrated"
+            " cost")
+METHODS.add("dcp", None, "``torch.distributed.checkpoint.async_save`` (as in ``benchmarks/stall.py``), K likewise; the"
+            " restart loads model, optimizer and the step counters")
+METHODS.add("ours-local", None, "lightning-snapshot, ``LocalTier(every=\"auto\")``, ``mtbf=--mtbf``")
+METHODS.add("ours-ram-local", None, "lightning-snapshot, ``RamTier(every=\"auto\")`` + ``LocalTier(every=\"auto\")``")
+__doc__ = METHODS.document(__doc__)
 OURS = ("ours-local", "ours-ram-local")
 PEERS = ("mc-yd", "mc-default", "async-io", "dcp")
 
@@ -393,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("mode", nargs="?", default="bench", choices=["bench", "worker"])
     p.add_argument("--method", default=None)
-    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--methods", default=",".join(METHODS.names))
     p.add_argument("--dir", default=None)
     p.add_argument("--steps", type=int, default=None, help="W, optimizer steps to reach")
     p.add_argument("--every", type=int, default=0)
@@ -404,29 +409,29 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kills", default=None, help="explicit kill times (seconds since start), comma-separated")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--json", default=None, help="write the figures (for the simulator check) here")
     p.add_argument("--plot", default=None, help="PNG of goodput against MTBF (default: goodput.png unless --quick)")
     p.add_argument("--timeout", type=float, default=900.0, help="per run")
-    p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    harness.add_arguments(p, markdown=True, json_help="write the figures (for the simulator check: top-level keys"
+                          " steps, step_s, ideal_wall_s, first_start_s, restart_delay_s, runs), the header and the"
+                          " table here")
     a = p.parse_args(argv)
     if a.mode == "worker":
         a.mtbf = a.mtbf or 3600.0
         a.width = a.width or 512
         _worker(a)
         return 0
-    steps = a.steps or (8000 if a.quick else 12000)
+    steps = a.steps or (5000 if a.quick else 8000)
     width = a.width or 256
     mtbf = a.mtbf or 10.0
     mtbfs = [float(x) for x in a.mtbfs.split(",")] if a.mtbfs else ([mtbf] if a.quick else [mtbf, 2 * mtbf, 4 * mtbf])
     methods = [m for m in a.methods.split(",") if m]
-    unknown = set(methods) - set(METHODS)
-    if unknown:
-        p.error(f"unknown methods {sorted(unknown)}; known: {', '.join(METHODS)}")
+    METHODS.select(a.methods, p)  # (unknown names are an error; the order given is kept)
     workdir = Path(a.dir or tempfile.mkdtemp(prefix="goodput-"))
     workdir.mkdir(parents=True, exist_ok=True)
     common = dict(steps=steps, restart_delay=a.restart_delay, width=width, workdir=workdir, timeout=a.timeout)
-    print(f"W={steps} steps, MLP width {width}, restart delay {a.restart_delay} s, MTBFs {mtbfs} s, seed {a.seed}",
-          flush=True)
+    out = harness.Report("goodput", a)
+    out.header(W=f"{steps} steps", MLP_width=width, restart_delay=f"{a.restart_delay} s", MTBFs=f"{mtbfs} s",
+               seed=a.seed)
     # the ideal: no checkpointing, no failures
     ideal, ideal_dir = run_method("none", every=0, failure_times=[], mtbf=mtbf, **common)
     step_s = ideal.train_s / max(1, ideal.steps_trained)
@@ -458,15 +463,15 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
             print(f"  MTBF {m:g} s {method:<15} wall {run.wall_s:7.1f} s  failures {run.failures}"
                   f"  goodput {ideal.wall_s / run.wall_s:.3f}", flush=True)
         results[m] = rows
-    report(ideal, step_s, results, a.restart_delay)
-    failed = targets(ideal, results, a.restart_delay, mtbfs[0])
-    if a.json:
-        Path(a.json).write_text(json.dumps(figures(ideal, step_s, results, a.restart_delay, steps), indent=1) + "\n")
+    out.table(report(ideal, step_s, results, a.restart_delay))
+    targets(ideal, results, a.restart_delay, mtbfs[0], out.targets)
+    out.fields.update(figures(ideal, step_s, results, a.restart_delay, steps))
+    status = out.finish()  # (the JSON is written before the plot, which needs matplotlib)
     plot = a.plot or (None if len(mtbfs) < 2 else "goodput.png")
     if plot:
         write_plot(ideal, results, plot)
     shutil.rmtree(ideal_dir, ignore_errors=True)
-    return 1 if failed and a.strict else 0
+    return status
 
 
 def _overhead(run: Run, step_s: float) -> float:
@@ -482,52 +487,54 @@ def lost_apart_from_restart(run: Run, ideal: Run, delay: float) -> float:
     return run.wall_s - ideal.wall_s - run.failures * (delay + start)
 
 
-def report(ideal: Run, step_s: float, results: dict[float, list[Run]], delay: float) -> None:
-    print()
-    print("| MTBF | method | every | goodput | failures | steps lost | restart+restore s | snapshot overhead s |"
-          " lost apart from restart delay s | lost apart from restart delay and start-up s | final state |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+COLUMNS = ["MTBF", harness.Column("method", "<"), harness.Column("every", "<"), "goodput", "failures", "steps lost",
+           "restart+restore s", "snapshot overhead s", "lost apart from restart delay s",
+           "lost apart from restart delay and start-up s", "final state"]
+
+
+def report(ideal: Run, step_s: float, results: dict[float, list[Run]], delay: float) -> harness.Table:
+    table = harness.Table(f"Goodput to W steps (ideal wall {ideal.wall_s:.1f} s)", COLUMNS, key="goodput")
     for m, rows in results.items():
         for r in rows:
             every = "auto" if r.method in OURS else (r.every or "-")
             if r.ours:
                 every = "auto (" + "/".join(str(i) for i in r.ours["intervals"]) + ")"
             lost = r.wall_s - ideal.wall_s - delay * r.failures
-            print(f"| {m:g} s | {r.method} | {every} | {ideal.wall_s / r.wall_s:.3f} | {r.failures} | {r.steps_lost}"
-                  f" | {r.restart_s:.1f} | {_overhead(r, step_s):.1f} | {lost:.1f}"
-                  f" | {lost_apart_from_restart(r, ideal, delay):.1f} | {r.bitwise or '-'} |")
+            apart = lost_apart_from_restart(r, ideal, delay)
+            table.add(f"{m:g} s", r.method, every, f"{ideal.wall_s / r.wall_s:.3f}", r.failures, r.steps_lost,
+                      f"{r.restart_s:.1f}", f"{_overhead(r, step_s):.1f}", f"{lost:.1f}", f"{apart:.1f}",
+                      r.bitwise or "-",
+                      data={"mtbf_s": m, "method": r.method, "every": every, "goodput": ideal.wall_s / r.wall_s,
+                            "failures": r.failures, "steps_lost": r.steps_lost, "restart_s": r.restart_s,
+                            "overhead_s": _overhead(r, step_s), "lost_s": lost, "lost_apart_from_restart_s": apart,
+                            "bitwise": r.bitwise})
+    return table
 
 
-def targets(ideal: Run, results: dict[float, list[Run]], delay: float, mtbf: float) -> bool:
-    """Print the issue's targets at the default MTBF (the first); True when one is missed."""
+def targets(ideal: Run, results: dict[float, list[Run]], delay: float, mtbf: float, check: harness.Targets) -> None:
+    """The issue's targets at the default MTBF (the first)."""
     rows = results.get(mtbf, [])
     ours = [r for r in rows if r.method in OURS]
     peers = [r for r in rows if r.method in PEERS]
-    print(f"\ntargets (MTBF {mtbf:g} s; failures per method: "
-          + ", ".join(f"{r.method} {r.failures}" for r in rows) + ")")
-    missed = False
+    check.title = (f"targets (MTBF {mtbf:g} s; failures per method: "
+                   + ", ".join(f"{r.method} {r.failures}" for r in rows) + ")")
     if not ours or not peers:
-        print("  info  needs at least one of ours and one peer")
-        return False
+        check.info("needs at least one of ours and one peer")
+        return
     best_ours = max(ours, key=lambda r: ideal.wall_s / r.wall_s)
     best_peer = max(peers, key=lambda r: ideal.wall_s / r.wall_s)
-    ok = ideal.wall_s / best_ours.wall_s > ideal.wall_s / best_peer.wall_s
-    missed |= not ok
-    print(f"  {'PASS' if ok else 'FAIL'}  highest goodput: {best_ours.method} {ideal.wall_s / best_ours.wall_s:.3f}"
-          f" vs the best peer {best_peer.method} {ideal.wall_s / best_peer.wall_s:.3f}")
+    g_ours, g_peer = ideal.wall_s / best_ours.wall_s, ideal.wall_s / best_peer.wall_s
+    check.check(g_ours > g_peer, f"highest goodput: {best_ours.method} {g_ours:.3f} vs the best peer"
+                                 f" {best_peer.method} {g_peer:.3f}", g_ours, g_peer)
     peer_lost = min(lost_apart_from_restart(r, ideal, delay) for r in peers)
     ours_lost = lost_apart_from_restart(best_ours, ideal, delay)
-    ok = ours_lost <= peer_lost / 3
-    missed |= not ok
-    print(f"  {'PASS' if ok else 'FAIL'}  lost time apart from the restart (delay + start-up): {best_ours.method}"
-          f" {ours_lost:.1f} s <= 1/3 of the best peer's {peer_lost:.1f} s")
+    check.check(ours_lost <= peer_lost / 3, f"lost time apart from the restart (delay + start-up): {best_ours.method}"
+                                            f" {ours_lost:.1f} s <= 1/3 of the best peer's {peer_lost:.1f} s",
+                ours_lost, peer_lost / 3)
     few = [r.method for r in rows if r.failures < 5]
-    print(f"  {'info' if not few else 'WARN'}  >= 5 failures per method: {'yes' if not few else 'no: ' + ', '.join(few)}")
+    (check.warn if few else check.info)(f">= 5 failures per method: {'yes' if not few else 'no: ' + ', '.join(few)}")
     for r in ours:
-        ok = r.bitwise == "PASS"
-        missed |= not ok
-        print(f"  {'PASS' if ok else 'FAIL'}  {r.method}: final state bitwise equal to the failure-free run ({r.bitwise})")
-    return missed
+        check.check(r.bitwise == "PASS", f"{r.method}: final state bitwise equal to the failure-free run ({r.bitwise})")
 
 
 def figures(ideal: Run, step_s: float, results: dict[float, list[Run]], delay: float, steps: int) -> dict[str, Any]:

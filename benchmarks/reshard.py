@@ -8,11 +8,11 @@
    with ``torch.distributed.checkpoint.save`` (sharded, as Lightning's own ModelParallel checkpoints are).
 2. ``load``: for each target layout (FSDP2 on 2 processes: the same topology; FSDP2 on 4 processes and one plain
    process: resharded), fresh processes build the model and optimizer in that layout and fill their state in place,
-   timed from a barrier to a barrier (the slowest rank): lightning-snapshot reads each rank's boxes
-   (``read_manifest`` + ``read_section`` with the DTensors as targets, as the callback's restore does, every chunk
-   read verified by its checksum), DCP runs ``dcp.load`` on a state dict of the same DTensors. Alternating, ``--reps``
-   times each, with a warm page cache and with the timed method's files evicted from it first
+   timed from a barrier to a barrier (the slowest rank), with each method below. Alternating, ``--reps`` times
+   each, with a warm page cache and with the timed method's files evicted from it first
    (``posix_fadvise(DONTNEED)``: a cold read from the disk). Both results are compared bitwise.
+
+{methods}
 
 Prints a table with the ratios: ours / DCP for the same load, and our resharded load / our same-topology load.
 Target: our resharded load <= 1.0x DCP's.
@@ -33,7 +33,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # the harness and the library
+
+import _harness as harness  # noqa: E402
 
 STEP = 2
 QUICK = {"layers": 4, "width": 1024}
@@ -140,24 +143,45 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def evict(folders: list[str]) -> None:
-    for folder in folders:
-        for path in Path(folder).rglob("*"):
-            if path.is_file():
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    os.fsync(fd)  # dirty pages are not dropped
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
+class Loader:
+    """What one rank's loads need: the options, the targets of both methods and the counters of ours."""
+
+    def __init__(self, args: argparse.Namespace, ours_t: dict, dcp_sd: dict) -> None:
+        from lightning_snapshot.loader import ReadStats
+
+        self.args, self.ours_t, self.dcp_sd = args, ours_t, dcp_sd
+        self.stats = ReadStats()
+        self.counted = 0
+
+
+def load_ours(ctx: Loader) -> None:
+    from lightning_snapshot.backends import LocalTier
+    from lightning_snapshot.loader import ReadStats, read_manifest, read_section
+
+    backend = LocalTier(ctx.args.snap)
+    manifest = read_manifest(backend, STEP)
+    st = ReadStats()
+    read_section(backend, manifest, manifest.tensors, manifest.state, targets=ctx.ours_t, stats=st)
+    ctx.stats.bytes_needed, ctx.stats.bytes_read = st.bytes_needed, st.bytes_read
+    ctx.counted = backend.bytes_read
+
+
+def load_dcp(ctx: Loader) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(ctx.dcp_sd, checkpoint_id=ctx.args.dcp)
+
+
+METHODS = harness.Methods()
+METHODS.add("ours", load_ours,
+            "lightning-snapshot: each rank reads its boxes (``read_manifest`` + ``read_section`` with the DTensors as"
+            " targets, as the callback's restore does, every chunk read verified by its checksum)")
+METHODS.add("dcp", load_dcp, "``dcp.load`` on a state dict of the same DTensors")
+__doc__ = METHODS.document(__doc__)
 
 
 def worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-
-    from lightning_snapshot.backends import LocalTier
-    from lightning_snapshot.loader import ReadStats, read_manifest, read_section
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if world > 1:
@@ -170,33 +194,20 @@ def worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
 
     ours_t, dcp_sd = templates(args, world)
     ours_t, dcp_sd = clone(ours_t), clone(dcp_sd)  # separate storage: the two loads never alias
-    stats = ReadStats()
-    counted = [0]
-
-    def load_ours() -> None:
-        backend = LocalTier(args.snap)
-        manifest = read_manifest(backend, STEP)
-        st = ReadStats()
-        read_section(backend, manifest, manifest.tensors, manifest.state, targets=ours_t, stats=st)
-        stats.bytes_needed, stats.bytes_read = st.bytes_needed, st.bytes_read
-        counted[0] = backend.bytes_read
-
-    def load_dcp() -> None:
-        dcp.load(dcp_sd, checkpoint_id=args.dcp)
-
-    times: dict[str, list[float]] = {"ours_warm": [], "dcp_warm": [], "ours_cold": [], "dcp_cold": []}
-    methods = {"ours": load_ours, "dcp": load_dcp}
-    load_ours(), load_dcp()  # warm-up (imports, page cache)
+    ctx = Loader(args, ours_t, dcp_sd)
+    times: dict[str, list[float]] = {f"{m}_{mode}": [] for mode in ("warm", "cold") for m in METHODS.names}
+    for name in METHODS.names:  # warm-up (imports, page cache)
+        METHODS.run(name, ctx)
     for rep in range(args.reps):
-        order = ["ours", "dcp"] if rep % 2 == 0 else ["dcp", "ours"]
+        order = METHODS.names if rep % 2 == 0 else METHODS.names[::-1]
         for mode in ("cold", "warm"):
             for name in order:
                 if mode == "cold" and rank == 0:
                     # only this method's files: evicting the other's too would make its next "warm" read cold
-                    evict([args.snap if name == "ours" else args.dcp])
+                    harness.evict(args.snap if name == "ours" else args.dcp)
                 barrier()
                 t0 = time.perf_counter()
-                methods[name]()
+                METHODS.run(name, ctx)
                 barrier()
                 times[f"{name}_{mode}"].append(time.perf_counter() - t0)
     # both filled the same tensors of this layout: bitwise equal?
@@ -206,7 +217,7 @@ def worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
             same &= torch.equal(local(v), local(ours_t[f"optimizer_states/0/state/{n}/{k}"]))
     for k, v in dcp_sd["model"].items():
         same &= torch.equal(local(v), local(ours_t[f"state_dict/{k}"]))
-    result = {"rank": rank, "times": times, "needed": stats.bytes_needed, "read": counted[0], "same": bool(same)}
+    result = {"rank": rank, "times": times, "needed": ctx.stats.bytes_needed, "read": ctx.counted, "same": bool(same)}
     gathered = [result]
     if world > 1:
         gathered = [None] * world
@@ -218,11 +229,7 @@ def worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
 
 
 def load(args: argparse.Namespace) -> None:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = harness.free_port()
     if args.world == 1:
         worker(0, 1, args, port)
     else:
@@ -232,7 +239,7 @@ def load(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------------------------ driver
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("command", nargs="?", default="run", choices=["run", "save", "load"])
     p.add_argument("--quick", action="store_true")
@@ -246,55 +253,78 @@ def main() -> None:
     p.add_argument("--world", type=int, default=1)
     p.add_argument("--result")
     p.add_argument("--dir", default=None, help="work folder (default: a temporary one, removed at the end)")
-    args = p.parse_args()
+    harness.add_arguments(p, markdown=True)
+    args = p.parse_args(argv)
     size = QUICK if args.quick else FULL
     args.layers = args.layers or size["layers"]
     args.width = args.width or size["width"]
     args.reps = args.reps or (3 if args.quick else 5)
     if args.command == "save":
-        return save(args)
+        save(args)
+        return 0
     if args.command == "load":
-        return load(args)
+        load(args)
+        return 0
 
     tmp = tempfile.TemporaryDirectory(prefix="reshard-bench-", dir=args.dir)
-    root = Path(tmp.name)
+    try:
+        return run(args, Path(tmp.name))
+    finally:
+        tmp.cleanup()
+
+
+LAYOUTS = ((2, "FSDP2(2) -> FSDP2(2), same topology"), (4, "FSDP2(2) -> FSDP2(4), resharded"),
+           (1, "FSDP2(2) -> 1 process, resharded"))
+COLUMNS = ["load", "ours warm", "DCP warm", "ours/DCP", "ours cold", "DCP cold", "ours/DCP",
+           "ours vs same topology (warm, cold)", "read/needed (max rank)", "bitwise equal"]
+
+
+def run(args: argparse.Namespace, root: Path) -> int:
+    """Save once, load in every layout (fresh processes), print the table and the targets."""
     common = ["--layers", str(args.layers), "--width", str(args.width), "--chunk-bytes", str(args.chunk_bytes),
               "--reps", str(args.reps), "--snap", str(root / "snap"), "--dcp", str(root / "dcp")]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     params = args.layers * (args.width * args.width + args.width)
-    print(f"model: {args.layers} x Linear({args.width}, {args.width}), {params / 1e6:.1f}M parameters,"
-          f" {params * 12 / 1e6:.0f} MB of weights + AdamW state; chunk {args.chunk_bytes >> 10} KiB;"
-          f" {args.reps} reps; {os.cpu_count()} CPU cores", flush=True)
+    out = harness.Report("reshard", args)
+    out.header(model=f"{args.layers} x Linear({args.width}, {args.width}), {params / 1e6:.1f}M parameters,"
+                     f" {params * 12 / 1e6:.0f} MB of weights + AdamW state", chunk=f"{args.chunk_bytes >> 10} KiB",
+               reps=args.reps)
     t0 = time.monotonic()
     subprocess.run([sys.executable, os.path.abspath(__file__), "save", *common], check=True, env=env,
                    stdout=subprocess.DEVNULL)
-    print(f"saved by Lightning ModelParallel(2) (snapshot) and dcp.save in {time.monotonic() - t0:.1f} s", flush=True)
+    out.say(f"saved by Lightning ModelParallel(2) (snapshot) and dcp.save in {time.monotonic() - t0:.1f} s")
     rows = {}
-    for world, label in ((2, "FSDP2(2) -> FSDP2(2), same topology"), (4, "FSDP2(2) -> FSDP2(4), resharded"),
-                         (1, "FSDP2(2) -> 1 process, resharded")):
-        out = root / f"result-{world}.json"
-        subprocess.run([sys.executable, os.path.abspath(__file__), "load", *common, "--world", str(world),
-                        "--result", str(out)], check=True, env=env)
-        rows[world] = (label, json.loads(out.read_text()))
-    med = {}
-    for world, (_label, ranks) in rows.items():
-        t = ranks[0]["times"]  # every rank measured between the same barriers
-        med[world] = {k: statistics.median(v) for k, v in t.items()}
-    print()
-    print("| load | ours warm | DCP warm | ours/DCP | ours cold | DCP cold | ours/DCP | ours vs same topology"
-          " (warm, cold) | read/needed (max rank) | bitwise equal |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for world, (label, ranks) in rows.items():
+    for world, label in LAYOUTS:
+        result = root / f"result-{world}.json"
+        with harness.NoiseMeter() as meter:
+            subprocess.run([sys.executable, os.path.abspath(__file__), "load", *common, "--world", str(world),
+                            "--result", str(result)], check=True, env=env)
+        rows[world] = (label, json.loads(result.read_text()), meter.noise)
+    # every rank measured between the same barriers: rank 0's figures are the slowest rank's
+    med = {world: {k: statistics.median(v) for k, v in ranks[0]["times"].items()}
+           for world, (_, ranks, _) in rows.items()}
+    table = harness.Table(f"Load (seconds, median of {args.reps})", COLUMNS, key="load")
+    for world, (label, ranks, noise) in rows.items():
         m = med[world]
         amp = max(r["read"] / r["needed"] for r in ranks if r["needed"])
         vs = "1.00x, 1.00x" if world == 2 else (f"{m['ours_warm'] / med[2]['ours_warm']:.2f}x,"
                                                f" {m['ours_cold'] / med[2]['ours_cold']:.2f}x")
-        print(f"| {label} | {m['ours_warm']:.3f} s | {m['dcp_warm']:.3f} s | {m['ours_warm'] / m['dcp_warm']:.2f}x"
-              f" | {m['ours_cold']:.3f} s | {m['dcp_cold']:.3f} s | {m['ours_cold'] / m['dcp_cold']:.2f}x | {vs}"
-              f" | {amp:.3f} | {'yes' if all(r['same'] for r in ranks) else 'NO'} |")
-    print(f"\n(median of {args.reps}; total {time.monotonic() - t0:.0f} s)")
-    tmp.cleanup()
+        same = all(r["same"] for r in ranks)
+        table.add(label, f"{m['ours_warm']:.3f} s", f"{m['dcp_warm']:.3f} s", f"{m['ours_warm'] / m['dcp_warm']:.2f}x",
+                  f"{m['ours_cold']:.3f} s", f"{m['dcp_cold']:.3f} s", f"{m['ours_cold'] / m['dcp_cold']:.2f}x", vs,
+                  f"{amp:.3f}", "yes" if same else "NO",
+                  data={"load": label, "world": world, **{f"{k}_s": v for k, v in m.items()}, "read_over_needed": amp,
+                        "bitwise_equal": same, "noise": noise.share, "unreliable": noise.unreliable})
+        if noise.flag():
+            table.notes.append(f"{label}: {noise.flag()}")
+        if world != 2:
+            for mode in ("warm", "cold"):
+                r = m[f"ours_{mode}"] / m[f"dcp_{mode}"]
+                out.targets.check(r <= 1.0, f"{label}, {mode}: ours {r:.2f}x DCP's load <= 1.0x", r, 1.0)
+        out.targets.check(same, f"{label}: ours and DCP loaded bitwise equal state")
+    out.table(table)
+    return out.finish(results={str(w): ranks for w, (_, ranks, _) in rows.items()})
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

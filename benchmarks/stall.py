@@ -3,22 +3,7 @@
 One process trains a GPT-style decoder-only transformer with AdamW under Lightning (CPU), once per method, and
 snapshots it every ``--every`` optimizer steps:
 
-=====================  ===========================================================================================
-``none``               no snapshots (the baseline; run first and again last: the spread shows the noise)
-``ours-ram``           lightning-snapshot, RAM arena only: a tier that keeps nothing, so staging and the persist
-                       thread's bookkeeping run but no byte reaches a disk
-``ours-local``         lightning-snapshot, arena + ``LocalTier`` on a real disk (the reference row for the ratios)
-``ours-local-1buf``    the same with ``max_host_bytes`` set to one arena buffer (snapshots skipped if it is busy)
-``ours-local-nohealth`` ``ours-local`` with the health check (the non-finite scan of the staged copy) switched off:
-                       the difference to ``ours-local`` is what the health check costs
-``torch-save``         synchronous ``torch.save``, as ``ModelCheckpoint(every_n_train_steps=K, save_top_k=-1)`` does
-``async-io``           Lightning ``AsyncCheckpointIO`` with the same ``ModelCheckpoint``
-``dcp``                ``torch.distributed.checkpoint.async_save`` with one reused ``DefaultStager`` (asynchronous
-                       staging into shared memory; pinned memory and non-blocking copies need CUDA), single-process
-                       gloo group; the staging future is awaited before the next optimizer step and the previous
-                       upload before the next save, as its contract requires
-``torchsnapshot``      ``torchsnapshot.Snapshot.async_take`` (if it installs next to this torch; otherwise reported)
-=====================  ===========================================================================================
+{methods}
 
 Measured per method
 -------------------
@@ -90,18 +75,14 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import ctypes
-import gc
 import logging
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
 import threading
 import time
-import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -114,12 +95,15 @@ import xxhash
 from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _path in (ROOT, ROOT / "benchmarks"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+import _harness as harness  # noqa: E402
+from _harness import NOISY, NoiseMeter, evict, fmt, quiet_median, ratio, timed, trim_memory  # noqa: E402
 
 import lightning.pytorch as L
 from lightning.pytorch.callbacks import Callback, Checkpoint, ModelCheckpoint
-from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 
 from lightning_snapshot import SnapshotCallback, load_snapshot
@@ -128,9 +112,7 @@ from lightning_snapshot.manifest import MANIFEST_NAME, parse_step_dirname, step_
 
 GB = 1e9
 MiB = 1 << 20
-METHODS = ["none", "ours-ram", "ours-local", "ours-local-nohealth", "ours-local-1buf", "torch-save", "async-io", "dcp", "torchsnapshot"]
 REFERENCE = "ours-local"
-NOISY = 0.10  # a run during which other processes used more than this share of the CPUs is flagged (and retried)
 OURS = ("ours-ram", "ours-local", "ours-local-nohealth", "ours-local-1buf")
 
 
@@ -258,27 +240,6 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def trim_memory() -> None:
-    """Return freed memory to the OS, so that RSS before the next run starts from what is really in use."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def evict(path: str | Path) -> None:
-    """Drop a (fsynced) snapshot's files from the page cache so that the restore reads the disk."""
-    files = [Path(path)] if Path(path).is_file() else [p for p in Path(path).rglob("*") if p.is_file()]
-    for p in files:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def fsync_tree(path: str | Path) -> None:
     path = Path(path)
     for p in ([path] if path.is_file() else [q for q in path.rglob("*") if q.is_file()]):
@@ -294,27 +255,6 @@ def fsync_tree(path: str | Path) -> None:
         os.close(fd)
 
 
-def library_version() -> str:
-    """The commit the library was imported from, and whether its files had uncommitted changes."""
-    import subprocess
-
-    try:
-        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=10, check=False).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "lightning_snapshot",
-                                "backends"], capture_output=True, text=True, timeout=10, check=False).stdout.split("\n")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    changed = [line[3:] for line in dirty if line.strip()]
-    return head + (f" + uncommitted changes in {', '.join(changed)}" if changed else "")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class gloo_group:
     """A single-process gloo default group (DCP and torchsnapshot want one), torn down afterwards."""
 
@@ -324,17 +264,11 @@ class gloo_group:
         self.dist = dist
         self.owned = not dist.is_initialized()
         if self.owned:
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{harness.free_port()}", rank=0, world_size=1)
 
     def __exit__(self, *exc: object) -> None:
         if self.owned:
             self.dist.destroy_process_group()
-
-
-def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
-    t0 = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t0
 
 
 # ================================================================================================ measurement
@@ -387,31 +321,6 @@ class RssSampler:
         self.peak = max(self.sampled, (kernel_peak_rss() or 0) if self.hwm else 0)
 
 
-class CpuMeter:
-    """CPU seconds used by other processes while this one runs (from /proc/stat): how noisy the timings are."""
-
-    TICK = os.sysconf("SC_CLK_TCK")
-
-    @classmethod
-    def busy_seconds(cls) -> float:
-        """CPU seconds the whole machine spent busy since boot (all but idle and iowait)."""
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        return (sum(v) - v[3] - v[4]) / cls.TICK
-
-    @staticmethod
-    def own_seconds() -> float:
-        return sum(os.times()[:2])
-
-    def __enter__(self) -> CpuMeter:
-        self.t0, self.b0, self.o0 = time.perf_counter(), self.busy_seconds(), self.own_seconds()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.wall = time.perf_counter() - self.t0
-        self.foreign = max(0.0, self.busy_seconds() - self.b0 - (self.own_seconds() - self.o0))
-
-
 class FsyncLater:
     """Fsyncs what a method wrote (methods that never fsync) in a background thread; records when it is durable."""
 
@@ -439,31 +348,6 @@ class FsyncLater:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
-
-
-class MemoryLogger(Logger):
-    """Keeps every logged metric in memory."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[tuple[int, dict[str, float]]] = []
-
-    @property
-    def name(self) -> str:
-        return "memory"
-
-    @property
-    def version(self) -> str:
-        return "0"
-
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.records.append((step or 0, dict(metrics)))
-
-    def values(self, key: str) -> list[float]:
-        return [m[key] for _, m in self.records if key in m]
 
 
 HOOKS = ("on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end")
@@ -542,9 +426,9 @@ class Tail(Checkpoint):
             _, self.mutate_s = timed(lambda: mutate(pl_module, optimizer))
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.t_end = time.perf_counter()
         # end of every batch, after every callback: wall clock, machine-wide busy CPU, this process's CPU
-        self.marks[trainer.global_step] = (self.t_end, CpuMeter.busy_seconds(), CpuMeter.own_seconds())
+        self.marks[trainer.global_step] = mark = NoiseMeter.mark()
+        self.t_end = mark[0]
 
 
 # ================================================================================================ one training run
@@ -575,7 +459,7 @@ class Bench:
 class TrainRun:
     module: GPT
     optimizer: torch.optim.Optimizer
-    logger: MemoryLogger
+    logger: Any  # harness.memory_logger()
     probe: Probe
     tail: Tail
     hooks: HookTimer
@@ -616,7 +500,7 @@ def train(bench: Bench, method_callbacks: list[Callback], *, plugins: list[Any] 
     probe = Probe(bench.schedule, bench.check_step)
     tail = Tail(bench.check_step)
     hooks = HookTimer()
-    logger = MemoryLogger()
+    logger = harness.memory_logger()
     loader = torch.utils.data.DataLoader(RandomTokens(bench.steps * bench.cfg.batch * 2, bench.cfg.seq,
                                                       bench.cfg.vocab), batch_size=bench.cfg.batch)
     trainer = L.Trainer(
@@ -624,7 +508,7 @@ def train(bench: Bench, method_callbacks: list[Callback], *, plugins: list[Any] 
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1,
         callbacks=[probe, *(hooks.wrap(cb) for cb in method_callbacks), tail], plugins=plugins or None,
     )
-    with warnings.catch_warnings(record=True) as caught, CpuMeter() as cpu:
+    with warnings.catch_warnings(record=True) as caught, NoiseMeter() as cpu:
         warnings.simplefilter("always")
         pre = rss_bytes()
         with RssSampler() as rss:
@@ -645,24 +529,12 @@ def snapshot_periods(bench: Bench, marks: dict[int, tuple[float, float, float]])
     background work that follows it; the same step ranges in the baseline. Noise: share of the CPUs other processes
     used during the period.
     """
-    cores = os.cpu_count() or 1
     out = []
     for s in bench.schedule:
         a, b = marks.get(s - 1), marks.get(s - 1 + bench.every)
-        if a is None or b is None:
-            continue
-        wall = b[0] - a[0]
-        foreign = max(0.0, (b[1] - a[1]) - (b[2] - a[2]))
-        out.append((wall, foreign / (wall * cores)))
+        if a is not None and b is not None:
+            out.append(NoiseMeter.between(a, b))
     return out
-
-
-def quiet_median(periods: list[tuple[float, float]]) -> tuple[float | None, int]:
-    """Median duration of the periods other processes disturbed least (noise <= NOISY; all if fewer than 3)."""
-    quiet = [w for w, n in periods if n <= NOISY]
-    if len(quiet) < 3:
-        quiet = [w for w, _ in periods]
-    return (statistics.median(quiet) if quiet else None), len(quiet)
 
 
 def fill_common(bench: Bench, row: Row, run: TrainRun, done: dict[int, float] | None) -> None:
@@ -732,11 +604,7 @@ def memcpy(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[float, 
     base = buf.data_ptr()
 
     def memmove() -> None:
-        pos = 0
-        for t in tensors:
-            n = t.numel() * t.element_size()
-            ctypes.memmove(base + pos, t.data_ptr(), n)
-            pos += n
+        harness.memmove_into(tensors, base)
 
     def torch_copy() -> None:
         pos = 0
@@ -1113,17 +981,30 @@ def run_torchsnapshot(bench: Bench) -> Row:
     return row
 
 
-RUNNERS: dict[str, Callable[[Bench], Row]] = {
-    "none": run_none,
-    "ours-ram": lambda b: run_ours(b, "ours-ram"),
-    "ours-local": lambda b: run_ours(b, "ours-local"),
-    "ours-local-nohealth": lambda b: run_ours(b, "ours-local-nohealth"),
-    "ours-local-1buf": lambda b: run_ours(b, "ours-local-1buf"),
-    "torch-save": lambda b: run_modelcheckpoint(b, "torch-save"),
-    "async-io": lambda b: run_modelcheckpoint(b, "async-io"),
-    "dcp": run_dcp,
-    "torchsnapshot": run_torchsnapshot,
-}
+METHODS = harness.Methods(baseline="none")
+METHODS.add("none", run_none, "no snapshots (the baseline; run first and again last: the spread shows the noise)")
+METHODS.add("ours-ram", lambda b: run_ours(b, "ours-ram"),
+            "lightning-snapshot, RAM arena only: a tier that keeps nothing, so staging and the persist thread's"
+            " bookkeeping run but no byte reaches a disk")
+METHODS.add("ours-local", lambda b: run_ours(b, "ours-local"),
+            "lightning-snapshot, arena + ``LocalTier`` on a real disk (the reference row for the ratios)")
+METHODS.add("ours-local-nohealth", lambda b: run_ours(b, "ours-local-nohealth"),
+            "``ours-local`` with the health check (the non-finite scan of the staged copy) switched off: the"
+            " difference to ``ours-local`` is what the health check costs")
+METHODS.add("ours-local-1buf", lambda b: run_ours(b, "ours-local-1buf"),
+            "the same with ``max_host_bytes`` set to one arena buffer (snapshots skipped if it is busy)")
+METHODS.add("torch-save", lambda b: run_modelcheckpoint(b, "torch-save"),
+            "synchronous ``torch.save``, as ``ModelCheckpoint(every_n_train_steps=K, save_top_k=-1)`` does")
+METHODS.add("async-io", lambda b: run_modelcheckpoint(b, "async-io"),
+            "Lightning ``AsyncCheckpointIO`` with the same ``ModelCheckpoint``")
+METHODS.add("dcp", run_dcp,
+            "``torch.distributed.checkpoint.async_save`` with one reused ``DefaultStager`` (asynchronous staging into"
+            " shared memory; pinned memory and non-blocking copies need CUDA), single-process gloo group; the staging"
+            " future is awaited before the next optimizer step and the previous upload before the next save, as its"
+            " contract requires")
+METHODS.add("torchsnapshot", run_torchsnapshot,
+            "``torchsnapshot.Snapshot.async_take`` (if it installs next to this torch; otherwise reported)")
+__doc__ = METHODS.document(__doc__)
 
 
 # ================================================================================================ report
@@ -1131,33 +1012,21 @@ def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def _ratio(a: float | None, b: float | None, floor: float = 0.0) -> str:
-    """``a / b``; "ref~0" where the reference ``b`` is within the noise (``|b| <= floor``) or not positive."""
-    if a is None or b is None:
-        return "-"
-    if b <= 0 or abs(b) <= floor:
-        return "ref~0"
-    r = a / b
-    return f"{r:.2f}x" if abs(r) < 1 else (f"{r:.1f}x" if abs(r) < 100 else f"{r:.0f}x")
-
-
-def _fmt(x: float | None, spec: str, missing: str = "-") -> str:
-    return missing if x is None else format(x, spec)
-
-
 @dataclass
 class Baseline:
     wall_s: float | None  # training window of the quieter baseline run
     period_s: float | None  # median quiet snapshot period over both baseline runs
     rss_growth: int | None  # the smaller RSS growth of the two
+    runs: harness.Baselines[Row]
 
     @classmethod
     def from_rows(cls, rows: list[Row]) -> Baseline:
-        bases = [r for r in rows if r.method == "none" and r.error is None and r.wall_s is not None]
-        quieter = min(bases, key=lambda r: r.noise, default=None)
-        period, _ = quiet_median([p for r in bases for p in r.periods])
-        growth = min((r.rss_growth for r in bases if r.rss_growth is not None), default=None)
-        return cls(quieter.wall_s if quieter else None, period, growth)
+        runs = harness.Baselines([r for r in rows if r.method == "none" and r.error is None and r.wall_s is not None],
+                                 noise=lambda r: r.noise)
+        quieter = runs.quieter
+        period, _ = quiet_median([p for r in runs.runs for p in r.periods])
+        growth = runs.smallest(lambda r: r.rss_growth)
+        return cls(quieter.wall_s if quieter else None, period, None if growth is None else int(growth), runs)
 
     def overhead(self, row: Row | None) -> float | None:
         """Added wall time per snapshot over the whole window (the definition of the issue)."""
@@ -1178,39 +1047,41 @@ class Baseline:
         return row.rss_growth - self.rss_growth
 
 
-def report(bench: Bench, rows: list[Row]) -> None:
+COLUMNS = ["method", "snaps", "stall med", "stall max", "overhead", "ovh p50", "durable", "peak extra RSS", "restore",
+           "consistency", "stall/ours", "ovh/ours", "p50/ours", "noise"]
+
+
+def report(bench: Bench, rows: list[Row], out: harness.Report) -> None:
     base = Baseline.from_rows(rows)
     ref = next((r for r in rows if r.method == REFERENCE and r.error is None), None)
     ref_stall = _median(ref.stall_ms) if ref else None
     ref_over, ref_p50 = base.overhead(ref), base.overhead_p50(ref)
     state = bench.state_bytes or 1
-    header = (f"{'method':<16} {'snaps':>5} {'stall med':>9} {'stall max':>9} {'overhead':>8} {'ovh p50':>7}"
-              f" {'durable':>8} {'peak extra RSS':>15} {'restore':>7} {'consistency':>11} {'stall/ours':>10}"
-              f" {'ovh/ours':>8} {'p50/ours':>8} {'noise':>5}")
-    print()
-    print(f"{len(bench.schedule)} snapshots per run (steps {bench.schedule[0]}..{bench.schedule[-1]}, every"
-          f" {bench.every}, {bench.steps} steps). stall: ms the training thread was blocked per snapshot."
-          f" overhead: added wall s per snapshot over the run; ovh p50: the same from the median snapshot period"
-          f" ({bench.every} steps) among those other processes left quiet. durable: s from the save call to fsynced."
-          f" restore: cold, s. Ratios against {REFERENCE}. noise: share of the CPUs other processes used during"
-          " the run.")
-    bases = [r for r in rows if r.method == "none" and r.wall_s is not None]
-    spread = 0.0
-    if bases:
-        walls = [r.wall_s or 0.0 for r in bases]
-        spread = (max(walls) - min(walls)) / len(bench.schedule)
-        print(f"baseline windows {', '.join(f'{w:.2f} s ({r.noise:.0%} noise)' for w, r in zip(walls, bases))};"
-              f" the quieter one is used (spread {spread:.3f} s per snapshot); median quiet baseline period"
-              f" {_fmt(base.period_s, '.3f')} s; RSS growth during fit"
-              f" {', '.join(f'{(r.rss_growth or 0) / GB:.2f}' for r in bases)} GB (the smaller is subtracted)")
-    print(header)
-    print("-" * len(header))
+    out.say()
+    out.say(f"{len(bench.schedule)} snapshots per run (steps {bench.schedule[0]}..{bench.schedule[-1]}, every"
+            f" {bench.every}, {bench.steps} steps). stall: ms the training thread was blocked per snapshot."
+            f" overhead: added wall s per snapshot over the run; ovh p50: the same from the median snapshot period"
+            f" ({bench.every} steps) among those other processes left quiet. durable: s from the save call to fsynced."
+            f" restore: cold, s. Ratios against {REFERENCE}. noise: share of the CPUs other processes used during"
+            " the run.")
+    spread = base.runs.spread(lambda r: r.wall_s) / len(bench.schedule)
+    if base.runs.runs:
+        windows = base.runs.describe(lambda r: r.wall_s, per=len(bench.schedule), per_unit=" per snapshot")
+        out.say(f"baseline windows {windows};"
+                f" median quiet baseline period {fmt(base.period_s, '.3f')} s; RSS growth during fit"
+                f" {', '.join(f'{(r.rss_growth or 0) / GB:.2f}' for r in base.runs.runs)} GB (the smaller is"
+                " subtracted)")
+    table = harness.Table(f"stall benchmark, {len(bench.schedule)} snapshots per run", COLUMNS, key="stall", notes=[
+        "+: the method never fsyncs; the benchmark fsyncs each file in a background thread once it is written."
+        " 'N-Ms' in snaps: N taken, M skipped. ref~0: the reference's overhead is within the baseline spread"
+        " (or <= 0), so no ratio is meaningful"])
     for r in rows:
         if r.error is not None:
-            print(f"{r.method:<16} {r.error}")
+            table.add_span(r.method, r.error, data={"method": r.method, "error": r.error})
             continue
         is_base = r.method == "none"
         stall = None if is_base else _median(r.stall_ms)
+        stall_max = None if is_base else max(r.stall_ms, default=None)
         over, p50 = base.overhead(r), base.overhead_p50(r)
         durable = _median(r.durable_s)
         extra = base.extra_rss(r)
@@ -1218,97 +1089,86 @@ def report(bench: Bench, rows: list[Row]) -> None:
         durable_s = (f"{durable:.2f}{r.durable_mark}" if durable is not None
                      else ("n/a" if r.method in ("none", "ours-ram") else "-"))
         snaps = f"{r.snapshots - r.skipped}" + (f"-{r.skipped}s" if r.skipped else "")
-        print(f"{r.method:<16} {snaps:>5} {_fmt(stall, '.1f'):>9}"
-              f" {_fmt(None if is_base else max(r.stall_ms, default=None), '.1f'):>9} {_fmt(over, '.3f'):>8}"
-              f" {_fmt(p50, '.3f'):>7} {durable_s:>8} {extra_s:>15} {_fmt(r.restore_s, '.2f', 'n/a'):>7}"
-              f" {r.consistency:>11} {'-' if is_base else _ratio(stall, ref_stall):>10}"
-              f" {_ratio(over, ref_over, spread):>8} {_ratio(p50, ref_p50, spread):>8} {r.noise:>5.0%}")
-    print("+: the method never fsyncs; the benchmark fsyncs each file in a background thread once it is written."
-          " 'N-Ms' in snaps: N taken, M skipped. ref~0: the reference's overhead is within the baseline spread"
-          " (or <= 0), so no ratio is meaningful")
-    print()
+        table.add(r.method, snaps, fmt(stall, ".1f"), fmt(stall_max, ".1f"), fmt(over, ".3f"), fmt(p50, ".3f"),
+                  durable_s, extra_s, fmt(r.restore_s, ".2f", "n/a"), r.consistency,
+                  "-" if is_base else ratio(stall, ref_stall), ratio(over, ref_over, spread),
+                  ratio(p50, ref_p50, spread), f"{r.noise:.0%}",
+                  data={"method": r.method, "snapshots": r.snapshots - r.skipped, "skipped": r.skipped,
+                        "stall_ms_median": stall, "stall_ms_max": stall_max, "overhead_s": over,
+                        "overhead_p50_s": p50, "durable_s_median": durable, "durable_fsynced_by_benchmark":
+                        bool(r.durable_mark), "extra_rss_bytes": extra, "restore_s": r.restore_s,
+                        "consistency": r.consistency, "noise": r.noise, "unreliable": r.noise > NOISY})
+    out.table(table)
+    out.say()
     for r in rows:
         lines = ([r.note] if r.note else []) + r.details
         if r.periods:
             lines.append("snapshot periods s (noise): " + ", ".join(f"{w:.2f} ({n:.0%})" for w, n in r.periods))
         if lines and r.error is None:
-            print(f"[{r.method}] " + f"\n[{r.method}] ".join(lines))
-    targets(bench, rows, base)
+            out.say(f"[{r.method}] " + f"\n[{r.method}] ".join(lines))
+    targets(bench, rows, base, out.targets)
 
 
-def targets(bench: Bench, rows: list[Row], base: Baseline) -> None:
+def targets(bench: Bench, rows: list[Row], base: Baseline, check: harness.Targets) -> None:
     """The issue's targets, checked against this run (overhead both ways: whole window, and median period)."""
     by = {r.method: r for r in rows if r.error is None and r.method != "none"}
     peers = [r for r in by.values() if r.method not in OURS and not r.consistency.startswith("FAIL")]
     best = min((r for r in peers if base.overhead_p50(r) is not None), key=lambda r: base.overhead_p50(r) or 0.0,
                default=None)
-    print()
-    print("targets" + (f" (best peer: {best.method}, the consistent peer with the smallest ovh p50)" if best else ""))
-
-    def line(ok: bool | None, text: str) -> None:
-        print(f"  {'PASS' if ok else ('FAIL' if ok is not None else ' -- ')}  {text}")
-
+    check.title = "targets" + (f" (best peer: {best.method}, the consistent peer with the smallest ovh p50)"
+                               if best else "")
     for m in OURS:
         if m in by and by[m].stall_ms:
             s = statistics.median(by[m].stall_ms)
-            line(s <= 5.0, f"{m}: median stall {s:.1f} ms <= 5 ms")
+            check.check(s <= 5.0, f"{m}: median stall {s:.1f} ms <= 5 ms", s, 5.0)
     ref = by.get(REFERENCE)
     if ref and best:
         for name, fn in (("overhead", base.overhead), ("ovh p50", base.overhead_p50)):
             o, ob = fn(ref), fn(best)
             if o is not None and ob is not None:
-                line(o <= 0.2 * ob, f"{REFERENCE}: {name} {o:.3f} s <= 0.2 x {best.method}'s {ob:.3f} s"
-                                    f" = {0.2 * ob:.3f} s")
+                check.check(o <= 0.2 * ob, f"{REFERENCE}: {name} {o:.3f} s <= 0.2 x {best.method}'s {ob:.3f} s"
+                                           f" = {0.2 * ob:.3f} s", o, 0.2 * ob)
         d, db = _median(ref.durable_s), _median(best.durable_s)
         if d is not None and db is not None:
-            line(d <= 0.5 * db, f"{REFERENCE}: durable in {d:.2f} s <= 0.5 x {best.method}'s {db:.2f} s")
+            check.check(d <= 0.5 * db, f"{REFERENCE}: durable in {d:.2f} s <= 0.5 x {best.method}'s {db:.2f} s",
+                        d, 0.5 * db)
     if "ours-ram" in by and bench.memcpy_s:
         for name, fn in (("overhead", base.overhead), ("ovh p50", base.overhead_p50)):
             o = fn(by["ours-ram"])
             if o is not None:
-                line(o <= 1.5 * bench.memcpy_s, f"ours-ram: {name} {o:.3f} s <= 1.5 x one memcpy"
-                                                f" ({bench.memcpy_s:.3f} s) = {1.5 * bench.memcpy_s:.3f} s")
+                check.check(o <= 1.5 * bench.memcpy_s, f"ours-ram: {name} {o:.3f} s <= 1.5 x one memcpy"
+                                                       f" ({bench.memcpy_s:.3f} s) = {1.5 * bench.memcpy_s:.3f} s",
+                            o, 1.5 * bench.memcpy_s)
     for m in OURS:
         cpu = by[m].cpu_per_snapshot if m in by else None
         if cpu is not None and bench.memcpy_s:
-            print(f"  info  {m}: CPU time per snapshot (hooks + background threads, not a wall-clock target)"
-                  f" {cpu:.3f} s = {cpu / bench.memcpy_s:.2f} x one memcpy")
+            check.info(f"{m}: CPU time per snapshot (hooks + background threads, not a wall-clock target)"
+                       f" {cpu:.3f} s = {cpu / bench.memcpy_s:.2f} x one memcpy", cpu)
     if ref and "dcp" in by and ref.restore_s and by["dcp"].restore_s:
-        line(ref.restore_s <= 0.5 * by["dcp"].restore_s,
-             f"{REFERENCE}: restore {ref.restore_s:.2f} s <= 0.5 x dcp's {by['dcp'].restore_s:.2f} s")
+        check.check(ref.restore_s <= 0.5 * by["dcp"].restore_s,
+                    f"{REFERENCE}: restore {ref.restore_s:.2f} s <= 0.5 x dcp's {by['dcp'].restore_s:.2f} s",
+                    ref.restore_s, 0.5 * by["dcp"].restore_s)
     for m in ("ours-local", "ours-local-1buf"):
         if m in by:
-            line(by[m].consistency == "PASS", f"{m}: consistency {by[m].consistency}")
+            check.check(by[m].consistency == "PASS", f"{m}: consistency {by[m].consistency}")
     for m, limit in (("ours-local", 2.1), ("ours-ram", 2.1), ("ours-local-1buf", 1.1)):
         extra = base.extra_rss(by[m]) if m in by else None
         if extra is not None and bench.state_bytes:
-            line(extra / bench.state_bytes <= limit,
-                 f"{m}: peak extra host memory {extra / bench.state_bytes:.2f}x the state <= {limit}x")
+            check.check(extra / bench.state_bytes <= limit,
+                        f"{m}: peak extra host memory {extra / bench.state_bytes:.2f}x the state <= {limit}x",
+                        extra / bench.state_bytes, limit)
 
 
 # ================================================================================================ main
 def run_method(method: str, bench: Bench, retries: int) -> Row:
     """Run one method; again (up to ``retries`` times) while other processes disturbed it, keeping the quietest."""
-    kept: Row | None = None
-    for attempt in range(retries + 1):
-        t0 = time.perf_counter()
-        try:
-            row = RUNNERS[method](bench)
-        except Exception as e:  # noqa: BLE001 - one method failing must not hide the others
-            traceback.print_exc()
-            row = Row(method, error=f"ERROR {type(e).__name__}: {str(e)[:200]}")
-        trim_memory()
-        print(f"  {method:<16} {time.perf_counter() - t0:6.1f} s  (wall window {row.wall_s or 0:.2f} s, other"
-              f" processes {row.noise:.0%} of the CPUs)", flush=True)
-        if kept is None or (row.error is None and (kept.error is not None or row.noise < kept.noise)):
-            kept = row
-        if row.error is not None or row.noise <= NOISY or attempt == retries:
-            break
-        print(f"  {method:<16} disturbed by other processes: running it again", flush=True)
-    assert kept is not None
+    kept = harness.run_quietest(
+        method, lambda: METHODS.run(method, bench), retries=retries, noise=lambda r: r.noise,
+        failed=lambda r: r.error is not None,
+        on_error=lambda e: Row(method, error=f"ERROR {type(e).__name__}: {str(e)[:200]}"),
+        describe=lambda r: f"wall window {r.wall_s or 0:.2f} s")
     if kept.noise > NOISY:
-        kept.details.append(f"NOISE: other processes used {kept.foreign_cpu_s:.1f} CPU-s ({kept.noise:.0%} of the"
-                            " CPUs) during this run: its wall-clock figures are unreliable")
+        kept.details.append(harness.unreliable_line(kept.foreign_cpu_s, kept.noise))
     return kept
 
 
@@ -1318,25 +1178,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="~21M-parameter model, fewer steps (< 2 minutes)")
     parser.add_argument("--steps", type=int, help="optimizer steps per run (default: full 44, quick 14)")
     parser.add_argument("--every", type=int, help="snapshot every K steps, K >= 2 (default: full 5, quick 3)")
-    parser.add_argument("--methods", default=",".join(METHODS),
-                        help=f"comma-separated subset of {','.join(METHODS)} (the baseline always runs)")
+    parser.add_argument("--methods", default=",".join(METHODS.names),
+                        help=f"comma-separated subset of {','.join(METHODS.names)} (the baseline always runs)")
     parser.add_argument("--dir", default=None, help="where snapshots are written (default: a temp dir in /tmp)")
     parser.add_argument("--retries", type=int, default=0,
                         help=f"run a method again (keeping the quieter run) when other processes used more than"
                              f" {NOISY * 100:.0f}%% of the CPUs during it (default 0)")
+    harness.add_arguments(parser)
     args = parser.parse_args(argv)
 
     every = args.every or (3 if args.quick else 5)
     steps = args.steps or (5 * every - 1 if args.quick else 9 * every - 1)
     if every < 2 or steps < every:
         parser.error("need --every >= 2 and --steps >= --every")
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        parser.error(f"unknown method(s) {unknown}; choose from {METHODS}")
-    methods = ["none"] + [m for m in METHODS if m in methods and m != "none"]
-    if len(methods) > 1:
-        methods.append("none")  # again at the end: how noisy the wall clock was
+    methods = METHODS.schedule(METHODS.select(args.methods, parser))
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
@@ -1344,10 +1199,9 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="ls-stall-", dir=args.dir))
     bench = Bench(QUICK if args.quick else FULL, steps, every, root)
     n_params = sum(p.numel() for p in fresh_model(bench.cfg).parameters())
-    print(f"lightning-snapshot stall benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads,"
-          f" {os.cpu_count()} CPUs; model {n_params / 1e6:.1f}M params ({bench.cfg}); snapshots in {root};"
-          f" load average {os.getloadavg()[0]:.2f}\nlibrary at {library_version()}", flush=True)
-    started = time.perf_counter()
+    out = harness.Report("stall", args)
+    out.header(model=f"{n_params / 1e6:.1f}M params ({bench.cfg})", steps=steps, every=every,
+               methods=",".join(methods), snapshots_in=root)
     # one short run first, so that one-time costs (lazy imports, thread pools, allocator growth) land in no row
     train(Bench(bench.cfg, 2, 2, root), [])
     trim_memory()
@@ -1357,11 +1211,10 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(run_method(method, bench, args.retries))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    report(bench, rows)
+    report(bench, rows, out)
     foreign = sum(r.foreign_cpu_s for r in rows)
-    print(f"\ntotal {time.perf_counter() - started:.0f} s; load average {os.getloadavg()[0]:.2f}; other processes"
-          f" used {foreign:.0f} CPU-s during the training runs that were kept")
-    return 0
+    out.say(f"\nother processes used {foreign:.0f} CPU-s during the training runs that were kept")
+    return out.finish(state_bytes=bench.state_bytes, memcpy_s=bench.memcpy_s, runs=rows)
 
 
 if __name__ == "__main__":

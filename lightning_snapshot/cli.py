@@ -12,7 +12,7 @@ snapshot agent.
 
 A tier is a path, file:///path, ram://NAME or an fsspec URL (s3://bucket/prefix, ...); list, inspect, verify,
 export and copy's source also take one step-* directory. list, inspect and verify only read: they never create a
-directory or a file. --json prints one JSON document on stdout (fields in the README) and no progress bar; a
+directory or a file. --json prints one JSON document on stdout (fields: docs/operations.md) and no progress bar; a
 progress bar is drawn on stderr only when it is a terminal.
 
 Exit status: 0 success; 1 the command failed (no tier or snapshot at that place, a snapshot that does not verify,
@@ -74,16 +74,22 @@ def _seconds_arg(text: str) -> float:
     return value
 
 
-_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
 def _duration_arg(text: str) -> float:
-    """``90``, ``90s``, ``30m``, ``12h``, ``7d`` or ``2w`` as seconds (>= 0)."""
+    """``90s``, ``30m``, ``12h``, ``7d`` or ``2w`` as seconds (>= 0). The unit is required: ``gc --older-than 3``
+    meant as days would delete nearly everything."""
     import re
 
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", text.lower())
     if match is None:
         raise argparse.ArgumentTypeError(f"expected a duration such as 90s, 30m, 12h or 7d, got {text!r}")
+    if not match.group(2):
+        number = match.group(1)
+        raise argparse.ArgumentTypeError(
+            f"a duration needs a unit, got {text!r}: write {number}s, {number}m, {number}h, {number}d or {number}w"
+        )
     return float(match.group(1)) * _UNITS[match.group(2)]
 
 
@@ -99,7 +105,9 @@ def _count_arg(text: str) -> int:
 
 def _add_json(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--json", action="store_true", help="print one JSON document on stdout, no progress bar (fields in the README)"
+        "--json",
+        action="store_true",
+        help="print one JSON document on stdout, no progress bar (fields: docs/operations.md)",
     )
 
 
@@ -575,7 +583,7 @@ def _parser() -> _Parser:
     p.add_argument(
         "--json",
         action="store_true",
-        help="with --status: the same as one JSON object (stable fields, documented in the README)",
+        help="with --status: the same as one JSON object (stable fields, documented in docs/operations.md)",
     )
     p.add_argument(
         "--log",
@@ -604,6 +612,10 @@ def _run(fn: Callable[[argparse.Namespace], int], args: argparse.Namespace, prog
     except SnapshotError as e:
         print(f"{prog}: error: {_one_line(str(e))}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # the reader went away (``| head``): stop quietly, as other command-line tools do
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except OSError as e:
         where = f": {e.filename}" if e.filename else ""
         print(f"{prog}: error: {e.strerror or e}{where}. Check the path and its permissions", file=sys.stderr)

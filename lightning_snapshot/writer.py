@@ -244,6 +244,30 @@ def _merge(
     }
 
 
+def _commit_manifest(backend: Backend, key: str, raw: dict[str, Any], text: str) -> None:
+    """Commit the manifest ``text`` (parsed: ``raw``) at ``key``. A tier that never overwrites a committed manifest
+    (the object store) refuses it when an earlier attempt of this very write committed it and only its answer was
+    lost (a timeout, a dropped connection) before a retry: a committed manifest describing the same snapshot (every
+    field but its creation time equal: the same objects, sizes and checksums) is then taken as this commit."""
+    try:
+        backend.commit(key, text.encode())
+    except SnapshotWriteError:
+        try:
+            held = json.loads(backend.read(key))
+        except Exception:  # noqa: BLE001 - nothing readable there: the refusal stands
+            held = None
+        if not isinstance(held, dict) or {k: v for k, v in held.items() if k != "created_unix"} != {
+            k: v for k, v in raw.items() if k != "created_unix"
+        }:
+            raise
+        log.info(
+            "lightning-snapshot: %s in %s was already committed by an earlier attempt of this write (its answer was"
+            " lost); it describes the same snapshot, so it stands",
+            key,
+            backend.url,
+        )
+
+
 def write_snapshot(
     backend: Backend,
     comm: Comm,
@@ -324,7 +348,7 @@ def write_snapshot(
             text = json.dumps(raw, separators=(",", ":"), allow_nan=False)
             manifest = Manifest.from_json(text, where=f"new manifest of {prefix}")
             if not node_local:
-                backend.commit(f"{prefix}/{MANIFEST_NAME}", text.encode())
+                _commit_manifest(backend, f"{prefix}/{MANIFEST_NAME}", raw, text)
         except Exception as e:  # noqa: BLE001 - re-raised below on every rank
             error = e
     agree("committing the manifest")

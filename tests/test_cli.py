@@ -346,3 +346,18 @@ def test_an_endpoint_that_refuses_connections_is_an_error(s3_environment):
                            " answer (looking up 'bucket/run-42': EndpointConnectionError")
     assert "testing-secret" not in line
     assert line.endswith("check the endpoint (storage_options client_kwargs endpoint_url) and the network")
+
+
+def test_output_piped_into_head_ends_quietly(snaps):
+    """``lightning-snapshot inspect TIER | head -1``: the reader closes the pipe early; the command exits 0 with
+    nothing on stderr (no 'Broken pipe' error, no traceback)."""
+    import subprocess
+    import sys
+
+    script = "import sys; from lightning_snapshot.cli import main; sys.exit(main())"
+    proc = subprocess.Popen([sys.executable, "-c", script, "inspect", str(snaps)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, bufsize=0)
+    proc.stdout.close()  # the reader is gone before the command writes: every write hits a closed pipe
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0, err
+    assert err == ""

@@ -161,7 +161,7 @@ def test_gc_s3_aborts_stale_uploads_removes_leftovers_and_keeps_the_newest(s3_se
     assert len(client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])) == 1
     assert committed_steps(tier) == [6, 4] and tier.list("step-000000000008") == ["r8-rank-00000.bin"]
 
-    rc, plan, _ = run("gc", url, "--grace", "0", "--older-than", "0s", "--dry-run")
+    rc, plan, _ = run("gc", url, "--grace", "0s", "--older-than", "0s", "--dry-run")
     assert rc == 0 and [e["step"] for e in plan["snapshots"]] == [4] and plan["protected"] == 6
     assert [(e["key"], e["upload_id"]) for e in plan["uploads"]] == [
         ("step-000000000008/r8-shared-00000.bin", upload["UploadId"])]
@@ -170,7 +170,7 @@ def test_gc_s3_aborts_stale_uploads_removes_leftovers_and_keeps_the_newest(s3_se
     assert len(client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])) == 1, "--dry-run aborted"
     assert committed_steps(tier) == [6, 4]
 
-    rc, out, err = cli("gc", url, "--grace", "0", "--older-than", "0s")
+    rc, out, err = cli("gc", url, "--grace", "0s", "--older-than", "0s")
     assert rc == 0 and err == ""
     assert "aborted multipart upload step-000000000008/r8-shared-00000.bin" in out
     assert "removed leftover step-000000000008 (uncommitted" in out and "deleted snapshot step 4" in out
@@ -247,6 +247,8 @@ def test_a_corrupted_source_is_not_copied_and_leaves_nothing_behind(tmp_path):
     (["gc", "{src}/step-000000000004"], 2, "gc takes a tier, not one snapshot directory"),
     (["gc", "{src}", "--older-than", "7days"], 2, "argument --older-than: expected a duration such as 90s, 30m,"
                                                  " 12h or 7d, got '7days'"),
+    (["gc", "{src}", "--older-than", "3"], 2, "argument --older-than: a duration needs a unit, got '3': write 3s,"
+                                              " 3m, 3h, 3d or 3w"),
     (["gc", "{src}", "--keep-last", "0"], 2, "argument --keep-last: expected an integer >= 1, got '0'"),
     (["gc", "{tmp}/missing"], 1, "no snapshot tier at '{tmp}/missing'"),
     (["copy", "{src}", "ram://run-1"], 2, "copy writes to a durable tier; the ram tier"),
@@ -298,7 +300,7 @@ def test_copy_sigkilled_between_data_and_manifest_shows_no_snapshot_and_gc_clean
     assert rc == 0 and doc == {"tier": url, "snapshots": []}, "the destination shows a partial snapshot"
     rc, plan, _ = run("gc", url)  # just written: within the grace period, left alone
     assert rc == 0 and plan["leftovers"] == [] and [e["key"] for e in plan["in_progress"]] == ["step-000000000007"]
-    rc, plan, _ = run("gc", url, "--grace", "0")
+    rc, plan, _ = run("gc", url, "--grace", "0s")
     assert rc == 0 and [(e["key"], e["reason"]) for e in plan["leftovers"]] == [("step-000000000007", "uncommitted")]
     assert dst.list("") == []
     rc, doc, _ = run("copy", str(src), url)  # the copy done again succeeds
