@@ -41,7 +41,6 @@ __all__ = [
     "is_dtensor",
     "local_tensor",
     "nonfinite_tensors",
-    "numpy_finite_dtype",
     "prepare_tensors",
     "stage",
     "tensor_bytes",
@@ -77,9 +76,6 @@ class StagedState:
     #: The staged tensors holding a NaN or an infinity, the first of each health group (see
     #: :func:`nonfinite_tensors`); None until computed.
     nonfinite: list[str] | None = None
-    #: Tensors the arena's copy thread checked for NaN/infinity while copying them (name -> all finite); the
-    #: health check (:func:`nonfinite_tensors`) scans only the others.
-    finite: dict[str, bool] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -275,12 +271,6 @@ def block_finite(block: np.ndarray) -> bool:
         return bool(np.isfinite(np.add.reduce(block))) or bool(np.isfinite(block).all())
 
 
-def numpy_finite_dtype(dtype: torch.dtype) -> np.dtype | None:
-    """The numpy dtype :func:`block_finite` checks a tensor of ``dtype`` as, or None when numpy cannot (integer,
-    bool, bfloat16, float8, complex: those are checked by :func:`nonfinite_tensors` through torch)."""
-    return np.dtype(torch.empty(0, dtype=dtype).numpy().dtype) if dtype in _NUMPY_FINITE else None
-
-
 def _all_finite(t: torch.Tensor) -> bool:
     """Whether every value of the contiguous host tensor ``t`` (real floating point) is finite; checked in blocks
     of :data:`_FINITE_BLOCK` elements, stopping at the first block with a NaN or an infinity."""
@@ -304,24 +294,20 @@ def nonfinite_tensors(staged: StagedState) -> list[str]:
     """The staged (host) tensors of ``staged`` that hold a NaN or an infinity: the first of each health group
     (:func:`~lightning_snapshot.manifest.health_group`), in staging order. Integer and bool tensors are always finite.
 
-    Off the training thread: the arena's copy thread checks the tensors it copies block by block while they are in
-    the cache (``staged.finite``); the persist thread or the snapshot agent scans the others (buffers, CUDA-copied
-    tensors, dtypes numpy lacks) when it writes. The result is kept in ``staged.nonfinite``, so several tiers
-    compute it once.
+    One pass over the staged floating-point bytes, off the training thread: the persist thread or the snapshot agent
+    calls it while it writes. Not in the arena's copy thread, although its blocks are in the cache there: the
+    training thread waits for that thread before the next optimizer step, so its work can add to the stall, and a
+    finite-check fused into it cost as much CPU as this separate pass (benchmarks/stall.py, ``ours-local-nohealth``).
+    The result is kept in ``staged.nonfinite``, so several tiers compute it once.
     """
     if staged.nonfinite is not None:
         return staged.nonfinite
     from lightning_snapshot.manifest import health_group
 
     bad: dict[str, str] = {}
-    checked = staged.finite or {}
     for name, t in staged.tensors.items():
         group = health_group(name)
         if group in bad or not (t.dtype.is_floating_point or t.dtype.is_complex) or not t.numel():
-            continue
-        if name in checked:  # checked by the arena's copy thread, block by block while copying
-            if not checked[name]:
-                bad[group] = name
             continue
         if not _all_finite(torch.view_as_real(t) if t.dtype.is_complex else t):
             bad[group] = name

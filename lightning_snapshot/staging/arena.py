@@ -38,21 +38,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 import xxhash
 
 from lightning_snapshot import tree as _tree
 from lightning_snapshot.planner import align_up, assign_writers, chunk_ranges, plan_layout
 from lightning_snapshot.staging import SMALL_HASH as _SMALL
-from lightning_snapshot.staging import (
-    StagedState,
-    block_finite,
-    chunk_digests,
-    numpy_finite_dtype,
-    prepare_tensors,
-    tensor_bytes,
-)
+from lightning_snapshot.staging import StagedState, chunk_digests, prepare_tensors, tensor_bytes
 
 __all__ = [
     "FAKE_REGISTER_ENV",
@@ -166,35 +158,27 @@ def _record_fake(line: str) -> None:
             f.write(line + "\n")
 
 
-def _copy_digests(
-    dst: memoryview, dst_addr: int, src_addr: int, chunk_bytes: int, finite: np.dtype | None = None
-) -> tuple[list[str], bool | None]:
-    """Copy ``dst.nbytes`` bytes from ``src_addr`` to ``dst`` (at ``dst_addr``); return the digests of its chunks
-    and, when ``finite`` (the tensor's numpy dtype) is given, whether every value is finite (else None).
+def _copy_digests(dst: memoryview, dst_addr: int, src_addr: int, chunk_bytes: int) -> list[str]:
+    """Copy ``dst.nbytes`` bytes from ``src_addr`` to ``dst`` (at ``dst_addr``); return the digests of its chunks.
 
-    Each block is hashed, and checked for NaN/infinity, right after it is copied, from the destination, while it is
-    still in the cache: the digests are those of the staged bytes, as :func:`chunk_digests` of ``dst`` would give,
-    for about the memory traffic of the copy alone. ``memmove``, the streaming hash and numpy's sum release the GIL.
+    Each block is hashed right after it is copied, from the destination, while it is still in the cache: the
+    digests are those of the staged bytes, as :func:`chunk_digests` of ``dst`` would give, for about the memory
+    traffic of the copy alone. ``memmove`` and the streaming hash both release the GIL.
     """
     memmove = ctypes.memmove
     sums = []
-    ok: bool | None = None if finite is None else True
     for a, b in chunk_ranges(dst.nbytes, chunk_bytes):
         if b - a < _SMALL:
             memmove(dst_addr + a, src_addr + a, b - a)
             sums.append(xxhash.xxh3_64_hexdigest(dst[a:b]))
-            if ok:
-                ok = block_finite(np.frombuffer(dst[a:b], dtype=finite))
             continue
         h = xxhash.xxh3_64()
         for x in range(a, b, _FUSE_BLOCK):
             y = min(x + _FUSE_BLOCK, b)
             memmove(dst_addr + x, src_addr + x, y - x)
             h.update(dst[x:y])
-            if ok:
-                ok = block_finite(np.frombuffer(dst[x:y], dtype=finite))
         sums.append(h.hexdigest())
-    return sums, ok
+    return sums
 
 
 def _memfd_ok() -> bool:
@@ -869,14 +853,8 @@ class HostArena:
         assert packed is not None
         chunk = self.chunk_bytes
         sums: dict[str, list[str]] = {}
-        finite: dict[str, bool] = {}
-        tensors = handle.state.tensors
         for name, offset, src, nbytes in background:
-            dtype = numpy_finite_dtype(tensors[name].dtype) if name in tensors else None
-            sums[name], ok = _copy_digests(packed[offset : offset + nbytes], base + offset, src, chunk, dtype)
-            if ok is not None:
-                finite[name] = ok
-        handle.state.finite = finite
+            sums[name] = _copy_digests(packed[offset : offset + nbytes], base + offset, src, chunk)
         for event in events:
             event.synchronize()
         for name, offset, nbytes in hashed:  # copied on the training thread or the CUDA stream: hash them here
