@@ -14,7 +14,7 @@ ModelCheckpoint resumes from its newest checkpoint that loads (a kill during ``t
 the one before it is used); it keeps the two newest, as our tiers do (``keep_last=2``).
 
 The default MTBF, 10 s, is chosen so that every method sees at least 5 failures in a run whose failure-free wall
-time is about 25 s (W=8000 steps of a width-256 MLP at about 2.6 ms per step on an idle 2-core machine, 3 s of
+time is about 50 s (W=16000 steps of a width-256 MLP at about 2.7 ms per step on an idle 2-core machine, 4 s of
 start-up): failures every few hundred steps of a small model stand for failures every few hours of a large one, the
 ratio of snapshot cost to MTBF being what decides goodput.
 
@@ -32,8 +32,8 @@ training). A PNG plots goodput against MTBF for 3 MTBFs (the default: ``--mtbf``
 
 Usage::
 
-    python benchmarks/goodput.py --quick                # < 10 min on 2 cores (W=5000, MTBF 10 s, no plot)
-    python benchmarks/goodput.py                        # W=8000, MTBF 10, 20, 40 s and the plot, < 40 min
+    python benchmarks/goodput.py --quick                # < 10 min on 2 cores (W=8000, MTBF 10 s, no plot)
+    python benchmarks/goodput.py                        # W=16000, MTBF 10, 20, 40 s and the plot, < 40 min
     python benchmarks/goodput.py --methods ours-local --kills 4,9 --steps 200   # explicit kill times (seconds)
 """
 
@@ -420,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
         a.width = a.width or 512
         _worker(a)
         return 0
-    steps = a.steps or (5000 if a.quick else 8000)
+    steps = a.steps or (8000 if a.quick else 16000)
     width = a.width or 256
     mtbf = a.mtbf or 10.0
     mtbfs = [float(x) for x in a.mtbfs.split(",")] if a.mtbfs else ([mtbf] if a.quick else [mtbf, 2 * mtbf, 4 * mtbf])
@@ -463,6 +463,13 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
             print(f"  MTBF {m:g} s {method:<15} wall {run.wall_s:7.1f} s  failures {run.failures}"
                   f"  goodput {ideal.wall_s / run.wall_s:.3f}", flush=True)
         results[m] = rows
+    # the ideal again, last: the faster of the two failure-free runs is the ideal (the other one met more noise)
+    again, again_dir = run_method("none", every=0, failure_times=[], mtbf=mtbf, **common)
+    print(f"ideal wall again {again.wall_s:.1f} s (start-up {again.starts[0]:.1f} s); the faster one is used",
+          flush=True)
+    if again.wall_s < ideal.wall_s:
+        ideal, step_s = again, again.train_s / max(1, again.steps_trained)
+    shutil.rmtree(again_dir, ignore_errors=True)
     out.table(report(ideal, step_s, results, a.restart_delay))
     targets(ideal, results, a.restart_delay, mtbfs[0], out.targets)
     out.fields.update(figures(ideal, step_s, results, a.restart_delay, steps))
