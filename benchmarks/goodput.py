@@ -379,6 +379,22 @@ def _bitwise(a: Path, b: Path) -> str:
     return "PASS" if not bad else f"FAIL ({len(bad)} of {len(x)} tensors differ)"
 
 
+def save_cost(progress: Path, every: int, warmup: int = 10) -> float:
+    """The training time one save costs, from one calibration run's step times: the steps' excess over the run's own
+    median step time, summed, per save (the baseline comes from the same run, so no other run's noise enters; the
+    same estimate lightning-snapshot's ``every="auto"`` makes). Floored at 1 ms: a cost lost in the noise would
+    give an interval of one step."""
+    import statistics
+
+    times = [t for kind, _, t in _read_progress(progress) if kind == "step"]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)][warmup:]
+    if not gaps:
+        return 1e-3
+    base = statistics.median(gaps)
+    saves = max(1, len(gaps) // every)
+    return max(1e-3, (sum(gaps) - base * len(gaps)) / saves)
+
+
 def failure_times(seed: int, mtbf: float, horizon: float) -> list[float]:
     """Seeded exponential failure times (mean ``mtbf``) up to ``horizon`` seconds."""
     rng = random.Random(seed)
@@ -436,13 +452,12 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
     ideal, ideal_dir = run_method("none", every=0, failure_times=[], mtbf=mtbf, **common)
     step_s = ideal.train_s / max(1, ideal.steps_trained)
     print(f"ideal wall {ideal.wall_s:.1f} s (start-up {ideal.starts[0]:.1f} s, {step_s * 1e3:.1f} ms/step)", flush=True)
-    # calibration: each peer's cost per save, failure-free, saving every 50 steps (200 steps)
+    # calibration: each peer's cost per save, failure-free, saving every 50 steps (1000 steps)
     calib: dict[str, float] = {}
     for method in [m for m in methods if m in ("mc-yd", "async-io", "dcp")]:
         cal, cal_dir = run_method("async-io" if method == "async-io" else ("dcp" if method == "dcp" else "mc-yd"),
-                                  every=50, failure_times=[], mtbf=mtbf, **{**common, "steps": 400})
-        # (floored at 1 ms: a cost lost in the noise would give an interval of one step)
-        calib[method] = max(1e-3, (cal.train_s / max(1, cal.steps_trained) - step_s) * 50)
+                                  every=50, failure_times=[], mtbf=mtbf, **{**common, "steps": 1000})
+        calib[method] = save_cost(cal_dir / "progress.log", 50)
         shutil.rmtree(cal_dir, ignore_errors=True)
         print(f"calibration {method}: {calib[method] * 1e3:.1f} ms per save", flush=True)
     results: dict[float, list[Run]] = {}
