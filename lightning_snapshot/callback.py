@@ -207,6 +207,8 @@ class SnapshotCallback(Checkpoint):
         self._arena: HostArena | None = None
         self._persister: Persister | None = None
         self._inflight: AsyncStaged | None = None
+        self._copied = False  # the copy in flight was waited for before this step's optimizer step (validation)
+        self._ended = False  # the snapshot of the end of fit was taken
         self._metrics = MetricsSink()
         self._metric_names = tier_metric_names(self.tiers)
         self._committed: dict[int, int] = {}
@@ -341,6 +343,15 @@ class SnapshotCallback(Checkpoint):
             original_advance_start()
 
         fit_loop.on_advance_start = on_advance_start
+        # fit's last snapshot is taken when the training loop ends, before the on_train_end hooks (_end_of_fit)
+        original_run_end = fit_loop.on_run_end
+
+        def on_run_end() -> None:
+            self._end_of_fit(trainer, trainer.lightning_module)
+            original_run_end()
+
+        fit_loop.on_run_end = on_run_end
+        self._ended, self._copied = False, False
         self._patched_fit_loop = fit_loop
         self._preload_callbacks(trainer)
 
@@ -568,7 +579,8 @@ class SnapshotCallback(Checkpoint):
                 self._patched_loop.__dict__.pop(name, None)
             self._patched_loop = None
         if self._patched_fit_loop is not None:
-            self._patched_fit_loop.__dict__.pop("on_advance_start", None)
+            for name in ("on_advance_start", "on_run_end"):
+                self._patched_fit_loop.__dict__.pop(name, None)
             self._patched_fit_loop = None
         if self._pending is not None:
             _, staged, _ = self._pending
@@ -1000,16 +1012,25 @@ class SnapshotCallback(Checkpoint):
             self._finish(trainer, consumed_offset=1)
             self._stall += time.perf_counter() - t0
 
+    def _fence_copy(self) -> bool:
+        """Wait until the weights and optimizer state of the snapshot in flight are copied (counted as stall);
+        False when none is in flight."""
+        if self._inflight is None:
+            return False
+        t0 = time.perf_counter()
+        with contextlib.suppress(Exception):  # the persist thread reports it
+            self._inflight.fence_training()
+        self._stall += time.perf_counter() - t0
+        self._inflight = None
+        self._copied = True
+        return True
+
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        if self._inflight is not None:
-            # parameters and optimizer state change in the step that follows: the copy must be complete
-            t0 = time.perf_counter()
-            with contextlib.suppress(Exception):  # the persist thread reports it
-                self._inflight.fence_training()
-            self._stall += time.perf_counter() - t0
+        # parameters and optimizer state change in the step that follows: the copy must be complete
+        if self._fence_copy() or self._copied:
             self._metrics.add("snapshot/stall_ms", self._stall * 1000)
-            self._inflight = None
             self._stall = 0.0
+            self._copied = False
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
@@ -1085,6 +1106,9 @@ class SnapshotCallback(Checkpoint):
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         self._validation_clock = time.perf_counter()
+        # validation may change the weights in place and back (WeightAveraging swaps the averaged weights in for
+        # it): the copy of a snapshot's weights must be complete before
+        self._fence_copy()
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         # validation inside training is not a step's time (the meter would count it against a tier in flight)
@@ -1193,21 +1217,32 @@ class SnapshotCallback(Checkpoint):
         self._stall = time.perf_counter() - t0
         return True
 
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        if self._persister is not None:
-            self._persister.drain()  # the last snapshot waits for room in every tier instead of being skipped
-            step = trainer.global_step
-            if self._pending is None or self._pending[0] != step:
-                # fit ends with a snapshot of its last step in every tier (a later, longer run continues from it)
-                if self._pending is not None:
-                    self._finish(trainer)
-                self._final_snapshot(trainer, pl_module, step)
-            elif set(self._pending[2]) != set(range(len(self.tiers))):
-                self._pending = (step, self._pending[1], list(range(len(self.tiers))))
+    def _end_of_fit(self, trainer: Any, pl_module: Any) -> None:
+        """Fit ends with a snapshot of its last step in every tier (a later, longer run continues from it), taken
+        when the training loop ends, before any ``on_train_end`` hook: those may change the weights
+        (``WeightAveraging`` copies the averaged weights into the model there), and a run that never stopped would
+        not have run them. Returns once the weights are copied."""
+        if self._persister is None or self._ended:
+            return
+        self._ended = True
+        self._persister.drain()  # the last snapshot waits for room in every tier instead of being skipped
+        step = trainer.global_step
+        if self._pending is None or self._pending[0] != step:
             if self._pending is not None:
                 self._finish(trainer)
-        if self._inflight is not None:
-            self._inflight = None
+            self._final_snapshot(trainer, pl_module, step)
+        elif set(self._pending[2]) != set(range(len(self.tiers))):
+            self._pending = (step, self._pending[1], list(range(len(self.tiers))))
+        staged = self._pending[1] if self._pending is not None else self._inflight
+        if self._pending is not None:
+            self._finish(trainer)
+        if staged is not None:
+            with contextlib.suppress(Exception):  # the persist thread reports it
+                staged.fence_training()
+        self._inflight = None
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._end_of_fit(trainer, pl_module)  # (done already when the fit loop ended normally)
         # fit returns once every snapshot is durable (or failed); tiers with a drain_timeout (object stores) are
         # waited for that long at most
         late = self._persister.drain() if self._persister is not None else []

@@ -35,6 +35,7 @@ __all__ = [
     "capture_shared",
     "check_model",
     "check_optimizers",
+    "checkpoint_view",
     "frozen_predicate",
     "is_sharded",
     "restore_rng",
@@ -106,9 +107,14 @@ def capture_late(trainer: Any, pl_module: Any, loader_states: list[Any] | None =
     ``loader_states``: the states of Lightning-restored (stateful) train loaders to record instead of their current
     ones (a loader without a length is fetched one batch ahead; the callback passes the state before that batch).
 
-    ``LightningModule.on_save_checkpoint`` is called here, on a checkpoint dict that also holds the model's
-    ``state_dict``; what it adds is kept (copied now, on the training thread), what it changes in the model's state
-    is not.
+    The ``on_save_checkpoint`` hooks are called here as Lightning's ``dump_checkpoint`` calls them (every callback's,
+    then the ``LightningModule``'s), on a checkpoint dict that also holds the model's ``state_dict``; what they add is
+    kept (copied by the caller, on the training thread). A ``state_dict`` a callback put in its place
+    (``EMAWeightAveraging`` puts the averaged weights there and moves the model's own to ``current_model_state``) is
+    kept under ``lightning_snapshot/checkpoint_state_dict``; the model's own weights stay the snapshot's
+    ``state_dict``, and keys that hold the model's own ``state_dict`` object are recorded by name
+    (``lightning_snapshot/state_dict_aliases``) instead of copying the weights twice. :func:`restore_shared` gives
+    the hooks' ``on_load_checkpoint`` the same view back.
     """
     loops = trainer.fit_loop.state_dict()
     if loader_states is not None and isinstance(loops.get("state_dict"), dict):
@@ -139,14 +145,42 @@ def capture_late(trainer: Any, pl_module: Any, loader_states: list[Any] | None =
         dm_state = datamodule.state_dict()
         if dm_state:
             late[type(datamodule).__qualname__] = dm_state
+    state_dict = trainer.strategy.lightning_module_state_dict() if not is_sharded(trainer.strategy) else {}
     ckpt = {
         **late,
         "global_step": trainer.global_step,
-        "state_dict": trainer.strategy.lightning_module_state_dict() if not is_sharded(trainer.strategy) else {},
+        "pytorch-lightning_version": lightning.__version__,
+        "state_dict": state_dict,
     }
+    for cb in trainer.callbacks:
+        cb.on_save_checkpoint(trainer, pl_module, ckpt)
     pl_module.on_save_checkpoint(ckpt)
-    late.update({k: v for k, v in ckpt.items() if k not in ("global_step", "state_dict")})
+    own = late["lightning_snapshot"]
+    if ckpt.get("state_dict") is not state_dict:
+        own["checkpoint_state_dict"] = ckpt["state_dict"]
+    aliases = sorted(k for k, v in ckpt.items() if v is state_dict and k != "state_dict")
+    if aliases:
+        own["state_dict_aliases"] = aliases
+    skip = {"global_step", "pytorch-lightning_version", "state_dict", *aliases}
+    late.update({k: v for k, v in ckpt.items() if k not in skip})
     return late
+
+
+def checkpoint_view(ckpt: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint dict the ``on_save_checkpoint`` hooks left (see :func:`capture_late`), for their
+    ``on_load_checkpoint``: the keys that held the model's ``state_dict`` hold the restored one again, and
+    ``state_dict`` is the one a callback put in its place, if any."""
+    own = ckpt.get("lightning_snapshot")
+    own = own if isinstance(own, dict) else {}
+    view = dict(ckpt)
+    aliases = own.get("state_dict_aliases")
+    for key in aliases if isinstance(aliases, list) else []:
+        if isinstance(key, str):
+            view[key] = ckpt.get("state_dict")
+    replaced = own.get("checkpoint_state_dict")
+    if isinstance(replaced, dict):
+        view["state_dict"] = replaced
+    return view
 
 
 def frozen_predicate(parameters: Iterable[torch.Tensor], optimizers: Iterable[Any]) -> Callable[[torch.Tensor], bool]:
@@ -398,7 +432,8 @@ def restore_shared(
     optimizer_states = ckpt.get("optimizer_states", [])
     schedulers = ckpt.get("lr_schedulers", [])
     check_optimizers(trainer, ckpt, where)
-    pl_module.on_load_checkpoint(ckpt)
+    view = checkpoint_view(ckpt)
+    pl_module.on_load_checkpoint({**view, "state_dict": ckpt["state_dict"]})
     sharded = is_sharded(trainer.strategy)
     if sharded:
         if live is None or live.optimizers is None:
@@ -412,9 +447,14 @@ def restore_shared(
     else:
         trainer.strategy.load_model_state_dict(ckpt, strict=True)
     _fit_state.restore_trainable(pl_module, _fit_state.saved_state(ckpt))
+    _fit_state.restore_metrics(pl_module, _fit_state.saved_state(ckpt))
     datamodule = trainer.datamodule
     if datamodule is not None and type(datamodule).__qualname__ in ckpt:
         datamodule.load_state_dict(ckpt[type(datamodule).__qualname__])
+    # the callbacks' on_load_checkpoint, then their load_state_dict (Lightning's order; with load_callbacks=False
+    # the states were loaded at setup, before the callbacks' on_fit_start)
+    for cb in trainer.callbacks:
+        cb.on_load_checkpoint(trainer, pl_module, view)
     if load_callbacks:
         _fit_state.load_callback_states(trainer, ckpt.get("callbacks", {}))
     precision_key = type(trainer.precision_plugin).__qualname__

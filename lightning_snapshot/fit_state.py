@@ -18,7 +18,9 @@ and applies it on restore:
   the accumulated value and batch count of every tensor metric of the training ``_ResultCollection``, so that the
   epoch mean after a resume within an epoch includes the steps before it (``train_loss_epoch`` monitored by
   EarlyStopping or ModelCheckpoint). Values logged as ``torchmetrics.Metric`` objects keep their state in the
-  module (not here).
+  metric (next item).
+* **the accumulated state of ``torchmetrics.Metric`` objects** in the module (:func:`restore_metrics`): not in the
+  module's ``state_dict``, and a metric logged with ``on_epoch=True`` accumulates over the epoch.
 * **gradients, only where Lightning reuses them**: ``StochasticWeightAveraging``'s BatchNorm-update epoch (the
   epoch after the last averaging epoch, when the model has BatchNorm layers) skips ``zero_grad`` and backward, and
   its one optimizer step applies the gradients left by the last step before it. A snapshot taken right before that
@@ -34,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -47,6 +49,7 @@ __all__ = [
     "prune_checkpoints",
     "restore_grads",
     "restore_in_epoch",
+    "restore_metrics",
     "restore_trainable",
     "saved_state",
 ]
@@ -79,7 +82,65 @@ def capture(trainer: Any, pl_module: Any) -> dict[str, Any]:
         "logger_connector": _logger_connector_state(trainer),
         "checkpoint_files": _checkpoint_files(trainer),
         "grads": _reused_grads(trainer, pl_module),
+        "metrics": _metric_states(pl_module),
     }
+
+
+def _metric_classes() -> tuple[type, ...]:
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # (a dependency of Lightning's; absent only in unusual installs)
+        return ()
+    return (Metric,)
+
+
+def _metric_states(pl_module: Any) -> dict[str, Any]:
+    """The accumulated state of every ``torchmetrics.Metric`` in the module, by module name: its states (tensors,
+    or lists of tensors for concatenating metrics) and its update count. They are not in the module's
+    ``state_dict`` (torchmetrics states are not persistent by default), and a metric logged with ``on_epoch=True``
+    accumulates over the epoch."""
+    classes = _metric_classes()
+    if not classes:
+        return {}
+    out: dict[str, Any] = {}
+    for name, module in pl_module.named_modules():
+        if isinstance(module, classes):
+            states = {}
+            for key in getattr(module, "_defaults", {}):  # torchmetrics' registry of add_state names
+                value = getattr(module, key, None)
+                if isinstance(value, torch.Tensor) or (
+                    isinstance(value, list) and all(isinstance(v, torch.Tensor) for v in value)
+                ):
+                    states[key] = list(value) if isinstance(value, list) else value
+            out[name] = {"states": states, "update_count": int(getattr(module, "_update_count", 0))}
+    return out
+
+
+def restore_metrics(pl_module: Any, saved: dict[str, Any] | None) -> None:
+    """Put the captured state back into the module's ``torchmetrics.Metric`` objects (see :func:`_metric_states`),
+    on each metric's device; a metric the snapshot does not name is left as it is."""
+    metrics = saved.get("metrics") if isinstance(saved, dict) else None
+    classes = _metric_classes()
+    if not isinstance(metrics, dict) or not metrics or not classes:
+        return
+    for name, module in pl_module.named_modules():
+        entry = metrics.get(name)
+        if not isinstance(module, classes) or not isinstance(entry, dict):
+            continue
+        module = cast("Any", module)
+        defaults = getattr(module, "_defaults", {})
+        for key, value in (entry.get("states") or {}).items():
+            if key not in defaults:
+                continue
+            current = getattr(module, key, None)
+            if isinstance(value, list):
+                device = current[0].device if isinstance(current, list) and current else module.device
+                setattr(module, key, [v.to(device) for v in value if isinstance(v, torch.Tensor)])
+            elif isinstance(value, torch.Tensor):
+                device = current.device if isinstance(current, torch.Tensor) else module.device
+                setattr(module, key, value.to(device))
+        module._update_count = int(entry.get("update_count", 0))
+        module._computed = None  # (compute() caches its result until the next update)
 
 
 def _reused_grads(trainer: Any, pl_module: Any) -> dict[str, torch.Tensor]:
@@ -334,7 +395,14 @@ def prune_checkpoints(trainer: Any, saved: dict[str, Any] | None, step: int) -> 
 
 
 def load_callback_states(trainer: Any, states: Any, exclude: Any = None) -> int:
-    """Load each callback's saved state (by state key), as Lightning's restore does; returns how many were loaded."""
+    """Load each callback's saved state (by state key), as Lightning's restore does; returns how many were loaded.
+
+    Also what a built-in callback's ``state_dict`` holds and its ``load_state_dict`` leaves out:
+    ``ModelCheckpoint.current_score`` (the score of the newest checkpoint it saved, which it changes only when it
+    saves one again), so that the resumed callback's ``state_dict`` equals the uninterrupted one's.
+    """
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
     if not isinstance(states, dict):
         return 0
     loaded = 0
@@ -345,4 +413,6 @@ def load_callback_states(trainer: Any, states: Any, exclude: Any = None) -> int:
         if state:
             cb.load_state_dict(state)
             loaded += 1
+            if isinstance(cb, ModelCheckpoint) and state.get("dirpath", cb.dirpath) == cb.dirpath:
+                cb.current_score = state.get("current_score", cb.current_score)
     return loaded

@@ -75,6 +75,14 @@ CASES = [
     ("grad-accum", (), (22, 30)),          # within epoch 1 (2 batches per step) and epoch 3 (4 per step)
     ("early-stop-train", (), (22,)),       # within epoch 1: its epoch mean must include steps 17-20
     ("ckpt-steps", (), (10,)),             # ModelCheckpoint wrote step 9 after the snapshot of step 8
+    # EMAWeightAveraging: the averaged weights travel in on_save_checkpoint, are swapped in for each validation
+    # (every 4 steps: right after the snapshot of step 8) and copied into the model at on_train_end
+    ("ema", (), (9, 21)),
+    ("user-hooks", (), (10,)),             # a user callback's state in on_save_checkpoint/on_load_checkpoint
+    # an epoch-interval scheduler, validation twice an epoch (val_check_interval=0.5), ModelCheckpoint(save_last)
+    # whose current_score is only set by a top-k save: resumed after the validation of step 24
+    ("epoch-sched", (), (26,)),
+    ("metric-obj", (), (10, 23)),          # a torchmetrics Metric logged per epoch, monitored by EarlyStopping
 ]
 
 
@@ -100,16 +108,19 @@ def test_sigkill_and_resume_matches_an_uninterrupted_run(tmp_path, name, args, c
 
 
 @pytest.mark.slow
-def test_a_finished_fit_continued_keeps_the_persistent_workers_rng(tmp_path):
-    """A fit that ends with its epoch (max_steps=16, 16 batches an epoch), continued with a larger max_steps, ends as
-    one longer fit: its persistent loader workers carry their RNG into epoch 1 (the snapshot at the end of fit holds
-    it)."""
-    run_setup(tmp_path / "ref", "aug-workers-persistent", "--max-steps", "24")
+@pytest.mark.parametrize("name,first", [("aug-workers-persistent", 16), ("ema", 14)])
+def test_a_finished_fit_continued_ends_as_one_longer_fit(tmp_path, name, first):
+    """A fit that ends, continued with a larger max_steps, ends as one longer fit. aug-workers-persistent ends with
+    its epoch (max_steps=16, 16 batches an epoch): its persistent loader workers carry their RNG into epoch 1 (the
+    snapshot at the end of fit holds it). ema: EMAWeightAveraging copies the averaged weights into the model in its
+    on_train_end, which a longer run would not have done at step 14: the snapshot at the end of fit is taken
+    before."""
+    run_setup(tmp_path / "ref", name, "--max-steps", "24")
     ref = torch.load(tmp_path / "ref" / "out.pt", weights_only=True)
     d = tmp_path / "continued"
-    run_setup(d, "aug-workers-persistent", "--max-steps", "16")
-    proc = run_setup(d, "aug-workers-persistent", "--max-steps", "24")
-    assert "RESTORED step=16" in proc.stdout
+    run_setup(d, name, "--max-steps", str(first))
+    proc = run_setup(d, name, "--max-steps", "24")
+    assert f"RESTORED step={first}" in proc.stdout
     assert_same(ref, torch.load(d / "out.pt", weights_only=True))
 
 

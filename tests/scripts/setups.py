@@ -6,9 +6,13 @@ BackboneFinetuning (unfreezes the backbone and adds its parameter group at epoch
 (swaps in SWALR and averages from epoch 1; with BatchNorm it adds an epoch), LearningRateMonitor with OneCycleLR per
 step (logged through a CSVLogger), GradientAccumulationScheduler (1, 2, then 4 batches per step), EarlyStopping and
 ModelCheckpoint monitoring an epoch aggregate of a training metric, ModelCheckpoint(every_n_train_steps=3,
-save_top_k=2).
+save_top_k=2), EMAWeightAveraging (its averaged weights travel in on_save_checkpoint and are swapped in for
+validation), a user callback whose state travels in on_save_checkpoint/on_load_checkpoint, an epoch-interval
+scheduler with validation twice an epoch and ModelCheckpoint(save_last=True), and a torchmetrics Metric logged per
+epoch and monitored by EarlyStopping.
 
 Usage: python setups.py --setup NAME --dir SNAPDIR --out RESULT.pt [--crash-at S] [--every K] [--max-steps N]
+       [--max-epochs N] [--sigterm-at S]
 
 Writes everything a resumed run must reproduce to RESULT.pt (plain tensors, dicts, lists, numbers and strings, read
 back with weights_only=True): weights, optimizer states, scheduler states, every callback's state_dict, the
@@ -33,6 +37,7 @@ import torch
 from lightning.pytorch.callbacks import (
     BackboneFinetuning,
     EarlyStopping,
+    EMAWeightAveraging,
     GradientAccumulationScheduler,
     LearningRateMonitor,
     ModelCheckpoint,
@@ -48,9 +53,10 @@ from lightning_snapshot.writer import committed_steps
 
 SETUPS = ("val-epoch", "val-interval", "plateau-epoch", "plateau-step", "aug-main", "aug-workers",
           "aug-workers-persistent", "aug-workers-plain", "stateful-iterable", "manual-two-optimizers", "bf16-mixed", "finetune", "swa",
-          "lr-monitor", "grad-accum", "early-stop-train", "ckpt-steps")
+          "lr-monitor", "grad-accum", "early-stop-train", "ckpt-steps", "ema", "user-hooks", "epoch-sched",
+          "metric-obj")
 #: Setups that log through a CSVLogger (the values logged are compared).
-LOGGED = ("lr-monitor", "early-stop-train")
+LOGGED = ("lr-monitor", "early-stop-train", "metric-obj")
 
 
 class Points(Dataset):
@@ -103,6 +109,10 @@ class Model(L.LightningModule):
         else:
             self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2),
                                      nn.Linear(16, 1))
+        if setup == "metric-obj":  # a torchmetrics Metric logged per epoch (its state lives in the module)
+            from torchmetrics import MeanSquaredError
+
+            self.train_mse = MeanSquaredError()
         self.val_steps: list[int] = []
         self.lrs: list[float] = []
         self.last_batch = torch.zeros(0)
@@ -121,6 +131,9 @@ class Model(L.LightningModule):
         loss = nn.functional.mse_loss(self(x), y)
         # early-stop-train monitors the epoch mean ("train_loss_epoch"), accumulated over the epoch's steps
         self.log("train_loss", loss, on_step=True, on_epoch=self.setup_name in ("early-stop-train", "lr-monitor"))
+        if self.setup_name == "metric-obj":
+            self.train_mse(self(x), y)
+            self.log("train_mse", self.train_mse, on_step=False, on_epoch=True)
         if self.automatic_optimization:
             self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
             return loss
@@ -160,6 +173,9 @@ class Model(L.LightningModule):
         if self.setup_name == "lr-monitor":
             sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=5e-2, total_steps=self.trainer.max_steps)
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        if self.setup_name == "epoch-sched":
+            sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=3)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "epoch"}}
         if self.setup_name == "plateau-epoch":
             sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5, threshold=10.0)
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "monitor": "val_loss", "interval": "epoch"}}
@@ -169,6 +185,28 @@ class Model(L.LightningModule):
                                                        "frequency": 2, "strict": False}}
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.9)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class Tally(L.Callback):
+    """A user callback written the pre-``state_dict`` way: its state travels in ``on_save_checkpoint`` /
+    ``on_load_checkpoint`` (a running sum of the losses and a count of the validations seen)."""
+
+    def __init__(self) -> None:
+        self.loss_sum = torch.zeros(())
+        self.validations = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.loss_sum = self.loss_sum + outputs["loss"].detach()
+
+    def on_validation_end(self, trainer, pl_module):
+        self.validations += 1
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        checkpoint["tally"] = {"loss_sum": self.loss_sum.clone(), "validations": self.validations}
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint):
+        self.loss_sum = checkpoint["tally"]["loss_sum"].clone()
+        self.validations = checkpoint["tally"]["validations"]
 
 
 class Crash(L.Callback):
@@ -244,6 +282,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--every", type=int, default=4)
     p.add_argument("--max-steps", type=int, default=40)
+    p.add_argument("--max-epochs", type=int, default=-1, help="train by epochs (max_steps=-1)")
     p.add_argument("--crash-at", type=int, default=-1)
     p.add_argument("--sigterm-at", type=int, default=-1)
     a = p.parse_args()
@@ -276,9 +315,13 @@ def main() -> None:
         trainer_kw["val_check_interval"] = 4
         callbacks.append(EarlyStopping(monitor="val_loss", patience=3, min_delta=10.0, check_on_train_epoch_end=False))
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, monitor="val_loss", save_top_k=2))
+    elif setup in ("ema", "user-hooks"):
+        trainer_kw["val_check_interval"] = 4
+    elif setup == "epoch-sched":
+        trainer_kw["val_check_interval"] = 0.5
     else:
         trainer_kw["limit_val_batches"] = 0
-    max_steps, max_epochs = a.max_steps, -1
+    max_steps, max_epochs = (a.max_steps, -1) if a.max_epochs < 0 else (-1, a.max_epochs)
     if setup == "finetune":
         callbacks.append(BackboneFinetuning(unfreeze_backbone_at_epoch=1))
     elif setup == "swa":
@@ -295,6 +338,15 @@ def main() -> None:
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, monitor="train_loss_epoch", save_top_k=2))
     elif setup == "ckpt-steps":
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, monitor="train_loss", save_top_k=2))
+    elif setup == "ema":
+        callbacks.append(EMAWeightAveraging(decay=0.9))
+    elif setup == "user-hooks":
+        callbacks.append(Tally())
+    elif setup == "epoch-sched":
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, monitor="val_loss", save_top_k=2, save_last=True))
+    elif setup == "metric-obj":
+        callbacks.append(EarlyStopping(monitor="train_mse", patience=1, min_delta=10.0))
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, monitor="train_mse", save_top_k=2))
     if setup in LOGGED:
         trainer_kw["logger"] = CSVLogger(ROOT, name="logs", version=0, flush_logs_every_n_steps=1)
         trainer_kw["log_every_n_steps"] = 1
@@ -329,6 +381,11 @@ def main() -> None:
         "trainable": {n: p.requires_grad for n, p in model.named_parameters()},
         "accumulate_grad_batches": trainer.accumulate_grad_batches,
         "logged": logged(os.path.join(ROOT, "logs", "version_0", "metrics.csv")),
+        # what callbacks keep outside their state_dict (EMAWeightAveraging's averaged model, a user callback's
+        # on_save_checkpoint state)
+        "extra": {type(cb).__name__: plain(cb._average_model.state_dict() if isinstance(cb, EMAWeightAveraging)
+                                           else {"loss_sum": cb.loss_sum, "validations": cb.validations})
+                  for cb in trainer.callbacks if isinstance(cb, (EMAWeightAveraging, Tally))},
     }
     torch.save(result, a.out)
     if snapshot.restored_from is not None:
