@@ -247,7 +247,7 @@ class SnapshotCallback(Checkpoint):
         self._pending_loaders: list[dict[str, Any] | None] = []
         self._pending_loaders_count = 0
         self._exact_data = True
-        self._warned_loaders: set[int] = set()
+        self._warned_loaders: set[int | str] = set()
         self._patched_strategy: Any = None
         self._planned = False
         self._warned_layout = False
@@ -607,6 +607,9 @@ class SnapshotCallback(Checkpoint):
             count = self._pending_loaders_count
             index = count - len(self._pending_loaders)
             pending = self._pending_loaders.pop(0)
+            recorder = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+            if isinstance(recorder, _data.DrawRecorder) and isinstance(pending, dict) and self._exact_data:
+                recorder.replay = pending.get("draw_rng")  # (the rest of its position is Lightning's to restore)
             if wrapper is not None and pending is not None:
                 target = _data.plan_resume(wrapper, loader, pending, self._exact_data, trainer.current_epoch)
                 if target is not None and count == 1 and index == 0:
@@ -618,6 +621,21 @@ class SnapshotCallback(Checkpoint):
                         " data left",
                         stacklevel=2,
                     )
+        workers = int(getattr(loader, "num_workers", 0) or 0)
+        if (
+            self._resumed == "mid"
+            and _data.is_stateful(loader)
+            and workers > 0
+            and "workers" not in self._warned_loaders
+        ):
+            self._warned_loaders.add("workers")
+            warnings.warn(
+                f"lightning-snapshot: the train loader ({type(loader).__name__}) restores its own position, and its"
+                f" {workers} worker processes restart their global RNG (torch, numpy, random) from their"
+                " seeds: random augmentation drawn there is not resumed exactly. Keep the augmentation's RNG in the"
+                " dataset's state_dict(), or use a torch DataLoader (lightning-snapshot restores its workers' RNG)",
+                stacklevel=2,
+            )
         reason = _data.unsupported_reason(loader)
         if reason is not None and id(type(loader)) not in self._warned_loaders:
             self._warned_loaders.add(id(type(loader)))

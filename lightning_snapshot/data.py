@@ -61,6 +61,7 @@ from torch.utils.data import (
 )
 
 __all__ = [
+    "DrawRecorder",
     "ResumableSampler",
     "describe_order",
     "flatten_loaders",
@@ -192,6 +193,54 @@ class ResumableSampler(Sampler[int]):
         local = self.offset + max(0, consumed_batches - self.start_batches) * batch_size
         samples = min(self.order["n"], self.base + local * self.replicas)
         return {"order": self.order, "base": self.base, "samples": samples, "replicas": self.replicas}
+
+
+class DrawRecorder(Sampler[int]):
+    """Transparent wrapper of the index sampler of a loader Lightning restores itself (``state_dict`` /
+    ``load_state_dict``, e.g. torchdata's ``StatefulDataLoader``) when that sampler keeps no state of its own.
+
+    Such a loader is restored by fast-forwarding its sampler by the number of indices it had given, which replays the
+    epoch's order only if the sampler draws it from the same RNG state. Under DDP, Lightning wraps a sampler that is
+    not torch's own (torchdata's ``RandomSampler``) in its ``DistributedSamplerWrapper``, whose order is drawn from
+    the global torch RNG when the epoch's first index is asked for. This records the RNG state of each draw
+    (:attr:`draw_rng`); a resumed run replays the interrupted epoch's draw from it (:attr:`replay`, set before the
+    loader's first iterator), forked: the global RNG is put back right after the draw.
+    """
+
+    _OWN = ("inner", "draw_rng", "replay", "draws")
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        #: The torch RNG state the current epoch's order was drawn from (None before the first draw).
+        self.draw_rng: torch.Tensor | None = None
+        self.replay: torch.Tensor | None = None
+        self.draws = 0
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in DrawRecorder._OWN:
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __iter__(self) -> Iterator[int]:
+        self.draws += 1
+        replay, self.replay = self.replay, None
+        if replay is None:
+            self.draw_rng = torch.get_rng_state()
+            yield from self.inner
+            return
+        outer = torch.get_rng_state()
+        try:
+            torch.set_rng_state(replay)
+            self.draw_rng = replay
+            it = iter(self.inner)
+            head = list(itertools.islice(it, 1))  # samplers draw their order when the first index is asked for
+        finally:
+            torch.set_rng_state(outer)
+        yield from head
+        yield from it
 
 
 def _epoch_of(sampler: Any) -> int | None:
@@ -406,8 +455,21 @@ def unsupported_reason(loader: Any) -> str | None:
 def install(loader: Any) -> ResumableSampler | None:
     """Wrap the index sampler of a plain map-style ``DataLoader`` and follow its iterators (:class:`_IteratorTracker`)
     (idempotent); None when not applicable. The loader's own attributes (``collate_fn``, ``worker_init_fn``) are left
-    as they are: the wrappers are given to each iterator's workers only."""
-    if unsupported_reason(loader) is not None or is_stateful(loader):
+    as they are: the wrappers are given to each iterator's workers only. The stateless index sampler of a loader
+    Lightning restores itself gets a :class:`DrawRecorder` (None is returned)."""
+    if is_stateful(loader):
+        batch_sampler: Any = getattr(loader, "batch_sampler", None)
+        sampler = getattr(batch_sampler, "sampler", None)
+        if (
+            sampler is not None
+            and not isinstance(sampler, (DrawRecorder, SequentialSampler))
+            and not callable(getattr(sampler, "state_dict", None))
+            # torchdata's own samplers keep their state in their iterators, which the loader saves
+            and not type(sampler).__module__.startswith("torchdata.")
+        ):
+            batch_sampler.sampler = DrawRecorder(sampler)
+        return None
+    if unsupported_reason(loader) is not None:
         return None
     batch_sampler = loader.batch_sampler
     if not isinstance(batch_sampler.sampler, ResumableSampler):
@@ -437,6 +499,9 @@ def position(loader: Any, epoch: int, consumed_batches: int, *, ended: bool = Fa
     (a snapshot at the end of training); only persistent workers carry something (their RNG) into it.
     """
     sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+    if isinstance(sampler, DrawRecorder):  # (Lightning keeps the rest of this loader's position)
+        draw = sampler.draw_rng if not ended and sampler.draws else None
+        return {"epoch": epoch, "consumed_batches": consumed_batches, "draw_rng": draw} if draw is not None else None
     if not isinstance(sampler, ResumableSampler):
         return None
     tracker = _tracker(loader)

@@ -108,6 +108,48 @@ def test_sigkill_and_resume_matches_an_uninterrupted_run(tmp_path, name, args, c
 
 
 @pytest.mark.slow
+def test_ddp_stateful_loader_shuffled_resumes_exactly(tmp_path):
+    """torchdata's StatefulDataLoader(shuffle=True) under DDP with 2 ranks: Lightning wraps its sampler in a
+    DistributedSamplerWrapper that draws the epoch's order from the global RNG at the epoch's first fetch, and
+    restores the loader by fast-forwarding that sampler; the resumed run must draw the same order (and leave the
+    global RNG as the interrupted run had it: the augmentation in the main process draws from it). Killed mid-epoch
+    (epochs of 8 steps) and again in the next epoch."""
+    args = ("stateful-shuffle", "--trainer", 'strategy="ddp"', "--trainer", "devices=2")
+    run_setup(tmp_path / "ref", *args)
+    ref = torch.load(tmp_path / "ref" / "out.pt", weights_only=True)
+    d = tmp_path / "crashed"
+    for crash in (6, 11):
+        run_setup(d, *args, "--crash-at", str(crash), expect_kill=True)
+    proc = run_setup(d, *args)
+    assert "RESTORED step=8" in proc.stdout
+    got = torch.load(d / "out.pt", weights_only=True)
+    assert_same({k: v for k, v in ref.items() if k != "logged"}, {k: v for k, v in got.items() if k != "logged"})
+
+
+def test_resuming_a_stateful_loader_with_workers_mid_epoch_warns_about_their_rng(tmp_path):
+    """A StatefulDataLoader restores its own position, but torchdata restarts its workers' global RNG from their
+    seeds: augmentation drawn there cannot be resumed exactly, and the resume says so (no silent divergence)."""
+    import lightning as L
+    from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from lightning_snapshot import SnapshotCallback
+    from lightning_snapshot.backends import LocalTier
+
+    def fit(steps: int) -> list[str]:
+        loader = StatefulDataLoader(RandomDataset(32, 64), batch_size=4, num_workers=1)
+        trainer = L.Trainer(max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                            callbacks=[SnapshotCallback(LocalTier(tmp_path / "snaps", every_n_train_steps=2))])
+        with pytest.warns() as record:
+            trainer.fit(BoringModel(), loader)
+        return [str(w.message) for w in record]
+
+    fit(5)  # ends mid-epoch (16 batches an epoch): its last snapshot continues that epoch
+    warned = [m for m in fit(7) if "worker processes restart their global RNG" in m]
+    assert warned and "StatefulDataLoader" in warned[0] and "1 worker processes" in warned[0], warned
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name,first", [("aug-workers-persistent", 16), ("ema", 14)])
 def test_a_finished_fit_continued_ends_as_one_longer_fit(tmp_path, name, first):
     """A fit that ends, continued with a larger max_steps, ends as one longer fit. aug-workers-persistent ends with

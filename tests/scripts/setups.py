@@ -25,6 +25,7 @@ row of a step counts).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import signal
@@ -54,7 +55,7 @@ from lightning_snapshot.writer import committed_steps
 SETUPS = ("val-epoch", "val-interval", "plateau-epoch", "plateau-step", "aug-main", "aug-workers",
           "aug-workers-persistent", "aug-workers-plain", "stateful-iterable", "manual-two-optimizers", "bf16-mixed", "finetune", "swa",
           "lr-monitor", "grad-accum", "early-stop-train", "ckpt-steps", "ema", "user-hooks", "epoch-sched",
-          "metric-obj")
+          "metric-obj", "stateful-shuffle")
 #: Setups that log through a CSVLogger (the values logged are compared).
 LOGGED = ("lr-monitor", "early-stop-train", "metric-obj")
 
@@ -285,6 +286,9 @@ def main() -> None:
     p.add_argument("--max-epochs", type=int, default=-1, help="train by epochs (max_steps=-1)")
     p.add_argument("--crash-at", type=int, default=-1)
     p.add_argument("--sigterm-at", type=int, default=-1)
+    p.add_argument("--workers", type=int, default=-1, help="train loader workers (default: the setup's)")
+    p.add_argument("--trainer", action="append", default=[], metavar="KEY=JSON",
+                   help="another Trainer argument (e.g. check_val_every_n_epoch=2), over the setup's own")
     a = p.parse_args()
     global ROOT
     ROOT = os.path.abspath(a.dir)
@@ -295,10 +299,15 @@ def main() -> None:
     setup = a.setup
     model = Model(setup)
     workers = 2 if setup.startswith("aug-workers") else 0
+    workers = a.workers if a.workers >= 0 else workers
     if setup == "stateful-iterable":
         from torchdata.stateful_dataloader import StatefulDataLoader
 
-        train = StatefulDataLoader(Stream(), batch_size=4)
+        train = StatefulDataLoader(Stream(), batch_size=4, num_workers=workers)
+    elif setup == "stateful-shuffle":
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        train = StatefulDataLoader(Points(augment=True), batch_size=4, shuffle=True, num_workers=workers)
     else:
         train = DataLoader(Points(augment=setup.startswith("aug-")), batch_size=4,
                            shuffle=os.environ.get("SETUPS_SHUFFLE", "1") == "1", num_workers=workers,
@@ -354,6 +363,9 @@ def main() -> None:
         trainer_kw["logger"] = False
     if setup == "bf16-mixed":
         trainer_kw["precision"] = "bf16-mixed"
+    for item in a.trainer:
+        key, _, value = item.partition("=")
+        trainer_kw[key] = json.loads(value)
     tier = LocalTier(os.path.join(a.dir, "snaps"), every_n_train_steps=a.every, keep_last=2)
     snapshot = SnapshotCallback([tier])
     callbacks.append(snapshot)
@@ -361,9 +373,9 @@ def main() -> None:
         callbacks.append(Crash(a.crash_at, tier))
     if a.sigterm_at >= 0:
         callbacks.append(Preempt(a.sigterm_at))
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, max_epochs=max_epochs, callbacks=callbacks,
-                        enable_progress_bar=False, enable_model_summary=False, deterministic=True,
-                        num_sanity_val_steps=0, **trainer_kw)
+    trainer = L.Trainer(**{"accelerator": "cpu", "devices": 1, "max_steps": max_steps, "max_epochs": max_epochs,
+                           "callbacks": callbacks, "enable_progress_bar": False, "enable_model_summary": False,
+                           "deterministic": True, "num_sanity_val_steps": 0, **trainer_kw})
     trainer.fit(model, train, val)
     result = {
         "global_step": trainer.global_step,
@@ -387,7 +399,8 @@ def main() -> None:
                                            else {"loss_sum": cb.loss_sum, "validations": cb.validations})
                   for cb in trainer.callbacks if isinstance(cb, (EMAWeightAveraging, Tally))},
     }
-    torch.save(result, a.out)
+    if trainer.global_rank == 0:
+        torch.save(result, a.out)
     if snapshot.restored_from is not None:
         print(f"RESTORED step={snapshot.restored_from[1]}", flush=True)
 
