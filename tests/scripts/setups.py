@@ -238,7 +238,9 @@ class Preempt(L.Callback):
         self.at = at
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step == self.at:
+        # (under DDP only rank 0 is signalled, as a container's main process is: Lightning forwards it to the
+        # ranks it launched)
+        if trainer.global_step == self.at and trainer.global_rank == 0:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
