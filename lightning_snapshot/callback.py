@@ -23,6 +23,7 @@ from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.backends.registry import parse_tier
 from lightning_snapshot.capture import (
     Templates,
+    adopt_pruning,
     capture_late,
     capture_rng,
     capture_shared,
@@ -30,6 +31,7 @@ from lightning_snapshot.capture import (
     check_optimizers,
     frozen_predicate,
     is_sharded,
+    model_signature,
     restore_rng,
     restore_shared,
     restore_targets,
@@ -208,6 +210,7 @@ class SnapshotCallback(Checkpoint):
         self._persister: Persister | None = None
         self._inflight: AsyncStaged | None = None
         self._copied = False  # the copy in flight was waited for before this step's optimizer step (validation)
+        self._staged_signature: tuple[Any, ...] | None = None  # the model's, when the pending step was staged
         self._ended = False  # the snapshot of the end of fit was taken
         self._metrics = MetricsSink()
         self._metric_names = tier_metric_names(self.tiers)
@@ -695,6 +698,7 @@ class SnapshotCallback(Checkpoint):
                     trainer, pl_module, shared, where, live, load_callbacks=self._preloaded != (backend.url, step)
                 )
                 self._apply_rank_state(trainer, rank_state)
+                _fit_state.realias_lottery_tickets(trainer, trainer.current_epoch)
                 self._record_restore(backend, step)
                 self._restored_fit_state = _fit_state.saved_state(shared)
                 _fit_state.prune_checkpoints(trainer, self._restored_fit_state, step)
@@ -883,6 +887,13 @@ class SnapshotCallback(Checkpoint):
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         manifest = read_manifest(backend, step)
         where = f"snapshot of step {step} in the {backend.tier} tier {backend.url!r}"
+        saved_model = manifest.state.get("state_dict") if isinstance(manifest.state, dict) else None
+        if isinstance(saved_model, dict) and not is_sharded(trainer.strategy):
+            pruned = adopt_pruning(pl_module, saved_model)
+            if pruned:  # (ModelPruning had pruned them): the model reads into its new tensors
+                live.model.clear()
+                live.model.update(pl_module.state_dict())
+                log.info("lightning-snapshot: %d pruned parameter(s) reparametrized as in the snapshot", len(pruned))
         # the model's own tensors are read into directly (verified chunk by chunk); under a sharded strategy the
         # optimizer state too, and each rank reads only its shards; the rest is allocated
         targets = restore_targets(trainer, live, manifest.state, where)
@@ -1196,37 +1207,10 @@ class SnapshotCallback(Checkpoint):
         # Parameters, optimizer state, schedulers and loops stay frozen until the next optimizer.step: they are
         # copied in the background. Buffers (forward changes them) are copied now. The rank state follows at the
         # next batch, right before training_step.
-        staged: AsyncStaged | None = None
-        error: SnapshotError | None = None
-        assert self._arena is not None
-        self._planned = True  # (the first snapshot plans itself if no earlier step did)
-        try:  # every rank stages (and later writes) its own share of the replicated state
-            staged = self._arena.stage_async(
-                capture_shared(trainer, pl_module),
-                self._frozen(trainer),
-                step,
-                rank=self._comm.rank,
-                world_size=self._comm.world_size,
-            )
-        except SnapshotError as e:
-            error = e
-        if not self._comm.all_true(error is None and staged is not None):
-            if staged is not None:
-                self._arena.release(staged.slot)
-            if error is not None:
-                self._handle(error, step)
-                return True
-            self._skipped += 1
-            self._metrics.add("snapshot/skipped", self._skipped)
-            reason = self._arena.last_skip_reason if staged is None else "another rank could not stage it"
-            warnings.warn(
-                f"lightning-snapshot: skipped the snapshot of step {step}: {reason}. Raise"
-                " max_host_bytes or snapshot less often.",
-                stacklevel=2,
-            )
+        staged = self._stage_shared(trainer, pl_module, step)
+        if staged is None:
             return True
-        if staged is not None:
-            self._metrics.add("snapshot/bytes", staged.state.nbytes)
+        self._metrics.add("snapshot/bytes", staged.state.nbytes)
         self._inflight = staged
         self._pending = (step, staged, due)
         if self._meter is not None:
@@ -1234,6 +1218,69 @@ class SnapshotCallback(Checkpoint):
                 self._meter.opened(i)
         self._stall = time.perf_counter() - t0
         return True
+
+    def _stage_shared(self, trainer: Any, pl_module: Any, step: int, last: bool = False) -> AsyncStaged | None:
+        """Stage the model and optimizer state of ``step`` (collective: every rank stages its own share, and they
+        agree); None when some rank could not (an error is handled, an arena without room is warned and, unless it
+        is fit's ``last`` snapshot, counted). Records the model's signature (see :meth:`_restage_if_changed`)."""
+        staged: AsyncStaged | None = None
+        error: SnapshotError | None = None
+        assert self._arena is not None
+        self._planned = True  # (the first snapshot plans itself if no earlier step did)
+        try:  # every rank stages (and later writes) its own share of the replicated state
+            shared = capture_shared(trainer, pl_module)
+            self._staged_signature = model_signature(shared["state_dict"])
+            staged = self._arena.stage_async(
+                shared,
+                self._frozen(trainer),
+                step,
+                rank=self._comm.rank,
+                world_size=self._comm.world_size,
+            )
+        except SnapshotError as e:
+            error = e
+        if self._comm.all_true(error is None and staged is not None):
+            return staged
+        if staged is not None:
+            self._arena.release(staged.slot)
+        if error is not None:
+            self._handle(error, step)
+            return None
+        reason = self._arena.last_skip_reason if staged is None else "another rank could not stage it"
+        if last:
+            warnings.warn(f"lightning-snapshot: no snapshot of the last step {step}: {reason}", stacklevel=2)
+            return None
+        self._skipped += 1
+        self._metrics.add("snapshot/skipped", self._skipped)
+        warnings.warn(
+            f"lightning-snapshot: skipped the snapshot of step {step}: {reason}. Raise max_host_bytes or snapshot"
+            " less often.",
+            stacklevel=2,
+        )
+        return None
+
+    def _restage_if_changed(self, trainer: Any, step: int, staged: AsyncStaged) -> AsyncStaged | None:
+        """At the late capture point: if the model's tensors were changed or replaced after they were staged at
+        ``on_train_batch_end`` (epoch-end and validation hooks may: ``ModelPruning`` prunes and resets weights,
+        ``StochasticWeightAveraging`` copies its averages in), stage them again, now, so that the snapshot is the
+        state before the next step. Collective (every rank restages if any must). None: the snapshot is dropped."""
+        pl_module = trainer.lightning_module
+        sharded = is_sharded(trainer.strategy)
+        now = model_signature(
+            pl_module.state_dict() if not sharded else capture_shared(trainer, pl_module)["state_dict"]
+        )
+        if self._comm.all_true(now == self._staged_signature):
+            return staged
+        log.debug("lightning-snapshot: the model changed after step %d was staged; staging it again", step)
+        with contextlib.suppress(Exception):  # the persist thread reports it
+            staged.fence_training()
+        if self._inflight is staged:
+            self._inflight = None
+        assert self._arena is not None
+        self._arena.release(staged.slot)
+        restaged = self._stage_shared(trainer, pl_module, step)
+        self._inflight = restaged
+        return restaged
 
     def _end_of_fit(self, trainer: Any, pl_module: Any) -> None:
         """Fit ends with a snapshot of its last step in every tier (a later, longer run continues from it), taken
@@ -1328,28 +1375,10 @@ class SnapshotCallback(Checkpoint):
         if self._inflight is not None:
             self._inflight.fence_training()
             self._inflight = None
-        staged: AsyncStaged | None = None
-        error: SnapshotError | None = None
-        try:
-            staged = self._arena.stage_async(
-                capture_shared(trainer, pl_module),
-                self._frozen(trainer),
-                step,
-                rank=self._comm.rank,
-                world_size=self._comm.world_size,
-            )
-        except SnapshotError as e:
-            error = e
-        if not self._comm.all_true(error is None and staged is not None):
-            if staged is not None:
-                self._arena.release(staged.slot)
-            if error is not None:
-                self._handle(error, step)
-                return
-            warnings.warn(
-                f"lightning-snapshot: no snapshot of the last step {step}: {self._arena.last_skip_reason}", stacklevel=2
-            )
+        staged = self._stage_shared(trainer, pl_module, step, last=True)
+        if staged is None:
             return
+        self._staged_signature = None  # (staged right now)
         self._pending = (step, staged, list(range(len(self.tiers))))
 
     def _rank_state(self, trainer: Any, consumed: int) -> dict[str, Any]:
@@ -1406,6 +1435,12 @@ class SnapshotCallback(Checkpoint):
         assert self._pending is not None and self._persister is not None
         step, shared, due = self._pending
         self._pending = None
+        if shared is not None and self._staged_signature is not None:
+            shared = self._restage_if_changed(trainer, step, shared)
+            if shared is None:
+                self._close_measurements(due)
+                return
+        self._staged_signature = None
         epoch = trainer.current_epoch
         try:
             consumed = max(0, trainer.fit_loop.epoch_loop.batch_progress.current.ready - consumed_offset)

@@ -30,6 +30,7 @@ from lightning_snapshot.staging import dtensor_box, is_dtensor, local_tensor
 
 __all__ = [
     "Templates",
+    "adopt_pruning",
     "capture_late",
     "capture_rng",
     "capture_shared",
@@ -38,6 +39,7 @@ __all__ = [
     "checkpoint_view",
     "frozen_predicate",
     "is_sharded",
+    "model_signature",
     "restore_rng",
     "restore_shared",
     "restore_targets",
@@ -98,6 +100,18 @@ def capture_shared(trainer: Any, pl_module: Any) -> dict[str, Any]:
         "optimizer_states": optimizer_states,
     }
     return ckpt
+
+
+def model_signature(state_dict: dict[str, Any]) -> tuple[Any, ...]:
+    """What tells whether a model's tensors were changed in place or replaced since: per tensor its name, storage
+    address, shape and version counter (bumped by every in-place operation on it or a view of it, ``detach()``
+    included). Cheap: no data is read. Changes made through ``tensor.data`` do not bump the counter."""
+    out = []
+    for name, value in state_dict.items():
+        if isinstance(value, torch.Tensor):
+            t = local_tensor(value)
+            out.append((name, t.data_ptr(), tuple(t.shape), t._version))
+    return tuple(out)
 
 
 def capture_late(trainer: Any, pl_module: Any, loader_states: list[Any] | None = None) -> dict[str, Any]:
@@ -286,6 +300,31 @@ def templates(trainer: Any, pl_module: Any) -> Templates:
             [get_optimizer_state_dict(model, _raw_optimizer(opt)) for opt in trainer.optimizers],
         )
     return Templates(pl_module.state_dict(), None)
+
+
+def adopt_pruning(pl_module: Any, saved_keys: Iterable[str]) -> list[str]:
+    """Reparametrize the live model as pruning left the snapshot's, so that it loads: returns the names done.
+
+    ``torch.nn.utils.prune`` (Lightning's ``ModelPruning`` callback prunes at epoch ends) replaces a parameter
+    ``name`` by the same parameter registered as ``name_orig`` plus a buffer ``name_mask``, applied by a forward
+    pre-hook. A model built afresh has ``name``; a snapshot taken after a pruning epoch has ``name_orig`` and
+    ``name_mask``. Each such parameter is reparametrized with ``prune.identity`` (the same parameter object, so the
+    optimizer keeps it), whose mask the restore then overwrites with the saved one: the model computes the same
+    weights as the interrupted one, and later pruning combines with the saved mask as it would have.
+    """
+    from torch.nn.utils import prune
+
+    keys = set(saved_keys)
+    params = dict(pl_module.named_parameters())
+    done = []
+    for key in sorted(keys):
+        base = key[: -len("_orig")]
+        if not key.endswith("_orig") or f"{base}_mask" not in keys or base in keys or base not in params:
+            continue
+        module_name, _, attr = base.rpartition(".")
+        prune.identity(pl_module.get_submodule(module_name) if module_name else pl_module, attr)
+        done.append(base)
+    return done
 
 
 def _optimizer_keys(trainer: Any, live: Templates) -> list[list[list[Any]]]:

@@ -47,6 +47,7 @@ __all__ = [
     "load_callback_states",
     "merge_param_groups",
     "prune_checkpoints",
+    "realias_lottery_tickets",
     "restore_grads",
     "restore_in_epoch",
     "restore_metrics",
@@ -300,6 +301,45 @@ def restore_trainable(pl_module: Any, saved: dict[str, Any] | None) -> None:
         for name, module in pl_module.named_modules():
             if name in tracking and isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
                 module.track_running_stats = bool(tracking[name])
+
+
+def realias_lottery_tickets(trainer: Any, epoch: int) -> int:
+    """After a restore into a model that ``ModelPruning`` had pruned (see :func:`capture.adopt_pruning`): give its
+    lottery-ticket copies the aliasing the interrupted run had; returns how many tensors were aliased.
+
+    ``ModelPruning.apply_lottery_ticket_hypothesis`` (run after each pruning, unless ``resample_parameters``) resets a
+    pruned parameter by assigning it the *storage* of the copy of the layer it took in ``setup``
+    (``param.data = copy.data``). From then on the copy and the parameter share their storage: training changes both,
+    and a later reset is a no-op. A restored run holds a fresh copy instead, and its next reset would rewind the
+    weights. Once a reset has happened before the snapshot's epoch, the copy is made to share the restored
+    parameter's storage again. (Private attributes of ``ModelPruning``, Lightning 2.6: ``_original_layers``,
+    ``_parameters_to_prune``, ``_use_lottery_ticket_hypothesis``, ``_resample_parameters``, ``_apply_pruning``.)
+    """
+    from lightning.pytorch.callbacks import ModelPruning
+
+    aliased = 0
+    for cb in trainer.callbacks:
+        layers = getattr(cb, "_original_layers", None)
+        if not isinstance(cb, ModelPruning) or not layers or getattr(cb, "_resample_parameters", False):
+            continue
+
+        def pruned_at(e: int, cb: Any = cb) -> bool:
+            prune = cb._apply_pruning(e) if callable(cb._apply_pruning) else cb._apply_pruning
+            amount = cb.amount(e) if callable(cb.amount) else cb.amount
+            lth = cb._use_lottery_ticket_hypothesis
+            return bool(prune and amount and (lth(e) if callable(lth) else lth))
+
+        if not any(pruned_at(e) for e in range(epoch)):
+            continue
+        for layer in layers.values():
+            for i, name in layer["names"]:
+                module, _ = cb._parameters_to_prune[i]
+                live = getattr(module, f"{name}_orig", None)
+                copy = getattr(layer["data"], name, None)
+                if isinstance(live, torch.Tensor) and isinstance(copy, torch.Tensor) and live.shape == copy.shape:
+                    copy.data = live.data
+                    aliased += 1
+    return aliased
 
 
 def restore_grads(pl_module: Any, saved: dict[str, Any] | None) -> None:

@@ -9,7 +9,8 @@ ModelCheckpoint monitoring an epoch aggregate of a training metric, ModelCheckpo
 save_top_k=2), EMAWeightAveraging (its averaged weights travel in on_save_checkpoint and are swapped in for
 validation), a user callback whose state travels in on_save_checkpoint/on_load_checkpoint, an epoch-interval
 scheduler with validation twice an epoch and ModelCheckpoint(save_last=True), and a torchmetrics Metric logged per
-epoch and monitored by EarlyStopping.
+epoch and monitored by EarlyStopping, ModelPruning (prunes and resets the weights at each epoch end), and
+torchdata's StatefulDataLoader(shuffle=True) with augmentation in the main process.
 
 Usage: python setups.py --setup NAME --dir SNAPDIR --out RESULT.pt [--crash-at S] [--every K] [--max-steps N]
        [--max-epochs N] [--sigterm-at S]
@@ -55,7 +56,7 @@ from lightning_snapshot.writer import committed_steps
 SETUPS = ("val-epoch", "val-interval", "plateau-epoch", "plateau-step", "aug-main", "aug-workers",
           "aug-workers-persistent", "aug-workers-plain", "stateful-iterable", "manual-two-optimizers", "bf16-mixed", "finetune", "swa",
           "lr-monitor", "grad-accum", "early-stop-train", "ckpt-steps", "ema", "user-hooks", "epoch-sched",
-          "metric-obj", "stateful-shuffle")
+          "metric-obj", "stateful-shuffle", "pruning")
 #: Setups that log through a CSVLogger (the values logged are compared).
 LOGGED = ("lr-monitor", "early-stop-train", "metric-obj")
 
@@ -353,6 +354,10 @@ def main() -> None:
         callbacks.append(EMAWeightAveraging(decay=0.9))
     elif setup == "user-hooks":
         callbacks.append(Tally())
+    elif setup == "pruning":
+        from lightning.pytorch.callbacks import ModelPruning
+
+        callbacks.append(ModelPruning("l1_unstructured", amount=0.2))
     elif setup == "epoch-sched":
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, monitor="val_loss", save_top_k=2, save_last=True))
     elif setup == "metric-obj":
