@@ -77,12 +77,24 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-class ResumableSampler(Sampler[int]):
-    """Transparent wrapper of an index sampler that can replay an epoch's order and skip ahead.
+class _Wrapper(Sampler[int]):
+    """A transparent wrapper of an index sampler: its length and every attribute not in ``_OWN`` are the wrapped
+    sampler's (so Lightning's ``set_epoch`` reaches a ``DistributedSampler``)."""
 
-    Attribute access falls through to the wrapped sampler (so Lightning's ``set_epoch`` reaches a
-    ``DistributedSampler``).
-    """
+    _OWN: tuple[str, ...] = ("inner",)
+    inner: Any
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in type(self)._OWN:
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+class ResumableSampler(_Wrapper):
+    """Transparent wrapper of an index sampler that can replay an epoch's order and skip ahead."""
 
     _OWN = (
         "inner",
@@ -122,14 +134,6 @@ class ResumableSampler(Sampler[int]):
         self.hold = False
         #: The wrapped sampler's ``epoch`` (``set_epoch``) when the current order was drawn, or None.
         self.sampler_epoch: int | None = None
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ResumableSampler._OWN:
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
     def _generator(self) -> torch.Generator | None:
         gen = getattr(self.inner, "generator", None)
@@ -195,7 +199,7 @@ class ResumableSampler(Sampler[int]):
         return {"order": self.order, "base": self.base, "samples": samples, "replicas": self.replicas}
 
 
-class DrawRecorder(Sampler[int]):
+class DrawRecorder(_Wrapper):
     """Transparent wrapper of the index sampler of a loader Lightning restores itself (``state_dict`` /
     ``load_state_dict``, e.g. torchdata's ``StatefulDataLoader``) when that sampler keeps no state of its own.
 
@@ -215,14 +219,6 @@ class DrawRecorder(Sampler[int]):
         self.draw_rng: torch.Tensor | None = None
         self.replay: torch.Tensor | None = None
         self.draws = 0
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def __getattr__(self, name: str) -> Any:
-        if name in DrawRecorder._OWN:
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
     def __iter__(self) -> Iterator[int]:
         self.draws += 1
