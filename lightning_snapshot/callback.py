@@ -210,6 +210,7 @@ class SnapshotCallback(Checkpoint):
         self._persister: Persister | None = None
         self._inflight: AsyncStaged | None = None
         self._copied = False  # the copy in flight was waited for before this step's optimizer step (validation)
+        self._fit_ckpt_path: Any = None  # fit(ckpt_path=...), as setup saw it
         self._staged_signature: tuple[Any, ...] | None = None  # the model's, when the pending step was staged
         self._ended = False  # the snapshot of the end of fit was taken
         self._metrics = MetricsSink()
@@ -276,6 +277,7 @@ class SnapshotCallback(Checkpoint):
                 f"SnapshotCallback does not support the {type(strategy).__name__} strategy in this release; use a"
                 " single device, DDP ('ddp', 'ddp_spawn') or ModelParallelStrategy (FSDP2)"
             )
+        self._fit_ckpt_path = trainer.ckpt_path
         self._comm = StrategyComm(strategy) if strategy.world_size > 1 else LocalComm()
         self._run_id = str(self._comm.broadcast(uuid.uuid4().hex[:12]))
         self._committed, self._submitted, self._tier_problem = {}, {}, {}
@@ -312,7 +314,7 @@ class SnapshotCallback(Checkpoint):
 
         def process_dataloader(dataloader: object) -> object:
             dataloader = original(dataloader)
-            if trainer.training:
+            if trainer.training and self._hooked(trainer):
                 self._on_train_loader(dataloader, trainer)
             return dataloader
 
@@ -324,8 +326,11 @@ class SnapshotCallback(Checkpoint):
         epoch_loop = trainer.fit_loop.epoch_loop
         original_before_fetch = epoch_loop._on_before_fetch
 
+        # (the loops run without this callback too: LearningRateFinder trains with its own callback list, then puts
+        # the state back; nothing of such a run is snapshotted or restored into)
         def on_before_fetch() -> None:
-            self._before_fetch(trainer)
+            if self._hooked(trainer):
+                self._before_fetch(trainer)
             original_before_fetch()
 
         epoch_loop._on_before_fetch = on_before_fetch
@@ -339,7 +344,7 @@ class SnapshotCallback(Checkpoint):
         original_advance_start = fit_loop.on_advance_start
 
         def on_advance_start() -> None:
-            if self._pending is not None:
+            if self._pending is not None and self._hooked(trainer):
                 t0 = time.perf_counter()
                 self._finish(trainer)
                 self._stall += time.perf_counter() - t0
@@ -350,13 +355,19 @@ class SnapshotCallback(Checkpoint):
         original_run_end = fit_loop.on_run_end
 
         def on_run_end() -> None:
-            self._end_of_fit(trainer, trainer.lightning_module)
+            if self._hooked(trainer):
+                self._end_of_fit(trainer, trainer.lightning_module)
             original_run_end()
 
         fit_loop.on_run_end = on_run_end
         self._ended, self._copied = False, False
         self._patched_fit_loop = fit_loop
         self._preload_callbacks(trainer)
+
+    def _hooked(self, trainer: Any) -> bool:
+        """Whether the trainer's loops run with this callback (False while a tuner, such as LearningRateFinder, runs
+        them with its own callback list)."""
+        return any(cb is self for cb in trainer.callbacks)
 
     def _setup_auto(self, trainer: Any) -> None:
         """Start measuring for the ``every_n_train_steps="auto"`` tiers (a new meter each fit)."""
@@ -376,7 +387,7 @@ class SnapshotCallback(Checkpoint):
         callback states are loaded there instead."""
         self._preloaded = None
         self._restored_fit_state = None
-        if self.resume is False or trainer.ckpt_path:
+        if self.resume is False or self._fit_ckpt_path:
             return
         try:
             candidates = self._candidates()
@@ -662,12 +673,24 @@ class SnapshotCallback(Checkpoint):
 
     # ------------------------------------------------------------------------------------------- resume
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self._restore(trainer, pl_module)
+        # Train loaders that exist already (a tuner such as LearningRateFinder ran the fit loop in its on_fit_start,
+        # and Lightning keeps the loaders it set up) are not processed again: follow them, and resume them, now
+        combined = getattr(trainer.fit_loop, "_combined_loader", None)  # private: the fit loop's loaders
+        for loader in getattr(combined, "flattened", None) or []:
+            self._on_train_loader(loader, trainer)
+
+    def _restore(self, trainer: Any, pl_module: Any) -> None:
         if is_sharded(trainer.strategy):
             self._check_placements(pl_module)
         if self.resume is False:
             return
-        if trainer.ckpt_path:
-            log.info("lightning-snapshot: fit(ckpt_path=%r) was given; not resuming from a snapshot", trainer.ckpt_path)
+        # (the one given to fit, seen at setup: a tuner such as LearningRateFinder sets trainer.ckpt_path to its own
+        # temporary checkpoint in its on_fit_start)
+        if self._fit_ckpt_path:
+            log.info(
+                "lightning-snapshot: fit(ckpt_path=%r) was given; not resuming from a snapshot", self._fit_ckpt_path
+            )
             return
         t0 = time.monotonic()
         candidates = self._candidates(report=True)

@@ -111,6 +111,28 @@ def test_sigkill_and_resume_matches_an_uninterrupted_run(tmp_path, name, args, c
 
 
 @pytest.mark.slow
+def test_learning_rate_finder_leaves_no_snapshot_of_its_trial_and_the_rerun_resumes(tmp_path):
+    """LearningRateFinder trains 20 trial steps in its on_fit_start, with its own callback list, and then puts the
+    state back (leaving trainer.ckpt_path set to its temporary checkpoint). None of its trial steps may be
+    snapshotted (a resume would restore trial weights), fit's last snapshot is still taken, and a rerun after a
+    SIGKILL resumes (the temporary checkpoint is not a ckpt_path given to fit) and ends as an uninterrupted run
+    within the epoch."""
+    from lightning_snapshot.backends import LocalTier
+    from lightning_snapshot.writer import committed_steps
+
+    args = ("lr-finder", "--max-steps", "16")
+    run_setup(tmp_path / "ref", *args)
+    assert committed_steps(LocalTier(tmp_path / "ref" / "snaps")) == [16, 12]
+    ref = torch.load(tmp_path / "ref" / "out.pt", weights_only=True)
+    d = tmp_path / "crashed"
+    run_setup(d, *args, "--crash-at", "10", expect_kill=True)
+    assert committed_steps(LocalTier(d / "snaps")) == [8, 4], "a trial step of LearningRateFinder was snapshotted"
+    proc = run_setup(d, *args)
+    assert "RESTORED step=8" in proc.stdout
+    assert_same(ref, torch.load(d / "out.pt", weights_only=True))
+
+
+@pytest.mark.slow
 def test_ddp_stateful_loader_shuffled_resumes_exactly(tmp_path):
     """torchdata's StatefulDataLoader(shuffle=True) under DDP with 2 ranks: Lightning wraps its sampler in a
     DistributedSamplerWrapper that draws the epoch's order from the global RNG at the epoch's first fetch, and

@@ -56,7 +56,7 @@ from lightning_snapshot.writer import committed_steps
 SETUPS = ("val-epoch", "val-interval", "plateau-epoch", "plateau-step", "aug-main", "aug-workers",
           "aug-workers-persistent", "aug-workers-plain", "stateful-iterable", "manual-two-optimizers", "bf16-mixed", "finetune", "swa",
           "lr-monitor", "grad-accum", "early-stop-train", "ckpt-steps", "ema", "user-hooks", "epoch-sched",
-          "metric-obj", "stateful-shuffle", "pruning")
+          "metric-obj", "stateful-shuffle", "pruning", "lr-finder")
 #: Setups that log through a CSVLogger (the values logged are compared).
 LOGGED = ("lr-monitor", "early-stop-train", "metric-obj")
 
@@ -115,6 +115,7 @@ class Model(L.LightningModule):
             from torchmetrics import MeanSquaredError
 
             self.train_mse = MeanSquaredError()
+        self.lr = 5e-2  # (LearningRateFinder sets it)
         self.val_steps: list[int] = []
         self.lrs: list[float] = []
         self.last_batch = torch.zeros(0)
@@ -171,7 +172,7 @@ class Model(L.LightningModule):
         if self.setup_name == "finetune":
             # the backbone is frozen (BackboneFinetuning.freeze_before_training) until the callback adds it
             return torch.optim.AdamW(filter(lambda p: p.requires_grad, self.parameters()), lr=5e-2)
-        opt = torch.optim.AdamW(self.parameters(), lr=5e-2)
+        opt = torch.optim.AdamW(self.parameters(), lr=self.lr)
         if self.setup_name == "lr-monitor":
             sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=5e-2, total_steps=self.trainer.max_steps)
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
@@ -354,6 +355,10 @@ def main() -> None:
         callbacks.append(EMAWeightAveraging(decay=0.9))
     elif setup == "user-hooks":
         callbacks.append(Tally())
+    elif setup == "lr-finder":  # tunes model.lr in its on_fit_start (20 steps, then the state is put back)
+        from lightning.pytorch.callbacks import LearningRateFinder
+
+        callbacks.append(LearningRateFinder(min_lr=1e-4, max_lr=0.5, num_training_steps=20))
     elif setup == "pruning":
         from lightning.pytorch.callbacks import ModelPruning
 
