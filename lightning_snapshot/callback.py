@@ -677,8 +677,15 @@ class SnapshotCallback(Checkpoint):
         # Train loaders that exist already (a tuner such as LearningRateFinder ran the fit loop in its on_fit_start,
         # and Lightning keeps the loaders it set up) are not processed again: follow them, and resume them, now
         combined = getattr(trainer.fit_loop, "_combined_loader", None)  # private: the fit loop's loaders
-        for loader in getattr(combined, "flattened", None) or []:
+        loaders = getattr(combined, "flattened", None) or []
+        for loader in loaders:
             self._on_train_loader(loader, trainer)
+        fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)  # private: it holds the epoch's iterators
+        if loaders and fetcher is not None and self._resumed is not None:
+            # Lightning created the epoch's iterators when it set the loaders up, before this restore, and does not
+            # create them again for a resumed epoch: create them now, from the restored position (as Lightning
+            # does when it sets the loaders up after a restore)
+            iter(fetcher)
 
     def _restore(self, trainer: Any, pl_module: Any) -> None:
         if is_sharded(trainer.strategy):

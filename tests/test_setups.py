@@ -115,14 +115,15 @@ def test_learning_rate_finder_leaves_no_snapshot_of_its_trial_and_the_rerun_resu
     """LearningRateFinder trains 20 trial steps in its on_fit_start, with its own callback list, and then puts the
     state back (leaving trainer.ckpt_path set to its temporary checkpoint). None of its trial steps may be
     snapshotted (a resume would restore trial weights), fit's last snapshot is still taken, and a rerun after a
-    SIGKILL resumes (the temporary checkpoint is not a ckpt_path given to fit) and ends as an uninterrupted run
-    within the epoch."""
+    SIGKILL mid-epoch resumes (the temporary checkpoint is not a ckpt_path given to fit) and ends as an
+    uninterrupted run, in the next epoch too (the trial set the loaders and the epoch's iterators up before the
+    restore: they are made again from the restored position). Loader workers: 2."""
     from lightning_snapshot.backends import LocalTier
     from lightning_snapshot.writer import committed_steps
 
-    args = ("lr-finder", "--max-steps", "16")
+    args = ("lr-finder", "--max-steps", "20", "--workers", "2")
     run_setup(tmp_path / "ref", *args)
-    assert committed_steps(LocalTier(tmp_path / "ref" / "snaps")) == [16, 12]
+    assert committed_steps(LocalTier(tmp_path / "ref" / "snaps")) == [20, 16]
     ref = torch.load(tmp_path / "ref" / "out.pt", weights_only=True)
     d = tmp_path / "crashed"
     run_setup(d, *args, "--crash-at", "10", expect_kill=True)
