@@ -86,6 +86,9 @@ CASES = [
     # ModelPruning prunes (renaming weight to weight_orig + weight_mask) and resets the weights (lottery ticket) at
     # each epoch end, after the last batch's on_train_batch_end: resumed from the snapshots of steps 16 and 32
     ("pruning", (), (17, 35)),
+    # BatchSizeFinder scales the datamodule's batch size with trial steps in its on_fit_start (then puts the state
+    # back), and the loaders are made again with the batch size found
+    ("bs-finder", (), (10, 23)),
 ]
 
 

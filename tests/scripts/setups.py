@@ -9,8 +9,9 @@ ModelCheckpoint monitoring an epoch aggregate of a training metric, ModelCheckpo
 save_top_k=2), EMAWeightAveraging (its averaged weights travel in on_save_checkpoint and are swapped in for
 validation), a user callback whose state travels in on_save_checkpoint/on_load_checkpoint, an epoch-interval
 scheduler with validation twice an epoch and ModelCheckpoint(save_last=True), and a torchmetrics Metric logged per
-epoch and monitored by EarlyStopping, ModelPruning (prunes and resets the weights at each epoch end), and
-torchdata's StatefulDataLoader(shuffle=True) with augmentation in the main process.
+epoch and monitored by EarlyStopping, ModelPruning (prunes and resets the weights at each epoch end), torchdata's
+StatefulDataLoader(shuffle=True) with augmentation in the main process, and the tuners LearningRateFinder and
+BatchSizeFinder (trial steps in their on_fit_start).
 
 Usage: python setups.py --setup NAME --dir SNAPDIR --out RESULT.pt [--crash-at S] [--every K] [--max-steps N]
        [--max-epochs N] [--sigterm-at S]
@@ -56,7 +57,7 @@ from lightning_snapshot.writer import committed_steps
 SETUPS = ("val-epoch", "val-interval", "plateau-epoch", "plateau-step", "aug-main", "aug-workers",
           "aug-workers-persistent", "aug-workers-plain", "stateful-iterable", "manual-two-optimizers", "bf16-mixed", "finetune", "swa",
           "lr-monitor", "grad-accum", "early-stop-train", "ckpt-steps", "ema", "user-hooks", "epoch-sched",
-          "metric-obj", "stateful-shuffle", "pruning", "lr-finder")
+          "metric-obj", "stateful-shuffle", "pruning", "lr-finder", "bs-finder")
 #: Setups that log through a CSVLogger (the values logged are compared).
 LOGGED = ("lr-monitor", "early-stop-train", "metric-obj")
 
@@ -359,6 +360,10 @@ def main() -> None:
         from lightning.pytorch.callbacks import LearningRateFinder
 
         callbacks.append(LearningRateFinder(min_lr=1e-4, max_lr=0.5, num_training_steps=20))
+    elif setup == "bs-finder":  # scales the batch size in its on_fit_start (trial steps, then the state is put back)
+        from lightning.pytorch.callbacks import BatchSizeFinder
+
+        callbacks.append(BatchSizeFinder(mode="power", init_val=2, max_trials=2, steps_per_trial=2))
     elif setup == "pruning":
         from lightning.pytorch.callbacks import ModelPruning
 
@@ -388,7 +393,14 @@ def main() -> None:
     trainer = L.Trainer(**{"accelerator": "cpu", "devices": 1, "max_steps": max_steps, "max_epochs": max_epochs,
                            "callbacks": callbacks, "enable_progress_bar": False, "enable_model_summary": False,
                            "deterministic": True, "num_sanity_val_steps": 0, **trainer_kw})
-    trainer.fit(model, train, val)
+    if setup == "bs-finder":  # the loaders come from a datamodule whose batch_size the finder scales
+        dm = L.LightningDataModule.from_datasets(train_dataset=Points(augment=True), val_dataset=Points(16, seed=1),
+                                                 batch_size=4)
+        dm.batch_size = 4
+        dm.train_dataloader = lambda: DataLoader(Points(augment=True), batch_size=dm.batch_size, shuffle=True)
+        trainer.fit(model, datamodule=dm)
+    else:
+        trainer.fit(model, train, val)
     result = {
         "global_step": trainer.global_step,
         "epoch": trainer.current_epoch,
