@@ -1330,10 +1330,11 @@ class SnapshotCallback(Checkpoint):
             self._pending = (step, self._pending[1], list(range(len(self.tiers))))
         staged = self._pending[1] if self._pending is not None else self._inflight
         if self._pending is not None:
-            self._finish(trainer)
-        if staged is not None:
-            with contextlib.suppress(Exception):  # the persist thread reports it
-                staged.fence_training()
+            self._finish(trainer)  # (which may stage the weights again: then that copy is the one in flight)
+        for copy in (staged, self._inflight):
+            if copy is not None:
+                with contextlib.suppress(Exception):  # the persist thread reports it
+                    copy.fence_training()
         self._inflight = None
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
