@@ -113,7 +113,7 @@ from lightning_snapshot.manifest import MANIFEST_NAME, parse_step_dirname, step_
 GB = 1e9
 MiB = 1 << 20
 REFERENCE = "ours-local"
-OURS = ("ours-ram", "ours-local", "ours-local-nohealth", "ours-local-1buf")
+OURS = ("ours-ram", "ours-agent", "ours-local", "ours-local-nohealth", "ours-local-1buf")
 
 
 # ================================================================================================ model and data
@@ -130,6 +130,8 @@ class ModelConfig:
 
 FULL = ModelConfig(vocab=50257, d_model=768, layers=12, heads=12, positions=1024, batch=2, seq=64)  # 124.4M
 QUICK = ModelConfig(vocab=16384, d_model=512, layers=4, heads=8, positions=1024, batch=2, seq=32)  # 21.5M
+# --device cuda: GPT-2 medium (354.8M params, 4.26 GB of fp32 params + AdamW state), 8 x 1024 tokens per micro-batch
+MEDIUM = ModelConfig(vocab=50257, d_model=1024, layers=24, heads=16, positions=1024, batch=8, seq=1024)
 
 
 class Block(nn.Module):
@@ -162,7 +164,7 @@ class GPT(L.LightningModule):
         self.head.weight = self.tok.weight
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
@@ -210,7 +212,7 @@ def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
 
 
 def _digest(t: torch.Tensor) -> str:
-    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
     return f"{t.dtype}{tuple(t.shape)}:{xxhash.xxh3_128_hexdigest(flat.numpy())}"
 
 
@@ -442,6 +444,11 @@ class Bench:
     check_step: int = field(init=False)
     state_bytes: int = 0
     memcpy_s: float | None = None
+    device: str = "cpu"  # --device cuda: one GPU
+    precision: str | None = None
+    accumulate: int = 1
+    restore: bool = True  # cold restore + consistency check after each run
+    pinned_copy_s: float | None = None  # cuda: one device-to-host copy_ of the whole state into pinned memory
 
     def __post_init__(self) -> None:
         self.schedule = [s for s in range(self.every, self.steps + 1, self.every)]
@@ -491,6 +498,9 @@ class Row:
     periods: list[tuple[float, float]] = field(default_factory=list)  # (seconds, noise) of each snapshot period
     details: list[str] = field(default_factory=list)
     cpu_per_snapshot: float | None = None  # ours: CPU seconds of our hooks and background threads per snapshot
+    device_copy: list[tuple[int, float]] = field(default_factory=list)  # ours on CUDA: (bytes, seconds) per copy
+    to_agent_s: list[float] = field(default_factory=list)  # ours-agent: save call -> the agent holds it
+    step_s: list[float] = field(default_factory=list)  # every optimizer step's duration
 
 
 def train(bench: Bench, method_callbacks: list[Callback], *, plugins: list[Any] | None = None) -> TrainRun:
@@ -501,10 +511,11 @@ def train(bench: Bench, method_callbacks: list[Callback], *, plugins: list[Any] 
     tail = Tail(bench.check_step)
     hooks = HookTimer()
     logger = harness.memory_logger()
-    loader = torch.utils.data.DataLoader(RandomTokens(bench.steps * bench.cfg.batch * 2, bench.cfg.seq,
-                                                      bench.cfg.vocab), batch_size=bench.cfg.batch)
+    loader = torch.utils.data.DataLoader(RandomTokens(bench.steps * bench.cfg.batch * 2 * bench.accumulate,
+                                                      bench.cfg.seq, bench.cfg.vocab), batch_size=bench.cfg.batch)
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=bench.steps, logger=logger, enable_progress_bar=False,
+        accelerator="gpu" if bench.device == "cuda" else "cpu", devices=1, max_steps=bench.steps, logger=logger,
+        precision=bench.precision, accumulate_grad_batches=bench.accumulate, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1,
         callbacks=[probe, *(hooks.wrap(cb) for cb in method_callbacks), tail], plugins=plugins or None,
     )
@@ -565,6 +576,8 @@ def fill_common(bench: Bench, row: Row, run: TrainRun, done: dict[int, float] | 
     for w in sorted(set(run.warnings)):
         row.details.append(f"warning: {w[:300]}")
     row.periods = snapshot_periods(bench, run.tail.marks)
+    marks = run.tail.marks
+    row.step_s = [marks[s][0] - marks[s - 1][0] for s in sorted(marks) if s - 1 in marks and s > 1]
     row.foreign_cpu_s = run.foreign_cpu_s
     row.noise = run.foreign_cpu_s / (run.fit_s * (os.cpu_count() or 1))
     if run.rss_growth > run.rss_growth_sampled + 16 * MiB:
@@ -591,9 +604,34 @@ def run_none(bench: Bench) -> Row:
     row.stall_ms = [0.0] * len(bench.schedule)
     if not bench.state_bytes:
         bench.state_bytes = state_bytes(run.module, run.optimizer)
-        bench.memcpy_s, line = memcpy(run.module, run.optimizer)
+        if bench.device == "cuda":
+            bench.pinned_copy_s, line = pinned_copy(run.module, run.optimizer)
+        else:
+            bench.memcpy_s, line = memcpy(run.module, run.optimizer)
         print(line, flush=True)
     return row
+
+
+def pinned_copy(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[float, str]:
+    """One device-to-host ``copy_`` of the state's bytes (one contiguous GPU buffer) into pinned memory (from
+    ``torch.empty(pin_memory=True)``), timed with CUDA events, median of 3: the bandwidth ours is compared with."""
+    tensors = list(state_tensors(module, optimizer).values())
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    src = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
+    dst = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    times = []
+    for _ in range(3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src, non_blocking=True)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1000)
+    one = statistics.median(times)
+    del src, dst
+    return one, (f"state: {total / GB:.3f} GB ({len(tensors)} tensors: fp32 params + AdamW exp_avg/exp_avg_sq/step)"
+                 f" on {torch.cuda.get_device_name()}\none pinned device-to-host copy_ of the state's bytes:"
+                 f" {one * 1000:.1f} ms ({total / one / GB:.1f} GB/s)")
 
 
 def memcpy(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[float, str]:
@@ -670,6 +708,39 @@ def record_manifest_commits(tier: Backend) -> dict[int, float]:
     return done
 
 
+class DeviceCopies:
+    """CUDA: each snapshot's device-to-host copy (bytes, seconds on the side stream, from the arena's timing events)
+    and when the snapshot agent was told a snapshot is staged (then it survives the trainer)."""
+
+    def __init__(self) -> None:
+        from lightning_snapshot.backends.ram import agent
+        from lightning_snapshot.staging import arena
+
+        self.copies: list[tuple[int, float]] = []
+        self.to_agent: dict[int, float] = {}
+        self._restore: list[tuple[Any, str, Any]] = []
+        copy, staged = arena.HostArena.__dict__["_copy"], agent.AgentClient.__dict__["staged"]
+
+        def timed_copy(arena_self: Any, handle: Any, *args: Any, **kwargs: Any) -> Any:
+            out = copy(arena_self, handle, *args, **kwargs)
+            if handle.device_copy_seconds:
+                self.copies.append((handle.device_copy_bytes, handle.device_copy_seconds))
+            return out
+
+        def timed_staged(client: Any, job: Any) -> None:
+            staged(client, job)
+            self.to_agent.setdefault(job.step, time.perf_counter())
+
+        for owner, name, original, new in ((arena.HostArena, "_copy", copy, timed_copy),
+                                           (agent.AgentClient, "staged", staged, timed_staged)):
+            self._restore.append((owner, name, original))
+            setattr(owner, name, new)
+
+    def close(self) -> None:
+        for owner, name, original in self._restore:
+            setattr(owner, name, original)
+
+
 class BackgroundCpu:
     """CPU seconds lightning-snapshot's background threads spend, by thread (benchmark instrumentation only).
 
@@ -713,10 +784,17 @@ class BackgroundCpu:
 
 def run_ours(bench: Bench, method: str) -> Row:
     row = Row(method)
-    local = method != "ours-ram"
+    local = method not in ("ours-ram", "ours-agent")
     path = bench.workdir(method)
-    tier: Backend = (LocalTier(path, every_n_train_steps=bench.every, keep_last=2) if local
-                     else NullTier(every_n_train_steps=bench.every, keep_last=2))
+    tier: Backend
+    if method == "ours-agent":
+        from lightning_snapshot.backends import RamTier
+
+        tier = RamTier(every_n_train_steps=bench.every, keep_last=2, name=f"stall-{os.getpid()}")
+    elif local:
+        tier = LocalTier(path, every_n_train_steps=bench.every, keep_last=2)
+    else:
+        tier = NullTier(every_n_train_steps=bench.every, keep_last=2)
     budget = None
     if method == "ours-local-1buf":
         # one arena buffer: the state rounded up to 2 MiB (with room for the 64-byte alignment), plus a little
@@ -730,11 +808,26 @@ def run_ours(bench: Bench, method: str) -> Row:
     health = writer.nonfinite_tensors
     if method == "ours-local-nohealth":
         writer.nonfinite_tensors = lambda staged: []  # every snapshot recorded healthy without looking
+    copies = DeviceCopies()
     try:
         run = train(bench, [callback])
     finally:
         background.close()
+        copies.close()
         writer.nonfinite_tensors = health
+        if method == "ours-agent":
+            from lightning_snapshot.backends.ram.agent import stop_agent
+
+            stop_agent(tier.node_dir)  # type: ignore[attr-defined]
+    started = run.probe.save_started
+    row.device_copy = copies.copies
+    row.to_agent_s = [copies.to_agent[s] - started[s] for s in bench.schedule if s in copies.to_agent and s in started]
+    if row.device_copy:
+        row.details.append("device-to-host copy per snapshot (side stream, CUDA events): " + ", ".join(
+            f"{n / GB:.2f} GB in {t * 1000:.0f} ms ({n / t / GB:.1f} GB/s)" for n, t in row.device_copy))
+    if row.to_agent_s:
+        row.details.append(f"save call -> held by the snapshot agent (crash-safe): "
+                           f"{[round(x * 1000) for x in row.to_agent_s]} ms")
     row.stall_ms = run.logger.values("snapshot/stall_ms")
     fill_common(bench, row, run, committed if local else None)
     n = len(bench.schedule)
@@ -774,7 +867,7 @@ def run_ours(bench: Bench, method: str) -> Row:
         row.details.append(f"stall measured around the callback's hooks: median"
                            f" {statistics.median(taken or row.ext_stall_ms):.2f} ms (metric + {diff:.2f} ms),"
                            f" per snapshot {[round(x, 1) for x in row.ext_stall_ms]}")
-    if local:
+    if local and bench.restore:
         reference = run.probe.reference
         del run
         if (path / step_dirname(bench.check_step) / MANIFEST_NAME).is_file():
@@ -823,7 +916,9 @@ def run_modelcheckpoint(bench: Bench, method: str) -> Row:
     reference = run.probe.reference
     del run
     file = later.paths.get(bench.check_step)
-    if file is None:
+    if not bench.restore:
+        pass
+    elif file is None:
         row.consistency = "SKIPPED"
     else:
 
@@ -888,9 +983,14 @@ def run_dcp(bench: Bench) -> Row:
     with gloo_group():
         # pinned memory and non-blocking copies need CUDA; on CPU the best is async staging into shared memory,
         # with the stager (and so its cached staging storages) reused across saves
-        stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=True,
-                                              use_async_staging=True, use_non_blocking_copy=False))
-        row.note = "DefaultStager(shm, async, reused)"
+        if bench.device == "cuda":  # its pinned-memory stager, non-blocking copies
+            stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
+                                                  use_async_staging=True, use_non_blocking_copy=True))
+            row.note = "DefaultStager(pinned, async, non-blocking, reused)"
+        else:
+            stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=True,
+                                                  use_async_staging=True, use_non_blocking_copy=False))
+            row.note = "DefaultStager(shm, async, reused)"
         callback = DcpCallback(path, bench.every, stager)
         try:
             run = train(bench, [callback])
@@ -904,6 +1004,9 @@ def run_dcp(bench: Bench) -> Row:
         reference = run.probe.reference
         del run, stager, callback
         target = path / f"step-{bench.check_step}"
+        if not bench.restore:
+            shutil.rmtree(path, ignore_errors=True)
+            return row
 
         def load(module: GPT, optimizer: torch.optim.Optimizer) -> None:
             model_sd, optim_sd = get_state_dict(module, optimizer)
@@ -985,6 +1088,9 @@ METHODS.add("none", run_none, "no snapshots (the baseline; run first and again l
 METHODS.add("ours-ram", lambda b: run_ours(b, "ours-ram"),
             "lightning-snapshot, RAM arena only: a tier that keeps nothing, so staging and the persist thread's"
             " bookkeeping run but no byte reaches a disk")
+METHODS.add("ours-agent", lambda b: run_ours(b, "ours-agent"),
+            "lightning-snapshot, ``RamTier`` (no erasure coding): the node's snapshot agent maps the arena and holds"
+            " each snapshot once its copy finished (it flushes it if the trainer dies)")
 METHODS.add("ours-local", lambda b: run_ours(b, "ours-local"),
             "lightning-snapshot, arena + ``LocalTier`` on a real disk (the reference row for the ratios)")
 METHODS.add("ours-local-nohealth", lambda b: run_ours(b, "ours-local-nohealth"),
@@ -1105,7 +1211,49 @@ def report(bench: Bench, rows: list[Row], out: harness.Report) -> None:
             lines.append("snapshot periods s (noise): " + ", ".join(f"{w:.2f} ({n:.0%})" for w, n in r.periods))
         if lines and r.error is None:
             out.say(f"[{r.method}] " + f"\n[{r.method}] ".join(lines))
-    targets(bench, rows, base, out.targets)
+    if bench.device == "cuda":
+        gpu_report(bench, rows, out)
+    else:
+        targets(bench, rows, base, out.targets)
+
+
+def gpu_report(bench: Bench, rows: list[Row], out: harness.Report) -> None:
+    """--device cuda: step time, stall as a share of it, the copy's bandwidth against one pinned copy_, and the
+    time until the snapshot agent holds the snapshot; the GPU issue's targets."""
+    check = out.targets
+    base = [st for r in rows if r.method == "none" and r.error is None for st in r.step_s]
+    step = statistics.median(base) if base else None
+    pinned = bench.pinned_copy_s
+    out.say(f"\nGPU: {torch.cuda.get_device_name()}; median step (baseline) {fmt(step and step * 1000, '.1f')} ms"
+            f" ({bench.accumulate} micro-batches of {bench.cfg.batch} x {bench.cfg.seq} tokens, {bench.precision});"
+            f" one pinned copy_ of the state {fmt(pinned and pinned * 1000, '.1f')} ms")
+    table = harness.Table("GPU: stall against step time", ["method", "step med ms", "stall med ms", "stall/step",
+                                                          "copy GB/s", "copy/pinned", "to agent ms", "agent/pinned"],
+                          key="gpu")
+    pinned_bw = bench.state_bytes / pinned if pinned else None
+    for r in rows:
+        if r.error is not None or r.method == "none":
+            continue
+        st = statistics.median(r.step_s) if r.step_s else None
+        stall = _median(r.stall_ms)
+        bw = _median([n / t for n, t in r.device_copy]) if r.device_copy else None
+        agent = _median(r.to_agent_s)
+        table.add(r.method, fmt(st and st * 1000, ".1f"), fmt(stall, ".2f"),
+                  "-" if stall is None or not step else f"{stall / (step * 1000):.2%}",
+                  fmt(bw and bw / GB, ".1f"), "-" if bw is None or not pinned_bw else f"{bw / pinned_bw:.0%}",
+                  fmt(agent and agent * 1000, ".0f"), "-" if agent is None or not pinned else f"{agent / pinned:.2f}x",
+                  data={"method": r.method, "step_ms_median": st and st * 1000, "stall_ms_median": stall,
+                        "copy_GBps": bw and bw / GB, "to_agent_ms_median": agent and agent * 1000})
+        if r.method in OURS and stall is not None and step:
+            check.check(stall <= 0.01 * step * 1000, f"{r.method}: median stall {stall:.2f} ms <= 1% of the median"
+                        f" step {step * 1000:.1f} ms", stall, 0.01 * step * 1000)
+        if bw is not None and pinned_bw:
+            check.check(bw >= 0.8 * pinned_bw, f"{r.method}: device-to-host copy {bw / GB:.1f} GB/s >= 80% of one"
+                        f" pinned copy_ ({pinned_bw / GB:.1f} GB/s)", bw / GB, 0.8 * pinned_bw / GB)
+        if agent is not None and pinned:
+            check.check(agent <= 1.5 * pinned, f"{r.method}: held by the agent {agent * 1000:.0f} ms after the save"
+                        f" call <= 1.5 x the pinned copy ({pinned * 1000:.0f} ms)", agent * 1000, 1.5 * pinned * 1000)
+    out.table(table)
 
 
 def targets(bench: Bench, rows: list[Row], base: Baseline, check: harness.Targets) -> None:
@@ -1148,7 +1296,7 @@ def targets(bench: Bench, rows: list[Row], base: Baseline, check: harness.Target
                     f"{REFERENCE}: restore {ref.restore_s:.2f} s <= 0.5 x dcp's {by['dcp'].restore_s:.2f} s",
                     ref.restore_s, 0.5 * by["dcp"].restore_s)
     for m in ("ours-local", "ours-local-1buf"):
-        if m in by:
+        if m in by and bench.restore:
             check.check(by[m].consistency == "PASS", f"{m}: consistency {by[m].consistency}")
     for m, limit in (("ours-local", 2.1), ("ours-ram", 2.1), ("ours-local-1buf", 1.1)):
         extra = base.extra_rss(by[m]) if m in by else None
@@ -1180,14 +1328,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default=",".join(METHODS.names),
                         help=f"comma-separated subset of {','.join(METHODS.names)} (the baseline always runs)")
     parser.add_argument("--dir", default=None, help="where snapshots are written (default: a temp dir in /tmp)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: one GPU, GPT-2 medium (354.8M params), bf16-mixed, 4 micro-batches of 8 x 1024"
+                             " tokens per step, the peers' GPU options (DCP's pinned stager)")
+    parser.add_argument("--accumulate", type=int, default=None, help="micro-batches per step (default: cuda 4, cpu 1)")
+    parser.add_argument("--no-restore", dest="restore", action="store_false",
+                        help="skip the cold restore and consistency check after each run")
     parser.add_argument("--retries", type=int, default=0,
                         help=f"run a method again (keeping the quieter run) when other processes used more than"
                              f" {NOISY * 100:.0f}%% of the CPUs during it (default 0)")
     harness.add_arguments(parser)
     args = parser.parse_args(argv)
 
-    every = args.every or (3 if args.quick else 5)
-    steps = args.steps or (5 * every - 1 if args.quick else 9 * every - 1)
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA GPU")
+    every = args.every or (10 if cuda else 3 if args.quick else 5)
+    steps = args.steps or ((3 if args.quick else 6) * every + 2 if cuda
+                           else 5 * every - 1 if args.quick else 9 * every - 1)
     if every < 2 or steps < every:
         parser.error("need --every >= 2 and --steps >= --every")
     methods = METHODS.schedule(METHODS.select(args.methods, parser))
@@ -1196,24 +1354,36 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
     root = Path(tempfile.mkdtemp(prefix="ls-stall-", dir=args.dir))
-    bench = Bench(QUICK if args.quick else FULL, steps, every, root)
+    bench = Bench(MEDIUM if cuda else QUICK if args.quick else FULL, steps, every, root, device=args.device,
+                  precision="bf16-mixed" if cuda else None, accumulate=args.accumulate or (4 if cuda else 1),
+                  restore=args.restore)
     n_params = sum(p.numel() for p in fresh_model(bench.cfg).parameters())
     out = harness.Report("stall", args)
     out.header(model=f"{n_params / 1e6:.1f}M params ({bench.cfg})", steps=steps, every=every,
                methods=",".join(methods), snapshots_in=root)
     # one short run first, so that one-time costs (lazy imports, thread pools, allocator growth) land in no row
-    train(Bench(bench.cfg, 2, 2, root), [])
+    train(Bench(bench.cfg, 2, 2, root, device=bench.device, precision=bench.precision, accumulate=bench.accumulate),
+          [])
     trim_memory()
     rows: list[Row] = []
     try:
         for method in methods:
             rows.append(run_method(method, bench, args.retries))
+            if cuda:  # (GPU time is scarce: what each run showed, as soon as it is known)
+                r = rows[-1]
+                step_ms = statistics.median(r.step_s) * 1000 if r.step_s else float("nan")
+                stall = statistics.median(r.stall_ms) if r.stall_ms else float("nan")
+                print(f"    {method}: median step {step_ms:.1f} ms, median stall {stall:.2f} ms"
+                      f" (max {max(r.stall_ms, default=0):.1f}), stalls {[round(x, 1) for x in r.stall_ms]}"
+                      + "".join(f"\n    [{method}] {line}" for line in ([r.note] if r.note else []) + r.details
+                                + ([r.error] if r.error else [])), flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     report(bench, rows, out)
     foreign = sum(r.foreign_cpu_s for r in rows)
     out.say(f"\nother processes used {foreign:.0f} CPU-s during the training runs that were kept")
-    return out.finish(state_bytes=bench.state_bytes, memcpy_s=bench.memcpy_s, runs=rows)
+    return out.finish(state_bytes=bench.state_bytes, memcpy_s=bench.memcpy_s, pinned_copy_s=bench.pinned_copy_s,
+                      runs=rows)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,8 @@ def assert_bitwise_equal(ref_path: Path, got_path: Path) -> int:
             n += 1
     assert torch.equal(ref["lr"], got["lr"]), "learning rate differs"
     assert torch.equal(ref["rng"], got["rng"]), "torch RNG state differs at the end of training"
+    if "cuda_rng" in ref or "cuda_rng" in got:
+        assert torch.equal(ref["cuda_rng"], got["cuda_rng"]), "CUDA RNG state differs at the end of training"
     return n
 
 

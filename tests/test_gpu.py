@@ -118,3 +118,51 @@ def test_single_gpu_sigkill_and_resume_is_bitwise_exact(tmp_path, reference_runs
     proc = run_train(snaps, tmp_path / "resumed.pt", *args)
     assert "RESTORED step=" in proc.stdout
     assert_bitwise_equal(ref, tmp_path / "resumed.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed", "bf16-true"])
+def test_gpu_precisions_sigkill_and_resume_match_an_uninterrupted_run(tmp_path, monkeypatch, precision):
+    """Lightning on one GPU in each precision (16-mixed: the GradScaler's scale and growth tracker; bf16-true:
+    bf16 parameters and optimizer state), with validation, EarlyStopping and ModelCheckpoint, dropout drawing from
+    the CUDA generator: SIGKILLed right after a snapshot + validation step and mid-interval, resumed, and compared
+    with an uninterrupted run (weights, optimizer, callbacks, logged values, CPU and CUDA RNG, precision state)."""
+    from test_setups import assert_same, assert_same_logged, run_setup
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8"))
+    args = ("--trainer", 'accelerator="gpu"', "--trainer", f'precision="{precision}"')
+    run_setup(tmp_path / "ref", "val-interval", *args)
+    ref = torch.load(tmp_path / "ref" / "out.pt", weights_only=True)
+    assert ref["cuda_rng"], "the run did not use the GPU"
+    if precision == "16-mixed":
+        assert "scale" in ref["precision"], ref["precision"]  # the GradScaler's state is compared
+    d = tmp_path / "crashed"
+    for crash in (5, 14):
+        run_setup(d, "val-interval", *args, "--crash-at", str(crash), expect_kill=True)
+    proc = run_setup(d, "val-interval", *args)
+    assert "RESTORED step=" in proc.stdout
+    got = torch.load(d / "out.pt", weights_only=True)
+    assert_same_logged(ref["logged"], got.pop("logged"), 14)
+    assert_same({k: v for k, v in ref.items() if k != "logged"}, got)
+
+
+@pytest.mark.slow
+def test_model_parallel_on_one_gpu_sigkill_and_resume_is_bitwise_exact(tmp_path, monkeypatch):
+    """ModelParallelStrategy on one GPU (NCCL, FSDP2 on a mesh of one: DTensor parameters and optimizer state)."""
+    from conftest import run_script
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8"))
+    monkeypatch.setenv("RESHARD_FULLY_SHARD", "1")
+    common = ("--strategy", "mp", "--devices", "1", "--accelerator", "gpu", "--max-steps", "12")
+    run_script("reshard_train.py", "--dir", str(tmp_path / "ref"), "--out", str(tmp_path / "ref.pt"), *common)
+    snaps = tmp_path / "snaps"
+    crash_at = random.randint(5, 11)
+    run_script("reshard_train.py", "--dir", str(snaps), "--out", str(tmp_path / "crashed.pt"), *common,
+               "--crash-at", str(crash_at), expect_kill=True)
+    proc = run_script("reshard_train.py", "--dir", str(snaps), "--out", str(tmp_path / "resumed.pt"), *common)
+    assert "RESTORED step=" in proc.stdout, proc.stdout
+    assert "cuda_rng" in torch.load(tmp_path / "ref.pt", weights_only=True)
+    try:
+        assert_bitwise_equal(tmp_path / "ref.pt", tmp_path / "resumed.pt")
+    except AssertionError as e:
+        raise AssertionError(f"crash at global_step {crash_at}: {e}") from None

@@ -45,6 +45,7 @@ from lightning_snapshot import tree as _tree
 from lightning_snapshot.planner import align_up, assign_writers, chunk_ranges, plan_layout
 from lightning_snapshot.staging import SMALL_HASH as _SMALL
 from lightning_snapshot.staging import StagedState, chunk_digests, prepare_tensors, tensor_bytes
+from lightning_snapshot.staging import digest as digest_of
 
 __all__ = [
     "FAKE_REGISTER_ENV",
@@ -262,6 +263,11 @@ class AsyncStaged:
     started: float = 0.0
     #: Seconds from the start of staging until the copy (and its checksums) finished.
     copy_seconds: float | None = None
+    #: CUDA: seconds the side stream spent on the device-to-host copy of the frozen tensors, and their bytes.
+    device_copy_seconds: float | None = None
+    device_copy_bytes: int = 0
+    #: CUDA: set once the copy thread has queued the side-stream copies (``cuda_event`` is recorded then).
+    launched: threading.Event | None = None
 
     def done(self) -> bool:
         return self.future.done()
@@ -273,6 +279,10 @@ class AsyncStaged:
     def fence_training(self) -> None:
         """Make training safe to mutate the sources: CPU waits for the copy; CUDA only orders the GPU streams."""
         if self.cuda_event is not None and not self.cpu_pending and not self.future.done():
+            if self.launched is not None:
+                self.launched.wait()  # (set in a ``finally``: the copy thread cannot leave it unset)
+                if self.future.done():  # (the launch failed: raise it)
+                    self.future.result()
             torch.cuda.current_stream().wait_event(self.cuda_event)
             return
         self.future.result()
@@ -382,6 +392,7 @@ class HostArena:
         self.slots: list[ArenaSlot] = []
         self._lock = threading.Condition()
         self._copier: cf.ThreadPoolExecutor | None = None
+        self._hasher: cf.ThreadPoolExecutor | None = None
         self._allocator: cf.ThreadPoolExecutor | None = None
         self._growing = 0  # bytes of slots being allocated in the background
         self._grow_error: BaseException | None = None
@@ -634,6 +645,9 @@ class HostArena:
         if self._copier is not None:
             self._copier.shutdown(wait=True)
             self._copier = None
+        if self._hasher is not None:
+            self._hasher.shutdown(wait=True)
+            self._hasher = None
         if self._allocator is not None:
             self._allocator.shutdown(wait=True)
             self._allocator = None
@@ -784,8 +798,9 @@ class HostArena:
                 sources = [values[i] for _, i, _, _, _ in plan.entries]
             self._views(slot, plan, sources)
         state.tensors = slot.tensors
-        hashed: list[tuple[str, int, int]] = []
-        cuda_pairs: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
+        hashed: list[tuple[str, int, int]] = []  # copied on the training thread or the current CUDA stream
+        side: list[tuple[str, int, int, torch.Tensor, torch.Tensor]] = []  # CUDA, frozen: on the side stream
+        pending_now: list[tuple[torch.Tensor, torch.Tensor]] = []  # CUDA buffers: on the current stream
         if plan.mixed:  # buffers now, CUDA tensors on the side stream; the copy thread hashes them
             if sources is None:
                 values = list(tensors.values())
@@ -793,36 +808,38 @@ class HostArena:
             for (name, _, offset, nbytes, how), src, dst in zip(plan.entries, sources, slot.views, strict=True):
                 if how == _BACKGROUND:
                     continue
+                if how == _CUDA_FROZEN:
+                    side.append((name, offset, nbytes, dst, src.detach()))
+                    continue
                 hashed.append((name, offset, nbytes))
                 if how == _NOW:
                     dst.copy_(src.detach())
                 else:
-                    cuda_pairs.append((dst, src.detach(), how == _CUDA_FROZEN))
+                    pending_now.append((dst, src.detach()))
         background = plan.background
+        launch: _CudaLaunch | None = None
         events: list[Any] = []
-        if cuda_pairs:
-            if self._stream is None:
-                self._stream = torch.cuda.Stream()
+        if side or pending_now:
             current = torch.cuda.current_stream()
-            self._stream.wait_stream(current)
-            with torch.cuda.stream(self._stream):  # parameters/optimizer state: overlap the next forward/backward
-                for dst, src, is_frozen in cuda_pairs:
-                    if is_frozen:
-                        dst.copy_(src, non_blocking=True)
-                        src.record_stream(self._stream)
-            frozen_done = torch.cuda.Event()
-            frozen_done.record(self._stream)
-            for dst, src, is_frozen in cuda_pairs:  # buffers: in stream order, copied before the next forward
-                if not is_frozen:
-                    dst.copy_(src, non_blocking=True)
+            if side:
+                if self._stream is None:
+                    self._stream = torch.cuda.Stream()
+                launch = _CudaLaunch(self._stream, torch.cuda.current_device(), side, self.chunk_bytes)
+                launch.ready.record(current)
+            for dst, src in pending_now:  # buffers: in stream order, copied before the next forward
+                dst.copy_(src, non_blocking=True)
             mutable_done = torch.cuda.Event()
             mutable_done.record(current)
-            events = [frozen_done, mutable_done]
+            events = [mutable_done]
         if self._copier is None:
             self._copier = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-snapshot-copy")
         handle = AsyncStaged(state, slot, step, cf.Future(), started=started)
         handle._chunk_bytes = self.chunk_bytes
-        handle.cuda_event = events[0] if events else None
+        if launch is not None:
+            handle.cuda_event = launch.done[-1]
+            handle.launched = launch.launched
+        elif events:
+            handle.cuda_event = events[0]
         handle.cpu_pending = bool(background)
         # the sources stay referenced until copied (a resolved conjugate view is a temporary)
         handle.future = self._copier.submit(
@@ -834,8 +851,18 @@ class HostArena:
             events,
             copy_hook,
             sources if sources is not None else tensors,
+            launch,
         )
         return handle
+
+    def _hash_pool(self) -> cf.ThreadPoolExecutor:
+        """Threads that hash what the CUDA side stream copied, chunk by chunk, while it copies the rest (xxhash
+        releases the GIL): the snapshot is staged, with its checksums, about when the last byte has arrived."""
+        if self._hasher is None:
+            self._hasher = cf.ThreadPoolExecutor(
+                max_workers=max(1, min(8, (os.cpu_count() or 2) // 2)), thread_name_prefix="lightning-snapshot-hash"
+            )
+        return self._hasher
 
     def _copy(
         self,
@@ -846,18 +873,83 @@ class HostArena:
         events: list[Any],
         copy_hook: Callable[[], None] | None,
         keepalive: Any,
+        launch: _CudaLaunch | None = None,
     ) -> dict[str, list[str]]:
-        if copy_hook is not None:
-            copy_hook()
         packed = handle.state.packed
         assert packed is not None
         chunk = self.chunk_bytes
         sums: dict[str, list[str]] = {}
+        try:
+            if copy_hook is not None:
+                copy_hook()
+            if launch is not None:
+                launch.run()
+        finally:
+            if launch is not None:
+                launch.launched.set()
+        pending: list[tuple[str, list[cf.Future[str]]]] = []
+        if launch is not None:
+            pool = self._hash_pool()
+            for group, done in zip(launch.groups, launch.done, strict=True):
+                done.synchronize()
+                for name, offset, nbytes, _, _ in group:
+                    view = packed[offset : offset + nbytes]
+                    pending.append((name, [pool.submit(digest_of, view[a:b]) for a, b in chunk_ranges(nbytes, chunk)]))
         for name, offset, src, nbytes in background:
             sums[name] = _copy_digests(packed[offset : offset + nbytes], base + offset, src, chunk)
         for event in events:
             event.synchronize()
-        for name, offset, nbytes in hashed:  # copied on the training thread or the CUDA stream: hash them here
+        for name, offset, nbytes in hashed:  # copied on the training thread or the current CUDA stream
             sums[name] = chunk_digests(packed[offset : offset + nbytes], chunk)
+        for name, futures in pending:
+            sums[name] = [f.result() for f in futures]
+        if launch is not None:
+            handle.device_copy_seconds = launch.start.elapsed_time(launch.done[-1]) / 1000
+            handle.device_copy_bytes = launch.nbytes
         handle.copy_seconds = time.monotonic() - handle.started
         return sums
+
+
+#: Bytes of frozen CUDA tensors per group of side-stream copies (an event each): the copy thread hashes a group as
+#: soon as it has arrived, while the stream copies the next.
+_GROUP_BYTES = 128 << 20
+
+
+class _CudaLaunch:
+    """The device-to-host copies of a snapshot's frozen CUDA tensors, queued on the side stream by the copy thread
+    (the training thread only records ``ready`` on its stream): in groups of about :data:`_GROUP_BYTES`, each
+    followed by an event. ``done[-1]`` is what the next ``optimizer.step`` waits for (``fence_training``)."""
+
+    def __init__(
+        self,
+        stream: Any,
+        device: int,
+        frozen: list[tuple[str, int, int, torch.Tensor, torch.Tensor]],
+        chunk_bytes: int,
+    ) -> None:
+        self.stream, self.device = stream, device
+        self.ready = torch.cuda.Event()
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.launched = threading.Event()
+        self.groups: list[list[tuple[str, int, int, torch.Tensor, torch.Tensor]]] = [[]]
+        size = 0
+        for item in frozen:
+            if size >= _GROUP_BYTES:
+                self.groups.append([])
+                size = 0
+            self.groups[-1].append(item)
+            size += item[2]
+        self.nbytes = sum(item[2] for item in frozen)
+        self.done = [torch.cuda.Event(enable_timing=i == len(self.groups) - 1) for i in range(len(self.groups))]
+
+    def run(self) -> None:
+        """Queue the copies (on the copy thread): the side stream waits for ``ready``, then copies group by group."""
+        with torch.cuda.device(self.device):
+            self.stream.wait_event(self.ready)
+            with torch.cuda.stream(self.stream):
+                self.start.record(self.stream)
+                for group, done in zip(self.groups, self.done, strict=True):
+                    for _, _, _, dst, src in group:
+                        dst.copy_(src, non_blocking=True)
+                        src.record_stream(self.stream)
+                    done.record(self.stream)

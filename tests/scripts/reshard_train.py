@@ -66,7 +66,7 @@ class MLP(L.LightningModule):
             parallelize_module(self.net, tp, {"0": ColwiseParallel(), "3": RowwiseParallel(),
                                               "5": ColwiseParallel(output_layouts=Replicate())})
         dp = mesh["data_parallel"]
-        if dp.size() > 1:
+        if dp.size() > 1 or os.environ.get("RESHARD_FULLY_SHARD") == "1":  # (1: FSDP2 on a mesh of one, DTensors)
             for layer in self.net:
                 if isinstance(layer, nn.Linear):
                     fully_shard(layer, mesh=dp)
@@ -110,6 +110,7 @@ def consolidated(trainer: L.Trainer, model: MLP) -> dict | None:
         "optimizer": {f"{name}/{k}": v.detach().cpu().clone() for name, st in state.items() for k, v in st.items()},
         "lr": torch.tensor(opt.param_groups[0]["lr"], dtype=torch.float64),
         "rng": torch.get_rng_state(),
+        **({"cuda_rng": torch.cuda.get_rng_state()} if torch.cuda.is_initialized() else {}),
     }
 
 
@@ -149,6 +150,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--strategy", choices=["mp", "ddp", "single"], default="mp")
     p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--accelerator", default="cpu")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (mp only); data-parallel is devices / tp")
     p.add_argument("--max-steps", type=int, default=12)
     p.add_argument("--every", type=int, default=3)
@@ -194,7 +196,7 @@ def main() -> None:
     else:
         strategy = "ddp" if a.strategy == "ddp" else "auto"
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=a.accelerator,
         devices=a.devices if a.strategy != "single" else 1,
         strategy=strategy,
         max_steps=a.max_steps,

@@ -414,6 +414,9 @@ def main() -> None:
         "lrs": list(model.lrs),
         "last_batch": plain(model.last_batch),
         "rng": torch.get_rng_state(),
+        # (on a GPU: dropout draws from the CUDA generator; 16-mixed keeps its GradScaler's state in the plugin)
+        "cuda_rng": [plain(t) for t in torch.cuda.get_rng_state_all()] if torch.cuda.is_initialized() else [],
+        "precision": plain(trainer.precision_plugin.state_dict()),
         "trainable": {n: p.requires_grad for n, p in model.named_parameters()},
         "accumulate_grad_batches": trainer.accumulate_grad_batches,
         "logged": logged(os.path.join(ROOT, "logs", "version_0", "metrics.csv")),

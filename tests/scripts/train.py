@@ -292,6 +292,7 @@ def main() -> None:
                       for k, v in st.items()},
         "lr": torch.tensor(opt.param_groups[0]["lr"], dtype=torch.float64),
         "rng": torch.get_rng_state(),
+        **({"cuda_rng": torch.cuda.get_rng_state()} if torch.cuda.is_initialized() else {}),
     }
     out = a.out if trainer.global_rank == 0 else f"{a.out}.rank{trainer.global_rank}"
     torch.save(result, out)
