@@ -1259,7 +1259,7 @@ class SnapshotCallback(Checkpoint):
         self._planned = True  # (the first snapshot plans itself if no earlier step did)
         try:  # every rank stages (and later writes) its own share of the replicated state
             shared = capture_shared(trainer, pl_module)
-            self._staged_signature = model_signature(shared["state_dict"])
+            self._staged_signature = model_signature(pl_module)
             staged = self._arena.stage_async(
                 shared,
                 self._frozen(trainer),
@@ -1295,10 +1295,7 @@ class SnapshotCallback(Checkpoint):
         ``StochasticWeightAveraging`` copies its averages in), stage them again, now, so that the snapshot is the
         state before the next step. Collective (every rank restages if any must). None: the snapshot is dropped."""
         pl_module = trainer.lightning_module
-        sharded = is_sharded(trainer.strategy)
-        now = model_signature(
-            pl_module.state_dict() if not sharded else capture_shared(trainer, pl_module)["state_dict"]
-        )
+        now = model_signature(pl_module)
         if self._comm.all_true(now == self._staged_signature):
             return staged
         log.debug("lightning-snapshot: the model changed after step %d was staged; staging it again", step)

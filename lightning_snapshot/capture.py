@@ -14,6 +14,7 @@ callbacks reacting to it, epoch-end hooks and scheduler steps: loops, callbacks,
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -102,16 +103,34 @@ def capture_shared(trainer: Any, pl_module: Any) -> dict[str, Any]:
     return ckpt
 
 
-def model_signature(state_dict: dict[str, Any]) -> tuple[Any, ...]:
-    """What tells whether a model's tensors were changed in place or replaced since: per tensor its name, storage
-    address, shape and version counter (bumped by every in-place operation on it or a view of it, ``detach()``
-    included). Cheap: no data is read. Changes made through ``tensor.data`` do not bump the counter."""
+def model_signature(module: torch.nn.Module) -> tuple[Any, ...]:
+    """What tells whether a model's tensors were changed in place or replaced since: per parameter and buffer its
+    name, storage address, shape and version counter (bumped by every in-place operation on it or a view of it, the
+    ``detach()``-ed views of ``state_dict`` included). Cheap: no data is read, no ``state_dict`` is made. Changes
+    made through ``tensor.data`` do not bump the counter."""
     out = []
-    for name, value in state_dict.items():
-        if isinstance(value, torch.Tensor):
-            t = local_tensor(value)
-            out.append((name, t.data_ptr(), tuple(t.shape), t._version))
+    for prefix, mod in module.named_modules(remove_duplicate=False):  # (one walk for parameters and buffers)
+        for name, value in itertools.chain(mod._parameters.items(), mod._buffers.items()):
+            if value is not None:
+                t = local_tensor(value)
+                out.append((prefix, name, t.data_ptr(), t.shape, t._version))
     return tuple(out)
+
+
+def _overrides_on_save_checkpoint(trainer: Any, pl_module: Any) -> bool:
+    """Whether any callback or the ``LightningModule`` has an ``on_save_checkpoint`` of its own (Lightning's are
+    no-ops): only then is the checkpoint dict for the hooks, with the model's ``state_dict``, worth making."""
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.core.hooks import CheckpointHooks
+
+    if "on_save_checkpoint" in vars(pl_module) or (
+        getattr(type(pl_module), "on_save_checkpoint", None) is not CheckpointHooks.on_save_checkpoint
+    ):
+        return True
+    return any(
+        "on_save_checkpoint" in vars(cb) or type(cb).on_save_checkpoint is not Callback.on_save_checkpoint
+        for cb in trainer.callbacks
+    )
 
 
 def capture_late(trainer: Any, pl_module: Any, loader_states: list[Any] | None = None) -> dict[str, Any]:
@@ -159,6 +178,8 @@ def capture_late(trainer: Any, pl_module: Any, loader_states: list[Any] | None =
         dm_state = datamodule.state_dict()
         if dm_state:
             late[type(datamodule).__qualname__] = dm_state
+    if not _overrides_on_save_checkpoint(trainer, pl_module):
+        return late
     state_dict = trainer.strategy.lightning_module_state_dict() if not is_sharded(trainer.strategy) else {}
     ckpt = {
         **late,

@@ -69,10 +69,11 @@ def _raw(opt: Any) -> Any:
 def capture(trainer: Any, pl_module: Any) -> dict[str, Any]:
     """This state of the trainer, at the late capture point (right before the next batch is fetched, or between
     epochs). Cheap: no tensor is copied here (the caller stages the result)."""
-    names = {id(p): n for n, p in pl_module.named_parameters()}
+    params = list(pl_module.named_parameters())
+    names = {id(p): n for n, p in params}
     return {
         "param_groups": [_param_groups(_raw(opt), names) for opt in trainer.optimizers],
-        "trainable": {n: bool(p.requires_grad) for n, p in pl_module.named_parameters()},
+        "trainable": {n: bool(p.requires_grad) for n, p in params},
         "track_running_stats": {
             n: bool(m.track_running_stats)
             for n, m in pl_module.named_modules()

@@ -318,6 +318,11 @@ class Persister:
             try:
                 if what == "staged":
                     if isinstance(job.shared, AsyncStaged):
+                        # the agent holds the snapshot as soon as its bytes are in the slot (it would take the
+                        # checksums itself, were this trainer to die now), and gets them once they are taken
+                        job.shared.wait_copied()
+                        if not job.shared.done():
+                            self.agent.staged(job)
                         job.shared.wait()
                     self.agent.staged(job)
                 elif isinstance(job.shared, AsyncStaged):

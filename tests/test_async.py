@@ -280,3 +280,26 @@ def test_a_slower_tier_uploads_every_step_although_the_local_tier_keeps_one(tmp_
     for step in range(1, 7):
         assert load_snapshot(str(tmp_path / "remote"), step=step)["global_step"] == step
 
+
+
+def test_wait_copied_returns_once_the_bytes_are_staged_and_raises_a_failed_copy():
+    """``wait_copied`` (what the agent link waits for before telling the agent) returns with every byte in the slot,
+    and raises when the copy failed instead of waiting for ever."""
+    model, opt = _trained()
+    expected = {k: _bits(v) for k, v in stage(_state(model, opt)).tensors.items()}
+    arena = HostArena()
+    try:
+        handle = arena.stage_async(_state(model, opt), _frozen(model, opt), step=2)
+        handle.wait_copied()
+        assert all(torch.equal(expected[k], _bits(v)) for k, v in handle.state.tensors.items())
+        handle.wait()
+        arena.release(handle.slot)
+
+        def broken() -> None:
+            raise OSError("copy failed")
+
+        failed = arena.stage_async(_state(model, opt), _frozen(model, opt), step=3, copy_hook=broken)
+        with pytest.raises(OSError, match="copy failed"):
+            failed.wait_copied()
+    finally:
+        arena.close()

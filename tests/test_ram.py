@@ -354,3 +354,27 @@ def test_too_many_lost_shares_fall_back_to_the_local_tier_with_one_log_line(tmp_
 
 
 assert SCRIPTS.is_dir()
+
+
+@pytest.mark.slow
+def test_agent_flushes_a_snapshot_handed_over_before_its_checksums_were_taken(tmp_path, shm):
+    """On CUDA the agent is told a snapshot is staged as soon as its bytes are in the arena, before the hash threads
+    are done (then it survives the trainer sooner). A trainer that dies right after that message: the agent writes
+    the snapshot on its own, with checksums it takes itself, and it loads, verified, with the staged values."""
+    from agent_handoff import STEP, expected_state
+
+    from lightning_snapshot import load_snapshot
+
+    node, local = shm / "handoff", tmp_path / "local"
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "agent_handoff.py"), "--node-dir", str(node), "--local",
+                           str(local)], capture_output=True, text=True, timeout=120, start_new_session=True)
+    assert proc.returncode == -9 and "STAGED" in proc.stdout, proc.stderr[-3000:]
+    assert _wait(lambda: STEP in committed_steps(LocalTier(local)), timeout=60), agent_log_path(node).read_text()
+    assert f"step {STEP} committed to tier 0 after rank 0 died" in agent_log_path(node).read_text()
+    got = load_snapshot(str(local), step=STEP)  # every chunk verified against the checksums the agent wrote
+    want = expected_state()
+    for name, t in want["state_dict"].items():
+        assert got["state_dict"][name].dtype == t.dtype and torch.equal(got["state_dict"][name], t), name
+    exp_avg = want["optimizer_states"][0]["state"][0]["exp_avg"]
+    assert torch.equal(got["optimizer_states"][0]["state"][0]["exp_avg"], exp_avg)
+    assert stop_agent(node)

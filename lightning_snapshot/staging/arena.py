@@ -268,6 +268,17 @@ class AsyncStaged:
     device_copy_bytes: int = 0
     #: CUDA: set once the copy thread has queued the side-stream copies (``cuda_event`` is recorded then).
     launched: threading.Event | None = None
+    #: Set once every byte is in the slot (before the checksums are all taken), or once the copy failed.
+    copied: threading.Event = field(default_factory=threading.Event)
+    _copied_ok: bool = False
+
+    def wait_copied(self) -> None:
+        """Block until every byte is in the slot, which is then final until the slot is released (the checksums
+        may still be being taken); raises what the copy raised."""
+        self.copied.wait()
+        if not self._copied_ok:
+            self.future.result()
+            raise RuntimeError(f"the copy of step {self.step} did not finish")
 
     def done(self) -> bool:
         return self.future.done()
@@ -853,6 +864,7 @@ class HostArena:
             sources if sources is not None else tensors,
             launch,
         )
+        handle.future.add_done_callback(lambda _: handle.copied.set())  # (also when the copy failed)
         return handle
 
     def _hash_pool(self) -> cf.ThreadPoolExecutor:
@@ -899,6 +911,8 @@ class HostArena:
             sums[name] = _copy_digests(packed[offset : offset + nbytes], base + offset, src, chunk)
         for event in events:
             event.synchronize()
+        handle._copied_ok = True
+        handle.copied.set()
         for name, offset, nbytes in hashed:  # copied on the training thread or the current CUDA stream
             sums[name] = chunk_digests(packed[offset : offset + nbytes], chunk)
         for name, futures in pending:
