@@ -19,9 +19,10 @@ start-up): failures every few hundred steps of a small model stand for failures 
 ratio of snapshot cost to MTBF being what decides goodput.
 
 Targets (printed after the table, at the default MTBF): lightning-snapshot has the highest goodput, and its time
-lost apart from the restart (wall - ideal wall - failures x (restart delay + the failure-free run's own process
-start-up, which is the same script for every method)), that is steps lost + snapshot overhead + what restoring adds,
-is at most 1/3 of the best peer's; ours ends bitwise equal to the failure-free run.
+lost apart from the restart (wall - ideal wall - failures x restart delay - the time its processes spent booting,
+that is importing Python, torch and Lightning, the same for every method and measured in each process, beyond the
+failure-free run's own boot), that is steps lost + snapshot overhead + what restoring adds, is at most 1/3 of the
+best peer's; ours ends bitwise equal to the failure-free run.
 
 Reported per method: goodput (ideal wall / wall with failures), failures, steps lost (steps done before a kill that
 the next start did not restore), restart + restore time (kill -> the restarted process's first step, the fixed
@@ -103,6 +104,9 @@ def _worker(a: argparse.Namespace) -> None:  # noqa: C901 - one training run per
 
     out = Path(a.dir)
     progress = open(out / "progress.log", "a", buffering=1)  # noqa: SIM115 - lives as long as the process
+    # the interpreter, torch and Lightning are up: what every method's process does alike (what follows, the method's
+    # own imports, its restore and Lightning's setup, is the method's)
+    progress.write(f"boot 0 {time.time():.6f}\n")
 
     class Progress(Callback):
         def __init__(self) -> None:
@@ -270,6 +274,9 @@ class Run:
     steps_lost: int = 0
     restart_s: float = 0.0  # kill -> first step of the restarted process (delay, start-up and restore)
     starts: list[float] = field(default_factory=list)  # start-up (spawn -> ready) of each process
+    # spawn -> the interpreter, torch and Lightning imported ("boot"), of every process, or spawn -> kill for one
+    # killed before: the same for every method, so not counted as the method's lost time
+    boots: list[float] = field(default_factory=list)
     train_s: float = 0.0  # wall from ready to the last step, summed over processes
     steps_trained: int = 0  # optimizer steps run, summed over processes (redone ones included)
     kills_at: list[float] = field(default_factory=list)
@@ -345,7 +352,13 @@ def _account(run: Run, d: Path, spawns: list[tuple[float, int]], kills: list[tup
     rows = _read_progress(d / "progress.log")
     bounds = [index for _, index in spawns] + [len(rows)]
     segments = [rows[bounds[i]:bounds[i + 1]] for i in range(len(spawns))]
-    for (spawn, _), seg in zip(spawns, segments):
+    kill_times = [kill for kill, _ in kills]
+    for k, ((spawn, _), seg) in enumerate(zip(spawns, segments)):
+        booted = [r for r in seg if r[0] == "boot"]
+        if booted:
+            run.boots.append(booted[0][2] - spawn)
+        elif k < len(kill_times):
+            run.boots.append(kill_times[k] - spawn)
         readies = [r for r in seg if r[0] == "ready"]
         stepped = [r for r in seg if r[0] == "step"]
         if readies:
@@ -501,12 +514,15 @@ def _overhead(run: Run, step_s: float) -> float:
 
 
 def lost_apart_from_restart(run: Run, ideal: Run, delay: float) -> float:
-    """Wall time lost to failures and snapshots apart from the fixed restart: over the ideal wall time, minus, per
-    failure, the restart delay and the failure-free run's own process start-up (Python, torch and Lightning imports,
-    the same script for every method). What is left: steps lost, snapshot overhead, and what restoring adds to a
-    start (loading the state, the method's own imports)."""
-    start = ideal.starts[0] if ideal.starts else 0.0
-    return run.wall_s - ideal.wall_s - run.failures * (delay + start)
+    """Wall time lost to failures and snapshots apart from the fixed restart: over the ideal wall time, minus the
+    restart delays and the time every process of the run spent booting (Python, torch and Lightning imported, the
+    same for every method; measured per process) beyond the failure-free run's own boot. What is left: steps lost,
+    snapshot overhead, and what restoring adds to a start (the method's own imports, loading the state, Lightning's
+    setup)."""
+    if not run.boots or not ideal.boots:  # (older recordings: the failure-free run's start-up per failure)
+        start = ideal.starts[0] if ideal.starts else 0.0
+        return run.wall_s - ideal.wall_s - run.failures * (delay + start)
+    return run.wall_s - ideal.wall_s - run.failures * delay - (sum(run.boots) - ideal.boots[0])
 
 
 COLUMNS = ["MTBF", harness.Column("method", "<"), harness.Column("every", "<"), "goodput", "failures", "steps lost",

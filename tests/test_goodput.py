@@ -22,5 +22,7 @@ def test_two_kills_resume_bitwise(tmp_path):
     # each restart restored a snapshot (every="auto" starts at 10 steps): not step 0
     assert [r[1] for r in readies][0] == 0 and all(r[1] >= 10 for r in readies[1:]), readies
     assert len(readies) == 3
+    # every process's boot (interpreter, torch, Lightning) is measured: not counted as the method's lost time
+    assert len(run.boots) == 3 and all(0 < b < 120 for b in run.boots), run.boots
     assert 0 <= run.steps_lost < 45
     assert goodput._bitwise(ideal_dir / "final.pt", d / "final.pt") == "PASS"

@@ -257,7 +257,9 @@ def _fit(tmp_path, name: str, busy: float) -> tuple[LocalTier, RecordingCallback
 def test_interval_reacts_to_a_slowed_tier(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="lightning_snapshot.callback")
     fast, fast_cb = _fit(tmp_path, "fast", 0.0)
-    slow, slow_cb = _fit(tmp_path, "slow", 0.6)
+    # (1.5 s of work per write: far above what a loaded machine adds to the fast tier's measured cost, which CI saw
+    # reach 0.2 s with other tests running beside it)
+    slow, slow_cb = _fit(tmp_path, "slow", 1.5)
     fast_cost, slow_cost = fast_cb._meter.cost(0), slow_cb._meter.cost(0)
     print(f"fast: cost {fast_cost * 1e3:.1f} ms interval {fast.every_n_train_steps}; slow: cost"
           f" {slow_cost * 1e3:.1f} ms interval {slow.every_n_train_steps}")
