@@ -343,6 +343,8 @@ class _Plan:
     background: list[tuple[str, int, int, int]] = field(default_factory=list)
     #: Whether any tensor is copied on the training thread or the CUDA stream (then ``background`` is not all).
     mixed: bool = False
+    #: For a mixed plan, made at its first use (:func:`_split`): which entries are copied how.
+    split: _Split | None = None
 
     def matches(self, tensors: dict[str, torch.Tensor]) -> bool:
         """Whether ``tensors`` (an encoding's) are the very tensors this plan was made for."""
@@ -810,23 +812,19 @@ class HostArena:
             self._views(slot, plan, sources)
         state.tensors = slot.tensors
         hashed: list[tuple[str, int, int]] = []  # copied on the training thread or the current CUDA stream
-        side: list[tuple[str, int, int, torch.Tensor, torch.Tensor]] = []  # CUDA, frozen: on the side stream
+        side: list[list[int]] = []  # CUDA, frozen: entries copied on the side stream, in groups
         pending_now: list[tuple[torch.Tensor, torch.Tensor]] = []  # CUDA buffers: on the current stream
         if plan.mixed:  # buffers now, CUDA tensors on the side stream; the copy thread hashes them
             if sources is None:
                 values = list(tensors.values())
                 sources = [values[i] for _, i, _, _, _ in plan.entries]
-            for (name, _, offset, nbytes, how), src, dst in zip(plan.entries, sources, slot.views, strict=True):
-                if how == _BACKGROUND:
-                    continue
-                if how == _CUDA_FROZEN:
-                    side.append((name, offset, nbytes, dst, src.detach()))
-                    continue
-                hashed.append((name, offset, nbytes))
-                if how == _NOW:
-                    dst.copy_(src.detach())
-                else:
-                    pending_now.append((dst, src.detach()))
+            if plan.split is None:
+                plan.split = _split(plan.entries)
+            views = slot.views
+            for i in plan.split.now:
+                views[i].copy_(sources[i].detach())
+            pending_now = [(views[i], sources[i]) for i in plan.split.cuda_now]
+            side, hashed = plan.split.side, plan.split.hashed
         background = plan.background
         launch: _CudaLaunch | None = None
         events: list[Any] = []
@@ -835,10 +833,11 @@ class HostArena:
             if side:
                 if self._stream is None:
                     self._stream = torch.cuda.Stream()
-                launch = _CudaLaunch(self._stream, torch.cuda.current_device(), side, self.chunk_bytes)
+                assert sources is not None
+                launch = _CudaLaunch(self._stream, torch.cuda.current_device(), plan.entries, side, slot.views, sources)
                 launch.ready.record(current)
             for dst, src in pending_now:  # buffers: in stream order, copied before the next forward
-                dst.copy_(src, non_blocking=True)
+                dst.copy_(src.detach(), non_blocking=True)
             mutable_done = torch.cuda.Event()
             mutable_done.record(current)
             events = [mutable_done]
@@ -904,7 +903,8 @@ class HostArena:
             pool = self._hash_pool()
             for group, done in zip(launch.groups, launch.done, strict=True):
                 done.synchronize()
-                for name, offset, nbytes, _, _ in group:
+                for i in group:
+                    name, _, offset, nbytes, _ = launch.entries[i]
                     view = packed[offset : offset + nbytes]
                     pending.append((name, [pool.submit(digest_of, view[a:b]) for a, b in chunk_ranges(nbytes, chunk)]))
         for name, offset, src, nbytes in background:
@@ -929,41 +929,71 @@ class HostArena:
 _GROUP_BYTES = 128 << 20
 
 
+@dataclass
+class _Split:
+    """How a mixed plan's entries are copied (indices into its entries): on the training thread now (CPU tensors
+    that change before the next step, or are not contiguous), on the current CUDA stream (CUDA buffers), on the side
+    stream in groups of about :data:`_GROUP_BYTES` (frozen CUDA tensors); and the (name, offset, bytes) of the first
+    two kinds, which the copy thread hashes once the current stream is past them."""
+
+    now: list[int]
+    cuda_now: list[int]
+    side: list[list[int]]
+    hashed: list[tuple[str, int, int]]
+
+
+def _split(entries: list[tuple[str, int, int, int, int]]) -> _Split:
+    out = _Split([], [], [], [])
+    size = _GROUP_BYTES
+    for i, (name, _, offset, nbytes, how) in enumerate(entries):
+        if how == _BACKGROUND:
+            continue
+        if how == _CUDA_FROZEN:
+            if size >= _GROUP_BYTES:
+                out.side.append([])
+                size = 0
+            out.side[-1].append(i)
+            size += nbytes
+            continue
+        out.hashed.append((name, offset, nbytes))
+        (out.now if how == _NOW else out.cuda_now).append(i)
+    return out
+
+
 class _CudaLaunch:
     """The device-to-host copies of a snapshot's frozen CUDA tensors, queued on the side stream by the copy thread
-    (the training thread only records ``ready`` on its stream): in groups of about :data:`_GROUP_BYTES`, each
-    followed by an event. ``done[-1]`` is what the next ``optimizer.step`` waits for (``fence_training``)."""
+    (the training thread only records ``ready`` on its stream and creates the events): group by group (the plan's
+    ``split.side``, indices into its entries), each followed by an event. ``done[-1]`` is what the next
+    ``optimizer.step`` waits for (``fence_training``)."""
 
     def __init__(
         self,
         stream: Any,
         device: int,
-        frozen: list[tuple[str, int, int, torch.Tensor, torch.Tensor]],
-        chunk_bytes: int,
+        entries: list[tuple[str, int, int, int, int]],
+        groups: list[list[int]],
+        views: list[torch.Tensor],
+        sources: list[torch.Tensor],
     ) -> None:
         self.stream, self.device = stream, device
+        self.entries, self.groups, self.views, self.sources = entries, groups, views, sources
         self.ready = torch.cuda.Event()
         self.start = torch.cuda.Event(enable_timing=True)
         self.launched = threading.Event()
-        self.groups: list[list[tuple[str, int, int, torch.Tensor, torch.Tensor]]] = [[]]
-        size = 0
-        for item in frozen:
-            if size >= _GROUP_BYTES:
-                self.groups.append([])
-                size = 0
-            self.groups[-1].append(item)
-            size += item[2]
-        self.nbytes = sum(item[2] for item in frozen)
-        self.done = [torch.cuda.Event(enable_timing=i == len(self.groups) - 1) for i in range(len(self.groups))]
+        self.done = [torch.cuda.Event(enable_timing=i == len(groups) - 1) for i in range(len(groups))]
+        self.nbytes = 0
 
     def run(self) -> None:
         """Queue the copies (on the copy thread): the side stream waits for ``ready``, then copies group by group."""
-        with torch.cuda.device(self.device):
+        views, sources, entries = self.views, self.sources, self.entries
+        with torch.cuda.device(self.device), torch.no_grad():
             self.stream.wait_event(self.ready)
             with torch.cuda.stream(self.stream):
                 self.start.record(self.stream)
                 for group, done in zip(self.groups, self.done, strict=True):
-                    for _, _, _, dst, src in group:
-                        dst.copy_(src, non_blocking=True)
+                    for i in group:
+                        src = sources[i]
+                        views[i].copy_(src, non_blocking=True)
                         src.record_stream(self.stream)
+                        self.nbytes += entries[i][3]
                     done.record(self.stream)
