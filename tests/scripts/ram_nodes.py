@@ -70,7 +70,10 @@ def local(a: argparse.Namespace, node: int, world: int, comm: GroupComm) -> int:
             write_snapshot(tier, comm, job, "run0", prepare=prepare)
         except SnapshotError as e:
             print(f"WRITE FAILED: {e}", flush=True)
-            return 1
+            # (not through the interpreter's exit: a gloo group whose peer died can abort the process in its
+            # destructor, "terminate called without an active exception", seen once in CI)
+            sys.stderr.flush()
+            os._exit(1)
         print("SAVED", flush=True)
     else:
         restore(tier, comm, a.step, f"{a.out}.rank{node}", 0)  # (a world-size change reads rank 0's section)
