@@ -572,9 +572,10 @@ def targets(ideal: Run, results: dict[float, list[Run]], delay: float, mtbf: flo
             f" best peer's {peer_lost:.1f} s")
     # a lost time <= 0 is below what this machine's speed varies between runs (the two failure-free runs differ):
     # no ratio of it means anything, so the target is not judged
-    check.check(None if peer_lost <= 0 or ours_lost < 0 else ours_lost <= peer_lost / 3,
-                text + (" (not judged: a lost time below the run-to-run noise)" if peer_lost <= 0 or ours_lost < 0
-                        else ""), ours_lost, peer_lost / 3)
+    in_noise = peer_lost <= 0 or ours_lost < 0
+    check.check(None if in_noise else ours_lost <= peer_lost / 3,
+                text + (" (not judged: a lost time below the run-to-run noise)" if in_noise else ""),
+                ours_lost, peer_lost / 3)
     few = [r.method for r in rows if r.failures < 5]
     (check.warn if few else check.info)(f">= 5 failures per method: {'yes' if not few else 'no: ' + ', '.join(few)}")
     for r in ours:

@@ -708,7 +708,25 @@ def record_manifest_commits(tier: Backend) -> dict[int, float]:
     return done
 
 
-class DeviceCopies:
+class Patches:
+    """Methods of the library replaced by instrumented ones for the duration of a run (benchmark only); ``close``
+    puts the originals back."""
+
+    def __init__(self) -> None:
+        self._restore: list[tuple[Any, str, Any]] = []
+
+    def patch(self, owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        """Replace ``owner.name`` by ``make(original)``."""
+        original = owner.__dict__[name]
+        self._restore.append((owner, name, original))
+        setattr(owner, name, make(original))
+
+    def close(self) -> None:
+        for owner, name, original in self._restore:
+            setattr(owner, name, original)
+
+
+class DeviceCopies(Patches):
     """CUDA: each snapshot's device-to-host copy (bytes, seconds on the side stream, from the arena's timing events)
     and when the snapshot agent was told a snapshot is staged (then it survives the trainer)."""
 
@@ -716,32 +734,31 @@ class DeviceCopies:
         from lightning_snapshot.backends.ram import agent
         from lightning_snapshot.staging import arena
 
+        super().__init__()
         self.copies: list[tuple[int, float]] = []
         self.to_agent: dict[int, float] = {}
-        self._restore: list[tuple[Any, str, Any]] = []
-        copy, staged = arena.HostArena.__dict__["_copy"], agent.AgentClient.__dict__["staged"]
 
-        def timed_copy(arena_self: Any, handle: Any, *args: Any, **kwargs: Any) -> Any:
-            out = copy(arena_self, handle, *args, **kwargs)
-            if handle.device_copy_seconds:
-                self.copies.append((handle.device_copy_bytes, handle.device_copy_seconds))
-            return out
+        def timed_copy(copy: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapped(arena_self: Any, handle: Any, *args: Any, **kwargs: Any) -> Any:
+                out = copy(arena_self, handle, *args, **kwargs)
+                if handle.device_copy_seconds:
+                    self.copies.append((handle.device_copy_bytes, handle.device_copy_seconds))
+                return out
 
-        def timed_staged(client: Any, job: Any) -> None:
-            staged(client, job)
-            self.to_agent.setdefault(job.step, time.perf_counter())
+            return wrapped
 
-        for owner, name, original, new in ((arena.HostArena, "_copy", copy, timed_copy),
-                                           (agent.AgentClient, "staged", staged, timed_staged)):
-            self._restore.append((owner, name, original))
-            setattr(owner, name, new)
+        def timed_staged(staged: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapped(client: Any, job: Any) -> None:
+                staged(client, job)
+                self.to_agent.setdefault(job.step, time.perf_counter())
 
-    def close(self) -> None:
-        for owner, name, original in self._restore:
-            setattr(owner, name, original)
+            return wrapped
+
+        self.patch(arena.HostArena, "_copy", timed_copy)
+        self.patch(agent.AgentClient, "staged", timed_staged)
 
 
-class BackgroundCpu:
+class BackgroundCpu(Patches):
     """CPU seconds lightning-snapshot's background threads spend, by thread (benchmark instrumentation only).
 
     Wall-clock overheads are at the mercy of other processes on a shared machine; CPU time is not. On 2 cores,
@@ -755,15 +772,13 @@ class BackgroundCpu:
         from lightning_snapshot import persist
         from lightning_snapshot.staging import arena
 
+        super().__init__()
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._restore: list[tuple[Any, str, Any]] = []
         for owner, name, label in ((arena.HostArena, "_copy", "copy"), (arena.HostArena, "_grow", "allocate"),
                                    (persist._TierWorker, "_persist", "persist")):
-            original = owner.__dict__[name]
-            self._restore.append((owner, name, original))
-            setattr(owner, name, self._wrap(original, label))
+            self.patch(owner, name, lambda original, label=label: self._wrap(original, label))
 
     def _wrap(self, original: Callable[..., Any], label: str) -> Callable[..., Any]:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -776,10 +791,6 @@ class BackgroundCpu:
                     self.calls[label] = self.calls.get(label, 0) + 1
 
         return wrapped
-
-    def close(self) -> None:
-        for owner, name, original in self._restore:
-            setattr(owner, name, original)
 
 
 def run_ours(bench: Bench, method: str) -> Row:
@@ -916,11 +927,9 @@ def run_modelcheckpoint(bench: Bench, method: str) -> Row:
     reference = run.probe.reference
     del run
     file = later.paths.get(bench.check_step)
-    if not bench.restore:
-        pass
-    elif file is None:
+    if bench.restore and file is None:
         row.consistency = "SKIPPED"
-    else:
+    elif bench.restore:
 
         def load(module: GPT, optimizer: torch.optim.Optimizer) -> None:
             ckpt = torch.load(file, map_location="cpu", weights_only=False)
@@ -1206,7 +1215,7 @@ def report(bench: Bench, rows: list[Row], out: harness.Report) -> None:
     out.table(table)
     out.say()
     for r in rows:
-        lines = ([r.note] if r.note else []) + r.details
+        lines = row_lines(r)
         if r.periods:
             lines.append("snapshot periods s (noise): " + ", ".join(f"{w:.2f} ({n:.0%})" for w, n in r.periods))
         if lines and r.error is None:
@@ -1215,6 +1224,11 @@ def report(bench: Bench, rows: list[Row], out: harness.Report) -> None:
         gpu_report(bench, rows, out)
     else:
         targets(bench, rows, base, out.targets)
+
+
+def row_lines(r: Row) -> list[str]:
+    """A row's note and details, as printed under the table."""
+    return ([r.note] if r.note else []) + r.details
 
 
 def gpu_report(bench: Bench, rows: list[Row], out: harness.Report) -> None:
@@ -1375,8 +1389,8 @@ def main(argv: list[str] | None = None) -> int:
                 stall = statistics.median(r.stall_ms) if r.stall_ms else float("nan")
                 print(f"    {method}: median step {step_ms:.1f} ms, median stall {stall:.2f} ms"
                       f" (max {max(r.stall_ms, default=0):.1f}), stalls {[round(x, 1) for x in r.stall_ms]}"
-                      + "".join(f"\n    [{method}] {line}" for line in ([r.note] if r.note else []) + r.details
-                                + ([r.error] if r.error else [])), flush=True)
+                      + "".join(f"\n    [{method}] {line}" for line in row_lines(r) + ([r.error] if r.error else [])),
+                      flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     report(bench, rows, out)

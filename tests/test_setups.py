@@ -95,9 +95,13 @@ CASES = [
 @pytest.mark.slow
 @pytest.mark.parametrize("name,args,crashes", [pytest.param(*c, id=c[0]) for c in CASES])
 def test_sigkill_and_resume_matches_an_uninterrupted_run(tmp_path, name, args, crashes):
+    assert_resume_matches(tmp_path, name, args, crashes)
+
+
+def assert_resume_matches(tmp_path: Path, name: str, args, crashes) -> dict:
     """One job killed at each crash step in turn (each run resumes from the snapshot the killed one left, and is
     killed at the next crash step), then run to the end: a resume of a resumed run is covered too, and a divergence
-    at any of the crash steps shows in the final state."""
+    at any of the crash steps shows in the final state. Returns the uninterrupted run's result."""
     run_setup(tmp_path / "ref", name, *args)
     ref = torch.load(tmp_path / "ref" / "out.pt", weights_only=True)
     d = tmp_path / "crashed"
@@ -111,6 +115,7 @@ def test_sigkill_and_resume_matches_an_uninterrupted_run(tmp_path, name, args, c
         assert_same({k: v for k, v in ref.items() if k != "logged"}, got)
     except AssertionError as e:
         raise AssertionError(f"{name}, SIGKILL at steps {crashes}: {e}") from None
+    return ref
 
 
 @pytest.mark.slow

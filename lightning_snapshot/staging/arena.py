@@ -270,15 +270,13 @@ class AsyncStaged:
     launched: threading.Event | None = None
     #: Set once every byte is in the slot (before the checksums are all taken), or once the copy failed.
     copied: threading.Event = field(default_factory=threading.Event)
-    _copied_ok: bool = False
 
     def wait_copied(self) -> None:
         """Block until every byte is in the slot, which is then final until the slot is released (the checksums
         may still be being taken); raises what the copy raised."""
         self.copied.wait()
-        if not self._copied_ok:
+        if self.future.done():  # (finished, or failed: then ``copied`` was set when it ended)
             self.future.result()
-            raise RuntimeError(f"the copy of step {self.step} did not finish")
 
     def done(self) -> bool:
         return self.future.done()
@@ -911,7 +909,6 @@ class HostArena:
             sums[name] = _copy_digests(packed[offset : offset + nbytes], base + offset, src, chunk)
         for event in events:
             event.synchronize()
-        handle._copied_ok = True
         handle.copied.set()
         for name, offset, nbytes in hashed:  # copied on the training thread or the current CUDA stream
             sums[name] = chunk_digests(packed[offset : offset + nbytes], chunk)
@@ -981,11 +978,15 @@ class _CudaLaunch:
         self.start = torch.cuda.Event(enable_timing=True)
         self.launched = threading.Event()
         self.done = [torch.cuda.Event(enable_timing=i == len(groups) - 1) for i in range(len(groups))]
-        self.nbytes = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes copied on the side stream (read by the copy thread, not on the training thread)."""
+        return sum(self.entries[i][3] for group in self.groups for i in group)
 
     def run(self) -> None:
         """Queue the copies (on the copy thread): the side stream waits for ``ready``, then copies group by group."""
-        views, sources, entries = self.views, self.sources, self.entries
+        views, sources = self.views, self.sources
         with torch.cuda.device(self.device), torch.no_grad():
             self.stream.wait_event(self.ready)
             with torch.cuda.stream(self.stream):
@@ -995,5 +996,4 @@ class _CudaLaunch:
                         src = sources[i]
                         views[i].copy_(src, non_blocking=True)
                         src.record_stream(self.stream)
-                        self.nbytes += entries[i][3]
                     done.record(self.stream)
