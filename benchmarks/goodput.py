@@ -123,18 +123,34 @@ def _worker(a: argparse.Namespace) -> None:  # noqa: C901 - one training run per
     class Progress(Callback):
         def __init__(self) -> None:
             self.last = -1
+            self.first: int | None = None
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            self.first = trainer.global_step
             progress.write(f"ready {trainer.global_step} {time.time():.6f}\n")
 
         def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
-            if trainer.global_step != self.last:
-                self.last = trainer.global_step
-                progress.write(f"step {trainer.global_step} {time.time():.6f}\n")
-                if a.method.startswith("mc") or a.method == "async-io":
+            step = trainer.global_step
+            if step != self.last:
+                self.last = step
+                progress.write(f"step {step} {time.time():.6f}\n")
+                # keep the two newest checkpoints: looked at just after a save (ModelCheckpoint saves after this
+                # callback) and half an interval later (AsyncCheckpointIO's file lands later), not at every step
+                if (a.method.startswith("mc") or a.method == "async-io") and step % max(1, a.every) in (1, a.every // 2):
                     ckpts = sorted((out / "ckpt").glob("*.ckpt"), key=_ckpt_step)
                     for old in ckpts[:-2]:
                         old.unlink(missing_ok=True)
+                if step % 100 == 0:
+                    ours_stats(trainer)
+
+    def ours_stats(trainer: Any) -> None:
+        """Our tiers' current intervals and measured costs, for the report and the simulator: written as training
+        goes (a process killed later has still left them), not by a last process that only restored and exited."""
+        snap = next((c for c in trainer.callbacks if type(c).__name__ == "SnapshotCallback"), None)
+        if snap is not None:
+            stats = {"intervals": [t.every_n_train_steps for t in snap.tiers],
+                     "costs_s": [snap._meter.cost(i) if snap._meter else None for i in range(len(snap.tiers))]}
+            (out / "ours.json").write_text(json.dumps(stats))
 
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
@@ -142,7 +158,8 @@ def _worker(a: argparse.Namespace) -> None:  # noqa: C901 - one training run per
     data = TensorDataset(torch.randn(4096, 256, generator=g), torch.randn(4096, 1, generator=g))
     loader = DataLoader(data, batch_size=32, shuffle=True)
     model = Net()
-    callbacks: list[Any] = [Progress()]
+    progress_cb = Progress()
+    callbacks: list[Any] = [progress_cb]
     plugins: list[Any] = []
     ckpt_path = None
     if a.method in ("mc-yd", "mc-default", "async-io"):
@@ -173,11 +190,8 @@ def _worker(a: argparse.Namespace) -> None:  # noqa: C901 - one training run per
     state.update({f"opt/{pid}/{k}": v for pid, st in opt.state_dict()["state"].items() for k, v in st.items()
                   if isinstance(v, torch.Tensor)})
     torch.save(state, out / "final.pt")
-    snap = next((c for c in callbacks if type(c).__name__ == "SnapshotCallback"), None)
-    if snap is not None:
-        stats = {"intervals": [t.every_n_train_steps for t in snap.tiers],
-                 "costs_s": [snap._meter.cost(i) if snap._meter else None for i in range(len(snap.tiers))]}
-        (out / "ours.json").write_text(json.dumps(stats))
+    if progress_cb.first is not None and trainer.global_step > progress_cb.first:  # (it trained: its intervals)
+        ours_stats(trainer)
     progress.write(f"done {trainer.global_step} {time.time():.6f}\n")
 
 
