@@ -19,11 +19,11 @@ accelerator, many steps' worth, and not a few milliseconds (``--frozen-mb 0`` le
 is chosen so that a method meets about 5 failures in a run whose failure-free wall time is about 35 s (W=8000 steps
 at about 4 ms per step on an idle 2-core machine, 3 to 4 s of start-up, 5 to 6 s per restart; a run with failures
 lasts 50 to 90 s), as many as the 40-minute budget of the default run allows with 3 seeds: a seed whose first
-failure times come late gives fewer (seed 2: 37.5 s, then 72.9 s), which the target line warns about. Failures every few thousand steps of
-a small model stand for failures every few hours of a large one, the ratio of snapshot cost and restart to MTBF being
-what decides goodput. At the default MTBF every method runs under 3 seeds of failure times (``--seeds``), in an order
-rotated each seed, and the targets are judged on the means: one seed compares how many of its fixed failure times a
-run happens to meet more than it compares the methods.
+failure times come late gives fewer (seed 2: 37.5 s, then 72.9 s), which the target line warns about. Failures every
+few thousand steps of a small model stand for failures every few hours of a large one, the ratio of snapshot cost and
+restart to MTBF being what decides goodput. At the default MTBF every method runs under 3 seeds of failure times
+(``--seeds``), in an order rotated each seed, and the targets are judged on the means: one seed compares how many of
+its fixed failure times a run happens to meet more than it compares the methods.
 
 Targets (printed after the table, at the default MTBF): lightning-snapshot has the highest goodput, and its time
 lost apart from the restart (wall - ideal wall - failures x restart delay - the time its processes spent booting,
@@ -138,7 +138,8 @@ def _worker(a: argparse.Namespace) -> None:  # noqa: C901 - one training run per
                 progress.write(f"step {step} {time.time():.6f}\n")
                 # keep the two newest checkpoints: looked at just after a save (ModelCheckpoint saves after this
                 # callback) and half an interval later (AsyncCheckpointIO's file lands later), not at every step
-                if (a.method.startswith("mc") or a.method == "async-io") and step % max(1, a.every) in (1, a.every // 2):
+                pruning = a.method.startswith("mc") or a.method == "async-io"
+                if pruning and step % max(1, a.every) in (1, a.every // 2):
                     ckpts = sorted((out / "ckpt").glob("*.ckpt"), key=_ckpt_step)
                     for old in ckpts[:-2]:
                         old.unlink(missing_ok=True)
@@ -544,15 +545,17 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
     shutil.rmtree(again_dir, ignore_errors=True)
     out.table(report(ideal, step_s, results, a.restart_delay))
     fig = figures(ideal, step_s, results, a.restart_delay, steps)
-    means = summary(ideal, results, a.restart_delay, fig)
+    expected = {(m, method): expected_goodput(fig, method, m) for m, rows in results.items()
+                for method in by_method(rows)}
+    means = summary(ideal, results, a.restart_delay, expected)
     if means is not None:
         out.table(means)
-    targets(ideal, results, a.restart_delay, mtbfs[0], out.targets, fig)
+    targets(ideal, results, a.restart_delay, mtbfs[0], out.targets, expected)
     out.fields.update(fig)
     status = out.finish()  # (the JSON is written before the plot, which needs matplotlib)
     plot = a.plot or (None if len(mtbfs) < 2 else "goodput.png")
     if plot:
-        write_plot(ideal, results, plot, fig)
+        write_plot(ideal, results, plot, expected)
     shutil.rmtree(ideal_dir, ignore_errors=True)
     return status
 
@@ -587,8 +590,8 @@ def report(ideal: Run, step_s: float, results: dict[float, list[Run]], delay: fl
                 every = "auto (" + "/".join(str(i) for i in r.ours["intervals"]) + ")"
             lost = r.wall_s - ideal.wall_s - delay * r.failures
             apart = lost_apart_from_restart(r, ideal, delay)
-            table.add(f"{m:g} s", r.seed, r.method, every, f"{ideal.wall_s / r.wall_s:.3f}", r.failures, r.steps_lost,
-                      f"{r.restart_s:.1f}", f"{_overhead(r, step_s):.1f}", f"{lost:.1f}", f"{apart:.1f}",
+            table.add(f"{m:g} s", r.seed, r.method, every, f"{ideal.wall_s / r.wall_s:.3f}", r.failures,
+                      r.steps_lost, f"{r.restart_s:.1f}", f"{_overhead(r, step_s):.1f}", f"{lost:.1f}", f"{apart:.1f}",
                       r.bitwise or "-",
                       data={"mtbf_s": m, "seed": r.seed, "method": r.method, "every": every,
                             "goodput": ideal.wall_s / r.wall_s,
@@ -645,34 +648,37 @@ def expected_goodput(fig: dict[str, Any], method: str, mtbf: float) -> float | N
     return fig["ideal_wall_s"] / (out.wall_s + _mean([r["tail_s"] for r in runs]))
 
 
-def summary(ideal: Run, results: dict[float, list[Run]], delay: float, fig: dict[str, Any]) -> harness.Table | None:
-    """Each method's mean over the seeds at each MTBF, and the goodput its measured figures give in expectation (None
-    where no MTBF ran more than one seed)."""
-    repeated = {m: by_method(rows) for m, rows in results.items()}
-    if not any(len(runs) > 1 for methods in repeated.values() for runs in methods.values()):
+Expected = dict[tuple[float, str], float | None]  # (MTBF, method) -> expected_goodput
+
+
+def summary(ideal: Run, results: dict[float, list[Run]], delay: float, expected: Expected) -> harness.Table | None:
+    """Each method's mean over the seeds at each MTBF, and the goodput its measured figures give in expectation
+    (``expected``; None where no MTBF ran more than one seed)."""
+    grouped = {m: by_method(rows) for m, rows in results.items()}
+    if not any(len(runs) > 1 for methods in grouped.values() for runs in methods.values()):
         return None
     table = harness.Table("Mean over the seeds (each seed: its own failure times, every method), and the expected"
                           " goodput", SUMMARY,
                           key="goodput_mean")
-    for m, methods in repeated.items():
+    for m, methods in grouped.items():
         for method, runs in methods.items():
             goodputs = [ideal.wall_s / r.wall_s for r in runs]
+            lost = mean_lost(ideal, runs, delay)
             states = {r.bitwise for r in runs if r.bitwise}
             state = "-" if not states else ("PASS" if states == {"PASS"} else "FAIL")
-            expected = expected_goodput(fig, method, m)
             table.add(f"{m:g} s", method, len(runs), f"{_mean(goodputs):.3f}",
                       f"{min(goodputs):.3f}-{max(goodputs):.3f}", f"{_mean([r.failures for r in runs]):.1f}",
-                      f"{_mean([r.steps_lost for r in runs]):.0f}", f"{mean_lost(ideal, runs, delay):.1f}",
-                      harness.fmt(expected, ".3f"), state,
+                      f"{_mean([r.steps_lost for r in runs]):.0f}", f"{lost:.1f}",
+                      harness.fmt(expected[m, method], ".3f"), state,
                       data={"mtbf_s": m, "method": method, "seeds": [r.seed for r in runs],
-                            "expected_goodput": expected,
+                            "expected_goodput": expected[m, method],
                             "goodput_mean": _mean(goodputs), "goodputs": goodputs, "final_state": state,
-                            "lost_apart_from_restart_s_mean": mean_lost(ideal, runs, delay)})
+                            "lost_apart_from_restart_s_mean": lost})
     return table
 
 
 def targets(ideal: Run, results: dict[float, list[Run]], delay: float, mtbf: float, check: harness.Targets,
-            fig: dict[str, Any] | None = None) -> None:
+            expected: Expected | None = None) -> None:
     """The issue's targets at the default MTBF (the first); with several seeds, on each method's means."""
     rows = results.get(mtbf, [])
     methods = by_method(rows)
@@ -700,8 +706,8 @@ def targets(ideal: Run, results: dict[float, list[Run]], delay: float, mtbf: flo
     check.check(None if in_noise else ours_lost <= peer_lost / 3,
                 text + (" (not judged: a lost time below the run-to-run noise)" if in_noise else ""),
                 ours_lost, peer_lost / 3)
-    if fig is not None:
-        expect = {k: expected_goodput(fig, k, mtbf) or 0.0 for k in methods}
+    if expected is not None:
+        expect = {k: expected.get((mtbf, k)) or 0.0 for k in methods}
         mine = max(ours, key=lambda k: expect[k])
         theirs = max(peers, key=lambda k: expect[k])
         check.info(f"expected goodput (simulated from the measured figures, {EXPECTED_RUNS} draws of failure times):"
@@ -740,7 +746,7 @@ def figures(ideal: Run, step_s: float, results: dict[float, list[Run]], delay: f
     return out
 
 
-def write_plot(ideal: Run, results: dict[float, list[Run]], path: str, fig: dict[str, Any]) -> None:
+def write_plot(ideal: Run, results: dict[float, list[Run]], path: str, expected: Expected) -> None:
     """Measured goodput (markers: the mean over the seeds) and the expected one (lines: simulated from the measured
     figures) against MTBF, per method."""
     import matplotlib
@@ -752,8 +758,7 @@ def write_plot(ideal: Run, results: dict[float, list[Run]], path: str, fig: dict
     mtbfs = sorted(results)
     for method in sorted({r.method for rows in results.values() for r in rows}):
         measured = [mean_goodput(ideal, by_method(results[m])[method]) for m in mtbfs]
-        expected = [expected_goodput(fig, method, m) for m in mtbfs]
-        line = ax.plot(mtbfs, expected, label=f"{method} (expected)")[0]
+        line = ax.plot(mtbfs, [expected[m, method] for m in mtbfs], label=f"{method} (expected)")[0]
         ax.plot(mtbfs, measured, marker="o", linestyle="none", color=line.get_color())
     ax.set_xlabel("MTBF (s)")
     ax.set_ylabel("goodput")
