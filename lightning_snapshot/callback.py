@@ -32,6 +32,7 @@ from lightning_snapshot.capture import (
     frozen_predicate,
     is_sharded,
     model_signature,
+    optimized_key,
     restore_rng,
     restore_shared,
     restore_targets,
@@ -48,6 +49,7 @@ from lightning_snapshot.errors import (
     SnapshotNotFoundError,
     StateMismatchError,
     TierUnavailableError,
+    TornSnapshotError,
 )
 from lightning_snapshot.interval import CostMeter, default_mtbf, parse_duration, young_daly_steps
 from lightning_snapshot.loader import ReadStats, read_manifest, read_section, resolve_source
@@ -223,6 +225,7 @@ class SnapshotCallback(Checkpoint):
         self._last_durable_due: int | None = None
         self._stall = 0.0
         self._skipped = 0
+        self._torn_steps: set[int] = set()
         self._failed = 0
         self._errors: list[BaseException] = []
         self._comm: Comm = LocalComm()
@@ -555,6 +558,7 @@ class SnapshotCallback(Checkpoint):
         assert self._persister is not None
         t0 = time.monotonic()
         step = trainer.global_step
+        self._fence_copy()  # (training stopped between steps: the copy in flight is settled, not torn by it)
         self._persister.drain(timeout=self.sigterm_grace / 2)
         if self._pending is not None and self._pending[0] == step:
             self._pending = (step, self._pending[1], list(range(len(self.tiers))))
@@ -1063,6 +1067,8 @@ class SnapshotCallback(Checkpoint):
             self._stall += time.perf_counter() - t0
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self._inflight is not None and self._inflight.copied.is_set():
+            self._inflight.settle()  # (copied before training_step: committed without waiting for the step)
         if self._pending_rng is not None:  # (a loop that fetched without the epoch loop's fetch hook)
             restore_rng(self._pending_rng)
             self._pending_rng = None
@@ -1077,8 +1083,11 @@ class SnapshotCallback(Checkpoint):
         if self._inflight is None:
             return False
         t0 = time.perf_counter()
+        staged = self._inflight
         with contextlib.suppress(Exception):  # the persist thread reports it
-            self._inflight.fence_training()
+            staged.fence_training()
+        if staged.torn and self._arena is not None:  # (not committed: the persist thread warns)
+            self._arena.copy_at_once([t for _, t in staged.torn])
         self._stall += time.perf_counter() - t0
         self._inflight = None
         self._copied = True
@@ -1104,16 +1113,17 @@ class SnapshotCallback(Checkpoint):
                 self._prepare_arena(trainer, pl_module, step)
         self._metrics.flush(trainer)
 
-    def _frozen(self, trainer: Any) -> Callable[[Any], bool]:
-        """The frozen-tensor predicate, computed only if the arena asks (it does not while its plan holds)."""
+    def _frozen(self, trainer: Any) -> tuple[Callable[[Any], bool], Any]:
+        """The frozen-tensor predicate, computed only if the arena asks (it does not while its plan holds), and
+        what it depends on (which parameters the optimizers train: a plan made under other ones is not reused)."""
         made: list[Callable[[Any], bool]] = []
 
         def frozen(t: Any) -> bool:
             if not made:
-                made.append(frozen_predicate(trainer.lightning_module.parameters(), trainer.optimizers))
+                made.append(frozen_predicate(trainer.optimizers))
             return made[0](t)
 
-        return frozen
+        return frozen, optimized_key(trainer.optimizers)
 
     def _prepare_arena(self, trainer: Any, pl_module: Any, step: int) -> None:
         """Off the snapshot steps, get the arena ready for the next snapshot, so that it does not wait.
@@ -1128,11 +1138,13 @@ class SnapshotCallback(Checkpoint):
         if not self._planned:
             self._planned = True
             try:
+                frozen, key = self._frozen(trainer)
                 arena.plan_ahead(
                     capture_shared(trainer, pl_module),
-                    self._frozen(trainer),
+                    frozen,
                     rank=self._comm.rank,
                     world_size=self._comm.world_size,
+                    frozen_key=key,
                 )
             except Exception as e:  # noqa: BLE001 - the snapshot itself reports what cannot be captured
                 log.debug("lightning-snapshot: planning ahead failed (%s); the first snapshot plans itself", e)
@@ -1260,12 +1272,14 @@ class SnapshotCallback(Checkpoint):
         try:  # every rank stages (and later writes) its own share of the replicated state
             shared = capture_shared(trainer, pl_module)
             self._staged_signature = model_signature(pl_module)
+            frozen, key = self._frozen(trainer)
             staged = self._arena.stage_async(
                 shared,
-                self._frozen(trainer),
+                frozen,
                 step,
                 rank=self._comm.rank,
                 world_size=self._comm.world_size,
+                frozen_key=key,
             )
         except SnapshotError as e:
             error = e
@@ -1290,14 +1304,14 @@ class SnapshotCallback(Checkpoint):
         return None
 
     def _restage_if_changed(self, trainer: Any, step: int, staged: AsyncStaged) -> AsyncStaged | None:
-        """At the late capture point: if the model's tensors were changed or replaced after they were staged at
-        ``on_train_batch_end`` (epoch-end and validation hooks may: ``ModelPruning`` prunes and resets weights,
-        ``StochasticWeightAveraging`` copies its averages in), stage them again, now, so that the snapshot is the
-        state before the next step. Collective (every rank restages if any must). None: the snapshot is dropped."""
+        """At the late capture point: if the model's tensors or the optimizer state were changed or replaced after
+        they were staged at ``on_train_batch_end`` (epoch-end and validation hooks may: ``ModelPruning`` prunes and
+        resets weights, ``StochasticWeightAveraging`` copies its averages in), stage them again, now, so that the
+        snapshot is the state before the next step. Collective (every rank restages if any must). None: the snapshot is dropped."""
         pl_module = trainer.lightning_module
         now = model_signature(pl_module)
-        if self._comm.all_true(now == self._staged_signature):
-            return staged
+        if self._comm.all_true(now == self._staged_signature and not staged.changed()):
+            return staged  # (nor was the optimizer state: a callback may reset it at the end of an epoch)
         log.debug("lightning-snapshot: the model changed after step %d was staged; staging it again", step)
         with contextlib.suppress(Exception):  # the persist thread reports it
             staged.fence_training()
@@ -1406,6 +1420,7 @@ class SnapshotCallback(Checkpoint):
         staged = self._stage_shared(trainer, pl_module, step, last=True)
         if staged is None:
             return
+        staged.settle()  # (training is over: nothing changes it while it is copied)
         self._staged_signature = None  # (staged right now)
         self._pending = (step, staged, list(range(len(self.tiers))))
 
@@ -1469,6 +1484,8 @@ class SnapshotCallback(Checkpoint):
                 self._close_measurements(due)
                 return
         self._staged_signature = None
+        if shared is not None and shared.copied.is_set():
+            shared.settle()  # (copied before this step's training_step: what that changes cannot tear it)
         epoch = trainer.current_epoch
         try:
             consumed = max(0, trainer.fit_loop.epoch_loop.batch_progress.current.ready - consumed_offset)
@@ -1520,10 +1537,17 @@ class SnapshotCallback(Checkpoint):
             r = self._persister.results.get_nowait()
             name = self._metric_names[self.tiers.index(r.tier)] if r.tier in self.tiers else r.tier.tier
             index = self.tiers.index(r.tier) if r.tier in self.tiers else None
-            if r.error is not None and index is not None:
+            if r.error is not None and index is not None and not isinstance(r.error, TornSnapshotError):
                 self._tier_problem[index] = f"step {r.step} failed: {r.error}"
             if index is not None and self._meter is not None:
-                self._meter.closed(index, measured=not r.abandoned)
+                self._meter.closed(index, measured=not r.abandoned and not isinstance(r.error, TornSnapshotError))
+            if isinstance(r.error, TornSnapshotError):  # (every tier of that step reports it: one warning)
+                if r.step not in self._torn_steps:
+                    self._torn_steps.add(r.step)
+                    self._skipped += 1
+                    self._metrics.add("snapshot/skipped", self._skipped)
+                    warnings.warn(f"lightning-snapshot: skipped the snapshot of {r.error}", stacklevel=2)
+                continue
             if r.abandoned:
                 warnings.warn(
                     f"lightning-snapshot: gave up uploading step {r.step} to the {r.tier.tier} tier"

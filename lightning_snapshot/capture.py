@@ -41,6 +41,7 @@ __all__ = [
     "frozen_predicate",
     "is_sharded",
     "model_signature",
+    "optimized_key",
     "restore_rng",
     "restore_shared",
     "restore_targets",
@@ -218,13 +219,28 @@ def checkpoint_view(ckpt: dict[str, Any]) -> dict[str, Any]:
     return view
 
 
-def frozen_predicate(parameters: Iterable[torch.Tensor], optimizers: Iterable[Any]) -> Callable[[torch.Tensor], bool]:
-    """Which tensors stay unchanged until the next ``optimizer.step``: parameters and optimizer state.
+def optimized_key(optimizers: Iterable[Any]) -> tuple[Any, ...]:
+    """What :func:`frozen_predicate` depends on: each optimizer's parameters, and which of them require a gradient.
+    Cheap (no data is read); a staging plan made under another key is not reused."""
+    return tuple((id(p), p.requires_grad) for opt in optimizers for g in opt.param_groups for p in g["params"])
 
-    Everything else (buffers such as BatchNorm statistics) may change in the next forward and must be copied at once.
+
+def frozen_predicate(optimizers: Iterable[Any]) -> Callable[[torch.Tensor], bool]:
+    """Which tensors stay unchanged until the next ``optimizer.step``: the parameters an optimizer trains (in one of
+    its parameter groups, requiring a gradient) and the optimizers' state. They are copied while the next
+    forward and backward run.
+
+    Everything else must be copied at once: buffers (BatchNorm statistics) change in the next forward, and
+    parameters that no optimizer trains (an EMA teacher, a frozen backbone) are the ones user code changes in place
+    during a step (``teacher.mul_(m).add_(student)``, also through ``.data``, which no version counter sees).
     """
-    storages: set[int] = {local_tensor(p).untyped_storage().data_ptr() for p in parameters}
+    optimizers = list(optimizers)
+    storages: set[int] = set()
     for opt in optimizers:
+        for group in opt.param_groups:
+            storages.update(
+                local_tensor(p).untyped_storage().data_ptr() for p in group["params"] if p.requires_grad and p.numel()
+            )
         for state in opt.state.values():
             storages.update(
                 local_tensor(v).untyped_storage().data_ptr()

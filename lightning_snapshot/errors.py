@@ -21,6 +21,7 @@ __all__ = [
     "StateMismatchError",
     "StorageFullError",
     "TierUnavailableError",
+    "TornSnapshotError",
     "UnsafePathError",
 ]
 
@@ -77,6 +78,12 @@ class TierUnavailableError(SnapshotWriteError):
 class NotDurableError(SnapshotWriteError):
     """At the end of ``fit``, the last snapshot is held by no durable tier; the message says which tier failed and
     why."""
+
+
+class TornSnapshotError(SnapshotError, RuntimeError):
+    """A snapshot was not committed because a tensor it copied while training went on was changed in place before
+    the next ``optimizer.step`` (user code in ``training_step``): its copy could hold either value. Training goes on
+    and that tensor is copied at once from then on; the callback warns and counts the snapshot as skipped."""
 
 
 class AgentError(SnapshotError, RuntimeError):

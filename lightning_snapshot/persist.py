@@ -176,6 +176,7 @@ class _TierWorker:
         if self._by_agent(job):
             assert self.p.agent is not None and isinstance(staged, AsyncStaged)
             staged.wait()
+            staged.await_fence(self.stop)
             try:
                 nbytes, _ = self.p.agent.persist(job, self.tier, self.stop)
             except TimeoutError:
@@ -190,8 +191,14 @@ class _TierWorker:
             SnapshotJob(job.step, job.epoch, state, job.private),
             self.p.run_id,
             prepare=staged.wait if isinstance(staged, AsyncStaged) else None,
-            before_commit=staged.verify if isinstance(staged, AsyncStaged) else None,
+            before_commit=(lambda: self._settled(staged)) if isinstance(staged, AsyncStaged) else None,
         ), 0
+
+    def _settled(self, staged: AsyncStaged) -> None:
+        """Before committing: training has settled that no copied tensor was changed meanwhile, and the staged bytes
+        are still the ones of the step."""
+        staged.await_fence(self.stop)
+        staged.verify()
 
     def _abandoned(self, job: PersistJob, seconds: float, error: BaseException) -> None:
         self.p.results.put(PersistResult(self.tier, job.step, seconds, 0, error=error, abandoned=True))
@@ -303,6 +310,7 @@ class Persister:
         # tells the node's snapshot agent about each staged snapshot once its copy finished, and about its release,
         # in that order (the agent flushes what is not released if this process dies)
         self._notes: queue.Queue[tuple[str, PersistJob] | None] = queue.Queue()
+        self._closing = threading.Event()
         self._notifier: threading.Thread | None = None
         if agent is not None:
             self._notifier = threading.Thread(target=self._notify, name="lightning-snapshot-agent-link", daemon=True)
@@ -321,6 +329,8 @@ class Persister:
                         # the agent holds the snapshot as soon as its bytes are in the slot (it would take the
                         # checksums itself, were this trainer to die now), and gets them once they are taken
                         job.shared.wait_copied()
+                        # (not before training settled that the copy is not torn: the agent would flush it)
+                        job.shared.await_fence(self._closing)
                         if not job.shared.done():
                             self.agent.staged(job)
                         job.shared.wait()
@@ -422,6 +432,7 @@ class Persister:
         Returns those messages (empty when every worker finished).
         """
         deadline = time.monotonic() + timeout
+        self._closing.set()
         for w in self._workers:
             if abort:
                 w.abort.set()

@@ -41,7 +41,7 @@ def _trained():
 
 def _stage(arena: HostArena, model, opt, step: int):
     handle = arena.stage_async({"model": model.state_dict(), "opt": opt.state_dict()},
-                               frozen_predicate(model.parameters(), [opt]), step)
+                               frozen_predicate([opt]), step)
     handle.wait()
     return handle
 

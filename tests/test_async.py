@@ -45,7 +45,7 @@ def _trained(seed: int = 0):
 
 
 def _frozen(model, opt):
-    return frozen_predicate(model.parameters(), [opt])
+    return frozen_predicate([opt])
 
 
 @pytest.mark.parametrize("fence", [True, False], ids=["fenced", "negative-control-unfenced"])

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 
 
 def _frozen(model, opt):
-    return frozen_predicate(model.parameters(), [opt])
+    return frozen_predicate([opt])
 
 
 def test_cuda_state_is_staged_into_registered_shared_memory_point_in_time():
@@ -66,7 +66,7 @@ def test_registered_arena_copies_from_cuda_are_correct_across_reuse():
                "b": torch.randn(777, device="cuda", generator=g).to(torch.bfloat16),
                "c": torch.arange(5, device="cuda", dtype=torch.int64)}
     params = [tensors["a"], tensors["b"]]
-    frozen = frozen_predicate(params, [])
+    frozen = frozen_predicate([torch.optim.SGD([torch.nn.Parameter(t) for t in params], lr=0.1)])  # (trained)
     arena = HostArena()
     try:
         for step in range(3):

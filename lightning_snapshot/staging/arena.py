@@ -42,6 +42,7 @@ import torch
 import xxhash
 
 from lightning_snapshot import tree as _tree
+from lightning_snapshot.errors import TornSnapshotError
 from lightning_snapshot.planner import align_up, assign_writers, chunk_ranges, plan_layout
 from lightning_snapshot.staging import SMALL_HASH as _SMALL
 from lightning_snapshot.staging import StagedState, chunk_digests, prepare_tensors, tensor_bytes
@@ -270,6 +271,12 @@ class AsyncStaged:
     launched: threading.Event | None = None
     #: Set once every byte is in the slot (before the checksums are all taken), or once the copy failed.
     copied: threading.Event = field(default_factory=threading.Event)
+    #: (name, tensor, version counter at staging) of each tensor copied while training goes on
+    watched: list[tuple[str, torch.Tensor, int]] = field(default_factory=list)
+    #: Set by the training thread once it may change the sources again (:meth:`fence_training`), with ``torn``:
+    #: the watched tensors changed in place meanwhile (their copy may hold either value, or a mix): not committed.
+    fenced: threading.Event = field(default_factory=threading.Event)
+    torn: list[tuple[str, torch.Tensor]] = field(default_factory=list)
 
     def wait_copied(self) -> None:
         """Block until every byte is in the slot, which is then final until the slot is released (the checksums
@@ -286,15 +293,51 @@ class AsyncStaged:
         self.state.checksums = self.future.result()
 
     def fence_training(self) -> None:
-        """Make training safe to mutate the sources: CPU waits for the copy; CUDA only orders the GPU streams."""
-        if self.cuda_event is not None and not self.cpu_pending and not self.future.done():
-            if self.launched is not None:
-                self.launched.wait()  # (set in a ``finally``: the copy thread cannot leave it unset)
-                if self.future.done():  # (the launch failed: raise it)
-                    self.future.result()
-            torch.cuda.current_stream().wait_event(self.cuda_event)
-            return
-        self.future.result()
+        """Make training safe to mutate the sources: CPU waits for the copy; CUDA only orders the GPU streams.
+
+        Also settles whether the copy holds the staged values: a tensor copied while training went on that was
+        changed in place since staging (its version counter moved: user code in ``training_step`` changed a trained
+        parameter before ``optimizer.step``) makes the snapshot ``torn``, and it is not committed.
+        """
+        try:
+            if self.cuda_event is not None and not self.cpu_pending and not self.future.done():
+                if self.launched is not None:
+                    self.launched.wait()  # (set in a ``finally``: the copy thread cannot leave it unset)
+                    if self.future.done():  # (the launch failed: raise it)
+                        self.future.result()
+                torch.cuda.current_stream().wait_event(self.cuda_event)
+                return
+            self.future.result()
+        finally:
+            self.settle()
+
+    def changed(self) -> bool:
+        """Whether a watched tensor was changed in place since staging (training thread; no data is read)."""
+        return any(_version(t) != version for _, t, version in self.watched)
+
+    def settle(self) -> None:
+        """On the training thread, once nothing can change the copy any more (the sources are fenced, the copy had
+        finished, or training is over): record which watched tensors were changed in place since staging
+        (``torn``) and let the persist threads commit, or not. Idempotent."""
+        if not self.fenced.is_set():
+            self.torn = [(name, t) for name, t, version in self.watched if _version(t) != version]
+            self.watched = []
+            self.fenced.set()
+
+    def await_fence(self, stop: threading.Event | None = None) -> None:
+        """Block until the training thread has settled the copy (:meth:`fence_training`: at the next optimizer
+        step, or when training ends); raises :class:`~lightning_snapshot.errors.TornSnapshotError` if it is torn.
+        Returns early, without a verdict, once ``stop`` is set (the writer is being stopped)."""
+        while not self.fenced.wait(0.5):
+            if stop is not None and stop.is_set():
+                raise TornSnapshotError(f"step {self.step}: stopped before training settled its copy")
+        if self.torn:
+            raise TornSnapshotError(
+                f"step {self.step}: {', '.join(repr(n) for n, _ in self.torn[:3])}"
+                f"{' and others' if len(self.torn) > 3 else ''} changed in place after on_train_batch_end and before"
+                " optimizer.step (in training_step?), while being copied; the snapshot could hold either value."
+                " They are copied at once from now on"
+            )
 
     def verify(self) -> None:
         """Check the stamp and re-hash the slot: the staged bytes are still the ones of ``step`` (never torn)."""
@@ -343,10 +386,16 @@ class _Plan:
     mixed: bool = False
     #: For a mixed plan, made at its first use (:func:`_split`): which entries are copied how.
     split: _Split | None = None
+    #: Indices (into ``names``) of the tensors copied while training goes on, on any rank: their version counters
+    #: are checked at the fence (:meth:`AsyncStaged.fence_training`), the same on every rank.
+    watch: list[int] = field(default_factory=list)
+    #: What the ``frozen`` predicate it was made with depended on (see ``stage_async``).
+    frozen_key: Any = None
 
-    def matches(self, tensors: dict[str, torch.Tensor]) -> bool:
-        """Whether ``tensors`` (an encoding's) are the very tensors this plan was made for."""
-        if len(tensors) != len(self.names):
+    def matches(self, tensors: dict[str, torch.Tensor], frozen_key: Any = None) -> bool:
+        """Whether ``tensors`` (an encoding's) are the very tensors this plan was made for, under the same
+        ``frozen_key``."""
+        if len(tensors) != len(self.names) or frozen_key != self.frozen_key:
             return False
         try:
             keys = [_key(t) for t in tensors.values()]
@@ -356,6 +405,19 @@ class _Plan:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _version(t: torch.Tensor) -> int:
+    """``t``'s version counter (bumped by every in-place change through autograd's view of it); -1 for tensors that
+    keep none (made under ``torch.inference_mode``, which cannot be changed in place outside it)."""
+    try:
+        return int(t._version)
+    except RuntimeError:
+        return -1
+
+
+def _storage(t: torch.Tensor) -> int:
+    return int(t.untyped_storage().data_ptr())
 
 
 def _key(t: torch.Tensor) -> tuple[Any, ...]:
@@ -409,6 +471,9 @@ class HostArena:
         self._grow_error: BaseException | None = None
         self._stream: Any = None
         self._plan: _Plan | None = None
+        #: Storage addresses of tensors that were changed in place while being copied in the background (a torn
+        #: snapshot): copied at once from then on.
+        self._at_once: set[int] = set()
         self._closed = False
         #: The CUDA device of the latest plan (what ``reserve`` registers a slot for); None: CPU state.
         self._device: int | None = None
@@ -583,7 +648,14 @@ class HostArena:
                     self.slots.append(slot)
             self._lock.notify_all()
 
-    def plan_ahead(self, obj: Any, frozen: Callable[[torch.Tensor], bool], rank: int = 0, world_size: int = 1) -> int:
+    def plan_ahead(
+        self,
+        obj: Any,
+        frozen: Callable[[torch.Tensor], bool],
+        rank: int = 0,
+        world_size: int = 1,
+        frozen_key: Any = None,
+    ) -> int:
         """Plan the snapshot of ``obj`` (as :meth:`stage_async` would) and reserve a slot for it in the background.
 
         Call it once the state has its final shape (after the first optimizer step created the optimizer state),
@@ -592,8 +664,8 @@ class HostArena:
         """
         _, tensors = _tree.encode(obj, "")
         plan = self._plan
-        if plan is None or not plan.matches(tensors):
-            plan, _ = self._build_plan(tensors, frozen, rank, world_size)
+        if plan is None or not plan.matches(tensors, frozen_key):
+            plan, _ = self._build_plan(tensors, frozen, rank, world_size, frozen_key)
             self._plan = plan if plan.cacheable else None
         self.reserve(plan.size)
         return plan.size
@@ -672,11 +744,33 @@ class HostArena:
             pool.shutdown(wait=True)
 
     # ------------------------------------------------------------------------------------------- planning
+    def copy_at_once(self, tensors: list[torch.Tensor]) -> None:
+        """Copy these tensors on the training thread from the next snapshot on (they were changed in place while
+        a background copy ran: :attr:`AsyncStaged.torn`); the next snapshot makes a new plan."""
+        self._at_once.update(_storage(t) for t in tensors)
+        self._plan = None
+
     def _build_plan(
-        self, tensors: dict[str, torch.Tensor], frozen: Callable[[torch.Tensor], bool], rank: int, world_size: int
+        self,
+        tensors: dict[str, torch.Tensor],
+        frozen: Callable[[torch.Tensor], bool],
+        rank: int,
+        world_size: int,
+        frozen_key: Any = None,
     ) -> tuple[_Plan, list[torch.Tensor]]:
         """A new plan for ``tensors``, and the tensors to copy (in the order of its entries)."""
+        at_once = self._at_once
+        if at_once:
+            given = frozen
+
+            def frozen(t: torch.Tensor) -> bool:
+                return given(t) and _storage(t) not in at_once
+
         items, aliases, shards = prepare_tensors(tensors)
+        names = list(tensors)
+        index = {n: i for i, n in enumerate(names)}
+        # (before this rank's share is taken: every rank watches the same tensors, so they agree on a torn copy)
+        watch = [index[name] for name, t in items if frozen(t)]
         if world_size > 1:
             # Shards of sharded (DTensor) state are this rank's own and always written by it (prepare_tensors
             # already dropped the replicas other ranks write). The rest is replicated: only parameters and optimizer
@@ -692,8 +786,6 @@ class HostArena:
             items = [item for i, item in enumerate(items) if i not in dropped]
             if rank != 0:  # rank 0 records the aliases of replicated tensors; every rank those of its shards
                 aliases = {a: c for a, c in aliases.items() if c in shards}
-        names = list(tensors)
-        index = {n: i for i, n in enumerate(names)}
         sizes = [(name, t.numel() * t.element_size()) for name, t in items]
         # tensors 64-byte aligned inside the slot; the slot itself is page-aligned, so the whole region can be
         # written with O_DIRECT in one go
@@ -734,6 +826,8 @@ class HostArena:
                 if how == _BACKGROUND
             ],
             any(how != _BACKGROUND for *_, how in entries),
+            watch=watch,
+            frozen_key=frozen_key,
         )
         self._device = plan.device
         return plan, sources
@@ -766,6 +860,7 @@ class HostArena:
         copy_hook: Callable[[], None] | None = None,
         rank: int = 0,
         world_size: int = 1,
+        frozen_key: Any = None,
     ) -> AsyncStaged | None:
         """Stage ``obj`` into a slot. Tensors for which ``frozen(t)`` holds are copied in the background.
 
@@ -775,7 +870,11 @@ class HostArena:
         with its box of the global tensor (``StagedState.shards``); a shard held by several ranks is staged by one.
 
         The plan of the previous snapshot is reused when ``obj`` holds the very same tensors (then ``frozen`` is not
-        called: a tensor at the same address, with the same name, shape, strides and dtype, is still what it was).
+        called: a tensor at the same address, with the same name, shape, strides and dtype, is still what it was) and
+        ``frozen_key`` (what ``frozen`` depends on, e.g. which parameters the optimizers train) is the same.
+
+        The tensors copied while training goes on are watched: if one is changed in place before
+        :meth:`AsyncStaged.fence_training`, the handle is ``torn`` and must not be committed.
 
         Returns None (and sets ``last_skip_reason``) when no slot is free within the budget.
         ``copy_hook`` runs in the copy thread before copying (tests use it to slow the copy down).
@@ -784,8 +883,8 @@ class HostArena:
         tree, tensors = _tree.encode(obj, "")
         plan = self._plan
         sources: list[torch.Tensor] | None = None
-        if plan is None or not plan.matches(tensors):
-            plan, sources = self._build_plan(tensors, frozen, rank, world_size)
+        if plan is None or not plan.matches(tensors, frozen_key):
+            plan, sources = self._build_plan(tensors, frozen, rank, world_size, frozen_key)
             self._plan = plan if plan.cacheable else None
         size = plan.size
         slot = self._acquire(size, plan.device)
@@ -842,6 +941,13 @@ class HostArena:
         if self._copier is None:
             self._copier = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-snapshot-copy")
         handle = AsyncStaged(state, slot, step, cf.Future(), started=started)
+        if plan.watch:  # (version counters now, on the training thread: compared at the fence)
+            values = list(tensors.values())
+            names = plan.names
+            try:  # (trained parameters and optimizer state always keep a version counter)
+                handle.watched = [(names[i], values[i], values[i]._version) for i in plan.watch]
+            except RuntimeError:
+                handle.watched = [(names[i], values[i], _version(values[i])) for i in plan.watch]
         handle._chunk_bytes = self.chunk_bytes
         if launch is not None:
             handle.cuda_event = launch.done[-1]

@@ -15,6 +15,7 @@ import sys
 import time
 
 import lightning as L
+from lightning.pytorch.callbacks import Checkpoint
 import numpy as np
 import torch
 from torch import nn
@@ -119,9 +120,11 @@ class Raise(L.Callback):
             raise RuntimeError(f"injected failure on rank {self.rank} at step {self.at}")
 
 
-class Crash(L.Callback):
-    """SIGKILL this process at ``global_step == at``, once at least one snapshot is durable (persisting is
-    asynchronous: on a slow disk the first commit may land a few steps after it was taken)."""
+class Crash(Checkpoint):
+    """SIGKILL this process at ``global_step == at`` (in the next step, right before its optimizer step), once at
+    least one snapshot is durable (persisting is asynchronous: on a slow disk the first commit may land a few steps
+    after it was taken). A ``Checkpoint``, so that Lightning runs it after the ``SnapshotCallback`` listed before it:
+    the snapshot of step ``at`` is committed only once that callback has seen its copy was not changed meanwhile."""
 
     def __init__(self, at: int, tiers, newest: bool = False) -> None:
         self.at = at
@@ -138,7 +141,7 @@ class Crash(L.Callback):
         due = self.at // tier.every_n_train_steps * tier.every_n_train_steps
         return bool(steps) and steps[0] >= due
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         if trainer.global_step == self.at:
             deadline = time.monotonic() + 30
             while not all(self._ready(t) for t in self.tiers) and time.monotonic() < deadline:

@@ -1,0 +1,194 @@
+"""Tensors that user code changes in place during a step, while the snapshot of the step before is being copied.
+
+A snapshot taken at ``on_train_batch_end`` copies the trained parameters and the optimizer state while the next
+forward and backward run. Self-supervised setups change tensors in place in ``training_step``: an EMA teacher that
+no optimizer trains (``teacher.mul_(m).add_(student)``, often through ``.data``), or SwAV's prototypes, trained and
+normalized at the start of every step. The copy here is slowed down (as a large model's is) so that the step's
+changes always land while it runs: every committed snapshot must still hold the values of its own step.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+import warnings
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_snapshot import SnapshotCallback, load_snapshot
+from lightning_snapshot.backends import LocalTier
+from lightning_snapshot.staging.arena import HostArena
+
+
+@pytest.fixture
+def slow_copy(monkeypatch):
+    """The background copy starts 0.2 s late: the next step's training_step always runs while it is pending."""
+    copy = HostArena._copy
+
+    def late(self, *args, **kwargs):
+        time.sleep(0.2)
+        return copy(self, *args, **kwargs)
+
+    monkeypatch.setattr(HostArena, "_copy", late)
+
+
+class Teacher(L.LightningModule):
+    """A student trained by SGD and an EMA teacher (a parameter no optimizer trains) updated in training_step."""
+
+    def __init__(self, style: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.style = style
+        self.student = nn.Linear(16, 64)
+        self.teacher = nn.Linear(16, 64)
+        self.teacher.requires_grad_(False)
+
+    def training_step(self, batch, batch_idx):
+        with torch.no_grad():
+            for t, s in zip(self.teacher.parameters(), self.student.parameters(), strict=True):
+                if self.style == "no_grad":
+                    t.mul_(0.9).add_(s, alpha=0.1)
+                elif self.style == "data":  # (DINO's update: no version counter sees it)
+                    t.data.mul_(0.9).add_(s.data, alpha=0.1)
+                else:  # (lightly's update_momentum: the parameter gets new storage)
+                    t.data = t.data * 0.9 + s.data * 0.1
+        x, y = batch
+        return nn.functional.mse_loss(self.student(x) + self.teacher(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.student.parameters(), lr=0.1)
+
+
+class Prototypes(L.LightningModule):
+    """SwAV's prototypes: trained, and normalized in place at the start of every training_step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proto = nn.Linear(16, 64, bias=False)
+        self.head = nn.Linear(64, 1)
+
+    def training_step(self, batch, batch_idx):
+        with torch.no_grad():
+            self.proto.weight.copy_(nn.functional.normalize(self.proto.weight, dim=1))
+        x, y = batch
+        return nn.functional.mse_loss(self.head(self.proto(x)), y[:, :1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Record(Callback):
+    """The model's state at every step's on_train_batch_end, where the snapshot of that step is taken."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        self.seen[trainer.global_step] = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+
+
+def _loader() -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(TensorDataset(torch.randn(64, 16, generator=g), torch.randn(64, 64, generator=g)), batch_size=8)
+
+
+def _fit(model: L.LightningModule, root: Path, steps: int, *callbacks, resume=True) -> list[str]:
+    trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=True, deterministic=True,
+                        callbacks=[*callbacks, SnapshotCallback(LocalTier(root, every_n_train_steps=1, keep_last=50),
+                                                                resume=resume)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, _loader())
+    return [str(w.message) for w in caught if "lightning-snapshot" in str(w.message)]
+
+
+def _committed(root: Path) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in root.glob("step-*") if (p / "manifest.json").exists())
+
+
+def _assert_snapshots_hold_their_steps(root: Path, seen: dict[int, dict[str, torch.Tensor]]) -> list[int]:
+    steps = _committed(root)
+    for step in steps:
+        state = load_snapshot(root, step=step)["state_dict"]
+        for name, want in seen[step].items():
+            assert torch.equal(state[name], want), f"step {step}: {name} is not the value it had at that step"
+    return steps
+
+
+@pytest.mark.parametrize("style", ["no_grad", "data", "reassign"])
+def test_an_ema_teacher_changed_in_training_step_is_snapshotted_at_its_step(tmp_path, slow_copy, style):
+    record = Record()
+    messages = _fit(Teacher(style), tmp_path, 6, record)
+    assert _assert_snapshots_hold_their_steps(tmp_path, record.seen) == [1, 2, 3, 4, 5, 6]
+    assert not [m for m in messages if "skipped" in m]  # (the teacher is copied at once: nothing to drop)
+
+
+def test_resume_from_a_snapshot_taken_while_the_teacher_changed_is_exact(tmp_path, slow_copy):
+    whole = Teacher("data")
+    _fit(whole, tmp_path / "whole", 8)
+    _fit(Teacher("data"), tmp_path / "cut", 8)
+    for p in (tmp_path / "cut").glob("step-*"):  # the run was killed after step 4's snapshot was committed
+        if int(p.name.split("-")[1]) > 4:
+            shutil.rmtree(p)
+    resumed = Teacher("data")
+    _fit(resumed, tmp_path / "cut", 8)
+    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b), f"{name} differs after resuming from step 4"
+
+
+def test_a_trained_tensor_changed_in_training_step_drops_that_snapshot_never_commits_a_torn_one(tmp_path, slow_copy):
+    record = Record()
+    messages = _fit(Prototypes(), tmp_path, 6, record)
+    skipped = [m for m in messages if "skipped the snapshot" in m]
+    assert len(skipped) == 1, messages
+    assert "'state_dict/proto.weight'" in skipped[0] and "copied at once from now on" in skipped[0]
+    # the first snapshot could hold either value and is not committed; from the next one the prototypes are copied
+    # before training_step runs, and every snapshot holds its step
+    assert _assert_snapshots_hold_their_steps(tmp_path, record.seen) == [2, 3, 4, 5, 6]
+
+
+class ResetMoments(Callback):
+    """Resets Adam's first moments in place at the end of every epoch (as a warm-restart callback might)."""
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        for state in trainer.optimizers[0].state.values():
+            state["exp_avg"].zero_()
+
+
+class Plain(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(16, 64)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+def test_optimizer_state_changed_at_the_end_of_an_epoch_is_snapshotted_as_the_next_step_begins(tmp_path, slow_copy):
+    """The last step of an epoch is staged at on_train_batch_end, then epoch-end hooks change the optimizer state
+    while it is copied: the snapshot holds the state the next step begins with, and resuming from it is exact."""
+    whole = Plain()
+    _fit(whole, tmp_path / "whole", 12, ResetMoments())  # (8 batches per epoch)
+    state = load_snapshot(tmp_path / "whole", step=8)
+    assert all(not s["exp_avg"].any() for s in state["optimizer_states"][0]["state"].values())
+    _fit(Plain(), tmp_path / "cut", 12, ResetMoments())
+    for p in (tmp_path / "cut").glob("step-*"):
+        if int(p.name.split("-")[1]) > 8:
+            shutil.rmtree(p)
+    resumed = Plain()
+    _fit(resumed, tmp_path / "cut", 12, ResetMoments())
+    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b), f"{name} differs after resuming from step 8"
