@@ -1307,7 +1307,8 @@ class SnapshotCallback(Checkpoint):
         """At the late capture point: if the model's tensors or the optimizer state were changed or replaced after
         they were staged at ``on_train_batch_end`` (epoch-end and validation hooks may: ``ModelPruning`` prunes and
         resets weights, ``StochasticWeightAveraging`` copies its averages in), stage them again, now, so that the
-        snapshot is the state before the next step. Collective (every rank restages if any must). None: the snapshot is dropped."""
+        snapshot is the state before the next step. Collective (every rank restages if any must). None: the snapshot
+        is dropped."""
         pl_module = trainer.lightning_module
         now = model_signature(pl_module)
         if self._comm.all_true(now == self._staged_signature and not staged.changed()):
