@@ -213,7 +213,8 @@ class SnapshotCallback(Checkpoint):
         self._inflight: AsyncStaged | None = None
         self._copied = False  # the copy in flight was waited for before this step's optimizer step (validation)
         self._fit_ckpt_path: Any = None  # fit(ckpt_path=...), as setup saw it
-        self._staged_signature: tuple[Any, ...] | None = None  # the model's, when the pending step was staged
+        # the model's signature and what the optimizers train, when the pending step was staged
+        self._staged_signature: tuple[Any, ...] | None = None
         self._ended = False  # the snapshot of the end of fit was taken
         self._metrics = MetricsSink()
         self._metric_names = tier_metric_names(self.tiers)
@@ -1066,7 +1067,22 @@ class SnapshotCallback(Checkpoint):
             self._finish(trainer)
             self._stall += time.perf_counter() - t0
 
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        self._fence_if_retrained(trainer)
+
+    def _fence_if_retrained(self, trainer: Any) -> None:
+        """A snapshot in flight copies the parameters the optimizers trained when it was staged while training goes
+        on. If a hook has frozen one since (``BackboneFinetuning``-style callbacks at an epoch's start, after that
+        epoch's last snapshot was finished), code in the coming step may change it in place, even through ``.data``
+        which no version counter sees: the copy is waited for now, before that step (counted as stall)."""
+        staged = self._inflight
+        if staged is None or staged.fenced.is_set() or not trainer.optimizers:
+            return
+        if optimized_key(trainer.optimizers) != staged.frozen_key:
+            self._fence_copy()
+
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._fence_if_retrained(trainer)
         if self._inflight is not None and self._inflight.copied.is_set():
             self._inflight.settle()  # (copied before training_step: committed without waiting for the step)
         if self._pending_rng is not None:  # (a loop that fetched without the epoch loop's fetch hook)
@@ -1271,8 +1287,8 @@ class SnapshotCallback(Checkpoint):
         self._planned = True  # (the first snapshot plans itself if no earlier step did)
         try:  # every rank stages (and later writes) its own share of the replicated state
             shared = capture_shared(trainer, pl_module)
-            self._staged_signature = model_signature(pl_module)
             frozen, key = self._frozen(trainer)
+            self._staged_signature = (model_signature(pl_module), key)
             staged = self._arena.stage_async(
                 shared,
                 frozen,
@@ -1310,7 +1326,9 @@ class SnapshotCallback(Checkpoint):
         snapshot is the state before the next step. Collective (every rank restages if any must). None: the snapshot
         is dropped."""
         pl_module = trainer.lightning_module
-        now = model_signature(pl_module)
+        # (and whether the optimizers still train the same parameters: a parameter frozen at the start of an epoch
+        # is one user code may now change in place during the step, which only a copy made at once keeps)
+        now = (model_signature(pl_module), optimized_key(trainer.optimizers))
         if self._comm.all_true(now == self._staged_signature and not staged.changed()):
             return staged  # (nor was the optimizer state: a callback may reset it at the end of an epoch)
         log.debug("lightning-snapshot: the model changed after step %d was staged; staging it again", step)

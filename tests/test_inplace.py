@@ -192,3 +192,36 @@ def test_optimizer_state_changed_at_the_end_of_an_epoch_is_snapshotted_as_the_ne
     _fit(resumed, tmp_path / "cut", 12, ResetMoments())
     for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values(), strict=True):
         assert torch.equal(a, b), f"{name} differs after resuming from step 8"
+
+
+class FreezeAtEpoch1(Callback):
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch == 1:
+            pl_module.a.requires_grad_(False)
+
+
+class FrozenLater(L.LightningModule):
+    """``a`` is trained in epoch 0, then frozen (it stays in the optimizer's group) and decayed through ``.data``
+    in every training_step, as a teacher would be."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(16, 64)
+        self.b = nn.Linear(16, 64)
+
+    def training_step(self, batch, batch_idx):
+        if not self.a.weight.requires_grad:
+            self.a.weight.data.mul_(0.9)
+        x, y = batch
+        return nn.functional.mse_loss(self.a(x) + self.b(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_parameter_frozen_during_fit_is_copied_at_once_from_then_on(tmp_path, slow_copy):
+    record = Record()
+    messages = _fit(FrozenLater(), tmp_path, 12, FreezeAtEpoch1(), record)  # (8 batches per epoch)
+    assert _assert_snapshots_hold_their_steps(tmp_path, record.seen) == list(range(1, 13))
+    assert not [m for m in messages if "skipped" in m]

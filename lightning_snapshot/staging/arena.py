@@ -277,6 +277,8 @@ class AsyncStaged:
     #: the watched tensors changed in place meanwhile (their copy may hold either value, or a mix): not committed.
     fenced: threading.Event = field(default_factory=threading.Event)
     torn: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    #: The ``frozen_key`` it was staged under (which tensors it copies while training goes on).
+    frozen_key: Any = None
 
     def wait_copied(self) -> None:
         """Block until every byte is in the slot, which is then final until the slot is released (the checksums
@@ -940,7 +942,7 @@ class HostArena:
             events = [mutable_done]
         if self._copier is None:
             self._copier = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-snapshot-copy")
-        handle = AsyncStaged(state, slot, step, cf.Future(), started=started)
+        handle = AsyncStaged(state, slot, step, cf.Future(), started=started, frozen_key=frozen_key)
         if plan.watch:  # (version counters now, on the training thread: compared at the fence)
             values = list(tensors.values())
             names = plan.names
