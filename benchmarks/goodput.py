@@ -545,8 +545,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
     shutil.rmtree(again_dir, ignore_errors=True)
     out.table(report(ideal, step_s, results, a.restart_delay))
     fig = figures(ideal, step_s, results, a.restart_delay, steps)
-    expected = {(m, method): expected_goodput(fig, method, m) for m, rows in results.items()
-                for method in by_method(rows)}
+    expected = expected_goodputs(fig, results)
     means = summary(ideal, results, a.restart_delay, expected)
     if means is not None:
         out.table(means)
@@ -649,6 +648,12 @@ def expected_goodput(fig: dict[str, Any], method: str, mtbf: float) -> float | N
 
 
 Expected = dict[tuple[float, str], float | None]  # (MTBF, method) -> expected_goodput
+
+
+def expected_goodputs(fig: dict[str, Any], results: dict[float, list[Run]]) -> Expected:
+    """:func:`expected_goodput` of every method at every MTBF it ran at, computed once for the table of means, the
+    targets and the plot."""
+    return {(m, method): expected_goodput(fig, method, m) for m, rows in results.items() for method in by_method(rows)}
 
 
 def summary(ideal: Run, results: dict[float, list[Run]], delay: float, expected: Expected) -> harness.Table | None:

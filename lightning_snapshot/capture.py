@@ -234,7 +234,6 @@ def frozen_predicate(optimizers: Iterable[Any]) -> Callable[[torch.Tensor], bool
     parameters that no optimizer trains (an EMA teacher, a frozen backbone) are the ones user code changes in place
     during a step (``teacher.mul_(m).add_(student)``, also through ``.data``, which no version counter sees).
     """
-    optimizers = list(optimizers)
     storages: set[int] = set()
     for opt in optimizers:
         for group in opt.param_groups:

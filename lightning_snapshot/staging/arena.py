@@ -318,10 +318,8 @@ class AsyncStaged:
         return bool(self._moved())
 
     def _moved(self) -> list[tuple[str, torch.Tensor]]:
-        try:  # (trained parameters and optimizer state keep a version counter: the fast way, about 0.1 us each)
-            return [(name, t) for name, t, version in self.watched if t._version != version]
-        except RuntimeError:
-            return [(name, t) for name, t, version in self.watched if _version(t) != version]
+        now = _versions([t for _, t, _ in self.watched])
+        return [(name, t) for (name, t, version), v in zip(self.watched, now, strict=True) if v != version]
 
     def settle(self) -> None:
         """On the training thread, once nothing can change the copy any more (the sources are fenced, the copy had
@@ -422,6 +420,15 @@ def _version(t: torch.Tensor) -> int:
         return int(t._version)
     except RuntimeError:
         return -1
+
+
+def _versions(tensors: list[torch.Tensor]) -> list[int]:
+    """The version counters of ``tensors`` (training thread, per snapshot): read directly while every tensor keeps
+    one, as trained parameters and optimizer state do; one by one through :func:`_version` otherwise."""
+    try:
+        return [t._version for t in tensors]
+    except RuntimeError:
+        return [_version(t) for t in tensors]
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -951,11 +958,10 @@ class HostArena:
         handle = AsyncStaged(state, slot, step, cf.Future(), started=started, frozen_key=frozen_key)
         if plan.watch:  # (version counters now, on the training thread: compared at the fence)
             values = list(tensors.values())
-            names = plan.names
-            try:  # (trained parameters and optimizer state always keep a version counter)
-                handle.watched = [(names[i], values[i], values[i]._version) for i in plan.watch]
-            except RuntimeError:
-                handle.watched = [(names[i], values[i], _version(values[i])) for i in plan.watch]
+            watched = [values[i] for i in plan.watch]
+            handle.watched = [
+                (plan.names[i], t, v) for i, t, v in zip(plan.watch, watched, _versions(watched), strict=True)
+            ]
         handle._chunk_bytes = self.chunk_bytes
         if launch is not None:
             handle.cuda_event = launch.done[-1]
