@@ -249,6 +249,10 @@ class SnapshotCallback(Checkpoint):
         self._preloaded: tuple[str, int] | None = None
         #: The restored snapshot's :mod:`~lightning_snapshot.fit_state`, applied at ``on_train_start``.
         self._restored_fit_state: dict[str, Any] | None = None
+        #: The fit loop whose next setup_data makes the loaders at a resumed run's saved epoch, and the restored
+        #: epoch while it does (see _make_loaders_as_saved).
+        self._patched_setup_data: Any = None
+        self._loader_epoch: int | None = None
         self._fit_start_step = 0
         self._tier_skipped = [0] * len(self.tiers)
         self._pending_rng: dict[str, Any] | None = None
@@ -597,6 +601,9 @@ class SnapshotCallback(Checkpoint):
             for name in ("_on_before_fetch", "on_run_start"):
                 self._patched_loop.__dict__.pop(name, None)
             self._patched_loop = None
+        if self._patched_setup_data is not None:
+            self._patched_setup_data.__dict__.pop("setup_data", None)
+            self._patched_setup_data = None
         if self._patched_fit_loop is not None:
             for name in ("on_advance_start", "on_run_end"):
                 self._patched_fit_loop.__dict__.pop(name, None)
@@ -630,7 +637,8 @@ class SnapshotCallback(Checkpoint):
             if isinstance(recorder, _data.DrawRecorder) and isinstance(pending, dict) and self._exact_data:
                 recorder.replay = pending.get("draw_rng")  # (the rest of its position is Lightning's to restore)
             if wrapper is not None and pending is not None:
-                target = _data.plan_resume(wrapper, loader, pending, self._exact_data, trainer.current_epoch)
+                epoch = trainer.current_epoch if self._loader_epoch is None else self._loader_epoch
+                target = _data.plan_resume(wrapper, loader, pending, self._exact_data, epoch)
                 if target is not None and count == 1 and index == 0:
                     self._shift_batch_counters(trainer, target)
                 elif target is not None:
@@ -679,6 +687,7 @@ class SnapshotCallback(Checkpoint):
     # ------------------------------------------------------------------------------------------- resume
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self._restore(trainer, pl_module)
+        self._make_loaders_as_saved(trainer)
         # Train loaders that exist already (a tuner such as LearningRateFinder ran the fit loop in its on_fit_start,
         # and Lightning keeps the loaders it set up) are not processed again: follow them, and resume them, now
         combined = getattr(trainer.fit_loop, "_combined_loader", None)  # private: the fit loop's loaders
@@ -691,6 +700,38 @@ class SnapshotCallback(Checkpoint):
             # create them again for a resumed epoch: create them now, from the restored position (as Lightning
             # does when it sets the loaders up after a restore)
             iter(fetcher)
+
+    def _make_loaders_as_saved(self, trainer: Any) -> None:
+        """A resumed run makes its train loaders as the interrupted run last made them: Lightning calls
+        ``train_dataloader()`` with ``trainer.current_epoch`` at the epoch it last (re)loaded them at in that run (a
+        curriculum that reads the epoch), and ``reload_dataloaders_every_n_epochs`` reloads them at the same epochs
+        as in that run (at an epoch boundary: after the restored RNG, which the reload's new iterator draws from).
+        Lightning itself makes them with the restored epoch and counts the reloads from it. One shot: the fit
+        loop's next ``setup_data`` only."""
+        saved = self._restored_fit_state
+        made = saved.get("train_dl_epoch") if isinstance(saved, dict) else None
+        fit_loop = trainer.fit_loop
+        if not isinstance(made, int) or isinstance(made, bool) or not 0 <= made < trainer.current_epoch:
+            return  # (not resumed, a snapshot of an older version, or made at the restored epoch: as Lightning does)
+        original = fit_loop.setup_data
+
+        def setup_data() -> None:
+            if not self._hooked(trainer):  # (a tuner's own run of the loops)
+                original()
+                return
+            fit_loop.__dict__.pop("setup_data", None)
+            progress = fit_loop.epoch_progress.current
+            epoch = progress.completed  # (trainer.current_epoch)
+            self._loader_epoch = epoch
+            progress.completed = made
+            try:
+                original()  # (sets _last_train_dl_reload_epoch to the epoch it made them at)
+            finally:
+                progress.completed = epoch
+                self._loader_epoch = None
+
+        fit_loop.setup_data = setup_data
+        self._patched_setup_data = fit_loop
 
     def _restore(self, trainer: Any, pl_module: Any) -> None:
         if is_sharded(trainer.strategy):
@@ -773,6 +814,7 @@ class SnapshotCallback(Checkpoint):
         saved, self._restored_fit_state = self._restored_fit_state, None
         if resumed is None:
             return
+        _fit_state.restore_stop(trainer, saved, trainer.global_step)
         # Lightning's restart logic is made for checkpoints taken inside a step (at on_train_batch_end, on
         # validation end, at epoch end); a snapshot is the state right before the next batch is fetched, so the
         # restored loops must neither repeat nor skip anything from there.
@@ -1453,9 +1495,16 @@ class SnapshotCallback(Checkpoint):
         boundary = ended and not unfinished  # training ended with an epoch: the next starts from its beginning
         epoch = trainer.current_epoch - 1 if unfinished else trainer.current_epoch
         # (at an epoch boundary only persistent loader workers carry something into the next epoch: their RNG)
+        train_loaders = _data.flatten_loaders(trainer.train_dataloader)
+        # several loaders (a CombinedLoader) of a known length, fetched as they are consumed: each is at its own
+        # batch (a shorter one starts again within the epoch, or ran out)
+        fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+        own = len(train_loaders) > 1 and getattr(fetcher, "length", None) is not None
         loaders = [
-            _data.position(dl, epoch, 0, ended=True) if boundary else _data.position(dl, epoch, consumed)
-            for dl in _data.flatten_loaders(trainer.train_dataloader)
+            _data.position(dl, epoch, 0, ended=True)
+            if boundary
+            else _data.position(dl, epoch, _data.own_batches(dl, consumed) if own else consumed)
+            for dl in train_loaders
         ]
         # a loader fetched ahead: its state before the first batch this snapshot has not consumed (fetch indices
         # count the epoch's batches, as the loop does)
@@ -1644,6 +1693,7 @@ class SnapshotCallback(Checkpoint):
             "_inflight",
             "_patched_loop",
             "_patched_fit_loop",
+            "_patched_setup_data",
             "_fetch_states",
             "_restored_fit_state",
         ):
@@ -1657,5 +1707,6 @@ class SnapshotCallback(Checkpoint):
         self._inflight = None
         self._patched_loop = None
         self._patched_fit_loop = None
+        self._patched_setup_data = None
         self._restored_fit_state = None
         self._fetch_states = {}

@@ -481,6 +481,17 @@ def install(loader: Any) -> ResumableSampler | None:
     return batch_sampler.sampler
 
 
+def own_batches(loader: Any, consumed_batches: int) -> int:
+    """The batch index in its own stream of a loader that is one of several train loaders, when the loop has
+    consumed ``consumed_batches``: in a ``CombinedLoader`` a shorter loader runs out and starts again within the
+    epoch (``max_size_cycle``), or stops (``max_size``), so its current iterator is not at the loop's count.
+    The loop's count for a loader that is not followed (or before its first iterator)."""
+    tracker = _tracker(loader)
+    if tracker is None or not tracker.started:
+        return consumed_batches
+    return tracker.offset + tracker.yielded
+
+
 def position(loader: Any, epoch: int, consumed_batches: int, *, ended: bool = False) -> dict[str, Any] | None:
     """The position of a wrapped loader before the batch ``consumed_batches`` of ``epoch`` is fetched (the loop's
     count): None before its first iterator exists.
@@ -629,6 +640,8 @@ class _IteratorTracker:
         self.num_workers = 0
         #: Loop batch index of the current iterator's first batch (a resumed epoch starts past 0).
         self.offset = 0
+        #: Batches the current iterator has given out.
+        self.yielded = 0
         #: Per worker: its states at the start of the current epoch (None: as seeding and init function make it),
         #: the newest it sent, and (batch index, state) of the current epoch's batches received.
         self.carried: list[Any] = []
@@ -718,6 +731,7 @@ class _IteratorTracker:
         self._iterator = weakref.ref(it)
         self.base_seed = int(it._base_seed) if workers > 0 else None
         self.started, self.exhausted = True, False
+        self.yielded = 0
         self.start_rng = start_rng
         self.draws_at_start = draws
         self.num_workers = workers
@@ -746,6 +760,7 @@ class _IteratorTracker:
         latest = list(self.latest)
         carried = [s if s is not None else c for s, c in zip(latest, self.carried, strict=True)]
         self.started, self.exhausted = True, False
+        self.yielded = 0
         self.start_rng = start_rng
         self.draws_at_start = draws
         self.offset = 0
@@ -759,11 +774,14 @@ class _IteratorTracker:
             self._deferred = None
             self._prime(it, self.offset % self.num_workers)
         try:
-            return original(it)
+            batch = original(it)
         except StopIteration:
             if self._is_current(it):
                 self.exhausted = True
             raise
+        if self._is_current(it):
+            self.yielded += 1
+        return batch
 
     def _get_data(self, it: Any, original: Any) -> Any:
         """Unwrap a worker's batch as it reaches the main process (before anyone sees it) and keep its RNG."""

@@ -25,6 +25,12 @@ and applies it on restore:
   epoch after the last averaging epoch, when the model has BatchNorm layers) skips ``zero_grad`` and backward, and
   its one optimizer step applies the gradients left by the last step before it. A snapshot taken right before that
   epoch holds those gradients (:func:`restore_grads`); no other snapshot holds gradients.
+* **the epoch the train loaders were made at** (Lightning's ``_last_train_dl_reload_epoch``): a resumed run makes
+  them as the interrupted run last did, with ``trainer.current_epoch`` at that epoch (a ``train_dataloader()`` that
+  depends on the epoch, ``reload_dataloaders_every_n_epochs``), and reloads them at the same epochs.
+* **a request to stop** (``trainer.should_stop``, set by ``EarlyStopping``, a ``Timer`` or a callback) with the limits
+  the fit ran under (:func:`restore_stop`): a rerun of a fit that stopped early stops where it did, as the run that
+  never stopped did; one given larger limits trains on.
 * **the checkpoint files of every ModelCheckpoint** (:func:`prune_checkpoints`): a file written after the snapshot
   by the interrupted run is written again by the resumed run (same step, same name), and would otherwise stay
   behind as an untracked duplicate (or make ModelCheckpoint save a ``-v1`` copy).
@@ -35,10 +41,12 @@ Everything is tensors and plain values (no pickle); private Lightning attributes
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import Any, cast
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_snapshot.errors import StateMismatchError
 
@@ -51,6 +59,7 @@ __all__ = [
     "restore_grads",
     "restore_in_epoch",
     "restore_metrics",
+    "restore_stop",
     "restore_trainable",
     "saved_state",
 ]
@@ -85,7 +94,44 @@ def capture(trainer: Any, pl_module: Any) -> dict[str, Any]:
         "checkpoint_files": _checkpoint_files(trainer),
         "grads": _reused_grads(trainer, pl_module),
         "metrics": _metric_states(pl_module),
+        "train_dl_epoch": _train_dl_epoch(trainer),
+        "stopped": _stop_limits(trainer) if trainer.should_stop else None,
     }
+
+
+def _stop_limits(trainer: Any) -> dict[str, Any]:
+    """The limits a fit runs under (``max_steps``, ``max_epochs``, a ``Timer``'s duration in seconds)."""
+    timers = [cb for cb in trainer.callbacks if type(cb).__name__ == "Timer"]
+    duration = getattr(timers[0], "_duration", None) if timers else None  # private: Timer's max_time, seconds
+    return {
+        "max_steps": int(trainer.max_steps),
+        "max_epochs": None if trainer.max_epochs is None else int(trainer.max_epochs),
+        "max_time": float(duration) if isinstance(duration, (int, float)) else None,
+    }
+
+
+def restore_stop(trainer: Any, saved: dict[str, Any] | None, step: int) -> bool:
+    """A snapshot taken after something asked training to stop (``trainer.should_stop``: ``EarlyStopping``, a
+    ``Timer``, a callback) stops the resumed fit there too, as in the run that never stopped, when it runs under the
+    same limits; a fit given more (``max_steps``, ``max_epochs``, ``max_time``) trains on, as Lightning's own resume
+    does. Returns whether it stops."""
+    stopped = saved.get("stopped") if isinstance(saved, dict) else None
+    if not isinstance(stopped, dict) or stopped != _stop_limits(trainer):
+        return False
+    trainer.should_stop = True
+    rank_zero_info(
+        f"lightning-snapshot: the snapshot of step {step} was taken after training was asked to stop"
+        " (trainer.should_stop: EarlyStopping, a Timer or a callback), so this fit stops there too; give it a larger"
+        " max_steps, max_epochs or max_time to train on"
+    )
+    return True
+
+
+def _train_dl_epoch(trainer: Any) -> int | None:
+    """The epoch at which Lightning last made the train loaders (``train_dataloader()`` saw it as
+    ``trainer.current_epoch``; ``reload_dataloaders_every_n_epochs`` counts from it), or None before that."""
+    epoch = getattr(trainer.fit_loop, "_last_train_dl_reload_epoch", None)  # private: float("-inf") before
+    return int(epoch) if isinstance(epoch, (int, float)) and math.isfinite(epoch) else None
 
 
 def _metric_classes() -> tuple[type, ...]:

@@ -89,6 +89,13 @@ CASES = [
     # BatchSizeFinder scales the datamodule's batch size with trial steps in its on_fit_start (then puts the state
     # back), and the loaders are made again with the batch size found
     ("bs-finder", (), (10, 23)),
+    # train_dataloader() reads the epoch, reloaded every 2 epochs (epochs of 8, 8, 16, 16 batches): resumed from the
+    # end of epoch 1 (the reload at epoch 2 draws from the restored RNG), then within epoch 3 (its loader was made
+    # at epoch 2)
+    ("curriculum", (), (17, 37)),
+    # CombinedLoader(max_size_cycle): the short loader (6 batches) is in its second pass at the snapshots of steps 8
+    # and 24
+    ("combined", (), (10, 27)),
 ]
 
 
@@ -220,3 +227,23 @@ def test_sigterm_snapshots_the_current_step_and_the_rerun_continues_exactly(tmp_
     proc = run_setup(d, "val-interval", *args)
     assert f"RESTORED step={steps[0]}" in proc.stdout
     assert_same(ref, torch.load(d / "out.pt", weights_only=True))
+
+
+@pytest.mark.slow
+def test_a_rerun_of_a_fit_that_stopped_early_stops_there_and_a_longer_one_trains_on(tmp_path):
+    """EarlyStopping stops the fit at step 16 of 40. The same command run again (a job requeued after it finished,
+    or killed after its last snapshot) restores step 16 and stops there too, as the uninterrupted run did, saying
+    why; run with a larger max_steps it trains on, as Lightning's own resume does."""
+    d = tmp_path / "run"
+    run_setup(d, "val-interval")
+    first = torch.load(d / "out.pt", weights_only=True)
+    assert first["global_step"] == 16, "the setup no longer stops early: the test needs a fit that stops early"
+    proc = run_setup(d, "val-interval")
+    assert "RESTORED step=16" in proc.stdout
+    assert "was taken after training was asked to stop" in proc.stdout + proc.stderr
+    again = torch.load(d / "out.pt", weights_only=True)
+    assert again.pop("last_batch").numel() == 0, "the rerun trained a batch"
+    assert_same({k: v for k, v in first.items() if k != "last_batch"}, again)
+    run_setup(d, "val-interval", "--max-steps", "48")
+    longer = torch.load(d / "out.pt", weights_only=True)
+    assert longer["global_step"] > 16 and longer["val_steps"][:4] == [4, 8, 12, 16], longer["val_steps"]

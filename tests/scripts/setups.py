@@ -11,7 +11,8 @@ validation), a user callback whose state travels in on_save_checkpoint/on_load_c
 scheduler with validation twice an epoch and ModelCheckpoint(save_last=True), and a torchmetrics Metric logged per
 epoch and monitored by EarlyStopping, ModelPruning (prunes and resets the weights at each epoch end), torchdata's
 StatefulDataLoader(shuffle=True) with augmentation in the main process, and the tuners LearningRateFinder and
-BatchSizeFinder (trial steps in their on_fit_start).
+BatchSizeFinder (trial steps in their on_fit_start); a curriculum (a datamodule whose train_dataloader() reads
+the epoch, reloaded every 2 epochs), and a CombinedLoader of two shuffled loaders whose shorter one cycles.
 
 Usage: python setups.py --setup NAME --dir SNAPDIR --out RESULT.pt [--crash-at S] [--every K] [--max-steps N]
        [--max-epochs N] [--sigterm-at S]
@@ -57,7 +58,7 @@ from lightning_snapshot.writer import committed_steps
 SETUPS = ("val-epoch", "val-interval", "plateau-epoch", "plateau-step", "aug-main", "aug-workers",
           "aug-workers-persistent", "aug-workers-plain", "stateful-iterable", "manual-two-optimizers", "bf16-mixed", "finetune", "swa",
           "lr-monitor", "grad-accum", "early-stop-train", "ckpt-steps", "ema", "user-hooks", "epoch-sched",
-          "metric-obj", "stateful-shuffle", "pruning", "lr-finder", "bs-finder")
+          "metric-obj", "stateful-shuffle", "pruning", "lr-finder", "bs-finder", "curriculum", "combined")
 #: Setups that log through a CSVLogger (the values logged are compared).
 LOGGED = ("lr-monitor", "early-stop-train", "metric-obj")
 
@@ -130,7 +131,10 @@ class Model(L.LightningModule):
         return self.net(x)
 
     def training_step(self, batch, batch_idx):
-        x, y = batch
+        if isinstance(batch, dict):  # combined: one batch of each loader
+            x, y = (torch.cat([batch[k][i] for k in sorted(batch)]) for i in (0, 1))
+        else:
+            x, y = batch
         self.last_batch = x.detach().clone()
         loss = nn.functional.mse_loss(self(x), y)
         # early-stop-train monitors the epoch mean ("train_loss_epoch"), accumulated over the epoch's steps
@@ -245,6 +249,18 @@ class Preempt(L.Callback):
         # ranks it launched)
         if trainer.global_step == self.at and trainer.global_rank == 0:
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+class Curriculum(L.LightningDataModule):
+    """A curriculum: each epoch's data depends on ``trainer.current_epoch`` (more samples, another seed), made again
+    every ``reload_dataloaders_every_n_epochs``."""
+
+    def train_dataloader(self):
+        epoch = self.trainer.current_epoch
+        return DataLoader(Points(32 + 16 * epoch, augment=True, seed=epoch), batch_size=4, shuffle=True)
+
+    def val_dataloader(self):
+        return DataLoader(Points(16, seed=1), batch_size=8)
 
 
 def plain(obj):
@@ -370,6 +386,8 @@ def main() -> None:
         callbacks.append(ModelPruning("l1_unstructured", amount=0.2))
     elif setup == "epoch-sched":
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, monitor="val_loss", save_top_k=2, save_last=True))
+    elif setup == "curriculum":  # reloaded every 2 epochs: epochs of 8, 8, 16, 16 batches
+        trainer_kw["reload_dataloaders_every_n_epochs"] = 2
     elif setup == "metric-obj":
         callbacks.append(EarlyStopping(monitor="train_mse", patience=1, min_delta=10.0))
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, monitor="train_mse", save_top_k=2))
@@ -399,6 +417,13 @@ def main() -> None:
         dm.batch_size = 4
         dm.train_dataloader = lambda: DataLoader(Points(augment=True), batch_size=dm.batch_size, shuffle=True)
         trainer.fit(model, datamodule=dm)
+    elif setup == "curriculum":
+        trainer.fit(model, datamodule=Curriculum())
+    elif setup == "combined":  # a shorter loader cycles within the epoch (6 of its batches, 16 of the longer one's)
+        from lightning.pytorch.utilities import CombinedLoader
+
+        short = DataLoader(Points(24, augment=True, seed=2), batch_size=4, shuffle=True)
+        trainer.fit(model, CombinedLoader({"long": train, "short": short}, mode="max_size_cycle"), val)
     else:
         trainer.fit(model, train, val)
     result = {
