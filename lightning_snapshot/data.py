@@ -4,7 +4,11 @@ Lightning restores the position only of loaders that have ``state_dict``/``load_
 ``StatefulDataLoader``). A plain ``DataLoader`` resumed mid-epoch starts again at sample 0 and redraws its shuffle
 order. We wrap the index sampler inside its ``BatchSampler`` with :class:`ResumableSampler`, which records the RNG
 state from which the epoch's order is drawn, and on resume replays that draw and skips the indices of the batches
-already consumed. The skipped samples are never loaded: only their indices are drawn.
+already consumed. The skipped samples are never loaded: only their indices are drawn. A batch sampler of the user's
+own is wrapped whole, its batches skipped. A sampler that is not torch's own may draw from the global RNG as it
+yields (a bucketing sampler that shuffles each bucket when it reaches it): its batches are followed, and each batch
+whose taking drew is recorded with the RNG state it drew from, for the resumed epoch to take it from that state
+(:meth:`ResumableSampler._follow`).
 
 The position is also kept as a *global* sample count: how many samples of the epoch's global order (the order before
 it is split over the ranks) all ranks together have consumed, plus what is needed to rebuild that order (the seed
@@ -57,6 +61,8 @@ from torch.utils.data import (
     RandomSampler,
     Sampler,
     SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
     get_worker_info,
 )
 
@@ -109,10 +115,28 @@ class ResumableSampler(_Wrapper):
         "draws",
         "hold",
         "sampler_epoch",
+        "batches",
+        "chunk",
+        "watch",
+        "lazy",
+        "overflowed",
     )
 
-    def __init__(self, inner: Any) -> None:
+    #: Draws from the global RNG after the epoch's first batch that are recorded per epoch (see :meth:`_follow`).
+    MAX_LAZY = 64
+
+    def __init__(self, inner: Any, batches: bool = False, chunk: int = 1) -> None:
         self.inner = inner
+        #: True: ``inner`` is a batch sampler of the user's own, which yields whole batches (lists of indices).
+        self.batches = batches
+        #: Items taken together, one batch (``batch_size`` indices; one for a batch sampler).
+        self.chunk = max(1, int(chunk)) if not batches else 1
+        #: A sampler that is not torch's own may draw from the global RNG as it yields, not only at its start.
+        self.watch = type(inner) not in _TORCH_SAMPLERS
+        #: (item index, global RNG state before the batch starting there) of each batch whose taking drew from the
+        #: global RNG, after the epoch's first (this epoch's; at most MAX_LAZY).
+        self.lazy: list[tuple[int, torch.Tensor]] = []
+        self.overflowed = False
         #: (torch RNG state, sampler generator state or None) when the current epoch's order was drawn.
         self.epoch_state: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.pending: dict[str, Any] | None = None
@@ -155,7 +179,11 @@ class ResumableSampler(_Wrapper):
             self.epoch_state = (torch.get_rng_state(), gen.get_state() if gen is not None else None)
             self.order = describe_order(self.inner, *self.epoch_state)
             self.sampler_epoch = _epoch_of(self.inner)
-            yield from self.inner
+            if not self.watch:
+                yield from self.inner
+                return
+            self.lazy = []
+            yield from self._follow(iter(self.inner), {})
             return
         # A resumed loader with workers draws when its iterator is created, which Lightning does before it calls
         # set_epoch: a DistributedSampler must draw the interrupted epoch's order
@@ -171,15 +199,63 @@ class ResumableSampler(_Wrapper):
                 gen.set_state(pending["gen"])
             self.epoch_state = (torch.get_rng_state(), gen.get_state() if gen is not None else None)
             self.order = describe_order(self.inner, *self.epoch_state)
-            it = iter(self.inner)
+            self.lazy = []
+            it = self._follow(iter(self.inner), _lazy_records(pending.get("lazy"))) if self.watch else iter(self.inner)
             skip = int(pending.get("skip") or 0)
             if skip:  # drop the indices of the batches the interrupted run already trained on
                 next(itertools.islice(it, skip, skip), None)
-            head = list(itertools.islice(it, 1))  # samplers draw their order when the first index is asked for
+            # samplers draw their order when the first index is asked for. (A sampler that may draw as it yields
+            # takes a batch past the skipped ones from the live RNG, as the interrupted run did after its snapshot,
+            # or from its record: see _follow.)
+            head = [] if self.watch and skip else list(itertools.islice(it, self.chunk if self.watch else 1))
         finally:
             torch.set_rng_state(outer)
         yield from head
         yield from it
+
+    def _follow(self, it: Iterator[Any], recorded: dict[int, torch.Tensor]) -> Iterator[Any]:
+        """The epoch's items from ``it``, a batch (``chunk`` items) at a time, for a sampler that may draw from the
+        global RNG as it yields (a bucketing batch sampler that shuffles each bucket when it reaches it): each batch
+        whose taking changed the global RNG is recorded with the RNG state before it (:attr:`lazy`). A batch that
+        has such a record from the interrupted epoch (``recorded``, by item index) is taken from that state,
+        forked: the interrupted run took it before its snapshot, whose restored RNG already holds that draw."""
+        n, live, before = 0, None, None
+        while True:
+            if n % self.chunk == 0:
+                state = recorded.get(n)
+                if state is not None:
+                    live = torch.get_rng_state()
+                    torch.set_rng_state(state)
+                    self.lazy.append((n, state))
+                elif n >= self.chunk:  # (the first batch draws from the epoch's recorded state)
+                    before = torch.get_rng_state()
+            try:
+                item = next(it)
+            except StopIteration:
+                item = _END
+            if item is _END or n % self.chunk == self.chunk - 1:
+                if live is not None:
+                    torch.set_rng_state(live)
+                elif before is not None and not torch.equal(before, torch.get_rng_state()):
+                    self._record(n - n % self.chunk, before)
+                live = before = None
+            if item is _END:
+                return
+            n += 1
+            yield item
+
+    def _record(self, index: int, state: torch.Tensor) -> None:
+        if len(self.lazy) < self.MAX_LAZY:
+            self.lazy.append((index, state))
+        elif not self.overflowed:
+            self.overflowed = True
+            warnings.warn(
+                f"lightning-snapshot: the train loader's sampler ({type(self.inner).__name__}) draws from the global"
+                f" torch RNG as it yields, more than {self.MAX_LAZY} times an epoch: a resume within an epoch will not"
+                " replay its order exactly. Draw the epoch's order when its iteration starts, or give the sampler a"
+                " torch.Generator of its own",
+                stacklevel=2,
+            )
 
     def _set_epoch(self, pending: dict[str, Any]) -> None:
         epoch = pending.get("sampler_epoch")
@@ -237,6 +313,36 @@ class DrawRecorder(_Wrapper):
             torch.set_rng_state(outer)
         yield from head
         yield from it
+
+
+_END = object()
+#: torch's samplers, which draw from the global RNG only when their iteration starts (or not at all).
+_TORCH_SAMPLERS = (RandomSampler, SequentialSampler, DistributedSampler, SubsetRandomSampler, WeightedRandomSampler)
+
+
+def _lazy_records(value: Any) -> dict[int, torch.Tensor]:
+    """The ``lazy`` entries of a saved position (:attr:`ResumableSampler.lazy`), checked: an entry that is not an
+    item index and a torch RNG state is left out, with a warning (that batch is then taken from the live RNG)."""
+    records: dict[int, torch.Tensor] = {}
+    size = torch.get_rng_state().numel()
+    for entry in value if isinstance(value, (list, tuple)) else []:
+        index, state = entry if isinstance(entry, (list, tuple)) and len(entry) == 2 else (None, None)
+        if (
+            isinstance(index, int)
+            and not isinstance(index, bool)
+            and index >= 0
+            and isinstance(state, torch.Tensor)
+            and state.dtype == torch.uint8
+            and state.numel() == size
+        ):
+            records[index] = state
+        else:
+            warnings.warn(
+                "lightning-snapshot: a saved data position holds a malformed RNG record of the train sampler; it is"
+                " left out, so that batch's order may differ from the interrupted run's",
+                stacklevel=3,
+            )
+    return records
 
 
 def _epoch_of(sampler: Any) -> int | None:
@@ -440,10 +546,10 @@ def unsupported_reason(loader: Any) -> str | None:
             f"it is a {type(loader).__name__}, not a torch DataLoader, and has no state_dict()/load_state_dict():"
             " give it those methods so its position can be saved"
         )
-    if not isinstance(loader.batch_sampler, BatchSampler):
+    if loader.batch_sampler is None:
         return (
-            "it has no torch BatchSampler (batch_size=None or a custom batch_sampler): give the loader or its batch"
-            " sampler state_dict()/load_state_dict(), or use torchdata's StatefulDataLoader"
+            "it has batch_size=None (no batch sampler): give it a batch_size or a batch_sampler, or use torchdata's"
+            " StatefulDataLoader"
         )
     return None
 
@@ -468,8 +574,12 @@ def install(loader: Any) -> ResumableSampler | None:
     if unsupported_reason(loader) is not None:
         return None
     batch_sampler = loader.batch_sampler
-    if not isinstance(batch_sampler.sampler, ResumableSampler):
-        batch_sampler.sampler = ResumableSampler(batch_sampler.sampler)
+    if not isinstance(batch_sampler, (BatchSampler, ResumableSampler)):
+        # a batch sampler of the user's own (bucketing by length, ...): it is wrapped whole, and a resumed epoch
+        # replays its draw and skips the batches trained on. (DataLoader refuses to set batch_sampler once made.)
+        object.__setattr__(loader, "batch_sampler", ResumableSampler(batch_sampler, batches=True))
+    elif isinstance(batch_sampler, BatchSampler) and not isinstance(batch_sampler.sampler, ResumableSampler):
+        batch_sampler.sampler = ResumableSampler(batch_sampler.sampler, chunk=batch_sampler.batch_size)
     if _tracker(loader) is None:
         loader._get_iterator = _IteratorTracker(loader).get_iterator
         if loader.num_workers > 0 and getattr(loader, "in_order", True) is False:
@@ -478,7 +588,7 @@ def install(loader: Any) -> ResumableSampler | None:
                 " is free: random augmentation in its workers cannot be resumed exactly",
                 stacklevel=2,
             )
-    return batch_sampler.sampler
+    return _resumable(loader)
 
 
 def own_batches(loader: Any, consumed_batches: int) -> int:
@@ -505,7 +615,8 @@ def position(loader: Any, epoch: int, consumed_batches: int, *, ended: bool = Fa
     ``ended``: the loader's last epoch has ended and ``epoch`` is the next one, whose iterator does not exist yet
     (a snapshot at the end of training); only persistent workers carry something (their RNG) into it.
     """
-    sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    sampler = batch_sampler if isinstance(batch_sampler, ResumableSampler) else getattr(batch_sampler, "sampler", None)
     if isinstance(sampler, DrawRecorder):  # (Lightning keeps the rest of this loader's position)
         draw = sampler.draw_rng if not ended and sampler.draws else None
         return {"epoch": epoch, "consumed_batches": consumed_batches, "draw_rng": draw} if draw is not None else None
@@ -519,7 +630,7 @@ def position(loader: Any, epoch: int, consumed_batches: int, *, ended: bool = Fa
     current = tracker is not None and started and not ended and not (tracker.exhausted and consumed_batches == 0)
     drawn = current and tracker is not None and sampler.draws > tracker.draws_at_start
     rng, gen = sampler.epoch_state if drawn and sampler.epoch_state is not None else (None, None)
-    batch_size = loader.batch_sampler.batch_size
+    batch_size = 1 if sampler.batches else loader.batch_sampler.batch_size  # (skip counts what the sampler yields)
     iter_rng = tracker.start_rng if current and tracker is not None else None
     return {
         "epoch": epoch,
@@ -530,6 +641,7 @@ def position(loader: Any, epoch: int, consumed_batches: int, *, ended: bool = Fa
         "global": sampler.global_position(consumed_batches, batch_size) if drawn else None,
         "sampler_epoch": sampler.sampler_epoch if drawn else None,
         "drawn": drawn,
+        "lazy": [[index, state] for index, state in sampler.lazy] if drawn and sampler.lazy else None,
         "iter_rng": dict(iter_rng) if iter_rng is not None else None,
         "workers": tracker.workers_position(consumed_batches, current) if tracker is not None else None,
     }
@@ -747,7 +859,7 @@ class _IteratorTracker:
 
     def _reset(self, it: Any, original: Any, loader: Any, first_iter: bool = False) -> None:
         """A persistent iterator started for another epoch: its workers carry their RNG into it."""
-        sampler = loader.batch_sampler.sampler
+        sampler = _resumable(loader)
         gen = loader.generator if isinstance(loader.generator, torch.Generator) else None
         start_rng = dict(_rng_of(gen), created=False)
         draws = sampler.draws
@@ -862,10 +974,12 @@ def _hook(it: Any, name: str, wrapper: Any) -> None:
 
 
 def _resumable(loader: DataLoader) -> ResumableSampler:
-    """The :class:`ResumableSampler` in the batch sampler of a loader :func:`install` wrapped (torch types
-    ``batch_sampler`` as any iterable of batches)."""
+    """The :class:`ResumableSampler` of a loader :func:`install` wrapped: in its torch ``BatchSampler``, or its
+    batch sampler of the user's own, wrapped whole (torch types ``batch_sampler`` as any iterable of batches)."""
     batch_sampler: Any = loader.batch_sampler
-    return cast(ResumableSampler, batch_sampler.sampler)
+    return cast(
+        ResumableSampler, batch_sampler if isinstance(batch_sampler, ResumableSampler) else batch_sampler.sampler
+    )
 
 
 def _tracker(loader: Any) -> _IteratorTracker | None:

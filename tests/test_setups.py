@@ -96,6 +96,12 @@ CASES = [
     # CombinedLoader(max_size_cycle): the short loader (6 batches) is in its second pass at the snapshots of steps 8
     # and 24
     ("combined", (), (10, 27)),
+    # a batch sampler of the user's own (buckets of 4 batches sorted by length, each bucket's batches shuffled from
+    # the global RNG when it is reached), augmentation in 2 workers or in the main process. With workers: resumed
+    # inside a bucket (snapshots of steps 6 and 21), after the next bucket's draw was taken ahead; in the main
+    # process: at the start of a bucket (steps 8 and 20), whose draw the interrupted run took after its snapshot
+    ("bucket", ("--every", "3"), (8, 23)),
+    ("bucket-main", (), (10, 23)),
 ]
 
 

@@ -12,7 +12,9 @@ scheduler with validation twice an epoch and ModelCheckpoint(save_last=True), an
 epoch and monitored by EarlyStopping, ModelPruning (prunes and resets the weights at each epoch end), torchdata's
 StatefulDataLoader(shuffle=True) with augmentation in the main process, and the tuners LearningRateFinder and
 BatchSizeFinder (trial steps in their on_fit_start); a curriculum (a datamodule whose train_dataloader() reads
-the epoch, reloaded every 2 epochs), and a CombinedLoader of two shuffled loaders whose shorter one cycles.
+the epoch, reloaded every 2 epochs), a CombinedLoader of two shuffled loaders whose shorter one cycles, and a batch
+sampler of the user's own (bucketing by length, each bucket shuffled as it is reached) with augmentation in 2 loader
+workers or in the main process.
 
 Usage: python setups.py --setup NAME --dir SNAPDIR --out RESULT.pt [--crash-at S] [--every K] [--max-steps N]
        [--max-epochs N] [--sigterm-at S]
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import signal
@@ -58,7 +61,8 @@ from lightning_snapshot.writer import committed_steps
 SETUPS = ("val-epoch", "val-interval", "plateau-epoch", "plateau-step", "aug-main", "aug-workers",
           "aug-workers-persistent", "aug-workers-plain", "stateful-iterable", "manual-two-optimizers", "bf16-mixed", "finetune", "swa",
           "lr-monitor", "grad-accum", "early-stop-train", "ckpt-steps", "ema", "user-hooks", "epoch-sched",
-          "metric-obj", "stateful-shuffle", "pruning", "lr-finder", "bs-finder", "curriculum", "combined")
+          "metric-obj", "stateful-shuffle", "pruning", "lr-finder", "bs-finder", "curriculum", "combined",
+          "bucket", "bucket-main")
 #: Setups that log through a CSVLogger (the values logged are compared).
 LOGGED = ("lr-monitor", "early-stop-train", "metric-obj")
 
@@ -251,6 +255,27 @@ class Preempt(L.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+class Buckets(torch.utils.data.Sampler):
+    """A batch sampler of the user's own, as for sequences of varied length: a shuffled order from the global torch
+    RNG, cut into buckets of 4 batches that are sorted by a length key, and the batches of each bucket shuffled."""
+
+    def __init__(self, n: int, batch_size: int) -> None:
+        self.n, self.batch_size = n, batch_size
+        self.lengths = torch.randint(1, 100, (n,), generator=torch.Generator().manual_seed(3)).tolist()
+
+    def __len__(self) -> int:
+        return math.ceil(self.n / self.batch_size)
+
+    def __iter__(self):
+        order = torch.randperm(self.n).tolist()
+        span = 4 * self.batch_size
+        for start in range(0, self.n, span):
+            bucket = sorted(order[start:start + span], key=lambda i: self.lengths[i])
+            batches = [bucket[i:i + self.batch_size] for i in range(0, len(bucket), self.batch_size)]
+            for b in torch.randperm(len(batches)).tolist():
+                yield batches[b]
+
+
 class Curriculum(L.LightningDataModule):
     """A curriculum: each epoch's data depends on ``trainer.current_epoch`` (more samples, another seed), made again
     every ``reload_dataloaders_every_n_epochs``."""
@@ -329,6 +354,9 @@ def main() -> None:
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         train = StatefulDataLoader(Points(augment=True), batch_size=4, shuffle=True, num_workers=workers)
+    elif setup.startswith("bucket"):  # a batch sampler of the user's own; augmentation in 2 workers or in the main process
+        train = DataLoader(Points(augment=True), batch_sampler=Buckets(64, 4),
+                           num_workers=2 if setup == "bucket" and a.workers < 0 else workers)
     else:
         train = DataLoader(Points(augment=setup.startswith("aug-")), batch_size=4,
                            shuffle=os.environ.get("SETUPS_SHUFFLE", "1") == "1", num_workers=workers,
