@@ -815,6 +815,7 @@ class SnapshotCallback(Checkpoint):
         if resumed is None:
             return
         _fit_state.restore_stop(trainer, saved, trainer.global_step)
+        _fit_state.restore_generators(pl_module, saved)
         # Lightning's restart logic is made for checkpoints taken inside a step (at on_train_batch_end, on
         # validation end, at epoch end); a snapshot is the state right before the next batch is fetched, so the
         # restored loops must neither repeat nor skip anything from there.

@@ -102,6 +102,8 @@ CASES = [
     # process: at the start of a bucket (steps 8 and 20), whose draw the interrupted run took after its snapshot
     ("bucket", ("--every", "3"), (8, 23)),
     ("bucket-main", (), (10, 23)),
+    # random masking from a torch.Generator the model holds (in no state_dict, not the global RNG)
+    ("own-generator", (), (10, 23)),
 ]
 
 

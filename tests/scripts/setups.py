@@ -14,7 +14,7 @@ StatefulDataLoader(shuffle=True) with augmentation in the main process, and the 
 BatchSizeFinder (trial steps in their on_fit_start); a curriculum (a datamodule whose train_dataloader() reads
 the epoch, reloaded every 2 epochs), a CombinedLoader of two shuffled loaders whose shorter one cycles, and a batch
 sampler of the user's own (bucketing by length, each bucket shuffled as it is reached) with augmentation in 2 loader
-workers or in the main process.
+workers or in the main process; random masking drawn from a torch.Generator the model holds.
 
 Usage: python setups.py --setup NAME --dir SNAPDIR --out RESULT.pt [--crash-at S] [--every K] [--max-steps N]
        [--max-epochs N] [--sigterm-at S]
@@ -62,7 +62,7 @@ SETUPS = ("val-epoch", "val-interval", "plateau-epoch", "plateau-step", "aug-mai
           "aug-workers-persistent", "aug-workers-plain", "stateful-iterable", "manual-two-optimizers", "bf16-mixed", "finetune", "swa",
           "lr-monitor", "grad-accum", "early-stop-train", "ckpt-steps", "ema", "user-hooks", "epoch-sched",
           "metric-obj", "stateful-shuffle", "pruning", "lr-finder", "bs-finder", "curriculum", "combined",
-          "bucket", "bucket-main")
+          "bucket", "bucket-main", "own-generator")
 #: Setups that log through a CSVLogger (the values logged are compared).
 LOGGED = ("lr-monitor", "early-stop-train", "metric-obj")
 
@@ -121,6 +121,8 @@ class Model(L.LightningModule):
             from torchmetrics import MeanSquaredError
 
             self.train_mse = MeanSquaredError()
+        if setup == "own-generator":  # random masking drawn from a generator the model holds (in a submodule)
+            self.net.mask_gen = torch.Generator().manual_seed(5)
         self.lr = 5e-2  # (LearningRateFinder sets it)
         self.val_steps: list[int] = []
         self.lrs: list[float] = []
@@ -139,6 +141,8 @@ class Model(L.LightningModule):
             x, y = (torch.cat([batch[k][i] for k in sorted(batch)]) for i in (0, 1))
         else:
             x, y = batch
+        if self.setup_name == "own-generator":
+            x = x * (torch.rand(x.shape, generator=self.net.mask_gen) > 0.25)
         self.last_batch = x.detach().clone()
         loss = nn.functional.mse_loss(self(x), y)
         # early-stop-train monitors the epoch mean ("train_loss_epoch"), accumulated over the epoch's steps
@@ -467,6 +471,7 @@ def main() -> None:
         "lrs": list(model.lrs),
         "last_batch": plain(model.last_batch),
         "rng": torch.get_rng_state(),
+        "own_generator": model.net.mask_gen.get_state() if setup == "own-generator" else torch.zeros(0),
         # (on a GPU: dropout draws from the CUDA generator; 16-mixed keeps its GradScaler's state in the plugin)
         "cuda_rng": [plain(t) for t in torch.cuda.get_rng_state_all()] if torch.cuda.is_initialized() else [],
         "precision": plain(trainer.precision_plugin.state_dict()),

@@ -68,3 +68,31 @@ def test_trainable_flags_and_batchnorm_tracking_are_restored():
     fit_state.restore_trainable(model, saved)
     assert [p.requires_grad for p in model[0].parameters()] == [False, True]
     assert model[1].track_running_stats is False
+
+
+def test_the_models_own_generators_are_captured_by_path_and_restored():
+    """A torch.Generator the model holds (random masking drawn from a generator of its own) is in no state_dict:
+    its state is captured by module path and put back, so that it draws what it drew in the interrupted run."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    model.gen = torch.Generator().manual_seed(1)
+    model[1].mask_gen = torch.Generator().manual_seed(2)
+    torch.rand(3, generator=model.gen)
+    saved = {"generators": {p: g.get_state() for p, g in fit_state._module_generators(model).items()}}
+    assert sorted(saved["generators"]) == ["1.mask_gen", "gen"]
+    expected = (torch.rand(4, generator=model.gen), torch.rand(4, generator=model[1].mask_gen))
+    fresh = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    fresh.gen, fresh[1].mask_gen = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
+    fit_state.restore_generators(fresh, saved)
+    assert torch.equal(torch.rand(4, generator=fresh.gen), expected[0])
+    assert torch.equal(torch.rand(4, generator=fresh[1].mask_gen), expected[1])
+
+
+def test_a_generator_that_cannot_be_restored_is_named_in_a_warning():
+    model = torch.nn.Linear(2, 2)
+    model.gen = torch.Generator()
+    saved = {"generators": {"gen": torch.zeros(3), "gone": torch.Generator().get_state()}}
+    with pytest.warns(UserWarning, match="random generators were not all restored") as record:
+        fit_state.restore_generators(model, saved)
+    message = str(record[0].message)
+    assert "'gone' is not a torch.Generator of the model now" in message
+    assert "'gen': the saved state is not a generator state" in message
