@@ -663,6 +663,17 @@ class SnapshotCallback(Checkpoint):
                 " dataset's state_dict(), or use a torch DataLoader (lightning-snapshot restores its workers' RNG)",
                 stacklevel=2,
             )
+        held = _data.dataset_generators(getattr(loader, "dataset", None))
+        if held and "generators" not in self._warned_loaders:
+            self._warned_loaders.add("generators")
+            warnings.warn(
+                f"lightning-snapshot: the train dataset holds random generators of its own ({', '.join(held)}):"
+                " lightning-snapshot restores the global RNGs (torch, numpy, python; in loader workers too), not"
+                " these, so a resumed run draws differently from them. Draw from the global RNGs (torch.rand,"
+                " np.random, random), or give the dataset state_dict()/load_state_dict() and use torchdata's"
+                " StatefulDataLoader",
+                stacklevel=2,
+            )
         reason = _data.unsupported_reason(loader)
         if reason is not None and id(type(loader)) not in self._warned_loaders:
             self._warned_loaders.add(id(type(loader)))

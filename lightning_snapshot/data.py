@@ -56,6 +56,7 @@ import torch
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
+    Dataset,
     DistributedSampler,
     IterableDataset,
     RandomSampler,
@@ -529,6 +530,28 @@ def flatten_loaders(obj: Any) -> list[Any]:
 def is_stateful(loader: Any) -> bool:
     """Whether Lightning itself saves and restores this loader's position (it has state_dict/load_state_dict)."""
     return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+
+
+def dataset_generators(dataset: Any) -> list[str]:
+    """The random generators a dataset holds as attributes (``torch.Generator``, numpy ``Generator`` or
+    ``RandomState``, ``random.Random``), by attribute path, itself or a dataset it wraps (``Subset``,
+    ``ConcatDataset``); empty for a dataset that keeps its own state (``state_dict``)."""
+    found: list[str] = []
+
+    def visit(obj: Any, path: str, depth: int) -> None:
+        if depth > 3 or callable(getattr(obj, "state_dict", None)):
+            return
+        for attr, value in getattr(obj, "__dict__", {}).items():
+            if isinstance(value, (torch.Generator, np.random.Generator, np.random.RandomState, random.Random)):
+                found.append(path + attr)
+            elif attr == "dataset" and isinstance(value, Dataset):
+                visit(value, f"{path}{attr}.", depth + 1)
+            elif attr == "datasets" and isinstance(value, (list, tuple)):
+                for i, inner in enumerate(value):
+                    visit(inner, f"{path}{attr}[{i}].", depth + 1)
+
+    visit(dataset, "", 0)
+    return found
 
 
 def unsupported_reason(loader: Any) -> str | None:

@@ -154,3 +154,33 @@ def test_sequential_and_unknown_samplers():
     data.install(new)
     with pytest.warns(UserWarning, match="cannot be replayed on another number of processes"):
         assert data.plan_resume(new.batch_sampler.sampler, new, pos, exact=False, epoch=0) is None
+
+
+def test_random_generators_a_dataset_holds_are_named_for_the_warning():
+    """A dataset that draws from a generator of its own (numpy's default_rng, a torch.Generator, random.Random) is
+    not resumed exactly: the callback warns, naming them, also through Subset and ConcatDataset."""
+    import random
+
+    import numpy as np
+    from torch.utils.data import ConcatDataset, Dataset, Subset
+
+    class Noisy(Dataset):
+        def __init__(self) -> None:
+            self.rng = np.random.default_rng(0)
+            self.gen = torch.Generator()
+            self.py = random.Random(1)
+
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, i: int) -> float:
+            return float(self.rng.normal())
+
+    class Kept(Noisy):  # keeps its own state: Lightning restores it through torchdata's StatefulDataLoader
+        def state_dict(self) -> dict:
+            return {}
+
+    assert data.dataset_generators(Noisy()) == ["rng", "gen", "py"]
+    assert data.dataset_generators(Subset(Noisy(), [0, 1])) == ["dataset.rng", "dataset.gen", "dataset.py"]
+    assert data.dataset_generators(ConcatDataset([Kept(), Noisy()]))[:1] == ["datasets[1].rng"]
+    assert data.dataset_generators(Kept()) == [] and data.dataset_generators(None) == []
