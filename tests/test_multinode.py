@@ -42,8 +42,14 @@ def _run(base: Path, layout: str, *extra: str, timeout: int = 600):
                         *ARGS, *extra, env=_env(base), timeout=timeout)
 
 
+def _tails(procs) -> str:
+    """Every node's exit status and the end of its output, as one message (pytest shortens a list's repr)."""
+    return "\n".join(f"--- node {i}: rc={p.returncode}\n{p.stdout[-1000:]}\n{p.stderr[-4000:]}"
+                     for i, p in enumerate(procs))
+
+
 def _ok(procs) -> None:
-    assert [p.returncode for p in procs] == [0] * NODES, [p.stdout[-1000:] + p.stderr[-4000:] for p in procs]
+    assert [p.returncode for p in procs] == [0] * NODES, _tails(procs)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +77,7 @@ def _local(base: Path, layout: str, node: int) -> LocalTier:
 def test_sigkill_all_trainers_and_resume_bitwise(tmp_path, reference, layout):
     try:
         procs = _run(tmp_path, layout, "--crash-at", "10")
-        assert [p.returncode for p in procs] == [-9] * NODES, [p.stderr[-3000:] for p in procs]
+        assert [p.returncode for p in procs] == [-9] * NODES, _tails(procs)
         said = "is node-local" if layout == "node-local" else "is shared by all nodes (detected)"
         assert said in procs[0].stdout + procs[0].stderr, procs[0].stderr[-3000:]
         prefix = step_dirname(9)
@@ -97,7 +103,7 @@ def test_sigkill_all_trainers_and_resume_bitwise(tmp_path, reference, layout):
 def test_replaced_node_falls_back_to_the_ram_tier_naming_the_node_and_step(tmp_path, reference):
     try:
         procs = _run(tmp_path, "node-local-env", "--crash-at", "10")
-        assert [p.returncode for p in procs] == [-9] * NODES, [p.stderr[-3000:] for p in procs]
+        assert [p.returncode for p in procs] == [-9] * NODES, _tails(procs)
         assert "is node-local" in procs[0].stderr and "(detected)" in procs[0].stderr, procs[0].stderr[-3000:]
         # node 1 is replaced: its memory (agent and files) and its disk are empty
         stop_agent(tmp_path / "shm" / "node1" / "test")  # (the stopped agent leaves nothing in node 1's memory)
