@@ -638,8 +638,7 @@ def position(loader: Any, epoch: int, consumed_batches: int, *, ended: bool = Fa
     ``ended``: the loader's last epoch has ended and ``epoch`` is the next one, whose iterator does not exist yet
     (a snapshot at the end of training); only persistent workers carry something (their RNG) into it.
     """
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    sampler = batch_sampler if isinstance(batch_sampler, ResumableSampler) else getattr(batch_sampler, "sampler", None)
+    sampler = _index_wrapper(loader)
     if isinstance(sampler, DrawRecorder):  # (Lightning keeps the rest of this loader's position)
         draw = sampler.draw_rng if not ended and sampler.draws else None
         return {"epoch": epoch, "consumed_batches": consumed_batches, "draw_rng": draw} if draw is not None else None
@@ -999,10 +998,14 @@ def _hook(it: Any, name: str, wrapper: Any) -> None:
 def _resumable(loader: DataLoader) -> ResumableSampler:
     """The :class:`ResumableSampler` of a loader :func:`install` wrapped: in its torch ``BatchSampler``, or its
     batch sampler of the user's own, wrapped whole (torch types ``batch_sampler`` as any iterable of batches)."""
-    batch_sampler: Any = loader.batch_sampler
-    return cast(
-        ResumableSampler, batch_sampler if isinstance(batch_sampler, ResumableSampler) else batch_sampler.sampler
-    )
+    return cast(ResumableSampler, _index_wrapper(loader))
+
+
+def _index_wrapper(loader: Any) -> Any:
+    """What :func:`install` put in ``loader``: the whole batch sampler when it wrapped one of the user's own, else the
+    index sampler inside its batch sampler (None when there is none)."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    return batch_sampler if isinstance(batch_sampler, ResumableSampler) else getattr(batch_sampler, "sampler", None)
 
 
 def _tracker(loader: Any) -> _IteratorTracker | None:
