@@ -51,6 +51,10 @@ class Backend(abc.ABC):
 
     Thread-safety: the engine calls one backend from one thread at a time, except ``read_into``, which it may call
     from up to :attr:`parallel_reads` threads at once.
+
+    Concurrent readers: other processes (another rank's snapshot agent, the CLI, a restarted job) read a tier while
+    it is written, through their own instance of it. Each method below says what such a reader can see; in short,
+    an object is visible only whole (``write``, ``commit``), and only ``delete`` of a prefix is seen in part.
     """
 
     #: Short tier name used in logs and metric names (``local``, ``ram``, ``s3``...).
@@ -246,13 +250,21 @@ class Backend(abc.ABC):
     def write(self, key: str, buffers: Iterable[bytes | bytearray | memoryview]) -> int:
         """Create or replace the object ``key`` with the concatenation of ``buffers``; durable on return.
 
+        Concurrent readers see no object (or the object it replaces) until the whole new one is there, never an
+        empty or partial one: an object another process polls for with :meth:`exists` can be read as soon as it is
+        seen (local files: written to a hidden temporary name, then renamed; object stores: an upload is published
+        when it completes).
+
         Returns the number of bytes written. Raises ``StorageFullError`` when the tier is out of space and
-        ``SnapshotWriteError`` for other failures; a failed write leaves no object behind.
+        ``SnapshotWriteError`` for other failures; a failed write leaves what was there before (nothing, for a new
+        key) and no partial object.
         """
 
     @abc.abstractmethod
     def commit(self, key: str, data: bytes) -> None:
-        """Publish ``key`` atomically and durably: readers see the old object or the whole new one, never a part."""
+        """Publish ``key`` atomically and durably: concurrent readers see the old object (or none) or the whole new
+        one, never a part. Tiers differ on a key that is already committed (see the conformance suite's
+        ``replaces_committed``): files and RAM replace it, object stores refuse it."""
 
     @abc.abstractmethod
     def read(self, key: str) -> bytes:
@@ -273,11 +285,16 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def list(self, prefix: str = "") -> list[str]:
         """Names of the objects and sub-prefixes directly under ``prefix`` (no recursion), sorted; names starting
-        with a dot are left out. A prefix that does not exist, or an object, lists as empty."""
+        with a dot are left out (a write in progress is not listed). A prefix that does not exist, or an object,
+        lists as empty."""
 
     @abc.abstractmethod
     def delete(self, key: str) -> None:
-        """Delete ``key`` and everything under it; deleting what does not exist is not an error."""
+        """Delete ``key`` and everything under it; deleting what does not exist is not an error.
+
+        Not atomic for a prefix: a concurrent reader can see some of its objects gone and others still there (each
+        object itself is there whole or not at all). Retention and ``gc`` delete a step's manifest first where it
+        matters, so a half-deleted step is an uncommitted one."""
 
     def exists(self, key: str) -> bool:
         """Whether the object ``key`` exists (a prefix with objects under it is not an object)."""

@@ -547,23 +547,26 @@ class LocalTier(Backend):
 
     # ------------------------------------------------------------------------------------------- bytes
     def write(self, key: str, buffers: Iterable[bytes | bytearray | memoryview]) -> int:
-        """Write ``buffers`` to ``key`` and fsync.
+        """Write ``buffers`` to ``key``, fsync, and publish it whole: the bytes go to a hidden temporary file beside
+        ``key`` (its name starts with a dot, so it is never listed) that is renamed to ``key`` once complete and
+        fsynced, so another process never sees the object empty or in part.
 
         Page-aligned buffers (the staging arena) are written with ``O_DIRECT``, which skips the page cache and the
         CPU copy into it; the unaligned tail, other buffers, and filesystems that refuse ``O_DIRECT`` (tmpfs) use
         ordinary writes.
         """
         path = self._path(key)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
         total = 0
         try:
             self._mkdirs(path.parent)
-            fd = _create(path, os.O_WRONLY | os.O_TRUNC, self.mode, self.file_mode)
+            fd = _create(tmp, os.O_WRONLY | os.O_TRUNC, self.mode, self.file_mode)
             direct_fd = -1
             try:
                 for buf in buffers:
                     view = memoryview(buf).cast("B")
                     if self.direct_io and direct_fd < 0 and view.nbytes >= _PAGE and _aligned(view):
-                        direct_fd = self._open_direct(path)
+                        direct_fd = self._open_direct(tmp)
                     if direct_fd >= 0 and total % _PAGE == 0 and _aligned(view):
                         n = view.nbytes & ~(_PAGE - 1)
                         try:
@@ -583,9 +586,11 @@ class LocalTier(Backend):
                 os.close(fd)
                 if direct_fd >= 0:
                     os.close(direct_fd)
+            os.replace(tmp, path)
+            self._fsync_dir(path.parent)
         except OSError as e:
             with contextlib.suppress(OSError):
-                path.unlink()
+                tmp.unlink()
             raise self._fail(key, e, total) from e
         return total
 

@@ -38,7 +38,7 @@ from lightning_snapshot.capture import (
     restore_targets,
     templates,
 )
-from lightning_snapshot.comm import Comm, GroupComm, LocalComm, StrategyComm
+from lightning_snapshot.comm import Comm, GroupComm, LocalComm, StrategyComm, new_gloo_groups
 from lightning_snapshot.ddp_layout import apply_layout, capture_layout, check_layout, is_ddp
 from lightning_snapshot.errors import (
     CaptureError,
@@ -301,13 +301,12 @@ class SnapshotCallback(Checkpoint):
         if strategy.world_size > 1:
             import datetime as dt
 
-            import torch.distributed as dist
-
             # each tier's persist thread has a group of its own: background collectives never touch the trainer's
             # main group, and a tier in an outage never blocks another's commits; a stuck peer fails a collective
             # after collective_timeout (a dead one at once)
             timeout = dt.timedelta(seconds=self.collective_timeout)
-            comms = [GroupComm(dist.new_group(backend="gloo", timeout=timeout)) for _ in self.tiers]
+            groups = new_gloo_groups([f"the {t.tier} tier {t.url}" for t in self.tiers], timeout, self._run_id)
+            comms = [GroupComm(group) for group in groups]
         self._tier_comms = comms
         self._setup_node_local_tiers(trainer)
         self._check_tiers()  # (after the local tiers know their node's directory; before the agent starts)

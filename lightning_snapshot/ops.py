@@ -21,6 +21,7 @@ from lightning_snapshot.writer import (
     _remove_unreferenced,
     committed_steps,
     copy_snapshot,
+    delete_step,
     expired_snapshots,
 )
 
@@ -188,9 +189,7 @@ def run_gc(backend: Backend, plan: GcPlan, on_action: Callable[[], None] | None 
         if on_action is not None:
             on_action()
     for entry in plan.snapshots:
-        name = step_dirname(entry["step"])
-        backend.delete(f"{name}/{MANIFEST_NAME}")
-        backend.delete(name)
+        delete_step(backend, entry["step"])
         if on_action is not None:
             on_action()
     for entry in plan.leftovers:

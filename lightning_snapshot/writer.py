@@ -40,6 +40,7 @@ __all__ = [
     "apply_retention",
     "committed_steps",
     "copy_snapshot",
+    "delete_step",
     "expired_snapshots",
     "verify_object",
     "write_snapshot",
@@ -481,6 +482,14 @@ def expired_snapshots(committed: list[int], keep_last: int | None, keep: Collect
     return [step for step in committed[keep_last:] if step not in keep]
 
 
+def delete_step(backend: Backend, step: int) -> None:
+    """Delete the snapshot of ``step`` from ``backend``: its manifest first, so that a concurrent reader sees it
+    committed and whole or not committed at all (never a manifest whose objects are half deleted), then the rest."""
+    name = step_dirname(step)
+    backend.delete(f"{name}/{MANIFEST_NAME}")
+    backend.delete(name)
+
+
 def apply_retention(backend: Backend, newest: int, pinned: Collection[int] = ()) -> list[int]:
     """Delete committed snapshots beyond ``keep_last`` and uncommitted leftovers older than ``newest``.
 
@@ -503,7 +512,7 @@ def apply_retention(backend: Backend, newest: int, pinned: Collection[int] = ())
             continue
         if step in expired or (step not in committed and step < newest):  # old snapshot, or a crashed write's leftovers
             try:
-                backend.delete(name)
+                delete_step(backend, step)
                 deleted.append(step)
             except OSError as e:  # retention must never break training
                 log.warning("lightning-snapshot: could not delete %s from %s: %s", name, backend.url, e)

@@ -108,6 +108,49 @@ class BackendTests:
         assert backend.read("p/empty.bin") == b"" and bytes(backend.read_view("p/zero.bin")) == b""
         assert backend.exists("p/empty.bin") and backend.list("p") == ["empty.bin", "zero.bin"]
 
+    @pytest.mark.parametrize("replacing", [False, True], ids=["new", "replacing"])
+    def test_a_concurrent_reader_never_sees_a_partial_object(self, backend, replacing):
+        """Another process polls for an object (a rank's manifest part, a restore record) through its own instance
+        of the tier while a writer fills it slowly: whenever the object exists, it reads whole (the old or the new
+        one), never empty or in part; and the write in progress is never listed."""
+        import threading
+
+        old, pieces = b"the previous object", [bytes([65 + i]) * 4096 for i in range(8)]
+        if replacing:
+            backend.write("p/part.json", [old])
+        reader = Backend.from_spec(backend.spec())  # (the other process's own instance)
+        seen: list[bytes | str] = []
+        done = threading.Event()
+
+        def slow_buffers():
+            for piece in pieces:  # the object's bytes arrive over 0.4 s: a wide window for a reader
+                time.sleep(0.05)
+                yield piece
+
+        def poll():
+            while not done.is_set():
+                if reader.exists("p/part.json"):
+                    try:
+                        seen.append(bytes(reader.read("p/part.json")))
+                    except FileNotFoundError:  # (replaced between the two calls: also whole)
+                        continue
+                if any(n.startswith(".") for n in reader.list("p")):
+                    seen.append("a hidden name was listed")
+                time.sleep(0.002)
+
+        thread = threading.Thread(target=poll)
+        thread.start()
+        try:
+            backend.write("p/part.json", slow_buffers())
+        finally:
+            done.set()
+            thread.join()
+        whole = {b"".join(pieces), *([old] if replacing else [])}
+        bad = [x if isinstance(x, str) else f"{len(x)} bytes" for x in seen if x not in whole]
+        assert not bad, f"a concurrent reader saw {bad[:3]} while the object was written"
+        assert reader.read("p/part.json") == b"".join(pieces)
+        assert self.raw_names(backend) == ["p/part.json"]
+
     def test_write_replaces_an_object_whole(self, backend):
         backend.write("p/obj.bin", [b"a much longer first version"])
         assert backend.write("p/obj.bin", [b"short"]) == 5

@@ -179,6 +179,31 @@ def test_sigkilled_trainer_restores_from_ram_bitwise(tmp_path, shm, reference_ru
 
 
 @pytest.mark.slow
+def test_ddp_agents_commit_every_snapshot_while_each_file_stays_empty_for_a_while_after_it_is_created(
+        tmp_path, shm, monkeypatch):
+    """The window of the agent-part race made wide on purpose: in every process (the trainers and the node's
+    snapshot agent), the local tier pauses 0.3 s between creating a file and writing its bytes. Rank 0's agent polls
+    for rank 1's manifest part all that time; it must never read it before it is whole. DDP on 2 ranks, the RAM tier
+    and a local tier every step, nothing killed: every step is committed to the local tier, by the agent."""
+    pauses = tmp_path / "pauses.log"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(Path(__file__).parent / "fixtures" / "pause_write"), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("LS_TEST_PAUSE_AFTER_CREATE", "0.3")
+    monkeypatch.setenv("LS_TEST_PAUSE_LOG", str(pauses))
+    steps = 10
+    proc = run_train(tmp_path / "local", tmp_path / "out.pt", "--devices", "2", "--max-steps", str(steps),
+                     "--ram-every", "1", "--every", "1", "--keep-last", "0", timeout=240)
+    assert "failed" not in proc.stderr.lower(), proc.stderr[-3000:]
+    assert committed_steps(LocalTier(tmp_path / "local")) == list(range(steps, 0, -1))
+    # the window was open: the agent (not a trainer) paused on both ranks' parts of every step
+    agent_pid = agent_status(next(shm.glob("*/agent.sock")).parent)["pid"]
+    paused = [line.split() for line in pauses.read_text().splitlines()]
+    for rank in (0, 1):
+        named = [pid for pid, path in paused if f"-part-{rank:05d}.json" in path]
+        assert len(named) == steps and set(named) == {str(agent_pid)}, (rank, paused[:10])
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("cuda_path", [False, True], ids=["cpu", "cuda-registration-noop"])
 def test_agent_flushes_a_staged_snapshot_after_the_trainer_died(tmp_path, shm, reference_runs, monkeypatch,
                                                                  cuda_path):

@@ -86,9 +86,12 @@ def _open_log(path: Path) -> int:
 def _read_lock(node_dir: Path) -> tuple[str, str]:
     """(pid, log path) as the agent of ``node_dir`` wrote them in its lock file; empty strings where unknown."""
     try:
-        lines = (node_dir / LOCK).read_text(errors="replace").splitlines()
+        text = (node_dir / LOCK).read_text(errors="replace")
     except OSError:
         return "", ""
+    if "\n" not in text:  # (emptied or being written by an agent taking the lock: nothing known yet)
+        return "", ""
+    lines = text.splitlines()
     return (lines[0].strip()[:20] if lines else ""), (lines[1].strip() if len(lines) > 1 else "")
 
 
@@ -551,39 +554,89 @@ class Agent:
                     )
                 time.sleep(0.1)
             return shared.nbytes + private.nbytes
-        parts = [part]
-        for r in range(1, world):
-            key = f"{prefix}/{run_id}-part-{r:05d}.json"
-            while not tier.exists(key):
-                if tier.exists(f"{prefix}/{run_id}-failed-{r:05d}.json"):
+        try:  # (any failure of rank 0 leaves its marker: the other ranks' agents stop waiting at once)
+            parts = _gather_parts(tier, prefix, run_id, world, part, deadline)
+            if parts is None or tier.exists(manifest_key):
+                return 0
+            raw = _merge(parts, job, world, shared.alignment, chunk)
+            text = json.dumps(raw, separators=(",", ":"), allow_nan=False)
+            manifest = Manifest.from_json(text, where=f"manifest of {prefix} written by the snapshot agent")
+            tier.commit(manifest_key, text.encode())
+        except BaseException:
+            if world > 1:
+                with contextlib.suppress(Exception):  # (the tier may be what fails)
                     tier.write(failed, [b"{}"])
-                    raise SnapshotError(
-                        f"rank {r} could not write its part of step {step} to the {tier.tier} tier"
-                        f" {tier.url} (see its log)"
-                    )
-                if time.monotonic() > deadline:
-                    tier.write(failed, [b"{}"])
-                    raise SnapshotError(
-                        f"rank 0's agent: waited {wait:g} s for rank {r}'s part of step {step} in the"
-                        f" {tier.tier} tier {tier.url} (collective_timeout); is that directory shared"
-                        " by all nodes? If not, use LocalTier(..., node_local=True)"
-                    )
-                if tier.exists(manifest_key):
-                    return 0
-                time.sleep(0.05)
-            parts.append(json.loads(tier.read(key)))
-        if tier.exists(manifest_key):
-            return 0
-        raw = _merge(parts, job, world, shared.alignment, chunk)
-        text = json.dumps(raw, separators=(",", ":"), allow_nan=False)
-        manifest = Manifest.from_json(text, where=f"manifest of {prefix} written by the snapshot agent")
-        tier.commit(manifest_key, text.encode())
+            raise
         _remove_unreferenced(tier, prefix, manifest)
         try:
             apply_retention(tier, step)
         except Exception as e:  # noqa: BLE001 - the snapshot is committed; cleanup waits for the next one
             log.warning("retention in %s failed: %s", tier.url, self._describe(hello, {"tier": index}, e))
         return manifest.total_bytes
+
+
+def _gather_parts(
+    tier: Any, prefix: str, run_id: str, world: int, own: dict[str, Any], deadline: float
+) -> list[dict[str, Any]] | None:
+    """Rank 0's agent: every rank's manifest part of the step ``prefix``, in rank order (``own`` is rank 0's), or
+    None when the step was committed meanwhile (an earlier attempt). A part that is not there, or not readable yet,
+    is waited for until ``deadline`` (``time.monotonic``).
+
+    Raises:
+        SnapshotError: a rank left its ``failed`` marker, or the deadline passed; naming the rank, step and tier.
+    """
+    from lightning_snapshot.manifest import MANIFEST_NAME
+
+    wait = max(0.0, deadline - time.monotonic())
+    parts = [own]
+    for r in range(1, world):
+        key = f"{prefix}/{run_id}-part-{r:05d}.json"
+        unreadable = ""
+        while (got := _read_part(tier, key)) is None or isinstance(got, str):
+            unreadable = got or unreadable
+            if tier.exists(f"{prefix}/{run_id}-failed-{r:05d}.json"):
+                raise SnapshotError(
+                    f"rank {r} could not write its part of step {prefix} to the {tier.tier} tier {tier.url}"
+                    " (see its log)"
+                )
+            if time.monotonic() > deadline:
+                if unreadable:
+                    raise SnapshotError(
+                        f"rank 0's agent: rank {r}'s part of {prefix} in the {tier.tier} tier {tier.url} was still"
+                        f" unreadable after {wait:.0f} s (collective_timeout): {unreadable}. Is another job writing"
+                        " the same directory? Give each run its own"
+                    )
+                raise SnapshotError(
+                    f"rank 0's agent: waited {wait:.0f} s for rank {r}'s part of {prefix} in the {tier.tier} tier"
+                    f" {tier.url} (collective_timeout); is that directory shared by all nodes? If not, use"
+                    " LocalTier(..., node_local=True)"
+                )
+            if tier.exists(f"{prefix}/{MANIFEST_NAME}"):
+                return None
+            time.sleep(0.05)
+        parts.append(got)
+    return parts
+
+
+def _read_part(tier: Any, key: str) -> dict[str, Any] | str | None:
+    """Another agent's manifest part ``key``: the part, ``None`` while it is not there, or why it cannot be read yet.
+
+    Every tier publishes an object whole (``Backend.write``), but a part is still taken as not there yet, never as an
+    error, when it cannot be read or parsed: the caller waits for it within its bounded wait, so a tier or a
+    filesystem that shows an object before its bytes (a network filesystem's caching, a tier of another library)
+    costs a retry, not the snapshot.
+    """
+    try:
+        if not tier.exists(key):
+            return None
+        part = json.loads(tier.read(key))
+    except FileNotFoundError:  # (deleted between exists and read: a new attempt of that rank)
+        return None
+    except (OSError, EOFError, ValueError, SnapshotError) as e:  # (JSONDecodeError is a ValueError)
+        return f"{type(e).__name__}: {e}"
+    if not isinstance(part, dict) or not isinstance(part.get("objects"), list):
+        return f"not a manifest part (a JSON {type(part).__name__})"
+    return part
 
 
 def _lock(node_dir: Path, log_path: Path | None) -> int | None:

@@ -212,6 +212,7 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="a one-parameter model")
     p.add_argument("--node-local", choices=["auto", "true", "false"], default="auto",
                    help="the local tier's node_local option")
+    p.add_argument("--keep-last", type=int, default=2, help="the local tier's keep_last (0: keep every snapshot)")
     p.add_argument("--slow-write", type=float, default=0.0, help="seconds added to each local-tier data write")
     p.add_argument("--collective-timeout", type=float, default=300.0, help="SnapshotCallback(collective_timeout=)")
     p.add_argument("--raise-at", type=int, default=-1, help="raise in the training thread at this step...")
@@ -243,7 +244,7 @@ def main() -> None:
         tier = SlowLocalTier(a.dir, a.slow_write, every_n_train_steps=a.every, keep_last=2,
                              node_local={"auto": None, "true": True, "false": False}[a.node_local])
     else:
-        tier = LocalTier(a.dir, every_n_train_steps=a.every, keep_last=2,
+        tier = LocalTier(a.dir, every_n_train_steps=a.every, keep_last=a.keep_last or None,
                          node_local={"auto": None, "true": True, "false": False}[a.node_local])
     tiers = [] if a.no_local else [tier]
     if a.ram_every:
