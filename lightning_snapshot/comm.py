@@ -133,7 +133,6 @@ class GroupComm:
         return box
 
 
-
 #: The keys under which gloo publishes a rank's address while a group connects (``<group>/cpu//<n>/<rank>``, under
 #: the default group's prefix): read once, while the group forms.
 _GLOO_ADDRESS_KEY = re.compile(r"^default_pg/.*cpu//\d+/\d+$")
@@ -159,7 +158,7 @@ def new_gloo_groups(names: list[str], timeout: datetime.timedelta, nonce: str) -
 
     from lightning_snapshot.errors import SnapshotError
 
-    world = getattr(c10d, "_world", None)
+    world: Any = getattr(c10d, "_world", None)
     named = world is not None and isinstance(getattr(world, "group_count", None), int)
     saved = world.group_count if named else 0
     groups = []

@@ -150,6 +150,19 @@ class Crash(Checkpoint):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class SayRestored(L.Callback):
+    """Print what the ``SnapshotCallback`` restored, when training starts (a run killed later still said it):
+    ``ATTEMPT a rank r: restored step=S from=URL`` or ``... restored nothing``."""
+
+    def __init__(self, snapshots, attempt: int) -> None:
+        self.snapshots, self.attempt = snapshots, attempt
+
+    def on_train_start(self, trainer, pl_module):
+        got = self.snapshots.restored_from
+        said = f"restored step={got[1]} from={got[0]}" if got is not None else "restored nothing"
+        print(f"ATTEMPT {self.attempt} rank {trainer.global_rank}: {said}", flush=True)
+
+
 class NanGradient(L.Callback):
     """Put a NaN into the first parameter's gradient right before the optimizer step that follows ``global_step ==
     at``: the parameters and optimizer state after that step (snapshots of ``at + 1`` on) hold NaNs, while the state
@@ -221,6 +234,9 @@ def main() -> None:
                    help="a NaN into the gradient of the optimizer step after this global step")
     p.add_argument("--crash-after-restore", action="store_true", help="SIGKILL right after a restore")
     p.add_argument("--max-restores", type=int, default=3, help="SnapshotCallback(max_restores=)")
+    p.add_argument("--kill-plan", default="",
+                   help="under torchrun: ATTEMPT:RANK:STEP,... SIGKILL that rank at that step of that attempt"
+                        " (TORCHELASTIC_RESTART_COUNT), once the RAM tier (if any) holds the newest step due in it")
     p.add_argument("--kill-at", type=int, default=-1,
                    help="SIGKILL at this global step, waiting only for the RAM tier (if any) to hold the newest step"
                         " due in it (its agent has it then), not for any durable tier")
@@ -269,6 +285,12 @@ def main() -> None:
         callbacks.append(Raise(a.raise_at, a.raise_rank, tier))
     if a.kill_at >= 0:
         callbacks.append(Crash(a.kill_at, tiers[:1] if a.ram_every else [], newest=True))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    for entry in filter(None, a.kill_plan.split(",")):
+        when, rank, step = (int(x) for x in entry.split(":"))
+        if when == attempt and rank == int(os.environ.get("RANK", "0")):
+            callbacks.append(Crash(step, tiers[:1] if a.ram_every else [], newest=True))
+    callbacks.append(SayRestored(callbacks[0], attempt))
     strategy = "ddp" if a.devices > 1 or a.num_nodes > 1 else "auto"
     if a.find_unused or a.static_graph:
         from lightning.pytorch.strategies import DDPStrategy

@@ -1,0 +1,55 @@
+"""torchrun's own restarts (``--max-restarts``): the relaunched processes of an attempt share torchrun's rendezvous
+store with the attempts before, so every process group must form under keys of its own attempt. Real torchrun, real
+processes, gloo, real SIGKILL of a different rank in three successive attempts."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import SCRIPTS, assert_bitwise_equal
+
+from lightning_snapshot.backends.ram.agent import stop_agent
+
+# RAM every 2 steps, local every 3: each kill comes when the RAM tier holds a newer step than the local tier
+ARGS = ("--devices", "2", "--max-steps", "18", "--every", "3", "--ram-every", "2", "--shuffle", "--dropout", "0.1")
+# (attempt, rank killed, step) and the step the next attempt must restore from the RAM tier
+KILLS = [(0, 1, 5, 4), (1, 0, 11, 10), (2, 1, 14, 14)]
+
+
+def _torchrun(base: Path, *args: str, max_restarts: int) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning",
+           "LIGHTNING_SNAPSHOT_SHM_DIR": str(base / "shm")}
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # (torchrun's default: the store is shared by attempts)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", str(max_restarts), str(SCRIPTS / "train.py"), "--dir", str(base / "local"),
+           "--out", str(base / "out.pt"), *ARGS, *args]
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env, start_new_session=True)
+    finally:
+        for sock in list((base / "shm").glob("**/agent.sock")):
+            stop_agent(sock.parent)
+
+
+@pytest.mark.slow
+def test_three_torchrun_restarts_each_form_their_groups_resume_from_ram_and_end_bitwise_equal(tmp_path):
+    ref = _torchrun(tmp_path / "ref", max_restarts=0)
+    assert ref.returncode == 0, ref.stderr[-4000:]
+    plan = ",".join(f"{a}:{r}:{s}" for a, r, s, _ in KILLS)
+    proc = _torchrun(tmp_path / "run", "--kill-plan", plan, max_restarts=3)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 0, said[-6000:]
+    assert "could not form the process group" not in said and "connectFullMesh" not in said, said[-6000:]
+    restored = {(int(a), int(r)): line for a, r, line in re.findall(r"ATTEMPT (\d) rank (\d): (restored [^\n]*)", said)}
+    assert len(restored) == 8, restored  # every attempt's every rank got to training and said what it restored
+    assert restored[(0, 0)] == restored[(0, 1)] == "restored nothing"
+    for attempt, (_a, _r, _s, step) in enumerate(KILLS, start=1):
+        for rank in (0, 1):
+            assert restored[(attempt, rank)].startswith(f"restored step={step} from=ram://test"), restored
+    for suffix in ("", ".rank1"):
+        assert assert_bitwise_equal(Path(f"{tmp_path / 'ref' / 'out.pt'}{suffix}"),
+                                    Path(f"{tmp_path / 'run' / 'out.pt'}{suffix}")) > 0
