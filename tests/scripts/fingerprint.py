@@ -141,7 +141,7 @@ def assert_same(ref: Any, got: Any, path: str = "result") -> None:
             assert_same(ref[k], got[k], f"{path}/{k}")
     elif isinstance(ref, list):
         assert isinstance(got, list) and len(ref) == len(got), f"{path}: {ref!r:.300} vs {got!r:.300}"
-        for i, (r, g) in enumerate(zip(ref, got)):
+        for i, (r, g) in enumerate(zip(ref, got, strict=True)):
             assert_same(r, g, f"{path}[{i}]")
     else:
         assert ref == got or (ref != ref and got != got), f"{path}: {ref!r:.300} vs {got!r:.300}"
