@@ -1,8 +1,11 @@
 """Exact resume in the Lightning setups users run: each setup of tests/scripts/setups.py is SIGKILLed at a step
 that is not a snapshot step (for the validation setups: right after a snapshot step that is also a validation step),
-restarted, and compared with an uninterrupted run: weights, optimizer and scheduler state, every callback's state
-(EarlyStopping, ModelCheckpoint), the checkpoint files ModelCheckpoint left, the validation steps, the learning
-rates and the last batch trained."""
+restarted, and compared with an uninterrupted run by the one comparison helper (``fingerprint.assert_same_run``:
+weights, optimizer states and param groups, scheduler states, loop progress, every callback's state (EarlyStopping,
+ModelCheckpoint), the torch/CUDA/numpy/python RNG, every value logged), plus the checkpoint files ModelCheckpoint
+left, the validation steps, the learning rates and the last batch trained. Every run reports its restore when it
+happens, and each must have resumed from the newest committed snapshot (the first: started fresh). The uninterrupted
+run must also equal the same fit without the library (neutrality), run first in the same process."""
 
 from __future__ import annotations
 
