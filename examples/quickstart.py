@@ -104,8 +104,18 @@ def main() -> int:
     print(f"2/4 run with snapshots to {root / 'run'} (every 5 steps), killed mid-epoch")
     rc = run_child(root / "run", root / "run.pt", kill_at=KILL_AT)
     print(f"  exit code {rc} ({'SIGKILL' if rc == -signal.SIGKILL else 'unexpected'})")
-    print(f"  committed snapshots: {sorted(p.name for p in (root / 'run').glob('step-*'))}")
-    print("3/4 restart the same command: it resumes from the newest snapshot")
+    from lightning_snapshot.backends import LocalTier
+    from lightning_snapshot.writer import committed_steps
+
+    committed = committed_steps(LocalTier(str(root / "run")))  # (newest first)
+    print(f"  committed snapshots (manifest written): steps {sorted(committed)}")
+    unfinished = sorted(int(p.name.split("-")[1]) for p in (root / "run").glob("step-*")
+                        if not (p / "manifest.json").exists())
+    if unfinished:
+        print(f"  not committed (data only, no manifest yet when the kill came; a resume ignores them): steps "
+              f"{unfinished}")
+    print(f"3/4 restart the same command: it resumes from the newest committed snapshot"
+          f"{f' (step {committed[0]})' if committed else ''}")
     if run_child(root / "run", root / "run.pt") != 0:
         print("resumed run failed")
         return 1

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import os
+import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -34,23 +36,73 @@ def run_train(snapshot_dir: Path, out: Path, *args: str, expect_kill: bool = Fal
                       timeout=timeout)
 
 
-def assert_bitwise_equal(ref_path: Path, got_path: Path) -> int:
-    """Compare two result files of train.py bitwise; returns the number of tensors compared."""
+def assert_bitwise_equal(ref_path: Path, got_path: Path, since: int | None = None) -> int:
+    """Compare two result files of the test scripts (``fingerprint.capture``) with the one comparison helper,
+    ``fingerprint.assert_same_run``: weights, every optimizer's state and param groups, every scheduler, loop
+    progress, every callback's state_dict, the precision plugin, the torch, CUDA, numpy and python RNG, and the values
+    logged (``since``: the step the compared run resumed from; it logged only from there). Returns the number of
+    tensors compared."""
+    from fingerprint import assert_same_run
+
     ref = torch.load(ref_path, weights_only=True)
     got = torch.load(got_path, weights_only=True)
-    assert got["global_step"] == ref["global_step"]
-    n = 0
-    for section in ("model", "optimizer"):
-        assert got[section].keys() == ref[section].keys()
-        for k, v in ref[section].items():
-            assert torch.equal(v.view(torch.uint8) if v.dim() else v, got[section][k].view(torch.uint8)
-                               if v.dim() else got[section][k]), f"{section}/{k} differs after resume"
-            n += 1
-    assert torch.equal(ref["lr"], got["lr"]), "learning rate differs"
-    assert torch.equal(ref["rng"], got["rng"]), "torch RNG state differs at the end of training"
-    if "cuda_rng" in ref or "cuda_rng" in got:
-        assert torch.equal(ref["cuda_rng"], got["cuda_rng"]), "CUDA RNG state differs at the end of training"
-    return n
+    assert_same_run(ref, got, since)
+
+    def count(obj) -> int:
+        if isinstance(obj, torch.Tensor):
+            return 1
+        if isinstance(obj, dict):
+            return sum(count(v) for v in obj.values())
+        if isinstance(obj, list):
+            return sum(count(v) for v in obj)
+        return 0
+
+    return count(ref)
+
+
+RESTORED = re.compile(r"^RESTORED step=(\d+) from=(\S+) rank=(\d+)$", re.M)
+
+
+def restores(output: str) -> list[tuple[int, str, int]]:
+    """The restores a run reported (``fingerprint.ReportRestore``), as (step, tier URL, rank)."""
+    return [(int(s), url, int(r)) for s, url, r in RESTORED.findall(output)]
+
+
+def assert_resumed(proc: subprocess.CompletedProcess[str], step: int, tier: str | Path, ranks: int = 1) -> None:
+    """The run (finished or killed) reported, on each of its ``ranks`` ranks, that it resumed from ``step`` of the
+    tier at ``tier`` (its URL or local path), and no other restore."""
+    got = sorted(restores(proc.stdout))
+    want = [(step, str(tier), r) for r in range(ranks)]
+    assert got == want, f"expected a resume from step {step} of {tier} on {ranks} rank(s), got {got}\n" \
+                        f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+
+
+def assert_fresh(proc: subprocess.CompletedProcess[str]) -> None:
+    """The run reported no restore: it started from the beginning."""
+    assert not restores(proc.stdout), f"expected a fresh start, got {restores(proc.stdout)}"
+
+
+CRASH_SEED_VAR = "LIGHTNING_SNAPSHOT_CRASH_SEED"
+
+
+@pytest.fixture
+def crash_rng(request) -> random.Random:
+    """The random source of a test's crash steps: seeded from $LIGHTNING_SNAPSHOT_CRASH_SEED when set, else from a
+    fresh random seed; the seed is printed (pytest shows it with a failure) and named in the test's report, so a
+    failing draw is rerun with ``LIGHTNING_SNAPSHOT_CRASH_SEED=<seed> pytest ...``."""
+    seed = int(os.environ[CRASH_SEED_VAR]) if os.environ.get(CRASH_SEED_VAR) else random.SystemRandom().randrange(2**32)
+    print(f"crash steps drawn with seed {seed}: rerun with {CRASH_SEED_VAR}={seed}")
+    request.node.user_properties.append(("crash_seed", seed))
+    return random.Random(seed)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    seed = dict(item.user_properties).get("crash_seed")
+    if seed is not None and report.when == "call" and report.failed:
+        report.sections.append(("crash seed", f"{CRASH_SEED_VAR}={seed}"))
 
 
 @pytest.fixture(scope="session")

@@ -5,11 +5,10 @@ tests/test_arena_cuda_path.py, and the cuda-registration-noop case in tests/test
 from __future__ import annotations
 
 import os
-import random
 
 import pytest
 import torch
-from conftest import assert_bitwise_equal, check_flush_after_death, run_train
+from conftest import assert_bitwise_equal, assert_resumed, check_flush_after_death, run_train
 from torch import nn
 
 from lightning_snapshot.staging.arena import HostArena
@@ -108,16 +107,21 @@ def test_cuda_rng_is_captured_and_restored():
 
 
 @pytest.mark.slow
-def test_single_gpu_sigkill_and_resume_is_bitwise_exact(tmp_path, reference_runs, monkeypatch):
+def test_single_gpu_sigkill_and_resume_is_bitwise_exact(tmp_path, reference_runs, monkeypatch, crash_rng):
+    from lightning_snapshot.backends import LocalTier
+    from lightning_snapshot.writer import committed_steps
+
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8"))
     args = ("--accelerator", "gpu", "--shuffle", "--dropout", "0.2")
     ref = reference_runs(*args)
-    crash_at = random.randint(5, 15)
+    crash_at = crash_rng.randint(5, 15)
     snaps = tmp_path / "snaps"
     run_train(snaps, tmp_path / "crashed.pt", *args, "--crash-at", str(crash_at), expect_kill=True)
+    newest = committed_steps(LocalTier(snaps))[0]
     proc = run_train(snaps, tmp_path / "resumed.pt", *args)
-    assert "RESTORED step=" in proc.stdout
-    assert_bitwise_equal(ref, tmp_path / "resumed.pt")
+    assert_resumed(proc, newest, snaps)
+    assert torch.load(ref, weights_only=True)["rng"]["cuda"], "the run did not use the GPU"
+    assert_bitwise_equal(ref, tmp_path / "resumed.pt", since=newest)
 
 
 @pytest.mark.slow
@@ -132,13 +136,13 @@ def test_gpu_precisions_sigkill_and_resume_match_an_uninterrupted_run(tmp_path, 
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8"))
     args = ("--trainer", 'accelerator="gpu"', "--trainer", f'precision="{precision}"')
     ref = assert_resume_matches(tmp_path, "val-interval", args, (5, 14))
-    assert ref["cuda_rng"], "the run did not use the GPU"
+    assert ref["rng"]["cuda"], "the run did not use the GPU"
     if precision == "16-mixed":
         assert "scale" in ref["precision"], ref["precision"]  # the GradScaler's state was compared
 
 
 @pytest.mark.slow
-def test_model_parallel_on_one_gpu_sigkill_and_resume_is_bitwise_exact(tmp_path, monkeypatch):
+def test_model_parallel_on_one_gpu_sigkill_and_resume_is_bitwise_exact(tmp_path, monkeypatch, crash_rng):
     """ModelParallelStrategy on one GPU (NCCL, FSDP2 on a mesh of one: DTensor parameters and optimizer state)."""
     from conftest import run_script
 
@@ -147,11 +151,15 @@ def test_model_parallel_on_one_gpu_sigkill_and_resume_is_bitwise_exact(tmp_path,
     common = ("--strategy", "mp", "--devices", "1", "--accelerator", "gpu", "--max-steps", "12")
     run_script("reshard_train.py", "--dir", str(tmp_path / "ref"), "--out", str(tmp_path / "ref.pt"), *common)
     snaps = tmp_path / "snaps"
-    crash_at = random.randint(5, 11)
+    crash_at = crash_rng.randint(5, 11)
     run_script("reshard_train.py", "--dir", str(snaps), "--out", str(tmp_path / "crashed.pt"), *common,
                "--crash-at", str(crash_at), expect_kill=True)
+    from lightning_snapshot.backends import LocalTier
+    from lightning_snapshot.writer import committed_steps
+
+    newest = committed_steps(LocalTier(snaps))[0]
     proc = run_script("reshard_train.py", "--dir", str(snaps), "--out", str(tmp_path / "resumed.pt"), *common)
-    assert "RESTORED step=" in proc.stdout, proc.stdout
+    assert f"RESTORED step={newest} rank=0" in proc.stdout, proc.stdout
     assert "cuda_rng" in torch.load(tmp_path / "ref.pt", weights_only=True)
     try:
         assert_bitwise_equal(tmp_path / "ref.pt", tmp_path / "resumed.pt")

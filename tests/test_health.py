@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from conftest import assert_bitwise_equal, run_train
+from conftest import assert_bitwise_equal, assert_resumed, run_train
 
 from lightning_snapshot import SnapshotCallback
 from lightning_snapshot.backends.local import LocalTier
@@ -270,7 +270,7 @@ def test_nan_after_step_n_resumes_from_n_bitwise_equal_to_a_run_without_the_nan(
     assert read_manifest(tier, 9).first_nonfinite == ("state_dict", "state_dict/net.0.weight")
     assert read_manifest(tier, 6).health_text == "healthy"
     proc = run_train(snaps, tmp_path / "resumed.pt")
-    assert "RESTORED step=6" in proc.stdout, proc.stdout
+    assert_resumed(proc, 6, snaps)
     warning = ("lightning-snapshot: skipping the unhealthy snapshot of step 9: tensor 'state_dict/net.0.weight' of"
                " 'state_dict' holds a NaN or an infinity. Resuming from the newest healthy snapshot (step 6)")
     assert proc.stderr.count(warning) == 1, proc.stderr

@@ -17,6 +17,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from fingerprint import assert_same_run, capture
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -100,14 +101,36 @@ def _loader() -> DataLoader:
 
 
 def _fit(model: L.LightningModule, root: Path, steps: int, *callbacks, resume=True) -> list[str]:
+    return _fit_run(model, root, steps, *callbacks, resume=resume)[1]
+
+
+def _fit_run(model: L.LightningModule, root: Path, steps: int, *callbacks, resume=True
+             ) -> tuple[dict, list[str], SnapshotCallback]:
+    """Fit ``model``; returns what it ended with (``fingerprint.capture``), the library's warnings and its
+    callback."""
+    snapshot = SnapshotCallback(LocalTier(root, every_n_train_steps=1, keep_last=50), resume=resume)
     trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=True, deterministic=True,
-                        callbacks=[*callbacks, SnapshotCallback(LocalTier(root, every_n_train_steps=1, keep_last=50),
-                                                                resume=resume)])
+                        callbacks=[*callbacks, snapshot])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(model, _loader())
-    return [str(w.message) for w in caught if "lightning-snapshot" in str(w.message)]
+    return (capture(trainer, model), [str(w.message) for w in caught if "lightning-snapshot" in str(w.message)],
+            snapshot)
+
+
+def _assert_resumes_exactly(make, root: Path, steps: int, cut_at: int, *callbacks) -> None:
+    """A fit of ``steps`` steps, and the same fit cut after the snapshot of ``cut_at`` (the newer snapshots deleted,
+    as a kill would have left them) and rerun: the rerun resumes from ``cut_at`` and ends as the whole fit did."""
+    whole = _fit_run(make(), root / "whole", steps, *callbacks)[0]
+    _fit(make(), root / "cut", steps, *callbacks)
+    for p in (root / "cut").glob("step-*"):
+        if int(p.name.split("-")[1]) > cut_at:
+            shutil.rmtree(p)
+    resumed, _, snapshot = _fit_run(make(), root / "cut", steps, *callbacks)
+    assert snapshot.restored_from is not None, "the rerun did not resume"
+    assert snapshot.restored_from[:2] == (str(root / "cut"), cut_at), snapshot.restored_from
+    assert_same_run(whole, resumed, since=cut_at)
 
 
 def _committed(root: Path) -> list[int]:
@@ -132,16 +155,8 @@ def test_an_ema_teacher_changed_in_training_step_is_snapshotted_at_its_step(tmp_
 
 
 def test_resume_from_a_snapshot_taken_while_the_teacher_changed_is_exact(tmp_path, slow_copy):
-    whole = Teacher("data")
-    _fit(whole, tmp_path / "whole", 8)
-    _fit(Teacher("data"), tmp_path / "cut", 8)
-    for p in (tmp_path / "cut").glob("step-*"):  # the run was killed after step 4's snapshot was committed
-        if int(p.name.split("-")[1]) > 4:
-            shutil.rmtree(p)
-    resumed = Teacher("data")
-    _fit(resumed, tmp_path / "cut", 8)
-    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values(), strict=True):
-        assert torch.equal(a, b), f"{name} differs after resuming from step 4"
+    # (the run was killed after step 4's snapshot was committed)
+    _assert_resumes_exactly(lambda: Teacher("data"), tmp_path, 8, 4)
 
 
 def test_a_trained_tensor_changed_in_training_step_drops_that_snapshot_never_commits_a_torn_one(tmp_path, slow_copy):
@@ -180,18 +195,9 @@ class Plain(L.LightningModule):
 def test_optimizer_state_changed_at_the_end_of_an_epoch_is_snapshotted_as_the_next_step_begins(tmp_path, slow_copy):
     """The last step of an epoch is staged at on_train_batch_end, then epoch-end hooks change the optimizer state
     while it is copied: the snapshot holds the state the next step begins with, and resuming from it is exact."""
-    whole = Plain()
-    _fit(whole, tmp_path / "whole", 12, ResetMoments())  # (8 batches per epoch)
+    _assert_resumes_exactly(Plain, tmp_path, 12, 8, ResetMoments())  # (8 batches per epoch)
     state = load_snapshot(tmp_path / "whole", step=8)
     assert all(not s["exp_avg"].any() for s in state["optimizer_states"][0]["state"].values())
-    _fit(Plain(), tmp_path / "cut", 12, ResetMoments())
-    for p in (tmp_path / "cut").glob("step-*"):
-        if int(p.name.split("-")[1]) > 8:
-            shutil.rmtree(p)
-    resumed = Plain()
-    _fit(resumed, tmp_path / "cut", 12, ResetMoments())
-    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values(), strict=True):
-        assert torch.equal(a, b), f"{name} differs after resuming from step 8"
 
 
 class FreezeAtEpoch1(Callback):

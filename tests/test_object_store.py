@@ -12,7 +12,7 @@ import warnings
 import lightning as L
 import pytest
 import torch
-from conftest import SCRIPTS, assert_bitwise_equal, run_train
+from conftest import SCRIPTS, assert_bitwise_equal, assert_resumed, run_train
 from torch.utils.data import DataLoader
 from train import Model, Squares, s3_options
 
@@ -52,11 +52,12 @@ def test_restore_from_the_object_store_alone_is_bitwise_identical(tmp_path, s3_s
     s3 = ("--s3", f"s3://{bucket}/run", "--endpoint", s3_server.endpoint)
     snaps = tmp_path / "snaps"
     run_train(snaps, tmp_path / "crashed.pt", *args, *s3, "--crash-at", "11", expect_kill=True)
-    assert committed_steps(s3_tier(s3_server, bucket))
+    committed = committed_steps(s3_tier(s3_server, bucket))
+    assert committed
     shutil.rmtree(snaps)  # the local tier is gone: only the bucket is left
     proc = run_train(snaps, tmp_path / "resumed.pt", *args, *s3)
-    assert f"from=s3://{bucket}/run" in proc.stdout, proc.stdout
-    assert_bitwise_equal(reference_runs(*args), tmp_path / "resumed.pt")
+    assert_resumed(proc, committed[0], f"s3://{bucket}/run")
+    assert_bitwise_equal(reference_runs(*args), tmp_path / "resumed.pt", since=committed[0])
 
 
 def fast_failing(server) -> dict:

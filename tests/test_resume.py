@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
-from conftest import assert_bitwise_equal, run_train
+from conftest import assert_bitwise_equal, assert_fresh, assert_resumed, run_train
 
 from lightning_snapshot.backends import LocalTier
 from lightning_snapshot.loader import read_manifest
 from lightning_snapshot.writer import committed_steps
-
-_rng = random.Random()
 
 # (id, train.py arguments, range of the crash step)
 CASES = [
@@ -27,29 +23,31 @@ CASES = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("args,crash_range", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_sigkill_and_resume_is_bitwise_exact(tmp_path, reference_runs, args, crash_range):
+def test_sigkill_and_resume_is_bitwise_exact(tmp_path, reference_runs, crash_rng, args, crash_range):
     ref = reference_runs(*args)
-    crash_at = _rng.randint(*crash_range)
+    crash_at = crash_rng.randint(*crash_range)
     snaps = tmp_path / "snaps"
-    run_train(snaps, tmp_path / "crashed.pt", *args, "--crash-at", str(crash_at), expect_kill=True)
-    assert committed_steps(LocalTier(snaps)), "the killed run committed no snapshot"
+    assert_fresh(run_train(snaps, tmp_path / "crashed.pt", *args, "--crash-at", str(crash_at), expect_kill=True))
+    committed = committed_steps(LocalTier(snaps))
+    assert committed, "the killed run committed no snapshot"
     proc = run_train(snaps, tmp_path / "resumed.pt", *args)
-    assert "RESTORED step=" in proc.stdout, f"crash at {crash_at}: the restarted run did not resume"
     try:
-        assert_bitwise_equal(ref, tmp_path / "resumed.pt")
+        assert_resumed(proc, committed[0], snaps)
+        assert_bitwise_equal(ref, tmp_path / "resumed.pt", since=committed[0])
     except AssertionError as e:
         raise AssertionError(f"crash at global_step {crash_at} ({args}): {e}") from None
 
 
 @pytest.mark.slow
-def test_ddp_two_ranks_sigkill_and_resume_is_bitwise_exact(tmp_path, reference_runs):
+def test_ddp_two_ranks_sigkill_and_resume_is_bitwise_exact(tmp_path, reference_runs, crash_rng):
     args = ("--devices", "2", "--shuffle", "--dropout", "0.2", "--max-steps", "12", "--every", "2")
     ref = reference_runs(*args)
-    crash_at = _rng.randint(5, 11)
+    crash_at = crash_rng.randint(5, 11)
     snaps = tmp_path / "snaps"
     run_train(snaps, tmp_path / "crashed.pt", *args, "--crash-at", str(crash_at), expect_kill=True)
+    committed = committed_steps(LocalTier(snaps))
     proc = run_train(snaps, tmp_path / "resumed.pt", *args)
-    assert proc.stdout.count("RESTORED step=") == 2, f"both ranks must resume: {proc.stdout}"
+    assert_resumed(proc, committed[0], snaps, ranks=2)
     assert_bitwise_equal(ref, tmp_path / "resumed.pt")
     assert_bitwise_equal(ref.with_name("out.pt.rank1"), tmp_path / "resumed.pt.rank1")
     # the replicated state was written once, by both ranks, each a disjoint share
@@ -71,7 +69,7 @@ def test_ddp_two_ranks_augmenting_in_persistent_loader_workers_resume_bitwise(tm
     snaps = tmp_path / "snaps"
     run_train(snaps, tmp_path / "crashed.pt", *args, "--crash-at", "9", "--crash-after-newest", expect_kill=True)
     proc = run_train(snaps, tmp_path / "resumed.pt", *args)
-    assert proc.stdout.count("RESTORED step=8") == 2, f"both ranks must resume from step 8: {proc.stdout}"
+    assert_resumed(proc, 8, snaps, ranks=2)
     assert_bitwise_equal(ref, tmp_path / "resumed.pt")
     assert_bitwise_equal(ref.with_name("out.pt.rank1"), tmp_path / "resumed.pt.rank1")
 
@@ -86,7 +84,7 @@ def test_crash_between_data_and_manifest_leaves_step_invisible(tmp_path, referen
     assert not (step_dir / "manifest.json").exists()
     assert committed_steps(LocalTier(snaps)) == [6, 3]
     proc = run_train(snaps, tmp_path / "resumed.pt", *args)
-    assert "RESTORED step=6" in proc.stdout
+    assert_resumed(proc, 6, snaps)
     assert_bitwise_equal(reference_runs(*args), tmp_path / "resumed.pt")
     # the re-run committed its own snapshots, the last step's at the end of fit, and retention (keep_last=2)
     # removed the rest, crashed write included

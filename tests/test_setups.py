@@ -1,8 +1,11 @@
 """Exact resume in the Lightning setups users run: each setup of tests/scripts/setups.py is SIGKILLed at a step
 that is not a snapshot step (for the validation setups: right after a snapshot step that is also a validation step),
-restarted, and compared with an uninterrupted run: weights, optimizer and scheduler state, every callback's state
-(EarlyStopping, ModelCheckpoint), the checkpoint files ModelCheckpoint left, the validation steps, the learning
-rates and the last batch trained."""
+restarted, and compared with an uninterrupted run by the one comparison helper (``fingerprint.assert_same_run``:
+weights, optimizer states and param groups, scheduler states, loop progress, every callback's state (EarlyStopping,
+ModelCheckpoint), the torch/CUDA/numpy/python RNG, every value logged), plus the checkpoint files ModelCheckpoint
+left, the validation steps, the learning rates and the last batch trained. Every run reports its restore when it
+happens, and each must have resumed from the newest committed snapshot (the first: started fresh). The uninterrupted
+run must also equal the same fit without the library (neutrality), run first in the same process."""
 
 from __future__ import annotations
 
@@ -10,40 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_script
+from conftest import assert_bitwise_equal, assert_fresh, assert_resumed, run_script
+from fingerprint import assert_same_run
 
-
-def assert_same(ref, got, path: str = "result") -> None:
-    """Recursive equality, tensors bitwise (dtype, shape and bytes)."""
-    if isinstance(ref, torch.Tensor):
-        assert isinstance(got, torch.Tensor), f"{path}: {type(got).__name__} instead of a tensor"
-        assert ref.dtype == got.dtype and ref.shape == got.shape, f"{path}: {got.dtype}{tuple(got.shape)}"
-        same = torch.equal(ref.reshape(-1).view(torch.uint8), got.reshape(-1).view(torch.uint8))
-        assert same, f"{path} differs after resume: {ref.flatten()[:4].tolist()} vs {got.flatten()[:4].tolist()}"
-    elif isinstance(ref, dict):
-        assert isinstance(got, dict) and ref.keys() == got.keys(), \
-            f"{path}: keys {sorted(ref)} vs {sorted(got) if isinstance(got, dict) else got!r}"
-        for k in ref:
-            assert_same(ref[k], got[k], f"{path}/{k}")
-    elif isinstance(ref, list):
-        assert isinstance(got, list) and len(ref) == len(got), f"{path}: {ref!r:.300} vs {got!r:.300}"
-        for i, (r, g) in enumerate(zip(ref, got)):
-            assert_same(r, g, f"{path}[{i}]")
-    else:
-        assert ref == got, f"{path}: {ref!r:.300} vs {got!r:.300}"
-
-
-def assert_same_logged(ref: dict[str, float], got: dict[str, float], crash: int) -> None:
-    """The values a resumed run logged (CSVLogger rows, ``METRIC@STEP``) equal the uninterrupted run's, and it
-    logged every value of the steps from the crash on. (Lightning's CSVLogger starts the metrics file anew in the
-    resumed process, so the rows before the snapshot are not in it.)"""
-    if not ref:
-        assert not got
-        return
-    differ = {k: (ref.get(k), v) for k, v in got.items() if ref.get(k) != v}
-    assert not differ, f"logged values differ after resume (ref, resumed): {dict(list(differ.items())[:6])}"
-    missing = sorted(k for k in ref if int(k.rsplit("@", 1)[1]) >= crash and k not in got)
-    assert not missing, f"not logged after resume: {missing[:10]}"
+from lightning_snapshot.backends import LocalTier
+from lightning_snapshot.writer import committed_steps
 
 
 def run_setup(tmp: Path, name: str, *args: str, expect_kill: bool = False):
@@ -113,24 +87,49 @@ def test_sigkill_and_resume_matches_an_uninterrupted_run(tmp_path, name, args, c
     assert_resume_matches(tmp_path, name, args, crashes)
 
 
+def crash_in_turn(d: Path, args, crashes, ranks: int = 1) -> int:
+    """Run ``setups.py args`` in ``d``, SIGKILLed at each of ``crashes`` in turn: the first run must start fresh, and
+    every later one report (when it restores, before the kill) a resume from the newest snapshot the killed run
+    before it committed, on every rank. Returns the newest step committed at the end."""
+    snaps = d / "snaps"
+    newest = None
+    for crash in crashes:
+        proc = run_setup(d, *args, "--crash-at", str(crash), expect_kill=True)
+        if newest is None:
+            assert_fresh(proc)
+        else:
+            assert_resumed(proc, newest, snaps, ranks=ranks)
+        committed = committed_steps(LocalTier(snaps))
+        assert committed, f"{args[0]}: the run killed at step {crash} committed nothing"
+        newest = committed[0]
+    assert newest is not None
+    return newest
+
+
 def assert_resume_matches(tmp_path: Path, name: str, args, crashes) -> dict:
     """One job killed at each crash step in turn (each run resumes from the snapshot the killed one left, and is
     killed at the next crash step), then run to the end: a resume of a resumed run is covered too, and a divergence
-    at any of the crash steps shows in the final state. Returns the uninterrupted run's result."""
-    run_setup(tmp_path / "ref", name, *args)
-    ref = torch.load(tmp_path / "ref" / "out.pt", weights_only=True)
-    d = tmp_path / "crashed"
-    for crash in crashes:
-        run_setup(d, name, *args, "--crash-at", str(crash), expect_kill=True)
-    proc = run_setup(d, name, *args)
-    assert "RESTORED step=" in proc.stdout, f"{name}: the run after the crash at {crashes[-1]} did not resume"
-    got = torch.load(d / "out.pt", weights_only=True)
+    at any of the crash steps shows in the final state. Every run after the first must report, when it restores
+    (before it trains), a resume from the newest snapshot committed in the tier, and the first a fresh start.
+
+    The uninterrupted reference run, with the callback, ends bitwise equal to the same fit without the library
+    (run first, in the same process: ``--neutrality``). Returns the uninterrupted run's result."""
+    run_setup(tmp_path / "ref", name, *args, "--neutrality")
+    ref = tmp_path / "ref" / "out.pt"
     try:
-        assert_same_logged(ref["logged"], got.pop("logged"), crashes[-1])
-        assert_same({k: v for k, v in ref.items() if k != "logged"}, got)
+        assert_bitwise_equal(Path(f"{ref}.nolib"), ref)
+    except AssertionError as e:
+        raise AssertionError(f"{name}: the run with SnapshotCallback differs from the run without it: {e}") from None
+    d = tmp_path / "crashed"
+    snaps = d / "snaps"
+    newest = crash_in_turn(d, (name, *args), crashes)
+    proc = run_setup(d, name, *args)
+    try:
+        assert_resumed(proc, newest, snaps)
+        assert_bitwise_equal(ref, d / "out.pt", since=newest)
     except AssertionError as e:
         raise AssertionError(f"{name}, SIGKILL at steps {crashes}: {e}") from None
-    return ref
+    return torch.load(ref, weights_only=True)
 
 
 @pytest.mark.slow
@@ -141,19 +140,15 @@ def test_learning_rate_finder_leaves_no_snapshot_of_its_trial_and_the_rerun_resu
     SIGKILL mid-epoch resumes (the temporary checkpoint is not a ckpt_path given to fit) and ends as an
     uninterrupted run, in the next epoch too (the trial set the loaders and the epoch's iterators up before the
     restore: they are made again from the restored position). Loader workers: 2."""
-    from lightning_snapshot.backends import LocalTier
-    from lightning_snapshot.writer import committed_steps
-
     args = ("lr-finder", "--max-steps", "20", "--workers", "2")
     run_setup(tmp_path / "ref", *args)
     assert committed_steps(LocalTier(tmp_path / "ref" / "snaps")) == [20, 16]
-    ref = torch.load(tmp_path / "ref" / "out.pt", weights_only=True)
     d = tmp_path / "crashed"
     run_setup(d, *args, "--crash-at", "10", expect_kill=True)
     assert committed_steps(LocalTier(d / "snaps")) == [8, 4], "a trial step of LearningRateFinder was snapshotted"
     proc = run_setup(d, *args)
-    assert "RESTORED step=8" in proc.stdout
-    assert_same(ref, torch.load(d / "out.pt", weights_only=True))
+    assert_resumed(proc, 8, d / "snaps")
+    assert_bitwise_equal(tmp_path / "ref" / "out.pt", d / "out.pt", since=8)
 
 
 @pytest.mark.slow
@@ -165,14 +160,11 @@ def test_ddp_stateful_loader_shuffled_resumes_exactly(tmp_path):
     (epochs of 8 steps) and again in the next epoch."""
     args = ("stateful-shuffle", "--trainer", 'strategy="ddp"', "--trainer", "devices=2")
     run_setup(tmp_path / "ref", *args)
-    ref = torch.load(tmp_path / "ref" / "out.pt", weights_only=True)
     d = tmp_path / "crashed"
-    for crash in (6, 11):
-        run_setup(d, *args, "--crash-at", str(crash), expect_kill=True)
+    assert crash_in_turn(d, args, (6, 11), ranks=2) == 8
     proc = run_setup(d, *args)
-    assert "RESTORED step=8" in proc.stdout
-    got = torch.load(d / "out.pt", weights_only=True)
-    assert_same({k: v for k, v in ref.items() if k != "logged"}, {k: v for k, v in got.items() if k != "logged"})
+    assert_resumed(proc, 8, d / "snaps", ranks=2)
+    assert_bitwise_equal(tmp_path / "ref" / "out.pt", d / "out.pt", since=8)
 
 
 def test_resuming_a_stateful_loader_with_workers_mid_epoch_warns_about_their_rng(tmp_path):
@@ -207,12 +199,11 @@ def test_a_finished_fit_continued_ends_as_one_longer_fit(tmp_path, name, first):
     on_train_end, which a longer run would not have done at step 14: the snapshot at the end of fit is taken
     before."""
     run_setup(tmp_path / "ref", name, "--max-steps", "24")
-    ref = torch.load(tmp_path / "ref" / "out.pt", weights_only=True)
     d = tmp_path / "continued"
     run_setup(d, name, "--max-steps", str(first))
     proc = run_setup(d, name, "--max-steps", "24")
-    assert f"RESTORED step={first}" in proc.stdout
-    assert_same(ref, torch.load(d / "out.pt", weights_only=True))
+    assert_resumed(proc, first, d / "snaps")
+    assert_bitwise_equal(tmp_path / "ref" / "out.pt", d / "out.pt", since=first)
 
 
 @pytest.mark.slow
@@ -220,12 +211,8 @@ def test_sigterm_snapshots_the_current_step_and_the_rerun_continues_exactly(tmp_
     """A preempted job (SIGTERM through Lightning's signal handling) snapshots the step it stopped at, although no
     snapshot was due (every 100 steps), and the rerun continues exactly. (Lightning ends the run with its
     ``SIGTERMException``, a ``SystemExit`` without a code: exit status 0.)"""
-    from lightning_snapshot.backends import LocalTier
-    from lightning_snapshot.writer import committed_steps
-
     args = ("--every", "100", "--max-steps", "24")
     run_setup(tmp_path / "ref", "val-interval", *args)
-    ref = torch.load(tmp_path / "ref" / "out.pt", weights_only=True)
     d = tmp_path / "preempted"
     proc = run_script("setups.py", "--dir", str(d), "--out", str(d / "out.pt"), "--setup", "val-interval", *args,
                       "--sigterm-at", "9")
@@ -233,8 +220,8 @@ def test_sigterm_snapshots_the_current_step_and_the_rerun_continues_exactly(tmp_
     assert steps and 9 <= steps[0] <= 10, f"no snapshot of the preempted step: {steps}\n{proc.stderr[-2000:]}"
     assert f"SIGTERM: step {steps[0]} is held by" in proc.stderr + proc.stdout
     proc = run_setup(d, "val-interval", *args)
-    assert f"RESTORED step={steps[0]}" in proc.stdout
-    assert_same(ref, torch.load(d / "out.pt", weights_only=True))
+    assert_resumed(proc, steps[0], d / "snaps")
+    assert_bitwise_equal(tmp_path / "ref" / "out.pt", d / "out.pt", since=steps[0])
 
 
 @pytest.mark.slow
@@ -247,11 +234,11 @@ def test_a_rerun_of_a_fit_that_stopped_early_stops_there_and_a_longer_one_trains
     first = torch.load(d / "out.pt", weights_only=True)
     assert first["global_step"] == 16, "the setup no longer stops early: the test needs a fit that stops early"
     proc = run_setup(d, "val-interval")
-    assert "RESTORED step=16" in proc.stdout
+    assert_resumed(proc, 16, d / "snaps")
     assert "was taken after training was asked to stop" in proc.stdout + proc.stderr
     again = torch.load(d / "out.pt", weights_only=True)
     assert again.pop("last_batch").numel() == 0, "the rerun trained a batch"
-    assert_same({k: v for k, v in first.items() if k != "last_batch"}, again)
+    assert_same_run({k: v for k, v in first.items() if k != "last_batch"}, again, since=16)
     run_setup(d, "val-interval", "--max-steps", "48")
     longer = torch.load(d / "out.pt", weights_only=True)
     assert longer["global_step"] > 16 and longer["val_steps"][:4] == [4, 8, 12, 16], longer["val_steps"]

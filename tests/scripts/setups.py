@@ -17,14 +17,15 @@ sampler of the user's own (bucketing by length, each bucket shuffled as it is re
 workers or in the main process; random masking drawn from a torch.Generator the model holds.
 
 Usage: python setups.py --setup NAME --dir SNAPDIR --out RESULT.pt [--crash-at S] [--every K] [--max-steps N]
-       [--max-epochs N] [--sigterm-at S]
+       [--max-epochs N] [--sigterm-at S] [--neutrality]
 
-Writes everything a resumed run must reproduce to RESULT.pt (plain tensors, dicts, lists, numbers and strings, read
-back with weights_only=True): weights, optimizer states, scheduler states, every callback's state_dict, the
-checkpoint files ModelCheckpoint left, the validation steps and learning rates seen, the last batch trained, which
-parameters are trainable, the gradient accumulation in force, and (setups with a logger) every value logged, by
-metric and step (the CSV rows a crashed run wrote after its snapshot are written again by the resumed run: the last
-row of a step counts).
+Writes everything a resumed run must reproduce to RESULT.pt (``fingerprint.capture``: weights, optimizer states
+with their param groups, scheduler states, loop progress, every callback's state_dict, the precision plugin, the
+torch/CUDA/numpy/python RNG, every value logged by metric and step), plus the checkpoint files ModelCheckpoint left,
+the validation steps and learning rates seen, the last batch trained, which parameters are trainable, the gradient
+accumulation in force and what callbacks keep outside their state_dict. A restore is printed when it happens
+(``RESTORED step=S from=URL rank=R``). ``--neutrality`` first runs the same fit without lightning-snapshot in this
+process (result RESULT.pt.nolib), for the comparison that shows the library does not change training.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from fingerprint import MemoryLogger, ReportRestore, capture
 from lightning_snapshot import SnapshotCallback
 from lightning_snapshot.backends import LocalTier
 from lightning_snapshot.writer import committed_steps
@@ -308,24 +310,6 @@ def plain(obj):
     return repr(obj)
 
 
-def logged(path: str) -> dict[str, float]:
-    """``{"METRIC@STEP": value}`` of a CSVLogger's metrics file (the last row of a step wins: a resumed run writes the
-    steps after its snapshot again); {} without one."""
-    if not os.path.exists(path):
-        return {}
-    import csv
-
-    out: dict[str, float] = {}
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            step = row.pop("step", "")
-            for key, value in row.items():
-                # (lightning-snapshot's own metrics are timings and byte counts, not training results)
-                if value not in ("", None) and not key.startswith(("snapshot/", "restore/")):
-                    out[f"{key}@{step}"] = float(value)
-    return out
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--setup", choices=SETUPS, required=True)
@@ -339,9 +323,21 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=-1, help="train loader workers (default: the setup's)")
     p.add_argument("--trainer", action="append", default=[], metavar="KEY=JSON",
                    help="another Trainer argument (e.g. check_val_every_n_epoch=2), over the setup's own")
+    p.add_argument("--neutrality", action="store_true",
+                   help="first run the same fit without lightning-snapshot (in DIR/nolib, result OUT.nolib), in this"
+                        " process, then the fit with it")
     a = p.parse_args()
+    if a.neutrality:
+        fit(a, os.path.join(a.dir, "nolib"), f"{a.out}.nolib", library=False)
+    fit(a, a.dir, a.out, library=True)
+
+
+def fit(a: argparse.Namespace, root: str, out: str, library: bool) -> None:
+    """One fit of setup ``a.setup`` in directory ``root``, its result saved to ``out``; ``library=False``: without
+    lightning-snapshot (no SnapshotCallback: Lightning's default checkpointing off unless the setup has a
+    ModelCheckpoint of its own)."""
     global ROOT
-    ROOT = os.path.abspath(a.dir)
+    ROOT = os.path.abspath(root)
 
     # aug-workers-plain: what a new user writes, no worker seeding of Lightning's (torch seeds each worker from the
     # loader's base seed, numpy and python included)
@@ -433,16 +429,24 @@ def main() -> None:
     for item in a.trainer:
         key, _, value = item.partition("=")
         trainer_kw[key] = json.loads(value)
-    tier = LocalTier(os.path.join(a.dir, "snaps"), every_n_train_steps=a.every, keep_last=2)
-    snapshot = SnapshotCallback([tier])
-    callbacks.append(snapshot)
-    if a.crash_at >= 0:
-        callbacks.append(Crash(a.crash_at, tier))
-    if a.sigterm_at >= 0:
-        callbacks.append(Preempt(a.sigterm_at))
+    memory = MemoryLogger()  # (every value logged, compared)
+    trainer_kw["logger"] = [trainer_kw["logger"], memory] if trainer_kw["logger"] else [memory]
+    trainer_kw.setdefault("log_every_n_steps", 1)
+    snapshot = None
+    if library:
+        tier = LocalTier(os.path.join(root, "snaps"), every_n_train_steps=a.every, keep_last=2)
+        snapshot = SnapshotCallback([tier])
+        callbacks += [snapshot, ReportRestore(snapshot)]
+        if a.crash_at >= 0:
+            callbacks.append(Crash(a.crash_at, tier))
+        if a.sigterm_at >= 0:
+            callbacks.append(Preempt(a.sigterm_at))
+    elif not any(isinstance(cb, ModelCheckpoint) for cb in callbacks):
+        trainer_kw["enable_checkpointing"] = False
     trainer = L.Trainer(**{"accelerator": "cpu", "devices": 1, "max_steps": max_steps, "max_epochs": max_epochs,
                            "callbacks": callbacks, "enable_progress_bar": False, "enable_model_summary": False,
-                           "deterministic": True, "num_sanity_val_steps": 0, **trainer_kw})
+                           "deterministic": True, "num_sanity_val_steps": 0, "default_root_dir": ROOT,
+                           **trainer_kw})
     if setup == "bs-finder":  # the loaders come from a datamodule whose batch_size the finder scales
         dm = L.LightningDataModule.from_datasets(train_dataset=Points(augment=True), val_dataset=Points(16, seed=1),
                                                  batch_size=4)
@@ -458,36 +462,24 @@ def main() -> None:
         trainer.fit(model, CombinedLoader({"long": train, "short": short}, mode="max_size_cycle"), val)
     else:
         trainer.fit(model, train, val)
-    result = {
-        "global_step": trainer.global_step,
-        "epoch": trainer.current_epoch,
-        "model": plain(model.state_dict()),
-        "optimizers": [plain(o.state_dict()) for o in trainer.optimizers],
-        "schedulers": [plain(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs],
-        "callbacks": {cb.state_key: plain(cb.state_dict()) for cb in trainer.callbacks
-                      if not isinstance(cb, (SnapshotCallback, Crash, Preempt))},
+    result = capture(trainer, model, ROOT, memory)
+    result.update({
         "checkpoint_files": sorted(os.listdir(ckpt_dir)) if os.path.isdir(ckpt_dir) else [],
         "val_steps": list(model.val_steps),
         "lrs": list(model.lrs),
         "last_batch": plain(model.last_batch),
-        "rng": torch.get_rng_state(),
-        "own_generator": model.net.mask_gen.get_state() if setup == "own-generator" else torch.zeros(0),
-        # (on a GPU: dropout draws from the CUDA generator; 16-mixed keeps its GradScaler's state in the plugin)
-        "cuda_rng": [plain(t) for t in torch.cuda.get_rng_state_all()] if torch.cuda.is_initialized() else [],
-        "precision": plain(trainer.precision_plugin.state_dict()),
+        "own_generator": model.net.mask_gen.get_state() if a.setup == "own-generator" else torch.zeros(0),
         "trainable": {n: p.requires_grad for n, p in model.named_parameters()},
         "accumulate_grad_batches": trainer.accumulate_grad_batches,
-        "logged": logged(os.path.join(ROOT, "logs", "version_0", "metrics.csv")),
         # what callbacks keep outside their state_dict (EMAWeightAveraging's averaged model, a user callback's
         # on_save_checkpoint state)
         "extra": {type(cb).__name__: plain(cb._average_model.state_dict() if isinstance(cb, EMAWeightAveraging)
                                            else {"loss_sum": cb.loss_sum, "validations": cb.validations})
                   for cb in trainer.callbacks if isinstance(cb, (EMAWeightAveraging, Tally))},
-    }
+    })
     if trainer.global_rank == 0:
-        torch.save(result, a.out)
-    if snapshot.restored_from is not None:
-        print(f"RESTORED step={snapshot.restored_from[1]}", flush=True)
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        torch.save(result, out)
 
 
 if __name__ == "__main__":

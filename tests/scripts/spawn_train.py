@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from fingerprint import capture
 from lightning_snapshot import SnapshotCallback
 from lightning_snapshot.backends import LocalTier
 
@@ -80,17 +81,9 @@ class SaveResult(L.Callback):
         self.snapshots = snapshots
 
     def on_train_end(self, trainer, pl_module):
-        opt = trainer.optimizers[0]
         restored = self.snapshots.restored_from
-        result = {
-            "global_step": trainer.global_step,
-            "model": {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()},
-            "optimizer": {f"{pid}/{k}": v.cpu().clone() for pid, st in opt.state_dict()["state"].items()
-                          for k, v in st.items()},
-            "lr": torch.tensor(opt.param_groups[0]["lr"], dtype=torch.float64),
-            "restored_step": -1 if restored is None else restored[1],
-            "pid": os.getpid(),
-        }
+        result = {**capture(trainer, pl_module), "restored_step": -1 if restored is None else restored[1],
+                  "pid": os.getpid()}
         torch.save(result, f"{self.out}.rank{trainer.global_rank}")
         if restored is not None:
             print(f"RESTORED step={restored[1]} rank={trainer.global_rank}", flush=True)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from fingerprint import ReportRestore, capture
 from lightning_snapshot import SnapshotCallback
 from lightning_snapshot.backends import LocalTier
 
@@ -150,19 +151,6 @@ class Crash(Checkpoint):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-class SayRestored(L.Callback):
-    """Print what the ``SnapshotCallback`` restored, when training starts (a run killed later still said it):
-    ``ATTEMPT a rank r: restored step=S from=URL`` or ``... restored nothing``."""
-
-    def __init__(self, snapshots, attempt: int) -> None:
-        self.snapshots, self.attempt = snapshots, attempt
-
-    def on_train_start(self, trainer, pl_module):
-        got = self.snapshots.restored_from
-        said = f"restored step={got[1]} from={got[0]}" if got is not None else "restored nothing"
-        print(f"ATTEMPT {self.attempt} rank {trainer.global_rank}: {said}", flush=True)
-
-
 class NanGradient(L.Callback):
     """Put a NaN into the first parameter's gradient right before the optimizer step that follows ``global_step ==
     at``: the parameters and optimizer state after that step (snapshots of ``at + 1`` on) hold NaNs, while the state
@@ -177,16 +165,16 @@ class NanGradient(L.Callback):
 
 
 class CrashAfterRestore(L.Callback):
-    """Print the restored step, then SIGKILL this process when training starts (a run that crashes right after every
-    restore); a run that restored nothing trains normally."""
+    """SIGKILL this process when training starts after a restore (a run that crashes right after every restore,
+    which ``ReportRestore`` listed before it has reported); a run that restored nothing trains normally."""
+
+    test_harness = True
 
     def __init__(self, snapshot_callback) -> None:
         self.cb = snapshot_callback
 
     def on_train_start(self, trainer, pl_module):
         if self.cb.restored_from is not None:
-            print(f"RESTORED step={self.cb.restored_from[1]} from={self.cb.restored_from[0]}"
-                  f" rank={trainer.global_rank}", flush=True)
             sys.stdout.flush()
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -275,6 +263,7 @@ def main() -> None:
                                      every_n_train_steps=a.s3_every or a.every, keep_last=2, retry_initial=0.1))
     callbacks = [SnapshotCallback(tiers, resume=not a.no_resume, collective_timeout=a.collective_timeout,
                                   max_restores=a.max_restores)]
+    callbacks.append(ReportRestore(callbacks[0]))  # (before CrashAfterRestore: the restore is reported first)
     if a.nan_at >= 0:
         callbacks.append(NanGradient(a.nan_at))
     if a.crash_after_restore:
@@ -290,7 +279,6 @@ def main() -> None:
         when, rank, step = (int(x) for x in entry.split(":"))
         if when == attempt and rank == int(os.environ.get("RANK", "0")):
             callbacks.append(Crash(step, tiers[:1] if a.ram_every else [], newest=True))
-    callbacks.append(SayRestored(callbacks[0], attempt))
     strategy = "ddp" if a.devices > 1 or a.num_nodes > 1 else "auto"
     if a.find_unused or a.static_graph:
         from lightning.pytorch.strategies import DDPStrategy
@@ -310,21 +298,9 @@ def main() -> None:
         deterministic=True,
     )
     trainer.fit(model, loader)
-    opt = trainer.optimizers[0]
-    result = {
-        "global_step": trainer.global_step,
-        "model": {k: v.cpu().clone() for k, v in model.state_dict().items()},
-        "optimizer": {f"{pid}/{k}": v.cpu().clone() for pid, st in opt.state_dict()["state"].items()
-                      for k, v in st.items()},
-        "lr": torch.tensor(opt.param_groups[0]["lr"], dtype=torch.float64),
-        "rng": torch.get_rng_state(),
-        **({"cuda_rng": torch.cuda.get_rng_state()} if torch.cuda.is_initialized() else {}),
-    }
+    result = capture(trainer, model)
     out = a.out if trainer.global_rank == 0 else f"{a.out}.rank{trainer.global_rank}"
     torch.save(result, out)
-    cb = callbacks[0]
-    if cb.restored_from is not None:
-        print(f"RESTORED step={cb.restored_from[1]} from={cb.restored_from[0]} rank={trainer.global_rank}", flush=True)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
