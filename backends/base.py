@@ -268,7 +268,9 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def read(self, key: str) -> bytes:
-        """The whole object ``key``. Raises ``FileNotFoundError`` naming ``key`` when it does not exist."""
+        """The whole object ``key``. Raises ``FileNotFoundError`` naming ``key`` when it does not exist.
+
+        Concurrent writers: an object replaced meanwhile reads as the old or the new one, whole."""
 
     def read_view(self, key: str) -> memoryview:
         """The whole object ``key`` as a read-only buffer (a backend may map it instead of copying it)."""
@@ -297,7 +299,8 @@ class Backend(abc.ABC):
         matters, so a half-deleted step is an uncommitted one."""
 
     def exists(self, key: str) -> bool:
-        """Whether the object ``key`` exists (a prefix with objects under it is not an object)."""
+        """Whether the object ``key`` exists (a prefix with objects under it is not an object). True only once it
+        can be read whole (see :meth:`write`)."""
         from lightning_snapshot.manifest import validate_key  # (lazy: the manifest module imports torch)
 
         parent, _, name = validate_key(key).rpartition("/")
