@@ -192,6 +192,8 @@ def _forget_gloo_addresses(timeout: datetime.timedelta) -> None:
     rank has connected: nothing reads them any more), so a relaunched attempt never connects to a dead port."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
         return
+    if os.environ.get("TORCH_GLOO_LAZY_INIT", "0").lower() not in ("0", "false", ""):
+        return  # (lazily connected pairs read their peer's address at their first collective: keep them)
     try:
         import torch.distributed as dist
 
