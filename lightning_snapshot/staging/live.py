@@ -118,11 +118,11 @@ def _module_eligible(m: _Module) -> bool:
 class _Plan:
     """What one full capture looked like, and how to check cheaply that a capture now would look the same."""
 
-    def __init__(self, head: dict[str, Any], module: _Module, optimizers: list[Any], obj: Any) -> None:
+    def __init__(self, head: dict[str, Any], module: _Module, optimizers: list[Any], obj: Any, full: Encoded) -> None:
+        """A plan for ``obj``, encoded as ``full``; ``ok`` says whether one could be made."""
         self.ok = False
-        tree, tensors = _tree.encode(obj, "")
-        self.names = list(tensors)
-        values = list(tensors.values())
+        tree, values = full.tree, full.tensors
+        names = self.names = full.names
         if not (
             type(obj) is dict
             and list(obj) == [*head, "state_dict", "optimizer_states"]
@@ -203,9 +203,9 @@ class _Plan:
                     if not (type(ref) is dict and type(ref.get("$tensor")) is str):
                         return
                     live[ref["$tensor"]] = v
-        if set(live) != set(self.names):
+        if set(live) != set(names):
             return  # a tensor the plan cannot find (in a parameter group, or the head)
-        order = [live[n] for n in self.names]
+        order = [live[n] for n in names]
         if not all(
             type(t) in _PLAIN
             and t.layout == torch.strided
@@ -306,13 +306,18 @@ class LiveCapture:
         self._plan: _Plan | None = None
         #: Full captures made (a new plan each); reused snapshots do not count.
         self.builds = 0
+        #: After a state no plan could be made for: captures left to make the full way before trying again, and how
+        #: many the next failure skips (doubling: a state that cannot be planned costs a plan attempt rarely).
+        self._skip = 0
+        self._backoff = 1
 
     def capture(
         self, head: dict[str, Any], module: _Module, optimizers: list[Any], full: Callable[[], dict[str, Any]]
     ) -> Encoded | dict[str, Any]:
-        """The state as :class:`Encoded` while the plan holds (or a new plan could be made); else ``full()``,
-        the state as a plain structure (to be encoded by the stager). ``full`` must return exactly the dict above,
-        made the ordinary way (``state_dict()`` calls)."""
+        """The state, encoded (:class:`Encoded`): from the plan while it holds; else from ``full()`` (which must
+        return exactly the dict above, made the ordinary way: ``state_dict()`` calls), from which a new plan is made
+        (its token is then new; None when no plan could be made). After a state no plan could be made for, the next
+        captures (1, 2, 4, ... up to 64) return ``full()`` as it is, without trying."""
         plan = self._plan
         tensors = plan.holds(module, optimizers) if plan is not None else None
         if plan is not None and tensors is not None:
@@ -321,11 +326,19 @@ class LiveCapture:
                 return Encoded(tree, plan.names, tensors, plan.token, versions(tensors))
         self._plan = None
         obj = full()
+        if self._skip:
+            self._skip -= 1
+            return obj
         self.builds += 1
-        plan = _Plan(head, module, optimizers, obj)
+        tree, tensors = _tree.encode(obj, "")
+        encoded = Encoded(tree, list(tensors), list(tensors.values()))
+        plan = _Plan(head, module, optimizers, obj, encoded)
         if plan.ok:
-            self._plan = plan
-        return obj
+            self._plan, self._backoff = plan, 1
+            encoded.token, encoded.versions = plan.token, versions(encoded.tensors)
+        else:
+            self._skip, self._backoff = self._backoff, min(2 * self._backoff, 64)
+        return encoded
 
     def signature(self, module: _Module, optimizers: list[Any]) -> tuple[Any, ...] | None:
         """What tells whether the model's or the optimizers' tensors were replaced or changed in place since: the
