@@ -914,8 +914,8 @@ class HostArena:
         ]
         slot.tensors = {entry[0]: view for entry, view in zip(plan.entries, slot.views, strict=True)}
         slot.bulk = list(map(slot.views.__getitem__, plan.bulk))
-        region = slot.region(plan.size)
-        slot.bulk_bytes = [region[offset : offset + nbytes] for _, offset, nbytes in plan.bulk_hashed]
+        packed = slot.region(plan.size)
+        slot.bulk_bytes = [packed[offset : offset + nbytes] for _, offset, nbytes in plan.bulk_hashed]
         slot.plan = plan
 
     # ------------------------------------------------------------------------------------------- staging

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import operator
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
@@ -99,7 +99,7 @@ def _ref(x: Any) -> Callable[[], Any]:
     return _none if x is None else weakref.ref(x)
 
 
-def _same(objs: list[Any], refs: list[Callable[[], Any]]) -> bool:
+def _same(objs: list[Any], refs: Sequence[Callable[[], Any]]) -> bool:
     """Whether ``objs`` are, one by one, the objects ``refs`` refer to (a dead reference matches nothing)."""
     return len(objs) == len(refs) and all(map(_is, objs, map(_call, refs)))
 
@@ -330,8 +330,8 @@ class LiveCapture:
             self._skip -= 1
             return obj
         self.builds += 1
-        tree, tensors = _tree.encode(obj, "")
-        encoded = Encoded(tree, list(tensors), list(tensors.values()))
+        tree, named = _tree.encode(obj, "")
+        encoded = Encoded(tree, list(named), list(named.values()))
         plan = _Plan(head, module, optimizers, obj, encoded)
         if plan.ok:
             self._plan, self._backoff = plan, 1
