@@ -86,11 +86,9 @@ def capture(trainer: Any, pl_module: Any) -> dict[str, Any]:
     """This state of the trainer, at the late capture point (right before the next batch is fetched, or between
     epochs). Cheap: no tensor is copied here (the caller stages the result)."""
     # (per parameter and per module, at every snapshot: one walk of each, the rest in C-level passes)
-    pairs = list(pl_module.named_parameters())
-    param_names = [n for n, _ in pairs]
-    params = [p for _, p in pairs]
-    names = dict(zip(map(id, params), param_names, strict=True))
     modules = list(pl_module.named_modules())
+    param_names, params = _named_parameters(modules)
+    names = dict(zip(map(id, params), param_names, strict=True))
     return {
         "param_groups": [_param_groups(_raw(opt), names) for opt in trainer.optimizers],
         "trainable": dict(zip(param_names, map(_REQUIRES_GRAD, params), strict=True)),
@@ -107,6 +105,22 @@ def capture(trainer: Any, pl_module: Any) -> dict[str, Any]:
         "stopped": _stop_limits(trainer) if trainer.should_stop else None,
         "generators": {path: gen.get_state() for path, gen in _module_generators(pl_module, modules).items()},
     }
+
+
+def _named_parameters(modules: list[tuple[str, Any]]) -> tuple[list[str], list[Any]]:
+    """``named_parameters()`` of the module whose ``named_modules()`` are ``modules``, as (names, parameters): the same
+    order and the same de-duplication, by identity (``named_parameters`` hashes each parameter through Python)."""
+    seen: set[int] = set()
+    names: list[str] = []
+    params: list[Any] = []
+    for prefix, module in modules:
+        for key, p in module._parameters.items():
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            names.append(f"{prefix}.{key}" if prefix else key)
+            params.append(p)
+    return names, params
 
 
 def _module_generators(pl_module: Any, modules: list[tuple[str, Any]] | None = None) -> dict[str, torch.Generator]:

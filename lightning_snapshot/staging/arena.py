@@ -284,6 +284,8 @@ class AsyncStaged:
     torn: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     #: The ``frozen_key`` it was staged under (which tensors it copies while training goes on).
     frozen_key: Any = None
+    #: ``watched`` as three lists (names, tensors, versions), when the arena made them so.
+    _watch: tuple[list[str], list[torch.Tensor], list[int]] | None = None
 
     def wait_copied(self) -> None:
         """Block until every byte is in the slot, which is then final until the slot is released (the checksums
@@ -323,8 +325,13 @@ class AsyncStaged:
         return bool(self._moved())
 
     def _moved(self) -> list[tuple[str, torch.Tensor]]:
-        now = _versions([t for _, t, _ in self.watched])
-        return [(name, t) for (name, t, version), v in zip(self.watched, now, strict=True) if v != version]
+        if not self.watched:
+            return []
+        names, tensors, versions = self._watch if self._watch is not None else zip(*self.watched, strict=True)
+        now = _versions(list(tensors))
+        if now == list(versions):  # (one C-level comparison; the loop below only when something moved)
+            return []
+        return [(name, t) for name, t, version, v in zip(names, tensors, versions, now, strict=True) if v != version]
 
     def settle(self) -> None:
         """On the training thread, once nothing can change the copy any more (the sources are fenced, the copy had
@@ -332,7 +339,7 @@ class AsyncStaged:
         (``torn``) and let the persist threads commit, or not. Idempotent."""
         if not self.fenced.is_set():
             self.torn = self._moved()
-            self.watched = []
+            self.watched, self._watch = [], None
             self.fenced.set()
 
     def await_fence(self, stop: threading.Event | None = None) -> None:
@@ -1014,6 +1021,7 @@ class HostArena:
             counted = obj.versions if isinstance(obj, Encoded) else None  # (read as it was captured, just now)
             now = list(map(counted.__getitem__, plan.watch)) if counted is not None else _versions(watched)
             handle.watched = list(zip(plan.watch_names, watched, now, strict=True))
+            handle._watch = (plan.watch_names, watched, now)
         handle._chunk_bytes = self.chunk_bytes
         if launch is not None:
             handle.cuda_event = launch.done[-1]
