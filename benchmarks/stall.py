@@ -63,6 +63,7 @@ Usage::
 
     python benchmarks/stall.py              # full: ~124M params (GPT-2 small, tied embeddings), 1.49 GB state
     python benchmarks/stall.py --quick      # ~21M params, under 2 minutes on 2 cores
+    python benchmarks/stall.py --model many # 195 Linear(8, 8): per-tensor cost, against one torch._foreach_copy_
     python benchmarks/stall.py --steps 44 --every 5 --methods ours-local,dcp
 
 Other processes on the machine (a test run, say) show up as noise in the wall-clock columns. The ``noise`` column
@@ -126,12 +127,16 @@ class ModelConfig:
     positions: int
     batch: int
     seq: int
+    kind: str = "gpt"  # "many": ``Many``, hundreds of tiny layers (layers x Linear(d_model, d_model))
 
 
 FULL = ModelConfig(vocab=50257, d_model=768, layers=12, heads=12, positions=1024, batch=2, seq=64)  # 124.4M
 QUICK = ModelConfig(vocab=16384, d_model=512, layers=4, heads=8, positions=1024, batch=2, seq=32)  # 21.5M
 # --device cuda: GPT-2 medium (354.8M params, 4.26 GB of fp32 params + AdamW state), 8 x 1024 tokens per micro-batch
 MEDIUM = ModelConfig(vocab=50257, d_model=1024, layers=24, heads=16, positions=1024, batch=8, seq=1024)
+# --model many: 195 Linear(8, 8) layers, 390 parameters (1,560 tensors with AdamW's exp_avg, exp_avg_sq and step),
+# a few hundred bytes each: what the snapshot costs per tensor, with next to no bytes to copy
+MANY = ModelConfig(vocab=256, d_model=8, layers=195, heads=1, positions=0, batch=4, seq=8, kind="many")
 
 
 class Block(nn.Module):
@@ -177,6 +182,24 @@ class GPT(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=3e-4, weight_decay=0.1)
 
 
+class Many(L.LightningModule):
+    """``layers`` tiny linear layers in a row (``--model many``): a state of many small tensors, AdamW."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.d, self.vocab = cfg.d_model, cfg.vocab
+        self.layers = nn.ModuleList(nn.Linear(cfg.d_model, cfg.d_model) for _ in range(cfg.layers))
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        x = batch[:, : self.d].float() / self.vocab
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=3e-4, weight_decay=0.1)
+
+
 class RandomTokens(torch.utils.data.Dataset):
     def __init__(self, n: int, seq: int, vocab: int) -> None:
         self.n, self.seq, self.vocab = n, seq, vocab
@@ -190,7 +213,7 @@ class RandomTokens(torch.utils.data.Dataset):
 
 def fresh_model(cfg: ModelConfig) -> GPT:
     torch.manual_seed(0)
-    return GPT(cfg)
+    return Many(cfg) if cfg.kind == "many" else GPT(cfg)  # type: ignore[return-value]  # (the same interface)
 
 
 # ================================================================================================ state helpers
@@ -444,6 +467,7 @@ class Bench:
     check_step: int = field(init=False)
     state_bytes: int = 0
     memcpy_s: float | None = None
+    foreach_s: float | None = None  # one torch._foreach_copy_ of the state's tensors into preallocated buffers
     device: str = "cpu"  # --device cuda: one GPU
     precision: str | None = None
     accumulate: int = 1
@@ -608,6 +632,8 @@ def run_none(bench: Bench) -> Row:
             bench.pinned_copy_s, line = pinned_copy(run.module, run.optimizer)
         else:
             bench.memcpy_s, line = memcpy(run.module, run.optimizer)
+            bench.foreach_s, more = foreach_copy(run.module, run.optimizer)
+            line += "\n" + more
         print(line, flush=True)
     return row
 
@@ -656,6 +682,22 @@ def memcpy(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[float, 
     return one, (f"state: {total / GB:.3f} GB ({len(tensors)} tensors: fp32 params + AdamW exp_avg/exp_avg_sq/step)\n"
             f"one memcpy of the state into a preallocated buffer: {one:.3f} s (ctypes.memmove, 1 thread,"
             f" {total / one / GB:.1f} GB/s); torch copy_ with {torch.get_num_threads()} threads: {threads:.3f} s")
+
+
+def foreach_copy(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[float, str]:
+    """One ``torch._foreach_copy_`` of every parameter and optimizer-state tensor into preallocated buffers (median of
+    21): the least a copy of that many tensors costs, per-tensor work included (the ``--model many`` reference)."""
+    tensors = [t.detach() for t in state_tensors(module, optimizer).values()]
+    buffers = [torch.empty_like(t) for t in tensors]
+
+    def copy() -> None:
+        with torch.no_grad():
+            torch._foreach_copy_(buffers, tensors)
+
+    copy()
+    one = statistics.median(timed(copy)[1] for _ in range(21))
+    return one, (f"one torch._foreach_copy_ of the state's {len(tensors)} tensors into preallocated buffers:"
+                 f" {one * 1000:.3f} ms (median of 21)")
 
 
 class NullTier(Backend):
@@ -941,6 +983,54 @@ def run_modelcheckpoint(bench: Bench, method: str) -> Row:
     return row
 
 
+_DROP = object()
+
+
+def dcp_stageable(state: Any, path: str = "") -> tuple[Any, list[str]]:
+    """``state`` with only what DCP's stager can copy (tensors, numbers, strings, bools, None, and dicts, lists and
+    tuples of them), as a user of DCP would hand it the model's and the optimizer's state dicts; returns it with the
+    paths of the values left out. (torch 2.11's stager raised ``KeyError: <class 'type'>`` on a class object in the
+    state.) Containers are new; the tensors are the state's own."""
+    dropped: list[str] = []
+
+    def keep(x: Any, at: str) -> Any:
+        if isinstance(x, dict):
+            out = {}
+            for k, v in x.items():
+                kept = keep(v, f"{at}/{k}")
+                if kept is not _DROP:
+                    out[k] = kept
+            return out
+        if isinstance(x, (list, tuple)):
+            items = [keep(v, f"{at}/{i}") for i, v in enumerate(x)]
+            if any(v is _DROP for v in items):
+                return _DROP
+            return items if isinstance(x, list) else tuple(items)
+        if x is None or isinstance(x, (torch.Tensor, bool, int, float, str)):
+            return x
+        dropped.append(f"{at} ({type(x).__name__})")
+        return _DROP
+
+    return keep(state, path), dropped
+
+
+def merge_loaded(into: Any, loaded: Any) -> None:
+    """Put the non-tensor values DCP loaded into ``loaded`` (a :func:`dcp_stageable` copy) back into ``into``, the
+    state dicts it was made from (tensors are loaded in place, so they are there already)."""
+    if isinstance(into, dict) and isinstance(loaded, dict):
+        for k, v in loaded.items():
+            if isinstance(into.get(k), (dict, list)) and isinstance(v, (dict, list)):
+                merge_loaded(into[k], v)
+            elif not isinstance(v, torch.Tensor):
+                into[k] = v
+    elif isinstance(into, list) and isinstance(loaded, list) and len(into) == len(loaded):
+        for i, v in enumerate(loaded):
+            if isinstance(into[i], (dict, list)) and isinstance(v, (dict, list)):
+                merge_loaded(into[i], v)
+            elif not isinstance(v, torch.Tensor):
+                into[i] = v
+
+
 class DcpCallback(Checkpoint):
     """``dcp.async_save`` every K steps with one reused stager; waits for staging before the next optimizer step."""
 
@@ -952,6 +1042,7 @@ class DcpCallback(Checkpoint):
         self._staging: cf.Future[Any] | None = None
         self._upload: cf.Future[Any] | None = None
         self._last = -1
+        self.dropped: set[str] = set()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         import torch.distributed.checkpoint as dcp
@@ -965,7 +1056,9 @@ class DcpCallback(Checkpoint):
         if self._upload is not None:
             self._upload.result()  # the reused stager's buffers may still be being written out
         model_sd, optim_sd = get_state_dict(pl_module, trainer.optimizers[0])
-        response = dcp.async_save({"model": model_sd, "optim": optim_sd},
+        state, dropped = dcp_stageable({"model": model_sd, "optim": optim_sd})
+        self.dropped.update(dropped)
+        response = dcp.async_save(state,
                                   storage_writer=dcp.FileSystemWriter(str(self.root / f"step-{step}")),
                                   async_stager=self.stager)
         response.staging_completion.add_done_callback(lambda _, s=step: self.staged.__setitem__(s, time.perf_counter()))
@@ -1006,6 +1099,9 @@ def run_dcp(bench: Bench) -> Row:
         finally:
             stager.close()
         fill_common(bench, row, run, callback.done)
+        if callback.dropped:
+            row.details.append("left out of DCP's state (its stager cannot copy them): "
+                               + ", ".join(sorted(callback.dropped)))
         staging = [callback.staged[s] - callback.started[s] for s in bench.schedule if s in callback.staged]
         if staging:
             row.details.append(f"staging (save call -> staging future done) per snapshot:"
@@ -1019,7 +1115,9 @@ def run_dcp(bench: Bench) -> Row:
 
         def load(module: GPT, optimizer: torch.optim.Optimizer) -> None:
             model_sd, optim_sd = get_state_dict(module, optimizer)
-            dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(target))
+            state, _ = dcp_stageable({"model": model_sd, "optim": optim_sd})
+            dcp.load(state, checkpoint_id=str(target))
+            merge_loaded({"model": model_sd, "optim": optim_sd}, state)
             set_state_dict(module, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
         row.restore_s, row.consistency = restore_into_fresh(bench, load, target, reference)
@@ -1282,6 +1380,10 @@ def targets(bench: Bench, rows: list[Row], base: Baseline, check: harness.Target
         if m in by and by[m].stall_ms:
             s = statistics.median(by[m].stall_ms)
             check.check(s <= 5.0, f"{m}: median stall {s:.1f} ms <= 5 ms", s, 5.0)
+            if bench.cfg.kind == "many" and bench.foreach_s:
+                ref = bench.foreach_s * 1000
+                check.check(s <= 3 * ref, f"{m}: median stall {s:.2f} ms <= 3 x one _foreach_copy_ of the same"
+                                          f" tensors ({ref:.3f} ms) = {3 * ref:.2f} ms ({s / ref:.1f}x)", s, 3 * ref)
     ref = by.get(REFERENCE)
     if ref and best:
         for name, fn in (("overhead", base.overhead), ("ovh p50", base.overhead_p50)):
@@ -1337,6 +1439,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="~21M-parameter model, fewer steps (< 2 minutes)")
+    parser.add_argument("--model", choices=["gpt", "many"], default="gpt",
+                        help="many: 195 Linear(8, 8) layers (1,560 tensors with AdamW, a few hundred bytes each),"
+                             " snapshot every 4 steps, 20 snapshots; the stall is compared with one"
+                             " torch._foreach_copy_ of the same tensors")
     parser.add_argument("--steps", type=int, help="optimizer steps per run (default: full 44, quick 14)")
     parser.add_argument("--every", type=int, help="snapshot every K steps, K >= 2 (default: full 5, quick 3)")
     parser.add_argument("--methods", default=",".join(METHODS.names),
@@ -1357,8 +1463,11 @@ def main(argv: list[str] | None = None) -> int:
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA GPU")
-    every = args.every or (10 if cuda else 3 if args.quick else 5)
-    steps = args.steps or ((3 if args.quick else 6) * every + 2 if cuda
+    many = args.model == "many"
+    if many and cuda:
+        parser.error("--model many runs on CPU")
+    every = args.every or (4 if many else 10 if cuda else 3 if args.quick else 5)
+    steps = args.steps or (21 * every - 1 if many else (3 if args.quick else 6) * every + 2 if cuda
                            else 5 * every - 1 if args.quick else 9 * every - 1)
     if every < 2 or steps < every:
         parser.error("need --every >= 2 and --steps >= --every")
@@ -1368,7 +1477,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
     root = Path(tempfile.mkdtemp(prefix="ls-stall-", dir=args.dir))
-    bench = Bench(MEDIUM if cuda else QUICK if args.quick else FULL, steps, every, root, device=args.device,
+    bench = Bench(MANY if many else MEDIUM if cuda else QUICK if args.quick else FULL, steps, every, root,
+                  device=args.device,
                   precision="bf16-mixed" if cuda else None, accumulate=args.accumulate or (4 if cuda else 1),
                   restore=args.restore)
     n_params = sum(p.numel() for p in fresh_model(bench.cfg).parameters())
@@ -1396,7 +1506,8 @@ def main(argv: list[str] | None = None) -> int:
     report(bench, rows, out)
     foreign = sum(r.foreign_cpu_s for r in rows)
     out.say(f"\nother processes used {foreign:.0f} CPU-s during the training runs that were kept")
-    return out.finish(state_bytes=bench.state_bytes, memcpy_s=bench.memcpy_s, pinned_copy_s=bench.pinned_copy_s,
+    return out.finish(state_bytes=bench.state_bytes, memcpy_s=bench.memcpy_s, foreach_s=bench.foreach_s,
+                      pinned_copy_s=bench.pinned_copy_s,
                       runs=rows)
 
 

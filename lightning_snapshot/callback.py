@@ -26,16 +26,16 @@ from lightning_snapshot.capture import (
     adopt_pruning,
     capture_late,
     capture_rng,
-    capture_shared,
+    capture_shared_live,
     check_model,
     check_optimizers,
     frozen_predicate,
     is_sharded,
-    model_signature,
     optimized_key,
     restore_rng,
     restore_shared,
     restore_targets,
+    shared_signature,
     templates,
 )
 from lightning_snapshot.comm import Comm, GroupComm, LocalComm, StrategyComm, new_gloo_groups
@@ -1209,7 +1209,7 @@ class SnapshotCallback(Checkpoint):
             try:
                 frozen, key = self._frozen(trainer)
                 arena.plan_ahead(
-                    capture_shared(trainer, pl_module),
+                    capture_shared_live(trainer, pl_module, arena.live),
                     frozen,
                     rank=self._comm.rank,
                     world_size=self._comm.world_size,
@@ -1339,9 +1339,9 @@ class SnapshotCallback(Checkpoint):
         assert self._arena is not None
         self._planned = True  # (the first snapshot plans itself if no earlier step did)
         try:  # every rank stages (and later writes) its own share of the replicated state
-            shared = capture_shared(trainer, pl_module)
+            shared = capture_shared_live(trainer, pl_module, self._arena.live)
             frozen, key = self._frozen(trainer)
-            self._staged_signature = (model_signature(pl_module), key)
+            self._staged_signature = (shared_signature(trainer, pl_module, self._arena.live, shared), key)
             staged = self._arena.stage_async(
                 shared,
                 frozen,
@@ -1381,7 +1381,8 @@ class SnapshotCallback(Checkpoint):
         pl_module = trainer.lightning_module
         # (and whether the optimizers still train the same parameters: a parameter frozen at the start of an epoch
         # is one user code may now change in place during the step, which only a copy made at once keeps)
-        now = (model_signature(pl_module), optimized_key(trainer.optimizers))
+        live = self._arena.live if self._arena is not None else None
+        now = (shared_signature(trainer, pl_module, live), optimized_key(trainer.optimizers))
         if self._comm.all_true(now == self._staged_signature and not staged.changed()):
             return staged  # (nor was the optimizer state: a callback may reset it at the end of an epoch)
         log.debug("lightning-snapshot: the model changed after step %d was staged; staging it again", step)

@@ -15,6 +15,7 @@ callbacks reacting to it, epoch-end hooks and scheduler steps: loops, callbacks,
 from __future__ import annotations
 
 import itertools
+import operator
 import random
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -28,6 +29,7 @@ from lightning_snapshot import fit_state as _fit_state
 from lightning_snapshot import tree as _tree
 from lightning_snapshot.errors import ManifestError, StateMismatchError
 from lightning_snapshot.staging import dtensor_box, is_dtensor, local_tensor
+from lightning_snapshot.staging.live import Encoded, LiveCapture
 
 __all__ = [
     "Templates",
@@ -35,6 +37,7 @@ __all__ = [
     "capture_late",
     "capture_rng",
     "capture_shared",
+    "capture_shared_live",
     "check_model",
     "check_optimizers",
     "checkpoint_view",
@@ -45,6 +48,7 @@ __all__ = [
     "restore_rng",
     "restore_shared",
     "restore_targets",
+    "shared_signature",
     "templates",
 ]
 
@@ -102,6 +106,48 @@ def capture_shared(trainer: Any, pl_module: Any) -> dict[str, Any]:
         "optimizer_states": optimizer_states,
     }
     return ckpt
+
+
+def _plain_state_dicts(trainer: Any) -> bool:
+    """Whether the strategy's model and optimizer state dicts are the module's and the optimizers' own
+    (single device, DDP): then a capture plan (:class:`~lightning_snapshot.staging.live.LiveCapture`) may stand
+    for them."""
+    from lightning.pytorch.strategies import Strategy
+
+    cls = type(trainer.strategy)
+    return (
+        not is_sharded(trainer.strategy)
+        and cls.lightning_module_state_dict is Strategy.lightning_module_state_dict
+        and cls.optimizer_state is Strategy.optimizer_state
+        and not any(hasattr(_raw_optimizer(o), "consolidate_state_dict") for o in trainer.optimizers)
+    )
+
+
+def capture_shared_live(trainer: Any, pl_module: Any, live: LiveCapture) -> Encoded | dict[str, Any]:
+    """:func:`capture_shared`, through the capture plan ``live`` where the strategy allows (then, while the plan
+    holds, already encoded, at a cost nearly constant in the number of tensors); the same state either way."""
+    if not _plain_state_dicts(trainer):
+        live.clear()
+        return capture_shared(trainer, pl_module)
+    head = {"global_step": trainer.global_step, "pytorch-lightning_version": lightning.__version__}
+    optimizers = [_raw_optimizer(opt) for opt in trainer.optimizers]
+    return live.capture(head, trainer.strategy.lightning_module, optimizers, lambda: capture_shared(trainer, pl_module))
+
+
+def shared_signature(
+    trainer: Any, pl_module: Any, live: LiveCapture | None, captured: Encoded | dict[str, Any] | None = None
+) -> tuple[Any, ...]:
+    """What tells whether the model's tensors (or, while a capture plan holds, the optimizer state) were changed in
+    place or replaced since: the capture plan's, while it holds; else :func:`model_signature`. ``captured``: the
+    state just captured (:func:`capture_shared_live`), whose signature it is then."""
+    sig = captured.signature() if isinstance(captured, Encoded) else None
+    if sig is not None:
+        return sig
+    if live is not None and _plain_state_dicts(trainer):
+        sig = live.signature(trainer.strategy.lightning_module, [_raw_optimizer(o) for o in trainer.optimizers])
+        if sig is not None:
+            return sig
+    return model_signature(pl_module)
 
 
 def model_signature(module: torch.nn.Module) -> tuple[Any, ...]:
@@ -222,7 +268,11 @@ def checkpoint_view(ckpt: dict[str, Any]) -> dict[str, Any]:
 def optimized_key(optimizers: Iterable[Any]) -> tuple[Any, ...]:
     """What :func:`frozen_predicate` depends on: each optimizer's parameters, and which of them require a gradient.
     Cheap (no data is read); a staging plan made under another key is not reused."""
-    return tuple((id(p), p.requires_grad) for opt in optimizers for g in opt.param_groups for p in g["params"])
+    params = list(itertools.chain.from_iterable(g["params"] for opt in optimizers for g in opt.param_groups))
+    return tuple(zip(map(id, params), map(_REQUIRES_GRAD, params), strict=True))
+
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def frozen_predicate(optimizers: Iterable[Any]) -> Callable[[torch.Tensor], bool]:

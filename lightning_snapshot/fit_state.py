@@ -43,8 +43,10 @@ Everything is tensors and plain values (no pickle); private Lightning attributes
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
+import operator
 import os
 import warnings
 from typing import Any, cast
@@ -83,40 +85,62 @@ def _raw(opt: Any) -> Any:
 def capture(trainer: Any, pl_module: Any) -> dict[str, Any]:
     """This state of the trainer, at the late capture point (right before the next batch is fetched, or between
     epochs). Cheap: no tensor is copied here (the caller stages the result)."""
-    params = list(pl_module.named_parameters())
-    names = {id(p): n for n, p in params}
+    # (per parameter and per module, at every snapshot: one walk of each, the rest in C-level passes)
+    modules = list(pl_module.named_modules())
+    param_names, params = _named_parameters(modules)
+    names = dict(zip(map(id, params), param_names, strict=True))
     return {
         "param_groups": [_param_groups(_raw(opt), names) for opt in trainer.optimizers],
-        "trainable": {n: bool(p.requires_grad) for n, p in params},
+        "trainable": dict(zip(param_names, map(_REQUIRES_GRAD, params), strict=True)),
         "track_running_stats": {
-            n: bool(m.track_running_stats)
-            for n, m in pl_module.named_modules()
-            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+            n: bool(m.track_running_stats) for n, m in modules if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
         },
         "accumulate_grad_batches": int(trainer.accumulate_grad_batches),
         "train_results": _train_results(trainer),
         "logger_connector": _logger_connector_state(trainer),
         "checkpoint_files": _checkpoint_files(trainer),
         "grads": _reused_grads(trainer, pl_module),
-        "metrics": _metric_states(pl_module),
+        "metrics": _metric_states(pl_module, modules),
         "train_dl_epoch": _train_dl_epoch(trainer),
         "stopped": _stop_limits(trainer) if trainer.should_stop else None,
-        "generators": {path: gen.get_state() for path, gen in _module_generators(pl_module).items()},
+        "generators": {path: gen.get_state() for path, gen in _module_generators(pl_module, modules).items()},
     }
 
 
-def _module_generators(pl_module: Any) -> dict[str, torch.Generator]:
+def _named_parameters(modules: list[tuple[str, Any]]) -> tuple[list[str], list[Any]]:
+    """``named_parameters()`` of the module whose ``named_modules()`` are ``modules``, as (names, parameters): the same
+    order and the same de-duplication, by identity (``named_parameters`` hashes each parameter through Python)."""
+    seen: set[int] = set()
+    names: list[str] = []
+    params: list[Any] = []
+    for prefix, module in modules:
+        for key, p in module._parameters.items():
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            names.append(f"{prefix}.{key}" if prefix else key)
+            params.append(p)
+    return names, params
+
+
+def _module_generators(pl_module: Any, modules: list[tuple[str, Any]] | None = None) -> dict[str, torch.Generator]:
     """The ``torch.Generator`` objects the module and its submodules hold as attributes, by ``module.attribute``
-    path (a random masking or noise drawn from a generator of the model's own, not the global RNG)."""
-    # (on the training thread at every snapshot: about 1 us a module; names are made only when one is found)
-    held = [(module, attr) for module in pl_module.modules() for attr, v in module.__dict__.items() if type(v) is _GEN]
-    if not held:
-        return {}
-    names = {id(module): name for name, module in pl_module.named_modules()}
-    return {f"{names[id(m)]}.{a}" if names[id(m)] else a: m.__dict__[a] for m, a in held}
+    path (a random masking or noise drawn from a generator of the model's own, not the global RNG). ``modules``:
+    ``pl_module.named_modules()``, if the caller has it."""
+    # (on the training thread at every snapshot: a C-level pass over each module's attributes; the attributes of
+    # the modules that hold one are looked at by name only then)
+    named = modules if modules is not None else list(pl_module.named_modules())
+    out: dict[str, torch.Generator] = {}
+    for name, module in named:
+        if _GEN in map(type, module.__dict__.values()):
+            for attr, v in module.__dict__.items():
+                if type(v) is _GEN:
+                    out[f"{name}.{attr}" if name else attr] = v
+    return out
 
 
 _GEN = torch.Generator
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def restore_generators(pl_module: Any, saved: dict[str, Any] | None) -> None:
@@ -190,7 +214,7 @@ def _metric_classes() -> tuple[type, ...]:
     return (Metric,)
 
 
-def _metric_states(pl_module: Any) -> dict[str, Any]:
+def _metric_states(pl_module: Any, modules: list[tuple[str, Any]] | None = None) -> dict[str, Any]:
     """The accumulated state of every ``torchmetrics.Metric`` in the module, by module name: its states (tensors,
     or lists of tensors for concatenating metrics) and its update count. They are not in the module's
     ``state_dict`` (torchmetrics states are not persistent by default), and a metric logged with ``on_epoch=True``
@@ -199,7 +223,7 @@ def _metric_states(pl_module: Any) -> dict[str, Any]:
     if not classes:
         return {}
     out: dict[str, Any] = {}
-    for name, module in pl_module.named_modules():
+    for name, module in modules if modules is not None else pl_module.named_modules():
         if isinstance(module, classes):
             states = {}
             for key in getattr(module, "_defaults", {}):  # torchmetrics' registry of add_state names
@@ -262,7 +286,7 @@ def _param_groups(opt: Any, names: dict[int, str]) -> list[dict[str, Any]]:
     return [
         {
             "hyper": {k: v for k, v in g.items() if k not in ("params", "param_names")},
-            "names": [names.get(id(p), "") for p in g["params"]],
+            "names": list(map(names.get, map(id, g["params"]), itertools.repeat(""))),
         }
         for g in opt.param_groups
     ]

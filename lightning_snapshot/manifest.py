@@ -389,6 +389,8 @@ class _Reader:
         return value
 
     def shape(self, value: Any, path: str) -> tuple[int, ...]:
+        if type(value) is list and len(value) <= _MAX_DIMS and all(type(v) is int and 0 <= v <= 2**62 for v in value):
+            return tuple(value)  # (the common case, checked at once; the loop below says what is wrong)
         items = self.list_(value, path)
         if len(items) > _MAX_DIMS:
             raise self.fail(path, f"{len(items)} dimensions is more than {_MAX_DIMS}")
@@ -450,7 +452,7 @@ def _parse_tensor(
     global_shape = r.shape(d["global_shape"], f"{p}.global_shape")
     if kind == "alias":
         return TensorEntry(name, dtype, global_shape, (), r.str_(d["alias_of"], f"{p}.alias_of"))
-    itemsize = torch.empty((), dtype=torch_dtype).element_size()
+    itemsize = torch_dtype.itemsize
     frags = []
     for j, fraw in enumerate(r.list_(d["fragments"], f"{p}.fragments")):
         fp = f"{p}.fragments[{j}]"
@@ -478,9 +480,11 @@ def _parse_tensor(
             raise r.fail(
                 fp, f"bytes [{offset}, {offset + nbytes}) lie outside object {obj!r} of {m_objects[obj]} bytes"
             )
-        sums = tuple(
-            r.str_(s, f"{fp}.checksums[{k}]") for k, s in enumerate(r.list_(fd["checksums"], f"{fp}.checksums"))
-        )
+        raw_sums = fd["checksums"]
+        if type(raw_sums) is list and all(type(s) is str for s in raw_sums):
+            sums = tuple(raw_sums)  # (the common case; the checks below say what is wrong otherwise)
+        else:
+            sums = tuple(r.str_(s, f"{fp}.checksums[{k}]") for k, s in enumerate(r.list_(raw_sums, f"{fp}.checksums")))
         if len(sums) != max(1, -(-nbytes // chunk_bytes)) or not all(_HEX_RE.match(s) for s in sums):
             raise r.fail(
                 fp + ".checksums",

@@ -238,7 +238,7 @@ class _TierWorker:
                 pass  # the agent applied retention
             elif self.comm.rank == 0 or getattr(self.tier, "node_leader", False):  # (RAM: each node its own)
                 try:
-                    apply_retention(self.tier, job.step, pinned=self.p.pinned(self.index))
+                    apply_retention(self.tier, job.step, pinned=self.p.pinned(self.index), manifest=manifest)
                 except Exception as e:  # noqa: BLE001 - the snapshot is committed; cleanup waits for the next one
                     log.warning(
                         "lightning-snapshot: retention in the %s tier %s failed: %s",

@@ -490,13 +490,16 @@ def delete_step(backend: Backend, step: int) -> None:
     backend.delete(name)
 
 
-def apply_retention(backend: Backend, newest: int, pinned: Collection[int] = ()) -> list[int]:
+def apply_retention(
+    backend: Backend, newest: int, pinned: Collection[int] = (), manifest: Manifest | None = None
+) -> list[int]:
     """Delete committed snapshots beyond ``keep_last`` and uncommitted leftovers older than ``newest``.
 
     ``newest`` (the step just committed and verified) is never deleted, whatever ``keep_last`` says, nor is the newest
     healthy snapshot (no NaN or infinity recorded in its manifest), nor are the ``pinned`` steps (another tier still
     uploads them from this one; a later retention deletes them). Called by rank 0 only, after the commit, when no
-    write of this run is in flight.
+    write of this run is in flight. ``manifest``: ``newest``'s, when the caller has it parsed already (it is not read
+    again).
 
     Returns the deleted steps.
     """
@@ -504,7 +507,7 @@ def apply_retention(backend: Backend, newest: int, pinned: Collection[int] = ())
     committed = committed_steps(backend)
     keep = {newest, *pinned}
     if backend.keep_last is not None:
-        keep |= _newest_healthy(backend, committed)
+        keep |= _newest_healthy(backend, committed, {newest: manifest} if manifest is not None else {})
     expired = set(expired_snapshots(committed, backend.keep_last, keep))
     for name in backend.list(""):
         step = parse_step_dirname(name)
@@ -519,14 +522,14 @@ def apply_retention(backend: Backend, newest: int, pinned: Collection[int] = ())
     return deleted
 
 
-def _newest_healthy(backend: Backend, committed: list[int]) -> set[int]:
+def _newest_healthy(backend: Backend, committed: list[int], parsed: dict[int, Manifest]) -> set[int]:
     """The newest committed step whose manifest records no non-finite value (or no health: written before it was
     recorded), as a one-element set; empty when none is. Retention keeps it whatever ``keep_last`` says, so that a run
     that went on training with NaNs still has a healthy snapshot to resume from. Reads the newest manifest only,
-    unless it is unhealthy."""
+    unless it is unhealthy (``parsed``: manifests the caller has, by step, not read again)."""
     for step in committed:
         try:
-            manifest = Manifest.from_json(
+            manifest = parsed.get(step) or Manifest.from_json(
                 backend.read(f"{step_dirname(step)}/{MANIFEST_NAME}"),
                 where=f"manifest of step {step} in {backend.url!r}",
             )

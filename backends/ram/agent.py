@@ -569,7 +569,7 @@ class Agent:
             raise
         _remove_unreferenced(tier, prefix, manifest)
         try:
-            apply_retention(tier, step)
+            apply_retention(tier, step, manifest=manifest)
         except Exception as e:  # noqa: BLE001 - the snapshot is committed; cleanup waits for the next one
             log.warning("retention in %s failed: %s", tier.url, self._describe(hello, {"tier": index}, e))
         return manifest.total_bytes

@@ -76,9 +76,13 @@ class StagedState:
     #: The staged tensors holding a NaN or an infinity, the first of each health group (see
     #: :func:`nonfinite_tensors`); None until computed.
     nonfinite: list[str] | None = None
+    #: The bytes of ``tensors`` when the stager knows them already (the arena's plan), else None.
+    total_bytes: int | None = None
 
     @property
     def nbytes(self) -> int:
+        if self.total_bytes is not None:
+            return self.total_bytes
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 

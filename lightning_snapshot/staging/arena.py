@@ -29,6 +29,7 @@ import ctypes
 import errno
 import itertools
 import logging
+import operator
 import os
 import resource
 import threading
@@ -47,6 +48,7 @@ from lightning_snapshot.planner import align_up, assign_writers, chunk_ranges, p
 from lightning_snapshot.staging import SMALL_HASH as _SMALL
 from lightning_snapshot.staging import StagedState, chunk_digests, prepare_tensors, tensor_bytes
 from lightning_snapshot.staging import digest as digest_of
+from lightning_snapshot.staging.live import Encoded, LiveCapture
 
 __all__ = [
     "FAKE_REGISTER_ENV",
@@ -235,6 +237,9 @@ class ArenaSlot:
     plan: _Plan | None = None
     views: list[torch.Tensor] = field(default_factory=list)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: The views of the plan's ``bulk`` entries, in that order.
+    bulk: list[torch.Tensor] = field(default_factory=list)
+    bulk_bytes: list[memoryview] = field(default_factory=list)
     _bytes: memoryview | None = None
 
     def region(self, nbytes: int) -> memoryview:
@@ -279,6 +284,8 @@ class AsyncStaged:
     torn: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     #: The ``frozen_key`` it was staged under (which tensors it copies while training goes on).
     frozen_key: Any = None
+    #: ``watched`` as three lists (names, tensors, versions), when the arena made them so.
+    _watch: tuple[list[str], list[torch.Tensor], list[int]] | None = None
 
     def wait_copied(self) -> None:
         """Block until every byte is in the slot, which is then final until the slot is released (the checksums
@@ -309,7 +316,7 @@ class AsyncStaged:
                         self.future.result()
                 torch.cuda.current_stream().wait_event(self.cuda_event)
                 return
-            self.future.result()
+            self.wait_copied()  # (the bytes: the checksums of what was copied in bulk may still be being taken)
         finally:
             self.settle()
 
@@ -318,8 +325,13 @@ class AsyncStaged:
         return bool(self._moved())
 
     def _moved(self) -> list[tuple[str, torch.Tensor]]:
-        now = _versions([t for _, t, _ in self.watched])
-        return [(name, t) for (name, t, version), v in zip(self.watched, now, strict=True) if v != version]
+        if not self.watched:
+            return []
+        names, tensors, versions = self._watch if self._watch is not None else zip(*self.watched, strict=True)
+        now = _versions(list(tensors))
+        if now == list(versions):  # (one C-level comparison; the loop below only when something moved)
+            return []
+        return [(name, t) for name, t, version, v in zip(names, tensors, versions, now, strict=True) if v != version]
 
     def settle(self) -> None:
         """On the training thread, once nothing can change the copy any more (the sources are fenced, the copy had
@@ -327,7 +339,7 @@ class AsyncStaged:
         (``torn``) and let the persist threads commit, or not. Idempotent."""
         if not self.fenced.is_set():
             self.torn = self._moved()
-            self.watched = []
+            self.watched, self._watch = [], None
             self.fenced.set()
 
     def await_fence(self, stop: threading.Event | None = None) -> None:
@@ -357,6 +369,10 @@ class AsyncStaged:
 
     _chunk_bytes: int = 8 << 20
 
+
+#: Tensors copied while training goes on that are smaller than this are copied together (one ``_foreach_copy_``,
+#: which does not hold the GIL) and hashed afterwards; larger ones are copied and hashed block by block.
+_BULK_BELOW = _SMALL
 
 #: How a planned tensor is copied: by the copy thread (CPU, frozen, contiguous), now on the training thread
 #: (buffers, non-contiguous tensors), or on the CUDA side stream (frozen: overlapping the next forward; buffers: in
@@ -395,19 +411,36 @@ class _Plan:
     #: Indices (into ``names``) of the tensors copied while training goes on, on any rank: their version counters
     #: are checked at the fence (:meth:`AsyncStaged.fence_training`), the same on every rank.
     watch: list[int] = field(default_factory=list)
+    #: The names of ``watch``'s tensors.
+    watch_names: list[str] = field(default_factory=list)
     #: What the ``frozen`` predicate it was made with depended on (see ``stage_async``).
     frozen_key: Any = None
+    #: The capture plan's token (:class:`~lightning_snapshot.staging.live.Encoded`) the tensors came with when this
+    #: plan last matched them: the same token again vouches for the same tensors, without checking each.
+    token: object | None = None
+    #: Indices (into ``entries``) of the tensors the copy thread copies in one ``torch._foreach_copy_`` (small ones;
+    #: the large ones are copied and hashed block by block, see ``background``), and the rest of ``background``.
+    bulk: list[int] = field(default_factory=list)
+    bulk_hashed: list[tuple[str, int, int]] = field(default_factory=list)
+    bulk_names: list[str] = field(default_factory=list)
+    #: Per entry, its tensor's index in ``names``.
+    sources: list[int] = field(default_factory=list)
 
-    def matches(self, tensors: dict[str, torch.Tensor], frozen_key: Any = None) -> bool:
-        """Whether ``tensors`` (an encoding's) are the very tensors this plan was made for, under the same
-        ``frozen_key``."""
-        if len(tensors) != len(self.names) or frozen_key != self.frozen_key:
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the staged tensors (without the alignment gaps)."""
+        return sum(nbytes for _, _, nbytes in self.layout)
+
+    def matches(self, names: list[str], values: list[torch.Tensor], frozen_key: Any = None) -> bool:
+        """Whether ``values`` (an encoding's tensors, named ``names``) are the very tensors this plan was made for,
+        under the same ``frozen_key``."""
+        if len(values) != len(self.names) or frozen_key != self.frozen_key:
             return False
         try:
-            keys = [_key(t) for t in tensors.values()]
+            keys = [_key(t) for t in values]
         except (RuntimeError, TypeError):
             return False
-        return keys == self.keys and list(tensors) == self.names
+        return keys == self.keys and names == self.names
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -423,12 +456,15 @@ def _version(t: torch.Tensor) -> int:
 
 
 def _versions(tensors: list[torch.Tensor]) -> list[int]:
-    """The version counters of ``tensors`` (training thread, per snapshot): read directly while every tensor keeps
-    one, as trained parameters and optimizer state do; one by one through :func:`_version` otherwise."""
+    """The version counters of ``tensors`` (training thread, per snapshot): read in one C-level pass while every
+    tensor keeps one, as trained parameters and optimizer state do; one by one through :func:`_version` otherwise."""
     try:
-        return [t._version for t in tensors]
+        return list(map(_VERSION, tensors))
     except RuntimeError:
         return [_version(t) for t in tensors]
+
+
+_VERSION = operator.attrgetter("_version")
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -439,6 +475,15 @@ def _key(t: torch.Tensor) -> tuple[Any, ...]:
     # the same memory, read the same way (a DTensor or other subclass never matches: its type is in the key); host
     # and device memory never share addresses, so the address also tells the device
     return (type(t), t.data_ptr(), t.shape, t.stride(), t.dtype)
+
+
+def _encoded(obj: Any) -> tuple[Any, list[str], list[torch.Tensor], object | None]:
+    """(tree, tensor names, tensors, capture plan token) of ``obj``: as given when it is already
+    :class:`~lightning_snapshot.staging.live.Encoded`, else encoded now."""
+    if isinstance(obj, Encoded):
+        return obj.tree, obj.names, obj.tensors, obj.token
+    tree, tensors = _tree.encode(obj, "")
+    return tree, list(tensors), list(tensors.values()), None
 
 
 class HostArena:
@@ -486,6 +531,8 @@ class HostArena:
         self._grow_error: BaseException | None = None
         self._stream: Any = None
         self._plan: _Plan | None = None
+        #: The capture plan of the state staged here (see :mod:`~lightning_snapshot.staging.live`).
+        self.live = LiveCapture()
         #: Storage addresses of tensors that were changed in place while being copied in the background (a torn
         #: snapshot): copied at once from then on.
         self._at_once: set[int] = set()
@@ -618,7 +665,8 @@ class HostArena:
             os.close(slot.fd)
             slot.fd = -1
         slot.buffer = torch.empty(0, dtype=torch.uint8)
-        slot.plan, slot.views, slot.tensors, slot._bytes = None, [], {}, None
+        slot.plan, slot.views, slot.tensors, slot.bulk, slot._bytes = None, [], {}, [], None
+        slot.bulk_bytes = []
 
     def _fits(self, size: int) -> bool:
         budget = self.max_host_bytes
@@ -677,11 +725,12 @@ class HostArena:
         before the first snapshot; the first snapshot then finds its slot allocated and its plan made. Returns
         the bytes planned.
         """
-        _, tensors = _tree.encode(obj, "")
+        _, names, values, token = _encoded(obj)
         plan = self._plan
-        if plan is None or not plan.matches(tensors, frozen_key):
-            plan, _ = self._build_plan(tensors, frozen, rank, world_size, frozen_key)
+        if plan is None or not plan.matches(names, values, frozen_key):
+            plan, _ = self._build_plan(dict(zip(names, values, strict=True)), frozen, rank, world_size, frozen_key)
             self._plan = plan if plan.cacheable else None
+        plan.token = token
         self.reserve(plan.size)
         return plan.size
 
@@ -754,6 +803,7 @@ class HostArena:
                 self._free(s)
             self.slots.clear()
             self._plan = None
+            self.live.clear()
             pool, self._cuda_host = self._cuda_host, None
         if pool is not None:
             pool.shutdown(wait=True)
@@ -802,6 +852,7 @@ class HostArena:
             if rank != 0:  # rank 0 records the aliases of replicated tensors; every rank those of its shards
                 aliases = {a: c for a, c in aliases.items() if c in shards}
         sizes = [(name, t.numel() * t.element_size()) for name, t in items]
+        small = min(_BULK_BELOW, self.chunk_bytes + 1)  # (copied in bulk: one checksum chunk, hashed in one call)
         # tensors 64-byte aligned inside the slot; the slot itself is page-aligned, so the whole region can be
         # written with O_DIRECT in one go
         placed, size = plan_layout(sizes, _ALIGN)
@@ -838,12 +889,17 @@ class HostArena:
             [
                 (name, offset, t.data_ptr(), nbytes)
                 for (name, _, offset, nbytes, how), t in zip(entries, sources, strict=True)
-                if how == _BACKGROUND
+                if how == _BACKGROUND and nbytes >= small
             ],
             any(how != _BACKGROUND for *_, how in entries),
             watch=watch,
+            watch_names=[names[i] for i in watch],
             frozen_key=frozen_key,
+            bulk=[i for i, (*_, nbytes, how) in enumerate(entries) if how == _BACKGROUND and nbytes < small],
         )
+        plan.bulk_hashed = [(plan.entries[i][0], plan.entries[i][2], plan.entries[i][3]) for i in plan.bulk]
+        plan.bulk_names = [plan.entries[i][0] for i in plan.bulk]
+        plan.sources = [i for _, i, _, _, _ in entries]
         self._device = plan.device
         return plan, sources
 
@@ -864,6 +920,9 @@ class HostArena:
             for (_, _, offset, nbytes, _), t in zip(plan.entries, sources, strict=True)
         ]
         slot.tensors = {entry[0]: view for entry, view in zip(plan.entries, slot.views, strict=True)}
+        slot.bulk = list(map(slot.views.__getitem__, plan.bulk))
+        packed = slot.region(plan.size)
+        slot.bulk_bytes = [packed[offset : offset + nbytes] for _, offset, nbytes in plan.bulk_hashed]
         slot.plan = plan
 
     # ------------------------------------------------------------------------------------------- staging
@@ -895,12 +954,19 @@ class HostArena:
         ``copy_hook`` runs in the copy thread before copying (tests use it to slow the copy down).
         """
         started = time.monotonic()
-        tree, tensors = _tree.encode(obj, "")
+        tree, names, values, token = _encoded(obj)
         plan = self._plan
         sources: list[torch.Tensor] | None = None
-        if plan is None or not plan.matches(tensors, frozen_key):
+        if plan is None or not (
+            (token is not None and plan.token is token and frozen_key == plan.frozen_key)
+            or plan.matches(names, values, frozen_key)
+        ):
+            tensors = dict(zip(names, values, strict=True))
             plan, sources = self._build_plan(tensors, frozen, rank, world_size, frozen_key)
             self._plan = plan if plan.cacheable else None
+        plan.token = token
+        if sources is None:
+            sources = list(map(values.__getitem__, plan.sources))
         size = plan.size
         slot = self._acquire(size, plan.device)
         if slot is None:
@@ -916,20 +982,15 @@ class HostArena:
             chunk_bytes=self.chunk_bytes,
             shards=plan.shards,
             layout=plan.layout,
+            total_bytes=plan.nbytes,
         )
         if slot.plan is not plan:
-            if sources is None:
-                values = list(tensors.values())
-                sources = [values[i] for _, i, _, _, _ in plan.entries]
             self._views(slot, plan, sources)
         state.tensors = slot.tensors
         hashed: list[tuple[str, int, int]] = []  # copied on the training thread or the current CUDA stream
         side: list[list[int]] = []  # CUDA, frozen: entries copied on the side stream, in groups
         pending_now: list[tuple[torch.Tensor, torch.Tensor]] = []  # CUDA buffers: on the current stream
         if plan.mixed:  # buffers now, CUDA tensors on the side stream; the copy thread hashes them
-            if sources is None:
-                values = list(tensors.values())
-                sources = [values[i] for _, i, _, _, _ in plan.entries]
             if plan.split is None:
                 plan.split = _split(plan.entries)
             views = slot.views
@@ -945,7 +1006,6 @@ class HostArena:
             if side:
                 if self._stream is None:
                     self._stream = torch.cuda.Stream()
-                assert sources is not None
                 launch = _CudaLaunch(self._stream, torch.cuda.current_device(), plan.entries, side, slot.views, sources)
                 launch.ready.record(current)
             for dst, src in pending_now:  # buffers: in stream order, copied before the next forward
@@ -957,18 +1017,21 @@ class HostArena:
             self._copier = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-snapshot-copy")
         handle = AsyncStaged(state, slot, step, cf.Future(), started=started, frozen_key=frozen_key)
         if plan.watch:  # (version counters now, on the training thread: compared at the fence)
-            values = list(tensors.values())
-            watched = [values[i] for i in plan.watch]
-            handle.watched = [
-                (plan.names[i], t, v) for i, t, v in zip(plan.watch, watched, _versions(watched), strict=True)
-            ]
+            watched = list(map(values.__getitem__, plan.watch))
+            counted = obj.versions if isinstance(obj, Encoded) else None  # (read as it was captured, just now)
+            now = list(map(counted.__getitem__, plan.watch)) if counted is not None else _versions(watched)
+            handle.watched = list(zip(plan.watch_names, watched, now, strict=True))
+            handle._watch = (plan.watch_names, watched, now)
         handle._chunk_bytes = self.chunk_bytes
         if launch is not None:
             handle.cuda_event = launch.done[-1]
             handle.launched = launch.launched
         elif events:
             handle.cuda_event = events[0]
-        handle.cpu_pending = bool(background)
+        bulk = None
+        if plan.bulk:
+            bulk = (slot.bulk, list(map(sources.__getitem__, plan.bulk)), slot.bulk_bytes, plan.bulk_names)
+        handle.cpu_pending = bool(background or bulk)
         # the sources stay referenced until copied (a resolved conjugate view is a temporary)
         handle.future = self._copier.submit(
             self._copy,
@@ -978,8 +1041,9 @@ class HostArena:
             hashed,
             events,
             copy_hook,
-            sources if sources is not None else tensors,
+            sources,
             launch,
+            bulk,
         )
         handle.future.add_done_callback(lambda _: handle.copied.set())  # (also when the copy failed)
         return handle
@@ -1003,6 +1067,7 @@ class HostArena:
         copy_hook: Callable[[], None] | None,
         keepalive: Any,
         launch: _CudaLaunch | None = None,
+        bulk: tuple[list[torch.Tensor], list[torch.Tensor], list[memoryview], list[str]] | None = None,
     ) -> dict[str, list[str]]:
         packed = handle.state.packed
         assert packed is not None
@@ -1025,11 +1090,16 @@ class HostArena:
                     name, _, offset, nbytes, _ = launch.entries[i]
                     view = packed[offset : offset + nbytes]
                     pending.append((name, [pool.submit(digest_of, view[a:b]) for a, b in chunk_ranges(nbytes, chunk)]))
+        if bulk is not None:  # the small tensors at once (without the GIL), hashed below
+            with torch.no_grad():
+                torch._foreach_copy_(bulk[0], bulk[1])
         for name, offset, src, nbytes in background:
             sums[name] = _copy_digests(packed[offset : offset + nbytes], base + offset, src, chunk)
         for event in events:
             event.synchronize()
         handle.copied.set()
+        if bulk is not None:  # one chunk each: one C-level pass (holding the GIL only for as long as that takes)
+            sums.update(zip(bulk[3], map(list, zip(map(xxhash.xxh3_64_hexdigest, bulk[2]))), strict=True))
         for name, offset, nbytes in hashed:  # copied on the training thread or the current CUDA stream
             sums[name] = chunk_digests(packed[offset : offset + nbytes], chunk)
         for name, futures in pending:

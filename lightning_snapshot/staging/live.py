@@ -1,0 +1,354 @@
+"""The per-plan capture cache: a model's and its optimizers' state, encoded at a per-snapshot cost nearly constant in
+the number of tensors.
+
+Encoding ``{"state_dict": module.state_dict(), "optimizer_states": [opt.state_dict(), ...]}`` afresh walks every
+tensor in Python several times (the module tree, the state dicts, the encoder, the arena's plan check). But between
+two snapshots the *structure* of that state almost never changes: the same tensor objects sit in the same module and
+optimizer slots, only their values (and the optimizers' hyperparameters) move. :class:`LiveCapture` therefore makes
+a *capture plan* from one full capture (the tree with its tensor names, and weak references to the live tensors
+behind it, in encoding order), verifies that the plan reproduces that capture exactly, and from then on only checks,
+with C-level passes over flat lists (``map``/``chain``, no Python loop per tensor), that it still holds:
+
+* the modules are the same objects of the same classes, with the same children; their ``_parameters`` and
+  ``_buffers`` hold the same names and the same tensor objects; no buffer changed persistence; no state-dict hook
+  appeared;
+* the optimizers are the same objects, with the same parameters in their groups, the same tensors in their state
+  (state appearing for a parameter, a group added, a tensor replaced: all change these), and no state-dict hook;
+* every tensor still has the same address, shape, dtype and strides (resized, or swapped through ``.data``).
+
+Then the snapshot's tree is the plan's template with the few plain values that change every step (the global step,
+the optimizers' parameter groups) encoded afresh, and its tensors are the plan's, in order
+(:class:`Encoded`, whose ``token`` tells the arena that its own plan for them still holds too). Anything the plan
+cannot vouch for (a sharded or custom strategy, state-dict hooks, overridden ``state_dict``, non-tensor optimizer
+state, a tensor in a parameter group) is captured the full way, as before. The plan holds no tensor, module or
+optimizer alive: only weak references, names, addresses and shapes.
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from itertools import chain
+from typing import Any
+
+import torch
+
+from lightning_snapshot import tree as _tree
+
+__all__ = ["Encoded", "LiveCapture", "versions"]
+
+_call: Callable[[Any], Any] = getattr(operator, "call", lambda f: f())
+_is = operator.is_
+_MODULES = operator.attrgetter("_modules")
+_PARAMS_BUFFERS = operator.attrgetter("_parameters", "_buffers")
+_NON_PERSISTENT = operator.attrgetter("_non_persistent_buffers_set")
+_SD_HOOKS = operator.attrgetter("_state_dict_hooks")
+_SD_PRE_HOOKS = operator.attrgetter("_state_dict_pre_hooks")
+_GROUP_PARAMS = operator.itemgetter("params")
+_PTR = torch.Tensor.data_ptr
+_STRIDE = torch.Tensor.stride
+_SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
+_SHAPE = operator.attrgetter("shape")
+_VERSION = operator.attrgetter("_version")
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_Module = torch.nn.Module
+_Optimizer = torch.optim.Optimizer
+
+
+def _none() -> None:
+    return None
+
+
+def versions(tensors: Iterable[torch.Tensor]) -> list[int]:
+    """The version counters of ``tensors`` (one C-level pass); -1 for a tensor that keeps none (made under
+    ``torch.inference_mode``)."""
+    tensors = list(tensors)
+    try:
+        return list(map(_VERSION, tensors))
+    except RuntimeError:
+        out = []
+        for t in tensors:
+            try:
+                out.append(int(t._version))
+            except RuntimeError:
+                out.append(-1)
+        return out
+
+
+@dataclass
+class Encoded:
+    """A state already encoded (:func:`~lightning_snapshot.tree.encode`'s result, as lists): its tree, its tensor
+    names and tensors in encoding order. ``token`` is the capture plan's (the same object while the plan holds: the
+    tensors are then the very ones of the previous snapshot, at the same addresses and shapes), or None."""
+
+    tree: Any
+    names: list[str]
+    tensors: list[torch.Tensor]
+    token: object | None = None
+    #: The tensors' version counters when captured (:func:`versions`), or None.
+    versions: list[int] | None = None
+
+    def signature(self) -> tuple[Any, ...] | None:
+        """:meth:`LiveCapture.signature` as of the capture (None without a plan)."""
+        return None if self.token is None or self.versions is None else (self.token, tuple(self.versions))
+
+
+def _ref(x: Any) -> Callable[[], Any]:
+    return _none if x is None else weakref.ref(x)
+
+
+def _same(objs: list[Any], refs: Sequence[Callable[[], Any]]) -> bool:
+    """Whether ``objs`` are, one by one, the objects ``refs`` refer to (a dead reference matches nothing)."""
+    return len(objs) == len(refs) and all(map(_is, objs, map(_call, refs)))
+
+
+def _module_eligible(m: _Module) -> bool:
+    cls = type(m)
+    return (
+        cls.state_dict is _Module.state_dict
+        and cls._save_to_state_dict is _Module._save_to_state_dict
+        and getattr(cls, "get_extra_state", _Module.get_extra_state) is _Module.get_extra_state
+        and not m._state_dict_hooks
+        and not m._state_dict_pre_hooks
+    )
+
+
+class _Plan:
+    """What one full capture looked like, and how to check cheaply that a capture now would look the same."""
+
+    def __init__(self, head: dict[str, Any], module: _Module, optimizers: list[Any], obj: Any, full: Encoded) -> None:
+        """A plan for ``obj``, encoded as ``full``; ``ok`` says whether one could be made."""
+        self.ok = False
+        tree, values = full.tree, full.tensors
+        names = self.names = full.names
+        if not (
+            type(obj) is dict
+            and list(obj) == [*head, "state_dict", "optimizer_states"]
+            and type(tree.get("state_dict")) is dict
+            and len(obj["optimizer_states"]) == len(optimizers)
+        ):
+            return
+        mods = [m for _, m in module.named_modules(remove_duplicate=False)]
+        prefixes = [p for p, _ in module.named_modules(remove_duplicate=False)]
+        if not all(map(_module_eligible, mods)):
+            return
+        # --- the model: state_dict's order (a module's parameters, its persistent buffers, then its children)
+        self.mod_refs = [weakref.ref(m) for m in mods]
+        self.mod_types = list(map(type, mods))
+        self.children = list(map(id, chain.from_iterable(map(dict.values, map(_MODULES, mods)))))
+        self.non_persistent = [set(s) for s in map(_NON_PERSISTENT, mods)]
+        dicts = list(chain.from_iterable(map(_PARAMS_BUFFERS, mods)))
+        self.keys = list(chain.from_iterable(dicts))
+        vals = list(chain.from_iterable(map(dict.values, dicts)))
+        self.val_refs = [_ref(v) for v in vals]
+        live: dict[str, torch.Tensor] = {}  # tensor name in the encoding -> the live tensor behind it
+        sd_tree = tree["state_dict"]
+        at = 0
+        for prefix, m in zip(prefixes, mods, strict=True):
+            for kind, d in enumerate((m._parameters, m._buffers)):
+                for k, v in d.items():
+                    pos, at = at, at + 1
+                    if v is None or (kind == 1 and k in m._non_persistent_buffers_set):
+                        continue
+                    key = f"{prefix}.{k}" if prefix else k
+                    ref = sd_tree.get(key)
+                    if not (type(ref) is dict and type(ref.get("$tensor")) is str) or vals[pos] is not v:
+                        return
+                    live[ref["$tensor"]] = v
+        self.model_tensors = [i for i, v in enumerate(vals) if v is not None]
+        # --- the optimizers: the same parameters in their groups, the same tensors in their state
+        self.opt_refs = [weakref.ref(o) for o in optimizers]
+        self.group_sizes: list[list[int]] = []
+        self.group_refs: list[list[Callable[[], Any]]] = []
+        self.group_index: list[list[list[int]]] = []
+        self.state_refs: list[list[Callable[[], Any]]] = []
+        self.state_keys: list[list[str]] = []
+        self.state_val_refs: list[list[Callable[[], Any]]] = []
+        self.state_trees: list[Any] = []
+        for j, (opt, packed) in enumerate(zip(optimizers, obj["optimizer_states"], strict=True)):
+            cls = type(opt)
+            if (
+                cls.state_dict is not _Optimizer.state_dict
+                or opt._optimizer_state_dict_pre_hooks
+                or opt._optimizer_state_dict_post_hooks
+                or type(packed) is not dict
+                or list(packed) != ["state", "param_groups"]
+            ):
+                return
+            groups = opt.param_groups
+            self.group_sizes.append([len(g["params"]) for g in groups])
+            self.group_refs.append([weakref.ref(p) for p in chain.from_iterable(map(_GROUP_PARAMS, groups))])
+            self.group_index.append([list(g["params"]) for g in packed["param_groups"]])
+            self.state_refs.append([weakref.ref(p) for p in opt.state])
+            sdicts = list(opt.state.values())
+            if not all(type(s) is dict for s in sdicts):
+                return
+            self.state_keys.append(list(chain.from_iterable(sdicts)))
+            svals = list(chain.from_iterable(map(dict.values, sdicts)))
+            if not all(isinstance(v, torch.Tensor) for v in svals):
+                return  # non-tensor optimizer state (a step count as a number) changes every step
+            self.state_val_refs.append([weakref.ref(v) for v in svals])
+            state_tree = tree["optimizer_states"][j]["state"]
+            self.state_trees.append(state_tree)
+            pairs = state_tree.get("$dict") if type(state_tree) is dict else None
+            if sdicts and (pairs is None or len(pairs) != len(sdicts)):
+                return
+            for (_, sub), s in zip(pairs or [], sdicts, strict=True):
+                if type(sub) is not dict or list(sub) != list(s):
+                    return
+                for k, v in s.items():
+                    ref = sub[k]
+                    if not (type(ref) is dict and type(ref.get("$tensor")) is str):
+                        return
+                    live[ref["$tensor"]] = v
+        if set(live) != set(names):
+            return  # a tensor the plan cannot find (in a parameter group, or the head)
+        order = [live[n] for n in names]
+        if not all(
+            type(t) in _PLAIN
+            and t.layout == torch.strided
+            and not t.is_conj()
+            and not t.is_neg()
+            and t.data_ptr() == v.data_ptr()
+            and t.shape == v.shape
+            and t.stride() == v.stride()
+            and t.dtype == v.dtype
+            for t, v in zip(order, values, strict=True)
+        ):
+            return
+        self.refs = [weakref.ref(t) for t in order]
+        self.ptrs = list(map(_PTR, order))
+        self.metas = list(map(_SHAPE_DTYPE, order))
+        self.shapes = list(map(_SHAPE, order))
+        self.strides = list(map(_STRIDE, order))
+        self.template = {k: tree[k] for k in tree}
+        self.token = object()
+        self.ok = self.tree(head, optimizers) == tree
+
+    def holds(self, module: _Module, optimizers: list[Any], strict: bool = True) -> list[torch.Tensor] | None:
+        """The plan's tensors (in encoding order) if a capture now would find the very same ones, else None.
+
+        ``strict=False`` checks each tensor's address and shape only, not also its dtype and strides (which only a
+        ``.data`` swap to a view of the same memory changes): what tells a tensor replaced or resized since a
+        capture that checked everything."""
+        mods = list(map(_call, self.mod_refs))
+        if mods[0] is not module or list(map(type, mods)) != self.mod_types:
+            return None  # (a dead module is None, of another type)
+        if list(map(id, chain.from_iterable(map(dict.values, map(_MODULES, mods))))) != self.children:
+            return None
+        dicts = list(chain.from_iterable(map(_PARAMS_BUFFERS, mods)))
+        if list(chain.from_iterable(dicts)) != self.keys:
+            return None
+        if not _same(list(chain.from_iterable(map(dict.values, dicts))), self.val_refs):
+            return None
+        if list(map(_NON_PERSISTENT, mods)) != self.non_persistent:
+            return None
+        if any(map(len, map(_SD_HOOKS, mods))) or any(map(len, map(_SD_PRE_HOOKS, mods))):
+            return None
+        if not _same(optimizers, self.opt_refs):
+            return None
+        for j, opt in enumerate(optimizers):
+            groups = opt.param_groups
+            if list(map(len, map(_GROUP_PARAMS, groups))) != self.group_sizes[j]:
+                return None
+            if not _same(list(chain.from_iterable(map(_GROUP_PARAMS, groups))), self.group_refs[j]):
+                return None
+            state = opt.state
+            if not _same(list(state), self.state_refs[j]):
+                return None
+            sdicts = list(state.values())
+            if list(chain.from_iterable(sdicts)) != self.state_keys[j]:
+                return None
+            if not _same(list(chain.from_iterable(map(dict.values, sdicts))), self.state_val_refs[j]):
+                return None
+            if opt._optimizer_state_dict_pre_hooks or opt._optimizer_state_dict_post_hooks:
+                return None
+        tensors = list(map(_call, self.refs))  # (all alive: each was found in its slot above)
+        if list(map(_PTR, tensors)) != self.ptrs:
+            return None
+        if not strict:
+            return tensors if list(map(_SHAPE, tensors)) == self.shapes else None
+        if list(map(_SHAPE_DTYPE, tensors)) != self.metas or list(map(_STRIDE, tensors)) != self.strides:
+            return None
+        return tensors
+
+    def tree(self, head: dict[str, Any], optimizers: list[Any]) -> Any | None:
+        """The snapshot's tree: the template, with the head and the parameter groups encoded afresh; None when a
+        parameter group now holds a tensor (then the full capture names it)."""
+        out: dict[str, Any] = {}
+        for k, v in head.items():
+            out[k], tensors = _tree.encode(v, k)
+            if tensors:
+                return None
+        out["state_dict"] = self.template["state_dict"]
+        states = []
+        for j, opt in enumerate(optimizers):
+            groups = []
+            for g, index in zip(opt.param_groups, self.group_index[j], strict=True):
+                packed = {k: v for k, v in g.items() if k != "params"}
+                packed["params"] = index
+                groups.append(packed)
+            encoded, tensors = _tree.encode(groups, f"optimizer_states/{j}/param_groups")
+            if tensors:
+                return None
+            states.append({"state": self.state_trees[j], "param_groups": encoded})
+        out["optimizer_states"] = states
+        return out
+
+
+class LiveCapture:
+    """Captures ``{**head, "state_dict": module.state_dict(), "optimizer_states": [opt.state_dict(), ...]}`` through
+    a capture plan (see the module's documentation); one per callback (per fit)."""
+
+    def __init__(self) -> None:
+        self._plan: _Plan | None = None
+        #: Full captures made (a new plan each); reused snapshots do not count.
+        self.builds = 0
+        #: After a state no plan could be made for: captures left to make the full way before trying again, and how
+        #: many the next failure skips (doubling: a state that cannot be planned costs a plan attempt rarely).
+        self._skip = 0
+        self._backoff = 1
+
+    def capture(
+        self, head: dict[str, Any], module: _Module, optimizers: list[Any], full: Callable[[], dict[str, Any]]
+    ) -> Encoded | dict[str, Any]:
+        """The state, encoded (:class:`Encoded`): from the plan while it holds; else from ``full()`` (which must
+        return exactly the dict above, made the ordinary way: ``state_dict()`` calls), from which a new plan is made
+        (its token is then new; None when no plan could be made). After a state no plan could be made for, the next
+        captures (1, 2, 4, ... up to 64) return ``full()`` as it is, without trying."""
+        plan = self._plan
+        tensors = plan.holds(module, optimizers) if plan is not None else None
+        if plan is not None and tensors is not None:
+            tree = plan.tree(head, optimizers)
+            if tree is not None:
+                return Encoded(tree, plan.names, tensors, plan.token, versions(tensors))
+        self._plan = None
+        obj = full()
+        if self._skip:
+            self._skip -= 1
+            return obj
+        self.builds += 1
+        tree, named = _tree.encode(obj, "")
+        encoded = Encoded(tree, list(named), list(named.values()))
+        plan = _Plan(head, module, optimizers, obj, encoded)
+        if plan.ok:
+            self._plan, self._backoff = plan, 1
+            encoded.token, encoded.versions = plan.token, versions(encoded.tensors)
+        else:
+            self._skip, self._backoff = self._backoff, min(2 * self._backoff, 64)
+        return encoded
+
+    def signature(self, module: _Module, optimizers: list[Any]) -> tuple[Any, ...] | None:
+        """What tells whether the model's or the optimizers' tensors were replaced or changed in place since: the
+        plan's token and every planned tensor's version counter, while the plan holds; None when it does not (then
+        use a full signature)."""
+        plan = self._plan
+        tensors = plan.holds(module, optimizers, strict=False) if plan is not None else None
+        if plan is None or tensors is None:
+            return None
+        return (plan.token, tuple(versions(tensors)))
+
+    def clear(self) -> None:
+        self._plan = None
