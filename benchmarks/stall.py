@@ -989,8 +989,9 @@ _DROP = object()
 def dcp_stageable(state: Any, path: str = "") -> tuple[Any, list[str]]:
     """``state`` with only what DCP's stager can copy (tensors, numbers, strings, bools, None, and dicts, lists and
     tuples of them), as a user of DCP would hand it the model's and the optimizer's state dicts; returns it with the
-    paths of the values left out. (torch 2.11's stager raised ``KeyError: <class 'type'>`` on a class object in the
-    state.) Containers are new; the tensors are the state's own."""
+    paths of the values left out. (torch 2.11's stager raised ``KeyError: <class 'type'>`` on the GPU, it seems
+    copying a tensor subclass through its ``__reduce_ex__``: those go in as plain tensors on the same storage.)
+    Containers are new; the tensors are the state's own."""
     dropped: list[str] = []
 
     def keep(x: Any, at: str) -> Any:
@@ -1006,6 +1007,10 @@ def dcp_stageable(state: Any, path: str = "") -> tuple[Any, list[str]]:
             if any(v is _DROP for v in items):
                 return _DROP
             return items if isinstance(x, list) else tuple(items)
+        if isinstance(x, torch.Tensor) and type(x) is not torch.Tensor:
+            # a tensor subclass (nn.Parameter): torch 2.11's stager copies it through __reduce_ex__, whose
+            # arguments hold its class (KeyError: <class 'type'>); a plain tensor on the same storage
+            return x.detach().as_subclass(torch.Tensor)
         if x is None or isinstance(x, (torch.Tensor, bool, int, float, str)):
             return x
         dropped.append(f"{at} ({type(x).__name__})")
