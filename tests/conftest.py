@@ -60,7 +60,8 @@ def assert_bitwise_equal(ref_path: Path, got_path: Path, since: int | None = Non
     return count(ref)
 
 
-RESTORED = re.compile(r"^RESTORED step=(\d+) from=(\S+) rank=(\d+)$", re.M)
+# (not anchored to a line: another rank's output on the same pipe may run into it)
+RESTORED = re.compile(r"RESTORED step=(\d+) from=(\S+) rank=(\d+)")
 
 
 def restores(output: str) -> list[tuple[int, str, int]]:

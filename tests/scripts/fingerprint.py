@@ -9,6 +9,7 @@ records the values it logged with :class:`MemoryLogger`.
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 from typing import Any
@@ -92,8 +93,10 @@ class ReportRestore(L.Callback):
         if self.cb.restored_from is not None and not self.reported:
             self.reported = True
             url, step = self.cb.restored_from[:2]
-            print(f"RESTORED step={step} from={url} rank={trainer.global_rank}", flush=True)
+            # one write of the whole line: the ranks share the pipe, and print() may write the line and its newline
+            # apart, between which another rank's line can land
             sys.stdout.flush()
+            os.write(sys.stdout.fileno(), f"RESTORED step={step} from={url} rank={trainer.global_rank}\n".encode())
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self.report(trainer)
