@@ -605,24 +605,9 @@ class LocalTier(Backend):
             return -1
 
     def commit(self, key: str, data: bytes) -> None:
-        path = self._path(key)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        try:
-            self._mkdirs(path.parent)
-            fd = _create(tmp, os.O_WRONLY | os.O_TRUNC, self.mode, self.file_mode)
-            try:
-                view = memoryview(data)
-                while view.nbytes:
-                    view = view[os.write(fd, view) :]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-            self._fsync_dir(path.parent)
-        except OSError as e:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise self._fail(key, e, len(data)) from e
+        """Publish ``key`` atomically and durably: :meth:`write` already writes to a temporary name, fsyncs, renames
+        into place and fsyncs the directory, which is this tier's commit rule."""
+        self.write(key, [data])
 
     def read(self, key: str) -> bytes:
         return self._path(key).read_bytes()
