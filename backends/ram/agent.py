@@ -596,8 +596,7 @@ def _gather_parts(
             unreadable = got or unreadable
             if tier.exists(f"{prefix}/{run_id}-failed-{r:05d}.json"):
                 raise SnapshotError(
-                    f"rank {r} could not write its part of {prefix} to the {tier.tier} tier {tier.url}"
-                    " (see its log)"
+                    f"rank {r} could not write its part of {prefix} to the {tier.tier} tier {tier.url} (see its log)"
                 )
             if time.monotonic() > deadline:
                 if unreadable:
