@@ -17,11 +17,10 @@ from collections.abc import Iterable
 from typing import Any, ClassVar
 
 from lightning_snapshot.errors import ConfigError, TierUnavailableError
-from lightning_snapshot.interval import AUTO, FIRST_AUTO_INTERVAL
+from lightning_snapshot.schedule import DEFAULT_EVERY_N_TRAIN_STEPS, TierSchedule
 
 __all__ = ["DEFAULT_EVERY_N_TRAIN_STEPS", "DEFAULT_KEEP_LAST", "Backend"]
 
-DEFAULT_EVERY_N_TRAIN_STEPS = 100
 DEFAULT_KEEP_LAST = 3
 
 Buffer = "bytes | bytearray | memoryview"
@@ -146,48 +145,33 @@ class Backend(abc.ABC):
         min_every: int | None = None,
         max_every: int | None = None,
     ) -> None:
-        self.auto_every = every_n_train_steps == AUTO
-        self.min_every, self.max_every = self._auto_bounds(min_every, max_every)
-        if self.auto_every:
-            every_n_train_steps = max(self.min_every, FIRST_AUTO_INTERVAL)
-            if self.max_every is not None:
-                every_n_train_steps = min(every_n_train_steps, self.max_every)
-        if every_n_train_steps is not None and (
-            isinstance(every_n_train_steps, bool) or not isinstance(every_n_train_steps, int) or every_n_train_steps < 1
-        ):
-            raise ConfigError(
-                f"every_n_train_steps must be an integer >= 1, 'auto' or None, got {every_n_train_steps!r}"
-            )
-        if train_time_interval is not None:
-            if isinstance(train_time_interval, (int, float)) and not isinstance(train_time_interval, bool):
-                train_time_interval = _dt.timedelta(seconds=train_time_interval)
-            if not isinstance(train_time_interval, _dt.timedelta) or train_time_interval.total_seconds() <= 0:
-                raise ConfigError(
-                    "train_time_interval must be a positive datetime.timedelta or a number of seconds,"
-                    f" got {train_time_interval!r}"
-                )
+        self.schedule = TierSchedule(every_n_train_steps, train_time_interval, min_every, max_every)
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise ConfigError(f"keep_last must be an integer >= 1, or None to keep every snapshot, got {keep_last!r}")
-        if every_n_train_steps is None and train_time_interval is None:
-            every_n_train_steps = DEFAULT_EVERY_N_TRAIN_STEPS
-        self.every_n_train_steps = every_n_train_steps
-        self.train_time_interval: _dt.timedelta | None = train_time_interval
         self.keep_last = keep_last
 
-    def _auto_bounds(self, min_every: int | None, max_every: int | None) -> tuple[int, int | None]:
-        for option, value in (("min_every", min_every), ("max_every", max_every)):
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{option} must be an integer >= 1 (steps) or None, got {value!r}")
-            if not self.auto_every:
-                raise ConfigError(
-                    f"{option} bounds the interval of every_n_train_steps='auto' (URL every=auto);"
-                    " set every_n_train_steps='auto' or drop it"
-                )
-        if min_every is not None and max_every is not None and min_every > max_every:
-            raise ConfigError(f"min_every ({min_every}) must not be larger than max_every ({max_every})")
-        return (min_every or 1), max_every
+    # (the schedule's configuration, read-only: the callback's schedule owns the interval in use)
+    @property
+    def every_n_train_steps(self) -> int | None:
+        """The step interval in use (with ``"auto"``: the one last chosen), or None (by time only)."""
+        return self.schedule.every
+
+    @property
+    def auto_every(self) -> bool:
+        """Whether ``every_n_train_steps="auto"`` was asked for."""
+        return self.schedule.auto
+
+    @property
+    def train_time_interval(self) -> _dt.timedelta | None:
+        return self.schedule.time_interval
+
+    @property
+    def min_every(self) -> int:
+        return self.schedule.min_every
+
+    @property
+    def max_every(self) -> int | None:
+        return self.schedule.max_every
 
     # ------------------------------------------------------------------------------------------- pickling
     #: Attributes that belong to one process (locks, open handles, clients, counters): left out when the tier is
@@ -221,16 +205,7 @@ class Backend(abc.ABC):
             steps_since_last: optimizer steps since this tier's last snapshot in this fit (or since it started);
                 with ``every_n_train_steps="auto"`` the snapshot is due when it reaches the interval in use.
         """
-        if self.auto_every:
-            if steps_since_last is not None and steps_since_last >= (self.every_n_train_steps or 1):
-                return True
-        elif self.every_n_train_steps is not None and step % self.every_n_train_steps == 0:
-            return True
-        return (
-            self.train_time_interval is not None
-            and seconds_since_last is not None
-            and seconds_since_last >= self.train_time_interval.total_seconds()
-        )
+        return self.schedule.is_due(step, seconds_since_last, steps_since_last)
 
     # ------------------------------------------------------------------------------------------- identity
     @property

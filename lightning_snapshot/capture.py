@@ -27,11 +27,12 @@ import torch
 from lightning_snapshot import compat as _compat
 from lightning_snapshot import fit_state as _fit_state
 from lightning_snapshot import tree as _tree
-from lightning_snapshot.errors import ManifestError, StateMismatchError
+from lightning_snapshot.errors import CaptureError, ConfigError, ManifestError, StateMismatchError
 from lightning_snapshot.staging import dtensor_box, is_dtensor, local_tensor
 from lightning_snapshot.staging.live import Encoded, LiveCapture
 
 __all__ = [
+    "check_placements",
     "Templates",
     "adopt_pruning",
     "capture_late",
@@ -60,6 +61,16 @@ def is_sharded(strategy: Any) -> bool:
     except ImportError:  # pragma: no cover - lightning without it
         return False
     return isinstance(strategy, ModelParallelStrategy)
+
+
+def check_placements(pl_module: Any) -> None:
+    """Fail at the start of fit, not at the first snapshot, when a sharded layout cannot be stored as boxes."""
+    for name, param in pl_module.named_parameters():
+        if is_dtensor(param):
+            try:
+                dtensor_box(param, name)
+            except CaptureError as e:
+                raise ConfigError(f"SnapshotCallback cannot snapshot this model's sharding: {e}") from None
 
 
 def _raw_optimizer(opt: Any) -> Any:

@@ -11,7 +11,7 @@ import os
 import re
 from typing import Any, Protocol
 
-__all__ = ["Comm", "GroupComm", "LocalComm", "StrategyComm", "new_gloo_groups"]
+__all__ = ["Comm", "GroupComm", "LocalComm", "StrategyComm", "agree", "new_gloo_groups", "raise_together"]
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,36 @@ class Comm(Protocol):
 
     def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj`` (small, plain values), in rank order, on rank 0; None on the others."""
+
+
+def agree(comm: Comm, problem: str | None) -> str | None:
+    """Collective: None when no rank has a problem; else the problems of every rank (each prefixed with the ranks
+    that have it, under several processes; the same problem on several ranks is said once), joined into one text
+    that is the same on every rank, so that every rank raises the same error together."""
+    if comm.all_true(problem is None):
+        return None
+    gathered = comm.gather(problem)
+    text = None
+    if gathered is not None:  # (rank 0)
+        ranks: dict[str, list[int]] = {}
+        for rank, p in enumerate(gathered):
+            if p:
+                ranks.setdefault(p, []).append(rank)
+        text = "; ".join(
+            p if comm.world_size == 1 else f"on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {p}"
+            for p, r in ranks.items()
+        )
+    return str(comm.broadcast(text))
+
+
+def raise_together(comm: Comm, error: BaseException | None, elsewhere: str) -> None:
+    """Collective: when some rank caught an error, every rank raises: its own ``error``, or, on the ranks that had
+    none, a :class:`~lightning_snapshot.errors.SnapshotError` saying ``elsewhere`` (what failed on another rank)."""
+    if comm.all_true(error is None):
+        return
+    from lightning_snapshot.errors import SnapshotError
+
+    raise error or SnapshotError(elsewhere)
 
 
 class LocalComm:

@@ -237,10 +237,17 @@ class RecordingCallback(SnapshotCallback):
         super().__init__(*args, **kw)
         self.decisions: list[tuple[int, float]] = []
 
-    def _retune(self) -> None:
-        super()._retune()
-        if self._meter is not None and self._meter.cost(0) is not None:  # (decided from a measured cost)
-            self.decisions.append((self.tiers[0].every_n_train_steps, self._meter.step_seconds))
+    def setup(self, trainer, pl_module, stage) -> None:
+        super().setup(trainer, pl_module, stage)
+        pipeline = self._pipeline
+        retune = pipeline._retune
+
+        def recording_retune() -> None:
+            retune()
+            if self._meter is not None and self._meter.cost(0) is not None:  # (decided from a measured cost)
+                self.decisions.append((self.tiers[0].every_n_train_steps, self._meter.step_seconds))
+
+        pipeline._retune = recording_retune
 
 
 def _fit(tmp_path, name: str, busy: float) -> tuple[LocalTier, RecordingCallback]:
@@ -255,7 +262,7 @@ def _fit(tmp_path, name: str, busy: float) -> tuple[LocalTier, RecordingCallback
 
 
 def test_interval_reacts_to_a_slowed_tier(tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="lightning_snapshot.callback")
+    caplog.set_level(logging.INFO, logger="lightning_snapshot")
     fast, fast_cb = _fit(tmp_path, "fast", 0.0)
     # (1.5 s of work per write: far above what a loaded machine adds to the fast tier's measured cost, which CI saw
     # reach 0.2 s with other tests running beside it)

@@ -1,0 +1,474 @@
+"""A snapshot's way on the training thread: stage, (restage), finish, hand over; and the fences that keep it exact.
+
+States of one fit's pipeline (one :class:`SnapshotPipeline`, made by the callback's ``setup``):
+
+- **idle**: nothing staged. At a step some tier is due (:class:`~lightning_snapshot.schedule.FitSchedule`), the
+  model and optimizer state are *staged*: copied into the host arena in the background while training goes on.
+- **staged** (``pending``): the rest of the state (loops, callbacks, schedulers, RNG, data position) is taken right
+  before the next batch is fetched (``finish``; between epochs or at the end of fit when that comes first). If a
+  hook replaced or changed the staged tensors since (pruning, weight averaging), they are staged again first.
+  ``finish`` hands the snapshot to the persist threads, and the pipeline is idle again.
+- **in flight** (``inflight``): until the background copy of the weights is complete, every point that may change
+  them waits for it first (``fence``: the next optimizer step, validation, a parameter frozen since).
+
+The end of fit and a SIGTERM take a last snapshot of every tier synchronously. What happens is told to the
+:class:`~lightning_snapshot.reporting.Reporter`; the pipeline owns no policy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_snapshot import data as _data
+from lightning_snapshot.capture import (
+    capture_late,
+    capture_rng,
+    capture_shared_live,
+    frozen_predicate,
+    optimized_key,
+    shared_signature,
+)
+from lightning_snapshot.comm import Comm
+from lightning_snapshot.config import SnapshotConfig
+from lightning_snapshot.ddp_layout import capture_layout, is_ddp
+from lightning_snapshot.errors import SnapshotError
+from lightning_snapshot.persist import Persister, PersistJob
+from lightning_snapshot.reporting import Reporter
+from lightning_snapshot.restore import ddp_layout_enabled
+from lightning_snapshot.schedule import FitSchedule
+from lightning_snapshot.staging import stage
+from lightning_snapshot.staging.arena import AsyncStaged, HostArena
+
+__all__ = ["SnapshotPipeline"]
+
+log = logging.getLogger(__name__)
+
+
+class SnapshotPipeline:
+    """One fit's snapshots on the training thread (see the module's docstring for its states).
+
+    Args:
+        config: the callback's configuration.
+        comm: the trainer's collectives (every rank stages, finishes and skips together).
+        arena: the host staging memory.
+        persister: the persist threads the finished snapshots go to.
+        schedule: which tiers are due.
+        reporter: told what happens.
+        fetch_states: the train loaders' states recorded before a fetch, by the epoch's fetch index.
+        start_step: the trainer's ``global_step`` when the fit starts.
+    """
+
+    def __init__(
+        self,
+        config: SnapshotConfig,
+        comm: Comm,
+        arena: HostArena,
+        persister: Persister,
+        schedule: FitSchedule,
+        reporter: Reporter,
+        fetch_states: Callable[[int], Any],
+        start_step: int,
+    ) -> None:
+        self.config = config
+        self.tiers = list(config.tiers)
+        self.comm = comm
+        self.arena = arena
+        self.persister = persister
+        self.schedule = schedule
+        self.reporter = reporter
+        self._fetch_states = fetch_states
+        #: the step of the last optimizer step seen (a snapshot needs an optimizer step since this one)
+        self.last_step = start_step
+        self.start_step = start_step
+        #: (step, staged tensors, due tier indices) of the snapshot finished right before the next fetch
+        self.pending: tuple[int, AsyncStaged | None, list[int]] | None = None
+        #: the staged copy still in flight, until it is fenced
+        self.inflight: AsyncStaged | None = None
+        self._copied = False  # the copy in flight was waited for before this step's optimizer step (validation)
+        # the model's signature and what the optimizers train, when the pending step was staged
+        self._staged_signature: tuple[Any, ...] | None = None
+        self._planned = False
+        self._ended = False  # the snapshot of the end of fit was taken
+        self._warned_layout = False
+        self.stall = 0.0
+
+    # ------------------------------------------------------------------------------------------- steps
+    def step_ended(self, trainer: Any, pl_module: Any) -> None:
+        """``on_train_batch_end``: collect results; after an optimizer step, snapshot if due, else prepare."""
+        step = trainer.global_step
+        if step != self.last_step:
+            self.schedule.step_ended(time.perf_counter())
+        self.reporter.collect(self.persister, step, self.schedule)
+        if step != self.last_step:
+            self.schedule.begin(self.last_step)  # (the step this fit started from)
+            self.last_step = step
+            if not self._maybe_snapshot(trainer, pl_module, step):
+                self._prepare_arena(trainer, pl_module, step)
+
+    def finish_pending(self, trainer: Any, consumed_offset: int = 0) -> None:
+        """If a snapshot is staged, finish it now (counted as stall)."""
+        if self.pending is not None:
+            t0 = time.perf_counter()
+            self._finish(trainer, consumed_offset)
+            self.stall += time.perf_counter() - t0
+
+    def batch_start(self, trainer: Any) -> None:
+        """``on_train_batch_start``: the point a snapshot is finished at when the loop fetched without its hook."""
+        self.fence_if_retrained(trainer)
+        if self.inflight is not None and self.inflight.copied.is_set():
+            self.inflight.settle()  # (copied before training_step: committed without waiting for the step)
+
+    def before_optimizer_step(self) -> float | None:
+        """Parameters and optimizer state change in the step that follows: the copy must be complete. Returns the
+        stall of the snapshot (ms) once its copy was waited for, else None."""
+        if self.fence() or self._copied:
+            stall, self.stall, self._copied = self.stall, 0.0, False
+            return stall * 1000
+        return None
+
+    def fence_if_retrained(self, trainer: Any) -> None:
+        """A snapshot in flight copies the parameters the optimizers trained when it was staged while training goes
+        on. If a hook has frozen one since (``BackboneFinetuning``-style callbacks at an epoch's start, after that
+        epoch's last snapshot was finished), code in the coming step may change it in place, even through ``.data``
+        which no version counter sees: the copy is waited for now, before that step (counted as stall)."""
+        staged = self.inflight
+        if staged is None or staged.fenced.is_set() or not trainer.optimizers:
+            return
+        if optimized_key(trainer.optimizers) != staged.frozen_key:
+            self.fence()
+
+    def fence(self) -> bool:
+        """Wait until the weights and optimizer state of the snapshot in flight are copied (counted as stall);
+        False when none is in flight."""
+        if self.inflight is None:
+            return False
+        t0 = time.perf_counter()
+        staged = self.inflight
+        with contextlib.suppress(Exception):  # the persist thread reports it
+            staged.fence_training()
+        if staged.torn:  # (not committed: the persist thread warns)
+            self.arena.copy_at_once([t for _, t in staged.torn])
+        self.stall += time.perf_counter() - t0
+        self.inflight = None
+        self._copied = True
+        return True
+
+    def _frozen(self, trainer: Any) -> tuple[Callable[[Any], bool], Any]:
+        """The frozen-tensor predicate, computed only if the arena asks (it does not while its plan holds), and
+        what it depends on (which parameters the optimizers train: a plan made under other ones is not reused)."""
+        made: list[Callable[[Any], bool]] = []
+
+        def frozen(t: Any) -> bool:
+            if not made:
+                made.append(frozen_predicate(trainer.optimizers))
+            return made[0](t)
+
+        return frozen, optimized_key(trainer.optimizers)
+
+    def _prepare_arena(self, trainer: Any, pl_module: Any, step: int) -> None:
+        """Off the snapshot steps, get the arena ready for the next snapshot, so that it does not wait.
+
+        After the first optimizer step (the optimizer state exists, so the state has its size): plan the snapshot
+        and allocate its slot in a background thread. Later, when a snapshot is due within two steps and every slot
+        is still being persisted: allocate another slot in the background (double buffering, only when needed).
+        """
+        arena = self.arena
+        if not self._planned:
+            self._planned = True
+            try:
+                frozen, key = self._frozen(trainer)
+                arena.plan_ahead(
+                    capture_shared_live(trainer, pl_module, arena.live),
+                    frozen,
+                    rank=self.comm.rank,
+                    world_size=self.comm.world_size,
+                    frozen_key=key,
+                )
+            except Exception as e:  # noqa: BLE001 - the snapshot itself reports what cannot be captured
+                log.debug("lightning-snapshot: planning ahead failed (%s); the first snapshot plans itself", e)
+            return
+        size = arena.planned_bytes
+        if size is None or not arena.busy():
+            return
+        if any(self.schedule.steps_to_due(i, step) in (1, 2) for i in range(len(self.tiers))):
+            arena.reserve(size)
+
+    # ------------------------------------------------------------------------------------------- stage
+    def _maybe_snapshot(self, trainer: Any, pl_module: Any, step: int) -> bool:
+        """Take the snapshot of ``step`` if one is due in some tier; returns whether one was due."""
+        now = time.monotonic()
+        due = self.schedule.due(step, now, self.start_step)
+        if self.schedule.time_based:
+            due = self.comm.broadcast(due)  # wall clocks differ across ranks; rank 0 decides
+        if not due:
+            return False
+        self._retune()  # (a step every rank snapshots: every rank takes rank 0's intervals here)
+        t0 = time.perf_counter()
+        self.reporter.stop_if_failed(self.comm)  # background failures stop every rank together, here
+        self.schedule.taken(due, step, now)
+        # Parameters, optimizer state, schedulers and loops stay frozen until the next optimizer.step: they are
+        # copied in the background. Buffers (forward changes them) are copied now. The rank state follows at the
+        # next batch, right before training_step.
+        staged = self._stage_shared(trainer, pl_module, step)
+        if staged is None:
+            return True
+        self.reporter.metrics.add("snapshot/bytes", staged.state.nbytes)
+        self.inflight = staged
+        self.pending = (step, staged, due)
+        self.schedule.opened(due)
+        self.stall = time.perf_counter() - t0
+        return True
+
+    def _retune(self) -> None:
+        """New intervals for the ``"auto"`` tiers, from rank 0's measurements, at a step every rank snapshots."""
+        proposal = self.schedule.propose()
+        if proposal is None:
+            return
+        if self.comm.world_size > 1:
+            proposal = self.comm.broadcast(proposal)  # the same snapshot steps on every rank
+        names = self.reporter.names
+        for key, value in self.schedule.adopt(proposal, self.comm.rank).items():
+            index, _, what = key.rpartition("/")
+            self.reporter.metrics.add(f"snapshot/{names[int(index)]}/{what}" if index else f"snapshot/{what}", value)
+
+    def _stage_shared(self, trainer: Any, pl_module: Any, step: int, last: bool = False) -> AsyncStaged | None:
+        """Stage the model and optimizer state of ``step`` (collective: every rank stages its own share, and they
+        agree); None when some rank could not (an error is handled, an arena without room is reported). Records
+        the model's signature (see :meth:`_restage_if_changed`)."""
+        staged: AsyncStaged | None = None
+        error: SnapshotError | None = None
+        self._planned = True  # (the first snapshot plans itself if no earlier step did)
+        try:  # every rank stages (and later writes) its own share of the replicated state
+            shared = capture_shared_live(trainer, pl_module, self.arena.live)
+            frozen, key = self._frozen(trainer)
+            self._staged_signature = (shared_signature(trainer, pl_module, self.arena.live, shared), key)
+            staged = self.arena.stage_async(
+                shared, frozen, step, rank=self.comm.rank, world_size=self.comm.world_size, frozen_key=key
+            )
+        except SnapshotError as e:
+            error = e
+        if self.comm.all_true(error is None and staged is not None):
+            return staged
+        if staged is not None:
+            self.arena.release(staged.slot)
+        if error is not None:
+            self.reporter.handle(error, step)
+            return None
+        reason = self.arena.last_skip_reason if staged is None else "another rank could not stage it"
+        self.reporter.skipped(step, reason, last)
+        return None
+
+    def _restage_if_changed(self, trainer: Any, step: int, staged: AsyncStaged) -> AsyncStaged | None:
+        """At the late capture point: if the model's tensors or the optimizer state were changed or replaced after
+        they were staged at ``on_train_batch_end`` (epoch-end and validation hooks may: ``ModelPruning`` prunes and
+        resets weights, ``StochasticWeightAveraging`` copies its averages in), stage them again, now, so that the
+        snapshot is the state before the next step. Collective (every rank restages if any must). None: the snapshot
+        is dropped."""
+        pl_module = trainer.lightning_module
+        # (and whether the optimizers still train the same parameters: a parameter frozen at the start of an epoch
+        # is one user code may now change in place during the step, which only a copy made at once keeps)
+        now = (shared_signature(trainer, pl_module, self.arena.live), optimized_key(trainer.optimizers))
+        if self.comm.all_true(now == self._staged_signature and not staged.changed()):
+            return staged  # (nor was the optimizer state: a callback may reset it at the end of an epoch)
+        log.debug("lightning-snapshot: the model changed after step %d was staged; staging it again", step)
+        with contextlib.suppress(Exception):  # the persist thread reports it
+            staged.fence_training()
+        if self.inflight is staged:
+            self.inflight = None
+        self.arena.release(staged.slot)
+        restaged = self._stage_shared(trainer, pl_module, step)
+        self.inflight = restaged
+        return restaged
+
+    # ------------------------------------------------------------------------------------------- finish
+    def _finish(self, trainer: Any, consumed_offset: int = 0) -> None:
+        """Add the rest of the state (loops, callbacks, schedulers, this rank's RNG and data position) to the
+        pending snapshot and hand it to the persist thread."""
+        assert self.pending is not None
+        step, shared, due = self.pending
+        self.pending = None
+        if shared is not None and self._staged_signature is not None:
+            shared = self._restage_if_changed(trainer, step, shared)
+            if shared is None:
+                self._unmeasured(due)
+                return
+        self._staged_signature = None
+        if shared is not None and shared.copied.is_set():
+            shared.settle()  # (copied before this step's training_step: what that changes cannot tear it)
+        epoch = trainer.current_epoch
+        try:
+            consumed = max(0, trainer.fit_loop.epoch_loop.batch_progress.current.ready - consumed_offset)
+            private = stage(self._rank_state(trainer, consumed), "rank")
+        except SnapshotError as e:  # the same state shape on every rank: they all fail here together
+            if shared is not None:
+                shared.fence_training()
+                self.arena.release(shared.slot)
+            self._unmeasured(due)
+            self.reporter.handle(e, step)
+            return
+        if any(self.tiers[i].durable for i in due):
+            self.reporter.last_durable_due = step  # (the end of fit checks that some durable tier holds it)
+        # a tier whose queue is full (an object store in an outage) skips this snapshot; every rank agrees
+        room = self.comm.all_true_each([self.persister.has_room(i) for i in due])
+        accepted = [i for i, ok in zip(due, room, strict=True) if ok]
+        full = [i for i, ok in zip(due, room, strict=True) if not ok]
+        self._unmeasured(full)
+        for i in full:
+            self.reporter.queue_full(i, step, self.persister.pending(i))
+        self.persister.submit(PersistJob(step, epoch, shared, private, [self.tiers[i] for i in accepted]), accepted)
+        self.reporter.handed_over(step, accepted)
+
+    def _unmeasured(self, indices: list[int]) -> None:
+        """Snapshots of these tiers that will not be written: they end their cost measurement unmeasured."""
+        for i in indices:
+            self.schedule.closed(i, measured=False)
+
+    def _rank_state(self, trainer: Any, consumed: int) -> dict[str, Any]:
+        epoch_progress = trainer.fit_loop.epoch_progress.current
+        ended = epoch_progress.ready == epoch_progress.processed  # the fit loop counted the epoch as finished
+        batches = trainer.fit_loop.epoch_loop.batch_progress
+        # max_steps can end training inside an epoch, and Lightning then counts that epoch as finished too: the
+        # snapshot records it as unfinished, so that a longer run continues it from the next batch
+        unfinished = ended and not batches.is_last_batch and consumed < trainer.num_training_batches
+        boundary = ended and not unfinished  # training ended with an epoch: the next starts from its beginning
+        epoch = trainer.current_epoch - 1 if unfinished else trainer.current_epoch
+        # (at an epoch boundary only persistent loader workers carry something into the next epoch: their RNG)
+        train_loaders = _data.flatten_loaders(trainer.train_dataloader)
+        # several loaders (a CombinedLoader) of a known length, fetched as they are consumed: each is at its own
+        # batch (a shorter one starts again within the epoch, or ran out)
+        fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+        own = len(train_loaders) > 1 and getattr(fetcher, "length", None) is not None
+        loaders = [
+            _data.position(dl, epoch, 0, ended=True)
+            if boundary
+            else _data.position(dl, epoch, _data.own_batches(dl, consumed) if own else consumed)
+            for dl in train_loaders
+        ]
+        # a loader fetched ahead: its state before the first batch this snapshot has not consumed (fetch indices
+        # count the epoch's batches, as the loop does)
+        loader_states = None if boundary else self._fetch_states(consumed)
+        late = capture_late(trainer, trainer.lightning_module, loader_states)
+        if unfinished:
+            late["epoch"] = epoch
+            for counters in late["loops"]["fit_loop"]["epoch_progress"].values():
+                counters["processed"] -= 1
+                counters["completed"] -= 1
+        return {"rng": capture_rng(), "loaders": loaders, "late": late, "ddp_layout": self._ddp_layout(trainer)}
+
+    def _ddp_layout(self, trainer: Any) -> dict[str, Any] | None:
+        """DDP's rebuilt gradient-bucket layout (plain data), or None (not DDP, not rebuilt, or turned off).
+
+        Every rank calls this at the same point on the training thread: when the rebuild is still pending (the
+        snapshot of a process's first step) it is done here, with DDP's own broadcast from rank 0, exactly as the
+        next forward would do it.
+        """
+        model = trainer.strategy.model
+        if not is_ddp(model) or not ddp_layout_enabled():
+            return None
+        try:
+            return capture_layout(model, rebuild_pending=True)
+        except (AttributeError, TypeError, RuntimeError) as e:  # torch's private internals changed
+            if not self._warned_layout:
+                self._warned_layout = True
+                warnings.warn(
+                    f"lightning-snapshot: cannot read DDP's gradient-bucket layout with this torch"
+                    f" ({type(e).__name__}: {e}); snapshots are taken without it, and a resume with 3 or"
+                    f" more ranks will not be bitwise identical to an uninterrupted run",
+                    stacklevel=2,
+                )
+            return None
+
+    # ------------------------------------------------------------------------------------------- last snapshots
+    def _final_snapshot(self, trainer: Any, pl_module: Any, step: int) -> None:
+        """Stage the state of the last step for every tier (synchronously: training is over)."""
+        if step <= self.start_step:
+            return  # nothing trained in this fit: the step it started from is already held
+        if self.inflight is not None:
+            self.inflight.fence_training()
+            self.inflight = None
+        staged = self._stage_shared(trainer, pl_module, step, last=True)
+        if staged is None:
+            return
+        staged.settle()  # (training is over: nothing changes it while it is copied)
+        self._staged_signature = None  # (staged right now)
+        self.pending = (step, staged, list(range(len(self.tiers))))
+
+    def end_of_fit(self, trainer: Any, pl_module: Any) -> None:
+        """Fit ends with a snapshot of its last step in every tier (a later, longer run continues from it), taken
+        when the training loop ends, before any ``on_train_end`` hook: those may change the weights
+        (``WeightAveraging`` copies the averaged weights into the model there), and a run that never stopped would
+        not have run them. Returns once the weights are copied. Once per fit."""
+        if self._ended:
+            return
+        self._ended = True
+        self.persister.drain()  # the last snapshot waits for room in every tier instead of being skipped
+        step = trainer.global_step
+        if self.pending is None or self.pending[0] != step:
+            if self.pending is not None:
+                self._finish(trainer)
+            self._final_snapshot(trainer, pl_module, step)
+        elif set(self.pending[2]) != set(range(len(self.tiers))):
+            self.pending = (step, self.pending[1], list(range(len(self.tiers))))
+        staged = self.pending[1] if self.pending is not None else self.inflight
+        if self.pending is not None:
+            self._finish(trainer)  # (which may stage the weights again: then that copy is the one in flight)
+        for copy in (staged, self.inflight):
+            if copy is not None:
+                with contextlib.suppress(Exception):  # the persist thread reports it
+                    copy.fence_training()
+        self.inflight = None
+
+    def on_sigterm(self, trainer: Any, pl_module: Any) -> None:
+        """Preemption (SIGTERM, through Lightning's signal handling, on every rank together): snapshot the current
+        step into every tier and wait, within ``sigterm_grace`` seconds, until a durable tier holds it."""
+        grace = self.config.sigterm_grace
+        t0 = time.monotonic()
+        step = trainer.global_step
+        self.fence()  # (training stopped between steps: the copy in flight is settled, not torn by it)
+        self.persister.drain(timeout=grace / 2)
+        if self.pending is not None and self.pending[0] == step:
+            self.pending = (step, self.pending[1], list(range(len(self.tiers))))
+        elif step > self.start_step:
+            if self.pending is not None:
+                self._finish(trainer)
+            self._final_snapshot(trainer, pl_module, step)
+        if self.pending is not None:
+            self._finish(trainer)
+        late = self.persister.drain(timeout=max(0.0, grace - (time.monotonic() - t0)))
+        self.reporter.collect(self.persister, step, self.schedule)
+        committed = self.reporter.committed
+        held = [t.url for i, t in enumerate(self.tiers) if committed.get(i) == step]
+        durable = [t.url for i, t in enumerate(self.tiers) if t.durable and committed.get(i) == step]
+        if durable:
+            rank_zero_info(
+                f"lightning-snapshot: SIGTERM: step {step} is held by {', '.join(held)} ({time.monotonic() - t0:.1f} s)"
+            )
+        else:
+            log.error(
+                "lightning-snapshot: SIGTERM: step %d did not become durable within sigterm_grace=%s s"
+                " (held by: %s; still writing: %s)",
+                step,
+                grace,
+                held or "none",
+                [t.url for t in late] or "none",
+            )
+
+    def close(self) -> None:
+        """Drop the snapshot still staged (it has no rank state) and settle the copy in flight (after an exception,
+        or at teardown)."""
+        if self.pending is not None:
+            _, staged, _ = self.pending
+            self.pending = None
+            if staged is not None:
+                self.arena.release(staged.slot)
+        if self.inflight is not None:
+            with contextlib.suppress(Exception):  # reported by the persist thread
+                self.inflight.fence_training()
+            self.inflight = None

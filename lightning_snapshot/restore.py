@@ -1,0 +1,471 @@
+"""The restore of a fit: which snapshots to try (the resume policy decides), read, verify, apply, record.
+
+One :class:`Restorer` per fit, made by the callback's ``setup`` once the tiers' process groups exist. ``setup``
+calls :meth:`Restorer.preload_callbacks` (other callbacks' states, before any ``on_fit_start``, as Lightning's own
+restore does); ``on_fit_start`` calls :meth:`Restorer.restore`, which returns a :class:`Restored` (or None: nothing
+to restore) that the callback hands to the parts that finish the resume (the loops at ``on_train_start``, the RNG
+and data position before the first fetch). Collective: every rank calls both at the same point; rank 0 decides
+which snapshot and every rank raises the same error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_snapshot import fit_state as _fit_state
+from lightning_snapshot.backends.base import Backend
+from lightning_snapshot.capture import (
+    Templates,
+    adopt_pruning,
+    check_model,
+    check_optimizers,
+    is_sharded,
+    restore_shared,
+    restore_targets,
+    templates,
+)
+from lightning_snapshot.comm import Comm, LocalComm, raise_together
+from lightning_snapshot.config import SnapshotConfig
+from lightning_snapshot.ddp_layout import apply_layout, check_layout, is_ddp
+from lightning_snapshot.errors import (
+    FormatVersionError,
+    SnapshotError,
+    SnapshotNotFoundError,
+    StateMismatchError,
+    TierUnavailableError,
+)
+from lightning_snapshot.loader import ReadStats, read_manifest, read_section, resolve_source
+from lightning_snapshot.resume_policy import Candidate, plan_resume, read_candidate, record_restore
+from lightning_snapshot.writer import committed_steps
+
+__all__ = ["DDP_LAYOUT_ENV", "Restored", "Restorer", "ddp_layout_enabled"]
+
+log = logging.getLogger(__name__)
+
+#: Set to 0 (or off/false/no) to neither store nor give back DDP's gradient-bucket layout (see ddp_layout).
+DDP_LAYOUT_ENV = "LIGHTNING_SNAPSHOT_DDP_LAYOUT"
+
+
+def ddp_layout_enabled() -> bool:
+    return os.environ.get(DDP_LAYOUT_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What a restore did, and what the rest of the fit must still put back."""
+
+    url: str
+    step: int
+    seconds: float
+    #: index of the tier in the callback's tiers, or None (a snapshot path given as ``resume``)
+    tier_index: int | None
+    #: "boundary": the snapshot ended an epoch (the next starts from its beginning); "mid": it continues an epoch
+    resumed: str
+    #: this rank's RNG states (restored right before the first fetch), or None
+    rng: dict[str, Any] | None
+    #: each train loader's saved position, in order (resumed as Lightning makes the loaders)
+    loaders: list[dict[str, Any] | None]
+    #: False after a change of the number of processes (the data continues from the global sample count)
+    exact_data: bool
+    #: the snapshot's :mod:`~lightning_snapshot.fit_state` (applied at ``on_train_start``)
+    fit_state: dict[str, Any] | None
+
+
+class Restorer:
+    """Finds, reads and applies the snapshot a fit resumes from.
+
+    Args:
+        config: the callback's configuration (its tiers, ``resume``, ``resume_unhealthy``, ``max_restores``).
+        comm: the trainer's collectives.
+        tier_comms: one process group per tier (the node-local tiers' restores are collective over it).
+        fit_ckpt_path: the ``ckpt_path`` given to ``fit`` (it wins: no snapshot is restored).
+    """
+
+    def __init__(self, config: SnapshotConfig, comm: Comm, tier_comms: Sequence[Comm], fit_ckpt_path: Any) -> None:
+        self.config = config
+        self.tiers = list(config.tiers)
+        self.comm = comm
+        self.tier_comms = list(tier_comms)
+        self.fit_ckpt_path = fit_ckpt_path
+        #: (rank 0) per (step, tier index) of the last candidate list: the manifest digest and the restore count
+        self._facts: dict[tuple[int, int], tuple[str, int]] = {}
+        #: (tier url, step) of the snapshot whose callback states were loaded at setup, or None
+        self.preloaded: tuple[str, int] | None = None
+        #: what this rank read for the last snapshot it read (see ``SnapshotCallback.restore_stats``), or None
+        self.stats: dict[str, int | None] | None = None
+
+    def preload_callbacks(self, trainer: Any, exclude: Any) -> None:
+        """Load the other callbacks' states (all but ``exclude``) from the snapshot that will be restored, now, before
+        any callback's ``on_fit_start``, as Lightning's own restore does: callbacks act on their loaded state there
+        (``BaseFinetuning`` re-adds its parameter groups, ``StochasticWeightAveraging`` drops the scheduler it
+        replaced by SWALR). If ``on_fit_start`` restores another snapshot (this one fails to load), that one's
+        callback states are loaded there instead."""
+        self.preloaded = None
+        if self.config.resume is False or self.fit_ckpt_path:
+            return
+        try:
+            candidates = self.candidates()
+            if not candidates:
+                return
+            backend, step = candidates[0]
+            late = self._read_late(backend, step)
+        except (SnapshotError, OSError) as e:
+            log.debug("lightning-snapshot: callback states not loaded at setup (%s); on_fit_start reports", e)
+            return
+        if isinstance(late, dict):
+            _fit_state.load_callback_states(trainer, late.get("callbacks"), exclude=exclude)
+            self.preloaded = (backend.url, step)
+
+    def _read_late(self, backend: Backend, step: int) -> Any:
+        """This rank's late state (loops, callbacks, schedulers) of a snapshot; rank 0's after a change of the
+        number of processes."""
+
+        def read() -> Any:
+            manifest = read_manifest(backend, step)
+            rank = self.comm.rank if manifest.world_size == self.comm.world_size else 0
+            section = manifest.rank_section(rank)
+            if section is None:
+                return None
+            state = read_section(backend, manifest, section.tensors, section.state)
+            return state.get("late") if isinstance(state, dict) else None
+
+        return self._through_tier(backend, step, read)
+
+    def _through_tier(self, backend: Backend, step: int, read: Callable[[], Any]) -> Any:
+        """Run ``read`` (a read of snapshot ``step`` of ``backend``). For a node-local tier of this callback (RAM, a
+        local tier on each node's own disk) the objects are first made readable on every node (RAM: a corrupted
+        share found by the read is repaired from the others) and what the restore added is freed after: collective
+        over the tier's group. Any other backend (a snapshot path given as ``resume``) is read directly."""
+        restore = getattr(backend, "restore", None)
+        if restore is None or not getattr(backend, "node_local", False) or backend not in self.tiers:
+            return read()
+        comm = self.tier_comms[self.tiers.index(backend)] if self.tier_comms else LocalComm()
+        return restore(comm, step, read)
+
+    # ------------------------------------------------------------------------------------------- candidates
+    def candidates(self, report: bool = False) -> list[tuple[Backend, int]]:
+        """Snapshots to try, newest first (ties: tier order). Rank 0 decides; every rank gets the same list.
+
+        With ``resume=True``, unhealthy snapshots (unless ``resume_unhealthy``) and snapshots restored
+        ``max_restores`` times are left out; ``report``: rank 0 gives the warnings that say so (once per fit).
+
+        Raises:
+            SnapshotNotFoundError: every committed snapshot was left out that way.
+        """
+        resume = self.config.resume
+        if isinstance(resume, str):
+            backend, step = resolve_source(resume)
+            steps = [step] if step is not None else committed_steps(backend)[:1]
+            return [(backend, s) for s in steps]
+        found: list[tuple[int, int]] = []
+        unlisted: list[str] = []
+        messages: list[str] = []
+        skipped_all: str | None = None
+        collective: dict[int, list[int]] = {}
+        for i, tier in enumerate(self.tiers):
+            steps_of = getattr(tier, "collective_steps", None)
+            if steps_of is not None and getattr(tier, "node_local", False):  # a node-local tier: what any node holds
+                collective[i] = steps_of(self.tier_comms[i] if self.tier_comms else LocalComm())
+        if self.comm.rank == 0:
+            for i, tier in enumerate(self.tiers):
+                try:
+                    found += [(step, i) for step in (collective[i] if i in collective else committed_steps(tier))]
+                except Exception as e:  # noqa: BLE001 - a tier that cannot be listed may hold the newest snapshot
+                    redact = getattr(tier, "redact", str)
+                    detail = str(e) if isinstance(e, SnapshotError) else f"{type(e).__name__}: {redact(str(e))}"
+                    unlisted.append(f"cannot list the {tier.tier} tier {tier.url!r} to resume from it ({detail})")
+            found.sort(key=lambda x: (-x[0], x[1]))
+            if not isinstance(resume, bool):
+                found = [f for f in found if f[0] == resume][:1]
+            if not unlisted:
+                found, messages, skipped_all = self._apply_resume_policy(found)
+        found, problem, messages, skipped_all = self.comm.broadcast(
+            (found, "; ".join(unlisted), messages, skipped_all) if self.comm.rank == 0 else None
+        )
+        if problem:
+            # it may hold the newest snapshot: starting from an older one or fresh could overwrite its history
+            raise TierUnavailableError(
+                f"lightning-snapshot: {problem}. Fix access to the tier and run again, or pass"
+                " resume=False to start fresh without reading it (snapshots are still taken;"
+                " an object store never overwrites a committed step, so give it a new prefix"
+                " too)"
+            )
+        if report and self.comm.rank == 0:
+            for message in messages:  # (one warning each, from rank 0 only)
+                warnings.warn(message, stacklevel=2)
+        if skipped_all:
+            raise SnapshotNotFoundError(f"lightning-snapshot cannot resume: {skipped_all}")
+        return [(self.tiers[i], step) for step, i in found]
+
+    def _apply_resume_policy(self, found: list[tuple[int, int]]) -> tuple[list[tuple[int, int]], list[str], str | None]:
+        """(Rank 0) Read each candidate's health and restore count, and with ``resume=True`` drop the unhealthy
+        ones and those the run keeps crashing after (:func:`~lightning_snapshot.resume_policy.plan_resume`).
+        Returns the (step, tier index) pairs left, the warnings to give, and why none is left (or None)."""
+        self._facts = {}
+        candidates: list[Candidate] = []
+        for step, i in found:
+            candidate, manifest_id = read_candidate(self.tiers[i], step, i)
+            candidates.append(candidate)
+            if manifest_id is not None:
+                self._facts[(step, i)] = (manifest_id, candidate.restores)
+        if self.config.resume is not True:
+            return found, [], None
+        plan = plan_resume(
+            candidates, max_restores=self.config.max_restores, resume_unhealthy=self.config.resume_unhealthy
+        )
+        return [(c.step, c.tier) for c in plan.candidates], list(plan.warnings), plan.problem
+
+    def _record_restore(self, backend: Backend, step: int) -> None:
+        """Collective, right after a restore from one of this callback's tiers and before training goes on: rank 0
+        records it (the step's restore count + 1) in every tier holding that step; a tier that cannot be
+        written gives a warning (the resume goes on)."""
+        problem = None
+        if self.comm.rank == 0 and backend in self.tiers:
+            count = 1 + max((n for (s, _), (_, n) in self._facts.items() if s == step), default=0)
+            failed = []
+            for (s, i), (manifest_id, _) in self._facts.items():
+                if s != step:
+                    continue
+                try:
+                    record_restore(self.tiers[i], step, manifest_id, count)
+                except (OSError, SnapshotError) as e:
+                    failed.append(f"{self.tiers[i].tier} {self.tiers[i].url}: {e}")
+            if failed:
+                problem = "; ".join(failed)
+            log.debug("lightning-snapshot: step %d restored %d time(s)", step, count)
+        if not self.comm.all_true(problem is None) and problem is not None:
+            warnings.warn(
+                f"lightning-snapshot: could not record the restore of step {step} ({problem}); the"
+                " crash-loop breaker (max_restores) does not count this restore there",
+                stacklevel=2,
+            )
+
+    # ------------------------------------------------------------------------------------------- restore
+    def restore(self, trainer: Any, pl_module: Any) -> Restored | None:
+        """Restore the newest snapshot that loads and verifies (``resume``), falling back to older ones with a
+        warning; None when there is nothing to restore. Collective.
+
+        Raises:
+            SnapshotNotFoundError: ``resume`` names a step or snapshot that no tier holds.
+            SnapshotError: no snapshot could be restored (each one's reason in the message).
+            FormatVersionError, StateMismatchError: a snapshot that does not fit this run (never skipped).
+        """
+        resume = self.config.resume
+        if resume is False:
+            return None
+        # (the one given to fit, seen at setup: a tuner such as LearningRateFinder sets trainer.ckpt_path to its own
+        # temporary checkpoint in its on_fit_start)
+        if self.fit_ckpt_path:
+            log.info(
+                "lightning-snapshot: fit(ckpt_path=%r) was given; not resuming from a snapshot", self.fit_ckpt_path
+            )
+            return None
+        t0 = time.monotonic()
+        candidates = self.candidates(report=True)
+        if not candidates:
+            if resume is not True:
+                raise SnapshotNotFoundError(
+                    f"resume={resume!r}: no committed snapshot matches it in {[t.url for t in self.tiers]}"
+                )
+            return None
+        reasons = []
+        live: Templates | None = None
+        for backend, step in candidates:
+            where = f"snapshot of step {step} in the {backend.tier} tier {backend.url!r}"
+            loaded, fatal, error = None, None, None
+            try:
+                if live is None:  # (sharded: creates the optimizer state, so only once there is one to restore)
+                    live = templates(trainer, pl_module)
+                loaded = self._read(backend, step, trainer, pl_module, live)
+            except (FormatVersionError, StateMismatchError) as e:
+                fatal = e
+            except (SnapshotError, OSError) as e:
+                error = e
+            raise_together(self.comm, fatal, f"restoring the {where} failed on another rank (see its log)")
+            if self.comm.all_true(error is None):
+                shared, rank_state = cast("tuple[dict[str, Any], Any]", loaded)  # (read without an error everywhere)
+                return self._apply(trainer, pl_module, backend, step, shared, rank_state, live, t0)
+            reason = str(error) if error is not None else "it failed to load on another rank"
+            reasons.append(f"step {step} ({backend.tier} {backend.url}): {reason}")
+            if resume is not True:
+                break
+            if self.comm.rank == 0:
+                log.warning("lightning-snapshot: cannot restore the %s (%s); trying the next snapshot", where, reason)
+            warnings.warn(
+                f"lightning-snapshot: skipping the {where}: {reason}. Falling back to an earlier snapshot.",
+                stacklevel=2,
+            )
+        raise SnapshotError(
+            "no snapshot could be restored; tried "
+            + "; ".join(reasons)
+            + ". The snapshots were left untouched: fix or move them, or pass resume=False to start fresh"
+        )
+
+    def _apply(
+        self,
+        trainer: Any,
+        pl_module: Any,
+        backend: Backend,
+        step: int,
+        shared: dict[str, Any],
+        rank_state: dict[str, Any] | None,
+        live: Templates | None,
+        t0: float,
+    ) -> Restored:
+        """Put a snapshot read on every rank into the trainer and the model (collective)."""
+        where = f"snapshot of step {step} in the {backend.tier} tier {backend.url!r}"
+        restore_shared(trainer, pl_module, shared, where, live, load_callbacks=self.preloaded != (backend.url, step))
+        progress = trainer.fit_loop.epoch_progress.current
+        # a snapshot taken when an epoch had just ended (the end of training) starts the next epoch from its
+        # beginning; any other continues the epoch it was taken in (see patches.resume_loops)
+        resumed = "boundary" if progress.ready == progress.processed else "mid"
+        loaders = list(rank_state.get("loaders", [])) if rank_state is not None else []
+        if loaders and all(p is not None for p in loaders):
+            # Lightning cannot see that our sampler restores the position of plain DataLoaders, and would warn
+            warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
+        _fit_state.realias_lottery_tickets(trainer, trainer.current_epoch)
+        self._record_restore(backend, step)
+        fit_state = _fit_state.saved_state(shared)
+        _fit_state.prune_checkpoints(trainer, fit_state, step)
+        self._restore_ddp_layout(trainer, rank_state, where)
+        seconds = time.monotonic() - t0
+        rank_zero_info(
+            f"lightning-snapshot: restored step {step} from the {backend.tier} tier {backend.url} in {seconds:.2f} s"
+        )
+        return Restored(
+            url=backend.url,
+            step=step,
+            seconds=seconds,
+            tier_index=self.tiers.index(backend) if backend in self.tiers else None,
+            resumed=resumed,
+            rng=rank_state.get("rng") if rank_state is not None else None,
+            loaders=loaders,
+            exact_data=rank_state.get("exact", True) if rank_state is not None else True,
+            fit_state=fit_state,
+        )
+
+    def _read(
+        self, backend: Backend, step: int, trainer: Any, pl_module: Any, live: Templates
+    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        return self._through_tier(backend, step, lambda: self._read_tier(backend, step, trainer, pl_module, live))
+
+    def _read_tier(
+        self, backend: Backend, step: int, trainer: Any, pl_module: Any, live: Templates
+    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        manifest = read_manifest(backend, step)
+        where = f"snapshot of step {step} in the {backend.tier} tier {backend.url!r}"
+        saved_model = manifest.state.get("state_dict") if isinstance(manifest.state, dict) else None
+        if isinstance(saved_model, dict) and not is_sharded(trainer.strategy):
+            pruned = adopt_pruning(pl_module, saved_model)
+            if pruned:  # (ModelPruning had pruned them): the model reads into its new tensors
+                live.model.clear()
+                live.model.update(pl_module.state_dict())
+                log.info("lightning-snapshot: %d pruned parameter(s) reparametrized as in the snapshot", len(pruned))
+        # the model's own tensors are read into directly (verified chunk by chunk); under a sharded strategy the
+        # optimizer state too, and each rank reads only its shards; the rest is allocated
+        targets = restore_targets(trainer, live, manifest.state, where)
+        stats = ReadStats()
+        counted = getattr(backend, "bytes_read", None)
+        shared = read_section(backend, manifest, manifest.tensors, manifest.state, targets=targets, stats=stats)
+        after = getattr(backend, "bytes_read", None)
+        self.stats = {
+            "bytes_needed": stats.bytes_needed,
+            "bytes_read": stats.bytes_read,
+            "tier_bytes_read": after - counted if isinstance(counted, int) and isinstance(after, int) else None,
+            "tensors_resharded": stats.tensors_resharded,
+        }
+        if not isinstance(shared, dict):
+            raise SnapshotError(f"{where} holds no training state")
+        check_model(pl_module, shared.get("state_dict"), where)
+        rank_state = None
+        section = manifest.rank_section(self.comm.rank)
+        if manifest.world_size != self.comm.world_size:
+            warnings.warn(
+                f"lightning-snapshot: the {where} was taken with {manifest.world_size} process(es), this run has"
+                f" {self.comm.world_size}: weights, optimizer and loop state are restored, and the data continues"
+                " from the saved global sample, but per-rank RNG is not restored, so the run will not be bitwise"
+                " identical to an uninterrupted one.",
+                stacklevel=2,
+            )
+            # the data position, as a global sample count, from rank 0's section (the same on every rank)
+            first = manifest.rank_section(0)
+            if first is not None:
+                saved = read_section(backend, manifest, first.tensors, first.state)
+                rank_state = {
+                    "rng": None,
+                    "loaders": saved.get("loaders", []),
+                    "exact": False,
+                    "late": saved.get("late"),
+                }
+        elif section is not None:
+            rank_state = read_section(backend, manifest, section.tensors, section.state)
+        # loops, callbacks, schedulers: taken with the rank state, right before the next step (this rank's own)
+        late = rank_state.get("late") if isinstance(rank_state, dict) else None
+        if isinstance(late, dict):
+            shared.update(late)
+        if "loops" not in shared:
+            raise SnapshotError(f"{where} holds no training state")
+        _fit_state.merge_param_groups(shared, where)  # the optimizer's groups as they were with the late state
+        check_optimizers(trainer, shared, where)  # before anything is applied
+        return shared, rank_state
+
+    def _restore_ddp_layout(self, trainer: Any, rank_state: dict[str, Any] | None, where: str) -> None:
+        """Give DDP the gradient-bucket layout the snapshot's process all-reduced with (see ``ddp_layout``).
+
+        Called on every rank together in ``on_fit_start``: the strategy has wrapped the model in DDP and nothing has
+        run a forward through it yet (the sanity check and training come later). The layout is untrusted input: it
+        is applied only when every rank holds the same layout and it fits the live DDP module (the parameters that
+        require grad, their sizes and dtypes); otherwise a warning names why and the resume goes on without it (the
+        weights and all other state are restored either way; only the float summation order of the next
+        all-reduces may differ from an uninterrupted run). Only at the same world size (``_read_tier`` passes no
+        layout after a change of the number of processes) and only into DDP (another strategy has no buckets).
+        """
+        model = trainer.strategy.model
+        if not is_ddp(model) or self.comm.world_size < 2:
+            return
+        layout = rank_state.get("ddp_layout") if isinstance(rank_state, dict) else None
+        if not ddp_layout_enabled():
+            layout = None
+        problem = None
+        try:
+            check_layout(model, layout)
+        except ValueError as e:
+            problem = str(e)
+        except (AttributeError, TypeError, RuntimeError) as e:  # torch's private internals changed
+            problem = f"this torch is not supported ({type(e).__name__}: {e})"
+        first = self.comm.broadcast(layout)
+        if problem is None and layout != first:
+            problem = f"rank {self.comm.rank} holds another layout than rank 0"
+        none_stored, all_fit = self.comm.all_true_each([layout is None, problem is None])
+        if none_stored:  # taken before this feature, without DDP, or where DDP never rebuilds; or turned off
+            return
+        if not all_fit:
+            warnings.warn(
+                f"lightning-snapshot: the {where} holds a DDP gradient-bucket layout that is not applied"
+                f" ({problem or 'it does not fit on another rank'}); the resume goes on without it, so"
+                " with 3 or more ranks the next steps may differ in the last bits from an uninterrupted"
+                " run",
+                stacklevel=2,
+            )
+            return
+        error: BaseException | None = None
+        try:
+            apply_layout(model, layout)
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            error = e
+        if not self.comm.all_true(error is None):
+            raise SnapshotError(
+                f"giving DDP the gradient-bucket layout of the {where} failed"
+                f" ({f'{type(error).__name__}: {error}' if error is not None else 'on another rank'}); set"
+                f" {DDP_LAYOUT_ENV}=0 to resume without it (with 3 or more ranks not bitwise identical to an"
+                " uninterrupted run)"
+            ) from error
+        log.debug("lightning-snapshot: DDP gradient-bucket layout restored: %s", first["buckets"])

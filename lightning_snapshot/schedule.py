@@ -1,0 +1,232 @@
+"""When each tier snapshots: configuration, decision and state of the schedules, in one place. Pure: no I/O, no
+collectives (the caller broadcasts where ranks must agree), clocks passed in.
+
+:class:`TierSchedule` is one tier's: built by ``Backend.__init__`` from its ``every_n_train_steps``,
+``train_time_interval``, ``min_every`` and ``max_every`` (validated here), it holds the interval in use (which
+``every_n_train_steps="auto"`` re-estimates) and decides whether a step is due. :class:`FitSchedule` is one fit's,
+over all the callback's tiers: the time and step of each tier's last snapshot, the cost meter and the re-estimation
+of the ``"auto"`` intervals (Young/Daly, :mod:`lightning_snapshot.interval`). The callback's snapshot pipeline asks
+it which tiers are due; nothing else decides.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from lightning_snapshot.errors import ConfigError
+from lightning_snapshot.interval import AUTO, FIRST_AUTO_INTERVAL, CostMeter, young_daly_steps
+
+__all__ = ["DEFAULT_EVERY_N_TRAIN_STEPS", "FitSchedule", "TierSchedule"]
+
+log = logging.getLogger(__name__)
+
+#: The step interval of a tier given neither ``every_n_train_steps`` nor ``train_time_interval``.
+DEFAULT_EVERY_N_TRAIN_STEPS = 100
+
+
+class TierSchedule:
+    """One tier's schedule (see :class:`~lightning_snapshot.backends.base.Backend` for the options).
+
+    Raises:
+        ConfigError: naming the option that is not valid and what it accepts.
+    """
+
+    def __init__(
+        self,
+        every_n_train_steps: int | str | None = None,
+        train_time_interval: _dt.timedelta | float | None = None,
+        min_every: int | None = None,
+        max_every: int | None = None,
+    ) -> None:
+        self.auto = every_n_train_steps == AUTO
+        for option, value in (("min_every", min_every), ("max_every", max_every)):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{option} must be an integer >= 1 (steps) or None, got {value!r}")
+            if not self.auto:
+                raise ConfigError(
+                    f"{option} bounds the interval of every_n_train_steps='auto' (URL every=auto);"
+                    " set every_n_train_steps='auto' or drop it"
+                )
+        if min_every is not None and max_every is not None and min_every > max_every:
+            raise ConfigError(f"min_every ({min_every}) must not be larger than max_every ({max_every})")
+        self.min_every: int = min_every or 1
+        self.max_every: int | None = max_every
+        if self.auto:
+            every_n_train_steps = max(self.min_every, FIRST_AUTO_INTERVAL)
+            if self.max_every is not None:
+                every_n_train_steps = min(every_n_train_steps, self.max_every)
+        if every_n_train_steps is not None and (
+            isinstance(every_n_train_steps, bool) or not isinstance(every_n_train_steps, int) or every_n_train_steps < 1
+        ):
+            raise ConfigError(
+                f"every_n_train_steps must be an integer >= 1, 'auto' or None, got {every_n_train_steps!r}"
+            )
+        if train_time_interval is not None:
+            if isinstance(train_time_interval, (int, float)) and not isinstance(train_time_interval, bool):
+                train_time_interval = _dt.timedelta(seconds=train_time_interval)
+            if not isinstance(train_time_interval, _dt.timedelta) or train_time_interval.total_seconds() <= 0:
+                raise ConfigError(
+                    "train_time_interval must be a positive datetime.timedelta or a number of seconds,"
+                    f" got {train_time_interval!r}"
+                )
+        if every_n_train_steps is None and train_time_interval is None:
+            every_n_train_steps = DEFAULT_EVERY_N_TRAIN_STEPS
+        #: the step interval in use (``"auto"``: the one last re-estimated), or None (time only)
+        self.every: int | None = every_n_train_steps
+        self.time_interval: _dt.timedelta | None = train_time_interval
+
+    def is_due(self, step: int, seconds_since_last: float | None, steps_since_last: int | None = None) -> bool:
+        """Whether a snapshot of ``step`` is due (see :meth:`~lightning_snapshot.backends.base.Backend.is_due`)."""
+        if self.auto:
+            if steps_since_last is not None and steps_since_last >= (self.every or 1):
+                return True
+        elif self.every is not None and step % self.every == 0:
+            return True
+        return (
+            self.time_interval is not None
+            and seconds_since_last is not None
+            and seconds_since_last >= self.time_interval.total_seconds()
+        )
+
+    def steps_to_due(self, step: int, last_snapshot_step: int) -> int | None:
+        """Optimizer steps from ``step`` until the tier is next due by its step interval (None: it has none)."""
+        if self.every is None:
+            return None
+        if self.auto:
+            return max(0, last_snapshot_step + self.every - step)
+        return -step % self.every
+
+    def retuned(self, cost: float | None, mtbf: float, step_seconds: float | None) -> int | None:
+        """The interval Young/Daly gives an ``"auto"`` tier for a measured cost per snapshot and step time (both
+        seconds); the interval in use when either is not measured yet, or for a tier with a fixed interval."""
+        if not self.auto or cost is None or step_seconds is None:
+            return self.every
+        return young_daly_steps(cost, mtbf, step_seconds, self.min_every, self.max_every)
+
+
+class FitSchedule:
+    """The schedules of one fit's tiers, and what they measure (training thread only).
+
+    Args:
+        tiers: the callback's tiers (each with its :class:`TierSchedule` as ``schedule``), for names in logs.
+        mtbf: the job's mean time between failures (seconds) when some tier is ``"auto"``; None: no tier is.
+        start_time: the clock (``time.monotonic``) when the fit starts: every tier's time interval counts from it.
+    """
+
+    def __init__(self, tiers: Sequence[Any], mtbf: float | None, start_time: float) -> None:
+        self.tiers = list(tiers)
+        self.schedules: list[TierSchedule] = [t.schedule for t in self.tiers]
+        self.meter = CostMeter(len(self.tiers)) if mtbf is not None else None
+        self.mtbf = mtbf or 0.0
+        #: per tier: when its last snapshot was taken (the fit's start until then)
+        self.last_time = [start_time] * len(self.tiers)
+        #: per tier: the step of its last snapshot in this fit; empty until the fit's first optimizer step
+        self.last_step: list[int] = []
+        #: the interval last logged at INFO, per tier
+        self.logged = [s.every or 0 for s in self.schedules]
+        self._step_clock: float | None = None
+        self._paused = 0.0
+        self._pause_clock: float | None = None
+
+    @property
+    def time_based(self) -> bool:
+        """Whether some tier is due by wall time (clocks differ across ranks: rank 0's decision must be shared)."""
+        return any(s.time_interval is not None for s in self.schedules)
+
+    def begin(self, step: int) -> None:
+        """The first optimizer step of the fit ended; ``step`` is the one the fit started from (or restored)."""
+        if not self.last_step:
+            self.last_step = [step] * len(self.tiers)
+
+    def due(self, step: int, now: float, start_step: int) -> list[int]:
+        """The indices of the tiers due at ``step`` (``now``: ``time.monotonic``)."""
+        last = self.last_step or [start_step] * len(self.tiers)
+        return [i for i, s in enumerate(self.schedules) if s.is_due(step, now - self.last_time[i], step - last[i])]
+
+    def taken(self, indices: Sequence[int], step: int, now: float) -> None:
+        """A snapshot of ``step`` is taken for these tiers."""
+        for i in indices:
+            self.last_time[i] = now
+            if self.last_step:
+                self.last_step[i] = step
+
+    def steps_to_due(self, index: int, step: int) -> int | None:
+        """Optimizer steps from ``step`` until tier ``index`` is next due by its step schedule (None: no such)."""
+        last = self.last_step[index] if self.last_step else step
+        return self.schedules[index].steps_to_due(step, last)
+
+    # ------------------------------------------------------------------------------------------- every="auto"
+    def step_ended(self, now: float) -> None:
+        """One optimizer step ended at ``now`` (``time.perf_counter``): its wall time, less pauses, to the meter."""
+        if self.meter is None:
+            return
+        if self._step_clock is not None:
+            self.meter.step(now - self._step_clock - self._paused)
+        self._step_clock, self._paused = now, 0.0
+
+    def pause(self, now: float) -> None:
+        """Time from ``now`` on is not a step's (validation inside training) until :meth:`resume`."""
+        self._pause_clock = now
+
+    def resume(self, now: float) -> None:
+        if self._pause_clock is not None:
+            self._paused += now - self._pause_clock
+            self._pause_clock = None
+
+    def opened(self, indices: Sequence[int]) -> None:
+        """Snapshots of these tiers are in flight from the next step on (their cost counts)."""
+        if self.meter is not None:
+            for i in indices:
+                self.meter.opened(i)
+
+    def closed(self, index: int, measured: bool) -> None:
+        """The snapshot of tier ``index`` opened first ended (``measured``: it was written, its cost counts)."""
+        if self.meter is not None:
+            self.meter.closed(index, measured=measured)
+
+    def propose(self) -> list[int | None] | None:
+        """(Rank 0's is used) the interval of every tier from what was measured; None when no tier is ``"auto"``."""
+        if self.meter is None:
+            return None
+        step_s = self.meter.step_seconds
+        return [s.retuned(self.meter.cost(i), self.mtbf, step_s) for i, s in enumerate(self.schedules)]
+
+    def adopt(self, proposal: Sequence[int | None], rank: int) -> dict[str, float]:
+        """Put rank 0's ``proposal`` in use (every rank, at a step every rank snapshots). Returns the metrics of the
+        re-estimation by metric suffix (``<index>/interval_steps``, ``<index>/cost_ms``, ``step_ms``); a large
+        change of an interval is logged at INFO (rank 0)."""
+        assert self.meter is not None
+        meter = self.meter
+        out: dict[str, float] = {}
+        for i, (schedule, steps) in enumerate(zip(self.schedules, proposal, strict=True)):
+            if not schedule.auto or steps is None:  # (an "auto" tier always has an interval)
+                continue
+            schedule.every = int(steps)
+            out[f"{i}/interval_steps"] = schedule.every
+            cost = meter.cost(i)
+            if cost is not None:
+                out[f"{i}/cost_ms"] = cost * 1000
+            old = self.logged[i] or schedule.every
+            if max(old, schedule.every) > 2 * min(old, schedule.every):
+                self.logged[i] = schedule.every
+                if rank == 0:
+                    tier = self.tiers[i]
+                    log.info(
+                        "lightning-snapshot: the %s tier %s now snapshots every %d steps (was %d): measured"
+                        " cost %.1f ms per snapshot, step %.1f ms, MTBF %.0f s",
+                        tier.tier,
+                        tier.url,
+                        schedule.every,
+                        old,
+                        (meter.cost(i) or 0) * 1000,
+                        (meter.step_seconds or 0) * 1000,
+                        self.mtbf,
+                    )
+        if meter.step_seconds is not None:
+            out["step_ms"] = meter.step_seconds * 1000
+        return out
