@@ -1,5 +1,11 @@
 """The host staging arena and the asynchronous copy into it.
 
+This module is :class:`HostArena` (slots within a memory budget, their CUDA registration, planning and
+``stage_async``) and re-exports the arena's names as imported before the split; the parts, one job each:
+:mod:`~lightning_snapshot.staging.cuda_host` (``cudaHostRegister``), :mod:`~lightning_snapshot.staging.slot`
+(one shared-memory buffer), :mod:`~lightning_snapshot.staging.plan` (where each tensor goes and how it is
+copied) and :mod:`~lightning_snapshot.staging.transfer` (the copy in flight and its handle).
+
 The arena is a few *slots*, each one page-aligned host buffer allocated once and reused across snapshots: shared
 memory (an anonymous ``memfd_create`` file, which never has a name, so a killed trainer leaves nothing behind; where
 that is missing, a ``/dev/shm`` file readable by the owning user only, unlinked at once), the same for CPU and CUDA
@@ -25,30 +31,47 @@ holds the same tensors (same names, addresses, shapes, strides and dtypes), whic
 from __future__ import annotations
 
 import concurrent.futures as cf
-import ctypes
 import errno
 import itertools
 import logging
-import operator
 import os
-import resource
 import threading
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import xxhash
 
-from lightning_snapshot import tree as _tree
-from lightning_snapshot.errors import TornSnapshotError
 from lightning_snapshot.planner import align_up, assign_writers, chunk_ranges, plan_layout
-from lightning_snapshot.staging import SMALL_HASH as _SMALL
-from lightning_snapshot.staging import StagedState, chunk_digests, prepare_tensors, tensor_bytes
+from lightning_snapshot.staging import StagedState, chunk_digests, prepare_tensors
 from lightning_snapshot.staging import digest as digest_of
+from lightning_snapshot.staging.cuda_host import (
+    FAKE_REGISTER_ENV,
+    HostRegisterError,
+    cuda_host_register,
+    cuda_host_unregister,
+    noop_host_register,
+    noop_host_unregister,
+)
 from lightning_snapshot.staging.live import Encoded, LiveCapture
+from lightning_snapshot.staging.plan import (
+    _BACKGROUND,
+    _BULK_BELOW,
+    _CUDA_FROZEN,
+    _CUDA_NOW,
+    _NOW,
+    _PLAIN,
+    _encoded,
+    _key,
+    _Plan,
+    _split,
+    _storage,
+    _versions,
+)
+from lightning_snapshot.staging.slot import PAGE, ArenaSlot, _memfd_ok, _populate
+from lightning_snapshot.staging.transfer import AsyncStaged, _copy_digests, _CudaLaunch
 
 __all__ = [
     "FAKE_REGISTER_ENV",
@@ -65,425 +88,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-PAGE = 4096
 _ALIGN = 64
-#: Copy-and-hash block: small enough that the block is still in the (L2) cache when it is hashed.
-_FUSE_BLOCK = 1 << 20
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 _counter = itertools.count()
-_libc: Any = None
-_memfd: bool | None = None
-#: ``cudaHostRegisterPortable``: the memory counts as page-locked for every CUDA context, not only the current one.
-_HOST_REGISTER_PORTABLE = 1
-#: Testing hook, set to a file path: every slot is treated as CUDA-registered, even for CPU-only state, and registered
-#: through :func:`noop_host_register` / :func:`noop_host_unregister`, which change nothing and append their calls to
-#: that file. This runs the CUDA arena path (registration, unregistration before unmapping, the agent mapping the
-#: registered memory) on machines without a GPU; it is not for users.
-FAKE_REGISTER_ENV = "LIGHTNING_SNAPSHOT_FAKE_CUDA_REGISTER"
-
-
-class HostRegisterError(RuntimeError):
-    """Host memory could not be registered with (or unregistered from) CUDA; the message says why."""
-
-
-def cuda_host_register(ptr: int, nbytes: int, device: int) -> None:
-    """Page-lock ``nbytes`` of host memory at ``ptr`` for CUDA (``cudaHostRegister``, portable), as ``device``.
-
-    Call it from a thread that launches no CUDA work (the arena has one for this): a failed call leaves CUDA's
-    per-thread "last error" set (torch's binding does not clear it), which torch would otherwise report at that
-    thread's next kernel launch, as if that kernel had failed. It makes ``device`` the calling thread's current
-    device (and leaves it so: switching back to device 0 would create a context there on every rank of a node).
-
-    Raises:
-        HostRegisterError: CUDA is not usable in this process, or the driver refused (out of memory, a limit); the
-            message names the CUDA error and, where one is set, ``RLIMIT_MEMLOCK``.
-    """
-    cudart = _cudart_on(device)
-    code = int(cudart.cudaHostRegister(ptr, nbytes, _HOST_REGISTER_PORTABLE))
-    if code != 0:
-        raise HostRegisterError(
-            f"cudaHostRegister of {nbytes} bytes for cuda:{device} failed with"
-            f" {_cuda_error(cudart, code)}{_memlock_note()}"
-        )
-
-
-def cuda_host_unregister(ptr: int, device: int) -> None:
-    """Undo :func:`cuda_host_register` of the memory at ``ptr``; call it while the memory is still mapped, from the
-    same kind of thread (it makes ``device`` the thread's current device too).
-
-    Raises:
-        HostRegisterError: CUDA refused (the message names the CUDA error).
-    """
-    cudart = _cudart_on(device)
-    code = int(cudart.cudaHostUnregister(ptr))
-    if code != 0:
-        raise HostRegisterError(f"cudaHostUnregister for cuda:{device} failed with {_cuda_error(cudart, code)}")
-
-
-def _cudart_on(device: int) -> Any:
-    """torch's CUDA runtime bindings, with ``device`` made the calling thread's current device (a new thread's is 0:
-    never touch another GPU's context)."""
-    try:
-        cudart = torch.cuda.cudart()
-        torch.cuda.set_device(device)
-    except (AssertionError, AttributeError, RuntimeError) as e:  # torch without CUDA, no driver, CUDA after fork
-        raise HostRegisterError(f"CUDA is not usable in this process ({e})") from None
-    return cudart
-
-
-def _cuda_error(cudart: Any, code: int) -> str:
-    try:
-        return f"{cudart.cudaGetErrorString(cudart.cudaError(code))} (CUDA error {code})"
-    except (TypeError, ValueError, RuntimeError):
-        return f"CUDA error {code}"
-
-
-def _memlock_note() -> str:
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    return "" if soft == resource.RLIM_INFINITY else f"; RLIMIT_MEMLOCK (ulimit -l) is {soft} bytes"
-
-
-def noop_host_register(ptr: int, nbytes: int, device: int) -> None:
-    """The stand-in for :func:`cuda_host_register` under :data:`FAKE_REGISTER_ENV`: registers nothing and appends
-    ``register <ptr> <nbytes> <device>`` to the file that variable names."""
-    _record_fake(f"register {ptr} {nbytes} {device}")
-
-
-def noop_host_unregister(ptr: int, device: int) -> None:
-    """The stand-in for :func:`cuda_host_unregister` under :data:`FAKE_REGISTER_ENV` (appends
-    ``unregister <ptr> <device>``)."""
-    _record_fake(f"unregister {ptr} {device}")
-
-
-def _record_fake(line: str) -> None:
-    path = os.environ.get(FAKE_REGISTER_ENV)
-    if path:
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(line + "\n")
-
-
-def _copy_digests(dst: memoryview, dst_addr: int, src_addr: int, chunk_bytes: int) -> list[str]:
-    """Copy ``dst.nbytes`` bytes from ``src_addr`` to ``dst`` (at ``dst_addr``); return the digests of its chunks.
-
-    Each block is hashed right after it is copied, from the destination, while it is still in the cache: the
-    digests are those of the staged bytes, as :func:`chunk_digests` of ``dst`` would give, for about the memory
-    traffic of the copy alone. ``memmove`` and the streaming hash both release the GIL.
-    """
-    memmove = ctypes.memmove
-    sums = []
-    for a, b in chunk_ranges(dst.nbytes, chunk_bytes):
-        if b - a < _SMALL:
-            memmove(dst_addr + a, src_addr + a, b - a)
-            sums.append(xxhash.xxh3_64_hexdigest(dst[a:b]))
-            continue
-        h = xxhash.xxh3_64()
-        for x in range(a, b, _FUSE_BLOCK):
-            y = min(x + _FUSE_BLOCK, b)
-            memmove(dst_addr + x, src_addr + x, y - x)
-            h.update(dst[x:y])
-        sums.append(h.hexdigest())
-    return sums
-
-
-def _memfd_ok() -> bool:
-    """Whether anonymous memory files (``memfd_create``, Linux >= 3.17) can back the arena here."""
-    global _memfd
-    if _memfd is None:
-        _memfd = False
-        if hasattr(os, "memfd_create") and os.environ.get("LIGHTNING_SNAPSHOT_ARENA_MEMFD", "1") != "0":
-            try:
-                fd = os.memfd_create("lightning-snapshot-probe", os.MFD_CLOEXEC)
-            except OSError:
-                return False
-            try:
-                _memfd = os.path.exists(f"/proc/self/fd/{fd}")
-            finally:
-                os.close(fd)
-    return _memfd
-
-
-def _populate(buf: torch.Tensor) -> None:
-    """Fault every page of ``buf`` in now (one ``madvise(MADV_POPULATE_WRITE)``; else touching each page)."""
-    global _libc
-    n = buf.numel()
-    if n == 0:
-        return
-    try:
-        if _libc is None:
-            _libc = ctypes.CDLL(None, use_errno=True)
-        addr = buf.data_ptr()
-        start = addr & ~(PAGE - 1)
-        if _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(addr + n - start), _MADV_POPULATE_WRITE) == 0:
-            return
-    except (OSError, AttributeError):
-        pass
-    for a in range(0, n, 64 << 20):  # older kernels: write every page (memset releases the GIL)
-        ctypes.memset(buf.data_ptr() + a, 0, min(64 << 20, n - a))
-
-
-@dataclass
-class ArenaSlot:
-    """One reusable host buffer. ``step`` is the stamp of the snapshot it holds; ``busy`` until persisted."""
-
-    buffer: torch.Tensor
-    step: int = -1
-    busy: bool = False
-    #: The shared-memory file behind ``buffer`` (its name is already unlinked), kept open so that the snapshot
-    #: agent can map the same memory; -1 for anonymous memory (where no shared memory exists).
-    fd: int = -1
-    #: The CUDA device ``buffer`` is registered (page-locked) for, or None when it is not registered.
-    device: int | None = None
-    #: The plan whose views into this slot ``views`` are (reused while the plan is).
-    plan: _Plan | None = None
-    views: list[torch.Tensor] = field(default_factory=list)
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    #: The views of the plan's ``bulk`` entries, in that order.
-    bulk: list[torch.Tensor] = field(default_factory=list)
-    bulk_bytes: list[memoryview] = field(default_factory=list)
-    _bytes: memoryview | None = None
-
-    def region(self, nbytes: int) -> memoryview:
-        """The first ``nbytes`` of the buffer, as bytes (the buffer's byte view is made once)."""
-        if self._bytes is None or self._bytes.nbytes != self.capacity:
-            self._bytes = tensor_bytes(self.buffer)
-        return self._bytes[:nbytes]
-
-    @property
-    def capacity(self) -> int:
-        return self.buffer.numel()
-
-    def view(self) -> memoryview:
-        return tensor_bytes(self.buffer)
-
-
-@dataclass
-class AsyncStaged:
-    """A snapshot being staged into a slot. ``state`` is usable once :meth:`wait` returned."""
-
-    state: StagedState
-    slot: ArenaSlot
-    step: int
-    future: cf.Future[dict[str, list[str]]]
-    cuda_event: Any = None
-    cpu_pending: bool = True
-    started: float = 0.0
-    #: Seconds from the start of staging until the copy (and its checksums) finished.
-    copy_seconds: float | None = None
-    #: CUDA: seconds the side stream spent on the device-to-host copy of the frozen tensors, and their bytes.
-    device_copy_seconds: float | None = None
-    device_copy_bytes: int = 0
-    #: CUDA: set once the copy thread has queued the side-stream copies (``cuda_event`` is recorded then).
-    launched: threading.Event | None = None
-    #: Set once every byte is in the slot (before the checksums are all taken), or once the copy failed.
-    copied: threading.Event = field(default_factory=threading.Event)
-    #: (name, tensor, version counter at staging) of each tensor copied while training goes on
-    watched: list[tuple[str, torch.Tensor, int]] = field(default_factory=list)
-    #: Set by the training thread once it may change the sources again (:meth:`fence_training`), with ``torn``:
-    #: the watched tensors changed in place meanwhile (their copy may hold either value, or a mix): not committed.
-    fenced: threading.Event = field(default_factory=threading.Event)
-    torn: list[tuple[str, torch.Tensor]] = field(default_factory=list)
-    #: The ``frozen_key`` it was staged under (which tensors it copies while training goes on).
-    frozen_key: Any = None
-    #: ``watched`` as three lists (names, tensors, versions), when the arena made them so.
-    _watch: tuple[list[str], list[torch.Tensor], list[int]] | None = None
-
-    def wait_copied(self) -> None:
-        """Block until every byte is in the slot, which is then final until the slot is released (the checksums
-        may still be being taken); raises what the copy raised."""
-        self.copied.wait()
-        if self.future.done():  # (finished, or failed: then ``copied`` was set when it ended)
-            self.future.result()
-
-    def done(self) -> bool:
-        return self.future.done()
-
-    def wait(self) -> None:
-        """Block until the copy is finished; raises what the copy raised."""
-        self.state.checksums = self.future.result()
-
-    def fence_training(self) -> None:
-        """Make training safe to mutate the sources: CPU waits for the copy; CUDA only orders the GPU streams.
-
-        Also settles whether the copy holds the staged values: a tensor copied while training went on that was
-        changed in place since staging (its version counter moved: user code in ``training_step`` changed a trained
-        parameter before ``optimizer.step``) makes the snapshot ``torn``, and it is not committed.
-        """
-        try:
-            if self.cuda_event is not None and not self.cpu_pending and not self.future.done():
-                if self.launched is not None:
-                    self.launched.wait()  # (set in a ``finally``: the copy thread cannot leave it unset)
-                    if self.future.done():  # (the launch failed: raise it)
-                        self.future.result()
-                torch.cuda.current_stream().wait_event(self.cuda_event)
-                return
-            self.wait_copied()  # (the bytes: the checksums of what was copied in bulk may still be being taken)
-        finally:
-            self.settle()
-
-    def changed(self) -> bool:
-        """Whether a watched tensor was changed in place since staging (training thread; no data is read)."""
-        return bool(self._moved())
-
-    def _moved(self) -> list[tuple[str, torch.Tensor]]:
-        if not self.watched:
-            return []
-        names, tensors, versions = self._watch if self._watch is not None else zip(*self.watched, strict=True)
-        now = _versions(list(tensors))
-        if now == list(versions):  # (one C-level comparison; the loop below only when something moved)
-            return []
-        return [(name, t) for name, t, version, v in zip(names, tensors, versions, now, strict=True) if v != version]
-
-    def settle(self) -> None:
-        """On the training thread, once nothing can change the copy any more (the sources are fenced, the copy had
-        finished, or training is over): record which watched tensors were changed in place since staging
-        (``torn``) and let the persist threads commit, or not. Idempotent."""
-        if not self.fenced.is_set():
-            self.torn = self._moved()
-            self.watched, self._watch = [], None
-            self.fenced.set()
-
-    def await_fence(self, stop: threading.Event | None = None) -> None:
-        """Block until the training thread has settled the copy (:meth:`fence_training`: at the next optimizer
-        step, or when training ends); raises :class:`~lightning_snapshot.errors.TornSnapshotError` if it is torn.
-        Returns early, without a verdict, once ``stop`` is set (the writer is being stopped)."""
-        while not self.fenced.wait(0.5):
-            if stop is not None and stop.is_set():
-                raise TornSnapshotError(f"step {self.step}: stopped before training settled its copy")
-        if self.torn:
-            raise TornSnapshotError(
-                f"step {self.step}: {', '.join(repr(n) for n, _ in self.torn[:3])}"
-                f"{' and others' if len(self.torn) > 3 else ''} changed in place after on_train_batch_end and before"
-                " optimizer.step (in training_step?), while being copied; the snapshot could hold either value."
-                " They are copied at once from now on"
-            )
-
-    def verify(self) -> None:
-        """Check the stamp and re-hash the slot: the staged bytes are still the ones of ``step`` (never torn)."""
-        if self.slot.step != self.step:
-            raise RuntimeError(f"arena slot was reused by step {self.slot.step} while step {self.step} was persisted")
-        assert self.state.checksums is not None and self.state.packed is not None
-        packed = self.state.packed
-        for name, offset, nbytes in self.state.layout or ():
-            if chunk_digests(packed[offset : offset + nbytes], self._chunk_bytes) != self.state.checksums[name]:
-                raise RuntimeError(f"staged bytes of {name!r} changed after staging (step {self.step}); not committed")
-
-    _chunk_bytes: int = 8 << 20
-
-
-#: Tensors copied while training goes on that are smaller than this are copied together (one ``_foreach_copy_``,
-#: which does not hold the GIL) and hashed afterwards; larger ones are copied and hashed block by block.
-_BULK_BELOW = _SMALL
-
-#: How a planned tensor is copied: by the copy thread (CPU, frozen, contiguous), now on the training thread
-#: (buffers, non-contiguous tensors), or on the CUDA side stream (frozen: overlapping the next forward; buffers: in
-#: the order of the current stream).
-_BACKGROUND, _NOW, _CUDA_FROZEN, _CUDA_NOW = 0, 1, 2, 3
-
-
-@dataclass
-class _Plan:
-    """Where each tensor of a state goes in a slot, and how it is copied; reused while the state's tensors are the
-    same ones (:meth:`sources`).
-
-    Attributes:
-        names: every tensor name the encoding found, in order; keys: what identifies each of those tensors.
-        entries: per staged tensor (name, index in ``names``, offset in the slot, bytes, how it is copied).
-        cacheable: False when a tensor was transformed to be staged (a DTensor's local shard, a conjugate view):
-            then the plan is rebuilt at every snapshot.
-    """
-
-    names: list[str]
-    keys: list[tuple[Any, ...]]
-    entries: list[tuple[str, int, int, int, int]]
-    aliases: dict[str, str]
-    shards: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
-    size: int
-    #: The CUDA device the slot is registered for (that of the state's CUDA tensors); None: CPU state, not registered.
-    device: int | None
-    cacheable: bool
-    layout: list[tuple[str, int, int]] = field(default_factory=list)
-    #: (name, offset, source address, bytes) of the tensors the copy thread copies (valid while the plan matches)
-    background: list[tuple[str, int, int, int]] = field(default_factory=list)
-    #: Whether any tensor is copied on the training thread or the CUDA stream (then ``background`` is not all).
-    mixed: bool = False
-    #: For a mixed plan, made at its first use (:func:`_split`): which entries are copied how.
-    split: _Split | None = None
-    #: Indices (into ``names``) of the tensors copied while training goes on, on any rank: their version counters
-    #: are checked at the fence (:meth:`AsyncStaged.fence_training`), the same on every rank.
-    watch: list[int] = field(default_factory=list)
-    #: The names of ``watch``'s tensors.
-    watch_names: list[str] = field(default_factory=list)
-    #: What the ``frozen`` predicate it was made with depended on (see ``stage_async``).
-    frozen_key: Any = None
-    #: The capture plan's token (:class:`~lightning_snapshot.staging.live.Encoded`) the tensors came with when this
-    #: plan last matched them: the same token again vouches for the same tensors, without checking each.
-    token: object | None = None
-    #: Indices (into ``entries``) of the tensors the copy thread copies in one ``torch._foreach_copy_`` (small ones;
-    #: the large ones are copied and hashed block by block, see ``background``), and the rest of ``background``.
-    bulk: list[int] = field(default_factory=list)
-    bulk_hashed: list[tuple[str, int, int]] = field(default_factory=list)
-    bulk_names: list[str] = field(default_factory=list)
-    #: Per entry, its tensor's index in ``names``.
-    sources: list[int] = field(default_factory=list)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the staged tensors (without the alignment gaps)."""
-        return sum(nbytes for _, _, nbytes in self.layout)
-
-    def matches(self, names: list[str], values: list[torch.Tensor], frozen_key: Any = None) -> bool:
-        """Whether ``values`` (an encoding's tensors, named ``names``) are the very tensors this plan was made for,
-        under the same ``frozen_key``."""
-        if len(values) != len(self.names) or frozen_key != self.frozen_key:
-            return False
-        try:
-            keys = [_key(t) for t in values]
-        except (RuntimeError, TypeError):
-            return False
-        return keys == self.keys and names == self.names
-
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
-def _version(t: torch.Tensor) -> int:
-    """``t``'s version counter (bumped by every in-place change through autograd's view of it); -1 for tensors that
-    keep none (made under ``torch.inference_mode``, which cannot be changed in place outside it)."""
-    try:
-        return int(t._version)
-    except RuntimeError:
-        return -1
-
-
-def _versions(tensors: list[torch.Tensor]) -> list[int]:
-    """The version counters of ``tensors`` (training thread, per snapshot): read in one C-level pass while every
-    tensor keeps one, as trained parameters and optimizer state do; one by one through :func:`_version` otherwise."""
-    try:
-        return list(map(_VERSION, tensors))
-    except RuntimeError:
-        return [_version(t) for t in tensors]
-
-
-_VERSION = operator.attrgetter("_version")
-
-
-def _storage(t: torch.Tensor) -> int:
-    return int(t.untyped_storage().data_ptr())
-
-
-def _key(t: torch.Tensor) -> tuple[Any, ...]:
-    # the same memory, read the same way (a DTensor or other subclass never matches: its type is in the key); host
-    # and device memory never share addresses, so the address also tells the device
-    return (type(t), t.data_ptr(), t.shape, t.stride(), t.dtype)
-
-
-def _encoded(obj: Any) -> tuple[Any, list[str], list[torch.Tensor], object | None]:
-    """(tree, tensor names, tensors, capture plan token) of ``obj``: as given when it is already
-    :class:`~lightning_snapshot.staging.live.Encoded`, else encoded now."""
-    if isinstance(obj, Encoded):
-        return obj.tree, obj.names, obj.tensors, obj.token
-    tree, tensors = _tree.encode(obj, "")
-    return tree, list(tensors), list(tensors.values()), None
 
 
 class HostArena:
@@ -1109,81 +715,3 @@ class HostArena:
             handle.device_copy_bytes = launch.nbytes
         handle.copy_seconds = time.monotonic() - handle.started
         return sums
-
-
-#: Bytes of frozen CUDA tensors per group of side-stream copies (an event each): the copy thread hashes a group as
-#: soon as it has arrived, while the stream copies the next.
-_GROUP_BYTES = 128 << 20
-
-
-@dataclass
-class _Split:
-    """How a mixed plan's entries are copied (indices into its entries): on the training thread now (CPU tensors
-    that change before the next step, or are not contiguous), on the current CUDA stream (CUDA buffers), on the side
-    stream in groups of about :data:`_GROUP_BYTES` (frozen CUDA tensors); and the (name, offset, bytes) of the first
-    two kinds, which the copy thread hashes once the current stream is past them."""
-
-    now: list[int]
-    cuda_now: list[int]
-    side: list[list[int]]
-    hashed: list[tuple[str, int, int]]
-
-
-def _split(entries: list[tuple[str, int, int, int, int]]) -> _Split:
-    out = _Split([], [], [], [])
-    size = _GROUP_BYTES
-    for i, (name, _, offset, nbytes, how) in enumerate(entries):
-        if how == _BACKGROUND:
-            continue
-        if how == _CUDA_FROZEN:
-            if size >= _GROUP_BYTES:
-                out.side.append([])
-                size = 0
-            out.side[-1].append(i)
-            size += nbytes
-            continue
-        out.hashed.append((name, offset, nbytes))
-        (out.now if how == _NOW else out.cuda_now).append(i)
-    return out
-
-
-class _CudaLaunch:
-    """The device-to-host copies of a snapshot's frozen CUDA tensors, queued on the side stream by the copy thread
-    (the training thread only records ``ready`` on its stream and creates the events): group by group (the plan's
-    ``split.side``, indices into its entries), each followed by an event. ``done[-1]`` is what the next
-    ``optimizer.step`` waits for (``fence_training``)."""
-
-    def __init__(
-        self,
-        stream: Any,
-        device: int,
-        entries: list[tuple[str, int, int, int, int]],
-        groups: list[list[int]],
-        views: list[torch.Tensor],
-        sources: list[torch.Tensor],
-    ) -> None:
-        self.stream, self.device = stream, device
-        self.entries, self.groups, self.views, self.sources = entries, groups, views, sources
-        self.ready = torch.cuda.Event()
-        self.start = torch.cuda.Event(enable_timing=True)
-        self.launched = threading.Event()
-        self.done = [torch.cuda.Event(enable_timing=i == len(groups) - 1) for i in range(len(groups))]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes copied on the side stream (read by the copy thread, not on the training thread)."""
-        return sum(self.entries[i][3] for group in self.groups for i in group)
-
-    def run(self) -> None:
-        """Queue the copies (on the copy thread): the side stream waits for ``ready``, then copies group by group."""
-        views, sources = self.views, self.sources
-        with torch.cuda.device(self.device), torch.no_grad():
-            self.stream.wait_event(self.ready)
-            with torch.cuda.stream(self.stream):
-                self.start.record(self.stream)
-                for group, done in zip(self.groups, self.done, strict=True):
-                    for i in group:
-                        src = sources[i]
-                        views[i].copy_(src, non_blocking=True)
-                        src.record_stream(self.stream)
-                    done.record(self.stream)

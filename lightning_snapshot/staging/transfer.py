@@ -1,0 +1,211 @@
+"""The copy of a snapshot into its slot while training goes on: its handle, the CUDA launch, the CPU copy-and-hash.
+
+One job: what runs and is waited for once a plan is made. :class:`AsyncStaged` is the handle of one staged snapshot
+(wait for the bytes, fence training before the next optimizer step, tell whether it is torn, re-verify the slot);
+:class:`_CudaLaunch` queues the device-to-host copies of frozen CUDA tensors on the side stream, group by group;
+:func:`_copy_digests` copies host memory block by block, hashing each block while it is in the cache. Called by
+:class:`~lightning_snapshot.staging.arena.HostArena` (``stage_async`` and its copy thread) and, through the
+handle, by the callback and the persist threads.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import ctypes
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import xxhash
+
+from lightning_snapshot.errors import TornSnapshotError
+from lightning_snapshot.planner import chunk_ranges
+from lightning_snapshot.staging import SMALL_HASH as _SMALL
+from lightning_snapshot.staging import StagedState, chunk_digests
+from lightning_snapshot.staging.plan import _versions
+from lightning_snapshot.staging.slot import ArenaSlot
+
+__all__ = ["AsyncStaged"]
+
+#: Copy-and-hash block: small enough that the block is still in the (L2) cache when it is hashed.
+_FUSE_BLOCK = 1 << 20
+
+
+def _copy_digests(dst: memoryview, dst_addr: int, src_addr: int, chunk_bytes: int) -> list[str]:
+    """Copy ``dst.nbytes`` bytes from ``src_addr`` to ``dst`` (at ``dst_addr``); return the digests of its chunks.
+
+    Each block is hashed right after it is copied, from the destination, while it is still in the cache: the
+    digests are those of the staged bytes, as :func:`chunk_digests` of ``dst`` would give, for about the memory
+    traffic of the copy alone. ``memmove`` and the streaming hash both release the GIL.
+    """
+    memmove = ctypes.memmove
+    sums = []
+    for a, b in chunk_ranges(dst.nbytes, chunk_bytes):
+        if b - a < _SMALL:
+            memmove(dst_addr + a, src_addr + a, b - a)
+            sums.append(xxhash.xxh3_64_hexdigest(dst[a:b]))
+            continue
+        h = xxhash.xxh3_64()
+        for x in range(a, b, _FUSE_BLOCK):
+            y = min(x + _FUSE_BLOCK, b)
+            memmove(dst_addr + x, src_addr + x, y - x)
+            h.update(dst[x:y])
+        sums.append(h.hexdigest())
+    return sums
+
+
+@dataclass
+class AsyncStaged:
+    """A snapshot being staged into a slot. ``state`` is usable once :meth:`wait` returned."""
+
+    state: StagedState
+    slot: ArenaSlot
+    step: int
+    future: cf.Future[dict[str, list[str]]]
+    cuda_event: Any = None
+    cpu_pending: bool = True
+    started: float = 0.0
+    #: Seconds from the start of staging until the copy (and its checksums) finished.
+    copy_seconds: float | None = None
+    #: CUDA: seconds the side stream spent on the device-to-host copy of the frozen tensors, and their bytes.
+    device_copy_seconds: float | None = None
+    device_copy_bytes: int = 0
+    #: CUDA: set once the copy thread has queued the side-stream copies (``cuda_event`` is recorded then).
+    launched: threading.Event | None = None
+    #: Set once every byte is in the slot (before the checksums are all taken), or once the copy failed.
+    copied: threading.Event = field(default_factory=threading.Event)
+    #: (name, tensor, version counter at staging) of each tensor copied while training goes on
+    watched: list[tuple[str, torch.Tensor, int]] = field(default_factory=list)
+    #: Set by the training thread once it may change the sources again (:meth:`fence_training`), with ``torn``:
+    #: the watched tensors changed in place meanwhile (their copy may hold either value, or a mix): not committed.
+    fenced: threading.Event = field(default_factory=threading.Event)
+    torn: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    #: The ``frozen_key`` it was staged under (which tensors it copies while training goes on).
+    frozen_key: Any = None
+    #: ``watched`` as three lists (names, tensors, versions), when the arena made them so.
+    _watch: tuple[list[str], list[torch.Tensor], list[int]] | None = None
+
+    def wait_copied(self) -> None:
+        """Block until every byte is in the slot, which is then final until the slot is released (the checksums
+        may still be being taken); raises what the copy raised."""
+        self.copied.wait()
+        if self.future.done():  # (finished, or failed: then ``copied`` was set when it ended)
+            self.future.result()
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def wait(self) -> None:
+        """Block until the copy is finished; raises what the copy raised."""
+        self.state.checksums = self.future.result()
+
+    def fence_training(self) -> None:
+        """Make training safe to mutate the sources: CPU waits for the copy; CUDA only orders the GPU streams.
+
+        Also settles whether the copy holds the staged values: a tensor copied while training went on that was
+        changed in place since staging (its version counter moved: user code in ``training_step`` changed a trained
+        parameter before ``optimizer.step``) makes the snapshot ``torn``, and it is not committed.
+        """
+        try:
+            if self.cuda_event is not None and not self.cpu_pending and not self.future.done():
+                if self.launched is not None:
+                    self.launched.wait()  # (set in a ``finally``: the copy thread cannot leave it unset)
+                    if self.future.done():  # (the launch failed: raise it)
+                        self.future.result()
+                torch.cuda.current_stream().wait_event(self.cuda_event)
+                return
+            self.wait_copied()  # (the bytes: the checksums of what was copied in bulk may still be being taken)
+        finally:
+            self.settle()
+
+    def changed(self) -> bool:
+        """Whether a watched tensor was changed in place since staging (training thread; no data is read)."""
+        return bool(self._moved())
+
+    def _moved(self) -> list[tuple[str, torch.Tensor]]:
+        if not self.watched:
+            return []
+        names, tensors, versions = self._watch if self._watch is not None else zip(*self.watched, strict=True)
+        now = _versions(list(tensors))
+        if now == list(versions):  # (one C-level comparison; the loop below only when something moved)
+            return []
+        return [(name, t) for name, t, version, v in zip(names, tensors, versions, now, strict=True) if v != version]
+
+    def settle(self) -> None:
+        """On the training thread, once nothing can change the copy any more (the sources are fenced, the copy had
+        finished, or training is over): record which watched tensors were changed in place since staging
+        (``torn``) and let the persist threads commit, or not. Idempotent."""
+        if not self.fenced.is_set():
+            self.torn = self._moved()
+            self.watched, self._watch = [], None
+            self.fenced.set()
+
+    def await_fence(self, stop: threading.Event | None = None) -> None:
+        """Block until the training thread has settled the copy (:meth:`fence_training`: at the next optimizer
+        step, or when training ends); raises :class:`~lightning_snapshot.errors.TornSnapshotError` if it is torn.
+        Returns early, without a verdict, once ``stop`` is set (the writer is being stopped)."""
+        while not self.fenced.wait(0.5):
+            if stop is not None and stop.is_set():
+                raise TornSnapshotError(f"step {self.step}: stopped before training settled its copy")
+        if self.torn:
+            raise TornSnapshotError(
+                f"step {self.step}: {', '.join(repr(n) for n, _ in self.torn[:3])}"
+                f"{' and others' if len(self.torn) > 3 else ''} changed in place after on_train_batch_end and before"
+                " optimizer.step (in training_step?), while being copied; the snapshot could hold either value."
+                " They are copied at once from now on"
+            )
+
+    def verify(self) -> None:
+        """Check the stamp and re-hash the slot: the staged bytes are still the ones of ``step`` (never torn)."""
+        if self.slot.step != self.step:
+            raise RuntimeError(f"arena slot was reused by step {self.slot.step} while step {self.step} was persisted")
+        assert self.state.checksums is not None and self.state.packed is not None
+        packed = self.state.packed
+        for name, offset, nbytes in self.state.layout or ():
+            if chunk_digests(packed[offset : offset + nbytes], self._chunk_bytes) != self.state.checksums[name]:
+                raise RuntimeError(f"staged bytes of {name!r} changed after staging (step {self.step}); not committed")
+
+    _chunk_bytes: int = 8 << 20
+
+
+class _CudaLaunch:
+    """The device-to-host copies of a snapshot's frozen CUDA tensors, queued on the side stream by the copy thread
+    (the training thread only records ``ready`` on its stream and creates the events): group by group (the plan's
+    ``split.side``, indices into its entries), each followed by an event. ``done[-1]`` is what the next
+    ``optimizer.step`` waits for (``fence_training``)."""
+
+    def __init__(
+        self,
+        stream: Any,
+        device: int,
+        entries: list[tuple[str, int, int, int, int]],
+        groups: list[list[int]],
+        views: list[torch.Tensor],
+        sources: list[torch.Tensor],
+    ) -> None:
+        self.stream, self.device = stream, device
+        self.entries, self.groups, self.views, self.sources = entries, groups, views, sources
+        self.ready = torch.cuda.Event()
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.launched = threading.Event()
+        self.done = [torch.cuda.Event(enable_timing=i == len(groups) - 1) for i in range(len(groups))]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes copied on the side stream (read by the copy thread, not on the training thread)."""
+        return sum(self.entries[i][3] for group in self.groups for i in group)
+
+    def run(self) -> None:
+        """Queue the copies (on the copy thread): the side stream waits for ``ready``, then copies group by group."""
+        views, sources = self.views, self.sources
+        with torch.cuda.device(self.device), torch.no_grad():
+            self.stream.wait_event(self.ready)
+            with torch.cuda.stream(self.stream):
+                self.start.record(self.stream)
+                for group, done in zip(self.groups, self.done, strict=True):
+                    for i in group:
+                        src = sources[i]
+                        views[i].copy_(src, non_blocking=True)
+                        src.record_stream(self.stream)
+                    done.record(self.stream)
