@@ -43,7 +43,8 @@ from lightning_snapshot.errors import (
     TierUnavailableError,
 )
 from lightning_snapshot.loader import ReadStats, read_manifest, read_section, resolve_source
-from lightning_snapshot.resume_policy import Candidate, plan_resume, read_candidate, record_restore
+from lightning_snapshot.restore_records import read_candidate, record_restore
+from lightning_snapshot.resume_policy import Candidate, plan_resume
 from lightning_snapshot.writer import committed_steps
 
 __all__ = ["DDP_LAYOUT_ENV", "Restored", "Restorer", "ddp_layout_enabled"]

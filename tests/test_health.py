@@ -21,13 +21,10 @@ from lightning_snapshot.comm import LocalComm
 from lightning_snapshot.errors import ConfigError, ManifestError
 from lightning_snapshot.loader import read_manifest, read_section
 from lightning_snapshot.manifest import RESTORES_NAME, Manifest, health_group, step_dirname
+from lightning_snapshot.restore_records import manifest_digest, read_candidate, read_restores, record_restore
 from lightning_snapshot.resume_policy import (
     Candidate,
-    manifest_digest,
     plan_resume,
-    read_candidate,
-    read_restores,
-    record_restore,
 )
 from lightning_snapshot.staging import stage
 from lightning_snapshot.writer import SnapshotJob, apply_retention, committed_steps, write_snapshot
