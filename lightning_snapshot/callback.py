@@ -10,6 +10,7 @@ fence, hand over) and :mod:`~lightning_snapshot.reporting` (metrics, warnings, t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -51,7 +52,13 @@ class _Option:
         return list(value) if self.name == "tiers" else value
 
     def __set__(self, obj: Any, value: Any) -> None:
-        raise AttributeError(f"SnapshotCallback.{self.name} is read-only: pass it to SnapshotCallback(...)")
+        """A new configuration with this option changed, validated as in ``__init__`` (between fits only)."""
+        if self.name == "tiers" or obj._session is not None:
+            raise AttributeError(f"SnapshotCallback.{self.name} cannot change now: make a new SnapshotCallback")
+        options = {f.name: getattr(obj.config, f.name) for f in dataclasses.fields(obj.config)}
+        options[self.name] = value
+        obj.config = SnapshotConfig.create(**options)
+        obj._reporter.on_error = obj.config.on_error
 
 
 class SnapshotCallback(Checkpoint):

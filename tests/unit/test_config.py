@@ -309,3 +309,14 @@ def test_callback_resume_values(tmp_path, resume):
 @pytest.mark.parametrize("resume", [True, False, 0, 1200, "/snaps/run-1/step-000000001200"])
 def test_callback_resume_accepted(tmp_path, resume):
     assert SnapshotCallback(str(tmp_path), resume=resume).resume == resume
+
+
+def test_an_option_set_after_construction_is_validated_and_used(tmp_path):
+    cb = SnapshotCallback(LocalTier(tmp_path, every_n_train_steps=2))
+    cb.resume, cb.on_error = False, "warn"
+    assert (cb.config.resume, cb.config.on_error, cb._reporter.on_error) == (False, "warn", "warn")
+    with pytest.raises(ConfigError, match="on_error must be one of 'raise', 'warn', got 'never'"):
+        cb.on_error = "never"
+    assert cb.on_error == "warn"  # (a refused value changes nothing)
+    with pytest.raises(AttributeError, match="make a new SnapshotCallback"):
+        cb.tiers = [LocalTier(tmp_path / "other")]
