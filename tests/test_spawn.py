@@ -19,7 +19,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_snapshot import SnapshotCallback
 from lightning_snapshot.backends import LocalTier, ObjectStoreTier, RamTier
-from lightning_snapshot.comm import LocalComm
 from lightning_snapshot.writer import committed_steps
 
 
@@ -49,7 +48,7 @@ def test_callback_and_tiers_pickle_before_setup_and_work_after(tmp_path):
 
     cb2 = pickle.loads(pickle.dumps(cb))
 
-    assert cb2.resume is False and cb2.on_error == "warn" and isinstance(cb2._comm, LocalComm)
+    assert cb2.resume is False and cb2.on_error == "warn" and cb2._session is None
     assert cb2.state_key == cb.state_key
     ram2, local2, s3b = cb2.tiers
     assert [type(t) for t in cb2.tiers] == [RamTier, LocalTier, ObjectStoreTier]
@@ -121,7 +120,7 @@ def test_callback_in_use_refuses_pickling_with_a_clear_error(tmp_path):
     trainer.fit(_Tiny(), DataLoader(TensorDataset(torch.randn(16, 4)), batch_size=4))
     assert len(errors) == 1 and "in use by a running fit" in str(errors[0])
     again = pickle.loads(pickle.dumps(snapshots))  # after fit: configuration only again
-    assert again._persister is None and again.tiers[0].url == snapshots.tiers[0].url
+    assert again._session is None and again.tiers[0].url == snapshots.tiers[0].url
 
 
 # ------------------------------------------------------------------------------------------- real runs
