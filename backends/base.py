@@ -3,27 +3,46 @@
 A backend stores opaque objects under '/'-separated keys relative to its root and knows nothing about tensors or
 manifests. The engine asks it what it is (:attr:`Backend.tier`, :attr:`Backend.durable`) and when it is due
 (:meth:`Backend.is_due`); it never checks concrete classes.
+
+Capabilities are declared, never probed with ``getattr``. Every optional feature a tier may have is declared here
+with a documented default that means "this tier does not do it", so the engine uses it directly:
+
+* values, as class attributes or properties a tier overrides: :attr:`Backend.node_local`,
+  :attr:`Backend.node_leader`, :attr:`Backend.retry_initial` and :attr:`Backend.retry_max`,
+  :attr:`Backend.max_pending`, :attr:`Backend.drain_timeout`, :attr:`Backend.bytes_read`, :attr:`Backend.root`,
+  :attr:`Backend.parallel_reads`, :attr:`Backend.read_piece_bytes`;
+* behaviours whose default does what the engine did for a tier without them: :meth:`Backend.redact` (the text
+  unchanged), :meth:`Backend.restore` (just ``read()``), :meth:`Backend.collective_steps` (None: list the tier on
+  one rank), :meth:`Backend.publish` (the node's first rank commits), :meth:`Backend.incomplete_uploads` (none),
+  :meth:`Backend.abort_upload` and :meth:`Backend.abort_incomplete_uploads` (nothing to abort);
+* behaviours that add a collective step or a set-up step, which a tier either has or not, as runtime-checkable
+  protocols the engine tests with ``isinstance``: :class:`Distributing` (``distribute``: place the data over the
+  nodes before the commit) and :class:`LayoutSettling` (``bind`` and ``settle_layout``: learn the node's place and
+  whether the tier's directory is shared). A default there would add a collective or a set-up step to every tier.
 """
 
 from __future__ import annotations
 
 import abc
+import builtins
 import datetime as _dt
 import functools
 import importlib
 import os
 import uuid
-from collections.abc import Iterable
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 from lightning_snapshot.errors import ConfigError, TierUnavailableError
 from lightning_snapshot.schedule import DEFAULT_EVERY_N_TRAIN_STEPS, TierSchedule
 
-__all__ = ["DEFAULT_EVERY_N_TRAIN_STEPS", "DEFAULT_KEEP_LAST", "Backend"]
+__all__ = ["DEFAULT_EVERY_N_TRAIN_STEPS", "DEFAULT_KEEP_LAST", "Backend", "Distributing", "LayoutSettling"]
 
 DEFAULT_KEEP_LAST = 3
 
 Buffer = "bytes | bytearray | memoryview"
+_T = TypeVar("_T")
 
 
 class Backend(abc.ABC):
@@ -69,6 +88,26 @@ class Backend(abc.ABC):
     #: read, while it is still in the CPU cache (for memory-speed tiers, where a call is cheap); None: one
     #: ``read_into`` per chunk (object stores, where a request costs more than the hash pass it saves).
     read_piece_bytes: ClassVar[int | None] = None
+    #: Whether each node holds its own objects (node-local disks, node memory): the writer commits the manifest on
+    #: every node (:meth:`publish`), the steps held are listed over the process group (:meth:`collective_steps`) and a
+    #: restore first makes the objects readable on every node (:meth:`restore`). A tier may settle it at set-up.
+    node_local: bool = False
+    #: Seconds before a failed write is retried, doubling up to :attr:`retry_max`, until it succeeds (object
+    #: stores); None (or 0): a failed write is not retried.
+    retry_initial: float | None = None
+    #: The longest wait between two retries (seconds), with :attr:`retry_initial`; None without retries.
+    retry_max: float | None = None
+    #: Snapshots that may wait for this tier at once (the one being written included); past it a due snapshot is
+    #: skipped for the tier. None: no limit (the engine waits for the tier).
+    max_pending: int | None = None
+    #: At the end of ``fit``, how long to wait for this tier's pending writes (seconds); None: as long as it takes.
+    drain_timeout: float | None = None
+    #: Bytes read from the tier in this process so far (``read_into``; restore statistics), or None when the tier
+    #: does not count them.
+    bytes_read: int | None = None
+    #: Where the tier's objects live, where it has such a place: a directory (a ``Path``) for files, ``bucket/prefix``
+    #: for object stores; None otherwise. A ``Path`` root that a failed copy created is removed with it.
+    root: Path | str | None = None
     #: (cls, args, kwargs) of the outermost library constructor, set by ``__init_subclass__``'s wrapper
     _spec_args: tuple[type[Backend], tuple[Any, ...], dict[str, Any]]
 
@@ -319,3 +358,75 @@ class Backend(abc.ABC):
             raise TierUnavailableError(
                 f"the {self.tier} tier {self.url!r} cannot be written (probe object {key!r}): {e}. {self.check_hint}"
             ) from e
+
+    # ------------------------------------------------------------------------------------------- capabilities
+    # (each default is what the engine does with a tier that lacks the capability: see the module docstring)
+    @property
+    def node_leader(self) -> bool:
+        """Whether this rank writes what its node holds once (the node's manifest copy, retention) in a
+        :attr:`node_local` tier: its first rank on the node. The default, False: rank 0 alone does (shared tiers)."""
+        return False
+
+    def redact(self, text: str) -> str:
+        """``text`` (an error message) with this tier's credentials removed; the default returns it unchanged."""
+        return text
+
+    def publish(self, comm: Any, key: str, data: bytes) -> None:
+        """Commit the manifest ``key`` on this node (collective over ``comm``, :attr:`node_local` tiers only: the
+        writer commits a shared tier's manifest once, with :meth:`commit`). The default: the node's
+        :attr:`node_leader` commits the node's copy."""
+        if self.node_leader:
+            self.commit(key, data)
+
+    def collective_steps(self, comm: Any) -> builtins.list[int] | None:  # (``list`` here is the method above)
+        """Steps committed on any node, newest first (collective: every rank calls it; :attr:`node_local` tiers,
+        whose nodes each hold their own). The default, None: the tier is listed by one rank, as a shared one."""
+        return None
+
+    def restore(self, comm: Any, step: int, read: Callable[[], _T]) -> _T:
+        """Restore ``step`` through ``read()`` (collective over ``comm`` for :attr:`node_local` tiers: each node
+        first makes every object of the step readable, and what that added is freed after). The default: ``read()``.
+
+        Raises:
+            what ``read`` raises, or a ``SnapshotError`` when the step's objects cannot be made readable.
+        """
+        return read()
+
+    def incomplete_uploads(self) -> builtins.list[dict[str, Any]]:  # (``list`` here is the method above)
+        """Uploads started under the tier root and neither completed nor aborted, each ``{"key": key relative to the
+        root, "upload_id": ..., "modified": Unix time}`` (object stores with multipart uploads). Default: none."""
+        return []
+
+    def abort_upload(self, upload: dict[str, Any]) -> None:  # noqa: B027 - optional: the default has none to abort
+        """Abort one upload of :meth:`incomplete_uploads`. The default does nothing (the tier has none)."""
+
+    def abort_incomplete_uploads(self, older_than: float | None = None) -> int:
+        """Abort the uploads a crashed writer left (best effort); returns how many. Default: 0 (the tier has none).
+
+        Args:
+            older_than: only those whose newest part is at least this many seconds old (None: all of them).
+        """
+        return 0
+
+
+@runtime_checkable
+class Distributing(Protocol):
+    """A tier that places each rank's new objects over the nodes once every rank's data is written and before
+    anything is committed (the erasure-coded RAM tier): the writer calls :meth:`distribute` on every rank and then
+    agrees on the result over the process group, a collective step other tiers do not take."""
+
+    def distribute(self, comm: Any, prefix: str, run_id: str) -> None:
+        """Send this rank's new objects under ``prefix`` (of ``run_id``) where they belong (collective)."""
+
+
+@runtime_checkable
+class LayoutSettling(Protocol):
+    """A tier whose layout is settled when training starts (the local tier): the callback tells it where this rank
+    is (:meth:`bind`), then asks whether its directory is shared by all nodes or node-local (:meth:`settle_layout`,
+    which sets :attr:`Backend.node_local`)."""
+
+    def bind(self, *, node_rank: int, num_nodes: int, local_rank: int, ranks_per_node: int) -> None:
+        """Place the tier in the job (every rank, at set-up)."""
+
+    def settle_layout(self, comm: Any, run_id: str) -> str:
+        """Decide whether the directory is shared or node-local (collective); returns how it was settled."""

@@ -17,6 +17,15 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from lightning_snapshot.backends.base import DEFAULT_KEEP_LAST, Backend
+from lightning_snapshot.backends.mapped_files import (
+    close_map,
+    create_file,
+    exchange,
+    map_existing,
+    map_new,
+    pread_all,
+    pwrite_all,
+)
 from lightning_snapshot.errors import (
     ConfigError,
     SnapshotError,
@@ -37,33 +46,12 @@ _T = TypeVar("_T")
 NODE_RANK_PLACEHOLDER = "{node_rank}"
 
 _PAGE = 4096
-_IO_CHUNK = 64 << 20
 
 
 def _aligned(view: memoryview) -> bool:
     if view.readonly or view.nbytes == 0:
         return False
     return ctypes.addressof(ctypes.c_char.from_buffer(view)) % _PAGE == 0
-
-
-def _pread_all(fd: int, view: memoryview, offset: int) -> int:
-    """Fill ``view`` from ``fd`` at ``offset`` (the GIL is released while the kernel copies); returns the bytes
-    read, fewer than ``view`` holds only where the file ends first."""
-    pos = offset
-    while view.nbytes:
-        n = os.preadv(fd, [view[:_IO_CHUNK]], pos)
-        if not n:
-            break
-        pos += n
-        view = view[n:]
-    return pos - offset
-
-
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    while view.nbytes:
-        n = os.pwrite(fd, view[:_IO_CHUNK], offset)
-        offset += n
-        view = view[n:]
 
 
 def parse_mode(value: object, where: str = "LocalTier mode") -> int | None:
@@ -92,81 +80,6 @@ def parse_mode(value: object, where: str = "LocalTier mode") -> int | None:
 def dir_mode_for(mode: int) -> int:
     """The directory permissions matching the file permissions ``mode``: search (x) wherever read is allowed."""
     return mode | (mode & 0o444) >> 2
-
-
-def _create(path: Path, flags: int, mode: int | None, default: int) -> int:
-    """Open ``path`` creating it: permissions exactly ``mode`` when given, else ``default`` under the umask."""
-    fd = os.open(path, flags | os.O_CREAT | os.O_CLOEXEC, default if mode is None else mode)
-    if mode is not None:
-        try:
-            os.fchmod(fd, mode)  # (exactly ``mode``, whatever the umask)
-        except OSError:
-            os.close(fd)
-            raise
-    return fd
-
-
-def _map_new(path: Path, size: int, mode: int | None = None, default: int = 0o600) -> mmap.mmap | None:
-    """A new file of ``size`` bytes (permissions: see ``_create``), mapped writable (None for an empty one)."""
-    fd = _create(path, os.O_RDWR | os.O_TRUNC, mode, default)
-    try:
-        os.ftruncate(fd, size)
-        return mmap.mmap(fd, size) if size else None
-    finally:
-        os.close(fd)
-
-
-def _map_existing(path: Path, write: bool = True) -> mmap.mmap | None:
-    fd = os.open(path, (os.O_RDWR if write else os.O_RDONLY) | os.O_CLOEXEC)
-    try:
-        size = os.fstat(fd).st_size
-        if not size:
-            return None
-        return mmap.mmap(fd, size, access=mmap.ACCESS_WRITE if write else mmap.ACCESS_READ)
-    finally:
-        os.close(fd)
-
-
-def _close(mm: mmap.mmap | None) -> None:
-    if mm is None:
-        return
-    with contextlib.suppress(BufferError):  # a tensor still views it: the mapping goes with the last reference
-        mm.close()
-
-
-def exchange(
-    group: Any, sends: list[tuple[mmap.mmap | None, int]], receives: list[tuple[mmap.mmap | None, int]]
-) -> None:
-    """Send and receive whole mapped files over the gloo ``group`` (``(map, peer's global rank)``; None: an empty
-    file), all posted at once, in list order per peer; every map is closed after, also on failure."""
-    import torch.distributed as dist
-
-    works = []
-    try:
-        for mm, peer in sends:
-            if mm is not None:
-                works.append(dist.isend(_as_tensor(mm), peer, group=group))
-        for mm, peer in receives:
-            if mm is not None:
-                works.append(dist.irecv(_as_tensor(mm), peer, group=group))
-        for w in works:
-            if w is not None:  # (None: this rank is not in the group, nothing was posted)
-                w.wait()
-    finally:
-        works.clear()
-        for mm, _peer in sends + receives:
-            _close(mm)
-
-
-def _as_tensor(buf: mmap.mmap | memoryview) -> Any:
-    """A uint8 tensor over ``buf`` (no copy). A read-only buffer is only ever sent, never written into."""
-    import warnings
-
-    import torch
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        return torch.frombuffer(buf, dtype=torch.uint8)
 
 
 def _needed_objects(manifest: Any, world_size: int) -> set[str]:
@@ -213,6 +126,8 @@ class LocalTier(Backend):
 
     tier = "local"
     durable = True
+    root: Path  # (the declared capabilities this tier always has, with their types here)
+    bytes_read: int
     #: Permissions of the files the tier creates, less the umask, unless ``mode`` is given.
     file_mode = 0o666
     parallel_reads = 4
@@ -348,11 +263,6 @@ class LocalTier(Backend):
             )
         return "detected"
 
-    def publish(self, comm: Any, key: str, data: bytes) -> None:
-        """Commit the manifest ``key`` on this node (node-local: the first rank of every node writes its copy)."""
-        if self.node_leader:
-            self.commit(key, data)
-
     def collective_steps(self, comm: Any) -> list[int]:
         """Steps whose manifest any node holds, newest first (collective; node-local tiers)."""
         from lightning_snapshot.writer import committed_steps
@@ -462,17 +372,17 @@ class LocalTier(Backend):
             for src, dst, key, nbytes in transfers:
                 path = self._path(f"{prefix}/{key}")
                 if comm.rank == src:
-                    sends.append((_map_existing(path, write=False), dist.get_global_rank(comm.group, dst)))
+                    sends.append((map_existing(path, write=False), dist.get_global_rank(comm.group, dst)))
                 else:
                     tmp = path.with_name(f".{path.name}.fetch-{os.getpid()}")
                     self._mkdirs(path.parent)
                     received.append((tmp, path))
                     receives.append(
-                        (_map_new(tmp, nbytes, self.mode, self.file_mode), dist.get_global_rank(comm.group, src))
+                        (map_new(tmp, nbytes, self.mode, self.file_mode), dist.get_global_rank(comm.group, src))
                     )
         except BaseException:
             for mm, _peer in sends + receives:
-                _close(mm)
+                close_map(mm)
             raise
         exchange(comm.group, sends, receives)
         for tmp, path in received:
@@ -560,7 +470,7 @@ class LocalTier(Backend):
         total = 0
         try:
             self._mkdirs(path.parent)
-            fd = _create(tmp, os.O_WRONLY | os.O_TRUNC, self.mode, self.file_mode)
+            fd = create_file(tmp, os.O_WRONLY | os.O_TRUNC, self.mode, self.file_mode)
             direct_fd = -1
             try:
                 for buf in buffers:
@@ -570,7 +480,7 @@ class LocalTier(Backend):
                     if direct_fd >= 0 and total % _PAGE == 0 and _aligned(view):
                         n = view.nbytes & ~(_PAGE - 1)
                         try:
-                            _pwrite_all(direct_fd, view[:n], total)
+                            pwrite_all(direct_fd, view[:n], total)
                             self.direct_bytes += n
                             total += n
                             view = view[n:]
@@ -579,7 +489,7 @@ class LocalTier(Backend):
                                 raise
                             os.close(direct_fd)
                             direct_fd, self.direct_io = -1, False
-                    _pwrite_all(fd, view, total)
+                    pwrite_all(fd, view, total)
                     total += view.nbytes
                 os.fsync(fd)
             finally:
@@ -626,7 +536,7 @@ class LocalTier(Backend):
         total = view.nbytes
         fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC)
         try:
-            if _pread_all(fd, view, offset) < total:
+            if pread_all(fd, view, offset) < total:
                 raise EOFError(f"{key!r} in {str(self.root)!r} ends before byte {offset + total}")
         finally:
             os.close(fd)

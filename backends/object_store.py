@@ -171,6 +171,11 @@ class ObjectStoreTier(Backend):
 
     tier = "object"
     durable = True
+    root: str  # (the declared capabilities this tier always has, with their types here)
+    bytes_read: int
+    max_pending: int
+    retry_initial: float
+    retry_max: float
 
     def __init__(
         self,

@@ -209,7 +209,7 @@ def _read_all(backend: Backend, manifest: Manifest, prefix: str, reads: list[_Re
     the GIL.
     """
     total = sum(r.view.nbytes for r in reads)
-    workers = min(max(1, int(getattr(backend, "parallel_reads", 1))), len(reads), os.cpu_count() or 1)
+    workers = min(max(1, int(backend.parallel_reads)), len(reads), os.cpu_count() or 1)
     chunks = [
         (r, a, b, expected)
         for r in sorted(reads, key=lambda r: (r.object, r.offset))
@@ -245,7 +245,7 @@ def _read_chunk(backend: Backend, manifest: Manifest, prefix: str, r: _Read, a: 
     """Read bytes ``[a, b)`` of one fragment (one checksum chunk) and verify them right after (piece by piece,
     each hashed while still in the cache, where the backend has cheap ``read_piece_bytes``)."""
     key = f"{prefix}/{r.object}"
-    piece = getattr(backend, "read_piece_bytes", None)
+    piece = backend.read_piece_bytes
     try:
         if piece and b - a > piece:
             h = xxhash.xxh3_64()

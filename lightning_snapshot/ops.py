@@ -150,7 +150,7 @@ def plan_gc(
             plan.kept.append(step)
 
     busy: set[str] = set()  # step directories with a young upload under them
-    for upload in getattr(backend, "incomplete_uploads", lambda: [])():
+    for upload in backend.incomplete_uploads():
         age = max(0.0, now - upload["modified"])
         if age >= grace:
             plan.uploads.append({"key": upload["key"], "upload_id": upload["upload_id"], "age_s": age})
@@ -182,10 +182,8 @@ def plan_gc(
 def run_gc(backend: Backend, plan: GcPlan, on_action: Callable[[], None] | None = None) -> None:
     """Carry out ``plan`` on ``backend``: abort the uploads, delete the snapshots (each manifest first, so a
     snapshot is never seen half deleted), then the leftovers. ``on_action`` is called after each (progress)."""
-    abort = getattr(backend, "abort_upload", None)
     for upload in plan.uploads:
-        if abort is not None:
-            abort(upload)
+        backend.abort_upload(upload)
         if on_action is not None:
             on_action()
     for entry in plan.snapshots:
@@ -238,7 +236,7 @@ def copy_step(src: Backend, dst: Backend, step: int, on_object: Callable[[int], 
 
 def _missing_dirs(backend: Backend) -> list[Path]:
     """The directories of a local tier's root that do not exist yet (root first): a failed copy removes them."""
-    root = getattr(backend, "root", None)
+    root = backend.root
     missing: list[Path] = []
     if isinstance(root, Path):
         while not root.exists() and root.parent != root:

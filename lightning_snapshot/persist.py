@@ -124,7 +124,7 @@ class _TierWorker:
         ``retry_max``) until it succeeds or the worker is stopped, for tiers that declare ``retry_initial`` (object
         stores); never for the others. Under DDP the ranks decide together (they failed together, see
         :func:`~lightning_snapshot.writer.write_snapshot`), so none is left alone in a collective."""
-        initial = getattr(self.tier, "retry_initial", None)
+        initial = self.tier.retry_initial
         if not initial:
             return tenacity.Retrying(stop=tenacity.stop_after_attempt(1), reraise=True)
         collective = not self._by_agent(job)  # (the agents agree among themselves; this thread runs no collective)
@@ -138,7 +138,7 @@ class _TierWorker:
 
         return tenacity.Retrying(
             retry=tenacity.retry_if_exception(retry),
-            wait=tenacity.wait_exponential(multiplier=initial, max=self.tier.retry_max),  # type: ignore[attr-defined]
+            wait=tenacity.wait_exponential(multiplier=initial, max=self.tier.retry_max),  # type: ignore[arg-type]
             sleep=sleep,
             before_sleep=self._on_retry,
             reraise=True,
@@ -157,8 +157,8 @@ class _TierWorker:
                 self.tier.tier,
                 self.tier.url,
                 _describe(self.tier, error) if error is not None else "?",
-                getattr(self.tier, "retry_initial", None),
-                getattr(self.tier, "retry_max", None),
+                self.tier.retry_initial,
+                self.tier.retry_max,
             )
         else:
             log.debug(
@@ -218,7 +218,7 @@ class _TierWorker:
             try:
                 done = self._retrying(job)(self._attempt, job, source)
             except Exception as e:  # given up: stopped during an outage, or not retryable
-                if _retryable(e) and getattr(self.tier, "retry_initial", None):
+                if _retryable(e) and self.tier.retry_initial:
                     self._abandoned(job, time.monotonic() - t0, SnapshotWriteError(_describe(self.tier, e)))
                     return
                 raise
@@ -236,7 +236,7 @@ class _TierWorker:
                 self.outage_since = None
             if manifest is None:
                 pass  # the agent applied retention
-            elif self.comm.rank == 0 or getattr(self.tier, "node_leader", False):  # (RAM: each node its own)
+            elif self.comm.rank == 0 or self.tier.node_leader:  # (RAM: each node its own)
                 try:
                     apply_retention(self.tier, job.step, pinned=self.p.pinned(self.index), manifest=manifest)
                 except Exception as e:  # noqa: BLE001 - the snapshot is committed; cleanup waits for the next one
@@ -279,8 +279,7 @@ class _TierWorker:
 
 def _describe(tier: Backend, e: BaseException) -> str:
     text = f"{type(e).__name__}: {e}" if not isinstance(e, SnapshotError) else str(e)
-    redact = getattr(tier, "redact", None)
-    return redact(text) if redact is not None else text
+    return tier.redact(text)
 
 
 class Persister:
@@ -353,7 +352,7 @@ class Persister:
         return self._workers[index].last_error
 
     def has_room(self, index: int) -> bool:
-        limit = getattr(self.tiers[index], "max_pending", None)
+        limit = self.tiers[index].max_pending
         return limit is None or self.pending(index) < limit
 
     def submit(self, job: PersistJob, indices: list[int]) -> None:
@@ -412,7 +411,7 @@ class Persister:
         """
         late = []
         for w in self._workers:
-            limit = getattr(w.tier, "drain_timeout", None) if timeout is None else timeout
+            limit = w.tier.drain_timeout if timeout is None else timeout
             deadline = None if limit is None else time.monotonic() + limit
             while w.jobs.unfinished_tasks and (deadline is None or time.monotonic() < deadline):
                 time.sleep(0.01)
@@ -437,7 +436,7 @@ class Persister:
             if abort:
                 w.abort.set()
                 w.stop.set()
-            elif w.jobs.unfinished_tasks and getattr(w.tier, "retry_initial", None):
+            elif w.jobs.unfinished_tasks and w.tier.retry_initial:
                 w.stop.set()
             w.jobs.put(None)
         late = []

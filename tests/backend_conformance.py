@@ -19,11 +19,12 @@ import concurrent.futures as cf
 import pickle
 import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from lightning_snapshot.backends.base import Backend
+from lightning_snapshot.backends.base import Backend, Distributing, LayoutSettling
 from lightning_snapshot.comm import LocalComm
 from lightning_snapshot.errors import SnapshotNotFoundError, SnapshotWriteError, UnsafePathError
 from lightning_snapshot.loader import load_snapshot
@@ -172,14 +173,15 @@ class BackendTests:
     def test_ranged_reads_fill_exactly_the_bytes_asked_for(self, backend):
         data = bytes(range(256)) * 40
         backend.write("p/obj.bin", [data[:1000], data[1000:]])
-        before = backend.bytes_read
+        before = backend.bytes_read  # (None: the tier declares that it does not count)
         asked = 0
         for offset, length in ((0, 1), (0, len(data)), (1000, 10), (999, 2), (len(data) - 3, 3), (4097, 1234)):
             out = bytearray(length + 2)  # only the view's bytes are written: the guard bytes stay
             backend.read_into("p/obj.bin", offset, memoryview(out)[1:-1])
             assert out == b"\0" + data[offset : offset + length] + b"\0", (offset, length)
             asked += length
-        assert backend.bytes_read - before == asked  # ranged reads fetch what they are asked for, no more
+        if before is not None:
+            assert backend.bytes_read - before == asked  # ranged reads fetch what they are asked for, no more
 
     def test_a_read_past_the_end_raises_eof_naming_the_key(self, backend):
         backend.write("p/obj.bin", [b"0123456789"])
@@ -387,6 +389,38 @@ class BackendTests:
         assert repr(backend).startswith(f"{type(backend).__name__}({backend.url!r},")
         assert isinstance(backend.tier, str) and re.fullmatch(r"[a-z0-9]+", backend.tier)
         assert isinstance(backend.durable, bool) and backend.parallel_reads >= 1
+
+    def test_capabilities_are_declared_values_of_their_documented_types(self, backend):
+        """Every optional capability is declared on ``Backend`` (the engine never probes for it): a tier that lacks
+        one reads the documented default."""
+
+        def number_or_none(value, least):
+            return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value >= least)
+
+        assert isinstance(backend.node_local, bool) and isinstance(backend.node_leader, bool)
+        assert number_or_none(backend.retry_initial, 0) and number_or_none(backend.retry_max, 0)
+        assert (backend.retry_max is not None) or not backend.retry_initial  # (retries need their longest wait)
+        assert number_or_none(backend.drain_timeout, 0) and number_or_none(backend.max_pending, 1)
+        assert backend.bytes_read is None or isinstance(backend.bytes_read, int)
+        assert backend.read_piece_bytes is None or backend.read_piece_bytes > 0
+        assert backend.root is None or isinstance(backend.root, (str, Path))
+        assert backend.redact("nothing secret here") == "nothing secret here"
+        assert isinstance(backend.incomplete_uploads(), list)
+        if isinstance(backend, LayoutSettling):  # (one node: settled without probe files)
+            backend.bind(node_rank=0, num_nodes=1, local_rank=0, ranks_per_node=1)
+            assert isinstance(backend.settle_layout(LocalComm(), "run1"), str) and not backend.node_local
+        if isinstance(backend, Distributing):  # (nothing written: nothing to place)
+            backend.distribute(LocalComm(), step_dirname(1), "run1")
+        assert self.raw_names(backend) == []
+
+    def test_a_restore_outside_training_is_the_read_itself(self, backend):
+        """``restore`` on one process (no other node): the read's result, and the tier as before."""
+        _snapshot(backend, 2)
+        before = self.raw_names(backend)
+        assert backend.restore(LocalComm(), 2, lambda: load_snapshot(backend)["step"]) == 2
+        assert self.raw_names(backend) == before
+        if backend.node_local:  # (what any node holds: here, this one; the others are listed on one rank)
+            assert backend.collective_steps(LocalComm()) in (None, [2])
 
     def test_a_pickled_or_respecified_tier_reads_and_writes_the_same_objects(self, backend):
         backend.write("p/a.bin", [b"written before"])

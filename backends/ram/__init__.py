@@ -1,7 +1,11 @@
-"""The RAM tier, in its three parts.
+"""The RAM tier, in its parts.
 
 - :mod:`~lightning_snapshot.backends.ram.tier`: :class:`RamTier`, the tier a trainer uses (write, commit, restore
   across nodes, retention).
+- :mod:`~lightning_snapshot.backends.ram.shares`: the share files of an erasure-coded object (their layout file,
+  which bytes each data share holds, hashing and reading them), for the tier.
+- :mod:`~lightning_snapshot.backends.ram.node`: where a node keeps the tier's memory, how much it holds, and the run
+  name, for the tier, the agent and the callback.
 - :mod:`~lightning_snapshot.backends.ram.erasure`: zfec erasure coding of a data object into ``k + m`` shares that
   live on different nodes, and rebuilding lost or corrupted shares.
 - :mod:`~lightning_snapshot.backends.ram.agent`: the node's snapshot agent, a process that owns the shared-memory

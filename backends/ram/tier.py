@@ -21,63 +21,60 @@ verifies every chunk it reads against the manifest's checksums, and only when a 
 node hash its shares (against ``layout.json``), treat corrupted ones as missing, rebuild them from the others and
 let the failed ranks read again. :meth:`RamTier.finish_restore` frees what the restore added. Cross-node traffic
 runs on a gloo group of the trainers made for this tier, never on the trainer's main group from a background thread.
+
+This module is the tier's own logic (its state, placement, the restore's protocol); the share files
+(:mod:`~lightning_snapshot.backends.ram.shares`), a node's inventory and rebuild
+(:mod:`~lightning_snapshot.backends.ram.rebuild`) and the node's memory directory and run name
+(:mod:`~lightning_snapshot.backends.ram.node`) have their own modules.
 """
 
 from __future__ import annotations
 
 import builtins
-import concurrent.futures as cf
 import contextlib
 import datetime as _dt
-import hashlib
 import json
 import logging
-import mmap
 import os
 import re
-import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import xxhash
-
 from lightning_snapshot.backends.base import Backend
-from lightning_snapshot.backends.local import (
-    LocalTier,
-    _as_tensor,
-    _close,
-    _map_existing,
-    _map_new,
-    _pread_all,
-    exchange,
-)
+from lightning_snapshot.backends.local import LocalTier
+from lightning_snapshot.backends.mapped_files import as_tensor, close_map, map_existing, map_new
 from lightning_snapshot.backends.ram import erasure as _ec
+from lightning_snapshot.backends.ram.node import (  # (all importable from here too, as before this module was split)
+    JOB_ID_VARIABLES,  # noqa: F401
+    SHM_ENV,
+    allocated_bytes,
+    default_run_name,  # noqa: F401
+    default_shm_base,
+    job_ids,  # noqa: F401
+)
+from lightning_snapshot.backends.ram.rebuild import fetch_and_rebuild, inventory
+from lightning_snapshot.backends.ram.shares import (
+    EC,
+    LAYOUT_FILE,
+    LAYOUT_KIND,
+    READING_FILE,
+    SHARE_FILE,
+    data_share,
+    data_share_nbytes,
+    digests,
+    layout_of,
+    read_exactly,
+    view_of,
+)
 from lightning_snapshot.errors import ConfigError, SnapshotError, SnapshotNotFoundError, SnapshotWriteError
-from lightning_snapshot.staging import digest
 
 __all__ = ["RamTier", "allocated_bytes", "default_shm_base"]
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-SHM_ENV = "LIGHTNING_SNAPSHOT_SHM_DIR"
-_EC = ".ec"
-_LAYOUT = "layout.json"
-_READING = "reading.json"
-#: How ``layout.json`` says its object is cut (see :mod:`lightning_snapshot.backends.erasure`): contiguous data shares.
-_LAYOUT_KIND = "contiguous-v1"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_SHARE_FILE = re.compile(r"^(\d+|\.\d+\.(restore|rebuilt))$")
-
-
-def default_shm_base() -> str:
-    """Where nodes keep RAM-tier memory: ``$LIGHTNING_SNAPSHOT_SHM_DIR``, else ``/dev/shm/lightning-snapshot-<uid>``."""
-    env = os.environ.get(SHM_ENV)
-    if env:
-        return env
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, f"lightning-snapshot-{os.getuid()}")
 
 
 def parse_erasure(value: Any) -> tuple[int, int] | None:
@@ -229,7 +226,7 @@ class RamTier(Backend):
         data = views[0] if len(views) == 1 else memoryview(bytearray().join(views))
         k, m = self.erasure
         lay = _ec.layout(data.nbytes, k, m)
-        ec_dir = self.store._path(key + _EC)
+        ec_dir = self.store._path(key + EC)
         ec_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         # share 0 stays on this node and the parity shares wait here for distribute(); data shares 1..k-1 are the
         # object's own bytes, which distribute() sends from where they lie (the staging arena): no file, no copy
@@ -237,18 +234,18 @@ class RamTier(Backend):
         maps: dict[int, Any] = {}
         try:
             for i in files:
-                maps[i] = _map_new(ec_dir / str(i), lay.share_nbytes)
-            _ec.encode(data, lay, [_view(maps[i]) if i in maps else None for i in range(k + m)], threads=self.threads)
-            sums = _digests(
-                [(_view(maps[i]), 0) if i in maps else _data_share(data, lay, i) for i in range(k + m)], self.threads
+                maps[i] = map_new(ec_dir / str(i), lay.share_nbytes)
+            _ec.encode(data, lay, [view_of(maps[i]) if i in maps else None for i in range(k + m)], threads=self.threads)
+            sums = digests(
+                [(view_of(maps[i]), 0) if i in maps else data_share(data, lay, i) for i in range(k + m)], self.threads
             )
         except OSError as e:
             raise SnapshotWriteError(e.errno, f"erasure-coding {key!r} into {ec_dir} failed: {e}") from e
         finally:
             for mm in maps.values():
-                _close(mm)
+                close_map(mm)
         self._pending[key] = {
-            "layout": _LAYOUT_KIND,
+            "layout": LAYOUT_KIND,
             "k": k,
             "m": m,
             "nbytes": lay.nbytes,
@@ -261,11 +258,6 @@ class RamTier(Backend):
 
     def commit(self, key: str, data: bytes) -> None:
         self.store.commit(key, data)
-
-    def publish(self, comm: Any, key: str, data: bytes) -> None:
-        """Commit the manifest on this node (one rank per node writes it)."""
-        if self.node_leader:
-            self.store.commit(key, data)
 
     def read(self, key: str) -> bytes:
         try:
@@ -307,7 +299,7 @@ class RamTier(Backend):
                 self._paths[key] = path
                 try:
                     view = memoryview(out).cast("B")
-                    _read_exactly(fd, view, offset, key)
+                    read_exactly(fd, view, offset, key)
                 finally:
                     os.close(fd)
                 with self.store._count_lock:
@@ -321,7 +313,7 @@ class RamTier(Backend):
         if reading is not None:
             return reading
         try:
-            raw = self.store.read(f"{key}{_EC}/{_READING}")
+            raw = self.store.read(f"{key}{EC}/{READING_FILE}")
             reading = json.loads(raw)
         except (OSError, ValueError):
             return None
@@ -335,10 +327,10 @@ class RamTier(Backend):
             not ok
             or not isinstance(reading.get("files"), list)
             or len(reading["files"]) != reading["k"]
-            or not all(isinstance(f, str) and _SHARE_FILE.match(f) for f in reading["files"])
+            or not all(isinstance(f, str) and SHARE_FILE.match(f) for f in reading["files"])
         ):
-            raise SnapshotError(f"{key}{_EC}/{_READING} in the RAM tier {self.url} is malformed; restore again")
-        ec_dir = self.store._path(key + _EC)
+            raise SnapshotError(f"{key}{EC}/{READING_FILE} in the RAM tier {self.url} is malformed; restore again")
+        ec_dir = self.store._path(key + EC)
         reading["paths"] = [os.path.join(ec_dir, f) for f in reading["files"]]  # (joined once: reads are hot)
         self._readings[key] = reading
         return reading
@@ -355,7 +347,7 @@ class RamTier(Backend):
             piece = min(size - at, n - pos)
             fd = os.open(reading["paths"][i], os.O_RDONLY | os.O_CLOEXEC)
             try:
-                _read_exactly(fd, view[pos : pos + piece], at, key)
+                read_exactly(fd, view[pos : pos + piece], at, key)
             finally:
                 os.close(fd)
             pos += piece
@@ -363,28 +355,28 @@ class RamTier(Backend):
             self.store.bytes_read += n
 
     @property
-    def bytes_read(self) -> int:
+    def bytes_read(self) -> int:  # type: ignore[override]  # (read-only here: the node store counts)
         return self.store.bytes_read
 
     def _need_whole(self, key: str) -> None:
-        if not self.store.exists(key) and self.store._path(key + _EC).is_dir():
+        if not self.store.exists(key) and self.store._path(key + EC).is_dir():
             raise SnapshotNotFoundError(
                 f"{key!r} is erasure coded in the RAM tier {self.url}; it is rebuilt by prepare_restore() (the"
                 " callback does this on resume)"
             )
 
     def list(self, prefix: str = "") -> list[str]:
-        names = {n[: -len(_EC)] if n.endswith(_EC) else n for n in self.store.list(prefix)}
+        names = {n[: -len(EC)] if n.endswith(EC) else n for n in self.store.list(prefix)}
         return sorted(names)
 
     def delete(self, key: str) -> None:
         self._paths.clear()
         self.store.delete(key)
         if key:
-            self.store.delete(key + _EC)
+            self.store.delete(key + EC)
 
     def exists(self, key: str) -> bool:
-        return self.store.exists(key) or (key.endswith(".bin") and self.store._path(key + _EC).is_dir())
+        return self.store.exists(key) or (key.endswith(".bin") and self.store._path(key + EC).is_dir())
 
     def require_exists(self) -> None:
         if (self.node_dir / "store").is_dir():
@@ -430,25 +422,25 @@ class RamTier(Backend):
                 src = self._rank_of((n - i) % n_nodes, self.local_rank)
                 for key, meta in sorted(mine.items()):
                     if i < k:  # the object's bytes of data share i (past the object's end the share is zeros)
-                        part, _pad = _data_share(sources[key], _layout_of(meta), i)
+                        part, _pad = data_share(sources[key], layout_of(meta), i)
                         if part.nbytes:
-                            held.append(_as_tensor(part))
+                            held.append(as_tensor(part))
                             sends.append(dist.isend(held[-1], dst, group=comm.group))
                         continue
-                    mm = _map_existing(self.store._path(f"{key}{_EC}/{i}"))
+                    mm = map_existing(self.store._path(f"{key}{EC}/{i}"))
                     if mm is not None:
                         keep.append(mm)
-                        sends.append(dist.isend(_as_tensor(mm), dst, group=comm.group))
+                        sends.append(dist.isend(as_tensor(mm), dst, group=comm.group))
                 for key, meta in sorted(everyone[src].items()):
-                    path = self.store._path(f"{key}{_EC}/{i}")
+                    path = self.store._path(f"{key}{EC}/{i}")
                     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-                    lay = _layout_of(meta)
-                    mm = _map_new(path, lay.share_nbytes)  # (zeros until received)
+                    lay = layout_of(meta)
+                    mm = map_new(path, lay.share_nbytes)  # (zeros until received)
                     if mm is not None:
                         keep.append(mm)
-                        size = _data_share_nbytes(lay, i) if i < k else lay.share_nbytes
+                        size = data_share_nbytes(lay, i) if i < k else lay.share_nbytes
                         if size:
-                            recvs.append(dist.irecv(_as_tensor(mm)[:size], src, group=comm.group))
+                            recvs.append(dist.irecv(as_tensor(mm)[:size], src, group=comm.group))
             for w in sends + recvs:
                 if w is not None:  # (None: this rank is not in the group, nothing was posted)
                     w.wait()
@@ -457,11 +449,11 @@ class RamTier(Backend):
             recvs.clear()
             held.clear()
             for mm in keep:
-                _close(mm)
+                close_map(mm)
         # this node keeps share 0 of its own objects and share i of the objects of node n - i
         for key in mine:
             for i in range(k, k + m):
-                self.store.delete(f"{key}{_EC}/{i}")
+                self.store.delete(f"{key}{EC}/{i}")
         for r, objs in enumerate(everyone):
             if r % self.ranks_per_node != self.local_rank:
                 continue  # the ranks with this local rank exchange with each other
@@ -470,7 +462,7 @@ class RamTier(Backend):
                 if i >= k + m:
                     continue
                 layout = {**meta, "nodes": [(self._node_of(r) + j) % n_nodes for j in range(k + m)]}
-                self.store.write(f"{key}{_EC}/{_LAYOUT}", [json.dumps(layout).encode()])
+                self.store.write(f"{key}{EC}/{LAYOUT_FILE}", [json.dumps(layout).encode()])
 
     def _place_all_here(self) -> None:
         """What :meth:`distribute` does, for one process standing for every node (benchmarks, unit tests): every
@@ -478,16 +470,16 @@ class RamTier(Backend):
         pending, self._pending = self._pending, {}
         sources, self._sources = self._sources, {}
         for key, meta in pending.items():
-            lay = _layout_of(meta)
+            lay = layout_of(meta)
             for i in range(1, lay.k):
-                part, _pad = _data_share(sources[key], lay, i)
-                mm = _map_new(self.store._path(f"{key}{_EC}/{i}"), lay.share_nbytes)
+                part, _pad = data_share(sources[key], lay, i)
+                mm = map_new(self.store._path(f"{key}{EC}/{i}"), lay.share_nbytes)
                 try:
-                    _view(mm)[: part.nbytes] = part
+                    view_of(mm)[: part.nbytes] = part
                 finally:
-                    _close(mm)
+                    close_map(mm)
             layout = {**meta, "nodes": [self.node_rank] * (lay.k + lay.m)}
-            self.store.write(f"{key}{_EC}/{_LAYOUT}", [json.dumps(layout).encode()])
+            self.store.write(f"{key}{EC}/{LAYOUT_FILE}", [json.dumps(layout).encode()])
 
     # ------------------------------------------------------------------------------------------- restore
     def collective_steps(self, comm: Any) -> builtins.list[int]:  # (``list`` here is the method above)
@@ -498,54 +490,6 @@ class RamTier(Backend):
         if getattr(comm, "world_size", 1) > 1:
             return sorted({s for steps in comm.all_gather(mine) for s in steps}, reverse=True)
         return mine
-
-    def _inventory(self, prefix: str, verify: bool) -> dict[str, Any]:
-        """What this node holds of ``prefix``: the manifest text, whole objects and its shares of the right size
-        (``verify``: only those whose xxh3 matches the layout's)."""
-        from lightning_snapshot.manifest import MANIFEST_NAME
-
-        inv: dict[str, Any] = {"manifest": None, "whole": {}, "shares": {}, "bad": [], "broken": {}}
-        if not self.node_leader:
-            return inv
-        with contextlib.suppress(OSError, UnicodeDecodeError):
-            inv["manifest"] = self.store.read(f"{prefix}/{MANIFEST_NAME}").decode()
-        checks: list[tuple[str, int, str, dict[str, Any]]] = []  # (key, share index, share key, layout)
-        for name in self.store.list(prefix):
-            if name.endswith(_EC):
-                key = f"{prefix}/{name[: -len(_EC)]}"
-                try:
-                    layout = _parse_layout(self.store.read(f"{prefix}/{name}/{_LAYOUT}"), key)
-                except (OSError, SnapshotError) as e:
-                    inv["bad"].append(f"{key}: {e}")
-                    inv["broken"][key] = str(e)
-                    continue
-                inv["shares"][key] = {"layout": layout, "good": []}
-                for entry in self.store.list(f"{prefix}/{name}"):
-                    if entry.isdigit() and int(entry) < len(layout["checksums"]):
-                        checks.append((key, int(entry), f"{prefix}/{name}/{entry}", layout))
-            elif name.endswith(".bin"):
-                inv["whole"][f"{prefix}/{name}"] = True
-
-        def check(item: tuple[str, int, str, dict[str, Any]]) -> bool:
-            _key, i, share, layout = item
-            return _share_ok(
-                self.store._path(share), layout["stripes"] * layout["block"], layout["checksums"][i], verify
-            )
-
-        # every share hashed once, on as many threads as the tier codes with (xxh3 releases the GIL)
-        workers = min(len(checks), self.threads or min(8, os.cpu_count() or 1)) if verify else 1
-        if workers > 1:
-            with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lightning-snapshot-verify") as pool:
-                results = list(pool.map(check, checks))
-        else:
-            results = [check(c) for c in checks]
-        for (key, i, _share, _layout), ok in zip(checks, results, strict=True):
-            if ok:
-                inv["shares"][key]["good"].append(i)
-            else:
-                why = "checksum mismatch" if verify else "wrong size"
-                inv["bad"].append(f"{key} share {i} ({why}: corrupted, treated as missing)")
-        return inv
 
     def restore(self, comm: Any, step: int, read: Callable[[], _T]) -> _T:
         """Restore ``step`` from this tier (collective): :meth:`prepare_restore`, ``read()``, :meth:`finish_restore`.
@@ -614,7 +558,7 @@ class RamTier(Backend):
         world = getattr(comm, "world_size", 1)
         self._readings.clear()
         self._paths.clear()
-        inv = self._inventory(prefix, verify)
+        inv = inventory(self.store, prefix, leader=self.node_leader, verify=verify, threads=self.threads)
         for bad in inv["bad"]:
             log.warning("lightning-snapshot: RAM tier %s, node %d: %s", self.url, self.node_rank, bad)
         invs = comm.all_gather(inv) if world > 1 else [inv]
@@ -669,107 +613,15 @@ class RamTier(Backend):
         me = getattr(comm, "rank", 0)
         if me in leaders:
             verified = {key: set(e["good"]) for key, e in invs[me]["shares"].items()}
-            self._execute(comm, transfers, layouts, me, prefix, manifest, verified, verify)
+            fetch_and_rebuild(
+                self.store, comm, transfers, layouts, me, prefix, manifest, verified, verify, self.threads
+            )
         if world > 1:
             comm.barrier()
         if me in leaders and not self.store.exists(f"{prefix}/{MANIFEST_NAME}"):
             self.store.commit(f"{prefix}/{MANIFEST_NAME}", manifest.encode())
         if world > 1:
             comm.barrier()
-
-    def _execute(
-        self,
-        comm: Any,
-        transfers: builtins.list[tuple[int, int, str, int]],
-        layouts: dict[str, dict[str, Any]],
-        me: int,
-        prefix: str,
-        manifest: str,
-        verified: dict[str, set[int]],
-        verify: bool,
-    ) -> None:
-        """Run this leader's part of the ``transfers`` and rebuild every erasure-coded object from ``k`` good
-        shares: its own that ``_inventory`` listed (``verified``), the others checked here (``verify``: hashed)."""
-        from lightning_snapshot.manifest import Manifest
-
-        sizes = {o.key: o.nbytes for o in Manifest.from_json(manifest, where=f"RAM tier manifest of {prefix}").objects}
-        sends: list[tuple[Any, int]] = []
-        receives: list[tuple[Any, int]] = []
-        received: dict[str, dict[int, Any]] = {}
-        try:
-            if transfers and getattr(comm, "world_size", 1) > 1:
-                for src, dst, key, i in transfers:
-                    if src == dst or me not in (src, dst):
-                        continue
-                    if i < 0:
-                        path = self.store._path(key)
-                        size = sizes[key.rsplit("/", 1)[1]]
-                    else:
-                        path = self.store._path(f"{key}{_EC}/{i}")
-                        size = layouts[key]["stripes"] * layouts[key]["block"]
-                    if me == src:
-                        sends.append((_map_existing(path), dst))
-                    else:
-                        rpath = path if i < 0 else path.with_name(f".{i}.restore")
-                        rpath.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-                        receives.append((_map_new(rpath, size), src))
-                        if i >= 0:
-                            received.setdefault(key, {})[i] = rpath
-        except BaseException:
-            for mm, _peer in sends + receives:
-                _close(mm)
-            raise
-        exchange(getattr(comm, "group", None), sends, receives)
-        # make every erasure-coded object readable from its data shares, rebuilding the lost ones from parity
-        for key, layout in layouts.items():
-            if self.store.exists(key):
-                continue
-            lay = _ec.ShareLayout(layout["k"], layout["m"], layout["nbytes"], layout["block"], layout["stripes"])
-            paths: dict[int, Path] = dict(received.get(key, {}))
-            inv_dir = self.store._path(key + _EC)
-            for entry in sorted(os.listdir(inv_dir)) if inv_dir.is_dir() else []:
-                if entry.isdigit() and int(entry) not in paths and int(entry) < lay.k + lay.m:
-                    paths[int(entry)] = inv_dir / entry
-            maps: dict[int, Any] = {}
-            used: set[Path] = set()
-            try:
-                for i, p in sorted(paths.items()):
-                    if i not in verified.get(key, ()) and not _share_ok(
-                        p, lay.share_nbytes, layout["checksums"][i], verify
-                    ):
-                        continue
-                    maps[i] = _map_existing(p, write=False)
-                    if len(maps) == lay.k:
-                        break
-                lost = [i for i in range(lay.k) if i not in maps]
-                outs = {i: _map_new(inv_dir / f".{i}.rebuilt", lay.share_nbytes) for i in lost if len(maps) >= lay.k}
-                try:
-                    _ec.rebuild(
-                        {i: _view(mm) for i, mm in maps.items()},
-                        lay,
-                        {i: _view(mm) for i, mm in outs.items()},
-                        threads=self.threads,
-                    )
-                finally:
-                    for mm in outs.values():
-                        _close(mm)
-                files = [f".{i}.rebuilt" if i in outs else paths[i].name for i in range(lay.k)]
-                used = {inv_dir / f for f in files}
-                self.store.write(
-                    f"{key}{_EC}/{_READING}",
-                    [
-                        json.dumps(
-                            {"k": lay.k, "share_nbytes": lay.share_nbytes, "nbytes": lay.nbytes, "files": files}
-                        ).encode()
-                    ],
-                )
-            finally:
-                for mm in maps.values():
-                    _close(mm)
-                for p in received.get(key, {}).values():
-                    if p not in used:
-                        with contextlib.suppress(OSError):
-                            os.unlink(p)
 
     def finish_restore(self, step: int) -> None:
         """Free what :meth:`prepare_restore` added: received and rebuilt shares, whole objects it got from peers
@@ -782,169 +634,14 @@ class RamTier(Backend):
             return
         prefix = step_dirname(step)
         for name in self.store.list(prefix):
-            if name.endswith(_EC):
-                self.store.delete(f"{prefix}/{name[: -len(_EC)]}")
+            if name.endswith(EC):
+                self.store.delete(f"{prefix}/{name[: -len(EC)]}")
                 ec_dir = self.store._path(f"{prefix}/{name}")
                 for entry in os.listdir(ec_dir) if ec_dir.is_dir() else []:
-                    if entry == _READING or (entry.startswith(".") and _SHARE_FILE.match(entry)):
+                    if entry == READING_FILE or (entry.startswith(".") and SHARE_FILE.match(entry)):
                         with contextlib.suppress(OSError):
                             os.unlink(ec_dir / entry)
 
     def held_bytes(self) -> int:
         """Bytes of memory this node's RAM tier holds (its files, as allocated)."""
         return allocated_bytes(self.node_dir / "store")
-
-
-def allocated_bytes(path: str | os.PathLike[str]) -> int:
-    """Bytes the files under ``path`` occupy (allocated blocks: what shared memory really holds)."""
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for f in files:
-            with contextlib.suppress(OSError):
-                total += os.stat(os.path.join(root, f)).st_blocks * 512
-    return total
-
-
-#: Environment variables in which a launcher or scheduler names the job. Each keeps its value when the same job
-#: restarts (torchrun's restarts of its workers, a requeued SLURM, LSF or PBS job) and changes for a new job, so a new
-#: job never resumes from the RAM snapshots another job left on the node. torchrun's default run id, ``none``, names
-#: no job and is ignored.
-JOB_ID_VARIABLES = ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "LSB_JOBID", "PBS_JOBID")
-
-
-def job_ids(environ: Any = None) -> list[str]:
-    """``VARIABLE=value`` of each :data:`JOB_ID_VARIABLES` set (to something other than torchrun's ``none``)."""
-    env = os.environ if environ is None else environ
-    found = []
-    for var in JOB_ID_VARIABLES:
-        value = str(env.get(var, "")).strip()
-        if value and not (var == "TORCHELASTIC_RUN_ID" and value.lower() == "none"):
-            found.append(f"{var}={value}")
-    return found
-
-
-def default_run_name(tier_urls: list[str]) -> str:
-    """A run name for the agent and memory directory: the same script, working directory, other tiers and launcher
-    job id (:data:`JOB_ID_VARIABLES`, where one is set) mean the same run."""
-    text = "\n".join(
-        [os.getcwd(), os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else "", *tier_urls, *job_ids()]
-    )
-    return "run-" + hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _parse_layout(raw: bytes, key: str) -> dict[str, Any]:
-    try:
-        layout = json.loads(raw)
-    except ValueError as e:
-        raise SnapshotError(f"share layout of {key!r} is not JSON: {e}") from None
-    if isinstance(layout, dict) and layout.get("layout") != _LAYOUT_KIND:
-        raise SnapshotError(
-            f"the shares of {key!r} were laid out by another version of lightning-snapshot"
-            f" (layout {layout.get('layout', 'striped')!r}, this one reads {_LAYOUT_KIND!r}); restore"
-            " from a durable tier, or with the version that wrote them"
-        )
-    ints = ("k", "m", "nbytes", "block", "stripes")
-    if (
-        not isinstance(layout, dict)
-        or any(not isinstance(layout.get(f), int) or layout[f] < 0 for f in ints)
-        or layout["k"] < 1
-        or not isinstance(layout.get("checksums"), list)
-        or len(layout["checksums"]) != layout["k"] + layout["m"]
-        or not all(isinstance(c, str) for c in layout["checksums"])
-        or layout["stripes"] * layout["block"] * layout["k"] < layout["nbytes"]
-    ):
-        raise SnapshotError(f"share layout of {key!r} is malformed; delete the RAM tier's memory for this run")
-    return layout
-
-
-def _layout_of(meta: dict[str, Any]) -> _ec.ShareLayout:
-    return _ec.ShareLayout(meta["k"], meta["m"], meta["nbytes"], meta["block"], meta["stripes"])
-
-
-def _data_share_nbytes(lay: _ec.ShareLayout, i: int) -> int:
-    """Bytes of the object in data share ``i`` (the rest of the share is zeros)."""
-    return max(0, min(lay.share_nbytes, lay.nbytes - i * lay.share_nbytes))
-
-
-def _data_share(data: memoryview, lay: _ec.ShareLayout, i: int) -> tuple[memoryview, int]:
-    """Data share ``i`` of the object ``data``: its bytes of the object (a view) and the zeros that follow."""
-    have = _data_share_nbytes(lay, i)
-    at = min(i * lay.share_nbytes, lay.nbytes)
-    return data[at : at + have], lay.share_nbytes - have
-
-
-_ZEROS = memoryview(bytes(1 << 20))
-
-
-def _padded_digest(item: tuple[memoryview, int]) -> str:
-    """xxh3 of ``view`` followed by ``pad`` zero bytes (what :func:`digest` gives for the padded bytes)."""
-    view, pad = item
-    if not pad:
-        return digest(view)
-    h = xxhash.xxh3_64()
-    h.update(view)
-    while pad:
-        n = min(pad, _ZEROS.nbytes)
-        h.update(_ZEROS[:n])
-        pad -= n
-    return h.hexdigest()
-
-
-def _digests(items: list[tuple[memoryview, int]], threads: int | None) -> list[str]:
-    """xxh3 of each (view + that many zero bytes) of ``items``, on several threads (xxh3 releases the GIL)."""
-    workers = min(len(items), threads or min(8, os.cpu_count() or 1))
-    if workers <= 1:
-        return [_padded_digest(v) for v in items]
-    with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lightning-snapshot-digest") as pool:
-        return list(pool.map(_padded_digest, items))
-
-
-#: Bytes a share is hashed in (read into a buffer that stays in the L2 cache).
-_HASH_PIECE = 1 << 20
-
-
-def _file_digest(path: Path, size: int) -> str | None:
-    """The xxh3 of the file at ``path`` if it has ``size`` bytes, else None. Read piece by piece into a small buffer
-    (cheaper than mapping a fresh file, whose every page would fault); the GIL is released while it reads and
-    hashes."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        if os.fstat(fd).st_size != size:
-            return None
-        if size < _HASH_PIECE:
-            return digest(memoryview(os.pread(fd, size, 0)))
-        h = xxhash.xxh3_64()
-        buf = memoryview(bytearray(_HASH_PIECE))
-        pos = 0
-        while pos < size:
-            n = os.preadv(fd, [buf[: min(_HASH_PIECE, size - pos)]], pos)
-            if n == 0:
-                return None
-            h.update(buf[:n])
-            pos += n
-        return h.hexdigest()
-    finally:
-        os.close(fd)
-
-
-def _share_ok(path: Path, size: int, checksum: str, verify: bool) -> bool:
-    """Whether the share file at ``path`` can be used: ``size`` bytes and, with ``verify``, the xxh3 ``checksum``
-    (without, it is trusted until a chunk read from it fails its checksum: see :meth:`RamTier.restore`)."""
-    if verify:
-        return _file_digest(path, size) == checksum
-    try:
-        return os.stat(path).st_size == size
-    except OSError:
-        return False
-
-
-def _read_exactly(fd: int, view: memoryview, pos: int, key: str) -> None:
-    if _pread_all(fd, view, pos) < view.nbytes:
-        raise EOFError(f"{key!r}: a file of the RAM tier ends before byte {pos + view.nbytes}")
-
-
-def _view(mm: mmap.mmap | None) -> memoryview:
-    return memoryview(mm) if mm is not None else memoryview(bytearray(0))

@@ -12,7 +12,7 @@ import torch
 
 from lightning_snapshot.backends import LocalTier, parse_tier
 from lightning_snapshot.backends.base import Backend
-from lightning_snapshot.backends.local import _map_new
+from lightning_snapshot.backends.mapped_files import map_new
 from lightning_snapshot.comm import LocalComm
 from lightning_snapshot.errors import ConfigError
 from lightning_snapshot.loader import load_snapshot
@@ -83,7 +83,7 @@ def test_mode_0640_gives_directories_the_matching_search_bits_and_covers_fetched
     assert _perm(step_dir) == 0o750
     assert {_perm(f) for f in step_dir.iterdir()} == {0o640}
     # an object a node-local restore fetches from another node lands under the same rule
-    mm = _map_new(tmp_path / "fetched", 4096, tier.mode, tier.file_mode)
+    mm = map_new(tmp_path / "fetched", 4096, tier.mode, tier.file_mode)
     mm.close()
     assert _perm(tmp_path / "fetched") == 0o640
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_snapshot.backends import RamTier
-from lightning_snapshot.backends.ram import tier as ram_module
+from lightning_snapshot.backends.ram import shares as ram_shares
 from lightning_snapshot.errors import SnapshotError
 from lightning_snapshot.comm import LocalComm
 from lightning_snapshot.loader import read_manifest, read_section
@@ -98,7 +98,7 @@ def test_an_intact_restore_hashes_no_share_and_reads_each_byte_once(saved, monke
     """The loader's chunk checks are the verification: no share is hashed up front, nothing is logged."""
     ram, state, ec_dir = saved
     hashed = []
-    monkeypatch.setattr(ram_module, "_file_digest", lambda *a: hashed.append(a))
+    monkeypatch.setattr(ram_shares, "file_digest", lambda *a: hashed.append(a))
     before = ram.bytes_read
     with caplog.at_level("WARNING"):
         _check(_restore(ram), state)
