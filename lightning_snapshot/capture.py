@@ -32,7 +32,6 @@ from lightning_snapshot.staging import dtensor_box, is_dtensor, local_tensor
 from lightning_snapshot.staging.live import Encoded, LiveCapture
 
 __all__ = [
-    "check_placements",
     "Templates",
     "adopt_pruning",
     "capture_late",
@@ -41,6 +40,7 @@ __all__ = [
     "capture_shared_live",
     "check_model",
     "check_optimizers",
+    "check_placements",
     "checkpoint_view",
     "frozen_predicate",
     "is_sharded",

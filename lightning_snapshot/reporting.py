@@ -160,7 +160,7 @@ class Reporter:
                 self.metrics.add("snapshot/stage_ms", r.stage_seconds * 1000)
         for i in self.submitted:  # (a tier that never committed in this fit lags from where the fit started)
             self.metrics.add(f"snapshot/{self.names[i]}/lag_steps", step - self.committed.get(i, self.fit_start_step))
-            if getattr(self.tiers[i], "retry_initial", None):  # TODO capability
+            if self.tiers[i].retry_initial:
                 self.metrics.add(f"snapshot/{self.names[i]}/retries", persister.retries(i))
 
     def late_tiers(self, late: Sequence[Backend], persister: Any) -> None:
@@ -170,12 +170,12 @@ class Reporter:
             error = persister.last_error(i) if persister is not None else None
             self.problems.setdefault(
                 i,
-                f"its uploads did not finish within drain_timeout={getattr(tier, 'drain_timeout', None)} s"
+                f"its uploads did not finish within drain_timeout={tier.drain_timeout} s"
                 f" (last error: {error or 'none'})",
             )
             warnings.warn(
                 f"lightning-snapshot: the {tier.tier} tier {tier.url!r} did not finish its uploads within"
-                f" drain_timeout={getattr(tier, 'drain_timeout', None)} s; {self.holders()}",
+                f" drain_timeout={tier.drain_timeout} s; {self.holders()}",
                 stacklevel=3,
             )
 

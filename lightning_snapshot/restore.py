@@ -145,11 +145,10 @@ class Restorer:
         local tier on each node's own disk) the objects are first made readable on every node (RAM: a corrupted
         share found by the read is repaired from the others) and what the restore added is freed after: collective
         over the tier's group. Any other backend (a snapshot path given as ``resume``) is read directly."""
-        restore = getattr(backend, "restore", None)
-        if restore is None or not getattr(backend, "node_local", False) or backend not in self.tiers:
+        if not backend.node_local or backend not in self.tiers:
             return read()
         comm = self.tier_comms[self.tiers.index(backend)] if self.tier_comms else LocalComm()
-        return restore(comm, step, read)
+        return backend.restore(comm, step, read)
 
     # ------------------------------------------------------------------------------------------- candidates
     def candidates(self, report: bool = False) -> list[tuple[Backend, int]]:
@@ -172,16 +171,16 @@ class Restorer:
         skipped_all: str | None = None
         collective: dict[int, list[int]] = {}
         for i, tier in enumerate(self.tiers):
-            steps_of = getattr(tier, "collective_steps", None)
-            if steps_of is not None and getattr(tier, "node_local", False):  # a node-local tier: what any node holds
-                collective[i] = steps_of(self.tier_comms[i] if self.tier_comms else LocalComm())
+            if tier.node_local:  # a node-local tier: what any node holds
+                held = tier.collective_steps(self.tier_comms[i] if self.tier_comms else LocalComm())
+                if held is not None:
+                    collective[i] = held
         if self.comm.rank == 0:
             for i, tier in enumerate(self.tiers):
                 try:
                     found += [(step, i) for step in (collective[i] if i in collective else committed_steps(tier))]
                 except Exception as e:  # noqa: BLE001 - a tier that cannot be listed may hold the newest snapshot
-                    redact = getattr(tier, "redact", str)
-                    detail = str(e) if isinstance(e, SnapshotError) else f"{type(e).__name__}: {redact(str(e))}"
+                    detail = str(e) if isinstance(e, SnapshotError) else f"{type(e).__name__}: {tier.redact(str(e))}"
                     unlisted.append(f"cannot list the {tier.tier} tier {tier.url!r} to resume from it ({detail})")
             found.sort(key=lambda x: (-x[0], x[1]))
             if not isinstance(resume, bool):
@@ -374,9 +373,9 @@ class Restorer:
         # optimizer state too, and each rank reads only its shards; the rest is allocated
         targets = restore_targets(trainer, live, manifest.state, where)
         stats = ReadStats()
-        counted = getattr(backend, "bytes_read", None)
+        counted = backend.bytes_read
         shared = read_section(backend, manifest, manifest.tensors, manifest.state, targets=targets, stats=stats)
-        after = getattr(backend, "bytes_read", None)
+        after = backend.bytes_read
         self.stats = {
             "bytes_needed": stats.bytes_needed,
             "bytes_read": stats.bytes_read,

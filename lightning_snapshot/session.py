@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_snapshot.backends.base import LayoutSettling
 from lightning_snapshot.comm import Comm, GroupComm, LocalComm, StrategyComm, agree, new_gloo_groups, raise_together
 from lightning_snapshot.config import SnapshotConfig
 from lightning_snapshot.errors import ConfigError, TierUnavailableError
@@ -22,7 +23,6 @@ from lightning_snapshot.persist import Persister
 from lightning_snapshot.staging.arena import HostArena
 
 if TYPE_CHECKING:
-    from lightning_snapshot.backends.local import LocalTier
     from lightning_snapshot.backends.ram.tier import RamTier
 
 __all__ = ["FitSession"]
@@ -72,10 +72,9 @@ class FitSession:
         self._check_tiers()  # (after the local tiers know their node's directory; before the agent starts)
         self._setup_ram_tier(trainer)
         self.persister = Persister(self.tiers, self.tier_comms, self.run_id, self.arena, agent=self.agent)
-        for tier in self.tiers:
-            abort = getattr(tier, "abort_incomplete_uploads", None)
-            if abort is not None and self.comm.rank == 0:
-                abort()  # multipart uploads left behind by a crashed run
+        if self.comm.rank == 0:
+            for tier in self.tiers:
+                tier.abort_incomplete_uploads()  # multipart uploads left behind by a crashed run
 
     def placement(self, trainer: Any) -> dict[str, int]:
         """Where this rank is in the job, as the tiers' ``bind`` takes it: its node, the number of nodes, its rank on
@@ -94,12 +93,11 @@ class FitSession:
         or node-local (detected with probe files unless set; one log line each)."""
         placement = self.placement(trainer)
         for i, tier in enumerate(self.tiers):
-            settle = getattr(tier, "settle_layout", None)
-            if settle is None:
+            if not isinstance(tier, LayoutSettling):
                 continue
-            local = cast("LocalTier", tier)  # (the tiers with a layout to settle)
+            local = tier
             local.bind(**placement)
-            how = settle(self.tier_comms[i], self.run_id)
+            how = local.settle_layout(self.tier_comms[i], self.run_id)
             if placement["num_nodes"] > 1:
                 layout = (
                     "node-local: each node writes its own ranks' data and a copy of the manifest, commits are"
@@ -162,7 +160,7 @@ class FitSession:
             rank=self.comm.rank,
             world_size=world,
             run_id=self.run_id,
-            tiers=[t for t in self.tiers if t is not ram and t.durable and not getattr(t, "node_local", False)],
+            tiers=[t for t in self.tiers if t is not ram and t.durable and not t.node_local],
             part_wait=self.config.collective_timeout,
         )
 
