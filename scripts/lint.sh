@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Lint the package in the project's own virtual environment: ruff (lint and format check) and mypy on
-# lightning_snapshot/ and backends/. Fails on any finding. `bash scripts/lint.sh --fix` applies ruff's safe fixes and
+# lightning_snapshot/ and backends/, and import-linter's layering contracts. Fails on any finding.
+# `bash scripts/lint.sh --fix` applies ruff's safe fixes and
 # formats first.
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
 DIRS=(lightning_snapshot backends)
@@ -25,4 +26,16 @@ done
 ln -s "$ROOT/backends" "$TREE/lightning_snapshot/backends"
 (cd "$TREE" && mypy --config-file "$ROOT/pyproject.toml" --cache-dir "$TREE/.mypy_cache" -p lightning_snapshot) |
   sed -e 's#^lightning_snapshot/backends/#backends/#' || status=1
+# import-linter reads the package from disk as it is installed: a copy with backends/ at lightning_snapshot/backends
+# (it does not follow the links of the mypy tree). The contracts are [tool.importlinter] in pyproject.toml.
+echo "[lint] import-linter" >&2
+LAYERS="$ROOT/build/import-linter"
+rm -rf "$LAYERS"
+mkdir -p "$LAYERS"
+cp -r "$ROOT/lightning_snapshot" "$LAYERS/"
+rm -rf "$LAYERS/lightning_snapshot/backends"
+cp -r "$ROOT/backends" "$LAYERS/lightning_snapshot/backends"
+find "$LAYERS" -name __pycache__ -prune -exec rm -rf {} +
+cp "$ROOT/pyproject.toml" "$LAYERS/"
+(cd "$LAYERS" && PYTHONPATH="$LAYERS" lint-imports --no-cache) || status=1
 exit $status
