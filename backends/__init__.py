@@ -1,4 +1,9 @@
-"""Storage tiers of lightning-snapshot (installed as ``lightning_snapshot.backends``)."""
+"""Storage tiers of lightning-snapshot (installed as ``lightning_snapshot.backends``).
+
+Re-exports the tier classes and :func:`parse_tier` for users (``from lightning_snapshot.backends import LocalTier``,
+as in examples/); the RAM tier's agent imports it to load the tiers up front. The engine imports the submodules it
+needs (base.py, registry.py) directly.
+"""
 
 from __future__ import annotations
 

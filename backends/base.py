@@ -1,5 +1,9 @@
 """The backend interface every tier implements: small, byte-oriented, key/value.
 
+Implemented by local.py, object_store.py and ram/tier.py. The engine calls tiers only through it: config.py,
+session.py (checks, set-up), writer.py and persist.py (write, commit, retention), restore.py and loader.py (read),
+reporting.py, ops.py and export.py, and the RAM tier's agent when it writes the durable tiers.
+
 A backend stores opaque objects under '/'-separated keys relative to its root and knows nothing about tensors or
 manifests. The engine asks it what it is (:attr:`Backend.tier`, :attr:`Backend.durable`) and when it is due
 (:meth:`Backend.is_due`); it never checks concrete classes.

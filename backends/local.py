@@ -1,4 +1,9 @@
-"""Local (NVMe) tier: snapshots as files under a directory."""
+"""Local (NVMe) tier: snapshots as files under a directory.
+
+:class:`LocalTier` is made by registry.py (a path or ``file://`` URL) or by the user, and driven through the
+:class:`~lightning_snapshot.backends.base.Backend` interface by the engine (writer.py, persist.py, restore.py,
+loader.py) and by the RAM tier's agent; the RAM tier (ram/tier.py, ram/rebuild.py) also uses it as a node's store.
+"""
 
 from __future__ import annotations
 

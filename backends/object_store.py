@@ -1,5 +1,9 @@
 """Object-store tier: any fsspec URL (``s3://``, ``gs://``, ``az://``, ``memory://`` ...), s3fs for S3.
 
+:class:`ObjectStoreTier` is made by registry.py (an fsspec URL) or by the user, and driven through the
+:class:`~lightning_snapshot.backends.base.Backend` interface by the engine (writer.py, persist.py, restore.py,
+loader.py), by the RAM tier's agent, and by session.py and ops.py (``gc``) for incomplete uploads.
+
 Commit rule for a store with no rename: data objects first, the manifest last, written with a conditional create
 (``If-None-Match: *``) where the store supports it, so a committed step is never overwritten; a step without a
 manifest is invisible to the loader, and retention removes it. Large objects go up as concurrent multipart uploads

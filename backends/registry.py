@@ -1,5 +1,8 @@
 """Select a tier by URL: ``"/path?every=100&keep=3"``, ``"file:///path?..."``.
 
+:func:`parse_tier` is called by config.py (the tier URLs of ``SnapshotCallback(tiers=...)``), loader.py (a source
+given as a URL or a step directory) and the CLI (cli.py: ``copy``'s destination).
+
 The scheme picks the backend class lazily (as fsspec's registry does), so a LightningCLI YAML can list tiers as
 strings. Query options: ``every`` (``every_n_train_steps``: steps, or ``auto``), ``min_every``/``max_every`` (the
 bounds of ``every=auto``), ``interval`` (``train_time_interval``: seconds, or a

@@ -1,4 +1,8 @@
-"""Trainer <-> training state.
+"""Trainer <-> training state: walk the trainer into tensor fragments and plain state, and put them back on restore.
+
+Called by the callback's snapshot pipeline (pipeline.py) at each snapshot step and by the Restorer (restore.py) when
+it applies a snapshot; the callback (placement checks), fit_loaders.py and data/workers.py (``restore_rng``) use its
+helpers.
 
 Together the pieces have the shape of a Lightning checkpoint (``state_dict``, ``optimizer_states``,
 ``lr_schedulers``, ``loops``, ``callbacks``, precision and datamodule state), so a snapshot can be exported and

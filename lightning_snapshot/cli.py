@@ -1,6 +1,10 @@
 """The ``lightning-snapshot`` command: list, inspect, verify, export, copy and prune snapshots; run a node's
 snapshot agent.
 
+Nothing in the library calls it: :func:`main` is the ``lightning-snapshot`` console script (``[project.scripts]`` in
+pyproject.toml), also entered by the RAM tier's agent process (``main`` of backends/ram/agent.py). The work is done
+by loader.py, ops.py, export.py and plan.py.
+
     lightning-snapshot list /nvme/snap/run-42 [--json]
     lightning-snapshot inspect /nvme/snap/run-42 [--step 1200] [--json]
     lightning-snapshot verify /nvme/snap/run-42 [--step 1200 | --all] [--json]

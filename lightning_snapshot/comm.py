@@ -1,6 +1,10 @@
-"""The few collectives the engine needs, over the trainer's strategy or for a single process.
+"""The few collectives the engine needs, over the trainer's strategy, a tier's own gloo group or a single process;
+:func:`agree`: one rank's problem becomes every rank's same error.
 
-Only the training thread calls these, at points every rank reaches together (never from a background thread).
+Used by session.py (which makes the fit's comms and the tiers' gloo groups), pipeline.py, restore.py and
+reporting.py on the training thread; by the persist threads (persist.py, writer.py) to agree on each commit over
+their tier's group (:class:`GroupComm`); and by ops.py (:class:`LocalComm`, for the CLI). The trainer's strategy
+(:class:`StrategyComm`) is only called from the training thread, at points every rank reaches together.
 """
 
 from __future__ import annotations

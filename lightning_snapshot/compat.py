@@ -1,6 +1,9 @@
 """Does a snapshot's optimizer and scheduler state fit the live trainer? Refuse a changed setup before anything is
 applied, accept what Lightning's own callbacks change during fit.
 
+Used by capture.py (:func:`describe` when a snapshot is taken, :func:`check` and :func:`schedulers_to_load` when one
+is applied) and by the callback's ``on_train_start`` after a restore (the ``reinstate_*`` functions).
+
 What Lightning does (2.6, ``fit(ckpt_path=...)``): callback states are loaded before ``strategy.setup`` and before
 ``on_fit_start`` (``_restore_modules_and_callbacks``); every callback's ``on_fit_start`` runs; only then are the
 optimizer and scheduler states applied (``restore_training_state``):

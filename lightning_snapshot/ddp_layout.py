@@ -1,5 +1,8 @@
 """Keep DDP's gradient bucket layout across a restart, so that 3+ rank DDP resumes bitwise.
 
+Used by the snapshot pipeline (pipeline.py: :func:`capture_layout`, stored with each snapshot's late state) and by
+the Restorer (restore.py: :func:`apply_layout` when a snapshot is restored).
+
 Why: ``DistributedDataParallel`` (with ``find_unused_parameters=False``, Lightning's default, or with
 ``static_graph=True``) puts every gradient into one bucket, in parameter order, for a process's first backward, and
 before its second forward rebuilds the buckets once, in the order the gradients became ready. A restarted process

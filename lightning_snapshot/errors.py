@@ -3,6 +3,9 @@
 Every error the library raises on purpose is a :class:`SnapshotError`. Most also derive from the builtin
 exception a caller would naturally catch (``ValueError``, ``OSError``, ``FileNotFoundError``), so either works.
 Messages name the problem and the fix.
+
+Raised throughout the library and its backends (reporting.py raises them to the user under ``on_error="raise"``);
+users catch them, and the CLI (cli.py) turns them into one line on stderr and an exit status.
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 Both stream: one tensor is read (and verified) at a time, so peak memory stays near the largest tensor, not the
 whole model. The torch file is loadable with ``torch.load(path, weights_only=True)``.
+
+Called by the CLI's ``export`` command (cli.py); it reads the snapshot through loader.py.
 """
 
 from __future__ import annotations

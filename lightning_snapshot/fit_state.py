@@ -1,5 +1,8 @@
 """Training state that Lightning's checkpoints leave out, and that callbacks change during fit.
 
+Called by capture.py (:func:`capture` with each snapshot's late state, and when a snapshot is applied), by the
+Restorer (restore.py) and by the callback's ``on_train_start`` after a restore (``restore_*``).
+
 A snapshot of step N holds the weights and optimizer state of ``on_train_batch_end`` (N) and the rest of the state
 as it is right before step N+1 (:func:`lightning_snapshot.capture.capture_late`). Between those two points Lightning
 and its callbacks change more than loops, callbacks and schedulers. This module captures that, at the late point,

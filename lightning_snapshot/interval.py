@@ -9,8 +9,10 @@ training-thread stall (staging, hand-off, waiting for the copy) and what backgro
 threads, writes and checksums competing for cores, memory and PCIe bandwidth). It is re-estimated as training runs
 (an exponentially weighted mean over snapshots).
 
-Everything here is pure (no torch, no collectives): the callback feeds it times and decides *when* (at snapshot
-steps every rank agrees on) and *on which rank* (rank 0, then a broadcast) the intervals change.
+Everything here is pure (no torch, no collectives): the callback's schedule (schedule.py, :class:`FitSchedule`)
+feeds it times and decides *when* (at snapshot steps every rank agrees on) and *on which rank* (rank 0, then a
+broadcast) the intervals change. Also used by config.py and backends/registry.py (durations, ``"auto"``), the
+callback (the default MTBF), and ``lightning-snapshot plan`` (plan.py, simulate.py).
 """
 
 from __future__ import annotations

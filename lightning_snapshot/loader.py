@@ -1,4 +1,8 @@
-"""Find committed snapshots and read them back, verifying every chunk. Never unpickles."""
+"""Find committed snapshots and read them back, verifying every chunk. Never unpickles.
+
+Used by the Restorer (restore.py) when a fit resumes, by the CLI and its operations (cli.py, export.py, ops.py), and
+by users through ``lightning_snapshot.load_snapshot``.
+"""
 
 from __future__ import annotations
 

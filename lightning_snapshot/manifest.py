@@ -1,5 +1,9 @@
 """The snapshot format: typed, versioned manifest dataclasses and their JSON form.
 
+Used wherever a snapshot is written or read: writer.py and persist.py (write), loader.py, restore_records.py,
+resume_policy.py, export.py, ops.py and cli.py (read), tree.py and staging (dtypes), and the backends (key
+validation, step directory names).
+
 A snapshot is ``<tier root>/step-<global_step:012d>/`` holding ``manifest.json`` and data objects. Data objects
 are raw tensor bytes, each fragment aligned to ``alignment`` bytes, with one checksum per ``chunk_bytes`` chunk.
 The manifest is written last and atomically: a step without a manifest does not exist.

@@ -1,5 +1,8 @@
 """Snapshot metrics -> the Trainer's loggers (TensorBoard by default), logged from the training thread.
 
+:class:`MetricsSink` is held by the callback's Reporter (reporting.py), which adds the values it collects; the
+callback adds the stall time and flushes the sink to the loggers at each step. The metrics:
+
 =====================================  ============================================================================
 ``snapshot/stall_ms``                   time the training thread was blocked by one snapshot (capture, synchronous
                                         copies, waiting for the copy before the next optimizer step, hand-off)

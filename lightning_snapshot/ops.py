@@ -1,7 +1,8 @@
 """Operator tools behind ``lightning-snapshot gc`` and ``lightning-snapshot copy``.
 
 :func:`plan_gc` decides what a garbage collection removes (reading only), :func:`run_gc` does it; :func:`copy_step`
-promotes one committed snapshot to another tier, verified and under the destination's commit rule.
+promotes one committed snapshot to another tier, verified and under the destination's commit rule. Called by the
+CLI's ``gc`` and ``copy`` commands (cli.py).
 """
 
 from __future__ import annotations

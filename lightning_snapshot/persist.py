@@ -1,5 +1,8 @@
 """Persist threads: write staged snapshots to their tiers, off the training thread.
 
+:class:`Persister` is made by the fit's session (session.py) and fed by the snapshot pipeline (pipeline.py), which
+hands it each finished snapshot; its threads write through writer.py (or hand the snapshot to the RAM tier's agent).
+
 One thread per tier and rank, so a slow or unreachable tier (an object store during an outage) never holds up the
 others. Under DDP the ranks agree on each commit through a gloo process group per tier, created for this purpose
 (never the trainer's main group from a background thread). A tier that snapshots the same step as a local tier

@@ -1,5 +1,7 @@
 """``lightning-snapshot plan``: expected goodput, intervals and memory per tier set-up, from 1 to 16,384 nodes.
 
+Called by the CLI's ``plan`` command (cli.py).
+
 Three set-ups are compared: a local tier only; the RAM tier (one copy per node, ``erasure=None``) plus a local
 tier; the RAM tier with erasure ``k+m`` plus a local tier and an object store. Per tier, the simulation
 (:mod:`lightning_snapshot.simulate`) needs the training time one snapshot costs, how long until it is held, and how

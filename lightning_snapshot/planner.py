@@ -1,4 +1,8 @@
-"""Pure planning: where bytes go when writing, which bytes to read when loading. No I/O, no process group."""
+"""Pure planning: where bytes go when writing, which bytes to read when loading. No I/O, no process group.
+
+Used by writer.py and staging (object layout, chunks, which rank writes what), by loader.py (which byte ranges each
+rank reads, resharding included) and by the RAM tier's agent (object layout).
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """Progress bars of the ``lightning-snapshot`` command (tqdm), and the human units of its output.
 
+Used by the CLI (cli.py) and export.py only.
+
 A bar is drawn on stderr only when stderr is a terminal and the caller allows it (never with ``--json``): in a log,
 a pipe or a test it writes nothing.
 """

@@ -8,7 +8,8 @@ since the newest snapshot held by a tier that the failure left readable (a failu
 ``node_loss``; tiers with ``survives_node_loss=False`` are then unreadable), then costs ``restart_s`` and the
 restore time of that tier. Goodput is ``work_s`` (the failure-free wall time without snapshots) over the wall time.
 
-Pure Python (no torch): the ``lightning-snapshot plan`` command and the goodput benchmark's checks use it.
+Pure Python (no torch): the ``lightning-snapshot plan`` command (plan.py) and the goodput benchmark's checks
+(benchmarks/goodput.py) use it.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """Nested training state <-> JSON tree plus named tensors.
 
+Used by staging (staging/__init__.py, live.py, plan.py: encode when a snapshot is captured) and by capture.py,
+loader.py and export.py (decode when one is read).
+
 Lightning's checkpoint pieces are nested dicts/lists/tuples of tensors and plain values. :func:`encode` turns such a
 structure into standard JSON, replacing each tensor by ``{"$tensor": name}`` and returning the tensors by name;
 :func:`decode` is the inverse. Types JSON lacks are tagged with one-key objects whose key starts with ``$``:

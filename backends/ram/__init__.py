@@ -1,5 +1,8 @@
 """The RAM tier, in its parts.
 
+Re-exports :class:`RamTier`, which registry.py loads for ``ram://NAME`` URLs (and ``lightning_snapshot.backends``
+re-exports for users).
+
 - :mod:`~lightning_snapshot.backends.ram.tier`: :class:`RamTier`, the tier a trainer uses (write, commit, restore
   across nodes, retention).
 - :mod:`~lightning_snapshot.backends.ram.shares`: the share files of an erasure-coded object (their layout file,

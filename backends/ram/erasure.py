@@ -15,7 +15,8 @@ is allocated or copied per stripe (but the block of a stripe that runs past the 
 scratch block). Where they cannot be loaded (another zfec build), the same shares are made through zfec's Python API
 (``zfec.Encoder``/``zfec.Decoder``), which returns fresh ``bytes`` per block that are then copied.
 
-Pure functions over buffers: no I/O, no process group.
+Pure functions over buffers: no I/O, no process group. Called by the RAM tier: ram/tier.py (checking
+``erasure``, encoding an object), ram/shares.py (share layouts) and ram/rebuild.py (rebuilding lost shares).
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
 """RAM tier: snapshots in node memory (shared memory held by the node's snapshot agent), erasure coded across nodes.
 
+:class:`RamTier` is made by registry.py (``ram://NAME``) or by the user; session.py binds it to the job and attaches
+the node's agent, and the engine drives it through the Backend interface (writer.py and persist.py write and
+commit, restore.py restores). The agent also uses this module's memory helpers.
+
 Storage: every node has a directory in shared memory (``/dev/shm/lightning-snapshot-<uid>/<run>``, mode 0700, files
 0600) that the node's snapshot agent (:mod:`lightning_snapshot.backends.ram.agent`) owns: it outlives the trainer and
 frees it after an idle time. The snapshot format is the one of every tier (``step-<n>/manifest.json`` + data

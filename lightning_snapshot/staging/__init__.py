@@ -1,5 +1,9 @@
 """Staging: copy captured tensors into host memory so training can go on mutating the originals.
 
+Used by the snapshot pipeline (pipeline.py: :func:`stage`, and the arena), the persist threads (persist.py,
+writer.py: :class:`StagedState`, checksums, health) and the RAM tier's agent; its tensor helpers and checksums also
+by capture.py, loader.py, export.py, restore_records.py and backends/ram/shares.py.
+
 Two parts, one unit:
 
 - this module: :class:`StagedState` (a point-in-time host copy of a state structure, what every tier writes), the

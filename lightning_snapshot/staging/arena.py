@@ -1,5 +1,8 @@
 """The host staging arena and the asynchronous copy into it.
 
+:class:`HostArena` is made by the fit's session (session.py), staged into by the snapshot pipeline (pipeline.py,
+``stage_async`` at each snapshot step), and its slots are released by the persist threads (persist.py) once written.
+
 This module is :class:`HostArena` (slots within a memory budget, their CUDA registration, planning and
 ``stage_async``) and re-exports the arena's names as imported before the split; the parts, one job each:
 :mod:`~lightning_snapshot.staging.cuda_host` (``cudaHostRegister``), :mod:`~lightning_snapshot.staging.slot`
