@@ -507,8 +507,8 @@ class Agent:
         the step was already committed).
         """
         from lightning_snapshot.backends.base import Backend
-        from lightning_snapshot.manifest import MANIFEST_NAME, Manifest, step_dirname
-        from lightning_snapshot.writer import SnapshotJob, _merge, _remove_unreferenced, _write_part, apply_retention
+        from lightning_snapshot.commit import MarkerTransport
+        from lightning_snapshot.writer import SnapshotJob, apply_retention, commit_job
 
         step, rank, world = int(entry["step"]), int(hello["rank"]), int(hello["world_size"])
         run_id = str(hello["run_id"])
@@ -517,125 +517,32 @@ class Agent:
         private = rebuild_staged(entry["private"], None)
         _verify(shared)
         tier = Backend.from_spec(hello["tiers"][index])
-        prefix = step_dirname(step)
-        manifest_key = f"{prefix}/{MANIFEST_NAME}"
-        if tier.exists(manifest_key):
-            return 0
-        if after_death:
-            log.info("rank %d died before step %d reached %s: flushing it", rank, step, tier.url)
-        failed = f"{prefix}/{run_id}-failed-{rank:05d}.json"
         job = SnapshotJob(step, int(entry["epoch"]), shared, private)
-        chunk = shared.chunk_bytes or (8 << 20)
-        try:
-            if world > 1 and tier.exists(failed):
-                tier.delete(failed)  # a new attempt
-            part = _write_part(tier, job, rank, run_id, shared.alignment, chunk)
-            if world > 1:
-                tier.write(f"{prefix}/{run_id}-part-{rank:05d}.json", [json.dumps(part).encode()])
-        except Exception:
-            if world > 1:
-                with contextlib.suppress(Exception):  # the tier is failing anyway
-                    tier.write(failed, [b"{}"])
-            raise
-        wait = float(hello.get("part_wait") or PART_WAIT_S)
-        deadline = time.monotonic() + wait
-        if rank != 0:
-            while not tier.exists(manifest_key):
-                if tier.exists(f"{prefix}/{run_id}-failed-00000.json"):
-                    raise SnapshotError(
-                        f"rank {rank}'s agent: rank 0 failed to commit step {step} to the {tier.tier}"
-                        f" tier {tier.url} (see its log)"
-                    )
-                if time.monotonic() > deadline:
-                    raise SnapshotError(
-                        f"rank {rank}'s agent: waited {wait:g} s for rank 0 to commit step {step} to"
-                        f" the {tier.tier} tier {tier.url} (collective_timeout); is that directory"
-                        " shared by all nodes? If not, use LocalTier(..., node_local=True)"
-                    )
-                time.sleep(0.1)
+        transport = MarkerTransport(tier, step, run_id, rank, world, float(hello.get("part_wait") or PART_WAIT_S))
+
+        def flushing() -> None:
+            if after_death:
+                log.info("rank %d died before step %d reached %s: flushing it", rank, step, tier.url)
+
+        done = commit_job(
+            tier,
+            transport,
+            job,
+            run_id,
+            alignment=shared.alignment,
+            chunk_bytes=shared.chunk_bytes or (8 << 20),
+            prepare=flushing,
+            where="manifest of {prefix} written by the snapshot agent",
+        )
+        if not done.written:
+            return 0
+        if done.manifest is None:  # (a rank other than 0: rank 0 committed it)
             return shared.nbytes + private.nbytes
-        try:  # (any failure of rank 0 leaves its marker: the other ranks' agents stop waiting at once)
-            parts = _gather_parts(tier, prefix, run_id, world, part, deadline)
-            if parts is None or tier.exists(manifest_key):
-                return 0
-            raw = _merge(parts, job, world, shared.alignment, chunk)
-            text = json.dumps(raw, separators=(",", ":"), allow_nan=False)
-            manifest = Manifest.from_json(text, where=f"manifest of {prefix} written by the snapshot agent")
-            tier.commit(manifest_key, text.encode())
-        except BaseException:
-            if world > 1:
-                with contextlib.suppress(Exception):  # (the tier may be what fails)
-                    tier.write(failed, [b"{}"])
-            raise
-        _remove_unreferenced(tier, prefix, manifest)
         try:
-            apply_retention(tier, step, manifest=manifest)
+            apply_retention(tier, step, manifest=done.manifest)
         except Exception as e:  # noqa: BLE001 - the snapshot is committed; cleanup waits for the next one
             log.warning("retention in %s failed: %s", tier.url, self._describe(hello, {"tier": index}, e))
-        return manifest.total_bytes
-
-
-def _gather_parts(
-    tier: Any, prefix: str, run_id: str, world: int, own: dict[str, Any], deadline: float
-) -> list[dict[str, Any]] | None:
-    """Rank 0's agent: every rank's manifest part of the step ``prefix``, in rank order (``own`` is rank 0's), or
-    None when the step was committed meanwhile (an earlier attempt). A part that is not there, or not readable yet,
-    is waited for until ``deadline`` (``time.monotonic``).
-
-    Raises:
-        SnapshotError: a rank left its ``failed`` marker, or the deadline passed; naming the rank, step and tier.
-    """
-    from lightning_snapshot.manifest import MANIFEST_NAME
-
-    wait = max(0.0, deadline - time.monotonic())
-    parts = [own]
-    for r in range(1, world):
-        key = f"{prefix}/{run_id}-part-{r:05d}.json"
-        unreadable = ""
-        while (got := _read_part(tier, key)) is None or isinstance(got, str):
-            unreadable = got or unreadable
-            if tier.exists(f"{prefix}/{run_id}-failed-{r:05d}.json"):
-                raise SnapshotError(
-                    f"rank {r} could not write its part of {prefix} to the {tier.tier} tier {tier.url} (see its log)"
-                )
-            if time.monotonic() > deadline:
-                if unreadable:
-                    raise SnapshotError(
-                        f"rank 0's agent: rank {r}'s part of {prefix} in the {tier.tier} tier {tier.url} was still"
-                        f" unreadable after {wait:.0f} s (collective_timeout): {unreadable}. Is another job writing"
-                        " the same directory? Give each run its own"
-                    )
-                raise SnapshotError(
-                    f"rank 0's agent: waited {wait:.0f} s for rank {r}'s part of {prefix} in the {tier.tier} tier"
-                    f" {tier.url} (collective_timeout); is that directory shared by all nodes? If not, use"
-                    " LocalTier(..., node_local=True)"
-                )
-            if tier.exists(f"{prefix}/{MANIFEST_NAME}"):
-                return None
-            time.sleep(0.05)
-        parts.append(got)
-    return parts
-
-
-def _read_part(tier: Any, key: str) -> dict[str, Any] | str | None:
-    """Another agent's manifest part ``key``: the part, ``None`` while it is not there, or why it cannot be read yet.
-
-    Every tier publishes an object whole (``Backend.write``), but a part is still taken as not there yet, never as an
-    error, when it cannot be read or parsed: the caller waits for it within its bounded wait, so a tier or a
-    filesystem that shows an object before its bytes (a network filesystem's caching, a tier of another library)
-    costs a retry, not the snapshot.
-    """
-    try:
-        if not tier.exists(key):
-            return None
-        part = json.loads(tier.read(key))
-    except FileNotFoundError:  # (deleted between exists and read: a new attempt of that rank)
-        return None
-    except (OSError, EOFError, ValueError, SnapshotError) as e:  # (JSONDecodeError is a ValueError)
-        return f"{type(e).__name__}: {e}"
-    if not isinstance(part, dict) or not isinstance(part.get("objects"), list):
-        return f"not a manifest part (a JSON {type(part).__name__})"
-    return part
+        return done.manifest.total_bytes
 
 
 def _lock(node_dir: Path, log_path: Path | None) -> int | None:
