@@ -419,7 +419,7 @@ class Distributing(Protocol):
     anything is committed (the erasure-coded RAM tier): the writer calls :meth:`distribute` on every rank and then
     agrees on the result over the process group, a collective step other tiers do not take."""
 
-    def distribute(self, comm: Any, prefix: str, run_id: str) -> None:
+    def distribute(self, comm: Any, prefix: str, run_id: str | None) -> None:
         """Send this rank's new objects under ``prefix`` (of ``run_id``) where they belong (collective)."""
 
 

@@ -270,7 +270,7 @@ class LocalTier(Backend):
 
     def collective_steps(self, comm: Any) -> list[int]:
         """Steps whose manifest any node holds, newest first (collective; node-local tiers)."""
-        from lightning_snapshot.writer import committed_steps
+        from lightning_snapshot.commit import committed_steps
 
         mine = committed_steps(self) if self.node_leader else []
         if getattr(comm, "world_size", 1) > 1:

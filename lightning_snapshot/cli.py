@@ -134,7 +134,7 @@ def _open_tier(source: str) -> tuple[Any, int | None]:
 
 
 def _steps(source: str, step: int | None, every: bool = False) -> tuple[Any, list[int]]:
-    from lightning_snapshot.writer import committed_steps
+    from lightning_snapshot.commit import committed_steps
 
     backend, named = _open_tier(source)
     if step is None:
@@ -158,8 +158,8 @@ def _steps(source: str, step: int | None, every: bool = False) -> tuple[Any, lis
 # ------------------------------------------------------------------------------------------------ commands
 def _list_rows(backend: Any) -> list[dict[str, Any]]:
     """The ``--json`` rows of ``list``: one per committed step, newest first."""
+    from lightning_snapshot.commit import committed_steps
     from lightning_snapshot.loader import read_manifest
-    from lightning_snapshot.writer import committed_steps
 
     rows: list[dict[str, Any]] = []
     now = time.time()

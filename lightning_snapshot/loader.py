@@ -21,6 +21,7 @@ import xxhash
 from lightning_snapshot import tree as _tree
 from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.backends.registry import parse_tier
+from lightning_snapshot.commit import committed_steps
 from lightning_snapshot.errors import ChecksumError, ConfigError, ManifestError, SnapshotNotFoundError
 from lightning_snapshot.manifest import (
     MANIFEST_NAME,
@@ -32,7 +33,6 @@ from lightning_snapshot.manifest import (
 )
 from lightning_snapshot.planner import Box, bytes_planned, chunk_ranges, plan_tensor_reads
 from lightning_snapshot.staging import digest, dtensor_box, is_dtensor, tensor_bytes
-from lightning_snapshot.writer import committed_steps
 
 __all__ = [
     "ReadStats",

@@ -19,7 +19,6 @@ from lightning_snapshot.comm import LocalComm
 from lightning_snapshot.errors import ConfigError, SnapshotError, SnapshotWriteError
 from lightning_snapshot.manifest import MANIFEST_NAME, Manifest, parse_step_dirname, step_dirname
 from lightning_snapshot.writer import (
-    _remove_unreferenced,
     committed_steps,
     copy_snapshot,
     delete_step,
@@ -231,8 +230,7 @@ def copy_step(src: Backend, dst: Backend, step: int, on_object: Callable[[int], 
     except BaseException:
         _undo_copy(dst, prefix, had, created)
         raise
-    _remove_unreferenced(dst, prefix, manifest)
-    return manifest
+    return manifest  # (copy_snapshot removed what the manifest does not reference)
 
 
 def _missing_dirs(backend: Backend) -> list[Path]:

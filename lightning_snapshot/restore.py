@@ -33,6 +33,7 @@ from lightning_snapshot.capture import (
     templates,
 )
 from lightning_snapshot.comm import Comm, LocalComm, raise_together
+from lightning_snapshot.commit import committed_steps
 from lightning_snapshot.config import SnapshotConfig
 from lightning_snapshot.ddp_layout import apply_layout, check_layout, is_ddp
 from lightning_snapshot.errors import (
@@ -45,7 +46,6 @@ from lightning_snapshot.errors import (
 from lightning_snapshot.loader import ReadStats, read_manifest, read_section, resolve_source
 from lightning_snapshot.restore_records import read_candidate, record_restore
 from lightning_snapshot.resume_policy import Candidate, plan_resume
-from lightning_snapshot.writer import committed_steps
 
 __all__ = ["DDP_LAYOUT_ENV", "Restored", "Restorer", "ddp_layout_enabled"]
 

@@ -1,32 +1,36 @@
-"""Persist staged state to a backend under the commit rule: data objects first, manifest last and atomically.
+"""Persist staged state to a backend: the data objects, and retention; the commit rule itself (data objects first,
+manifest last and atomically) is :mod:`lightning_snapshot.commit`'s.
 
 Every rank writes its own data objects (rank 0 also the shared state) and, when there are several ranks, a small
-JSON *part* describing them. After all ranks agree that their data is durable, rank 0 merges the parts into the
-manifest, validates it with the same parser the loader uses, and commits it. Object names carry a per-run nonce, so
-re-writing a step (a resumed run passing the same step again) never touches the bytes of the committed one.
+JSON *part* describing them (:func:`write_part`). After all ranks agree that their data is durable, rank 0 merges the
+parts into the manifest, validates it with the same parser the loader uses, and commits it. Object names carry a
+per-run nonce, so re-writing a step (a resumed run passing the same step again) never touches the bytes of the
+committed one.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Any
 
-import lightning_snapshot
 from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.comm import Comm
+from lightning_snapshot.commit import (  # (committed_steps: re-exported, the writer's name for it)
+    CollectiveTransport,
+    Commit,
+    Transport,
+    commit_snapshot,
+    committed_steps,
+    merge_parts,
+)
 from lightning_snapshot.errors import ChecksumError, SnapshotError, SnapshotWriteError
 from lightning_snapshot.manifest import (
     MANIFEST_NAME,
-    RESTORES_NAME,
     Manifest,
     dtype_name,
-    health_group,
-    overlapping_boxes,
     parse_step_dirname,
     step_dirname,
 )
@@ -38,22 +42,17 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "SnapshotJob",
     "apply_retention",
+    "commit_job",
     "committed_steps",
     "copy_snapshot",
     "delete_step",
     "expired_snapshots",
     "verify_object",
+    "write_part",
     "write_snapshot",
 ]
 
 log = logging.getLogger(__name__)
-
-
-class _NodeLocal(Protocol):
-    """A tier whose nodes each hold their own objects (``node_local``): the local and RAM tiers."""
-
-    def publish(self, comm: Any, key: str, data: bytes) -> None:
-        """Commit ``key`` on every node (collective)."""
 
 
 DEFAULT_CHUNK_BYTES = 8 << 20
@@ -143,10 +142,11 @@ def _section(
     return buffers, entries, size
 
 
-def _write_part(
+def write_part(
     backend: Backend, job: SnapshotJob, rank: int, run_id: str, alignment: int, chunk_bytes: int
 ) -> dict[str, Any]:
-    """Write this rank's data objects; returns its manifest part (objects, shared section, rank section)."""
+    """Write this rank's data objects of ``job``; returns its manifest part (objects, shared section, rank section),
+    the input of :func:`~lightning_snapshot.commit.merge_parts`."""
     prefix = step_dirname(job.step)
     part: dict[str, Any] = {
         "rank": rank,
@@ -168,105 +168,6 @@ def _write_part(
         else:
             part["tensors"], part["state"] = entries, staged.tree if rank == 0 else None
     return part
-
-
-def _merge_tensors(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The shared tensor entries of all parts, one per name: the fragments that several ranks wrote of one tensor
-    (each its shard of a DTensor) become the fragments of one entry; their dtype and global shape must agree and
-    their boxes must not overlap. Alias entries that several ranks recorded are kept once."""
-    merged: dict[str, dict[str, Any]] = {}
-    for p in parts:
-        for t in p["tensors"] or ():
-            name = t["name"]
-            have = merged.get(name)
-            if have is None:
-                merged[name] = {**t, "fragments": list(t["fragments"])} if t["type"] == "tensor" else dict(t)
-                continue
-            if have["type"] != t["type"] or have["dtype"] != t["dtype"] or have["global_shape"] != t["global_shape"]:
-                raise SnapshotWriteError(
-                    f"ranks disagree about shared tensor {name!r}: {have['type']} {have['dtype']}"
-                    f" {have['global_shape']} vs {t['type']} {t['dtype']} {t['global_shape']} (rank {p['rank']}); the"
-                    " ranks captured different state"
-                )
-            if t["type"] == "alias":
-                if have["alias_of"] != t["alias_of"]:
-                    raise SnapshotWriteError(f"ranks disagree about what shared tensor {name!r} is an alias of")
-                continue
-            have["fragments"].extend(t["fragments"])
-    for entry in merged.values():
-        if entry["type"] == "tensor" and len(entry["fragments"]) > 1:
-            pair = overlapping_boxes([(f["global_offsets"], f["local_shape"]) for f in entry["fragments"]])
-            if pair is not None:
-                a, b = (entry["fragments"][i] for i in pair)
-                raise SnapshotWriteError(
-                    f"two ranks wrote the same shared tensor {entry['name']!r} (fragments at {a['global_offsets']}"
-                    f" and {b['global_offsets']} overlap); the write plans disagree"
-                )
-    return list(merged.values())
-
-
-def _merge_health(parts: list[dict[str, Any]], tensors: list[dict[str, Any]]) -> dict[str, str | None]:
-    """The manifest's ``health``: every group of the shared tensors, with the first tensor (in manifest order) that a
-    rank found holding a non-finite value, or None."""
-    reported = {name for p in parts for name in p.get("nonfinite") or ()}
-    health: dict[str, str | None] = {}
-    for t in tensors:
-        group = health_group(t["name"])
-        if health.get(group) is None:
-            health[group] = t["name"] if t["name"] in reported else None
-    return health
-
-
-def _merge(
-    parts: list[dict[str, Any]], job: SnapshotJob, world_size: int, alignment: int, chunk_bytes: int
-) -> dict[str, Any]:
-    """One manifest from every rank's part: the shared tensors are the union of the ranks' shares (each rank wrote a
-    disjoint share of the replicated state, and its own shards of sharded state); the shared JSON tree is rank
-    0's."""
-    parts = sorted(parts, key=lambda p: p["rank"])
-    if parts[0]["rank"] != 0 or parts[0]["state"] is None:
-        raise SnapshotWriteError("rank 0 did not contribute the shared state tree")
-    tensors = _merge_tensors(parts)
-    return {
-        "format_version": 1,
-        "step": job.step,
-        "epoch": job.epoch,
-        "world_size": world_size,
-        "created_unix": time.time(),
-        "library_version": lightning_snapshot.__version__,
-        "checksum": "xxh3_64",
-        "chunk_bytes": chunk_bytes,
-        "alignment": alignment,
-        "objects": [o for p in parts for o in p["objects"]],
-        "tensors": tensors,
-        "state": parts[0]["state"],
-        "ranks": [p["rank_section"] for p in parts],
-        "health": _merge_health(parts, tensors),
-    }
-
-
-def _commit_manifest(backend: Backend, key: str, raw: dict[str, Any], text: str) -> None:
-    """Commit the manifest ``text`` (parsed: ``raw``) at ``key``. A tier that never overwrites a committed manifest
-    (the object store) refuses it when an earlier attempt of this very write committed it and only its answer was
-    lost (a timeout, a dropped connection) before a retry: a committed manifest describing the same snapshot (every
-    field but its creation time equal: the same objects, sizes and checksums) is then taken as this commit."""
-    try:
-        backend.commit(key, text.encode())
-    except SnapshotWriteError:
-        try:
-            held = json.loads(backend.read(key))
-        except Exception:  # noqa: BLE001 - nothing readable there: the refusal stands
-            held = None
-        if not isinstance(held, dict) or {k: v for k, v in held.items() if k != "created_unix"} != {
-            k: v for k, v in raw.items() if k != "created_unix"
-        }:
-            raise
-        log.info(
-            "lightning-snapshot: %s in %s was already committed by an earlier attempt of this write (its answer was"
-            " lost); it describes the same snapshot, so it stands",
-            key,
-            backend.url,
-        )
 
 
 def write_snapshot(
@@ -292,80 +193,54 @@ def write_snapshot(
     Returns:
         the committed manifest (as parsed back, so what was committed is known to be loadable).
     """
-    prefix = step_dirname(job.step)
+    node_local = backend.node_local
+    transport = CollectiveTransport(comm, backend, job.step, run_id, node_local=node_local, distribute=True)
+    done = commit_job(
+        backend,
+        transport,
+        job,
+        run_id,
+        alignment=alignment,
+        chunk_bytes=chunk_bytes,
+        prepare=prepare,
+        before_commit=before_commit,
+    )
+    assert done.manifest is not None  # (a collective commit gives every rank the manifest)
+    return done.manifest
+
+
+def commit_job(
+    backend: Backend,
+    transport: Transport,
+    job: SnapshotJob,
+    run_id: str,
+    *,
+    alignment: int = DEFAULT_ALIGNMENT,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    prepare: Callable[[], None] | None = None,
+    before_commit: Callable[[], None] | None = None,
+    where: str = "new manifest of {prefix}",
+) -> Commit:
+    """Write this rank's data objects of ``job`` and commit the snapshot under the commit rule
+    (:func:`~lightning_snapshot.commit.commit_snapshot`), the ranks agreeing through ``transport``: the trainer's
+    collectives (:func:`write_snapshot`) or the snapshot agents' marker files. ``prepare`` and ``before_commit``: as
+    in :func:`write_snapshot`."""
     if job.shared is not None and job.shared.chunk_bytes is not None:
         chunk_bytes = job.shared.chunk_bytes  # the checksums were taken while staging, with the arena's chunk size
-    node_local = bool(getattr(backend, "node_local", False))
-    error: BaseException | None = None
-    part: dict[str, Any] | None = None
-    try:
+
+    def write() -> dict[str, Any]:
         if prepare is not None:
             prepare()
-        part = _write_part(backend, job, comm.rank, run_id, alignment, chunk_bytes)
+        part = write_part(backend, job, transport.rank, run_id, alignment, chunk_bytes)
         if before_commit is not None:
             before_commit()
-    except Exception as e:  # noqa: BLE001 - re-raised below on every rank
-        error = e
+        return part
 
-    def collective(what: str, fn: Callable[..., Any], *args: Any) -> Any:
-        try:
-            return fn(*args)
-        except Exception as e:  # a peer died or the group's timeout ran out
-            raise SnapshotWriteError(
-                f"rank {comm.rank}: waiting for the other ranks to agree on {what} of the snapshot of step {job.step}"
-                f" in the {backend.tier} tier {backend.url} failed ({type(e).__name__}: {e}): another rank failed,"
-                " exited or is stuck (see its log)"
-            ) from e
+    def merge(parts: list[dict[str, Any]]) -> str:
+        raw = merge_parts(parts, job.step, job.epoch, transport.world_size, alignment, chunk_bytes)
+        return json.dumps(raw, separators=(",", ":"), allow_nan=False)
 
-    def agree(what: str) -> None:
-        if collective(what, comm.all_true, error is None):
-            return
-        if comm.rank == 0 or node_local:  # a node-local tier (RAM) holds each node's objects on that node only
-            try:
-                _discard_run_objects(backend, prefix, run_id)
-            except Exception as e:  # noqa: BLE001 - best effort (the tier may be unreachable): the error says why
-                log.debug("lightning-snapshot: could not discard the objects of step %d: %s", job.step, e)
-        if error is not None:
-            raise error
-        raise SnapshotWriteError(f"{what} of the snapshot of step {job.step} failed on another rank (see its log)")
-
-    agree("writing the data")
-    parts = collective("the manifest parts", comm.gather, part)
-    # a tier that spreads each rank's objects over nodes (the erasure-coded RAM tier) places them now, once every
-    # rank's data is written and before anything is committed
-    distribute = getattr(backend, "distribute", None)
-    if distribute is not None:
-        try:
-            distribute(comm, prefix, run_id)
-        except Exception as e:  # noqa: BLE001 - re-raised below on every rank
-            error = e
-        agree("placing the data")
-    text: str | None = None
-    manifest: Manifest | None = None  # rank 0's, parsed once as the check of what it commits
-    if comm.rank == 0:
-        try:
-            assert parts is not None
-            raw = _merge(parts, job, comm.world_size, alignment, chunk_bytes)
-            text = json.dumps(raw, separators=(",", ":"), allow_nan=False)
-            manifest = Manifest.from_json(text, where=f"new manifest of {prefix}")
-            if not node_local:
-                _commit_manifest(backend, f"{prefix}/{MANIFEST_NAME}", raw, text)
-        except Exception as e:  # noqa: BLE001 - re-raised below on every rank
-            error = e
-    agree("committing the manifest")
-    text = collective("the manifest", comm.broadcast, text)
-    if node_local:
-        # every node holds the manifest of the snapshots it has shares of: one rank per node commits it
-        try:
-            cast(_NodeLocal, backend).publish(comm, f"{prefix}/{MANIFEST_NAME}", text.encode())
-        except Exception as e:  # noqa: BLE001 - re-raised below on every rank
-            error = e
-        agree("committing the manifest")
-    if manifest is None:
-        manifest = Manifest.from_json(text, where=f"manifest of {prefix}")
-    if comm.rank == 0 or node_local:
-        _remove_unreferenced(backend, prefix, manifest)
-    return manifest
+    return commit_snapshot(backend, transport, job.step, write, merge, run_id=run_id, where=where)
 
 
 def copy_snapshot(
@@ -379,7 +254,9 @@ def copy_snapshot(
 ) -> Manifest:
     """Copy the committed snapshot of ``step`` from ``src`` to ``dst`` byte for byte, under ``dst``'s commit rule.
 
-    Each rank copies the objects it wrote; rank 0 commits the very same manifest bytes once all are durable.
+    Each rank copies the objects it wrote; rank 0 commits the very same manifest bytes once all are durable
+    (:func:`~lightning_snapshot.commit.commit_snapshot`: a manifest ``dst`` refuses because an earlier attempt of
+    this copy committed it stands, and objects the manifest does not reference are removed afterwards).
     Called by every rank, at the same point.
 
     Args:
@@ -388,10 +265,10 @@ def copy_snapshot(
         on_object: called with the size of each object once it is written (progress).
     """
     prefix = step_dirname(step)
-    error: BaseException | None = None
-    manifest: Manifest | None = None
     text = b""
-    try:
+
+    def write() -> None:
+        nonlocal text
         text = src.read(f"{prefix}/{MANIFEST_NAME}")
         manifest = Manifest.from_json(text, where=f"manifest of {prefix} in {src.url!r}")
         for obj in manifest.objects:
@@ -402,19 +279,12 @@ def copy_snapshot(
                 dst.write(f"{prefix}/{obj.key}", [data])
                 if on_object is not None:
                     on_object(obj.nbytes)
-    except Exception as e:  # noqa: BLE001 - re-raised below on every rank
-        error = e
-    if comm.all_true(error is None) and comm.rank == 0:
-        try:
-            dst.commit(f"{prefix}/{MANIFEST_NAME}", text)
-        except Exception as e:  # noqa: BLE001
-            error = e
-    if not comm.all_true(error is None):
-        if error is not None:
-            raise error
-        raise SnapshotWriteError(f"copying step {step} to {dst.url!r} failed on another rank (see its log)")
-    assert manifest is not None
-    return manifest
+
+    failure = f"copying step {step} to {dst.url!r} failed on another rank (see its log)"
+    transport = CollectiveTransport(comm, dst, step, failure=failure)
+    done = commit_snapshot(dst, transport, step, write, lambda parts: text)
+    assert done.manifest is not None  # (a collective commit gives every rank the manifest)
+    return done.manifest
 
 
 def verify_object(manifest: Manifest, key: str, data: memoryview | bytes, where: str = "") -> None:
@@ -444,34 +314,6 @@ def verify_object(manifest: Manifest, key: str, data: memoryview | bytes, where:
                         f"checksum mismatch in tensor {entry.name!r}, object {key!r}, bytes [{frag.offset + a},"
                         f" {frag.offset + b}) of {step}: the data is corrupted. Use an earlier snapshot"
                     )
-
-
-def _discard_run_objects(backend: Backend, prefix: str, run_id: str) -> None:
-    """Best-effort removal of this run's objects of an uncommitted step."""
-    for name in backend.list(prefix):
-        if name.startswith(run_id + "-"):
-            with contextlib.suppress(OSError):
-                backend.delete(f"{prefix}/{name}")
-    if not backend.list(prefix):
-        backend.delete(prefix)
-
-
-def _remove_unreferenced(backend: Backend, prefix: str, manifest: Manifest) -> None:
-    """After a commit: drop parts and objects the manifest does not reference (older writes of the same step)."""
-    keep = {o.key for o in manifest.objects} | {MANIFEST_NAME, RESTORES_NAME}
-    for name in backend.list(prefix):
-        if name not in keep:
-            backend.delete(f"{prefix}/{name}")
-
-
-def committed_steps(backend: Backend) -> list[int]:
-    """Steps that have a committed manifest in ``backend``, newest first."""
-    steps = []
-    for name in backend.list(""):
-        step = parse_step_dirname(name)
-        if step is not None and backend.exists(f"{name}/{MANIFEST_NAME}"):
-            steps.append(step)
-    return sorted(steps, reverse=True)
 
 
 def expired_snapshots(committed: list[int], keep_last: int | None, keep: Collection[int] = ()) -> list[int]:

@@ -71,7 +71,7 @@ def test_an_agent_whose_directory_another_job_replaced_exits_and_deletes_nothing
 
 
 def test_the_lock_refuses_a_second_agent_and_follows_a_replaced_lock_file(tmp_path, capsys):
-    from lightning_snapshot.backends.ram.agent import _lock
+    from lightning_snapshot.backends.ram.agent.protocol import _lock
 
     first = _lock(tmp_path, tmp_path / "first.log")
     assert first is not None and (tmp_path / "agent.lock").read_text() == f"{os.getpid()}\n{tmp_path / 'first.log'}\n"

@@ -29,7 +29,8 @@ from lightning_snapshot.loader import ReadStats, ShardTarget, read_manifest, rea
 from lightning_snapshot.manifest import MANIFEST_NAME, Manifest, step_dirname
 from lightning_snapshot.planner import Box, shard_boxes
 from lightning_snapshot.staging import dtensor_box, stage
-from lightning_snapshot.writer import SnapshotJob, _merge, _merge_tensors, _write_part, committed_steps, write_snapshot
+from lightning_snapshot.commit import _merge_tensors, merge_parts
+from lightning_snapshot.writer import SnapshotJob, committed_steps, write_part, write_snapshot
 
 # the module-scoped fixtures below are shared by this file's tests: under pytest-xdist they run in one worker
 pytestmark = pytest.mark.xdist_group("test_reshard")
@@ -372,9 +373,9 @@ def _sharded_snapshot(root: Path, tensors: dict[str, torch.Tensor], world: int, 
         staged = stage({"state_dict": shard})
         staged.shards = shards
         job = SnapshotJob(step=1, epoch=0, shared=staged, private=stage({"rank": rank}, "rank"))
-        parts.append(_write_part(backend, job, rank, "run", 64, chunk_bytes))
+        parts.append(write_part(backend, job, rank, "run", 64, chunk_bytes))
     parts[0]["state"] = {"state_dict": {name: {"$tensor": f"state_dict/{name}"} for name in tensors}}
-    raw = _merge(parts, job, world, 64, chunk_bytes)
+    raw = merge_parts(parts, job.step, job.epoch, world, 64, chunk_bytes)
     text = json.dumps(raw)
     manifest = Manifest.from_json(text)
     backend.commit(f"{step_dirname(1)}/{MANIFEST_NAME}", text.encode())

@@ -407,7 +407,7 @@ class RamTier(Backend):
     def _node_of(self, rank: int) -> int:
         return rank // self.ranks_per_node
 
-    def distribute(self, comm: Any, prefix: str, run_id: str) -> None:
+    def distribute(self, comm: Any, prefix: str, run_id: str | None) -> None:
         """Send every share of this rank's new objects to its node and keep the ones of this node (collective)."""
         pending, self._pending = self._pending, {}
         sources, self._sources = self._sources, {}
@@ -488,7 +488,7 @@ class RamTier(Backend):
     # ------------------------------------------------------------------------------------------- restore
     def collective_steps(self, comm: Any) -> builtins.list[int]:  # (``list`` here is the method above)
         """Steps committed on any node, newest first (collective: every rank calls it)."""
-        from lightning_snapshot.writer import committed_steps
+        from lightning_snapshot.commit import committed_steps
 
         mine = committed_steps(self) if self.node_leader else []
         if getattr(comm, "world_size", 1) > 1:

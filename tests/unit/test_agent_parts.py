@@ -10,7 +10,7 @@ import time
 import pytest
 
 from lightning_snapshot.backends import LocalTier
-from lightning_snapshot.backends.ram.agent import _gather_parts
+from lightning_snapshot.commit import _gather_parts
 from lightning_snapshot.errors import SnapshotError
 
 PREFIX, RUN = "step-000000000007", "run1"
