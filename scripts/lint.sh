@@ -26,6 +26,14 @@ done
 ln -s "$ROOT/backends" "$TREE/lightning_snapshot/backends"
 (cd "$TREE" && mypy --config-file "$ROOT/pyproject.toml" --cache-dir "$TREE/.mypy_cache" -p lightning_snapshot) |
   sed -e 's#^lightning_snapshot/backends/#backends/#' || status=1
+# no module over 800 lines: a file that grows past it holds more than one job (docs/architecture.md)
+echo "[lint] file length" >&2
+long=$(find lightning_snapshot backends benchmarks -name '*.py' -exec wc -l {} + | awk '$2 != "total" && $1 > 800')
+if [ -n "$long" ]; then
+  echo "over 800 lines (split by concern):" >&2
+  echo "$long" >&2
+  status=1
+fi
 # import-linter reads the package from disk as it is installed: a copy with backends/ at lightning_snapshot/backends
 # (it does not follow the links of the mypy tree). The contracts are [tool.importlinter] in pyproject.toml.
 echo "[lint] import-linter" >&2
