@@ -392,7 +392,7 @@ class Backend(abc.ABC):
         first makes every object of the step readable, and what that added is freed after). The default: ``read()``.
 
         Raises:
-            what ``read`` raises, or a ``SnapshotError`` when the step's objects cannot be made readable.
+            SnapshotError: the step's objects cannot be made readable (and whatever ``read`` raises).
         """
         return read()
 
