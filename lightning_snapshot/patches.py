@@ -89,32 +89,24 @@ def install_fit_hooks(
         return dataloader
 
     patches.install(strategy, "process_dataloader", process_dataloader)
-    epoch_loop = trainer.fit_loop.epoch_loop
-    fetch = epoch_loop._on_before_fetch
+    for owner, name, hook in (
+        (trainer.fit_loop.epoch_loop, "_on_before_fetch", before_fetch),
+        (trainer.fit_loop, "on_advance_start", between_epochs),
+        (trainer.fit_loop, "on_run_end", end_of_fit),
+    ):
+        patches.install(owner, name, _first(hook, getattr(owner, name), hooked))
 
-    def on_before_fetch() -> None:
+
+def _first(hook: Callable[[], None], original: Callable[[], None], hooked: Callable[[], bool]) -> Callable[[], None]:
+    """``original`` (a Lightning loop method taking no argument), with ``hook`` run right before it while
+    ``hooked()``."""
+
+    def run() -> None:
         if hooked():
-            before_fetch()
-        fetch()
+            hook()
+        original()
 
-    patches.install(epoch_loop, "_on_before_fetch", on_before_fetch)
-    fit_loop = trainer.fit_loop
-    advance_start = fit_loop.on_advance_start
-
-    def on_advance_start() -> None:
-        if hooked():
-            between_epochs()
-        advance_start()
-
-    patches.install(fit_loop, "on_advance_start", on_advance_start)
-    run_end = fit_loop.on_run_end
-
-    def on_run_end() -> None:
-        if hooked():
-            end_of_fit()
-        run_end()
-
-    patches.install(fit_loop, "on_run_end", on_run_end)
+    return run
 
 
 def make_loaders_at_epoch(
