@@ -25,12 +25,13 @@ from lightning_snapshot import patches as _patches
 from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.capture import check_placements, is_sharded
 from lightning_snapshot.config import SnapshotConfig
+from lightning_snapshot.ddp_layout import DDP_LAYOUT_ENV
 from lightning_snapshot.errors import ConfigError
 from lightning_snapshot.fit_loaders import FitLoaders
 from lightning_snapshot.interval import default_mtbf
 from lightning_snapshot.pipeline import SnapshotPipeline
 from lightning_snapshot.reporting import Reporter
-from lightning_snapshot.restore import DDP_LAYOUT_ENV, Restorer
+from lightning_snapshot.restore import Restorer
 from lightning_snapshot.schedule import FitSchedule
 from lightning_snapshot.session import FitSession
 

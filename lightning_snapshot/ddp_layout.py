@@ -39,11 +39,21 @@ the same in both:
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
-__all__ = ["LAYOUT_VERSION", "apply_layout", "capture_layout", "check_layout", "is_ddp"]
+__all__ = ["DDP_LAYOUT_ENV", "LAYOUT_VERSION", "apply_layout", "capture_layout", "check_layout", "enabled", "is_ddp"]
+
+#: Set to 0 (or off/false/no) to neither store nor give back DDP's gradient-bucket layout.
+DDP_LAYOUT_ENV = "LIGHTNING_SNAPSHOT_DDP_LAYOUT"
+
+
+def enabled() -> bool:
+    """Whether snapshots store DDP's layout and restores give it back (``DDP_LAYOUT_ENV`` not turned off)."""
+    return os.environ.get(DDP_LAYOUT_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+
 
 LAYOUT_VERSION = 1
 _APPLIED = "_lightning_snapshot_applied_layout"

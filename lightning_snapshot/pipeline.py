@@ -38,10 +38,10 @@ from lightning_snapshot.capture import (
 from lightning_snapshot.comm import Comm
 from lightning_snapshot.config import SnapshotConfig
 from lightning_snapshot.ddp_layout import capture_layout, is_ddp
+from lightning_snapshot.ddp_layout import enabled as ddp_layout_enabled
 from lightning_snapshot.errors import SnapshotError
 from lightning_snapshot.persist import Persister, PersistJob
 from lightning_snapshot.reporting import Reporter
-from lightning_snapshot.restore import ddp_layout_enabled
 from lightning_snapshot.schedule import FitSchedule
 from lightning_snapshot.staging import stage
 from lightning_snapshot.staging.arena import AsyncStaged, HostArena

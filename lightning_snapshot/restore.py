@@ -11,7 +11,6 @@ which snapshot and every rank raises the same error.
 from __future__ import annotations
 
 import logging
-import os
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -35,7 +34,8 @@ from lightning_snapshot.capture import (
 from lightning_snapshot.comm import Comm, LocalComm, raise_together
 from lightning_snapshot.commit import committed_steps
 from lightning_snapshot.config import SnapshotConfig
-from lightning_snapshot.ddp_layout import apply_layout, check_layout, is_ddp
+from lightning_snapshot.ddp_layout import DDP_LAYOUT_ENV, apply_layout, check_layout, is_ddp
+from lightning_snapshot.ddp_layout import enabled as ddp_layout_enabled
 from lightning_snapshot.errors import (
     FormatVersionError,
     SnapshotError,
@@ -47,16 +47,9 @@ from lightning_snapshot.loader import ReadStats, read_manifest, read_section, re
 from lightning_snapshot.restore_records import read_candidate, record_restore
 from lightning_snapshot.resume_policy import Candidate, plan_resume
 
-__all__ = ["DDP_LAYOUT_ENV", "Restored", "Restorer", "ddp_layout_enabled"]
+__all__ = ["Restored", "Restorer"]
 
 log = logging.getLogger(__name__)
-
-#: Set to 0 (or off/false/no) to neither store nor give back DDP's gradient-bucket layout (see ddp_layout).
-DDP_LAYOUT_ENV = "LIGHTNING_SNAPSHOT_DDP_LAYOUT"
-
-
-def ddp_layout_enabled() -> bool:
-    return os.environ.get(DDP_LAYOUT_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 @dataclass(frozen=True)
