@@ -233,10 +233,8 @@ class SnapshotPipeline:
             return
         if self.comm.world_size > 1:
             proposal = self.comm.broadcast(proposal)  # the same snapshot steps on every rank
-        names = self.reporter.names
-        for key, value in self.schedule.adopt(proposal, self.comm.rank).items():
-            index, _, what = key.rpartition("/")
-            self.reporter.metrics.add(f"snapshot/{names[int(index)]}/{what}" if index else f"snapshot/{what}", value)
+        for name, value in self.schedule.adopt(proposal, self.comm.rank, self.reporter.names).items():
+            self.reporter.metrics.add(name, value)
 
     def _stage_shared(self, trainer: Any, pl_module: Any, step: int, last: bool = False) -> AsyncStaged | None:
         """Stage the model and optimizer state of ``step`` (collective: every rank stages its own share, and they

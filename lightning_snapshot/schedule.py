@@ -196,10 +196,10 @@ class FitSchedule:
         step_s = self.meter.step_seconds
         return [s.retuned(self.meter.cost(i), self.mtbf, step_s) for i, s in enumerate(self.schedules)]
 
-    def adopt(self, proposal: Sequence[int | None], rank: int) -> dict[str, float]:
+    def adopt(self, proposal: Sequence[int | None], rank: int, names: Sequence[str]) -> dict[str, float]:
         """Put rank 0's ``proposal`` in use (every rank, at a step every rank snapshots). Returns the metrics of the
-        re-estimation by metric suffix (``<index>/interval_steps``, ``<index>/cost_ms``, ``step_ms``); a large
-        change of an interval is logged at INFO (rank 0)."""
+        re-estimation (``snapshot/<name>/interval_steps``, ``snapshot/<name>/cost_ms``, ``snapshot/step_ms``, with
+        each tier's metric name from ``names``); a large change of an interval is logged at INFO (rank 0)."""
         assert self.meter is not None
         meter = self.meter
         out: dict[str, float] = {}
@@ -207,10 +207,10 @@ class FitSchedule:
             if not schedule.auto or steps is None:  # (an "auto" tier always has an interval)
                 continue
             schedule.every = int(steps)
-            out[f"{i}/interval_steps"] = schedule.every
+            out[f"snapshot/{names[i]}/interval_steps"] = schedule.every
             cost = meter.cost(i)
             if cost is not None:
-                out[f"{i}/cost_ms"] = cost * 1000
+                out[f"snapshot/{names[i]}/cost_ms"] = cost * 1000
             old = self.logged[i] or schedule.every
             if max(old, schedule.every) > 2 * min(old, schedule.every):
                 self.logged[i] = schedule.every
@@ -228,5 +228,5 @@ class FitSchedule:
                         self.mtbf,
                     )
         if meter.step_seconds is not None:
-            out["step_ms"] = meter.step_seconds * 1000
+            out["snapshot/step_ms"] = meter.step_seconds * 1000
         return out

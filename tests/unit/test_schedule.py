@@ -126,11 +126,12 @@ def test_auto_adopts_the_proposal_from_measured_costs_and_reports_it():
     assert cost == pytest.approx(0.5, abs=1e-6) and step_s == pytest.approx(0.1, abs=1e-6)
     proposal = fit.propose()
     assert proposal == [young_daly_steps(cost, 3600.0, step_s, 1, 1000), 5]
-    metrics = fit.adopt(proposal, rank=0)
+    metrics = fit.adopt(proposal, rank=0, names=["local0", "local1"])
     assert auto.every == proposal[0]
-    assert metrics["0/interval_steps"] == proposal[0] and metrics["0/cost_ms"] == pytest.approx(500, abs=1e-3)
-    assert "1/interval_steps" not in metrics  # (a fixed tier is not retuned)
-    assert metrics["step_ms"] == pytest.approx(100, abs=1e-3)
+    assert metrics["snapshot/local0/interval_steps"] == proposal[0]
+    assert metrics["snapshot/local0/cost_ms"] == pytest.approx(500, abs=1e-3)
+    assert "snapshot/local1/interval_steps" not in metrics  # (a fixed tier is not retuned)
+    assert metrics["snapshot/step_ms"] == pytest.approx(100, abs=1e-3)
 
 
 def test_paused_time_is_not_a_steps_time():
