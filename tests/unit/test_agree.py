@@ -1,4 +1,5 @@
-"""comm.agree and comm.raise_together over a fake communicator: ranks are threads that meet at a barrier."""
+"""comm.agree and comm.raise_together over a fake communicator: ranks are threads that meet at a barrier
+(``thread_comm.ThreadComm``)."""
 
 from __future__ import annotations
 
@@ -10,37 +11,7 @@ import pytest
 
 from lightning_snapshot.comm import agree, raise_together
 from lightning_snapshot.errors import SnapshotError
-
-
-class ThreadComm:
-    """The Comm protocol for ranks that are threads of one process: every collective is a write to a shared table
-    and two barriers (all have written; all have read)."""
-
-    def __init__(self, rank: int, world_size: int, table: list[Any], barrier: threading.Barrier) -> None:
-        self.rank, self.world_size, self._table, self._barrier = rank, world_size, table, barrier
-
-    def _exchange(self, obj: Any) -> list[Any]:
-        self._table[self.rank] = obj
-        self._barrier.wait()
-        seen = list(self._table)
-        self._barrier.wait()
-        return seen
-
-    def barrier(self) -> None:
-        self._barrier.wait()
-
-    def broadcast(self, obj: Any) -> Any:
-        return self._exchange(obj)[0]
-
-    def all_true(self, flag: bool) -> bool:
-        return all(self._exchange(bool(flag)))
-
-    def all_true_each(self, flags: list[bool]) -> list[bool]:
-        return [all(f) for f in zip(*self._exchange(list(flags)), strict=True)]
-
-    def gather(self, obj: Any) -> list[Any] | None:
-        seen = self._exchange(obj)
-        return seen if self.rank == 0 else None
+from thread_comm import ThreadComm
 
 
 def run_ranks(world_size: int, body: Callable[[ThreadComm], Any]) -> list[Any]:

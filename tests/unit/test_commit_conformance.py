@@ -23,41 +23,10 @@ from lightning_snapshot.loader import load_snapshot
 from lightning_snapshot.manifest import MANIFEST_NAME, step_dirname
 from lightning_snapshot.staging import stage
 from lightning_snapshot.writer import SnapshotJob, commit_job, committed_steps
+from thread_comm import ThreadComm
 
 WORLD = 2
 TRANSPORTS = ["collective", "markers"]
-
-
-class ThreadComm:
-    """The Comm protocol for ranks that are threads of one process (a barrier per collective; a rank that is gone
-    breaks the barrier after ``timeout``, as a process group's timeout would)."""
-
-    def __init__(self, shared: dict[str, Any], rank: int, world_size: int) -> None:
-        self.shared, self.rank, self.world_size = shared, rank, world_size
-
-    def _exchange(self, value: Any) -> list[Any]:
-        slots, barrier = self.shared["slots"], self.shared["barrier"]
-        slots[self.rank] = value
-        barrier.wait()
-        got = list(slots)
-        barrier.wait()
-        return got
-
-    def barrier(self) -> None:
-        self.shared["barrier"].wait()
-
-    def broadcast(self, obj: Any) -> Any:
-        return self._exchange(obj)[0]
-
-    def all_true(self, flag: bool) -> bool:
-        return all(self._exchange(bool(flag)))
-
-    def all_true_each(self, flags: list[bool]) -> list[bool]:
-        return [all(col) for col in zip(*self._exchange(list(flags)), strict=True)]
-
-    def gather(self, obj: Any) -> list[Any] | None:
-        got = self._exchange(obj)
-        return got if self.rank == 0 else None
 
 
 class Abort(BaseException):
@@ -89,7 +58,8 @@ def job(step: int, rank: int, value: float) -> SnapshotJob:
 
 def transport(kind: str, tier: Tier, comm_state: dict[str, Any], step: int, run_id: str, rank: int) -> Transport:
     if kind == "collective":
-        return CollectiveTransport(ThreadComm(comm_state, rank, WORLD), tier, step, run_id)
+        comm = ThreadComm(rank, WORLD, comm_state["slots"], comm_state["barrier"])
+        return CollectiveTransport(comm, tier, step, run_id)
     return MarkerTransport(tier, step, run_id, rank, WORLD, wait=10.0)
 
 
