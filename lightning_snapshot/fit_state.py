@@ -40,6 +40,10 @@ and applies it on restore:
 * **the checkpoint files of every ModelCheckpoint** (:func:`prune_checkpoints`): a file written after the snapshot
   by the interrupted run is written again by the resumed run (same step, same name), and would otherwise stay
   behind as an untracked duplicate (or make ModelCheckpoint save a ``-v1`` copy).
+* **what every ModelCheckpoint remembers of its last save** (:func:`restore_checkpoint_saves`; private, not in its
+  ``state_dict``): the step and file of its newest save and a save deferred until validation. From them it decides
+  whether to save again at the same step and whether ``save_last`` still owes a ``last.ckpt`` at the end of training
+  (a resumed run that has not saved since would write one the uninterrupted run did not).
 
 Everything is tensors and plain values (no pickle); private Lightning attributes used are named where they are read.
 """
@@ -65,6 +69,7 @@ __all__ = [
     "merge_param_groups",
     "prune_checkpoints",
     "realias_lottery_tickets",
+    "restore_checkpoint_saves",
     "restore_generators",
     "restore_grads",
     "restore_in_epoch",
@@ -102,6 +107,7 @@ def capture(trainer: Any, pl_module: Any) -> dict[str, Any]:
         "train_results": _train_results(trainer),
         "logger_connector": _logger_connector_state(trainer),
         "checkpoint_files": _checkpoint_files(trainer),
+        "checkpoint_saves": _checkpoint_saves(trainer),
         "grads": _reused_grads(trainer, pl_module),
         "metrics": _metric_states(pl_module, modules),
         "train_dl_epoch": _train_dl_epoch(trainer),
@@ -369,6 +375,22 @@ def _checkpoint_files(trainer: Any) -> dict[str, list[str]]:
     return out
 
 
+#: ModelCheckpoint's private record of its last save (Lightning 2.6): attribute -> type
+_SAVE_RECORD = {"_last_global_step_saved": int, "_last_checkpoint_saved": str, "_defer_save_until_validation": bool}
+
+
+def _checkpoint_saves(trainer: Any) -> dict[str, dict[str, Any]]:
+    """Per ModelCheckpoint (by state key): its record of its last save (the attributes of ``_SAVE_RECORD`` it has)
+    and its directory."""
+    return {
+        cb.state_key: {
+            "dirpath": str(cb.dirpath),
+            **{k: kind(getattr(cb, k)) for k, kind in _SAVE_RECORD.items() if hasattr(cb, k)},
+        }
+        for cb in _model_checkpoints(trainer)
+    }
+
+
 # ------------------------------------------------------------------------------------------------- restore
 def saved_state(ckpt: Any) -> dict[str, Any]:
     """What :func:`capture` stored in a restored snapshot (``ckpt["lightning_snapshot"]["fit_state"]``); {} in
@@ -554,6 +576,23 @@ def prune_checkpoints(trainer: Any, saved: dict[str, Any] | None, step: int) -> 
             ", ".join(removed),
         )
     return removed
+
+
+def restore_checkpoint_saves(trainer: Any, saved: dict[str, Any] | None) -> None:
+    """Give every ModelCheckpoint back its record of its last save (:func:`_checkpoint_saves`), where the snapshot
+    holds one for its state key and the same directory (as ``ModelCheckpoint.load_state_dict`` reloads its state only
+    then); a snapshot of an older version holds none (nothing changes)."""
+    records = (saved or {}).get("checkpoint_saves")
+    if not isinstance(records, dict):
+        return
+    for cb in _model_checkpoints(trainer):
+        record = records.get(cb.state_key)
+        if not isinstance(record, dict) or record.get("dirpath") != str(cb.dirpath):
+            continue
+        for attr, kind in _SAVE_RECORD.items():
+            value = record.get(attr)
+            if hasattr(cb, attr) and type(value) is kind:
+                setattr(cb, attr, value)
 
 
 def load_callback_states(trainer: Any, states: Any, exclude: Any = None) -> int:

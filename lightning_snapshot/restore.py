@@ -328,6 +328,7 @@ class Restorer:
         self._record_restore(backend, step)
         fit_state = _fit_state.saved_state(shared)
         _fit_state.prune_checkpoints(trainer, fit_state, step)
+        _fit_state.restore_checkpoint_saves(trainer, fit_state)
         self._restore_ddp_layout(trainer, rank_state, where)
         seconds = time.monotonic() - t0
         rank_zero_info(

@@ -3,9 +3,10 @@ that is not a snapshot step (for the validation setups: right after a snapshot s
 restarted, and compared with an uninterrupted run by the one comparison helper (``fingerprint.assert_same_run``:
 weights, optimizer states and param groups, scheduler states, loop progress, every callback's state (EarlyStopping,
 ModelCheckpoint), the torch/CUDA/numpy/python RNG, every value logged), plus the checkpoint files ModelCheckpoint
-left, the validation steps, the learning rates and the last batch trained. Every run reports its restore when it
-happens, and each must have resumed from the newest committed snapshot (the first: started fresh). The uninterrupted
-run must also equal the same fit without the library (neutrality), run first in the same process."""
+left (by name and content), the validation steps, the learning rates and the last batch trained. Every run reports
+its restore when it happens, and each must have resumed from the newest committed snapshot (the first: started
+fresh). The uninterrupted run must also equal the same fit without the library (neutrality), run first in the same
+process."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ import torch
 from lightning.pytorch.loggers.logger import Logger
 
 __all__ = ["MemoryLogger", "ReportRestore", "assert_same", "assert_same_logged", "assert_same_run", "capture",
-           "plain", "rng_states"]
+           "checkpoint_files", "plain", "rng_states"]
 
 
 def plain(obj: Any, root: str = "") -> Any:
@@ -77,6 +77,26 @@ def capture(trainer: Any, model: Any, root: str = "", logger: MemoryLogger | Non
         "rng": rng_states(),
         "logged": dict(logger.values) if logger is not None else {},
     }
+
+
+#: the scripts' own callbacks (and ours), whose entries in a Lightning checkpoint are not training state
+_HARNESS_KEYS = ("SnapshotCallback", "ReportRestore", "Crash", "Preempt")
+
+
+def checkpoint_files(directory: str, root: str = "") -> dict[str, Any]:
+    """The checkpoint files ModelCheckpoint left in ``directory``, by name, with their contents as plain data (loaded
+    with ``weights_only=True``): weights, optimizer and scheduler states, loops, every callback's entry but the
+    harness's and ours (a run without the library must write the same files), and the rest of Lightning's keys;
+    ``root`` in paths becomes ``<DIR>``."""
+    if not os.path.isdir(directory):
+        return {}
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        ckpt = torch.load(os.path.join(directory, name), map_location="cpu", weights_only=True)
+        ckpt["callbacks"] = {k: v for k, v in ckpt.get("callbacks", {}).items()
+                             if not str(k).startswith(_HARNESS_KEYS)}
+        out[name] = plain(ckpt, root)
+    return out
 
 
 class ReportRestore(L.Callback):

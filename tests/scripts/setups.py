@@ -21,9 +21,10 @@ Usage: python setups.py --setup NAME --dir SNAPDIR --out RESULT.pt [--crash-at S
 
 Writes everything a resumed run must reproduce to RESULT.pt (``fingerprint.capture``: weights, optimizer states
 with their param groups, scheduler states, loop progress, every callback's state_dict, the precision plugin, the
-torch/CUDA/numpy/python RNG, every value logged by metric and step), plus the checkpoint files ModelCheckpoint left,
-the validation steps and learning rates seen, the last batch trained, which parameters are trainable, the gradient
-accumulation in force and what callbacks keep outside their state_dict. A restore is printed when it happens
+torch/CUDA/numpy/python RNG, every value logged by metric and step), plus the checkpoint files ModelCheckpoint left
+(``fingerprint.checkpoint_files``: names and contents), the validation steps and learning rates seen, the last batch
+trained, which parameters are trainable, the gradient accumulation in force and what callbacks keep outside their
+state_dict. A restore is printed when it happens
 (``RESTORED step=S from=URL rank=R``). ``--neutrality`` first runs the same fit without lightning-snapshot in this
 process (result RESULT.pt.nolib), for the comparison that shows the library does not change training.
 """
@@ -55,7 +56,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from fingerprint import MemoryLogger, ReportRestore, capture
+from fingerprint import MemoryLogger, ReportRestore, capture, checkpoint_files
 from lightning_snapshot import SnapshotCallback
 from lightning_snapshot.backends import LocalTier
 from lightning_snapshot.writer import committed_steps
@@ -464,7 +465,7 @@ def fit(a: argparse.Namespace, root: str, out: str, library: bool) -> None:
         trainer.fit(model, train, val)
     result = capture(trainer, model, ROOT, memory)
     result.update({
-        "checkpoint_files": sorted(os.listdir(ckpt_dir)) if os.path.isdir(ckpt_dir) else [],
+        "checkpoint_files": checkpoint_files(ckpt_dir, ROOT),
         "val_steps": list(model.val_steps),
         "lrs": list(model.lrs),
         "last_batch": plain(model.last_batch),
