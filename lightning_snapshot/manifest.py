@@ -21,6 +21,7 @@ import re
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 import torch
@@ -80,6 +81,7 @@ DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name) for name in _DTYPE_NAMES if isinstance(getattr(torch, name, None), torch.dtype)
 }
 _DTYPE_TO_NAME = {dt: name for name, dt in DTYPES.items()}
+_ITEMSIZE = {name: dt.itemsize for name, dt in DTYPES.items()}
 
 _STEP_RE = re.compile(r"^step-(\d{12})$")
 _KEY_PART_RE = re.compile(r"^[A-Za-z0-9._-]+$")
@@ -364,7 +366,11 @@ class _Reader:
         of = f" (tensor {self.tensor!r})" if self.tensor is not None else ""
         return ManifestError(f"{self.where}: field {path}{of}: {msg}")
 
-    def obj(self, value: Any, path: str, keys: set[str], optional: AbstractSet[str] = frozenset()) -> Mapping[str, Any]:
+    def obj(
+        self, value: Any, path: str, keys: AbstractSet[str], optional: AbstractSet[str] = frozenset()
+    ) -> Mapping[str, Any]:
+        if type(value) is dict and value.keys() == keys:
+            return value  # (the common case, one comparison; the checks below say what is wrong otherwise)
         if not isinstance(value, dict):
             raise self.fail(path, f"expected an object, got {type(value).__name__}")
         missing = keys - value.keys()
@@ -401,20 +407,26 @@ class _Reader:
         return tuple(self.int_(v, f"{path}[{i}]", 0, 2**62) for i, v in enumerate(items))
 
 
+_TENSOR_FIELDS = frozenset({"type", "name", "dtype", "global_shape", "fragments"})
+_ALIAS_FIELDS = frozenset({"type", "name", "dtype", "global_shape", "alias_of"})
+_FRAGMENT_FIELDS = frozenset({"object", "offset", "nbytes", "global_offsets", "local_shape", "checksums"})
+
+
 def _parse_tensors(
     r: _Reader, value: Any, path: str, m_objects: Mapping[str, int], chunk_bytes: int, alignment: int
 ) -> tuple[TensorEntry, ...]:
     out: list[TensorEntry] = []
     names: set[str] = set()
+    objects = _Objects(m_objects)
     for i, raw in enumerate(r.list_(value, path)):
         p = f"{path}[{i}]"
         if not isinstance(raw, dict):
             raise r.fail(p, f"expected an object, got {type(raw).__name__}")
         kind = raw.get("type")
         if kind == "tensor":
-            d = r.obj(raw, p, {"type", "name", "dtype", "global_shape", "fragments"})
+            d = r.obj(raw, p, _TENSOR_FIELDS)
         elif kind == "alias":
-            d = r.obj(raw, p, {"type", "name", "dtype", "global_shape", "alias_of"})
+            d = r.obj(raw, p, _ALIAS_FIELDS)
         else:
             raise r.fail(
                 p,
@@ -425,7 +437,7 @@ def _parse_tensors(
         if name in names:
             raise r.fail(p, f"duplicate tensor name {name!r}")
         names.add(name)
-        out.append(_parse_tensor(r.within(name), d, p, kind, name, m_objects, chunk_bytes, alignment))
+        out.append(_parse_tensor(r.within(name), d, p, kind, name, objects, chunk_bytes, alignment))
     by_name = {t.name: t for t in out}
     for t in out:
         if t.alias_of is not None:
@@ -437,17 +449,42 @@ def _parse_tensors(
     return tuple(out)
 
 
+class _Objects:
+    """The objects a manifest lists (name -> size), and which of their keys were already validated: the fragments of
+    a section's tensors mostly share one object, whose key is then checked once."""
+
+    def __init__(self, sizes: Mapping[str, int]) -> None:
+        self.sizes = sizes
+        self.safe: set[str] = set()
+
+    def check(self, r: _Reader, obj: str, fp: str) -> int:
+        """``obj``'s size, once its key is known safe and listed."""
+        if obj not in self.safe:
+            try:
+                validate_key(obj)
+            except UnsafePathError as e:
+                raise r.fail(fp + ".object", str(e)) from None
+            if obj not in self.sizes:
+                raise r.fail(fp + ".object", f"refers to object {obj!r} that the manifest does not list")
+            self.safe.add(obj)
+        return self.sizes[obj]
+
+
 def _parse_tensor(
     r: _Reader,
     d: Mapping[str, Any],
     p: str,
     kind: str,
     name: str,
-    m_objects: Mapping[str, int],
+    objects: _Objects,
     chunk_bytes: int,
     alignment: int,
 ) -> TensorEntry:
     """One tensor or alias entry ``d`` at JSON path ``p``; ``r`` names the tensor in its errors."""
+    if kind == "tensor":
+        whole = _whole_tensor(d, name, objects, chunk_bytes, alignment)
+        if whole is not None:
+            return whole
     dtype = r.str_(d["dtype"], f"{p}.dtype")
     try:
         torch_dtype = dtype_from_name(dtype)
@@ -460,14 +497,9 @@ def _parse_tensor(
     frags = []
     for j, fraw in enumerate(r.list_(d["fragments"], f"{p}.fragments")):
         fp = f"{p}.fragments[{j}]"
-        fd = r.obj(fraw, fp, {"object", "offset", "nbytes", "global_offsets", "local_shape", "checksums"})
+        fd = r.obj(fraw, fp, _FRAGMENT_FIELDS)
         obj = r.str_(fd["object"], f"{fp}.object")
-        try:
-            validate_key(obj)
-        except UnsafePathError as e:
-            raise r.fail(fp + ".object", str(e)) from None
-        if obj not in m_objects:
-            raise r.fail(fp + ".object", f"refers to object {obj!r} that the manifest does not list")
+        size = objects.check(r, obj, fp)
         offset = r.int_(fd["offset"], f"{fp}.offset")
         nbytes = r.int_(fd["nbytes"], f"{fp}.nbytes")
         offs = r.shape(fd["global_offsets"], f"{fp}.global_offsets")
@@ -480,10 +512,8 @@ def _parse_tensor(
             raise r.fail(fp, f"nbytes {nbytes} does not match local_shape {local} of {dtype}")
         if offset % alignment:
             raise r.fail(fp, f"offset {offset} is not aligned to {alignment}")
-        if offset + nbytes > m_objects[obj]:
-            raise r.fail(
-                fp, f"bytes [{offset}, {offset + nbytes}) lie outside object {obj!r} of {m_objects[obj]} bytes"
-            )
+        if offset + nbytes > size:
+            raise r.fail(fp, f"bytes [{offset}, {offset + nbytes}) lie outside object {obj!r} of {size} bytes")
         raw_sums = fd["checksums"]
         if type(raw_sums) is list and all(type(s) is str for s in raw_sums):
             sums = tuple(raw_sums)  # (the common case; the checks below say what is wrong otherwise)
@@ -513,6 +543,47 @@ def _parse_tensor(
             " (a lost shard?): use another snapshot",
         )
     return TensorEntry(name, dtype, global_shape, tuple(frags))
+
+
+def _whole_tensor(
+    d: Mapping[str, Any], name: str, objects: _Objects, chunk_bytes: int, alignment: int
+) -> TensorEntry | None:
+    """The common entry, checked at a fraction of the full path's cost: a tensor stored whole in one fragment of an
+    object already checked, every field well-formed and consistent. None for anything else (the full path then
+    parses it and names what is wrong): this accepts nothing the full path refuses."""
+    dtype, shape, frags = d["dtype"], d["global_shape"], d["fragments"]
+    if type(dtype) is not str or type(frags) is not list or len(frags) != 1 or type(shape) is not list:
+        return None
+    fd = frags[0]
+    if type(fd) is not dict or fd.keys() != _FRAGMENT_FIELDS:
+        return None
+    itemsize = _ITEMSIZE.get(dtype)  # (None for a dtype this torch does not know: the full path says so)
+    obj, offset, nbytes, sums = fd["object"], fd["offset"], fd["nbytes"], fd["checksums"]
+    local, offs = fd["local_shape"], fd["global_offsets"]
+    if (
+        itemsize is None
+        or type(obj) is not str
+        or obj not in objects.safe
+        or len(shape) > _MAX_DIMS
+        or not all(type(v) is int and 0 <= v <= 2**62 for v in shape)
+        or type(local) is not list
+        or type(offs) is not list
+        or local != shape
+        or offs != [0] * len(shape)
+        or not all(type(v) is int for v in chain(local, offs))  # ([True] == [1] and [0.0] == [0] in Python)
+        or type(offset) is not int
+        or type(nbytes) is not int
+        or offset < 0
+        or offset % alignment
+        or nbytes != math.prod(shape) * itemsize
+        or offset + nbytes > objects.sizes[obj]
+        or type(sums) is not list
+        or len(sums) != max(1, -(-nbytes // chunk_bytes))
+        or not all(type(c) is str and _HEX_RE.match(c) for c in sums)
+    ):
+        return None
+    dims = tuple(shape)
+    return TensorEntry(name, dtype, dims, (Fragment(obj, offset, nbytes, (0,) * len(dims), dims, tuple(sums)),))
 
 
 def overlapping_boxes(boxes: Sequence[tuple[Sequence[int], Sequence[int]]]) -> tuple[int, int] | None:

@@ -427,3 +427,45 @@ def test_a_bad_tensor_field_names_the_file_the_tensor_and_the_field(real, sectio
     assert msg.startswith(f"step-000000000042/manifest.json in the local tier '/t': field {section}[{index}]."
                           f"{field_path} (tensor {entry['name']!r}): "), msg
     assert problem in msg
+
+
+# ------------------------------------------------------------------------------------ the common entry's fast path
+
+
+def _outcome(text: str) -> object:
+    try:
+        return Manifest.from_json(text, where="fuzzed manifest")
+    except (ManifestError, UnsafePathError) as e:
+        return f"{type(e).__name__}: {e}"
+
+
+# values that compare equal to a valid field's but are not valid (Python: True == 1, 0.0 == 0, 1.0 == 1)
+_LOOKALIKES = st.sampled_from([True, False, 0.0, 1.0, -0.0, 1e300, "0", None, [], [0], [True], [1.0], 2**63])
+
+
+@FUZZ
+@given(data=st.data())
+def test_the_fast_path_of_whole_tensors_accepts_and_refuses_exactly_what_the_full_parser_does(real, data):
+    """Every tensor entry stored whole in one fragment is parsed by a fast path (the common case): for any field of
+    any entry replaced by a look-alike or an arbitrary value, the manifest parses to the same result, or fails with
+    the same message, as with the fast path turned off."""
+    from lightning_snapshot import manifest as manifest_module
+
+    _, _, text = real
+    raw = json.loads(text)
+    entries = [p for p in _paths(raw) if len(p) > 1 and p[-2] == "tensors" or "fragments" in p]
+    path = data.draw(st.sampled_from(entries), label="path")
+    target = _get(raw, path)
+    if isinstance(target, (dict, list)) and target:
+        key = data.draw(st.sampled_from(list(target) if isinstance(target, dict) else range(len(target))),
+                        label="key")
+        target[key] = data.draw(st.one_of(_LOOKALIKES, json_values), label="value")
+    mutated = json.dumps(raw)
+    fast = _outcome(mutated)
+    whole_tensor = manifest_module._whole_tensor
+    manifest_module._whole_tensor = lambda *a, **k: None
+    try:
+        full = _outcome(mutated)
+    finally:
+        manifest_module._whole_tensor = whole_tensor
+    assert fast == full
