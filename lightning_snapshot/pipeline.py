@@ -45,6 +45,7 @@ from lightning_snapshot.reporting import Reporter
 from lightning_snapshot.schedule import FitSchedule
 from lightning_snapshot.staging import stage
 from lightning_snapshot.staging.arena import AsyncStaged, HostArena
+from lightning_snapshot.staging.live import Encoded
 
 __all__ = ["SnapshotPipeline"]
 
@@ -94,6 +95,7 @@ class SnapshotPipeline:
         self._copied = False  # the copy in flight was waited for before this step's optimizer step (validation)
         # the model's signature and what the optimizers train, when the pending step was staged
         self._staged_signature: tuple[Any, ...] | None = None
+        self._signature_covers = False
         self._planned = False
         self._ended = False  # the snapshot of the end of fit was taken
         self._warned_layout = False
@@ -247,6 +249,9 @@ class SnapshotPipeline:
             shared = capture_shared_live(trainer, pl_module, self.arena.live)
             frozen, key = self._frozen(trainer)
             self._staged_signature = (shared_signature(trainer, pl_module, self.arena.live, shared), key)
+            # a capture plan's signature holds the version counter of every staged tensor: while it is unchanged,
+            # none was changed in place since it was staged either (then staged.changed() need not look again)
+            self._signature_covers = isinstance(shared, Encoded) and shared.signature() is not None
             staged = self.arena.stage_async(
                 shared, frozen, step, rank=self.comm.rank, world_size=self.comm.world_size, frozen_key=key
             )
@@ -273,7 +278,8 @@ class SnapshotPipeline:
         # (and whether the optimizers still train the same parameters: a parameter frozen at the start of an epoch
         # is one user code may now change in place during the step, which only a copy made at once keeps)
         now = (shared_signature(trainer, pl_module, self.arena.live), optimized_key(trainer.optimizers))
-        if self.comm.all_true(now == self._staged_signature and not staged.changed()):
+        same = now == self._staged_signature and (self._signature_covers or not staged.changed())
+        if self.comm.all_true(same):
             return staged  # (nor was the optimizer state: a callback may reset it at the end of an epoch)
         log.debug("lightning-snapshot: the model changed after step %d was staged; staging it again", step)
         with contextlib.suppress(Exception):  # the persist thread reports it
