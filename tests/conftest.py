@@ -1,17 +1,35 @@
 from __future__ import annotations
 
+import atexit
 import os
 import random
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+from zygote import DISABLE_ENV as ZYGOTE_DISABLE_ENV
+from zygote import Zygote
 
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
+
+
+_ZYGOTE: list[Zygote | None] = []
+
+
+def _zygote() -> Zygote | None:
+    """This test process's fork server for the scripts (tests/zygote.py), started at the first run; None when
+    ``LS_TEST_ZYGOTE=0``."""
+    if not _ZYGOTE:
+        server = Zygote() if os.environ.get(ZYGOTE_DISABLE_ENV, "1") != "0" else None
+        if server is not None:
+            atexit.register(server.close)
+        _ZYGOTE.append(server)
+    return _ZYGOTE[0]
 
 
 def run_script(script: str, *args: str, expect_kill: bool = False, timeout: int = 300, expect_rc: int = 0
@@ -20,8 +38,13 @@ def run_script(script: str, *args: str, expect_kill: bool = False, timeout: int 
     status ``expect_rc``."""
     cmd = [sys.executable, str(SCRIPTS / script), *args]
     env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                          start_new_session=True)
+    server = _zygote()
+    if server is not None and server.serves(env):
+        with tempfile.TemporaryDirectory(prefix="ls-run-") as tmp:
+            proc = server.run(cmd, env, timeout, Path(tmp))
+    else:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                              start_new_session=True)
     if expect_kill:
         assert proc.returncode == -9, f"expected SIGKILL, got rc={proc.returncode}\n{proc.stderr[-3000:]}"
     else:
