@@ -63,13 +63,12 @@ METHODS.add("async-io", None, "Lightning ``AsyncCheckpointIO`` + ``ModelCheckpoi
 METHODS.add("dcp", None, "``torch.distributed.checkpoint.async_save`` (as in ``benchmarks/stall.py``), K likewise; the"
             " restart loads model, optimizer and the step counters")
 METHODS.add("ours-local", None, "lightning-snapshot, ``LocalTier(every=\"auto\")``, ``mtbf=--mtbf`` (``--predict``:"
-            " every 3W/8 steps)")
+            " every W/2 steps)")
 METHODS.add("ours-ram-local", None, "lightning-snapshot, ``RamTier(every=\"auto\")`` + ``LocalTier(every=\"auto\")``")
 __doc__ = METHODS.document(__doc__)
 OURS = ("ours-local", "ours-ram-local")
 PEERS = ("mc-yd", "mc-default", "async-io", "dcp")
-#: the methods of --predict: ModelCheckpoint saving often (its cost decides), ours-local snapshotting seldom (the work
-#: lost decides), ours-ram-local at its own "auto" intervals
+#: --predict's: ModelCheckpoint saving often (its cost decides), ours-local seldom (lost work decides), ours "auto"
 PREDICT_METHODS = "mc-default,ours-local,ours-ram-local"
 
 
@@ -109,8 +108,7 @@ def _worker(a: argparse.Namespace) -> None:  # noqa: C901 - one training run per
 
     class Progress(Callback):
         def __init__(self) -> None:
-            self.last = -1
-            self.first: int | None = None
+            self.last, self.first = -1, None
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             self.first = trainer.global_step
@@ -519,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
     p.add_argument("--steps", type=int, default=None, help="W, optimizer steps to reach")
     p.add_argument("--every", type=int, default=0)
     p.add_argument("--intervals", default=None, help="fixed intervals in steps, METHOD=STEPS,... (default: mc-default"
-                   " W/20; with --predict also mc-default W/50 and ours-local 3W/8)")
+                   " W/20; with --predict mc-default W/50 and ours-local W/2)")
     p.add_argument("--mtbf", type=float, default=None, help="mean time between failures (seconds)")
     p.add_argument("--mtbfs", default=None, help="comma-separated MTBFs for the plot (default: mtbf, 2x, 4x)")
     p.add_argument("--horizon", type=float, default=None, help="failures only in the first HORIZON x the ideal wall"
@@ -533,8 +531,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
     p.add_argument("--kills", default=None, help="explicit kill times (seconds since start), comma-separated")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--predict", action="store_true", help="the regime of the prediction check (tests/fixtures/"
-                   "goodput_predict.json): W=8000, MTBF 8 and 16 s, 2 seeds each, failures in the first 0.9 x the"
-                   " ideal wall time, " + PREDICT_METHODS + ", < 20 min")
+                   "goodput_predict.json): W=6000, MTBF 1/3 and 2/3 of the ideal wall time, 2 seeds each, failures in"
+                   " its first 0.9, " + PREDICT_METHODS + ", < 20 min")
     p.add_argument("--plot", default=None, help="PNG of goodput against MTBF (default: goodput.png unless --quick)")
     p.add_argument("--timeout", type=float, default=900.0, help="per run")
     harness.add_arguments(p, markdown=True, json_help="write the prediction's inputs (top-level key inputs) and each"
@@ -544,34 +542,36 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
         a.mtbf, a.width, a.frozen_mb = a.mtbf or 3600.0, a.width or 512, a.frozen_mb or 0
         _worker(a)
         return 0
-    steps = a.steps or (4000 if a.quick else 8000)
+    steps = a.steps or (4000 if a.quick else 6000 if a.predict else 8000)
     width = a.width or 512
-    mtbf = a.mtbf or (8.0 if a.predict else 12.0)
+    mtbf = a.mtbf or 12.0  # (--predict: a third of the ideal wall time, and two thirds, once it is measured)
     frozen_mb = a.frozen_mb if a.frozen_mb is not None else 128
     delay = a.restart_delay if a.restart_delay is not None else (1.0 if a.predict else 2.0)
     horizon_x = a.horizon if a.horizon is not None else (0.9 if a.predict else 10.0)
     seeds = [a.seed + i for i in range(a.seeds or (2 if a.predict else 1 if a.quick else 3))]
     mtbfs = ([float(x) for x in a.mtbfs.split(",")] if a.mtbfs else
-             [mtbf, 2 * mtbf] if a.predict else [mtbf] if a.quick else [mtbf, 2 * mtbf, 4 * mtbf])
+             [mtbf, 2 * mtbf] if a.predict and a.mtbf else [mtbf] if a.quick else [mtbf, 2 * mtbf, 4 * mtbf])
     a.methods = a.methods or (PREDICT_METHODS if a.predict else ",".join(METHODS.names))
     methods = [m for m in a.methods.split(",") if m]
     METHODS.select(a.methods, p)  # (unknown names are an error; the order given is kept)
     fixed = {"mc-default": max(1, steps // (50 if a.predict else 20))}
     if a.predict:
-        fixed["ours-local"] = 3 * steps // 8
+        fixed["ours-local"] = steps // 2
     fixed.update({k: int(v) for k, v in (x.split("=") for x in (a.intervals or "").split(",") if x)})
     workdir = Path(a.dir or tempfile.mkdtemp(prefix="goodput-"))
     workdir.mkdir(parents=True, exist_ok=True)
     common = dict(steps=steps, restart_delay=delay, width=width, workdir=workdir, timeout=a.timeout,
                   frozen_mb=frozen_mb)
     out = harness.Report("goodput", a)
+    # the ideal: no checkpointing, no failures
+    ideal, ideal_dir = run_method("none", every=0, failure_times=[], mtbf=mtbf, **common)
+    step_s, horizon = ideal.train_s / max(1, ideal.steps_trained), horizon_x * ideal.wall_s
+    if a.predict and not a.mtbf and not a.mtbfs:  # (in proportion to this machine's speed now)
+        mtbfs = [round(ideal.wall_s / 3, 1), round(2 * ideal.wall_s / 3, 1)]
+        mtbf = mtbfs[0]
     out.header(W=f"{steps} steps", MLP_width=width, frozen=f"{frozen_mb} MiB", restart_delay=f"{delay} s",
                MTBFs=f"{mtbfs} s", seeds=seeds, failures=f"in the first {horizon_x:g} x the ideal wall time",
                intervals=", ".join(f"{k} {v}" for k, v in fixed.items() if k in methods))
-    # the ideal: no checkpointing, no failures
-    ideal, ideal_dir = run_method("none", every=0, failure_times=[], mtbf=mtbf, **common)
-    step_s = ideal.train_s / max(1, ideal.steps_trained)
-    horizon = horizon_x * ideal.wall_s
     print(f"ideal wall {ideal.wall_s:.1f} s (start-up {ideal.starts[0]:.1f} s, {step_s * 1e3:.1f} ms/step)", flush=True)
     # calibration: each method's inputs to the prediction, in a run of its own
     cal = {method: calibrate(method, fixed.get(method, 0), mtbf, common) for method in methods if method != "none"}
