@@ -144,9 +144,9 @@ def _worker(a: argparse.Namespace) -> None:  # noqa: C901 - one training run per
                      # the mean of what the callback's cost meter logged (snapshot/<tier>/cost_ms), per tier
                      "costs_s": [sum(c) / len(c) / 1e3 if c else None for c in costs],
                      "metrics_mean": {k: sum(v) / len(v) for k, v in logged.items()}}
-            (out / "ours.json").write_text(json.dumps(stats))
-            # (each process's own too, by the step it started from: a calibration reads the fresh process's)
-            (out / f"ours-{progress_cb.first}.json").write_text(json.dumps(stats))
+            for name in ("ours.json", f"ours-{progress_cb.first}.json"):  # (also by the step the process started
+                (out / "tmp.json").write_text(json.dumps(stats))  # from; replaced whole: a kill may come at any time)
+                os.replace(out / "tmp.json", out / name)
 
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
