@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import goodput  # noqa: E402
 
-FIXTURE = Path(__import__("os").environ.get("GP_FIXTURE", ROOT / "tests" / "fixtures" / "goodput_predict.json"))
+FIXTURE = ROOT / "tests" / "fixtures" / "goodput_predict.json"
 #: what the prediction may miss by, in goodput (ideal wall / wall); justified in the test below
 TOL = 0.05
 #: what a run's prediction is given of the run itself: what the experiment gave the run, nothing it measured
