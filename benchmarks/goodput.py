@@ -1,47 +1,28 @@
 """Goodput under failures: real SIGKILLs at seeded exponential times, restarts, until W optimizer steps.
 
-A supervisor runs one training command (this file's ``worker`` mode: an MLP with AdamW under Lightning on CPU,
-seeded, ``deterministic=True``) until it has done ``W`` optimizer steps. It kills it with ``SIGKILL`` at failure times
-drawn from an exponential distribution with mean ``--mtbf`` (seeded: every method sees the same failure times, in
-wall time since its first start; a failure that falls in a restart kills the process that restart starts), and
-restarts the same command ``--restart-delay`` seconds after each kill (a scheduler's requeue; documented, fixed).
-
-Methods (same model, data and steps):
+A supervisor runs one training command (this file's ``worker`` mode: a width-512 MLP with AdamW under Lightning on
+CPU, seeded, ``deterministic=True``, and a frozen table of 128 MiB: state every method saves at little compute, so
+that a save costs many steps, as on an accelerator) until it has done ``W`` optimizer steps. It kills it with
+``SIGKILL`` at failure times drawn from an exponential distribution with mean ``--mtbf`` (seeded: every method sees
+the same failure times, in wall time since its first start, up to ``--horizon`` x the ideal wall time), and restarts
+the same command ``--restart-delay`` seconds after each kill (a scheduler's requeue; a failure during the delay
+starts it again, one during a start-up kills that process). Methods (same model, data and steps):
 
 {methods}
 
-ModelCheckpoint resumes from its newest checkpoint that loads (a kill during ``torch.save`` can leave a torn file:
-the one before it is used); it keeps the two newest, as our tiers do (``keep_last=2``).
+ModelCheckpoint resumes from its newest checkpoint that loads; it keeps the two newest, as our tiers do. Targets (at
+the first MTBF, means over ``--seeds``): ours has the highest goodput, its time lost apart from the restart delay and
+boot is at most 1/3 of the best peer's, and it ends bitwise equal to the failure-free run.
 
-The model: a width-512 MLP trained with AdamW, and a frozen table of 128 MiB (as a fine-tuned model's frozen
-embeddings or backbone: state that every method saves, at little compute), so that a save costs what it costs on an
-accelerator, many steps' worth, and not a few milliseconds (``--frozen-mb 0`` leaves it out). The default MTBF, 12 s,
-is chosen so that a method meets about 5 failures in a run whose failure-free wall time is about 35 s (W=8000 steps
-at about 4 ms per step on an idle 2-core machine, 3 to 4 s of start-up, 5 to 6 s per restart; a run with failures
-lasts 50 to 90 s), as many as the 40-minute budget of the default run allows with 3 seeds: a seed whose first
-failure times come late gives fewer (seed 2: 37.5 s, then 72.9 s), which the target line warns about. Failures every
-few thousand steps of a small model stand for failures every few hours of a large one, the ratio of snapshot cost and
-restart to MTBF being what decides goodput. At the default MTBF every method runs under 3 seeds of failure times
-(``--seeds``), in an order rotated each seed, and the targets are judged on the means: one seed compares how many of
-its fixed failure times a run happens to meet more than it compares the methods.
-
-Targets (printed after the table, at the default MTBF): lightning-snapshot has the highest goodput, and its time
-lost apart from the restart (wall - ideal wall - failures x restart delay - the time its processes spent booting,
-that is importing Python, torch and Lightning, the same for every method and measured in each process, beyond the
-failure-free run's own boot), that is steps lost + snapshot overhead + what restoring adds, is at most 1/3 of the
-best peer's; ours ends bitwise equal to the failure-free run.
-
-Reported per method: goodput (ideal wall / wall with failures), failures, steps lost (steps done before a kill that
-the next start did not restore), restart + restore time (kill -> the restarted process's first step, the fixed
-delay included), snapshot overhead (training wall per step over ``none``'s, times the steps), and for ours whether
-the final weights and optimizer state are bitwise equal to the failure-free ``none`` run's (snapshots never change
-training). A PNG plots goodput against MTBF for 3 MTBFs (the default: ``--mtbf`` and 2x, 4x). The JSON written with
-``--json`` holds what the simulator (:mod:`lightning_snapshot.simulate`) needs to replay each method's run.
+Prediction: each method's own calibration run (:func:`calibrate`) and ``none``'s failure-free runs (first and last)
+give the inputs from which :func:`predict` (the simulator) gives each run's goodput, next to the measured one;
+``--json`` writes both, which tests/unit/test_goodput_sim.py checks. ``--predict``: the regime of that check.
 
 Usage::
 
     python benchmarks/goodput.py --quick                # < 10 min on 2 cores (W=4000, MTBF 12 s, 1 seed, no plot)
     python benchmarks/goodput.py                        # W=8000, MTBF 12 (3 seeds), 24, 48 s and the plot, < 40 min
+    python benchmarks/goodput.py --predict --json tests/fixtures/goodput_predict.json   # the check's fixture
     python benchmarks/goodput.py --methods ours-local --kills 4,9 --steps 200   # explicit kill times (seconds)
 """
 
@@ -58,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -76,16 +57,19 @@ METHODS.add("none", None, "no checkpointing: its failure-free run is the ideal w
 METHODS.add("mc-yd", None, "``ModelCheckpoint`` (synchronous ``torch.save``) every K steps, K = Young/Daly for its own"
             " save cost, measured in a failure-free calibration run")
 METHODS.add("mc-default", None, "``ModelCheckpoint`` every W/20 steps: the common \"every 1000 steps\" of a 20,000-step"
-            " run, scaled to this run")
+            " run, scaled to this run (``--predict``: W/50)")
 METHODS.add("async-io", None, "Lightning ``AsyncCheckpointIO`` + ``ModelCheckpoint``, K = Young/Daly for its calibrated"
             " cost")
 METHODS.add("dcp", None, "``torch.distributed.checkpoint.async_save`` (as in ``benchmarks/stall.py``), K likewise; the"
             " restart loads model, optimizer and the step counters")
-METHODS.add("ours-local", None, "lightning-snapshot, ``LocalTier(every=\"auto\")``, ``mtbf=--mtbf``")
+METHODS.add("ours-local", None, "lightning-snapshot, ``LocalTier(every=\"auto\")``, ``mtbf=--mtbf`` (``--predict``:"
+            " every W/2 steps)")
 METHODS.add("ours-ram-local", None, "lightning-snapshot, ``RamTier(every=\"auto\")`` + ``LocalTier(every=\"auto\")``")
 __doc__ = METHODS.document(__doc__)
 OURS = ("ours-local", "ours-ram-local")
 PEERS = ("mc-yd", "mc-default", "async-io", "dcp")
+#: --predict's: ModelCheckpoint saving often (its cost decides), ours-local seldom (lost work decides), ours "auto"
+PREDICT_METHODS = "mc-default,ours-local,ours-ram-local"
 
 
 # ================================================================================================ worker
@@ -124,8 +108,7 @@ def _worker(a: argparse.Namespace) -> None:  # noqa: C901 - one training run per
 
     class Progress(Callback):
         def __init__(self) -> None:
-            self.last = -1
-            self.first: int | None = None
+            self.last, self.first = -1, None
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             self.first = trainer.global_step
@@ -147,13 +130,23 @@ def _worker(a: argparse.Namespace) -> None:  # noqa: C901 - one training run per
                     ours_stats(trainer)
 
     def ours_stats(trainer: Any) -> None:
-        """Our tiers' current intervals and measured costs, for the report and the simulator: written as training
-        goes (a process killed later has still left them), not by a last process that only restored and exited."""
+        """Our tiers' intervals and measured costs, written as training goes (a process killed later left them)."""
         snap = next((c for c in trainer.callbacks if type(c).__name__ == "SnapshotCallback"), None)
         if snap is not None:
+            logged: dict[str, list[float]] = {}
+            for _, record in logger.records if logger is not None else ():
+                for key, value in record.items():
+                    logged.setdefault(key, []).append(value)
+            from lightning_snapshot.metrics import tier_metric_names
+
+            costs = [logged.get(f"snapshot/{name}/cost_ms") for name in tier_metric_names(snap.tiers)]
             stats = {"intervals": [t.every_n_train_steps for t in snap.tiers],
-                     "costs_s": [snap._meter.cost(i) if snap._meter else None for i in range(len(snap.tiers))]}
-            (out / "ours.json").write_text(json.dumps(stats))
+                     # the mean of what the callback's cost meter logged (snapshot/<tier>/cost_ms), per tier
+                     "costs_s": [sum(c) / len(c) / 1e3 if c else None for c in costs],
+                     "metrics_mean": {k: sum(v) / len(v) for k, v in logged.items()}}
+            for name in ("ours.json", f"ours-{progress_cb.first}.json"):  # (also by the step the process started
+                (out / "tmp.json").write_text(json.dumps(stats))  # from; replaced whole: a kill may come at any time)
+                os.replace(out / "tmp.json", out / name)
 
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
@@ -165,6 +158,7 @@ def _worker(a: argparse.Namespace) -> None:  # noqa: C901 - one training run per
     callbacks: list[Any] = [progress_cb]
     plugins: list[Any] = []
     ckpt_path = None
+    logger: Any = None
     if a.method in ("mc-yd", "mc-default", "async-io"):
         from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
@@ -179,13 +173,17 @@ def _worker(a: argparse.Namespace) -> None:  # noqa: C901 - one training run per
         from lightning_snapshot import SnapshotCallback
         from lightning_snapshot.backends import LocalTier, RamTier
 
-        tiers: list[Any] = [LocalTier(out / "local", every_n_train_steps="auto", keep_last=2)]
+        # a fixed interval (--every N): "auto" bounded to N, so that the cost meter measures (snapshot/*/cost_ms)
+        every: dict[str, Any] = {"every_n_train_steps": "auto"}
+        if a.every:
+            every.update(min_every=a.every, max_every=a.every)
+        tiers: list[Any] = [LocalTier(out / "local", keep_last=2, **every)]
         if a.method == "ours-ram-local":
-            tiers.insert(0, RamTier(every_n_train_steps="auto", keep_last=2, name=f"goodput-{out.name}",
-                                    idle_timeout=120))
+            tiers.insert(0, RamTier(keep_last=2, name=f"goodput-{out.name}", idle_timeout=120, **every))
         callbacks.append(SnapshotCallback(tiers, mtbf=a.mtbf))
+        logger = harness.memory_logger()  # (the callback's metrics: snapshot/stall_ms, persist_ms, cost_ms)
     trainer = L.Trainer(accelerator="cpu", max_steps=a.steps, callbacks=callbacks, plugins=plugins or None,
-                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        logger=logger or False, enable_progress_bar=False, enable_model_summary=False,
                         enable_checkpointing=a.method != "none", deterministic=True, num_sanity_val_steps=0)
     trainer.fit(model, loader, ckpt_path=ckpt_path)
     opt = trainer.optimizers[0]
@@ -228,7 +226,7 @@ def _dcp_callback(root: Path, every: int, progress: Any) -> Any:
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(harness.free_port()))
         dist.init_process_group("gloo", rank=0, world_size=1)
 
     class Dcp(Checkpoint):
@@ -283,14 +281,6 @@ def _dcp_callback(root: Path, every: int, progress: Any) -> Any:
     return Dcp()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # ================================================================================================ supervisor
 @dataclass
 class Run:
@@ -313,6 +303,8 @@ class Run:
     tail_s: float = 0.0  # from the last step to the exit of the last process (final state written)
     ours: dict[str, Any] | None = None
     bitwise: str | None = None
+    schedule: list[float] = field(default_factory=list)  # the failure times it was given (seconds since its start)
+    noise: dict[str, float] = field(default_factory=dict)  # load average before/after, others' share of the CPUs
 
 
 def _read_progress(path: Path) -> list[tuple[str, int, float]]:
@@ -337,6 +329,7 @@ def run_method(method: str, *, steps: int, every: int, failure_times: list[float
            "--frozen-mb", str(frozen_mb)]
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     run = Run(method, every)
+    meter = harness.NoiseMeter().__enter__()  # (load average and others' CPU during the run)
     pending = sorted(failure_times)
     at_steps = sorted(kill_steps or [])
     kills: list[tuple[float, int]] = []  # (time of the kill, progress lines before it)
@@ -370,12 +363,20 @@ def run_method(method: str, *, steps: int, every: int, failure_times: list[float
             if proc.returncode != 0:
                 raise RuntimeError(f"{method}: the worker failed with exit {proc.returncode}: see {d}/stderr.log")
             run.wall_s = time.time() - t0
+            meter.__exit__()
+            run.noise = {**asdict(meter.noise), "others_cpu_share": meter.noise.share}  # type: ignore[arg-type]
             _account(run, d, spawns, kills)
             last = [r for r in _read_progress(d / "progress.log") if r[0] == "step"]
             run.tail_s = t0 + run.wall_s - last[-1][2] if last else 0.0
             return run, d
         run.failures += 1
-        time.sleep(restart_delay)
+        # a failure during the requeue delay starts the delay again (no process to kill: the simulator's "a failure
+        # while restarting begins the restart again")
+        resume = time.time() + restart_delay
+        while pending and t0 + pending[0] < resume:
+            run.kills_at.append(pending.pop(0))
+            run.failures, resume = run.failures + 1, t0 + run.kills_at[-1] + restart_delay
+        time.sleep(max(0.0, resume - time.time()))
 
 
 def _account(run: Run, d: Path, spawns: list[tuple[float, int]], kills: list[tuple[float, int]]) -> None:
@@ -424,19 +425,21 @@ def _bitwise(a: Path, b: Path) -> str:
 
 
 def save_cost(progress: Path, every: int, warmup: int = 10) -> float:
-    """The training time one save costs, from one calibration run's step times: the steps' excess over the run's own
-    median step time, summed, per save (the baseline comes from the same run, so no other run's noise enters; the
-    same estimate lightning-snapshot's ``every="auto"`` makes). Floored at 1 ms: a cost lost in the noise would
-    give an interval of one step."""
+    """Training time per save in a calibration run: its steps' excess over its own median step, summed, per save (the
+    steps at multiples of ``every``); consecutive steps of one process only, less ``warmup`` each. At least 1 ms."""
     import statistics
 
-    times = [t for kind, _, t in _read_progress(progress) if kind == "step"]
-    gaps = [b - a for a, b in zip(times, times[1:], strict=False)][warmup:]
-    if not gaps:
+    rows = _read_progress(progress)
+    gaps: list[float] = []
+    saves = streak = 0
+    for (kind, step, t), (kind2, step2, t2) in zip(rows, rows[1:], strict=False):
+        streak = streak + 1 if kind == kind2 == "step" and step2 == step + 1 else 0
+        if streak > warmup:
+            gaps.append(t2 - t)
+            saves += step % every == 0
+    if not gaps or not saves:
         return 1e-3
-    base = statistics.median(gaps)
-    saves = max(1, len(gaps) // every)
-    return max(1e-3, (sum(gaps) - base * len(gaps)) / saves)
+    return max(1e-3, (sum(gaps) - statistics.median(gaps) * len(gaps)) / saves)
 
 
 def failure_times(seed: int, mtbf: float, horizon: float) -> list[float]:
@@ -454,78 +457,139 @@ def young_daly_every(cost_s: float, mtbf: float, step_s: float) -> int:
     return max(1, round(math.sqrt(2 * max(cost_s, 1e-6) * mtbf) / step_s))
 
 
+#: calibration: CAL_STEPS steps, a snapshot every CAL_EVERY ("auto": its own), killed once at CAL_KILL, restarted
+CAL_STEPS, CAL_EVERY, CAL_KILL = 2000, 200, 1700
+
+
+def calibrate(method: str, every: int, mtbf: float, common: dict[str, Any]) -> dict[str, Any]:
+    """A method's inputs to the prediction, from a run of its own (never one predicted): cost per snapshot (ours: the
+    mean ``snapshot/<tier>/cost_ms`` its cost meter logged from step 0, per tier; others: :func:`save_cost`), first
+    start-up, a restarted process's start-up (restore included), tail (last step to exit)."""
+    cal_every = 0 if method in OURS and not every else CAL_EVERY
+    run, d = run_method(method, every=cal_every, failure_times=[], mtbf=mtbf, kill_steps=[CAL_KILL],
+                        **{**common, "steps": CAL_STEPS})
+    from_steps = save_cost(d / "progress.log", cal_every) if cal_every else None
+    fresh = d / "ours-0.json"
+    meter = json.loads(fresh.read_text()) if fresh.exists() else None
+    costs = [c if c is not None else from_steps or 0.0 for c in meter["costs_s"]] if meter else [from_steps or 0.0]
+    shutil.rmtree(d, ignore_errors=True)
+    return {"every": cal_every or "auto", "costs_s": costs, "cost_s_from_steps": from_steps,
+            "start_s": run.starts[0], "restart_start_s": run.starts[-1], "tail_s": run.tail_s,
+            "kill_to_step_s": run.restart_s, "step_s": run.train_s / max(1, run.steps_trained),
+            "metrics_mean": meter.get("metrics_mean") if meter else None}
+
+
+def predict(inputs: dict[str, Any], run: dict[str, Any], *, interval_scale: float = 1.0, cost_scale: float = 1.0,
+            lost_work: bool = True, draws: int | None = None) -> dict[str, float]:
+    """The simulator's prediction for ``run`` (a record of the JSON's ``runs``) from ``inputs``, none measured in that
+    run: ``none``'s step time and ideal wall, the method's calibration, the interval the run was given (``auto``:
+    Young/Daly for the calibrated cost, the callback's rule), the restart delay and the run's failure times (or
+    ``draws`` draws of them: the expected goodput). A failure loses the work back to the newest snapshot, then costs
+    the delay and a restarted process's start-up. ``interval_scale``, ``cost_scale`` and ``lost_work=False``
+    (snapshots continuous, at the same cost per second) break the model on purpose (tests/unit/test_goodput_sim.py)."""
+    from lightning_snapshot.interval import young_daly_seconds
+    from lightning_snapshot.simulate import TierModel, simulate
+
+    cal = inputs["methods"][run["method"]]
+    step = inputs["step_s"]
+    tiers = []
+    for i, cost in enumerate(cal["costs_s"]):
+        interval = (run["every"] * step if run["every"] else young_daly_seconds(cost, run["mtbf_s"])) * interval_scale
+        cost *= cost_scale
+        if not lost_work:
+            cost, interval = cost / interval * 1e-6, 1e-6
+        tiers.append(TierModel(f"{run['method']}/{i}", cost_s=cost, interval_s=interval))
+    # (a restart: the delay and a restarted process's start-up, its restore included)
+    out = simulate(tiers, work_s=inputs["steps"] * step, mtbf_s=run["mtbf_s"], start_s=cal["start_s"],
+                   restart_s=inputs["restart_delay_s"] + cal["restart_start_s"], horizon_s=inputs["failure_horizon_s"],
+                   failure_times=None if draws else run["failure_schedule"], runs=draws or 1)
+    wall = out.wall_s + cal["tail_s"]
+    return {"goodput": inputs["ideal_wall_s"] / wall, "wall_s": wall, "failures": out.failures,
+            "lost_work_s": out.lost_work_s}
+
+
 def main(argv: list[str] | None = None) -> int:  # noqa: C901
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("mode", nargs="?", default="bench", choices=["bench", "worker"])
+    p.add_argument("--methods", default=None, help="comma-separated (default: all; --predict: " + PREDICT_METHODS + ")")
     p.add_argument("--method", default=None)
-    p.add_argument("--methods", default=",".join(METHODS.names))
     p.add_argument("--dir", default=None)
     p.add_argument("--steps", type=int, default=None, help="W, optimizer steps to reach")
     p.add_argument("--every", type=int, default=0)
+    p.add_argument("--intervals", default=None, help="fixed intervals in steps, METHOD=STEPS,... (default: mc-default"
+                   " W/20; with --predict mc-default W/50 and ours-local W/2)")
     p.add_argument("--mtbf", type=float, default=None, help="mean time between failures (seconds)")
     p.add_argument("--mtbfs", default=None, help="comma-separated MTBFs for the plot (default: mtbf, 2x, 4x)")
+    p.add_argument("--horizon", type=float, default=None, help="failures only in the first HORIZON x the ideal wall"
+                   " time (default 10: all a run meets; 0.9 with --predict)")
     p.add_argument("--width", type=int, default=None, help="hidden width of the MLP")
-    p.add_argument("--frozen-mb", type=int, default=None, help="MiB of frozen (not trained) weights in the model:"
-                   " state to save at little compute")
-    p.add_argument("--restart-delay", type=float, default=2.0, help="seconds from a kill to the restart")
+    p.add_argument("--frozen-mb", type=int, default=None, help="MiB of frozen (not trained) weights (default 128)")
+    p.add_argument("--restart-delay", type=float, default=None, help="seconds from a kill to the restart (2; 1)")
     p.add_argument("--seed", type=int, default=0, help="of the failure times (the first, with --seeds)")
-    p.add_argument("--seeds", type=int, default=None,
-                   help="how many seeds of failure times at the first MTBF, each a run of every method, the methods"
-                        " taken in a rotated order each time (default: 3; 1 with --quick); the other MTBFs run one")
+    p.add_argument("--seeds", type=int, default=None, help="seeds of failure times at the first MTBF (--predict: at"
+                   " each), each a run of every method, in an order rotated each time (3; 1 --quick; 2 --predict)")
     p.add_argument("--kills", default=None, help="explicit kill times (seconds since start), comma-separated")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--predict", action="store_true", help="the regime of the prediction check (tests/fixtures/"
+                   "goodput_predict.json): W=6000, MTBF 1/3 and 2/3 of the ideal wall time, 2 seeds each, failures in"
+                   " its first 0.9, " + PREDICT_METHODS + ", < 20 min")
     p.add_argument("--plot", default=None, help="PNG of goodput against MTBF (default: goodput.png unless --quick)")
     p.add_argument("--timeout", type=float, default=900.0, help="per run")
-    harness.add_arguments(p, markdown=True, json_help="write the figures (for the simulator check: top-level keys"
-                          " steps, step_s, ideal_wall_s, first_start_s, restart_delay_s, runs), the header and the"
-                          " table here")
+    harness.add_arguments(p, markdown=True, json_help="write the prediction's inputs (top-level key inputs) and each"
+                          " run's measured outcome with its prediction (runs), the header and the tables here")
     a = p.parse_args(argv)
     if a.mode == "worker":
-        a.mtbf = a.mtbf or 3600.0
-        a.width = a.width or 512
-        a.frozen_mb = a.frozen_mb or 0
+        a.mtbf, a.width, a.frozen_mb = a.mtbf or 3600.0, a.width or 512, a.frozen_mb or 0
         _worker(a)
         return 0
-    steps = a.steps or (4000 if a.quick else 8000)
+    steps = a.steps or (4000 if a.quick else 6000 if a.predict else 8000)
     width = a.width or 512
-    mtbf = a.mtbf or 12.0
+    mtbf = a.mtbf or 12.0  # (--predict: a third of the ideal wall time, and two thirds, once it is measured)
     frozen_mb = a.frozen_mb if a.frozen_mb is not None else 128
-    seeds = [a.seed + i for i in range(a.seeds or (1 if a.quick else 3))]
-    mtbfs = [float(x) for x in a.mtbfs.split(",")] if a.mtbfs else ([mtbf] if a.quick else [mtbf, 2 * mtbf, 4 * mtbf])
+    delay = a.restart_delay if a.restart_delay is not None else (1.0 if a.predict else 2.0)
+    horizon_x = a.horizon if a.horizon is not None else (0.9 if a.predict else 10.0)
+    seeds = [a.seed + i for i in range(a.seeds or (2 if a.predict else 1 if a.quick else 3))]
+    mtbfs = ([float(x) for x in a.mtbfs.split(",")] if a.mtbfs else
+             [mtbf, 2 * mtbf] if a.predict and a.mtbf else [mtbf] if a.quick else [mtbf, 2 * mtbf, 4 * mtbf])
+    a.methods = a.methods or (PREDICT_METHODS if a.predict else ",".join(METHODS.names))
     methods = [m for m in a.methods.split(",") if m]
     METHODS.select(a.methods, p)  # (unknown names are an error; the order given is kept)
+    fixed = {"mc-default": max(1, steps // (50 if a.predict else 20))}
+    if a.predict:
+        fixed["ours-local"] = steps // 2
+    fixed.update({k: int(v) for k, v in (x.split("=") for x in (a.intervals or "").split(",") if x)})
     workdir = Path(a.dir or tempfile.mkdtemp(prefix="goodput-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    common = dict(steps=steps, restart_delay=a.restart_delay, width=width, workdir=workdir, timeout=a.timeout,
+    common = dict(steps=steps, restart_delay=delay, width=width, workdir=workdir, timeout=a.timeout,
                   frozen_mb=frozen_mb)
     out = harness.Report("goodput", a)
-    out.header(W=f"{steps} steps", MLP_width=width, frozen=f"{frozen_mb} MiB", restart_delay=f"{a.restart_delay} s",
-               MTBFs=f"{mtbfs} s", seeds=seeds)
     # the ideal: no checkpointing, no failures
     ideal, ideal_dir = run_method("none", every=0, failure_times=[], mtbf=mtbf, **common)
-    step_s = ideal.train_s / max(1, ideal.steps_trained)
+    step_s, horizon = ideal.train_s / max(1, ideal.steps_trained), horizon_x * ideal.wall_s
+    if a.predict and not a.mtbf and not a.mtbfs:  # (in proportion to this machine's speed now)
+        mtbfs = [round(ideal.wall_s / 3, 1), round(2 * ideal.wall_s / 3, 1)]
+        mtbf = mtbfs[0]
+    out.header(W=f"{steps} steps", MLP_width=width, frozen=f"{frozen_mb} MiB", restart_delay=f"{delay} s",
+               MTBFs=f"{mtbfs} s", seeds=seeds, failures=f"in the first {horizon_x:g} x the ideal wall time",
+               intervals=", ".join(f"{k} {v}" for k, v in fixed.items() if k in methods))
     print(f"ideal wall {ideal.wall_s:.1f} s (start-up {ideal.starts[0]:.1f} s, {step_s * 1e3:.1f} ms/step)", flush=True)
-    # calibration: each peer's cost per save, failure-free, saving every 50 steps (1000 steps)
-    calib: dict[str, float] = {}
-    for method in [m for m in methods if m in ("mc-yd", "async-io", "dcp")]:
-        cal, cal_dir = run_method("async-io" if method == "async-io" else ("dcp" if method == "dcp" else "mc-yd"),
-                                  every=50, failure_times=[], mtbf=mtbf, **{**common, "steps": 1000})
-        calib[method] = save_cost(cal_dir / "progress.log", 50)
-        shutil.rmtree(cal_dir, ignore_errors=True)
-        print(f"calibration {method}: {calib[method] * 1e3:.1f} ms per save", flush=True)
+    # calibration: each method's inputs to the prediction, in a run of its own
+    cal = {method: calibrate(method, fixed.get(method, 0), mtbf, common) for method in methods if method != "none"}
+    for method, c in cal.items():
+        print(f"calibration {method}: {json.dumps({k: v for k, v in c.items() if k != 'metrics_mean'})}", flush=True)
     results: dict[float, list[Run]] = {}
     chosen = [m for m in methods if m != "none" or a.kills]  # (none's ideal run is above)
     for m in mtbfs:
         rows = results.setdefault(m, [])
-        for i, seed in enumerate(seeds if m == mtbfs[0] and not a.kills else seeds[:1]):
-            kills = [float(x) for x in a.kills.split(",")] if a.kills else failure_times(seed, m, 10 * ideal.wall_s)
+        for i, seed in enumerate(seeds if (m == mtbfs[0] or a.predict) and not a.kills else seeds[:1]):
+            kills = [float(x) for x in a.kills.split(",")] if a.kills else failure_times(seed, m, horizon)
             # (rotated each seed: a slow spell of the machine does not fall on the same method every time)
             for method in chosen[i % len(chosen):] + chosen[:i % len(chosen)]:
-                every = {"none": 0, "mc-default": max(1, steps // 20)}.get(method)
-                if every is None:
-                    every = young_daly_every(calib.get(method, 0.0), m, step_s) if method in calib else 0
+                every = fixed.get(method, 0)
+                if method in ("mc-yd", "async-io", "dcp"):
+                    every = young_daly_every(cal[method]["costs_s"][0], m, step_s)
                 run, d = run_method(method, every=every, failure_times=kills, mtbf=m, **common)
-                run.seed = seed
+                run.seed, run.schedule = seed, kills
                 if method in OURS:
                     run.bitwise = _bitwise(ideal_dir / "final.pt", d / "final.pt")
                     if (d / "ours.json").exists():
@@ -533,26 +597,28 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
                 rows.append(run)
                 shutil.rmtree(d, ignore_errors=True)
                 print(f"  MTBF {m:g} s seed {seed} {method:<15} wall {run.wall_s:7.1f} s  failures {run.failures}"
-                      f"  goodput {ideal.wall_s / run.wall_s:.3f}", flush=True)
-    # the ideal again, last: the faster of the two failure-free runs is the ideal (the other one met more noise)
+                      f"  goodput {ideal.wall_s / run.wall_s:.3f}  load {run.noise['load_before']:.1f}", flush=True)
+    # the ideal again, last: the faster of the two failure-free runs is the ideal (the other one met more noise); the
+    # step time of the prediction is their mean
     again, again_dir = run_method("none", every=0, failure_times=[], mtbf=mtbf, **common)
-    print(f"ideal wall again {again.wall_s:.1f} s (start-up {again.starts[0]:.1f} s); the faster one is used",
-          flush=True)
-    print(f"the two failure-free runs differ by {abs(again.wall_s - ideal.wall_s):.1f} s (the machine's run-to-run"
-          " noise in this benchmark)", flush=True)
-    if again.wall_s < ideal.wall_s:
-        ideal, step_s = again, again.train_s / max(1, again.steps_trained)
+    print(f"ideal wall again {again.wall_s:.1f} s (start-up {again.starts[0]:.1f} s); the faster one is used: the"
+          f" two differ by {abs(again.wall_s - ideal.wall_s):.1f} s (the machine's run-to-run noise)", flush=True)
+    nones, ideal = [ideal, again], min(ideal, again, key=lambda r: r.wall_s)
     shutil.rmtree(again_dir, ignore_errors=True)
-    out.table(report(ideal, step_s, results, a.restart_delay))
-    fig = figures(ideal, step_s, results, a.restart_delay, steps)
-    expected = expected_goodputs(fig, results)
-    means = summary(ideal, results, a.restart_delay, expected)
+    none_steps = [r.train_s / max(1, r.steps_trained) for r in nones]
+    inputs = {"steps": steps, "step_s": _mean(none_steps), "none_step_s": none_steps,
+              "none_wall_s": [r.wall_s for r in nones], "ideal_wall_s": ideal.wall_s, "restart_delay_s": delay,
+              "failure_horizon_s": horizon, "methods": cal}
+    records = run_records(ideal, inputs, results)
+    out.table(report(ideal, inputs["step_s"], results, delay, records))
+    expected = {(r["mtbf_s"], r["method"]): predict(inputs, r, draws=EXPECTED_RUNS)["goodput"] for r in records}
+    means = summary(ideal, results, delay, expected)
     if means is not None:
         out.table(means)
-    targets(ideal, results, a.restart_delay, mtbfs[0], out.targets, expected)
-    out.fields.update(fig)
+    targets(ideal, results, delay, mtbfs[0], out.targets, expected)
+    out.fields.update(inputs=inputs, runs=records)
     status = out.finish()  # (the JSON is written before the plot, which needs matplotlib)
-    plot = a.plot or (None if len(mtbfs) < 2 else "goodput.png")
+    plot = a.plot or (None if len(mtbfs) < 2 or a.predict else "goodput.png")
     if plot:
         write_plot(ideal, results, plot, expected)
     shutil.rmtree(ideal_dir, ignore_errors=True)
@@ -564,40 +630,56 @@ def _overhead(run: Run, step_s: float) -> float:
 
 
 def lost_apart_from_restart(run: Run, ideal: Run, delay: float) -> float:
-    """Wall time lost to failures and snapshots apart from the fixed restart: over the ideal wall time, minus the
-    restart delays and the time every process of the run spent booting (Python, torch and Lightning imported, the
-    same for every method; measured per process) beyond the failure-free run's own boot. What is left: steps lost,
-    snapshot overhead, and what restoring adds to a start (the method's own imports, loading the state, Lightning's
-    setup)."""
-    if not run.boots or not ideal.boots:  # (older recordings: the failure-free run's start-up per failure)
-        start = ideal.starts[0] if ideal.starts else 0.0
-        return run.wall_s - ideal.wall_s - run.failures * (delay + start)
+    """Wall time over the ideal less the restart delays and the processes' boot (interpreter, torch, Lightning: alike
+    for every method) beyond the ideal run's: steps lost, snapshot overhead and what restoring adds to a start."""
     return run.wall_s - ideal.wall_s - run.failures * delay - (sum(run.boots) - ideal.boots[0])
 
 
-COLUMNS = ["MTBF", "seed", harness.Column("method", "<"), harness.Column("every", "<"), "goodput", "failures",
-           "steps lost", "restart+restore s", "snapshot overhead s", "lost apart from restart delay s",
-           "lost apart from restart delay and start-up s", "final state"]
+COLUMNS = ["MTBF", "seed", harness.Column("method", "<"), harness.Column("every", "<"), "failures", "goodput",
+           "predicted", "predicted - measured", "steps lost", "restart+restore s", "snapshot overhead s",
+           "lost apart from restart delay and start-up s", "final state", "load (others' CPU)"]
 
 
-def report(ideal: Run, step_s: float, results: dict[float, list[Run]], delay: float) -> harness.Table:
-    table = harness.Table(f"Goodput to W steps (ideal wall {ideal.wall_s:.1f} s)", COLUMNS, key="goodput")
+def report(ideal: Run, step_s: float, results: dict[float, list[Run]], delay: float,
+           records: list[dict[str, Any]]) -> harness.Table:
+    """Every run (``records``: the same runs, with their predictions, in the same order)."""
+    table = harness.Table(f"Goodput to W steps (ideal wall {ideal.wall_s:.1f} s), measured and predicted", COLUMNS,
+                          key="goodput")
+    for r, rec in zip([r for rows in results.values() for r in rows], records, strict=True):
+        every = "auto" if r.method in OURS and not r.every else (r.every or "-")
+        if r.ours:
+            every = f"{every} (" + "/".join(str(i) for i in r.ours["intervals"]) + ")"
+        apart = lost_apart_from_restart(r, ideal, delay)
+        predicted, n = rec["predicted_goodput"], r.noise
+        table.add(f"{rec['mtbf_s']:g} s", r.seed, r.method, every, r.failures, f"{ideal.wall_s / r.wall_s:.3f}",
+                  f"{predicted:.3f}", f"{predicted - ideal.wall_s / r.wall_s:+.3f}", r.steps_lost,
+                  f"{r.restart_s:.1f}", f"{_overhead(r, step_s):.1f}", f"{apart:.1f}", r.bitwise or "-",
+                  f"{n['load_before']:.1f}-{n['load_after']:.1f} ({n['others_cpu_share']:.0%})",
+                  data={"mtbf_s": rec["mtbf_s"], "seed": r.seed, "method": r.method, "every": every,
+                        "goodput": ideal.wall_s / r.wall_s, "predicted_goodput": predicted, "failures": r.failures,
+                        "steps_lost": r.steps_lost, "restart_s": r.restart_s, "overhead_s": _overhead(r, step_s),
+                        "lost_apart_from_restart_s": apart, "bitwise": r.bitwise})
+    return table
+
+
+def run_records(ideal: Run, inputs: dict[str, Any], results: dict[float, list[Run]]) -> list[dict[str, Any]]:
+    """Each run: what it was given (method, interval, failure times), what it measured, and the prediction from
+    ``inputs`` (:func:`predict`)."""
+    out = []
     for m, rows in results.items():
         for r in rows:
-            every = "auto" if r.method in OURS else (r.every or "-")
-            if r.ours:
-                every = "auto (" + "/".join(str(i) for i in r.ours["intervals"]) + ")"
-            lost = r.wall_s - ideal.wall_s - delay * r.failures
-            apart = lost_apart_from_restart(r, ideal, delay)
-            table.add(f"{m:g} s", r.seed, r.method, every, f"{ideal.wall_s / r.wall_s:.3f}", r.failures,
-                      r.steps_lost, f"{r.restart_s:.1f}", f"{_overhead(r, step_s):.1f}", f"{lost:.1f}", f"{apart:.1f}",
-                      r.bitwise or "-",
-                      data={"mtbf_s": m, "seed": r.seed, "method": r.method, "every": every,
-                            "goodput": ideal.wall_s / r.wall_s,
-                            "failures": r.failures, "steps_lost": r.steps_lost, "restart_s": r.restart_s,
-                            "overhead_s": _overhead(r, step_s), "lost_s": lost, "lost_apart_from_restart_s": apart,
-                            "bitwise": r.bitwise})
-    return table
+            record: dict[str, Any] = {
+                "mtbf_s": m, "seed": r.seed, "method": r.method, "every": r.every, "failure_schedule": r.schedule,
+                # measured (none of it enters the prediction)
+                "wall_s": r.wall_s, "measured_goodput": ideal.wall_s / r.wall_s, "failures": r.failures,
+                "kills_at": r.kills_at, "steps_lost": r.steps_lost, "restart_s": r.restart_s / max(1, r.failures),
+                "starts_s": r.starts, "tail_s": r.tail_s, "train_step_s": r.train_s / max(1, r.steps_trained),
+                "intervals_used": r.ours["intervals"] if r.ours else None, "bitwise": r.bitwise, "noise": r.noise}
+            p = predict(inputs, record)
+            record.update(predicted_goodput=p["goodput"], predicted_wall_s=p["wall_s"],
+                          predicted_failures=p["failures"], predicted_lost_work_s=p["lost_work_s"])
+            out.append(record)
+    return out
 
 
 def by_method(rows: list[Run]) -> dict[str, list[Run]]:
@@ -625,60 +707,27 @@ SUMMARY = ["MTBF", harness.Column("method", "<"), "seeds", "goodput (mean)", "go
            "final state"]
 #: failure draws the expected goodput is averaged over
 EXPECTED_RUNS = 2000
-
-
-def expected_goodput(fig: dict[str, Any], method: str, mtbf: float) -> float | None:
-    """The goodput ``method`` can expect at ``mtbf``: the simulator (:mod:`lightning_snapshot.simulate`, checked
-    against recorded runs by tests/unit/test_goodput_sim.py) given this benchmark's measured figures of the method
-    (training time per step with its snapshots, interval, restart attempt, first start-up, the tail after the last
-    step; means over its seeds) and averaged over ``EXPECTED_RUNS`` draws of failure times instead of a few: what the
-    measured costs give without the luck of which failure times a run happened to meet."""
-    from lightning_snapshot.simulate import TierModel, simulate
-
-    runs = [r for r in fig["runs"] if r["method"] == method and r["mtbf_s"] == mtbf]
-    if not runs:
-        return None
-    step = _mean([r["train_step_s"] for r in runs])
-    interval = _mean([r["interval_steps"] for r in runs])
-    tiers = [TierModel(method, cost_s=0.0, interval_s=interval * step)] if interval else []
-    out = simulate(tiers, work_s=fig["steps"] * step, mtbf_s=mtbf,
-                   restart_s=_mean([r["restart_attempt_s"] for r in runs]),
-                   start_s=_mean([r["first_start_s"] or 0.0 for r in runs]), runs=EXPECTED_RUNS)
-    return fig["ideal_wall_s"] / (out.wall_s + _mean([r["tail_s"] for r in runs]))
-
-
-Expected = dict[tuple[float, str], float | None]  # (MTBF, method) -> expected_goodput
-
-
-def expected_goodputs(fig: dict[str, Any], results: dict[float, list[Run]]) -> Expected:
-    """:func:`expected_goodput` of every method at every MTBF it ran at, computed once for the table of means, the
-    targets and the plot."""
-    return {(m, method): expected_goodput(fig, method, m) for m, rows in results.items() for method in by_method(rows)}
+Expected = dict[tuple[float, str], float | None]  # (MTBF, method) -> predict(..., draws=EXPECTED_RUNS)
 
 
 def summary(ideal: Run, results: dict[float, list[Run]], delay: float, expected: Expected) -> harness.Table | None:
-    """Each method's mean over the seeds at each MTBF, and the goodput its measured figures give in expectation
-    (``expected``; None where no MTBF ran more than one seed)."""
+    """Each method's mean over the seeds at each MTBF, and ``expected`` (None where no MTBF ran more than one seed)."""
     grouped = {m: by_method(rows) for m, rows in results.items()}
     if not any(len(runs) > 1 for methods in grouped.values() for runs in methods.values()):
         return None
-    table = harness.Table("Mean over the seeds (each seed: its own failure times, every method), and the expected"
-                          " goodput", SUMMARY,
-                          key="goodput_mean")
+    table = harness.Table("Mean over the seeds, and the expected goodput", SUMMARY, key="goodput_mean")
     for m, methods in grouped.items():
         for method, runs in methods.items():
-            goodputs = [ideal.wall_s / r.wall_s for r in runs]
-            lost = mean_lost(ideal, runs, delay)
+            goodputs, lost = [ideal.wall_s / r.wall_s for r in runs], mean_lost(ideal, runs, delay)
             states = {r.bitwise for r in runs if r.bitwise}
             state = "-" if not states else ("PASS" if states == {"PASS"} else "FAIL")
             table.add(f"{m:g} s", method, len(runs), f"{_mean(goodputs):.3f}",
                       f"{min(goodputs):.3f}-{max(goodputs):.3f}", f"{_mean([r.failures for r in runs]):.1f}",
                       f"{_mean([r.steps_lost for r in runs]):.0f}", f"{lost:.1f}",
-                      harness.fmt(expected[m, method], ".3f"), state,
-                      data={"mtbf_s": m, "method": method, "seeds": [r.seed for r in runs],
-                            "expected_goodput": expected[m, method],
-                            "goodput_mean": _mean(goodputs), "goodputs": goodputs, "final_state": state,
-                            "lost_apart_from_restart_s_mean": lost})
+                      harness.fmt(expected.get((m, method)), ".3f"), state,
+                      data={"mtbf_s": m, "method": method, "seeds": [r.seed for r in runs], "goodputs": goodputs,
+                            "expected_goodput": expected.get((m, method)), "goodput_mean": _mean(goodputs),
+                            "final_state": state, "lost_apart_from_restart_s_mean": lost})
     return table
 
 
@@ -715,7 +764,7 @@ def targets(ideal: Run, results: dict[float, list[Run]], delay: float, mtbf: flo
         expect = {k: expected.get((mtbf, k)) or 0.0 for k in methods}
         mine = max(ours, key=lambda k: expect[k])
         theirs = max(peers, key=lambda k: expect[k])
-        check.info(f"expected goodput (simulated from the measured figures, {EXPECTED_RUNS} draws of failure times):"
+        check.info(f"expected goodput (predicted from the calibrated inputs, {EXPECTED_RUNS} draws of failures):"
                    f" {mine} {expect[mine]:.3f}, the best peer {theirs} {expect[theirs]:.3f}", expect[mine])
     few = sorted({r.method for r in rows if r.failures < 5})
     (check.warn if few else check.info)(f">= 5 failures per method: {'yes' if not few else 'no: ' + ', '.join(few)}")
@@ -725,35 +774,9 @@ def targets(ideal: Run, results: dict[float, list[Run]], delay: float, mtbf: flo
                                              f" failure-free run ({r.bitwise})")
 
 
-def figures(ideal: Run, step_s: float, results: dict[float, list[Run]], delay: float, steps: int) -> dict[str, Any]:
-    """What the simulator needs to replay each run, with the measured goodput."""
-    out: dict[str, Any] = {"steps": steps, "step_s": step_s, "ideal_wall_s": ideal.wall_s,
-                           "first_start_s": ideal.starts[0], "restart_delay_s": delay, "runs": []}
-    for m, rows in results.items():
-        for r in rows:
-            cost = _overhead(r, step_s) / max(1, r.steps_trained) * r.every if r.every else 0.0
-            if r.method in OURS and r.ours:
-                # (a killed process's newest snapshot is in the tier snapshotting most often: with the RAM tier, the
-                # agent holds it)
-                interval = min(r.ours["intervals"])
-                cost = _overhead(r, step_s) / max(1, r.steps_trained) * interval
-            else:
-                interval = r.every
-            out["runs"].append({"mtbf_s": m, "seed": r.seed, "method": r.method, "interval_steps": interval,
-                                "cost_s": cost,
-                                "failure_times": r.kills_at, "wall_s": r.wall_s, "failures": r.failures,
-                                "restart_s": r.restart_s / max(1, r.failures), "steps_lost": r.steps_lost,
-                                "first_start_s": r.starts[0] if r.starts else None, "tail_s": r.tail_s,
-                                "restart_attempt_s": delay + (sum(r.starts[1:]) / len(r.starts[1:]) if r.starts[1:]
-                                                              else (r.starts[0] if r.starts else 0.0)),
-                                "train_step_s": r.train_s / max(1, r.steps_trained),
-                                "measured_goodput": ideal.wall_s / r.wall_s, "bitwise": r.bitwise})
-    return out
-
-
 def write_plot(ideal: Run, results: dict[float, list[Run]], path: str, expected: Expected) -> None:
-    """Measured goodput (markers: the mean over the seeds) and the expected one (lines: simulated from the measured
-    figures) against MTBF, per method."""
+    """Measured goodput (markers: the mean over the seeds) and the expected one (lines: :func:`predict` over draws of
+    failure times) against MTBF, per method."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -765,8 +788,7 @@ def write_plot(ideal: Run, results: dict[float, list[Run]], path: str, expected:
         measured = [mean_goodput(ideal, by_method(results[m])[method]) for m in mtbfs]
         line = ax.plot(mtbfs, [expected[m, method] for m in mtbfs], label=f"{method} (expected)")[0]
         ax.plot(mtbfs, measured, marker="o", linestyle="none", color=line.get_color())
-    ax.set_xlabel("MTBF (s)")
-    ax.set_ylabel("goodput")
+    ax.set(xlabel="MTBF (s)", ylabel="goodput")
     ax.set_title("markers: measured (mean over the seeds); lines: expected", fontsize=8)
     ax.legend(fontsize=7)
     figure.tight_layout()

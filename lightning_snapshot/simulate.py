@@ -95,16 +95,18 @@ def _one_run(
     mtbf_s: float,
     failure_times: Sequence[float] | None,
     start_s: float = 0.0,
+    horizon_s: float = math.inf,
 ) -> tuple[float, int, float, float, float]:
     rate = 1.0 + sum(t.cost_s / _interval(t) for t in tiers)  # wall seconds per second of training
     times = iter(sorted(failure_times)) if failure_times is not None else None
 
     def next_failure(now: float) -> float:
         if times is None:
-            return now + rng.expovariate(1.0 / mtbf_s)
+            t = now + rng.expovariate(1.0 / mtbf_s)
+            return t if t <= horizon_s else math.inf
         for t in times:
             if t > now:
-                return t
+                return t if t <= horizon_s else math.inf
         return math.inf
 
     wall, done, failures = 0.0, 0.0, 0
@@ -151,6 +153,7 @@ def simulate(
     runs: int = 8,
     failure_times: Sequence[float] | None = None,
     start_s: float = 0.0,
+    horizon_s: float = math.inf,
 ) -> Outcome:
     """Simulate ``runs`` jobs (seeded) and return the mean outcome.
 
@@ -167,11 +170,13 @@ def simulate(
         failure_times: absolute wall times of failures instead of random ones (a recorded run's).
         start_s: start-up before training first starts (a failure during it starts the job again after
             ``restart_s``); counted in the wall time, not in the restart or restore time.
+        horizon_s: no failure after this wall time (a job whose failures stop: each failure time before it is met by
+            a run that lasts past it, whatever its speed).
     """
     tiers = _intervals(tiers, mtbf_s, node_loss)
     rng = random.Random(seed)
     results = [
-        _one_run(tiers, work_s, restart_s, node_loss, rng, mtbf_s, failure_times, start_s)
+        _one_run(tiers, work_s, restart_s, node_loss, rng, mtbf_s, failure_times, start_s, horizon_s)
         for _ in range(1 if failure_times is not None else runs)
     ]
     n = len(results)

@@ -1,76 +1,121 @@
-"""The simulator replays runs of benchmarks/goodput.py (figures its --json wrote on the 2-core machine): the
-simulated goodput is within 0.03 of the measured one for each method.
+"""The goodput model predicts runs it was not fitted to (tests/fixtures/goodput_predict.json: the runs of
+``python benchmarks/goodput.py --predict`` quoted in docs/benchmarks.md), and the check can fail.
 
-Each run is replayed with its own figures: its training rate per step (snapshot overhead included: the machine is
-shared, so another run's step time is not this run's baseline), its interval, its first start-up and its restart
-attempts (delay + start-up + restore), and its failure times; the simulator decides the work lost at each failure
-(back to the newest snapshot held) and the failures that hit a restart.
+Each run is predicted from the invocation's inputs alone, measured in other runs than the one predicted: the step
+time of the failure-free ``none`` runs (made first and last), each method's calibration run (its cost per snapshot:
+ours from its cost meter, ``snapshot/<tier>/cost_ms``, the others from their step times; its first and restarted
+start-ups; its tail), the restart delay and the MTBF. Of the run itself only what it was given enters: its method,
+interval and failure times (the experiment's input). The simulator then decides the work lost at each failure (back
+to the newest snapshot), the snapshots' cost and the restarts, including failures that hit a restart.
+
+The tolerance, ``TOL`` in goodput: see ``test_every_recorded_run_is_predicted_within_the_tolerance``, which the
+recorded run does not meet (it was recorded on the shared VM under load; docs/benchmarks.md gives the misses).
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
 from lightning_snapshot.simulate import TierModel, simulate
 
-FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "goodput_quick.json"
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import goodput  # noqa: E402
+
+FIXTURE = ROOT / "tests" / "fixtures" / "goodput_predict.json"
+#: what the prediction may miss by, in goodput (ideal wall / wall); justified in the test below
+TOL = 0.05
+#: what a run's prediction is given of the run itself: what the experiment gave the run, nothing it measured
+GIVEN = ("method", "mtbf_s", "every", "failure_schedule")
 
 
-def replay(fig: dict, run: dict) -> float:
-    tiers = [TierModel(run["method"], cost_s=0.0, interval_s=run["interval_steps"] * run["train_step_s"])]
-    out = simulate(tiers, work_s=fig["steps"] * run["train_step_s"], mtbf_s=run["mtbf_s"],
-                   restart_s=run["restart_attempt_s"], failure_times=run["failure_times"],
-                   start_s=run["first_start_s"])
-    # after the last step: writing the final state and the exit (the run's own, or as in the ideal run)
-    tail = run.get("tail_s", max(0.0, fig["ideal_wall_s"] - fig["first_start_s"] - fig["steps"] * fig["step_s"]))
-    return fig["ideal_wall_s"] / (out.wall_s + tail)
+def _load() -> dict:
+    return json.loads(FIXTURE.read_text())
 
 
-def test_simulator_agrees_with_measured_goodput():
-    fig = json.loads(FIXTURE.read_text())
-    runs = fig["runs"]
-    assert {r["method"] for r in runs} >= {"mc-yd", "ours-local"}
-    assert sum(r["failures"] for r in runs) >= 1  # the replay has failures to account for
-    for run in runs:
-        simulated = replay(fig, run)
-        print(f"{run['method']:<15} failures {run['failures']} measured {run['measured_goodput']:.3f}"
-              f" simulated {simulated:.3f}")
-        assert simulated == pytest.approx(run["measured_goodput"], abs=0.03), run["method"]
-
-
-def test_simulator_agrees_with_the_default_run_at_its_default_mtbf():
-    """The default run (W=16000, MTBFs 10/20/40 s, quiet 2-core machine, library at b0ac087): at the default MTBF
-    (10 s, 10 to 16 failures per method) every method's replay is within 0.03 of its measured goodput. (At 40 s two
-    runs replay 0.057 high: the machine's step rate fell by about half during them, and a replay at the run's mean
-    rate puts their one failure at the wrong point of the work; see docs/benchmarks.md.)"""
-    fig = json.loads(FIXTURE.with_name("goodput_default.json").read_text())
-    runs = [r for r in fig["runs"] if r["mtbf_s"] == 10.0]
-    assert {r["method"] for r in runs} == {"mc-yd", "mc-default", "async-io", "dcp", "ours-local", "ours-ram-local"}
-    assert min(r["failures"] for r in runs) >= 5
-    for run in runs:
-        assert replay(fig, run) == pytest.approx(run["measured_goodput"], abs=0.03), run["method"]
-
-
-def test_simulator_agrees_with_each_methods_mean_over_seeds():
-    """The default run with seeds (W=8000, a 128 MiB frozen table, MTBF 12 s under 3 seeds of failure times, 24 and
-    48 s under one; quiet 2-core machine, library at 0df1798): per method and MTBF, the mean of the replays is within
-    0.03 of the mean measured goodput. (Single runs: 28 of the 30 replay within 0.03; the two that met 9 and 10
-    failures replay 0.06-0.07 high: they ended just after a failure time the replay, at the run's mean step rate,
-    ends before. See docs/benchmarks.md.)"""
-    fig = json.loads(FIXTURE.with_name("goodput_seeds.json").read_text())
-    groups: dict[tuple[float, str], list[dict]] = {}
+def _errors(fig: dict, **broken: object) -> list[tuple[dict, float]]:
+    """(run, predicted - measured goodput) of every recorded run, the model broken as ``broken`` says."""
+    out = []
     for run in fig["runs"]:
-        groups.setdefault((run["mtbf_s"], run["method"]), []).append(run)
-    assert {m for _, m in groups} == {"mc-yd", "mc-default", "async-io", "dcp", "ours-local", "ours-ram-local"}
-    assert {len(runs) for (mtbf, _), runs in groups.items() if mtbf == 12.0} == {3}
-    assert sum(r["failures"] for r in fig["runs"]) >= 60
-    close = 0
-    for (mtbf, method), runs in groups.items():
-        replays = [replay(fig, r) for r in runs]
-        close += sum(abs(s - r["measured_goodput"]) <= 0.03 for s, r in zip(replays, runs, strict=True))
-        measured = sum(r["measured_goodput"] for r in runs) / len(runs)
-        assert sum(replays) / len(replays) == pytest.approx(measured, abs=0.03), (mtbf, method)
-    assert close >= 28
+        given = {k: run[k] for k in GIVEN}
+        out.append((run, goodput.predict(fig["inputs"], given, **broken)["goodput"] - run["measured_goodput"]))
+    return out
+
+
+def _outside(errors: list[tuple[dict, float]]) -> list[str]:
+    return [f"{r['method']} MTBF {r['mtbf_s']:g} seed {r['seed']}: {e:+.3f}" for r, e in errors if abs(e) > TOL]
+
+
+def test_the_fixture_holds_runs_not_fitted_to():
+    fig = _load()
+    inputs, runs = fig["inputs"], fig["runs"]
+    # at least 2 MTBFs, each method at each, failures to account for at each
+    mtbfs = sorted({r["mtbf_s"] for r in runs})
+    assert len(mtbfs) >= 2
+    methods = {r["method"] for r in runs}
+    assert {"ours-local", "mc-default"} <= methods
+    for m in mtbfs:
+        assert {r["method"] for r in runs if r["mtbf_s"] == m} == methods
+        assert sum(r["failures"] for r in runs if r["mtbf_s"] == m) >= len(methods)
+    # the inputs: none's two failure-free runs and one calibration run per method (measured apart from the runs)
+    assert len(inputs["none_step_s"]) == 2 and set(inputs["methods"]) == methods
+    for cal in inputs["methods"].values():
+        assert all(c > 0 for c in cal["costs_s"]) and cal["start_s"] > 0 and cal["restart_start_s"] > 0
+
+
+@pytest.mark.xfail(strict=True, reason="the recorded run (load average 6-12, 84-86% of the CPUs used by other"
+                   " processes) misses by 0.08-0.18: see docs/benchmarks.md; strict: a recording that passes fails this")
+def test_every_recorded_run_is_predicted_within_the_tolerance():
+    """Every recorded run, at every MTBF, none left out, is predicted within TOL = 0.05 of its measured goodput.
+
+    Why 0.05: the inputs come from other runs, so the prediction misses by what the machine's speed varies between
+    runs; the step time makes up about half of a run's wall time, and on the idle VM identical runs differ by a few per
+    cent, which at a goodput of 0.5-0.8 is 0.02-0.04. 0.05 is below what each error below moves a prediction by.
+    The fixture was recorded on the shared VM under load and misses by more (docs/benchmarks.md): xfail, strict."""
+    errors = _errors(_load())
+    for run, error in errors:
+        print(f"{run['method']:<15} MTBF {run['mtbf_s']:g} seed {run['seed']} failures {run['failures']}"
+              f" measured {run['measured_goodput']:.3f} predicted {run['measured_goodput'] + error:.3f}")
+    assert not _outside(errors), _outside(errors)
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [
+        {"interval_scale": 2.0},  # a wrong interval (twice the one the run was given)
+        {"cost_scale": 2.0},  # a wrong snapshot cost (twice the calibrated one)
+        {"cost_scale": 0.0},  # snapshots free
+        {"lost_work": False},  # each failure loses nothing (snapshots continuous, the same cost per second)
+    ],
+    ids=["interval x2", "cost x2", "cost 0", "lost work ignored"],
+)
+def test_each_error_moves_a_prediction_by_more_than_the_tolerance(broken):
+    """The regime makes each factor matter: on the same recorded runs, each error moves some run's prediction by more
+    than TOL (so a model within TOL of the runs would be put outside it by any of them)."""
+    right = [e for _, e in _errors(_load())]
+    moves = [w - r for w, r in zip([e for _, e in _errors(_load(), **broken)], right, strict=True)]
+    print(broken, [f"{m:+.3f}" for m in moves])
+    assert max(abs(m) for m in moves) > TOL, moves
+
+
+def test_the_simulator_accounts_for_lost_work_snapshot_cost_and_restarts():
+    """One failure, worked by hand: 2 s start-up, snapshots every 10 s of training costing 1 s each (training runs
+    at 1/1.1 of the wall), a failure at 20 s (16.36 s trained: the snapshot of 10 s is held, 6.36 s lost), a restart
+    of 5 s, the 20 s left at the same rate (22 s): done at 47 s."""
+    tier = TierModel("t", cost_s=1.0, interval_s=10.0)
+    out = simulate([tier], work_s=30.0, mtbf_s=100.0, restart_s=5.0, start_s=2.0, failure_times=[20.0])
+    assert out.wall_s == pytest.approx(47.0)
+    assert out.lost_work_s == pytest.approx(18 / 1.1 - 10)
+    assert out.failures == 1
+    # a failure during the restart starts it again (23 s: training resumes at 28 s, done at 50 s)
+    again = simulate([tier], work_s=30.0, mtbf_s=100.0, restart_s=5.0, start_s=2.0, failure_times=[20.0, 23.0])
+    assert again.wall_s == pytest.approx(50.0) and again.failures == 2
+    # a failure after the horizon is not met
+    late = simulate([tier], work_s=30.0, mtbf_s=100.0, restart_s=5.0, start_s=2.0, failure_times=[20.0, 40.0],
+                    horizon_s=30.0)
+    assert late.wall_s == pytest.approx(47.0) and late.failures == 1
