@@ -14,6 +14,7 @@ from typing import Any
 __all__ = [
     "Box",
     "ReadItem",
+    "SharedBatch",
     "align_up",
     "assign_writers",
     "bytes_needed",
@@ -21,6 +22,7 @@ __all__ = [
     "chunk_ranges",
     "even_shards",
     "plan_layout",
+    "plan_shared_reads",
     "plan_tensor_reads",
     "shard_boxes",
 ]
@@ -73,6 +75,96 @@ def assign_writers(sizes: Sequence[int], world_size: int, pinned: Sequence[int |
         owner[i] = rank
         load[rank] += sizes[i]
     return owner
+
+
+# ---------------------------------------------------------------------------------------------------- read once
+#
+# A restore in which several ranks need the same bytes (DDP: every rank needs the whole replicated state) reads each
+# checksum chunk once per job: one of the ranks that need it reads and verifies it, and sends it to the others. The
+# plan below is what every rank computes, identically, from every rank's needs (loader.py's read-once executor,
+# read_once.py, carries it out).
+
+#: A checksum chunk of a data object: (object key, byte offset in the object, length).
+Chunk = tuple[str, int, int]
+
+
+@dataclass(frozen=True)
+class SharedBatch:
+    """Consecutive chunks that one rank reads and verifies and then sends to the same other ranks.
+
+    Attributes:
+        reader: the rank that reads and verifies the chunks (one of the ranks that need them).
+        receivers: the other ranks that need them, ascending (empty: only the reader needs them).
+        chunks: the chunks, in object order.
+    """
+
+    reader: int
+    receivers: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _o, _s, n in self.chunks)
+
+
+def plan_shared_reads(
+    needs: Sequence[Iterable[Chunk]], *, batch_bytes: int = 64 << 20, readers: Sequence[int] | None = None
+) -> list[SharedBatch]:
+    """Which rank reads each chunk that some ranks need, so that every chunk is read once in the job.
+
+    Args:
+        needs: per rank, the chunks it needs (duplicates allowed).
+        batch_bytes: the most bytes of one batch (a transfer), unless one chunk is larger.
+        readers: the ranks that may read (default: every rank); a chunk is read by one of its ranks that may, or,
+            when none of them may, by none (it is left out: the caller reads it as before).
+
+    A chunk needed by one rank is read by that rank. The chunks needed by the same ranks are split, in object order,
+    into contiguous runs, one per rank that needs them, sized so that every rank ends up reading about the same
+    bytes (the ranks with the fewest bytes so far read more; ties: the lowest rank). Deterministic: every rank
+    computes the same plan from the same ``needs``. Returns the batches in the order their transfers run.
+    """
+    allowed = set(range(len(needs)) if readers is None else readers)
+    needers: dict[Chunk, set[int]] = {}
+    for rank, chunks in enumerate(needs):
+        for chunk in chunks:
+            needers.setdefault(chunk, set()).add(rank)
+    groups: dict[tuple[int, ...], list[Chunk]] = {}
+    for chunk, ranks_of in needers.items():
+        groups.setdefault(tuple(sorted(ranks_of)), []).append(chunk)
+    load = [0] * len(needs)
+    assigned: list[tuple[int, tuple[int, ...], Chunk]] = []  # (reader, all ranks that need it, chunk)
+    # the groups of one rank first (their readers are fixed), then the others, largest first
+    for ranks, chunks in sorted(groups.items(), key=lambda g: (len(g[0]) > 1, -sum(c[2] for c in g[1]), g[0])):
+        chunks.sort()
+        candidates = sorted((r for r in ranks if r in allowed), key=lambda r: (load[r], r))
+        if not candidates:
+            continue
+        total = sum(c[2] for c in chunks)
+        fair = (sum(load[r] for r in candidates) + total) / len(candidates)
+        i = 0
+        for k, reader in enumerate(candidates):
+            share = total if k == len(candidates) - 1 else max(0.0, fair - load[reader])
+            taken = 0
+            while i < len(chunks) and (taken < share or k == len(candidates) - 1):
+                assigned.append((reader, ranks, chunks[i]))
+                taken += chunks[i][2]
+                i += 1
+            load[reader] += taken
+            total -= taken
+    batches: list[SharedBatch] = []
+    for reader, ranks, chunk in sorted(assigned, key=lambda a: (a[0], a[1], a[2])):
+        receivers = tuple(r for r in ranks if r != reader)
+        last = batches[-1] if batches else None
+        if (
+            last is not None
+            and last.reader == reader
+            and last.receivers == receivers
+            and last.nbytes + chunk[2] <= batch_bytes
+        ):
+            batches[-1] = SharedBatch(reader, receivers, (*last.chunks, chunk))
+        else:
+            batches.append(SharedBatch(reader, receivers, (chunk,)))
+    return batches
 
 
 # ---------------------------------------------------------------------------------------------------- resharding

@@ -220,13 +220,64 @@ def no_leaked_threads_or_shm():
         assert not shm, f"shared-memory files left behind: {shm}"
 
 
+class CountingApp:
+    """A WSGI middleware that counts, per object, the bytes of the bodies that GET requests were answered with: what
+    the server sent to readers (``served``), whatever the client library or our own counters say."""
+
+    def __init__(self, app) -> None:
+        import collections
+        import threading
+
+        self.app = app
+        self.served: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+
+    def __call__(self, environ, start_response):
+        body = self.app(environ, start_response)
+        if environ.get("REQUEST_METHOD") != "GET":
+            return body
+        key = environ.get("PATH_INFO", "").lstrip("/")  # (path-style: bucket/key)
+
+        def counted():
+            try:
+                for piece in body:
+                    with self._lock:
+                        self.served[key] += len(piece)
+                    yield piece
+            finally:
+                if hasattr(body, "close"):
+                    body.close()
+
+        return counted()
+
+    def bytes_served(self, prefix: str, suffix: str = "") -> int:
+        """Bytes served of the objects whose ``bucket/key`` starts with ``prefix`` (and ends with ``suffix``)."""
+        with self._lock:
+            return sum(n for k, n in self.served.items() if k.startswith(prefix) and k.endswith(suffix))
+
+
 class S3Server:
-    """moto's S3 server on 127.0.0.1 (port 0 first, then the same port after a restart)."""
+    """moto's S3 server on 127.0.0.1 (port 0 first, then the same port after a restart), which counts the bytes it
+    serves (:attr:`counter`, a :class:`CountingApp`)."""
 
     def __init__(self) -> None:
         from moto.server import ThreadedMotoServer
+        from moto.moto_server.threaded_moto_server import DomainDispatcherApplication, create_backend_app
 
-        self._cls = ThreadedMotoServer
+        server = self
+
+        class Counting(ThreadedMotoServer):
+            def _server_entry(self) -> None:  # (moto's own, with the app wrapped)
+                from moto.moto_server.threaded_moto_server import MotoRequestHandler
+                from werkzeug.serving import make_server
+
+                self._server = make_server(self._ip_address, self._port, server.counter, True,
+                                           request_handler=MotoRequestHandler)
+                self._server_ready_event.set()
+                self._server.serve_forever()
+
+        self._cls = Counting
+        self.counter = CountingApp(DomainDispatcherApplication(create_backend_app))
         self.port = 0
         self.server = None
         self.start()
@@ -268,20 +319,23 @@ def bucket(s3_server, request):
     return name
 
 
-def launch_nodes(script: str, nodes: int, *args: str, timeout: int = 300, env: dict[str, str] | None = None
-                 ) -> list[subprocess.CompletedProcess[str]]:
-    """Run tests/scripts/SCRIPT as ``nodes`` simulated nodes of one process each (NODE_RANK, LOCAL_RANK=0,
-    WORLD_SIZE, MASTER_ADDR=127.0.0.1, a free MASTER_PORT), with LIGHTNING_SNAPSHOT_SHM_DIR pointing each node at
-    its own memory directory when ``env`` gives ``LIGHTNING_SNAPSHOT_SHM_DIR`` as a format string with ``{node}``."""
+def launch_nodes(script: str, nodes: int, *args: str, timeout: int = 300, env: dict[str, str] | None = None,
+                 ranks_per_node: int = 1) -> list[subprocess.CompletedProcess[str]]:
+    """Run tests/scripts/SCRIPT as ``nodes`` simulated nodes of ``ranks_per_node`` processes each (NODE_RANK,
+    LOCAL_RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1, a free MASTER_PORT; the script passes ``--devices``
+    ``ranks_per_node`` to its Trainer), with LIGHTNING_SNAPSHOT_SHM_DIR pointing each node at its own memory directory
+    when ``env`` gives ``LIGHTNING_SNAPSHOT_SHM_DIR`` as a format string with ``{node}``. Returns the processes in
+    global rank order."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = []
-    for node in range(nodes):
-        e = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning", "NODE_RANK": str(node), "LOCAL_RANK": "0",
-             "WORLD_SIZE": str(nodes), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    for node, local in ((n, lr) for n in range(nodes) for lr in range(ranks_per_node)):
+        e = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning", "NODE_RANK": str(node),
+             "LOCAL_RANK": str(local), "WORLD_SIZE": str(nodes * ranks_per_node), "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(port)}
         for k, v in (env or {}).items():
             e[k] = v.format(node=node)
         procs.append(subprocess.Popen([sys.executable, str(SCRIPTS / script), *args], env=e, text=True,
