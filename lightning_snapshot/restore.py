@@ -132,6 +132,10 @@ class Restorer:
             state = self._rank_state(backend, manifest, rank)
             return state.get("late") if isinstance(state, dict) else None
 
+        if backend.node_local and backend.read_once:
+            # each node's own disk: its own rank's section is there (it wrote it), read without first copying every
+            # object a node lacks to it (the restore does that once); where it is not, on_fit_start loads the states
+            return read()
         return self._through_tier(backend, step, read)
 
     def _rank_state(self, backend: Backend, manifest: Any, rank: int) -> Any:

@@ -109,7 +109,7 @@ def test_ddp_restore_from_the_object_store_reads_the_state_once(tmp_path, refere
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["shared"])
+@pytest.mark.parametrize("layout", ["shared", "node-local"])
 def test_ddp_restore_from_a_local_tier_reads_the_state_once(tmp_path, reference, layout):
     where = str(tmp_path / "local") if layout == "shared" else str(tmp_path / "local" / "node{node_rank}")
     tier = ("--dir", where, "--node-local", "true" if layout == "node-local" else "false")
