@@ -88,12 +88,16 @@ class ReadOnce:
             r, a, b, _expected = unit
             mine.setdefault((r.object, r.offset + a, b - a), []).append(unit)
         own = [mine[c][0] for batch in plan if batch.reader == comm.rank for c in batch.chunks]
-        problem = None
+        problem, unexpected = None, None
         try:
             read_units(backend, manifest, prefix, own)
         except (SnapshotError, OSError) as e:
             problem = str(e) if isinstance(e, SnapshotError) else f"{type(e).__name__}: {backend.redact(str(e))}"
+        except Exception as e:  # noqa: BLE001 - a bug: raised here after the others heard of it (they do not wait)
+            problem, unexpected = f"{type(e).__name__}: {backend.redact(str(e))}", e
         agreed = agree(comm, problem)
+        if unexpected is not None:
+            raise unexpected
         if agreed is not None:
             raise SnapshotError(f"the ranks could not read their parts of the {self.where}: {agreed}")
         received = 0

@@ -48,11 +48,11 @@ def _write(root, world: int) -> dict[str, torch.Tensor]:
     return state
 
 
-def _read(root, world: int, targets_of=None):
+def _read(root, world: int, targets_of=None, tier=LocalTier):
     """Every rank restores the shared state read once; per rank: (state, stats, tier bytes, reader, bytes sent)."""
 
     def body(comm: ThreadComm):
-        backend = LocalTier(root)
+        backend = tier(root) if comm.rank == 1 else LocalTier(root)
         manifest = read_manifest(backend, 1)
         reader = ReadOnce(comm, "test snapshot")
         reader.start(None)
@@ -127,6 +127,19 @@ def test_a_corrupted_part_fails_every_rank_with_the_same_error(tmp_path):
     (message,) = messages
     assert "could not read their parts of the test snapshot" in message and "checksum mismatch" in message
     assert message.count("checksum mismatch") == 1  # only the rank that read that chunk found it
+
+
+def test_a_bug_on_one_rank_is_raised_there_and_the_others_do_not_wait(tmp_path):
+    _write(tmp_path, 4)
+
+    class Buggy(LocalTier):
+        def read_into(self, key, offset, out):
+            raise RuntimeError("a bug in the tier")
+
+    out = _read(tmp_path, 4, tier=Buggy)
+    assert isinstance(out[1], RuntimeError), out
+    assert all(isinstance(e, SnapshotError) and "on rank 1: RuntimeError: a bug in the tier" in str(e)
+               for e in out[:1] + out[2:]), out
 
 
 def test_a_rank_that_could_not_prepare_fails_every_rank(tmp_path):
