@@ -12,6 +12,7 @@ import torch
 
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
+sys.path.insert(1, str(Path(__file__).parent.parent / "benchmarks"))  # (_s3: moto that counts what it serves)
 
 
 def run_script(script: str, *args: str, expect_kill: bool = False, timeout: int = 300, expect_rc: int = 0
@@ -220,64 +221,15 @@ def no_leaked_threads_or_shm():
         assert not shm, f"shared-memory files left behind: {shm}"
 
 
-class CountingApp:
-    """A WSGI middleware that counts, per object, the bytes of the bodies that GET requests were answered with: what
-    the server sent to readers (``served``), whatever the client library or our own counters say."""
-
-    def __init__(self, app) -> None:
-        import collections
-        import threading
-
-        self.app = app
-        self.served: collections.Counter[str] = collections.Counter()
-        self._lock = threading.Lock()
-
-    def __call__(self, environ, start_response):
-        body = self.app(environ, start_response)
-        if environ.get("REQUEST_METHOD") != "GET":
-            return body
-        key = environ.get("PATH_INFO", "").lstrip("/")  # (path-style: bucket/key)
-
-        def counted():
-            try:
-                for piece in body:
-                    with self._lock:
-                        self.served[key] += len(piece)
-                    yield piece
-            finally:
-                if hasattr(body, "close"):
-                    body.close()
-
-        return counted()
-
-    def bytes_served(self, prefix: str, suffix: str = "") -> int:
-        """Bytes served of the objects whose ``bucket/key`` starts with ``prefix`` (and ends with ``suffix``)."""
-        with self._lock:
-            return sum(n for k, n in self.served.items() if k.startswith(prefix) and k.endswith(suffix))
-
-
 class S3Server:
     """moto's S3 server on 127.0.0.1 (port 0 first, then the same port after a restart), which counts the bytes it
-    serves (:attr:`counter`, a :class:`CountingApp`)."""
+    serves (:attr:`counter`, benchmarks/_s3.py ``CountingApp``)."""
 
     def __init__(self) -> None:
-        from moto.server import ThreadedMotoServer
-        from moto.moto_server.threaded_moto_server import DomainDispatcherApplication, create_backend_app
+        from _s3 import CountingApp, counting_server_class
 
-        server = self
-
-        class Counting(ThreadedMotoServer):
-            def _server_entry(self) -> None:  # (moto's own, with the app wrapped)
-                from moto.moto_server.threaded_moto_server import MotoRequestHandler
-                from werkzeug.serving import make_server
-
-                self._server = make_server(self._ip_address, self._port, server.counter, True,
-                                           request_handler=MotoRequestHandler)
-                self._server_ready_event.set()
-                self._server.serve_forever()
-
-        self._cls = Counting
-        self.counter = CountingApp(DomainDispatcherApplication(create_backend_app))
+        self.counter = CountingApp()
+        self._cls = counting_server_class(self.counter)
         self.port = 0
         self.server = None
         self.start()
