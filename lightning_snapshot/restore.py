@@ -44,6 +44,7 @@ from lightning_snapshot.errors import (
     TierUnavailableError,
 )
 from lightning_snapshot.loader import ReadStats, read_manifest, read_section, resolve_source
+from lightning_snapshot.progress import human_bytes
 from lightning_snapshot.read_once import ReadOnce
 from lightning_snapshot.read_once import enabled as read_once_enabled
 from lightning_snapshot.restore_records import read_candidate, record_restore
@@ -348,8 +349,15 @@ class Restorer:
         _fit_state.prune_checkpoints(trainer, fit_state, step)
         self._restore_ddp_layout(trainer, rank_state, where)
         seconds = time.monotonic() - t0
+        job = self.stats.get("job_bytes_read") if self.stats is not None else None
+        once = (
+            f" (read once for {self.comm.world_size} ranks: {human_bytes(job)} from the tier)"
+            if self._read_once(backend, where) is not None and isinstance(job, int)
+            else ""
+        )
         rank_zero_info(
             f"lightning-snapshot: restored step {step} from the {backend.tier} tier {backend.url} in {seconds:.2f} s"
+            + once
         )
         return Restored(
             url=backend.url,
