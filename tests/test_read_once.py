@@ -95,12 +95,12 @@ def test_ddp_restore_from_the_object_store_reads_the_state_once(tmp_path, refere
     _run(tmp_path, *ARGS, *s3, "--crash-at", "10", "--crash-after-newest", kill=True)
     tier = ObjectStoreTier(url, storage_options=_options(s3_server.endpoint))
     step = committed_steps(tier)[0]  # (8; or 4 where the upload of 4 was still running at 8, which was skipped)
+    state = _object_bytes(tier, step)  # (before the resumed run, whose retention may delete it)
     before = s3_server.counter.bytes_served(f"{bucket}/run/", ".bin")
     procs = _run(tmp_path, *ARGS, *s3)
     served = s3_server.counter.bytes_served(f"{bucket}/run/{step_dirname(step)}/", ".bin")
     assert _restored(procs) == {(step, r) for r in range(WORLD)}, _tails(procs)
     _same_as_reference(reference, tmp_path)
-    state = _object_bytes(tier, step)
     print(f"bucket bytes served for the restore: {served} for a snapshot of {state} bytes"
           f" ({served / state:.3f}x; before the restore {before} bytes of data objects were served)")
     assert before == 0  # (the bytes counted are the restore's)
