@@ -1,7 +1,8 @@
 """Pure planning: where bytes go when writing, which bytes to read when loading. No I/O, no process group.
 
 Used by writer.py and staging (object layout, chunks, which rank writes what), by loader.py (which byte ranges each
-rank reads, resharding included) and by the RAM tier's agent (object layout).
+rank reads, resharding included), by read_once.py (which rank reads a chunk several ranks need) and by the RAM tier's
+agent (object layout).
 """
 
 from __future__ import annotations
@@ -81,8 +82,7 @@ def assign_writers(sizes: Sequence[int], world_size: int, pinned: Sequence[int |
 #
 # A restore in which several ranks need the same bytes (DDP: every rank needs the whole replicated state) reads each
 # checksum chunk once per job: one of the ranks that need it reads and verifies it, and sends it to the others. The
-# plan below is what every rank computes, identically, from every rank's needs (loader.py's read-once executor,
-# read_once.py, carries it out).
+# plan below is what every rank computes, identically, from every rank's needs; read_once.py carries it out.
 
 #: A checksum chunk of a data object: (object key, byte offset in the object, length).
 Chunk = tuple[str, int, int]
@@ -107,23 +107,18 @@ class SharedBatch:
         return sum(n for _o, _s, n in self.chunks)
 
 
-def plan_shared_reads(
-    needs: Sequence[Iterable[Chunk]], *, batch_bytes: int = 64 << 20, readers: Sequence[int] | None = None
-) -> list[SharedBatch]:
+def plan_shared_reads(needs: Sequence[Iterable[Chunk]], *, batch_bytes: int = 64 << 20) -> list[SharedBatch]:
     """Which rank reads each chunk that some ranks need, so that every chunk is read once in the job.
 
     Args:
         needs: per rank, the chunks it needs (duplicates allowed).
         batch_bytes: the most bytes of one batch (a transfer), unless one chunk is larger.
-        readers: the ranks that may read (default: every rank); a chunk is read by one of its ranks that may, or,
-            when none of them may, by none (it is left out: the caller reads it as before).
 
     A chunk needed by one rank is read by that rank. The chunks needed by the same ranks are split, in object order,
     into contiguous runs, one per rank that needs them, sized so that every rank ends up reading about the same
     bytes (the ranks with the fewest bytes so far read more; ties: the lowest rank). Deterministic: every rank
     computes the same plan from the same ``needs``. Returns the batches in the order their transfers run.
     """
-    allowed = set(range(len(needs)) if readers is None else readers)
     needers: dict[Chunk, set[int]] = {}
     for rank, chunks in enumerate(needs):
         for chunk in chunks:
@@ -136,9 +131,7 @@ def plan_shared_reads(
     # the groups of one rank first (their readers are fixed), then the others, largest first
     for ranks, chunks in sorted(groups.items(), key=lambda g: (len(g[0]) > 1, -sum(c[2] for c in g[1]), g[0])):
         chunks.sort()
-        candidates = sorted((r for r in ranks if r in allowed), key=lambda r: (load[r], r))
-        if not candidates:
-            continue
+        candidates = sorted(ranks, key=lambda r: (load[r], r))
         total = sum(c[2] for c in chunks)
         fair = (sum(load[r] for r in candidates) + total) / len(candidates)
         i = 0
