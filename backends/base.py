@@ -14,7 +14,7 @@ with a documented default that means "this tier does not do it", so the engine u
 * values, as class attributes or properties a tier overrides: :attr:`Backend.node_local`,
   :attr:`Backend.node_leader`, :attr:`Backend.retry_initial` and :attr:`Backend.retry_max`,
   :attr:`Backend.max_pending`, :attr:`Backend.drain_timeout`, :attr:`Backend.bytes_read`, :attr:`Backend.root`,
-  :attr:`Backend.parallel_reads`, :attr:`Backend.read_piece_bytes`;
+  :attr:`Backend.parallel_reads`, :attr:`Backend.read_piece_bytes`, :attr:`Backend.read_once`;
 * behaviours whose default does what the engine did for a tier without them: :meth:`Backend.redact` (the text
   unchanged), :meth:`Backend.restore` (just ``read()``), :meth:`Backend.collective_steps` (None: list the tier on
   one rank), :meth:`Backend.publish` (the node's first rank commits), :meth:`Backend.incomplete_uploads` (none),
@@ -96,6 +96,10 @@ class Backend(abc.ABC):
     #: every node (:meth:`publish`), the steps held are listed over the process group (:meth:`collective_steps`) and a
     #: restore first makes the objects readable on every node (:meth:`restore`). A tier may settle it at set-up.
     node_local: bool = False
+    #: Whether a restore with several ranks reads each byte once in the job and the ranks share it over the tier's
+    #: group (:mod:`lightning_snapshot.read_once`): right where reading costs more than a transfer (object stores,
+    #: disks); False where each rank reads a copy in its node's memory faster than gloo would move it (RAM).
+    read_once: ClassVar[bool] = True
     #: Seconds before a failed write is retried, doubling up to :attr:`retry_max`, until it succeeds (object
     #: stores); None (or 0): a failed write is not retried.
     retry_initial: float | None = None

@@ -170,8 +170,10 @@ class SnapshotCallback(Checkpoint):
         #: (tier url, step, seconds) of the restore done by the last ``fit``, or None.
         self.restored_from: tuple[str, int, float] | None = None
         #: What this rank read for that restore: bytes of the shared tensors it needed (its shards, or whole
-        #: tensors), bytes planned to read, and the bytes the tier counted (``tier_bytes_read``; None when the tier
-        #: does not count), or None.
+        #: tensors, ``bytes_needed``), bytes it planned to read and read from the tier (``bytes_read``), bytes it got
+        #: from the other ranks instead (``bytes_received``: a read-once restore), the bytes the tier counted
+        #: (``tier_bytes_read``; None when the tier does not count) and the bytes all ranks together read
+        #: (``job_bytes_read``), or None.
         self.restore_stats: dict[str, int | None] | None = None
 
     def _init_fit(self) -> None:
@@ -290,6 +292,8 @@ class SnapshotCallback(Checkpoint):
             metrics.add("restore/step", restored.step)
             if self.restore_stats is not None:
                 metrics.add("restore/bytes_read", self.restore_stats["bytes_read"] or 0)
+                metrics.add("restore/bytes_received", self.restore_stats["bytes_received"] or 0)
+                metrics.add("restore/job_bytes_read", self.restore_stats["job_bytes_read"] or 0)
             if restored.tier_index is not None:
                 metrics.add("restore/tier_index", restored.tier_index)
         # A resumed run makes its train loaders as the interrupted run last made them (at the epoch it last made

@@ -13,9 +13,18 @@ import datetime
 import logging
 import os
 import re
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Comm", "GroupComm", "LocalComm", "StrategyComm", "agree", "new_gloo_groups", "raise_together"]
+__all__ = [
+    "Comm",
+    "GroupComm",
+    "LocalComm",
+    "StrategyComm",
+    "TensorComm",
+    "agree",
+    "new_gloo_groups",
+    "raise_together",
+]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +46,24 @@ class Comm(Protocol):
 
     def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj`` (small, plain values), in rank order, on rank 0; None on the others."""
+
+
+@runtime_checkable
+class TensorComm(Comm, Protocol):
+    """A :class:`Comm` that also moves tensors (a restore's read-once transfers, :mod:`~lightning_snapshot.read_once`):
+    :class:`GroupComm` over a tier's gloo group. Ranks are the group's."""
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (small, plain values), in rank order, on every rank."""
+
+    def broadcast_tensor(self, tensor: Any, src: int) -> None:
+        """Rank ``src``'s ``tensor`` (contiguous, CPU) into ``tensor`` on every rank."""
+
+    def send_tensor(self, tensor: Any, dst: int) -> None:
+        """Send ``tensor`` to rank ``dst`` (blocking), which receives it with :meth:`recv_tensor`."""
+
+    def recv_tensor(self, tensor: Any, src: int) -> None:
+        """Receive into ``tensor`` what rank ``src`` sends with :meth:`send_tensor` (blocking)."""
 
 
 def agree(comm: Comm, problem: str | None) -> str | None:
@@ -165,6 +192,15 @@ class GroupComm:
         box: list[Any] = [None] * self.world_size
         self._dist.all_gather_object(box, obj, group=self.group)
         return box
+
+    def broadcast_tensor(self, tensor: Any, src: int) -> None:
+        self._dist.broadcast(tensor, src=self._dist.get_global_rank(self.group, src), group=self.group)
+
+    def send_tensor(self, tensor: Any, dst: int) -> None:
+        self._dist.send(tensor, dst=self._dist.get_global_rank(self.group, dst), group=self.group)
+
+    def recv_tensor(self, tensor: Any, src: int) -> None:
+        self._dist.recv(tensor, src=self._dist.get_global_rank(self.group, src), group=self.group)
 
 
 #: The keys under which gloo publishes a rank's address while a group connects (``<group>/cpu//<n>/<rank>``, under

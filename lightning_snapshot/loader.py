@@ -13,7 +13,7 @@ import os
 import threading
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import xxhash
@@ -31,12 +31,14 @@ from lightning_snapshot.manifest import (
     parse_step_dirname,
     step_dirname,
 )
-from lightning_snapshot.planner import Box, bytes_planned, chunk_ranges, plan_tensor_reads
+from lightning_snapshot.planner import Box, chunk_ranges, plan_tensor_reads
 from lightning_snapshot.staging import digest, dtensor_box, is_dtensor, tensor_bytes
 
 __all__ = [
+    "FragmentRead",
     "ReadStats",
     "ShardTarget",
+    "SharedReader",
     "checkpoint_tree",
     "committed_steps",
     "load_snapshot",
@@ -126,7 +128,7 @@ def _box_reads(
     manifest: Manifest,
     entry: TensorEntry,
     shard: ShardTarget,
-    reads: list[_Read],
+    reads: list[FragmentRead],
     after: list[tuple[torch.Tensor, torch.Tensor]],
     stats: ReadStats | None,
 ) -> Any:
@@ -150,7 +152,7 @@ def _box_reads(
     def read(frag: Any, a: int, view: memoryview) -> None:  # whole checksum chunks of ``frag`` from byte ``a``
         first = a // size
         reads.append(
-            _Read(
+            FragmentRead(
                 entry.name,
                 frag.object,
                 frag.offset + a,
@@ -184,13 +186,12 @@ def _box_reads(
         after.append((out.detach(), dst))
     if stats is not None:
         stats.bytes_needed += box.numel * itemsize
-        stats.bytes_read += bytes_planned(items)
         stats.tensors_resharded += 1
     return shard.value if shard.value is not None else out
 
 
 @dataclass(frozen=True)
-class _Read:
+class FragmentRead:
     """One fragment to read into ``view`` (the bytes of its destination) and verify."""
 
     name: str
@@ -204,21 +205,44 @@ class _Read:
 _PARALLEL_MIN_BYTES = 32 << 20
 
 
-def _read_all(backend: Backend, manifest: Manifest, prefix: str, reads: list[_Read]) -> None:
-    """Read and verify ``reads``, in up to ``backend.parallel_reads`` threads.
+#: One checksum chunk of a fragment read: the read, the chunk's bytes ``[a, b)`` of its view, its expected checksum.
+ChunkUnit = tuple[FragmentRead, int, int, str]
 
-    The work is cut into checksum chunks, taken in object order: each thread takes the next chunk when it is done
-    with its last (so a thread slowed by another process does not hold the restore up, and an object is still read
-    front to back), and hashes it right after reading it, while it is still in the cache. Reads and hashes release
-    the GIL.
-    """
-    total = sum(r.view.nbytes for r in reads)
-    workers = min(max(1, int(backend.parallel_reads)), len(reads), os.cpu_count() or 1)
-    chunks = [
+
+def chunk_units(reads: Sequence[FragmentRead], chunk_bytes: int) -> list[ChunkUnit]:
+    """``reads`` cut into their checksum chunks, in object order."""
+    return [
         (r, a, b, expected)
         for r in sorted(reads, key=lambda r: (r.object, r.offset))
-        for (a, b), expected in zip(chunk_ranges(r.view.nbytes, manifest.chunk_bytes), r.checksums, strict=True)
+        for (a, b), expected in zip(chunk_ranges(r.view.nbytes, chunk_bytes), r.checksums, strict=True)
     ]
+
+
+class SharedReader(Protocol):
+    """What carries out a section's reads instead of this rank alone (:class:`~lightning_snapshot.read_once.ReadOnce`:
+    each chunk read once in the job, then shared). Returns the bytes this rank read from the tier."""
+
+    def __call__(self, backend: Backend, manifest: Manifest, prefix: str, reads: list[FragmentRead]) -> int: ...
+
+
+def _read_all(backend: Backend, manifest: Manifest, prefix: str, reads: list[FragmentRead]) -> int:
+    """Read and verify ``reads`` on this rank alone (:func:`read_units`); returns the bytes read."""
+    read_units(backend, manifest, prefix, chunk_units(reads, manifest.chunk_bytes))
+    return sum(r.view.nbytes for r in reads)
+
+
+def read_units(backend: Backend, manifest: Manifest, prefix: str, chunks: Sequence[ChunkUnit]) -> None:
+    """Read and verify ``chunks``, in up to ``backend.parallel_reads`` threads.
+
+    The chunks are taken in order: each thread takes the next chunk when it is done with its last (so a thread
+    slowed by another process does not hold the restore up, and an object is still read front to back), and hashes
+    it right after reading it, while it is still in the cache. Reads and hashes release the GIL.
+
+    Raises:
+        ChecksumError: a chunk does not match its checksum, or its object is missing or truncated.
+    """
+    total = sum(b - a for _r, a, b, _e in chunks)
+    workers = min(max(1, int(backend.parallel_reads)), len(chunks), os.cpu_count() or 1)
     if workers <= 1 or total < _PARALLEL_MIN_BYTES:
         for chunk in chunks:
             _read_chunk(backend, manifest, prefix, *chunk)
@@ -245,7 +269,9 @@ def _read_all(backend: Backend, manifest: Manifest, prefix: str, reads: list[_Re
             f.result()  # the first failure, in order
 
 
-def _read_chunk(backend: Backend, manifest: Manifest, prefix: str, r: _Read, a: int, b: int, expected: str) -> None:
+def _read_chunk(
+    backend: Backend, manifest: Manifest, prefix: str, r: FragmentRead, a: int, b: int, expected: str
+) -> None:
     """Read bytes ``[a, b)`` of one fragment (one checksum chunk) and verify them right after (piece by piece,
     each hashed while still in the cache, where the backend has cheap ``read_piece_bytes``)."""
     key = f"{prefix}/{r.object}"
@@ -283,6 +309,7 @@ def read_section(
     targets: Mapping[str, Any] | None = None,
     *,
     stats: ReadStats | None = None,
+    shared: SharedReader | None = None,
 ) -> Any:
     """Read, verify and decode one section (the shared state or a rank's) of a snapshot.
 
@@ -300,14 +327,16 @@ def read_section(
             * a :class:`ShardTarget` wants one box, read the same way into its ``out``.
 
             Contents of targets are undefined if this raises.
-        stats: if given, the bytes needed and read are added to it.
+        stats: if given, the bytes needed and the bytes this rank read from the tier are added to it.
+        shared: reads the section together with the other ranks (collective: every rank calls it with its own
+            targets); None: this rank reads all it needs itself.
 
     Raises:
         ChecksumError: a chunk does not match its checksum; the message names tensor, object and step.
     """
     prefix = step_dirname(manifest.step)
     tensors: dict[str, Any] = {}
-    reads: list[_Read] = []
+    reads: list[FragmentRead] = []
     after: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, source) copies that follow the reads
     for entry in entries:
         if entry.alias_of is not None:
@@ -337,12 +366,13 @@ def read_section(
             else:
                 buf = torch.empty(frag.local_shape, dtype=dtype)
                 after.append((out[box.slices()], buf))
-            reads.append(_Read(entry.name, frag.object, frag.offset, tensor_bytes(buf), frag.checksums))
+            reads.append(FragmentRead(entry.name, frag.object, frag.offset, tensor_bytes(buf), frag.checksums))
         tensors[entry.name] = out
         if stats is not None:
             stats.bytes_needed += out.numel() * out.element_size()
-            stats.bytes_read += sum(f.nbytes for f in entry.fragments)
-    _read_all(backend, manifest, prefix, reads)
+    got = (shared or _read_all)(backend, manifest, prefix, reads)
+    if stats is not None:
+        stats.bytes_read += got
     with torch.no_grad():
         for dst, src in after:
             dst.copy_(src)

@@ -17,6 +17,11 @@ background interference. A tier's interval is Young/Daly's for the failures its 
 the erasure-coded RAM tier, 1% of them), so the plan's intervals can be longer than ``every="auto"``'s, which plans
 each tier for every failure. Host memory per node: the staging arena (two buffers of the node's state) plus what the
 RAM tier keeps (``keep_last=2`` copies; with erasure ``(k+m)/k`` of each).
+
+Beside the goodput, the restore time of a data-parallel (DDP) job from the object store, whose every GPU needs the
+whole replicated state (``--state-bytes``), each way (:func:`restore_seconds`): every rank reading all of it (the path
+before read-once restores: the job reads it ``nodes x GPUs`` times), and read once (each byte read by one rank, spread
+over all of them, then sent to the others: between nodes over the network, within a node through memory).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from lightning_snapshot.errors import ConfigError, SnapshotNotFoundError
 from lightning_snapshot.interval import DEFAULT_NODE_MTBF_S, parse_duration
 from lightning_snapshot.simulate import Outcome, TierModel, simulate
 
-__all__ = ["Figures", "add_arguments", "figures_from_events", "plan", "run"]
+__all__ = ["Figures", "add_arguments", "figures_from_events", "plan", "restore_seconds", "run"]
 
 NODE_COUNTS = tuple(2**i for i in range(15))  # 1 .. 16,384
 _RAM_KEEP = 2
@@ -47,6 +52,7 @@ class Figures:
         local_gbps, ram_gbps, net_gbps, object_gbps: write speed of the local tier, of the RAM tier (host memory),
             of the erasure shares over the network, of the object store (GB/s per node).
         local_read_gbps, ram_read_gbps: restore speeds (GB/s per node).
+        store_gbps: the object store's aggregate read bandwidth, all nodes together (GB/s).
     """
 
     stall_gbps: float = 20.0
@@ -57,6 +63,26 @@ class Figures:
     object_gbps: float = 1.0
     local_read_gbps: float = 4.0
     ram_read_gbps: float = 10.0
+    store_gbps: float = 200.0
+
+
+def restore_seconds(nodes: int, gpus_per_node: int, state_bytes: float, figures: Figures, read_once: bool) -> float:
+    """Seconds to restore a DDP job's replicated state (``state_bytes``, needed whole by every GPU) from the object
+    store: the reads (each node at ``object_gbps``, all nodes together at most ``store_gbps``), plus, read once, the
+    transfers to the ranks that did not read a part (between nodes at ``net_gbps``: each node receives what the other
+    nodes read; within a node through memory at ``ram_read_gbps``).
+
+    Per rank: the job reads ``nodes x gpus x state``, each node ``gpus x state``. Read once: the job reads the state
+    once, each node ``state / nodes``.
+    """
+    gb = state_bytes / 1e9
+    f = figures
+    if not read_once:
+        return max(gpus_per_node * gb / f.object_gbps, nodes * gpus_per_node * gb / f.store_gbps)
+    read = max(gb / nodes / f.object_gbps, gb / f.store_gbps)
+    between = gb * (nodes - 1) / nodes / f.net_gbps
+    within = gb / f.ram_read_gbps if gpus_per_node > 1 else 0.0
+    return read + between + within
 
 
 def figures_from_events(logdir: str | os.PathLike[str]) -> Figures:
@@ -285,6 +311,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "object_gbps",
         "local_read_gbps",
         "ram_read_gbps",
+        "store_gbps",
     ):
         p.add_argument(
             f"--{field.replace('_', '-')}",
@@ -328,11 +355,20 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         seed=args.seed,
         runs=args.runs,
     )
-    print(f"{'nodes':>6} {'job MTBF':>9} {'set-up':<26} {'goodput':>8} {'failures':>9}  {'memory/node':>12}  intervals")
+    print(
+        f"{'nodes':>6} {'job MTBF':>9} {'set-up':<26} {'goodput':>8} {'failures':>9}  {'memory/node':>12}"
+        f"  {'DDP restore from object store':>29}  intervals"
+    )
+    print(f"{'':>6} {'':>9} {'':<26} {'':>8} {'':>9}  {'':>12}  {'every rank':>14} {'read once':>14}")
     for r in rows:
+        r["restore_s"] = {
+            way: restore_seconds(r["nodes"], args.gpus_per_node, args.state_bytes, figures, way == "read_once")
+            for way in ("per_rank", "read_once")
+        }
         intervals = ", ".join(f"{k} {_human(v)}" for k, v in r["intervals_s"].items())
         print(
             f"{r['nodes']:>6} {_human(r['mtbf_s']):>9} {r['setup']:<26} {r['goodput']:>8.4f} {r['failures']:>9.1f}"
-            f"  {r['memory_bytes'] / 1e9:>9.1f} GB  {intervals}{'  (' + r['note'] + ')' if r['note'] else ''}"
+            f"  {r['memory_bytes'] / 1e9:>9.1f} GB  {_human(r['restore_s']['per_rank']):>14}"
+            f" {_human(r['restore_s']['read_once']):>14}  {intervals}{'  (' + r['note'] + ')' if r['note'] else ''}"
         )
     return rows

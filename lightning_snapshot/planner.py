@@ -1,7 +1,8 @@
 """Pure planning: where bytes go when writing, which bytes to read when loading. No I/O, no process group.
 
 Used by writer.py and staging (object layout, chunks, which rank writes what), by loader.py (which byte ranges each
-rank reads, resharding included) and by the RAM tier's agent (object layout).
+rank reads, resharding included), by read_once.py (which rank reads a chunk several ranks need) and by the RAM tier's
+agent (object layout).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 __all__ = [
     "Box",
     "ReadItem",
+    "SharedBatch",
     "align_up",
     "assign_writers",
     "bytes_needed",
@@ -21,6 +23,7 @@ __all__ = [
     "chunk_ranges",
     "even_shards",
     "plan_layout",
+    "plan_shared_reads",
     "plan_tensor_reads",
     "shard_boxes",
 ]
@@ -73,6 +76,88 @@ def assign_writers(sizes: Sequence[int], world_size: int, pinned: Sequence[int |
         owner[i] = rank
         load[rank] += sizes[i]
     return owner
+
+
+# ---------------------------------------------------------------------------------------------------- read once
+#
+# A restore in which several ranks need the same bytes (DDP: every rank needs the whole replicated state) reads each
+# checksum chunk once per job: one of the ranks that need it reads and verifies it, and sends it to the others. The
+# plan below is what every rank computes, identically, from every rank's needs; read_once.py carries it out.
+
+#: A checksum chunk of a data object: (object key, byte offset in the object, length).
+Chunk = tuple[str, int, int]
+
+
+@dataclass(frozen=True)
+class SharedBatch:
+    """Consecutive chunks that one rank reads and verifies and then sends to the same other ranks.
+
+    Attributes:
+        reader: the rank that reads and verifies the chunks (one of the ranks that need them).
+        receivers: the other ranks that need them, ascending (empty: only the reader needs them).
+        chunks: the chunks, in object order.
+    """
+
+    reader: int
+    receivers: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _o, _s, n in self.chunks)
+
+
+def plan_shared_reads(needs: Sequence[Iterable[Chunk]], *, batch_bytes: int = 64 << 20) -> list[SharedBatch]:
+    """Which rank reads each chunk that some ranks need, so that every chunk is read once in the job.
+
+    Args:
+        needs: per rank, the chunks it needs (duplicates allowed).
+        batch_bytes: the most bytes of one batch (a transfer), unless one chunk is larger.
+
+    A chunk needed by one rank is read by that rank. The chunks needed by the same ranks are split, in object order,
+    into contiguous runs, one per rank that needs them, sized so that every rank ends up reading about the same
+    bytes (the ranks with the fewest bytes so far read more; ties: the lowest rank). Deterministic: every rank
+    computes the same plan from the same ``needs``. Returns the batches in the order their transfers run.
+    """
+    needers: dict[Chunk, set[int]] = {}
+    for rank, chunks in enumerate(needs):
+        for chunk in chunks:
+            needers.setdefault(chunk, set()).add(rank)
+    groups: dict[tuple[int, ...], list[Chunk]] = {}
+    for chunk, ranks_of in needers.items():
+        groups.setdefault(tuple(sorted(ranks_of)), []).append(chunk)
+    load = [0] * len(needs)
+    assigned: list[tuple[int, tuple[int, ...], Chunk]] = []  # (reader, all ranks that need it, chunk)
+    # the groups of one rank first (their readers are fixed), then the others, largest first
+    for ranks, chunks in sorted(groups.items(), key=lambda g: (len(g[0]) > 1, -sum(c[2] for c in g[1]), g[0])):
+        chunks.sort()
+        candidates = sorted(ranks, key=lambda r: (load[r], r))
+        total = sum(c[2] for c in chunks)
+        fair = (sum(load[r] for r in candidates) + total) / len(candidates)
+        i = 0
+        for k, reader in enumerate(candidates):
+            share = total if k == len(candidates) - 1 else max(0.0, fair - load[reader])
+            taken = 0
+            while i < len(chunks) and (taken < share or k == len(candidates) - 1):
+                assigned.append((reader, ranks, chunks[i]))
+                taken += chunks[i][2]
+                i += 1
+            load[reader] += taken
+            total -= taken
+    batches: list[SharedBatch] = []
+    for reader, ranks, chunk in sorted(assigned, key=lambda a: (a[0], a[1], a[2])):
+        receivers = tuple(r for r in ranks if r != reader)
+        last = batches[-1] if batches else None
+        if (
+            last is not None
+            and last.reader == reader
+            and last.receivers == receivers
+            and last.nbytes + chunk[2] <= batch_bytes
+        ):
+            batches[-1] = SharedBatch(reader, receivers, (*last.chunks, chunk))
+        else:
+            batches.append(SharedBatch(reader, receivers, (chunk,)))
+    return batches
 
 
 # ---------------------------------------------------------------------------------------------------- resharding

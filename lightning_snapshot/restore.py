@@ -31,7 +31,7 @@ from lightning_snapshot.capture import (
     restore_targets,
     templates,
 )
-from lightning_snapshot.comm import Comm, LocalComm, raise_together
+from lightning_snapshot.comm import Comm, LocalComm, TensorComm, raise_together
 from lightning_snapshot.commit import committed_steps
 from lightning_snapshot.config import SnapshotConfig
 from lightning_snapshot.ddp_layout import DDP_LAYOUT_ENV, apply_layout, check_layout, is_ddp
@@ -44,6 +44,9 @@ from lightning_snapshot.errors import (
     TierUnavailableError,
 )
 from lightning_snapshot.loader import ReadStats, read_manifest, read_section, resolve_source
+from lightning_snapshot.progress import human_bytes
+from lightning_snapshot.read_once import ReadOnce
+from lightning_snapshot.read_once import enabled as read_once_enabled
 from lightning_snapshot.restore_records import read_candidate, record_restore
 from lightning_snapshot.resume_policy import Candidate, plan_resume
 
@@ -93,6 +96,8 @@ class Restorer:
         self._facts: dict[tuple[int, int], tuple[str, int]] = {}
         #: (tier url, step) of the snapshot whose callback states were loaded at setup, or None
         self.preloaded: tuple[str, int] | None = None
+        #: (tier url, step, rank) -> a rank section's state, as read at setup (for on_fit_start: read once)
+        self._sections: dict[tuple[str, int, int], Any] = {}
         #: what this rank read for the last snapshot it read (see ``SnapshotCallback.restore_stats``), or None
         self.stats: dict[str, int | None] | None = None
 
@@ -125,13 +130,25 @@ class Restorer:
         def read() -> Any:
             manifest = read_manifest(backend, step)
             rank = self.comm.rank if manifest.world_size == self.comm.world_size else 0
+            state = self._rank_state(backend, manifest, rank)
+            return state.get("late") if isinstance(state, dict) else None
+
+        if backend.node_local and backend.read_once:
+            # each node's own disk: its own rank's section is there (it wrote it), read without first copying every
+            # object a node lacks to it (the restore does that once); where it is not, on_fit_start loads the states
+            return read()
+        return self._through_tier(backend, step, read)
+
+    def _rank_state(self, backend: Backend, manifest: Any, rank: int) -> Any:
+        """The state of ``rank``'s section of a snapshot (its RNG, data position, late state), or None when it has
+        none: read once per fit (the callback states are loaded from it at ``setup``, the rest at ``on_fit_start``)."""
+        key = (backend.url, manifest.step, rank)
+        if key not in self._sections:
             section = manifest.rank_section(rank)
             if section is None:
                 return None
-            state = read_section(backend, manifest, section.tensors, section.state)
-            return state.get("late") if isinstance(state, dict) else None
-
-        return self._through_tier(backend, step, read)
+            self._sections[key] = read_section(backend, manifest, section.tensors, section.state)
+        return self._sections[key]
 
     def _through_tier(self, backend: Backend, step: int, read: Callable[[], Any]) -> Any:
         """Run ``read`` (a read of snapshot ``step`` of ``backend``). For a node-local tier of this callback (RAM, a
@@ -315,6 +332,8 @@ class Restorer:
     ) -> Restored:
         """Put a snapshot read on every rank into the trainer and the model (collective)."""
         where = f"snapshot of step {step} in the {backend.tier} tier {backend.url!r}"
+        self._sections.clear()
+        self._job_bytes_read()
         restore_shared(trainer, pl_module, shared, where, live, load_callbacks=self.preloaded != (backend.url, step))
         progress = trainer.fit_loop.epoch_progress.current
         # a snapshot taken when an epoch had just ended (the end of training) starts the next epoch from its
@@ -331,8 +350,15 @@ class Restorer:
         _fit_state.restore_checkpoint_saves(trainer, fit_state)
         self._restore_ddp_layout(trainer, rank_state, where)
         seconds = time.monotonic() - t0
+        job = self.stats.get("job_bytes_read") if self.stats is not None else None
+        once = (
+            f" (read once for {self.comm.world_size} ranks: {human_bytes(job)} from the tier)"
+            if self._read_once(backend, where) is not None and isinstance(job, int)
+            else ""
+        )
         rank_zero_info(
             f"lightning-snapshot: restored step {step} from the {backend.tier} tier {backend.url} in {seconds:.2f} s"
+            + once
         )
         return Restored(
             url=backend.url,
@@ -354,33 +380,35 @@ class Restorer:
     def _read_tier(
         self, backend: Backend, step: int, trainer: Any, pl_module: Any, live: Templates
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        manifest = read_manifest(backend, step)
         where = f"snapshot of step {step} in the {backend.tier} tier {backend.url!r}"
-        saved_model = manifest.state.get("state_dict") if isinstance(manifest.state, dict) else None
-        if isinstance(saved_model, dict) and not is_sharded(trainer.strategy):
-            pruned = adopt_pruning(pl_module, saved_model)
-            if pruned:  # (ModelPruning had pruned them): the model reads into its new tensors
-                live.model.clear()
-                live.model.update(pl_module.state_dict())
-                log.info("lightning-snapshot: %d pruned parameter(s) reparametrized as in the snapshot", len(pruned))
-        # the model's own tensors are read into directly (verified chunk by chunk); under a sharded strategy the
-        # optimizer state too, and each rank reads only its shards; the rest is allocated
-        targets = restore_targets(trainer, live, manifest.state, where)
+        shared_reader = self._read_once(backend, where)
+        try:
+            manifest = read_manifest(backend, step)
+            targets = self._targets(trainer, pl_module, live, manifest, where)
+        except Exception as e:
+            if shared_reader is not None:
+                shared_reader.start(e)  # (raises on every rank)
+            raise
+        if shared_reader is not None:
+            shared_reader.start(None)
         stats = ReadStats()
         counted = backend.bytes_read
-        shared = read_section(backend, manifest, manifest.tensors, manifest.state, targets=targets, stats=stats)
+        shared = read_section(
+            backend, manifest, manifest.tensors, manifest.state, targets=targets, stats=stats, shared=shared_reader
+        )
         after = backend.bytes_read
         self.stats = {
             "bytes_needed": stats.bytes_needed,
             "bytes_read": stats.bytes_read,
+            "bytes_received": shared_reader.bytes_received if shared_reader is not None else 0,
             "tier_bytes_read": after - counted if isinstance(counted, int) and isinstance(after, int) else None,
             "tensors_resharded": stats.tensors_resharded,
+            "job_bytes_read": None,  # (summed over the ranks once every rank has read: _apply)
         }
         if not isinstance(shared, dict):
             raise SnapshotError(f"{where} holds no training state")
         check_model(pl_module, shared.get("state_dict"), where)
         rank_state = None
-        section = manifest.rank_section(self.comm.rank)
         if manifest.world_size != self.comm.world_size:
             warnings.warn(
                 f"lightning-snapshot: the {where} was taken with {manifest.world_size} process(es), this run has"
@@ -390,17 +418,16 @@ class Restorer:
                 stacklevel=2,
             )
             # the data position, as a global sample count, from rank 0's section (the same on every rank)
-            first = manifest.rank_section(0)
-            if first is not None:
-                saved = read_section(backend, manifest, first.tensors, first.state)
+            saved = self._rank_state(backend, manifest, 0)
+            if isinstance(saved, dict):
                 rank_state = {
                     "rng": None,
                     "loaders": saved.get("loaders", []),
                     "exact": False,
                     "late": saved.get("late"),
                 }
-        elif section is not None:
-            rank_state = read_section(backend, manifest, section.tensors, section.state)
+        else:
+            rank_state = self._rank_state(backend, manifest, self.comm.rank)
         # loops, callbacks, schedulers: taken with the rank state, right before the next step (this rank's own)
         late = rank_state.get("late") if isinstance(rank_state, dict) else None
         if isinstance(late, dict):
@@ -410,6 +437,40 @@ class Restorer:
         _fit_state.merge_param_groups(shared, where)  # the optimizer's groups as they were with the late state
         check_optimizers(trainer, shared, where)  # before anything is applied
         return shared, rank_state
+
+    @staticmethod
+    def _targets(trainer: Any, pl_module: Any, live: Templates, manifest: Any, where: str) -> dict[str, Any]:
+        """The tensors the shared state is read into (a pruned model first reparametrized as in the snapshot)."""
+        saved_model = manifest.state.get("state_dict") if isinstance(manifest.state, dict) else None
+        if isinstance(saved_model, dict) and not is_sharded(trainer.strategy):
+            pruned = adopt_pruning(pl_module, saved_model)
+            if pruned:  # (ModelPruning had pruned them): the model reads into its new tensors
+                live.model.clear()
+                live.model.update(pl_module.state_dict())
+                log.info("lightning-snapshot: %d pruned parameter(s) reparametrized as in the snapshot", len(pruned))
+        # the model's own tensors are read into directly (verified chunk by chunk); under a sharded strategy the
+        # optimizer state too, and each rank reads only its shards; the rest is allocated
+        return restore_targets(trainer, live, manifest.state, where)
+
+    def _read_once(self, backend: Backend, where: str) -> ReadOnce | None:
+        """The shared reader of a restore from ``backend`` (each byte read once in the job, then shared over the
+        tier's group), or None: every rank reads all it needs itself (one process; a snapshot path given as
+        ``resume``, which has no group; a tier that declares ``read_once`` False; ``LIGHTNING_SNAPSHOT_READ_ONCE=0``).
+        The same on every rank."""
+        if not read_once_enabled() or not backend.read_once or backend not in self.tiers or not self.tier_comms:
+            return None
+        comm = self.tier_comms[self.tiers.index(backend)]
+        if comm.world_size < 2 or not isinstance(comm, TensorComm):
+            return None
+        return ReadOnce(comm, where)
+
+    def _job_bytes_read(self) -> None:
+        """Collective: the bytes every rank read from the tier for the shared state, summed (``job_bytes_read``)."""
+        mine = self.stats.get("bytes_read") if self.stats is not None else None
+        gathered = self.comm.gather(mine if isinstance(mine, int) else 0)
+        total = self.comm.broadcast(sum(gathered) if gathered is not None else None)
+        if self.stats is not None:
+            self.stats["job_bytes_read"] = int(total)
 
     def _restore_ddp_layout(self, trainer: Any, rank_state: dict[str, Any] | None, where: str) -> None:
         """Give DDP the gradient-bucket layout the snapshot's process all-reduced with (see ``ddp_layout``).

@@ -16,6 +16,7 @@ from zygote import Zygote
 
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
+sys.path.insert(1, str(Path(__file__).parent.parent / "benchmarks"))  # (_s3: moto that counts what it serves)
 
 
 _ZYGOTE: list[Zygote | None] = []
@@ -244,12 +245,14 @@ def no_leaked_threads_or_shm():
 
 
 class S3Server:
-    """moto's S3 server on 127.0.0.1 (port 0 first, then the same port after a restart)."""
+    """moto's S3 server on 127.0.0.1 (port 0 first, then the same port after a restart), which counts the bytes it
+    serves (:attr:`counter`, benchmarks/_s3.py ``CountingApp``)."""
 
     def __init__(self) -> None:
-        from moto.server import ThreadedMotoServer
+        from _s3 import CountingApp, counting_server_class
 
-        self._cls = ThreadedMotoServer
+        self.counter = CountingApp()
+        self._cls = counting_server_class(self.counter)
         self.port = 0
         self.server = None
         self.start()
@@ -291,20 +294,23 @@ def bucket(s3_server, request):
     return name
 
 
-def launch_nodes(script: str, nodes: int, *args: str, timeout: int = 300, env: dict[str, str] | None = None
-                 ) -> list[subprocess.CompletedProcess[str]]:
-    """Run tests/scripts/SCRIPT as ``nodes`` simulated nodes of one process each (NODE_RANK, LOCAL_RANK=0,
-    WORLD_SIZE, MASTER_ADDR=127.0.0.1, a free MASTER_PORT), with LIGHTNING_SNAPSHOT_SHM_DIR pointing each node at
-    its own memory directory when ``env`` gives ``LIGHTNING_SNAPSHOT_SHM_DIR`` as a format string with ``{node}``."""
+def launch_nodes(script: str, nodes: int, *args: str, timeout: int = 300, env: dict[str, str] | None = None,
+                 ranks_per_node: int = 1) -> list[subprocess.CompletedProcess[str]]:
+    """Run tests/scripts/SCRIPT as ``nodes`` simulated nodes of ``ranks_per_node`` processes each (NODE_RANK,
+    LOCAL_RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1, a free MASTER_PORT; the script passes ``--devices``
+    ``ranks_per_node`` to its Trainer), with LIGHTNING_SNAPSHOT_SHM_DIR pointing each node at its own memory directory
+    when ``env`` gives ``LIGHTNING_SNAPSHOT_SHM_DIR`` as a format string with ``{node}``. Returns the processes in
+    global rank order."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = []
-    for node in range(nodes):
-        e = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning", "NODE_RANK": str(node), "LOCAL_RANK": "0",
-             "WORLD_SIZE": str(nodes), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    for node, local in ((n, lr) for n in range(nodes) for lr in range(ranks_per_node)):
+        e = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning", "NODE_RANK": str(node),
+             "LOCAL_RANK": str(local), "WORLD_SIZE": str(nodes * ranks_per_node), "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(port)}
         for k, v in (env or {}).items():
             e[k] = v.format(node=node)
         procs.append(subprocess.Popen([sys.executable, str(SCRIPTS / script), *args], env=e, text=True,

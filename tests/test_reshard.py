@@ -136,9 +136,10 @@ def test_model_parallel_sigkill_and_resume_is_bitwise_exact(tmp_path, mp_run):
     ref1 = torch.load(mp_run / "out.pt.rank1", weights_only=True)
     got1 = torch.load(tmp_path / "resumed.pt.rank1", weights_only=True)
     assert torch.equal(ref1["rng"], got1["rng"]), "rank 1's RNG differs at the end of training"
-    # same layout: every rank read exactly its own shards
+    # same layout: every rank read exactly its own shards, and the few tensors both ranks need whole (the optimizer's
+    # step counts) were read once in the job, by one of them (read once: tiers.md), so a rank may read a little less
     ratios = assert_reads_only_its_shards(proc, 2)
-    assert ratios == [1.0, 1.0], ratios
+    assert all(0.999 < r <= 1.0 for r in ratios), ratios
 
 
 @pytest.mark.slow

@@ -133,6 +133,7 @@ class RamTier(Backend):
     read_piece_bytes = 1 << 20
     #: Each node holds its own objects: the writer commits the manifest on every node (see ``publish``).
     node_local = True
+    read_once = False  # (each node reads its own memory: faster than a transfer over gloo)
 
     def __init__(
         self,

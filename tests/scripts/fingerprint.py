@@ -116,7 +116,12 @@ class ReportRestore(L.Callback):
             # one write of the whole line: the ranks share the pipe, and print() may write the line and its newline
             # apart, between which another rank's line can land
             sys.stdout.flush()
+            st = self.cb.restore_stats or {}
             os.write(sys.stdout.fileno(), f"RESTORED step={step} from={url} rank={trainer.global_rank}\n".encode())
+            os.write(sys.stdout.fileno(), (
+                f"RESTORE_STATS rank={trainer.global_rank} needed={st.get('bytes_needed')} read={st.get('bytes_read')}"
+                f" received={st.get('bytes_received')} tier={st.get('tier_bytes_read')} job={st.get('job_bytes_read')}"
+                "\n").encode())
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self.report(trainer)

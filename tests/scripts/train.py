@@ -53,13 +53,13 @@ class Stream(IterableDataset):
 
 
 class Model(L.LightningModule):
-    def __init__(self, dropout: float, tied: bool = False, tiny: bool = False) -> None:
+    def __init__(self, dropout: float, tied: bool = False, tiny: bool = False, hidden: int = 16) -> None:
         super().__init__()
         if tiny:  # one parameter: DDP's gradient buckets are the same before and after their rebuild (3+ ranks)
             self.net = nn.Sequential(nn.Linear(8, 1, bias=False))
         else:
-            self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(dropout),
-                                     nn.Linear(16, 1))
+            self.net = nn.Sequential(nn.Linear(8, hidden), nn.BatchNorm1d(hidden), nn.ReLU(), nn.Dropout(dropout),
+                                     nn.Linear(hidden, 1))
         self.seen = []
 
     def training_step(self, batch, batch_idx):
@@ -211,6 +211,10 @@ def main() -> None:
     p.add_argument("--find-unused", action="store_true", help="DDP(find_unused_parameters=True)")
     p.add_argument("--static-graph", action="store_true", help="DDP(static_graph=True)")
     p.add_argument("--tiny", action="store_true", help="a one-parameter model")
+    p.add_argument("--hidden", type=int, default=16, help="the model's hidden width")
+    p.add_argument("--count-reads", default=None,
+                   help="count the bytes read from the local tier's data objects at the OS interface (io_count.py)"
+                        " and write them to this path + .rank<global rank>")
     p.add_argument("--node-local", choices=["auto", "true", "false"], default="auto",
                    help="the local tier's node_local option")
     p.add_argument("--keep-last", type=int, default=2, help="the local tier's keep_last (0: keep every snapshot)")
@@ -232,7 +236,12 @@ def main() -> None:
     a.dir = os.path.expandvars(a.dir)  # (a path from an environment variable: each simulated node its own)
 
     L.seed_everything(42, verbose=False)
-    model = Model(a.dropout, tiny=a.tiny)
+    model = Model(a.dropout, tiny=a.tiny, hidden=a.hidden)
+    if a.count_reads:
+        import io_count
+
+        rank = int(os.environ.get("NODE_RANK", "0")) * a.devices + int(os.environ.get("LOCAL_RANK", "0"))
+        io_count.install(a.dir.replace("{node_rank}", os.environ.get("NODE_RANK", "0")), f"{a.count_reads}.rank{rank}")
     if a.loader == "plain":
         loader = DataLoader(Squares(a.samples, a.augment), batch_size=a.batch_size, shuffle=a.shuffle,
                             num_workers=a.workers, persistent_workers=a.persistent)

@@ -3,35 +3,13 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 
 from lightning_snapshot.comm import agree, raise_together
 from lightning_snapshot.errors import SnapshotError
-from thread_comm import ThreadComm
-
-
-def run_ranks(world_size: int, body: Callable[[ThreadComm], Any]) -> list[Any]:
-    """Run ``body(comm)`` on every rank; each rank's return value or the exception it raised, in rank order."""
-    table: list[Any] = [None] * world_size
-    barrier = threading.Barrier(world_size, timeout=30)
-    out: list[Any] = [None] * world_size
-
-    def main(rank: int) -> None:
-        try:
-            out[rank] = body(ThreadComm(rank, world_size, table, barrier))
-        except BaseException as e:  # noqa: BLE001 - compared by the test
-            out[rank] = e
-
-    threads = [threading.Thread(target=main, args=(r,)) for r in range(world_size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return out
+from thread_comm import ThreadComm, run_ranks
 
 
 def _check(problem_on: dict[int, str]) -> Callable[[ThreadComm], None]:

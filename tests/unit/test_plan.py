@@ -7,7 +7,7 @@ import math
 import pytest
 
 from lightning_snapshot.cli import main
-from lightning_snapshot.plan import Figures, figures_from_events, memory_bytes, setups
+from lightning_snapshot.plan import Figures, figures_from_events, memory_bytes, restore_seconds, setups
 from lightning_snapshot.simulate import TierModel, simulate
 
 
@@ -79,11 +79,28 @@ def test_plan_command_prints_every_node_count(capsys):
     assert main(["plan", "--nodes", "1,8,16384", "--work", "2d", "--runs", "1", "--state-bytes", "2GB"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[:4] == ["nodes", "job", "MTBF", "set-up"]
-    assert len(lines) == 1 + 3 * 3
-    rows = [line.split() for line in lines[1:]]
+    assert "DDP restore from object store" in lines[0] and lines[1].split() == ["every", "rank", "read", "once"]
+    assert len(lines) == 2 + 3 * 3
+    rows = [line.split() for line in lines[2:]]
     assert [r[0] for r in rows] == ["1"] * 3 + ["8"] * 3 + ["16384"] * 3
     assert all(0 < float(r[3]) <= 1 for r in rows)
-    assert "RAM erasure needs >= 6 nodes" in lines[3]
+    assert "RAM erasure needs >= 6 nodes" in lines[4]
+    # the restore columns beside the goodput: 2 GB per GPU, 8 GPUs, 1 GB/s per node, 200 GB/s for the store
+    # 16384 x 8 x 2 GB at 200 GB/s = 21.8 min; read once: 2 GB / 200 GB/s + 2 GB / 10 GB/s twice (network, node)
+    assert rows[-1][7:9] == ["21.8m", "0.4s"]
+
+
+def test_restore_model_arithmetic():
+    f = Figures(object_gbps=1.0, store_gbps=100.0, net_gbps=10.0, ram_read_gbps=20.0)
+    # every rank reads the whole 4 GB: a node of 8 reads 32 GB at 1 GB/s, until the store's 100 GB/s is the limit
+    assert restore_seconds(1, 8, 4e9, f, read_once=False) == pytest.approx(32.0)
+    assert restore_seconds(1024, 8, 4e9, f, read_once=False) == pytest.approx(1024 * 32 / 100)
+    # read once: one node reads the 4 GB at 1 GB/s, its 8 ranks share it through memory (4 GB / 20 GB/s)
+    assert restore_seconds(1, 8, 4e9, f, read_once=True) == pytest.approx(4.0 + 0.2)
+    # 4 nodes read 1 GB each, and each node receives the other 3 GB over the network at 10 GB/s
+    assert restore_seconds(4, 8, 4e9, f, read_once=True) == pytest.approx(1.0 + 0.3 + 0.2)
+    # many nodes: the store's 100 GB/s bounds the read (4 GB / 100 GB/s), the network the rest
+    assert restore_seconds(16384, 1, 4e9, f, read_once=True) == pytest.approx(0.04 + 0.4 * 16383 / 16384)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -120,7 +137,7 @@ def test_plan_from_tensorboard_metrics(tmp_path, capsys):
     assert figures.interference == pytest.approx(0.1)  # (150 - 100) ms of 500 ms in the background
     assert figures.local_read_gbps == pytest.approx(4.0)
     assert main(["plan", "--nodes", "64", "--work", "1d", "--runs", "1", "--metrics", str(tmp_path)]) == 0
-    assert len(capsys.readouterr().out.splitlines()) == 4
+    assert len(capsys.readouterr().out.splitlines()) == 5
     assert main(["plan", "--metrics", str(tmp_path / "nothing")]) == 1
     assert "no TensorBoard events with snapshot metrics" in capsys.readouterr().err
 
