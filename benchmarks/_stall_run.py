@@ -219,6 +219,8 @@ class Bench:
     accumulate: int = 1
     restore: bool = True  # cold restore + consistency check after each run
     pinned_copy_s: float | None = None  # cuda: one device-to-host copy_ of the whole state into pinned memory
+    #: the replica check's work on one rank (DDP only): (median ms with the default 4 slices, ms of all of it, tensors)
+    replica_check: tuple[float, float, int] | None = None
 
     def __post_init__(self) -> None:
         self.schedule = [s for s in range(self.every, self.steps + 1, self.every)]

@@ -115,6 +115,16 @@ class SnapshotCallback(Checkpoint):
             reports for Llama 3 (419 interruptions in 54 days on 2,048 nodes). Such a tier snapshots every
             ``sqrt(2 x cost x mtbf)`` of training (Young/Daly), in steps since its last snapshot, with the cost it
             measures (see :mod:`lightning_snapshot.interval`); rank 0 decides, at snapshot steps, for every rank.
+        replica_check: under DDP every rank should hold the same parameters and optimizer state; each snapshot
+            compares a checksum of a rotating slice of them across the ranks, so that all of them are compared every
+            ``replica_check`` snapshots (default 4), and all of them at the first snapshot after the set of trained
+            parameters changed (an unfreeze). ``1``: all of them at every snapshot. ``None``: no check. Buffers are
+            not compared (DDP broadcasts them at each forward). See :mod:`lightning_snapshot.replicas`.
+        on_replica_mismatch: what a snapshot whose replicas disagree does (every rank the same; the warning names
+            the tensors and the ranks). ``"warn"`` (default): warn, and commit the snapshot recorded as unhealthy
+            ("replicas disagree", shown by ``lightning-snapshot inspect``), so that ``resume=True`` skips it as
+            it skips one holding a NaN (unless ``resume_unhealthy=True``). ``"skip"``: warn and do not write it.
+            ``"raise"``: stop training with a ``ReplicaMismatchError``.
 
     Snapshots are taken after the optimizer step of every scheduled ``global_step`` (with gradient accumulation,
     only when ``global_step`` moved). Supported strategies: single device, DDP (``ddp``, ``ddp_spawn``) and
@@ -135,6 +145,8 @@ class SnapshotCallback(Checkpoint):
     resume_unhealthy = _Option()
     max_restores = _Option()
     mtbf = _Option()
+    replica_check = _Option()
+    on_replica_mismatch = _Option()
 
     def __init__(
         self,
@@ -150,6 +162,8 @@ class SnapshotCallback(Checkpoint):
         resume_unhealthy: bool = False,
         max_restores: int | None = 3,
         mtbf: float | str | None = None,
+        replica_check: int | None = 4,
+        on_replica_mismatch: str = "warn",
     ) -> None:
         self.config = SnapshotConfig.create(
             tiers,
@@ -163,6 +177,8 @@ class SnapshotCallback(Checkpoint):
             resume_unhealthy=resume_unhealthy,
             max_restores=max_restores,
             mtbf=mtbf,
+            replica_check=replica_check,
+            on_replica_mismatch=on_replica_mismatch,
         )
         self._reporter = Reporter(self.config.tiers, self.config.on_error)
         self._loaders = FitLoaders()

@@ -242,6 +242,13 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
                 "bytes": m.total_bytes,
                 "health": m.health_text,
                 "health_groups": None if m.health is None else dict(m.health),
+                "replicas": None
+                if m.replicas is None
+                else {
+                    "checked": m.replicas.checked,
+                    "disagree_count": m.replicas.disagree_count,
+                    "disagree": [{"tensor": t, "ranks": list(r)} for t, r in m.replicas.disagree],
+                },
                 "objects": [{"key": o.key, "bytes": o.nbytes, "rank": o.rank} for o in m.objects],
                 "tensors": [
                     {"name": t.name, "dtype": t.dtype, "shape": list(t.global_shape), "alias_of": t.alias_of}
@@ -256,10 +263,27 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     )
     print(f"{len(m.objects)} objects, {human_bytes(m.total_bytes)}; {len(m.tensors)} shared tensors")
     print(f"health: {_health_line(m)}")
+    print(f"replicas: {_replicas_line(m)}")
     for t in m.tensors:
         target = f" -> alias of {t.alias_of}" if t.alias_of else ""
         print(f"  {t.name:<60} {t.dtype:<10} {list(t.global_shape)}{target}")
     return 0
+
+
+def _replicas_line(m: Any) -> str:
+    """The replica check of a snapshot, for ``inspect``."""
+    rep = m.replicas
+    if rep is None:
+        return "not checked (one process, not data parallel, or replica_check=None)"
+    if rep.disagree_count == 0:
+        return f"agree ({rep.checked} tensors compared across {m.world_size} ranks at this step)"
+    named = "; ".join(
+        f"{t!r} differs on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}" for t, r in rep.disagree
+    )
+    more = rep.disagree_count - len(rep.disagree)
+    return f"DISAGREE: {rep.disagree_count} of {rep.checked} tensors compared across {m.world_size} ranks: {named}" + (
+        f" and {more} more" if more > 0 else ""
+    )
 
 
 def _health_line(m: Any) -> str:

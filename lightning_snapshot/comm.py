@@ -47,6 +47,10 @@ class Comm(Protocol):
     def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj`` (small, plain values), in rank order, on rank 0; None on the others."""
 
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's ``values`` (int64, equally long on every rank), in rank order, on every rank; one collective
+        of a tensor (nothing pickled)."""
+
 
 @runtime_checkable
 class TensorComm(Comm, Protocol):
@@ -117,6 +121,9 @@ class LocalComm:
     def gather(self, obj: Any) -> list[Any] | None:
         return [obj]
 
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        return [list(values)]
+
 
 class StrategyComm:
     """Collectives through a Lightning strategy's public API (gloo or nccl, whatever the run uses)."""
@@ -151,6 +158,15 @@ class StrategyComm:
         box: list[Any] = [None] * self.world_size
         dist.all_gather_object(box, obj)
         return box if self.rank == 0 else None
+
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.int64, device=self.strategy.root_device)
+        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(out, t)
+        return [o.tolist() for o in out]
 
 
 class GroupComm:
@@ -192,6 +208,14 @@ class GroupComm:
         box: list[Any] = [None] * self.world_size
         self._dist.all_gather_object(box, obj, group=self.group)
         return box
+
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        import torch
+
+        t = torch.tensor(values, dtype=torch.int64)
+        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        self._dist.all_gather(out, t, group=self.group)
+        return [o.tolist() for o in out]
 
     def broadcast_tensor(self, tensor: Any, src: int) -> None:
         self._dist.broadcast(tensor, src=self._dist.get_global_rank(self.group, src), group=self.group)

@@ -135,6 +135,7 @@ def merge_parts(
     if parts[0]["rank"] != 0 or parts[0]["state"] is None:
         raise SnapshotWriteError("rank 0 did not contribute the shared state tree")
     tensors = _merge_tensors(parts)
+    replicas = {"replicas": parts[0]["replicas"]} if parts[0].get("replicas") is not None else {}
     return {
         "format_version": 1,
         "step": step,
@@ -150,6 +151,7 @@ def merge_parts(
         "state": parts[0]["state"],
         "ranks": [p["rank_section"] for p in parts],
         "health": _merge_health(parts, tensors),
+        **replicas,
     }
 
 

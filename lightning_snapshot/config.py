@@ -15,10 +15,12 @@ from lightning_snapshot.backends.registry import parse_tier
 from lightning_snapshot.errors import ConfigError
 from lightning_snapshot.interval import parse_duration
 
-__all__ = ["ON_ERROR", "SnapshotConfig"]
+__all__ = ["ON_ERROR", "ON_REPLICA_MISMATCH", "SnapshotConfig"]
 
 #: The values ``on_error`` takes.
 ON_ERROR = ("raise", "warn")
+#: The values ``on_replica_mismatch`` takes (see :mod:`lightning_snapshot.replicas`).
+ON_REPLICA_MISMATCH = ("warn", "raise", "skip")
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,9 @@ class SnapshotConfig:
     max_restores: int | None
     #: the job's mean time between failures (seconds), or None for the default from the number of nodes
     mtbf: float | None
+    #: the replica check's slices (the state is compared across ranks over this many snapshots), or None: off
+    replica_check: int | None = 4
+    on_replica_mismatch: str = "warn"
 
     @classmethod
     def create(
@@ -53,6 +58,8 @@ class SnapshotConfig:
         resume_unhealthy: bool,
         max_restores: int | None,
         mtbf: float | str | None,
+        replica_check: int | None = 4,
+        on_replica_mismatch: str = "warn",
     ) -> SnapshotConfig:
         """Validate the callback's arguments (tier URLs are parsed into backends).
 
@@ -88,6 +95,16 @@ class SnapshotConfig:
                 f"max_restores must be an integer >= 1 (or None to never skip a snapshot the run keeps"
                 f" crashing after), got {max_restores!r}"
             )
+        if replica_check is not None and not _positive_int(replica_check):
+            raise ConfigError(
+                f"replica_check must be an integer >= 1 (the replicas are compared over that many snapshots; 1: all"
+                f" of the state at every snapshot) or None to turn the check off, got {replica_check!r}"
+            )
+        if on_replica_mismatch not in ON_REPLICA_MISMATCH:
+            raise ConfigError(
+                f"on_replica_mismatch must be one of {', '.join(map(repr, ON_REPLICA_MISMATCH))}, got"
+                f" {on_replica_mismatch!r}"
+            )
         return cls(
             tiers=backends,
             resume=resume,
@@ -100,6 +117,8 @@ class SnapshotConfig:
             resume_unhealthy=resume_unhealthy,
             max_restores=max_restores,
             mtbf=None if mtbf is None else parse_duration(mtbf, "mtbf"),
+            replica_check=replica_check,
+            on_replica_mismatch=on_replica_mismatch,
         )
 
 

@@ -18,6 +18,7 @@ __all__ = [
     "FormatVersionError",
     "ManifestError",
     "NotDurableError",
+    "ReplicaMismatchError",
     "SnapshotError",
     "SnapshotNotFoundError",
     "SnapshotWriteError",
@@ -92,3 +93,8 @@ class TornSnapshotError(SnapshotError, RuntimeError):
 class AgentError(SnapshotError, RuntimeError):
     """The node's snapshot agent stopped answering (stopped, hung, or gone) while it had a snapshot to write; the
     message names the agent's process and its log. Not retried: the agent may still be writing."""
+
+
+class ReplicaMismatchError(SnapshotError, RuntimeError):
+    """Under data parallelism, the ranks' replicas of the parameters or optimizer state disagree
+    (``on_replica_mismatch="raise"``); the message names the tensors and the ranks."""

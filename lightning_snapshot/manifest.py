@@ -37,6 +37,7 @@ __all__ = [
     "Manifest",
     "ObjectEntry",
     "RankSection",
+    "ReplicaRecord",
     "TensorEntry",
     "dtype_from_name",
     "dtype_name",
@@ -89,6 +90,8 @@ _HEX_RE = re.compile(r"^[0-9a-f]{16}$")
 _MAX_DIMS = 64
 _GROUP_RE = re.compile(r"^[A-Za-z0-9._-]{1,100}(/[0-9]{1,6})?$")
 _MAX_GROUPS = 4096
+#: The most tensors a manifest's replica check names (lightning_snapshot.replicas.MAX_NAMED writes 16).
+_MAX_NAMED_REPLICAS = 1024
 
 
 def health_group(name: str) -> str:
@@ -204,6 +207,16 @@ class RankSection:
 
 
 @dataclass(frozen=True)
+class ReplicaRecord:
+    """The replica check of one snapshot (:mod:`lightning_snapshot.replicas`): how many tensors were compared
+    across the ranks, how many disagreed, and the first of those with the ranks holding another value."""
+
+    checked: int
+    disagree_count: int = 0
+    disagree: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+
+@dataclass(frozen=True)
 class Manifest:
     """The manifest of one snapshot. ``state`` is a JSON tree whose tensors are ``{"$tensor": name}`` refs."""
 
@@ -224,6 +237,9 @@ class Manifest:
     #: the name of its first tensor holding a NaN or an infinity. None for the whole field: not recorded (a snapshot
     #: written before lightning-snapshot recorded health), which counts as healthy.
     health: Mapping[str, str | None] | None = None
+    #: The replica check's outcome at this step (:mod:`lightning_snapshot.replicas`), or None: not checked (one
+    #: process, not data parallel, the check off, or written before lightning-snapshot checked replicas).
+    replicas: ReplicaRecord | None = None
 
     # -- lookups
     def object(self, key: str) -> ObjectEntry:
@@ -252,11 +268,24 @@ class Manifest:
         return None
 
     @property
+    def replicas_disagree(self) -> bool:
+        """Whether the replica check of this step found ranks whose copies of the state disagree."""
+        return self.replicas is not None and self.replicas.disagree_count > 0
+
+    @property
+    def healthy(self) -> bool:
+        """Neither a NaN or an infinity recorded nor replicas that disagree (a snapshot whose health was not
+        recorded counts as healthy)."""
+        return self.first_nonfinite is None and not self.replicas_disagree
+
+    @property
     def health_text(self) -> str:
-        """One word for listings: ``healthy``, ``NaN/inf`` or ``unknown`` (not recorded)."""
-        if self.health is None:
-            return "unknown"
-        return "healthy" if self.first_nonfinite is None else "NaN/inf"
+        """One word for listings: ``healthy``, ``NaN/inf``, ``replicas disagree`` or ``unknown`` (not recorded)."""
+        if self.first_nonfinite is not None:
+            return "NaN/inf"
+        if self.replicas_disagree:
+            return "replicas disagree"
+        return "unknown" if self.health is None else "healthy"
 
     # -- JSON
     def to_json(self) -> str:
@@ -345,6 +374,12 @@ def _manifest_to_dict(m: Manifest) -> dict[str, Any]:
     }
     if m.health is not None:
         d["health"] = dict(m.health)
+    if m.replicas is not None:
+        d["replicas"] = {
+            "checked": m.replicas.checked,
+            "disagree_count": m.replicas.disagree_count,
+            "disagree": [{"tensor": t, "ranks": list(ranks)} for t, ranks in m.replicas.disagree],
+        }
     return d
 
 
@@ -670,7 +705,7 @@ def _manifest_from_dict(raw: Any, where: str) -> Manifest:
             "state",
             "ranks",
         },
-        optional={"health"},
+        optional={"health", "replicas"},
     )
     r.int_(d["format_version"], "format_version", 1, FORMAT_VERSION)
     checksum = r.str_(d["checksum"], "checksum")
@@ -716,6 +751,7 @@ def _manifest_from_dict(raw: Any, where: str) -> Manifest:
         _check_refs(r, rd["state"], f"{p}.state", {t.name for t in rt})
         ranks.append(RankSection(rank, rd["state"], rt))
     health = _parse_health(r, d["health"], {t.name for t in tensors}) if "health" in d else None
+    replicas = _parse_replicas(r, d["replicas"], world_size) if "replicas" in d else None
     return Manifest(
         step=r.int_(d["step"], "step", 0, 10**12 - 1),
         epoch=r.int_(d["epoch"], "epoch", 0),
@@ -731,7 +767,31 @@ def _manifest_from_dict(raw: Any, where: str) -> Manifest:
         checksum=checksum,
         format_version=d["format_version"],
         health=health,
+        replicas=replicas,
     )
+
+
+def _parse_replicas(r: _Reader, value: Any, world_size: int) -> ReplicaRecord:
+    """The optional ``replicas`` field: ``{"checked": n, "disagree_count": k, "disagree": [{"tensor": name,
+    "ranks": [rank, ...]}, ...]}`` (at most :data:`_MAX_NAMED_REPLICAS` named)."""
+    d = r.obj(value, "replicas", {"checked", "disagree_count", "disagree"})
+    checked = r.int_(d["checked"], "replicas.checked", 0)
+    count = r.int_(d["disagree_count"], "replicas.disagree_count", 0, checked)
+    named = r.list_(d["disagree"], "replicas.disagree")
+    if len(named) > min(count, _MAX_NAMED_REPLICAS):
+        raise r.fail("replicas.disagree", f"names {len(named)} tensors, more than disagree_count or the limit")
+    out: list[tuple[str, tuple[int, ...]]] = []
+    for i, item in enumerate(named):
+        p = f"replicas.disagree[{i}]"
+        e = r.obj(item, p, {"tensor", "ranks"})
+        tensor = r.str_(e["tensor"], f"{p}.tensor")
+        if len(tensor) > 4096:
+            raise r.fail(f"{p}.tensor", "longer than 4096 characters")
+        ranks = r.list_(e["ranks"], f"{p}.ranks")
+        if not ranks or len(ranks) > world_size:
+            raise r.fail(f"{p}.ranks", f"expected 1 to {world_size} ranks, got {len(ranks)}")
+        out.append((tensor, tuple(r.int_(x, f"{p}.ranks[{j}]", 0, world_size - 1) for j, x in enumerate(ranks))))
+    return ReplicaRecord(checked, count, tuple(out))
 
 
 def _parse_health(r: _Reader, value: Any, names: set[str]) -> dict[str, str | None]:

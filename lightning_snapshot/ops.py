@@ -127,7 +127,7 @@ def plan_gc(
     manifests = _manifests(backend, committed)
     plan.protected = next((s for s in committed if manifests[s] is not None), None)
     # and the newest healthy one (no NaN or infinity recorded), as training's retention keeps it
-    healthy = next((s for s in committed if (m := manifests[s]) is not None and m.first_nonfinite is None), None)
+    healthy = next((s for s in committed if (m := manifests[s]) is not None and m.healthy), None)
     protect = {s for s in (plan.protected, healthy) if s is not None}
     expired = dict.fromkeys(expired_snapshots(committed, keep_last, protect), "keep-last")
     if older_than is not None:

@@ -49,6 +49,9 @@ class PersistJob:
     sources: dict[int, int] = field(default_factory=dict)
     #: tier indices that no longer hold the staging buffer (each drops its reference once: :meth:`Persister.unref`)
     released: set[int] = field(default_factory=set)
+    #: the replica check's outcome (the manifest's ``replicas``: :meth:`~lightning_snapshot.replicas.Verdict.record`)
+    #: or None (not checked)
+    replicas: dict | None = None
 
 
 @dataclass
@@ -191,7 +194,7 @@ class _TierWorker:
         return write_snapshot(
             self.tier,
             self.comm,
-            SnapshotJob(job.step, job.epoch, state, job.private),
+            SnapshotJob(job.step, job.epoch, state, job.private, job.replicas),
             self.p.run_id,
             prepare=staged.wait if isinstance(staged, AsyncStaged) else None,
             before_commit=(lambda: self._settled(staged)) if isinstance(staged, AsyncStaged) else None,

@@ -39,8 +39,9 @@ from lightning_snapshot.comm import Comm
 from lightning_snapshot.config import SnapshotConfig
 from lightning_snapshot.ddp_layout import capture_layout, is_ddp
 from lightning_snapshot.ddp_layout import enabled as ddp_layout_enabled
-from lightning_snapshot.errors import SnapshotError
+from lightning_snapshot.errors import ReplicaMismatchError, SnapshotError
 from lightning_snapshot.persist import Persister, PersistJob
+from lightning_snapshot.replicas import ReplicaChecker, Verdict
 from lightning_snapshot.reporting import Reporter
 from lightning_snapshot.schedule import FitSchedule
 from lightning_snapshot.staging import stage
@@ -100,6 +101,8 @@ class SnapshotPipeline:
         self._ended = False  # the snapshot of the end of fit was taken
         self._warned_layout = False
         self.stall = 0.0
+        self.replicas = ReplicaChecker(config.replica_check) if config.replica_check else None
+        self._capture_token: object | None = None  # the capture plan's token of the state last staged
 
     # ------------------------------------------------------------------------------------------- steps
     def step_ended(self, trainer: Any, pl_module: Any) -> None:
@@ -252,6 +255,7 @@ class SnapshotPipeline:
             # a capture plan's signature holds the version counter of every staged tensor: while it is unchanged,
             # none was changed in place since it was staged either (then staged.changed() need not look again)
             self._signature_covers = isinstance(shared, Encoded) and shared.signature() is not None
+            self._capture_token = shared.token if isinstance(shared, Encoded) else None
             staged = self.arena.stage_async(
                 shared, frozen, step, rank=self.comm.rank, world_size=self.comm.world_size, frozen_key=key
             )
@@ -306,6 +310,19 @@ class SnapshotPipeline:
         self._staged_signature = None
         if shared is not None and shared.copied.is_set():
             shared.settle()  # (copied before this step's training_step: what that changes cannot tear it)
+        replicas = self._check_replicas(trainer, step) if shared is not None else None
+        if replicas is not None and not replicas.ok and self.config.on_replica_mismatch != "warn":
+            assert shared is not None
+            with contextlib.suppress(Exception):  # the persist thread reports it
+                shared.fence_training()
+            self.arena.release(shared.slot)
+            self._unmeasured(due)
+            if self.config.on_replica_mismatch == "raise":
+                raise ReplicaMismatchError(f"{replicas.describe()} (on_replica_mismatch='raise')")
+            self.reporter.skipped(
+                step, "its replicas disagree (on_replica_mismatch='skip')", False, "See the warning before this one."
+            )
+            return
         epoch = trainer.current_epoch
         try:
             consumed = max(0, trainer.fit_loop.epoch_loop.batch_progress.current.ready - consumed_offset)
@@ -326,8 +343,35 @@ class SnapshotPipeline:
         self._unmeasured(full)
         for i in full:
             self.reporter.queue_full(i, step, self.persister.pending(i))
-        self.persister.submit(PersistJob(step, epoch, shared, private, [self.tiers[i] for i in accepted]), accepted)
+        job = PersistJob(step, epoch, shared, private, [self.tiers[i] for i in accepted])
+        job.replicas = replicas.record() if replicas is not None else None
+        self.persister.submit(job, accepted)
         self.reporter.handed_over(step, accepted)
+
+    def _check_replicas(self, trainer: Any, step: int) -> Verdict | None:
+        """Under DDP, compare the replicas of the state this snapshot holds (collective; see
+        :mod:`~lightning_snapshot.replicas`); warn when they disagree. None: not checked."""
+        checker, model = self.replicas, trainer.strategy.model
+        if checker is None or self.comm.world_size < 2 or not is_ddp(model):
+            return None
+        ignored = set(getattr(model, "parameters_to_ignore", None) or ())
+        optimizers = [getattr(o, "_optimizer", o) for o in trainer.optimizers]
+        names, tensors = checker.select(
+            trainer.lightning_module, optimizers, ignored, optimized_key(optimizers), self._capture_token
+        )
+        result = checker.check(step, names, tensors, self.comm.all_gather_ints)
+        self.reporter.metrics.add("snapshot/replicas_disagree", len(result.disagree))
+        if not result.ok:
+            action = self.config.on_replica_mismatch
+            if action == "warn":
+                warnings.warn(
+                    f"{result.describe()}. The snapshot is committed as unhealthy (resume=True skips it);"
+                    " on_replica_mismatch='skip' drops such snapshots, 'raise' stops training",
+                    stacklevel=2,
+                )
+            elif action == "skip":
+                warnings.warn(result.describe(), stacklevel=2)
+        return result
 
     def _unmeasured(self, indices: list[int]) -> None:
         """Snapshots of these tiers that will not be written: they end their cost measurement unmeasured."""

@@ -59,18 +59,17 @@ class Reporter:
         self.fit_start_step = step
 
     # ------------------------------------------------------------------------------------------- events
-    def skipped(self, step: int, reason: str, last: bool) -> None:
-        """No snapshot of ``step``: the arena had no room, or another rank could not stage it (``last``: fit's last)."""
+    def skipped(
+        self, step: int, reason: str, last: bool, advice: str = "Raise max_host_bytes or snapshot less often."
+    ) -> None:
+        """No snapshot of ``step``: the arena had no room, another rank could not stage it, or its replicas disagree
+        (``last``: fit's last)."""
         if last:
             warnings.warn(f"lightning-snapshot: no snapshot of the last step {step}: {reason}", stacklevel=3)
             return
         self._skipped += 1
         self.metrics.add("snapshot/skipped", self._skipped)
-        warnings.warn(
-            f"lightning-snapshot: skipped the snapshot of step {step}: {reason}. Raise max_host_bytes or snapshot"
-            " less often.",
-            stacklevel=3,
-        )
+        warnings.warn(f"lightning-snapshot: skipped the snapshot of step {step}: {reason}. {advice}", stacklevel=3)
 
     def queue_full(self, index: int, step: int, pending: int) -> None:
         """Tier ``index`` skips the snapshot of ``step``: ``pending`` snapshots are still queued there."""

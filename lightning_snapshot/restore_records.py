@@ -78,4 +78,7 @@ def read_candidate(backend: Backend, step: int, index: int) -> tuple[Candidate, 
         return Candidate(step, index), None
     manifest_id = manifest_digest(bytes(text))
     restores = read_restores(backend, step, manifest_id)
-    return Candidate(step, index, manifest.first_nonfinite, restores), manifest_id
+    replicas = manifest.replicas.disagree[0][0] if manifest.replicas and manifest.replicas.disagree else None
+    if replicas is None and manifest.replicas_disagree:
+        replicas = "(not named)"
+    return Candidate(step, index, manifest.first_nonfinite, restores, replicas), manifest_id

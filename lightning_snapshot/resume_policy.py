@@ -3,8 +3,9 @@
 Two facts decide, besides the commit rule:
 
 * **health**: the manifest's ``health`` field says, per tensor group, whether the staged parameters and optimizer
-  state held a NaN or an infinity (see :func:`~lightning_snapshot.staging.nonfinite_tensors`). An unhealthy
-  snapshot is skipped unless the user opts out; a manifest without the field counts as healthy.
+  state held a NaN or an infinity (see :func:`~lightning_snapshot.staging.nonfinite_tensors`), and its ``replicas``
+  field whether the ranks' replicas disagreed (:mod:`~lightning_snapshot.replicas`). An unhealthy snapshot is
+  skipped unless the user opts out; a manifest without these fields counts as healthy.
 * **restores**: every restore is recorded next to the snapshot it used, in a small JSON object
   ``step-<N>/restores.json`` (:data:`~lightning_snapshot.manifest.RESTORES_NAME`) of each tier that holds the step
   (the RAM tier keeps it in the memory of rank 0's node, which outlives the trainer):
@@ -37,12 +38,24 @@ class Candidate:
         tier: the index of its tier in the callback's tiers.
         nonfinite: ``(group, first tensor)`` holding a non-finite value, or None (healthy or not recorded).
         restores: how often it was restored before (the largest count over the tiers holding the step).
+        replicas: the first tensor whose replicas disagreed at this step (the replica check), or None.
     """
 
     step: int
     tier: int
     nonfinite: tuple[str, str] | None = None
     restores: int = 0
+    replicas: str | None = None
+
+    @property
+    def unhealthy(self) -> str | None:
+        """Why the snapshot is unhealthy, or None."""
+        if self.nonfinite is not None:
+            group, tensor = self.nonfinite
+            return f"tensor {tensor!r} of {group!r} holds a NaN or an infinity"
+        if self.replicas is not None:
+            return f"the ranks' replicas of {self.replicas!r} disagreed (the replica check)"
+        return None
 
 
 @dataclass(frozen=True)
@@ -60,8 +73,9 @@ def plan_resume(candidates: Sequence[Candidate], *, max_restores: int | None, re
     (unless ``max_restores`` is None) from ``candidates`` (newest first), keeping the order of the rest.
 
     A step's restore count is the largest over its candidates (tiers). Returns the kept candidates and at most two
-    warnings: one naming the newest unhealthy step and its first non-finite tensor, one naming the step a crash loop
-    left behind. When every candidate was dropped, ``problem`` says why.
+    warnings: one naming the newest unhealthy step and why (its first non-finite tensor, or replicas that
+    disagreed), one naming the step a crash loop left behind. When every candidate was dropped, ``problem`` says
+    why.
     """
     counts: dict[int, int] = {}
     for c in candidates:
@@ -70,7 +84,7 @@ def plan_resume(candidates: Sequence[Candidate], *, max_restores: int | None, re
     unhealthy: list[Candidate] = []
     looping: list[int] = []
     for c in candidates:
-        if c.nonfinite is not None and not resume_unhealthy:
+        if c.unhealthy is not None and not resume_unhealthy:
             if all(u.step != c.step for u in unhealthy):
                 unhealthy.append(c)
         elif max_restores is not None and counts[c.step] >= max_restores:
@@ -82,13 +96,12 @@ def plan_resume(candidates: Sequence[Candidate], *, max_restores: int | None, re
     messages: list[str] = []
     if unhealthy:
         first = unhealthy[0]
-        group, tensor = first.nonfinite or ("", "")
         others = [u.step for u in unhealthy[1:]]
         plural = "s" if len(others) > 1 else ""
         also = f" (also unhealthy: step{plural} {', '.join(map(str, others))})" if others else ""
         messages.append(
-            f"lightning-snapshot: skipping the unhealthy snapshot of step {first.step}: tensor {tensor!r} of"
-            f" {group!r} holds a NaN or an infinity{also}. Resuming from the newest healthy snapshot ({target}); pass"
+            f"lightning-snapshot: skipping the unhealthy snapshot of step {first.step}: {first.unhealthy}{also}."
+            " Resuming from the newest healthy snapshot ({target}); pass"
             " SnapshotCallback(resume_unhealthy=True) to resume from unhealthy snapshots anyway"
         )
     if looping:

@@ -68,6 +68,8 @@ class SnapshotJob:
     epoch: int
     shared: StagedState | None
     private: StagedState
+    #: the replica check's outcome (the manifest's ``replicas``), or None: not checked
+    replicas: dict[str, Any] | None = None
 
 
 def _section(
@@ -154,6 +156,7 @@ def write_part(
         "tensors": None,
         "state": None,
         "nonfinite": nonfinite_tensors(job.shared) if job.shared is not None else [],
+        "replicas": job.replicas if rank == 0 else None,
     }
     sections = [("rank", job.private)] + ([("shared", job.shared)] if job.shared is not None else [])
     for kind, staged in sections:
@@ -378,7 +381,7 @@ def _newest_healthy(backend: Backend, committed: list[int], parsed: dict[int, Ma
         except Exception as e:  # noqa: BLE001 - retention must never break training: this step counts as unhealthy
             log.debug("lightning-snapshot: retention cannot read the health of step %d: %s", step, e)
             continue
-        if manifest.first_nonfinite is None:
+        if manifest.healthy:
             return {step}
     return set()
 

@@ -262,6 +262,21 @@ class Preempt(L.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+class Perturb(L.Callback):
+    """On rank ``rank`` only, after the optimizer step of ``global_step == at``: move the first value of parameter
+    ``name`` by one ulp (silent data corruption on one GPU). The replicas then differ in that parameter only: DDP
+    averages the gradients, so every rank applies the same update to its own copy."""
+
+    def __init__(self, at: int, rank: int, name: str) -> None:
+        self.at, self.rank, self.name = at, rank, name
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.at and trainer.global_rank == self.rank:
+            with torch.no_grad():
+                flat = dict(pl_module.named_parameters())[self.name].view(-1)
+                flat[0] = torch.nextafter(flat[0], torch.tensor(math.inf))
+
+
 class Buckets(torch.utils.data.Sampler):
     """A batch sampler of the user's own, as for sequences of varied length: a shuffled order from the global torch
     RNG, cut into buckets of 4 batches that are sorted by a length key, and the batches of each bucket shuffled."""
@@ -324,6 +339,10 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=-1, help="train loader workers (default: the setup's)")
     p.add_argument("--trainer", action="append", default=[], metavar="KEY=JSON",
                    help="another Trainer argument (e.g. check_val_every_n_epoch=2), over the setup's own")
+    p.add_argument("--snapshot", action="append", default=[], metavar="KEY=JSON",
+                   help="a SnapshotCallback argument (e.g. replica_check=1)")
+    p.add_argument("--perturb", default="", metavar="STEP:RANK:PARAM",
+                   help="move PARAM by one ulp on RANK after the optimizer step of STEP (the snapshot of STEP sees it)")
     p.add_argument("--neutrality", action="store_true",
                    help="first run the same fit without lightning-snapshot (in DIR/nolib, result OUT.nolib), in this"
                         " process, then the fit with it")
@@ -436,7 +455,10 @@ def fit(a: argparse.Namespace, root: str, out: str, library: bool) -> None:
     snapshot = None
     if library:
         tier = LocalTier(os.path.join(root, "snaps"), every_n_train_steps=a.every, keep_last=2)
-        snapshot = SnapshotCallback([tier])
+        snapshot = SnapshotCallback([tier], **{k: json.loads(v) for k, _, v in (o.partition("=") for o in a.snapshot)})
+        if a.perturb:  # (before the snapshot callback: its hooks run first)
+            at, rank, name = a.perturb.split(":")
+            callbacks.append(Perturb(int(at), int(rank), name))
         callbacks += [snapshot, ReportRestore(snapshot)]
         if a.crash_at >= 0:
             callbacks.append(Crash(a.crash_at, tier))

@@ -342,6 +342,7 @@ class AgentClient:
                 "tier": self.tiers.index(tier),
                 "shared": describe_staged(job.shared.state, inline=False),
                 "private": describe_staged(job.private, inline=True),
+                "replicas": getattr(job, "replicas", None),
             }
         )
         while not ev.wait(0.2):
@@ -405,6 +406,7 @@ class AgentClient:
                 "tiers": tiers,
                 "shared": describe_staged(shared, inline=False),
                 "private": describe_staged(job.private, inline=True),
+                "replicas": getattr(job, "replicas", None),
             }
         )
 

@@ -354,7 +354,10 @@ class Agent:
         private = rebuild_staged(entry["private"], None)
         _verify(shared)
         tier = Backend.from_spec(hello["tiers"][index])
-        job = SnapshotJob(step, int(entry["epoch"]), shared, private)
+        replicas = entry.get("replicas")
+        if replicas is not None and not isinstance(replicas, dict):
+            raise ValueError(f"a staged snapshot's 'replicas' must be an object or null, got {type(replicas).__name__}")
+        job = SnapshotJob(step, int(entry["epoch"]), shared, private, replicas)
         transport = MarkerTransport(tier, step, run_id, rank, world, float(hello.get("part_wait") or PART_WAIT_S))
 
         def flushing() -> None:
