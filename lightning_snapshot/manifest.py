@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from itertools import chain
 from typing import Any
 
-import torch
-
+from lightning_snapshot.dtypes import DTYPES, ITEMSIZE, dtype_from_name, dtype_name
 from lightning_snapshot.errors import FormatVersionError, ManifestError, UnsafePathError
 
 __all__ = [
@@ -55,35 +54,6 @@ MANIFEST_NAME = "manifest.json"
 #: never listed in a manifest, never checksummed, removed with its step).
 RESTORES_NAME = "restores.json"
 
-_DTYPE_NAMES = [
-    "float64",
-    "float32",
-    "float16",
-    "bfloat16",
-    "float8_e4m3fn",
-    "float8_e5m2",
-    "float8_e4m3fnuz",
-    "float8_e5m2fnuz",
-    "float8_e8m0fnu",
-    "complex64",
-    "complex128",
-    "int64",
-    "int32",
-    "int16",
-    "int8",
-    "uint8",
-    "uint16",
-    "uint32",
-    "uint64",
-    "bool",
-]
-#: Every dtype the format stores, by its name in the manifest (only those this torch build has).
-DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name) for name in _DTYPE_NAMES if isinstance(getattr(torch, name, None), torch.dtype)
-}
-_DTYPE_TO_NAME = {dt: name for name, dt in DTYPES.items()}
-_ITEMSIZE = {name: dt.itemsize for name, dt in DTYPES.items()}
-
 _STEP_RE = re.compile(r"^step-(\d{12})$")
 _KEY_PART_RE = re.compile(r"^[A-Za-z0-9._-]+$")
 _HEX_RE = re.compile(r"^[0-9a-f]{16}$")
@@ -103,28 +73,6 @@ def health_group(name: str) -> str:
         if index.isdigit() and len(index) <= 6:
             return f"{head}/{index}"
     return head if _GROUP_RE.match(head) else "other"
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """Name of ``dtype`` in the manifest; raises ``KeyError`` for dtypes the format does not store."""
-    return _DTYPE_TO_NAME[dtype]
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """The torch dtype for a manifest dtype name.
-
-    Raises:
-        ManifestError: ``name`` is not a dtype this build of torch has (the message says what to do; the manifest
-            parser adds the file, the tensor and the field).
-    """
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ManifestError(
-            f"unknown dtype {name!r} (this build of torch knows {', '.join(sorted(DTYPES))}). If the snapshot was"
-            " written with a newer torch or lightning-snapshot, upgrade both; otherwise the manifest is corrupted:"
-            " use another snapshot"
-        ) from None
 
 
 def step_dirname(step: int) -> str:
@@ -592,7 +540,7 @@ def _whole_tensor(
     fd = frags[0]
     if type(fd) is not dict or fd.keys() != _FRAGMENT_FIELDS:
         return None
-    itemsize = _ITEMSIZE.get(dtype)  # (None for a dtype this torch does not know: the full path says so)
+    itemsize = ITEMSIZE.get(dtype)  # (None for a dtype this torch does not know: the full path says so)
     obj, offset, nbytes, sums = fd["object"], fd["offset"], fd["nbytes"], fd["checksums"]
     local, offs = fd["local_shape"], fd["global_offsets"]
     if (

@@ -101,7 +101,7 @@ def plan_resume(candidates: Sequence[Candidate], *, max_restores: int | None, re
         also = f" (also unhealthy: step{plural} {', '.join(map(str, others))})" if others else ""
         messages.append(
             f"lightning-snapshot: skipping the unhealthy snapshot of step {first.step}: {first.unhealthy}{also}."
-            " Resuming from the newest healthy snapshot ({target}); pass"
+            f" Resuming from the newest healthy snapshot ({target}); pass"
             " SnapshotCallback(resume_unhealthy=True) to resume from unhealthy snapshots anyway"
         )
     if looping:

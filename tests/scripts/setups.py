@@ -263,15 +263,17 @@ class Preempt(L.Callback):
 
 
 class Perturb(L.Callback):
-    """On rank ``rank`` only, after the optimizer step of ``global_step == at``: move the first value of parameter
-    ``name`` by one ulp (silent data corruption on one GPU). The replicas then differ in that parameter only: DDP
-    averages the gradients, so every rank applies the same update to its own copy."""
+    """On rank ``rank`` only, after the optimizer step of ``global_step == at`` (``each``: and of every later step):
+    move the first value of parameter ``name`` up by one ulp (silent data corruption on one GPU). DDP averages the
+    gradients, so every rank applies the same update to its own copy: the replicas differ in that parameter only,
+    until rounding in later updates happens to absorb a single change (hence ``each``: a fault that persists)."""
 
-    def __init__(self, at: int, rank: int, name: str) -> None:
-        self.at, self.rank, self.name = at, rank, name
+    def __init__(self, at: int, rank: int, name: str, each: bool) -> None:
+        self.at, self.rank, self.name, self.each = at, rank, name, each
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step == self.at and trainer.global_rank == self.rank:
+        step = trainer.global_step
+        if (step == self.at or (self.each and step > self.at)) and trainer.global_rank == self.rank:
             with torch.no_grad():
                 flat = dict(pl_module.named_parameters())[self.name].view(-1)
                 flat[0] = torch.nextafter(flat[0], torch.tensor(math.inf))
@@ -341,8 +343,9 @@ def main() -> None:
                    help="another Trainer argument (e.g. check_val_every_n_epoch=2), over the setup's own")
     p.add_argument("--snapshot", action="append", default=[], metavar="KEY=JSON",
                    help="a SnapshotCallback argument (e.g. replica_check=1)")
-    p.add_argument("--perturb", default="", metavar="STEP:RANK:PARAM",
-                   help="move PARAM by one ulp on RANK after the optimizer step of STEP (the snapshot of STEP sees it)")
+    p.add_argument("--perturb", default="", metavar="STEP[+]:RANK:PARAM",
+                   help="move PARAM by one ulp on RANK after the optimizer step of STEP (the snapshot of STEP sees it);"
+                        " STEP+: and after every later step")
     p.add_argument("--neutrality", action="store_true",
                    help="first run the same fit without lightning-snapshot (in DIR/nolib, result OUT.nolib), in this"
                         " process, then the fit with it")
@@ -458,7 +461,7 @@ def fit(a: argparse.Namespace, root: str, out: str, library: bool) -> None:
         snapshot = SnapshotCallback([tier], **{k: json.loads(v) for k, _, v in (o.partition("=") for o in a.snapshot)})
         if a.perturb:  # (before the snapshot callback: its hooks run first)
             at, rank, name = a.perturb.split(":")
-            callbacks.append(Perturb(int(at), int(rank), name))
+            callbacks.append(Perturb(int(at.rstrip("+")), int(rank), name, at.endswith("+")))
         callbacks += [snapshot, ReportRestore(snapshot)]
         if a.crash_at >= 0:
             callbacks.append(Crash(a.crash_at, tier))

@@ -234,6 +234,7 @@ def test_a_resume_skips_a_snapshot_whose_replicas_disagreed_and_says_why():
     )
     assert [c.step for c in plan.candidates] == [6]
     assert "step 8: the ranks' replicas of 'net.4.weight' disagreed" in plan.warnings[0]
+    assert "Resuming from the newest healthy snapshot (step 6)" in plan.warnings[0]
     assert "resume_unhealthy=True" in plan.warnings[0]
     kept = plan_resume([Candidate(8, 0, replicas="w"), Candidate(6, 0)], max_restores=None, resume_unhealthy=True)
     assert [c.step for c in kept.candidates] == [8, 6]
