@@ -127,32 +127,66 @@ def test_ddp_restore_from_a_local_tier_reads_the_state_once(tmp_path, reference,
     _assert_read_once(procs, WORLD)
 
 
+RESHARD_BUCKET = "read-once-resharded-2x2-b"
+#: the resharding runs (reshard_train.py): DDP, 64 KiB checksum chunks, a snapshot every 3 steps
+RESHARD_ARGS = ("--strategy", "ddp", "--chunk-bytes", "65536", "--every", "3")
+
+
+@pytest.fixture(scope="module")
+def saved_2x2(tmp_path_factory, s3_server) -> dict:
+    """One saving run for both resharded restores: DDP(4) as 2 simulated nodes of 2 ranks, 9 steps, snapshotting to
+    a bucket and to a local tier in a directory both nodes share (snapshots at 3, 6 and 9), the consolidated state at
+    step 9 dumped."""
+    base = tmp_path_factory.mktemp("saved-2x2")
+    s3_server.create_bucket(RESHARD_BUCKET)
+    url = f"s3://{RESHARD_BUCKET}/run"
+    (base / "dumps").mkdir()
+    procs = launch_nodes("reshard_train.py", NODES, "--dir", str(base / "local"), "--out", str(base / "out.pt"),
+                         *RESHARD_ARGS, "--s3", url, "--endpoint", s3_server.endpoint, "--also-dir",
+                         "--num-nodes", str(NODES), "--devices", str(PER_NODE), "--max-steps", "9",
+                         "--dump-steps", "9", "--dump-dir", str(base / "dumps"), timeout=600,
+                         ranks_per_node=PER_NODE)
+    assert [p.returncode for p in procs] == [0] * WORLD, _tails(procs)
+    bucket_tier = ObjectStoreTier(url, storage_options=_options(s3_server.endpoint))
+    local_tier = LocalTier(base / "local")
+    assert 9 in committed_steps(bucket_tier) and 9 in committed_steps(local_tier), _tails(procs)
+    return {"url": url, "local": base / "local", "dump": base / "dumps" / "step-9.pt",
+            "state": {"bucket": _object_bytes(bucket_tier, 9), "local-dir": _object_bytes(local_tier, 9)}}
+
+
 @pytest.mark.slow
-def test_ddp_restore_resharded_to_two_ranks_reads_the_state_once(tmp_path, s3_server, bucket):
-    """A DDP(4) snapshot in the bucket restored by DDP(2): the state at the start of the resumed run is bitwise the
-    state the saving run had at that step, and the bucket served it once."""
-    url = f"s3://{bucket}/run"
-    s3 = ("--s3", url, "--endpoint", s3_server.endpoint, "--strategy", "ddp", "--chunk-bytes", "65536",
-          "--every", "3")
-    save = tmp_path / "save"
-    (save / "dumps").mkdir(parents=True)
-    run_script("reshard_train.py", "--dir", str(save / "snaps"), "--out", str(save / "out.pt"), *s3, "--devices",
-               "4", "--max-steps", "9", "--dump-steps", "9", "--dump-dir", str(save / "dumps"), timeout=600)
-    proc = run_script("reshard_train.py", "--dir", str(tmp_path / "snaps"), "--out", str(tmp_path / "out.pt"), *s3,
-                      "--devices", "2", "--max-steps", "10", "--resume", "9", "--dump-at-start",
-                      str(tmp_path / "start.pt"), timeout=600)
-    served = s3_server.counter.bytes_served(f"{bucket}/run/{step_dirname(9)}/", ".bin")
-    assert proc.stdout.count("RESTORED step=9") == 2, proc.stdout
+@pytest.mark.parametrize("source", ["bucket", "local-dir"])
+def test_ddp_restore_resharded_to_two_ranks_reads_the_state_once(tmp_path, s3_server, saved_2x2, source):
+    """A DDP(4) snapshot of 2 simulated nodes of 2 ranks restored by DDP(2), from the bucket (bytes counted by the
+    server) and from the local tier in the shared directory (bytes counted at the OS interface, io_count.py): every
+    rank resumed from step 9, the state at the start of the resumed run is bitwise the state the saving run had at
+    that step, and the job read the state once."""
+    if source == "bucket":
+        tier = ("--s3", saved_2x2["url"], "--endpoint", s3_server.endpoint, "--dir", str(tmp_path / "unused"))
+        prefix = f"{RESHARD_BUCKET}/run/{step_dirname(9)}/"
+        before = s3_server.counter.bytes_served(prefix, ".bin")
+    else:
+        tier = ("--dir", str(saved_2x2["local"]), "--count-reads", str(tmp_path / "reads"))
+    proc = run_script("reshard_train.py", "--out", str(tmp_path / "out.pt"), *tier, *RESHARD_ARGS, "--devices", "2",
+                      "--max-steps", "10", "--resume", "9", "--dump-at-start", str(tmp_path / "start.pt"),
+                      timeout=600)
+    if source == "bucket":
+        read = s3_server.counter.bytes_served(prefix, ".bin") - before
+    else:
+        read = sum(int((tmp_path / f"reads.rank{r}").read_text()) for r in range(2))
+    restored = {(int(s), int(r)) for s, r in re.findall(r"RESTORED step=(\d+) rank=(\d+)", proc.stdout)}
+    assert restored == {(9, 0), (9, 1)}, proc.stdout
     from test_reshard import assert_state_equal, restore_stats
 
-    assert assert_state_equal(save / "dumps" / "step-9.pt", tmp_path / "start.pt") > 0
+    assert assert_state_equal(saved_2x2["dump"], tmp_path / "start.pt") > 0
+    state = saved_2x2["state"][source]
+    print(f"DDP({NODES}x{PER_NODE}) -> DDP(2), {source}: {read} bytes read for a snapshot of {state} bytes"
+          f" ({read / state:.3f}x)")
+    assert read <= MAX_AMPLIFICATION * state, f"the job read {read / state:.2f}x the snapshot from the {source}"
     stats = restore_stats(proc)
     assert sorted(stats) == [0, 1], proc.stdout
     for rank, s in stats.items():  # each rank read a part (as the tier counted it) and got the rest from the other
         assert s["tier"] == s["planned"] < s["needed"], (rank, s)
-    state = _object_bytes(ObjectStoreTier(url, storage_options=_options(s3_server.endpoint)), 9)
-    print(f"DDP(4) -> DDP(2): bucket bytes served {served} for a snapshot of {state} bytes ({served / state:.3f}x)")
-    assert served <= MAX_AMPLIFICATION * state
 
 
 @pytest.mark.slow

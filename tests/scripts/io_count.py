@@ -9,12 +9,15 @@ import atexit
 import mmap
 import os
 import threading
+from collections.abc import Callable
 
 _lock = threading.Lock()
 
 
-def install(root: str, out: str) -> None:
-    """Count the bytes read from ``root/**/*.bin`` from now on; write the total to ``out`` when the process exits."""
+def install(root: str, out: str) -> Callable[[], None]:
+    """Count the bytes read from ``root/**/*.bin`` from now on; write the total to ``out`` when the process exits.
+    Returns the function that writes it, for a process that ends without running ``atexit`` (a script forked by the
+    tests' fork server, tests/zygote.py, ends with ``os._exit``)."""
     root = os.path.realpath(root)
     total = [0]
 
@@ -67,3 +70,4 @@ def install(root: str, out: str) -> None:
             f.write(str(total[0]))
 
     atexit.register(write)
+    return write

@@ -2,7 +2,8 @@
 
 Usage: python reshard_train.py --dir SNAPDIR --out RESULT.pt --strategy mp|ddp|single [--devices 2] [--max-steps N]
            [--every K] [--crash-at S] [--resume STEP_DIR] [--dump-steps 6,9 --dump-dir DIR] [--dump-at-start FILE]
-           [--samples N] [--record FILE] [--s3 s3://BUCKET/PREFIX --endpoint URL]
+           [--samples N] [--record FILE] [--s3 s3://BUCKET/PREFIX --endpoint URL [--also-dir]] [--num-nodes N]
+           [--count-reads FILE]
 
 Writes, on rank 0, the final consolidated state (full tensors; optimizer state keyed ``<param name>/<key>``) to
 RESULT.pt in the format of train.py, so ``conftest.assert_bitwise_equal`` compares it. ``--dump-steps`` also writes
@@ -10,7 +11,10 @@ the consolidated state at those steps (right when the snapshot of the step is ta
 ``--dump-at-start`` writes the state a resumed run starts from (right after the restore) to FILE. Each rank prints
 ``RESTORED step=..`` and ``RESTORE_STATS rank=.. needed=.. planned=.. tier=..`` after a restore. ``--record`` writes,
 per rank, FILE.rank<R> (JSON): one ``[epoch, global_step, batch_idx, [sample indices]]`` per batch trained on.
-``--s3`` snapshots to (and resumes from) that object-store URL instead of --dir; ``--resume`` may then be a step.
+``--s3`` snapshots to (and resumes from) that object-store URL instead of --dir (with ``--also-dir``: to a local tier
+at --dir as well); ``--resume`` may then be a step. ``--num-nodes``: the job's nodes, each --devices ranks launched
+outside (conftest.launch_nodes). ``--count-reads``: count the bytes this rank reads from the data objects under --dir
+at the OS interface (io_count.py) and write them to FILE.rank<R>.
 """
 
 from __future__ import annotations
@@ -166,29 +170,41 @@ def main() -> None:
     p.add_argument("--s3", default=None)
     p.add_argument("--ram", default=None, help="snapshot to a RAM tier of this name instead (one node)")
     p.add_argument("--endpoint", default=None)
+    p.add_argument("--also-dir", action="store_true", help="with --s3: also snapshot to a local tier at --dir")
+    p.add_argument("--num-nodes", type=int, default=1, help="nodes (each launched outside, --devices ranks each)")
+    p.add_argument("--count-reads", default=None,
+                   help="count the bytes read from the data objects under --dir at the OS interface (io_count.py)"
+                        " and write them to this path + .rank<global rank>")
     a = p.parse_args()
 
+    write_reads = None
+    if a.count_reads:
+        import io_count
+
+        rank = int(os.environ.get("NODE_RANK", "0")) * a.devices + int(os.environ.get("LOCAL_RANK", "0"))
+        write_reads = io_count.install(a.dir, f"{a.count_reads}.rank{rank}")
     L.seed_everything(42, verbose=False)
     model = MLP(a.dropout)
     loader = DataLoader(Data(a.samples), batch_size=4, shuffle=True)
     if a.s3:
         options = {"key": "testing-key", "secret": "testing-secret",
                    "client_kwargs": {"endpoint_url": a.endpoint, "region_name": "us-east-1"}}
-        tier = ObjectStoreTier(a.s3, storage_options=options, every_n_train_steps=a.every, keep_last=2)
+        tiers = [LocalTier(a.dir, every_n_train_steps=a.every, keep_last=2)] if a.also_dir else []
+        tiers.append(ObjectStoreTier(a.s3, storage_options=options, every_n_train_steps=a.every, keep_last=2))
     elif a.ram:
         from lightning_snapshot.backends import RamTier
 
-        tier = RamTier(every_n_train_steps=a.every, keep_last=2, name=a.ram, idle_timeout=300)
+        tiers = [RamTier(every_n_train_steps=a.every, keep_last=2, name=a.ram, idle_timeout=300)]
     else:
-        tier = LocalTier(a.dir, every_n_train_steps=a.every, keep_last=2)
+        tiers = [LocalTier(a.dir, every_n_train_steps=a.every, keep_last=2)]
     resume = (int(a.resume) if a.resume.isdigit() else a.resume) if a.resume else True
-    snapshots = SnapshotCallback([tier], resume=resume, chunk_bytes=a.chunk_bytes)
+    snapshots = SnapshotCallback(tiers, resume=resume, chunk_bytes=a.chunk_bytes)
     callbacks = [snapshots, Dump({int(s) for s in a.dump_steps.split(",") if s}, a.dump_dir, a.dump_at_start)]
     record = Record()
     if a.record:
         callbacks.append(record)
     if a.crash_at >= 0:
-        callbacks.append(Crash(a.crash_at, [tier]))
+        callbacks.append(Crash(a.crash_at, tiers))
     if a.strategy == "mp":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -198,6 +214,7 @@ def main() -> None:
     trainer = L.Trainer(
         accelerator=a.accelerator,
         devices=a.devices if a.strategy != "single" else 1,
+        num_nodes=a.num_nodes,
         strategy=strategy,
         max_steps=a.max_steps,
         callbacks=callbacks,
@@ -221,6 +238,8 @@ def main() -> None:
         print(f"RESTORE_STATS rank={trainer.global_rank} needed={st.get('bytes_needed')}"
               f" planned={st.get('bytes_read')} tier={st.get('tier_bytes_read')}"
               f" resharded={st.get('tensors_resharded')}", flush=True)
+    if write_reads is not None:
+        write_reads()
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
