@@ -17,9 +17,9 @@ before it is handed to the persist threads: the state checked is the state the s
   parameters an optimizer began to train since the last check (an unfreeze) and their optimizer state, so the first
   check after they trained a step compares them; and, until they agree again, the tensors that disagreed.
 
-The checksum of a tensor is the sum of its values read as integers of their width (int64 arithmetic, wrapping), taken
-on the tensor's device with no copy: any change of one value (one ulp) changes it; two changes that cancel out do
-not. The ranks exchange the checksums (8 bytes per tensor checked) in one collective; the value most ranks hold is
+The checksum of a tensor is the wrapping sum of its bytes read as 64-bit integers, taken on the tensor's device with
+no copy (a native reduction at memory speed): any change of one value (one ulp) changes it; two changes that cancel
+out do not. The ranks exchange the checksums (8 bytes per tensor checked) in one collective; the value most ranks hold is
 the reference and the others are named. The pipeline acts on the verdict as ``on_replica_mismatch`` says.
 """
 
@@ -41,31 +41,79 @@ MAX_NAMED = 16
 _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def _checksum(t: torch.Tensor) -> torch.Tensor:
+    """One tensor's checksum (an int64 tensor on its device): the wrapping sum of its bytes read as 64-bit words
+    (a native reduction at memory speed), the few bytes past the last whole word read as integers of the dtype's
+    width. A different value of one element changes one word, so the sum."""
+    t = t.detach()
+    flat = (torch.view_as_real(t) if t.is_complex() else t).reshape(-1)  # (a copy only if it is not contiguous)
+    if flat.dtype == torch.bool:
+        flat = flat.view(torch.uint8)
+    if flat.data_ptr() % 8:
+        flat = flat.clone()  # (a view at an odd offset: aligned, so that the result does not depend on where it is)
+    width = flat.element_size()
+    ints = flat.view(_INT_OF_WIDTH[width])
+    whole = flat.numel() * width // 8 * 8 // width  # elements in whole 64-bit words
+    head = ints[:whole].view(torch.int64).sum()
+    return head + ints[whole:].sum(dtype=torch.int64) if whole < ints.numel() else head
+
+
+#: Tensors up to this size are checksummed in batches (one pass over each group of one device and dtype), so that a
+#: model of many small tensors does not pay a few torch calls per tensor.
+SMALL_BYTES = 64 << 10
+
+
+_COMPLEX = {torch.complex32, torch.complex64, torch.complex128}
+
+
+def _batched(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The checksums of small tensors of one device and dtype (an int64 tensor): each the wrapping sum of its values
+    read as integers of their width, from one flattened copy of them all (segment sums of a running sum)."""
+    flat = _flatten(tensors)
+    if flat.dtype == torch.bool:
+        flat = flat.view(torch.uint8)
+    ints = flat.view(_INT_OF_WIDTH[flat.element_size()]).to(torch.int64)
+    running = torch.cat([torch.zeros(1, dtype=torch.int64, device=ints.device), ints.cumsum(0)])
+    ends = torch.tensor([t.numel() for t in tensors], dtype=torch.int64, device=ints.device).cumsum(0)
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64, device=ints.device), ends[:-1]])
+    return running[ends] - running[starts]
+
+
+def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    try:  # (one C++ call for the whole list: flatten and concatenate)
+        return torch._utils._flatten_dense_tensors(tensors)
+    except (AttributeError, RuntimeError, TypeError):  # pragma: no cover - torch without it
+        return torch.cat([t.reshape(-1) for t in tensors])
+
+
 def checksums(tensors: Sequence[torch.Tensor]) -> list[int]:
-    """The checksum of each tensor (see the module's docstring), computed on its device; one transfer to the host."""
-    sums = []
-    for t in tensors:
-        t = t.detach()
-        if t.is_complex():
-            t = torch.view_as_real(t)
-        if t.numel() == 0:
-            sums.append(torch.zeros((), dtype=torch.int64, device=t.device))
-            continue
-        flat = t.reshape(-1)  # (a copy only for a tensor that is not contiguous)
-        if flat.dtype == torch.bool:
-            flat = flat.view(torch.uint8)
-        ints = flat.view(_INT_OF_WIDTH[flat.element_size()])
-        sums.append(ints.sum(dtype=torch.int64))
-    if not sums:
-        return []
-    by_device: dict[torch.device, list[int]] = {}
-    for i, s in enumerate(sums):
-        by_device.setdefault(s.device, []).append(i)
-    out = [0] * len(sums)
-    for idx in by_device.values():
-        for i, v in zip(idx, torch.stack([sums[i] for i in idx]).tolist(), strict=True):
-            out[i] = int(v)
-    return out
+    """The checksum of each tensor, computed on its device (one transfer to the host per device): a tensor of more
+    than :data:`SMALL_BYTES` by :func:`_checksum`, smaller ones by :func:`_batched`. Either way a different value of
+    one element changes it, and it depends only on the tensor's dtype and values (the same on every rank)."""
+    out: list[Any] = [None] * len(tensors)
+    groups: dict[tuple[torch.device, torch.dtype], tuple[list[int], list[torch.Tensor]]] = {}
+    with torch.no_grad():  # (no autograd bookkeeping, and no detach per tensor)
+        for i, t in enumerate(tensors):
+            if t.dtype in _COMPLEX:
+                t = torch.view_as_real(t)
+            if t.numel() * t.element_size() > SMALL_BYTES:
+                out[i] = _checksum(t).reshape(1)
+            else:
+                idx, members = groups.setdefault((t.device, t.dtype), ([], []))
+                idx.append(i)
+                members.append(t)
+        parts: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
+        for (device, _), (idx, members) in groups.items():
+            parts.setdefault(device, []).append((idx, _batched(members)))
+        for i, s in enumerate(out):
+            if s is not None:
+                parts.setdefault(s.device, []).append(([i], s))
+        result = [0] * len(tensors)
+        for chunks in parts.values():
+            values = torch.cat([v for _, v in chunks]).tolist()
+            for i, v in zip((i for idx, _ in chunks for i in idx), values, strict=True):
+                result[i] = int(v)
+    return result
 
 
 @dataclass(frozen=True)
