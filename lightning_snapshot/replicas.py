@@ -18,9 +18,10 @@ before it is handed to the persist threads: the state checked is the state the s
   check after they trained a step compares them; and, until they agree again, the tensors that disagreed.
 
 The checksum of a tensor is the wrapping sum of its bytes read as 64-bit integers, taken on the tensor's device with
-no copy (a native reduction at memory speed): any change of one value (one ulp) changes it; two changes that cancel
-out do not. The ranks exchange the checksums (8 bytes per tensor checked) in one collective; the value most ranks hold is
-the reference and the others are named. The pipeline acts on the verdict as ``on_replica_mismatch`` says.
+no copy (a native reduction at memory speed; small tensors in batches): any change of one value (one ulp) changes
+it; two changes that cancel out do not. The ranks exchange the checksums (8 bytes per tensor checked) in one
+collective; the value most ranks hold is the reference and the others are named. The pipeline acts on the verdict as
+``on_replica_mismatch`` says.
 """
 
 from __future__ import annotations
