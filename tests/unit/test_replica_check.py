@@ -2,7 +2,8 @@
 the rank that differs, the rotation covers every tensor in ``slices`` snapshots, newly trained parameters and tensors
 that disagreed are compared at the next checks, the plan keeps no replaced tensor alive, the manifest records the
 outcome (and rejects a malformed record), and a resume skips a snapshot whose replicas disagreed.
-The end-to-end checks with real DDP processes are in tests/test_replicas.py."""
+The end-to-end checks with real DDP processes are in tests/test_replicas.py (this file has another name: pytest
+imports test modules by their base name)."""
 
 from __future__ import annotations
 
