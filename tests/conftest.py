@@ -16,6 +16,8 @@ from zygote import Zygote
 
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
+#: this test process's environment before any test changed it: the scripts' fork server runs in it
+BASE_ENV = dict(os.environ)
 sys.path.insert(1, str(Path(__file__).parent.parent / "benchmarks"))  # (_s3: moto that counts what it serves)
 
 
@@ -26,7 +28,7 @@ def _zygote() -> Zygote | None:
     """This test process's fork server for the scripts (tests/zygote.py), started at the first run; None when
     ``LS_TEST_ZYGOTE=0``."""
     if not _ZYGOTE:
-        server = Zygote() if os.environ.get(ZYGOTE_DISABLE_ENV, "1") != "0" else None
+        server = Zygote(BASE_ENV) if BASE_ENV.get(ZYGOTE_DISABLE_ENV, "1") != "0" else None
         if server is not None:
             atexit.register(server.close)
         _ZYGOTE.append(server)

@@ -28,7 +28,9 @@ from pathlib import Path
 from typing import Any
 
 #: Environment variables a test may set or change and still be run by the server: read only while a script runs
-ALLOWED_PREFIXES = ("LIGHTNING_SNAPSHOT_", "LS_TEST_", "SETUPS_", "PYTEST_", "PYTHONWARNINGS")
+#: (the tests' fixtures set XDG_STATE_HOME for every test; botocore reads AWS_* when a client is made)
+ALLOWED_PREFIXES = ("LIGHTNING_SNAPSHOT_", "LS_TEST_", "SETUPS_", "RESHARD_", "PYTEST_", "PYTHONWARNINGS",
+                    "XDG_STATE_HOME", "NODE_RANK", "AWS_", "CUBLAS_WORKSPACE_CONFIG")
 DISABLE_ENV = "LS_TEST_ZYGOTE"
 
 
@@ -106,8 +108,11 @@ def serve() -> None:
 class Zygote:
     """The test process's handle on its server (started lazily, stopped when the test process exits)."""
 
-    def __init__(self) -> None:
-        self.env = dict(os.environ)
+    def __init__(self, env: dict[str, str]) -> None:
+        """``env``: the environment the server runs in, and that a run must have to be forked from it (the test
+        process's own at its start, before any test changed it: a server started inside a test that set
+        ``PYTHONPATH`` would serve only runs with that ``PYTHONPATH``)."""
+        self.env = dict(env)
         self.proc = subprocess.Popen(
             [sys.executable, __file__],
             stdin=subprocess.PIPE,

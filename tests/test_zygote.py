@@ -1,0 +1,34 @@
+"""conftest.run_script forks the test scripts from a pre-imported server (tests/zygote.py): a forked run must look
+like ``python SCRIPT ARGS`` to the script (arguments, environment, ``__main__``, ``sys.path[0]``, exit status,
+SIGKILL, stdout and stderr), and a run whose environment changes what imports read must get a fresh interpreter."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from conftest import SCRIPTS, run_script
+
+
+def probe(*args: str, expect_rc: int = 0, expect_kill: bool = False) -> tuple[dict, str]:
+    proc = run_script("probe.py", *args, expect_rc=expect_rc, expect_kill=expect_kill)
+    return json.loads(proc.stdout.splitlines()[0]), proc.stderr
+
+
+def test_a_run_is_forked_with_its_arguments_environment_and_exit_status(monkeypatch):
+    monkeypatch.setenv("LS_TEST_PROBE", "seen")
+    seen, err = probe("a", "b c", "--exit", "3", "--stderr", "to stderr", expect_rc=3)
+    assert seen == {"preloaded": True, "args": ["a", "b c"], "cwd": os.getcwd(), "main": "__main__",
+                    "probe": "seen", "path0": str(SCRIPTS)}
+    assert err.strip() == "to stderr"
+
+
+def test_a_forked_run_that_kills_itself_reports_sigkill():
+    seen, _ = probe("--kill", expect_kill=True)
+    assert seen["preloaded"]
+
+
+def test_a_run_that_changes_what_imports_read_gets_a_fresh_interpreter(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")]))
+    seen, _ = probe("x")
+    assert seen["preloaded"] is False and seen["args"] == ["x"]
