@@ -17,6 +17,7 @@ from conftest import wait_until as _wait
 from lightning_snapshot.backends.ram.agent import agent_log_path, agent_status, ensure_agent, stop_agent
 from lightning_snapshot.staging.arena import FAKE_REGISTER_ENV
 from lightning_snapshot.backends import LocalTier
+from lightning_snapshot.loader import read_manifest
 from lightning_snapshot.writer import committed_steps
 
 
@@ -183,7 +184,8 @@ def test_ddp_agents_commit_every_snapshot_while_each_file_stays_empty_for_a_whil
     """The window of the agent-part race made wide on purpose: in every process (the trainers and the node's
     snapshot agent), the local tier pauses 0.3 s between creating a file and writing its bytes. Rank 0's agent polls
     for rank 1's manifest part all that time; it must never read it before it is whole. DDP on 2 ranks, the RAM tier
-    and a local tier every step, nothing killed: every step is committed to the local tier, by the agent."""
+    and a local tier every step, nothing killed: every step is committed to the local tier, by the agent (with the
+    replica check's outcome in its manifest)."""
     pauses = tmp_path / "pauses.log"
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         [str(Path(__file__).parent / "fixtures" / "pause_write"), os.environ.get("PYTHONPATH", "")]))
@@ -194,6 +196,10 @@ def test_ddp_agents_commit_every_snapshot_while_each_file_stays_empty_for_a_whil
                      "--ram-every", "1", "--every", "1", "--keep-last", "0", timeout=240)
     assert "failed" not in proc.stderr.lower(), proc.stderr[-3000:]
     assert committed_steps(LocalTier(tmp_path / "local")) == list(range(steps, 0, -1))
+    # the replica check's outcome travels through the agent into the manifest it commits
+    for step in range(1, steps + 1):
+        rep = read_manifest(LocalTier(tmp_path / "local"), step).replicas
+        assert rep is not None and rep.checked > 0 and rep.disagree_count == 0, (step, rep)
     # the window was open: the agent (not a trainer) paused on both ranks' parts of every step
     agent_pid = agent_status(next(shm.glob("*/agent.sock")).parent)["pid"]
     paused = [line.split() for line in pauses.read_text().splitlines()]
