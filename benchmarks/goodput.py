@@ -425,21 +425,21 @@ def _bitwise(a: Path, b: Path) -> str:
 
 
 def save_cost(progress: Path, every: int, warmup: int = 10) -> float:
-    """Training time per save in a calibration run: its steps' excess over its own median step, summed, per save (the
-    steps at multiples of ``every``); consecutive steps of one process only, less ``warmup`` each. At least 1 ms."""
+    """Training time per save in a calibration run: the median over its saves of the two steps after a save (the save,
+    then the pruning of older checkpoints) less twice the run's median step: a slow spell elsewhere is not counted;
+    consecutive steps of one process only, less ``warmup`` each. At least 1 ms."""
     import statistics
 
     rows = _read_progress(progress)
-    gaps: list[float] = []
-    saves = streak = 0
+    gaps: dict[int, float] = {}  # step -> seconds to the next step
+    streak = 0
     for (kind, step, t), (kind2, step2, t2) in zip(rows, rows[1:], strict=False):
         streak = streak + 1 if kind == kind2 == "step" and step2 == step + 1 else 0
         if streak > warmup:
-            gaps.append(t2 - t)
-            saves += step % every == 0
-    if not gaps or not saves:
-        return 1e-3
-    return max(1e-3, (sum(gaps) - statistics.median(gaps) * len(gaps)) / saves)
+            gaps[step] = t2 - t
+    median = statistics.median(gaps.values()) if gaps else 0.0
+    excess = [gaps[s] + gaps[s + 1] - 2 * median for s in gaps if s % every == 0 and s + 1 in gaps]
+    return max(1e-3, statistics.median(excess)) if excess else 1e-3
 
 
 def failure_times(seed: int, mtbf: float, horizon: float) -> list[float]:

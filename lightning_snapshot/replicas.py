@@ -296,7 +296,8 @@ class ReplicaChecker:
     def check(self, step: int, names: list[str], tensors: list[Any], all_gather: Any) -> Verdict:
         """Compare the checksums of ``tensors`` across the ranks (``all_gather``: a list of ints -> every rank's
         list, in rank order; collective)."""
-        gathered = all_gather(checksums(tensors))
+        # (every rank selects the same tensors: when a slice holds none, no rank calls the collective)
+        gathered = all_gather(checksums(tensors)) if tensors else []
         result = verdict(step, names, gathered)
         self._sticky = {m.tensor for m in result.disagree}
         return result

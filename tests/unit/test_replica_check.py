@@ -260,3 +260,19 @@ def test_bad_replica_options_name_the_option(tmp_path, options, message):
     with pytest.raises(ConfigError, match=message):
         SnapshotConfig.create(str(tmp_path), **base, **options)
     assert SnapshotConfig.create(str(tmp_path), **base, replica_check=None).replica_check is None
+
+
+def test_a_slice_without_tensors_calls_no_collective():
+    """More slices than tensors: some checks compare nothing; every rank selects the same (empty) set, so none calls
+    the collective (an all_gather of nothing)."""
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    checker = ReplicaChecker(8)
+    called = []
+    empty = 0
+    for step in range(8):
+        names, tensors = checker.select(model, [opt], set(), _trained(opt))
+        result = checker.check(step, names, tensors, lambda own: called.append(own) or [own, own])
+        assert result.ok and result.checked == len(names)
+        empty += not names
+    assert empty >= 6 and len(called) == 8 - empty
