@@ -32,3 +32,16 @@ def test_a_run_that_changes_what_imports_read_gets_a_fresh_interpreter(monkeypat
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")]))
     seen, _ = probe("x")
     assert seen["preloaded"] is False and seen["args"] == ["x"]
+
+
+def test_a_run_after_lightning_was_imported_in_the_test_process_is_still_forked():
+    """Importing Lightning sets PYTORCH_NVML_BASED_CUDA_CHECK in the importing process (torch's inductor sets
+    TORCHINDUCTOR_CACHE_DIR when it runs): once a test ran Lightning in the test process, its environment differs from
+    the server's start-up copy in those only, and runs must still be forked (else every later run of the suite pays
+    a fresh interpreter)."""
+    import lightning  # noqa: F401
+
+    assert os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK") == "1"
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/torchinductor_test")
+    seen, _ = probe("y")
+    assert seen["preloaded"] is True and seen["args"] == ["y"]

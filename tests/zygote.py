@@ -28,9 +28,12 @@ from pathlib import Path
 from typing import Any
 
 #: Environment variables a test may set or change and still be run by the server: read only while a script runs
-#: (the tests' fixtures set XDG_STATE_HOME for every test; botocore reads AWS_* when a client is made)
+#: (the tests' fixtures set XDG_STATE_HOME for every test; botocore reads AWS_* when a client is made; torch and
+#: Lightning set PYTORCH_NVML_BASED_CUDA_CHECK and TORCHINDUCTOR_CACHE_DIR in the test process once a test has run
+#: Lightning in it, as they did in the server when it imported them)
 ALLOWED_PREFIXES = ("LIGHTNING_SNAPSHOT_", "LS_TEST_", "SETUPS_", "RESHARD_", "PYTEST_", "PYTHONWARNINGS",
-                    "XDG_STATE_HOME", "NODE_RANK", "AWS_", "CUBLAS_WORKSPACE_CONFIG")
+                    "XDG_STATE_HOME", "NODE_RANK", "AWS_", "CUBLAS_WORKSPACE_CONFIG", "PYTORCH_NVML_BASED_CUDA_CHECK",
+                    "TORCHINDUCTOR_")
 DISABLE_ENV = "LS_TEST_ZYGOTE"
 
 
