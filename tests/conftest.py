@@ -46,6 +46,8 @@ def run_script(script: str, *args: str, expect_kill: bool = False, timeout: int 
         with tempfile.TemporaryDirectory(prefix="ls-run-") as tmp:
             proc = server.run(cmd, env, timeout, Path(tmp))
     else:
+        if server is not None and os.environ.get("LS_TEST_ZYGOTE_DEBUG") == "1":  # why this run is not forked
+            print(f"[fork server] {script}: fresh interpreter; differs: {server.differs(env)}", file=sys.stderr)
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
                               start_new_session=True)
     if expect_kill:

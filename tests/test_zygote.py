@@ -45,3 +45,13 @@ def test_a_run_after_lightning_was_imported_in_the_test_process_is_still_forked(
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/torchinductor_test")
     seen, _ = probe("y")
     assert seen["preloaded"] is True and seen["args"] == ["y"]
+
+
+def test_a_run_after_seed_everything_in_the_test_process_is_still_forked():
+    """``seed_everything`` in a test sets PL_GLOBAL_SEED and PL_SEED_WORKERS in the test process (read only when
+    seeding): later runs are still forked."""
+    import lightning as L
+
+    L.seed_everything(3, workers=True, verbose=False)
+    seen, _ = probe("z")
+    assert seen["preloaded"] is True and seen["args"] == ["z"]

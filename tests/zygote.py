@@ -30,10 +30,11 @@ from typing import Any
 #: Environment variables a test may set or change and still be run by the server: read only while a script runs
 #: (the tests' fixtures set XDG_STATE_HOME for every test; botocore reads AWS_* when a client is made; torch and
 #: Lightning set PYTORCH_NVML_BASED_CUDA_CHECK and TORCHINDUCTOR_CACHE_DIR in the test process once a test has run
-#: Lightning in it, as they did in the server when it imported them)
+#: Lightning in it, as they did in the server when it imported them, and seed_everything sets PL_GLOBAL_SEED and
+#: PL_SEED_WORKERS, read when seeding)
 ALLOWED_PREFIXES = ("LIGHTNING_SNAPSHOT_", "LS_TEST_", "SETUPS_", "RESHARD_", "PYTEST_", "PYTHONWARNINGS",
                     "XDG_STATE_HOME", "NODE_RANK", "AWS_", "CUBLAS_WORKSPACE_CONFIG", "PYTORCH_NVML_BASED_CUDA_CHECK",
-                    "TORCHINDUCTOR_")
+                    "TORCHINDUCTOR_", "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
 DISABLE_ENV = "LS_TEST_ZYGOTE"
 
 
@@ -141,8 +142,13 @@ class Zygote:
         """Whether a run with environment ``env`` may be forked from the server (see the module's documentation)."""
         if self.proc.poll() is not None:
             return False
+        return not self.differs(env)
+
+    def differs(self, env: dict[str, str]) -> list[str]:
+        """The variables of ``env`` that keep a run from being forked (they differ from the server's, and may be read
+        while torch or Lightning is imported)."""
         keys = set(env) | set(self.env)
-        return all(env.get(k) == self.env.get(k) or k.startswith(ALLOWED_PREFIXES) for k in keys)
+        return sorted(k for k in keys if env.get(k) != self.env.get(k) and not k.startswith(ALLOWED_PREFIXES))
 
     def run(self, cmd: list[str], env: dict[str, str], timeout: float, tmp: Path) -> subprocess.CompletedProcess[str]:
         """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)``, forked."""
