@@ -1,9 +1,9 @@
 """The replica check end to end, with real DDP processes (2 ranks, gloo, Lightning's subprocess launcher) running
 tests/scripts/setups.py: a rank that moves one parameter by one ulp is caught and named (``on_replica_mismatch``
 "warn", "skip" and "raise" each do what they say, ``inspect`` shows the outcome), a fault that persists is caught by
-the default rotating check and a resume skips the snapshots whose replicas disagreed; ``BackboneFinetuning`` under DDP is caught at the first snapshot after the unfrozen
-backbone trained; and a long DDP run with dropout, shuffling and augmentation in loader workers, every tensor compared
-at every step, raises no false alarm."""
+the default rotating check and a resume skips the snapshots whose replicas disagreed; ``BackboneFinetuning`` under DDP
+is caught at the first snapshot after the unfrozen backbone trained; and a long DDP run with dropout, shuffling and
+augmentation in loader workers, every tensor compared at every step, raises no false alarm."""
 
 from __future__ import annotations
 
