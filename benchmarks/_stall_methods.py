@@ -128,13 +128,11 @@ def replica_check(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[
     out = []
     for slices, rounds in ((4, 20), (1, 5)):
         checker = ReplicaChecker(slices)
-        checksums(checker.select(module, [optimizer], set(), trained, token)[1])
-        times = []
-        for _ in range(rounds):
-            t0 = time.perf_counter()
+        def check(checker: ReplicaChecker = checker) -> None:
             checksums(checker.select(module, [optimizer], set(), trained, token)[1])
-            times.append(time.perf_counter() - t0)
-        out.append(statistics.median(times) * 1000)
+
+        check()
+        out.append(harness.repeat(check, rounds).median * 1000)
     count = len(ReplicaChecker(1).select(module, [optimizer], set(), trained)[0])
     return (out[0], out[1], count), (
         f"replica check on one rank (DDP only, not in the stall below): {out[0]:.3f} ms per snapshot with the default"

@@ -50,6 +50,7 @@ __all__ = [
     "is_sharded",
     "model_signature",
     "optimized_key",
+    "raw_optimizer",
     "restore_rng",
     "restore_shared",
     "restore_targets",
@@ -77,7 +78,7 @@ def check_placements(pl_module: Any) -> None:
                 raise ConfigError(f"SnapshotCallback cannot snapshot this model's sharding: {e}") from None
 
 
-def _raw_optimizer(opt: Any) -> Any:
+def raw_optimizer(opt: Any) -> Any:
     return getattr(opt, "_optimizer", opt)  # a LightningOptimizer wraps the torch optimizer
 
 
@@ -94,7 +95,7 @@ def _sharded_state_dicts(trainer: Any) -> tuple[dict[str, Any], list[dict[str, A
     model = trainer.strategy.model
     return (
         get_model_state_dict(model, options=options),
-        [get_optimizer_state_dict(model, _raw_optimizer(opt), options=options) for opt in trainer.optimizers],
+        [get_optimizer_state_dict(model, raw_optimizer(opt), options=options) for opt in trainer.optimizers],
     )
 
 
@@ -134,7 +135,7 @@ def _plain_state_dicts(trainer: Any) -> bool:
         not is_sharded(trainer.strategy)
         and cls.lightning_module_state_dict is Strategy.lightning_module_state_dict
         and cls.optimizer_state is Strategy.optimizer_state
-        and not any(hasattr(_raw_optimizer(o), "consolidate_state_dict") for o in trainer.optimizers)
+        and not any(hasattr(raw_optimizer(o), "consolidate_state_dict") for o in trainer.optimizers)
     )
 
 
@@ -145,7 +146,7 @@ def capture_shared_live(trainer: Any, pl_module: Any, live: LiveCapture) -> Enco
         live.clear()
         return capture_shared(trainer, pl_module)
     head = {"global_step": trainer.global_step, "pytorch-lightning_version": lightning.__version__}
-    optimizers = [_raw_optimizer(opt) for opt in trainer.optimizers]
+    optimizers = [raw_optimizer(opt) for opt in trainer.optimizers]
     return live.capture(head, trainer.strategy.lightning_module, optimizers, lambda: capture_shared(trainer, pl_module))
 
 
@@ -159,7 +160,7 @@ def shared_signature(
     if sig is not None:
         return sig
     if live is not None and _plain_state_dicts(trainer):
-        sig = live.signature(trainer.strategy.lightning_module, [_raw_optimizer(o) for o in trainer.optimizers])
+        sig = live.signature(trainer.strategy.lightning_module, [raw_optimizer(o) for o in trainer.optimizers])
         if sig is not None:
             return sig
     return model_signature(pl_module)
@@ -398,7 +399,7 @@ def templates(trainer: Any, pl_module: Any) -> Templates:
         model = trainer.strategy.model
         return Templates(
             get_model_state_dict(model),
-            [get_optimizer_state_dict(model, _raw_optimizer(opt)) for opt in trainer.optimizers],
+            [get_optimizer_state_dict(model, raw_optimizer(opt)) for opt in trainer.optimizers],
         )
     return Templates(pl_module.state_dict(), None)
 
@@ -432,7 +433,7 @@ def _optimizer_keys(trainer: Any, live: Templates) -> list[list[list[Any]]]:
     """Per optimizer, per parameter group, the keys its state is stored under in this strategy (names or ids)."""
     if live.optimizers is not None:
         return [[list(g["params"]) for g in osd["param_groups"]] for osd in live.optimizers]
-    return [[list(g["params"]) for g in _raw_optimizer(opt).state_dict()["param_groups"]] for opt in trainer.optimizers]
+    return [[list(g["params"]) for g in raw_optimizer(opt).state_dict()["param_groups"]] for opt in trainer.optimizers]
 
 
 def _key_map(saved: Any, keys: list[list[Any]], where: str) -> dict[Any, Any]:
@@ -540,7 +541,7 @@ def _restore_sharded(trainer: Any, ckpt: dict[str, Any], live: Templates, where:
             template = osd["state"].get(key, {})
             for name, v in list(values.items()):
                 values[name] = _into_template(template.get(name), v, where, f"optimizer state {key}/{name}")
-        set_optimizer_state_dict(model, _raw_optimizer(opt), state)
+        set_optimizer_state_dict(model, raw_optimizer(opt), state)
 
 
 def check_optimizers(trainer: Any, ckpt: dict[str, Any], where: str) -> None:

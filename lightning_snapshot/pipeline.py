@@ -33,6 +33,7 @@ from lightning_snapshot.capture import (
     capture_shared_live,
     frozen_predicate,
     optimized_key,
+    raw_optimizer,
     shared_signature,
 )
 from lightning_snapshot.comm import Comm
@@ -311,18 +312,30 @@ class SnapshotPipeline:
         if shared is not None and shared.copied.is_set():
             shared.settle()  # (copied before this step's training_step: what that changes cannot tear it)
         replicas = self._check_replicas(trainer, step) if shared is not None else None
-        if replicas is not None and not replicas.ok and self.config.on_replica_mismatch != "warn":
-            assert shared is not None
-            with contextlib.suppress(Exception):  # the persist thread reports it
-                shared.fence_training()
-            self.arena.release(shared.slot)
-            self._unmeasured(due)
-            if self.config.on_replica_mismatch == "raise":
-                raise ReplicaMismatchError(f"{replicas.describe()} (on_replica_mismatch='raise')")
-            self.reporter.skipped(
-                step, "its replicas disagree (on_replica_mismatch='skip')", False, "See the warning before this one."
-            )
-            return
+        if replicas is not None and not replicas.ok:
+            action = self.config.on_replica_mismatch
+            if action == "warn":
+                warnings.warn(
+                    f"{replicas.describe()}. The snapshot is committed as unhealthy (resume=True skips it);"
+                    " on_replica_mismatch='skip' drops such snapshots, 'raise' stops training",
+                    stacklevel=2,
+                )
+            else:
+                assert shared is not None
+                with contextlib.suppress(Exception):  # the persist thread reports it
+                    shared.fence_training()
+                self.arena.release(shared.slot)
+                self._unmeasured(due)
+                if action == "raise":
+                    raise ReplicaMismatchError(f"{replicas.describe()} (on_replica_mismatch='raise')")
+                warnings.warn(replicas.describe(), stacklevel=2)
+                self.reporter.skipped(
+                    step,
+                    "its replicas disagree (on_replica_mismatch='skip')",
+                    False,
+                    "See the warning before this one.",
+                )
+                return
         epoch = trainer.current_epoch
         try:
             consumed = max(0, trainer.fit_loop.epoch_loop.batch_progress.current.ready - consumed_offset)
@@ -350,27 +363,17 @@ class SnapshotPipeline:
 
     def _check_replicas(self, trainer: Any, step: int) -> Verdict | None:
         """Under DDP, compare the replicas of the state this snapshot holds (collective; see
-        :mod:`~lightning_snapshot.replicas`); warn when they disagree. None: not checked."""
+        :mod:`~lightning_snapshot.replicas`). None: not checked."""
         checker, model = self.replicas, trainer.strategy.model
         if checker is None or self.comm.world_size < 2 or not is_ddp(model):
             return None
         ignored = set(getattr(model, "parameters_to_ignore", None) or ())
-        optimizers = [getattr(o, "_optimizer", o) for o in trainer.optimizers]
+        optimizers = [raw_optimizer(o) for o in trainer.optimizers]
         names, tensors = checker.select(
             trainer.lightning_module, optimizers, ignored, optimized_key(optimizers), self._capture_token
         )
         result = checker.check(step, names, tensors, self.comm.all_gather_ints)
         self.reporter.metrics.add("snapshot/replicas_disagree", len(result.disagree))
-        if not result.ok:
-            action = self.config.on_replica_mismatch
-            if action == "warn":
-                warnings.warn(
-                    f"{result.describe()}. The snapshot is committed as unhealthy (resume=True skips it);"
-                    " on_replica_mismatch='skip' drops such snapshots, 'raise' stops training",
-                    stacklevel=2,
-                )
-            elif action == "skip":
-                warnings.warn(result.describe(), stacklevel=2)
         return result
 
     def _unmeasured(self, indices: list[int]) -> None:

@@ -301,7 +301,3 @@ class ReplicaChecker:
         result = verdict(step, names, gathered)
         self._sticky = {m.tensor for m in result.disagree}
         return result
-
-    def clear(self) -> None:
-        """Drop the plan (it refers to the live tensors)."""
-        self._plan = None
