@@ -476,11 +476,23 @@ def merge_loaded(into: Any, loaded: Any) -> None:
                 into[i] = v
 
 
-class DcpCallback(Checkpoint):
-    """``dcp.async_save`` every K steps with one reused stager; waits for staging before the next optimizer step."""
+def _stager_closed(stager: Any) -> bool:
+    """Whether a ``DefaultStager`` closed its state-dict copier itself (torch 2.11, pytorch/pytorch#183413)."""
+    inner = getattr(stager, "_state_dict_stager", None)
+    return inner is not None and not getattr(inner, "_deepcopy_dispatch", True)
 
-    def __init__(self, root: Path, every: int, stager: Any) -> None:
-        self.root, self.every, self.stager = root, every, stager
+
+class DcpCallback(Checkpoint):
+    """``dcp.async_save`` every K steps with one reused stager; waits for staging before the next optimizer step.
+
+    torch 2.11's ``DefaultStager`` closes its own copier at the end of each staging, so a reused stager fails at its
+    second save (``KeyError: <class 'type'>``, pytorch/pytorch#183413): where that happened, the next save gets a new
+    stager from ``make_stager`` (its pinned buffers allocated again), counted in ``fresh_stagers``."""
+
+    def __init__(self, root: Path, every: int, make_stager: Callable[[], Any]) -> None:
+        self.root, self.every, self.make_stager = root, every, make_stager
+        self.stager = make_stager()
+        self.fresh_stagers = 0
         self.done: dict[int, float] = {}
         self.staged: dict[int, float] = {}
         self.started: dict[int, float] = {}
@@ -500,6 +512,10 @@ class DcpCallback(Checkpoint):
         self.started[step] = time.perf_counter()
         if self._upload is not None:
             self._upload.result()  # the reused stager's buffers may still be being written out
+        if _stager_closed(self.stager):
+            self.stager.close()
+            self.stager = self.make_stager()
+            self.fresh_stagers += 1
         model_sd, optim_sd = get_state_dict(pl_module, trainer.optimizers[0])
         state, dropped = dcp_stageable({"model": model_sd, "optim": optim_sd})
         self.dropped.update(dropped)
@@ -530,19 +546,18 @@ def run_dcp(bench: Bench) -> Row:
     with gloo_group():
         # pinned memory and non-blocking copies need CUDA; on CPU the best is async staging into shared memory,
         # with the stager (and so its cached staging storages) reused across saves
-        if bench.device == "cuda":  # its pinned-memory stager, non-blocking copies
-            stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
-                                                  use_async_staging=True, use_non_blocking_copy=True))
-            row.note = "DefaultStager(pinned, async, non-blocking, reused)"
-        else:
-            stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=True,
-                                                  use_async_staging=True, use_non_blocking_copy=False))
-            row.note = "DefaultStager(shm, async, reused)"
-        callback = DcpCallback(path, bench.every, stager)
+        cuda = bench.device == "cuda"  # its pinned-memory stager, non-blocking copies
+        options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=not cuda, use_async_staging=True,
+                                 use_non_blocking_copy=cuda)
+        row.note = "DefaultStager(pinned, async, non-blocking, reused)" if cuda else "DefaultStager(shm, async, reused)"
+        callback = DcpCallback(path, bench.every, lambda: DefaultStager(options))
         try:
             run = train(bench, [callback])
         finally:
-            stager.close()
+            callback.stager.close()
+        if callback.fresh_stagers:
+            row.details.append(f"a new stager for {callback.fresh_stagers} of the saves: torch {torch.__version__}'s"
+                               " stager closes itself after each staging (pytorch/pytorch#183413)")
         fill_common(bench, row, run, callback.done)
         if callback.dropped:
             row.details.append("left out of DCP's state (its stager cannot copy them): "
@@ -552,7 +567,7 @@ def run_dcp(bench: Bench) -> Row:
             row.details.append(f"staging (save call -> staging future done) per snapshot:"
                                f" {[round(x, 3) for x in staging]} s")
         reference = run.probe.reference
-        del run, stager, callback
+        del run, callback
         target = path / f"step-{bench.check_step}"
         if not bench.restore:
             shutil.rmtree(path, ignore_errors=True)

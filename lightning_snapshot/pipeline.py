@@ -18,9 +18,12 @@ The end of fit and a SIGTERM take a last snapshot of every tier synchronously. W
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
+import statistics
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -46,7 +49,7 @@ from lightning_snapshot.replicas import ReplicaChecker, Verdict
 from lightning_snapshot.reporting import Reporter
 from lightning_snapshot.schedule import FitSchedule
 from lightning_snapshot.staging import stage
-from lightning_snapshot.staging.arena import AsyncStaged, HostArena
+from lightning_snapshot.staging.arena import AsyncStaged, HostArena, reserve_lead
 from lightning_snapshot.staging.live import Encoded
 
 __all__ = ["SnapshotPipeline"]
@@ -104,13 +107,16 @@ class SnapshotPipeline:
         self.stall = 0.0
         self.replicas = ReplicaChecker(config.replica_check) if config.replica_check else None
         self._capture_token: object | None = None  # the capture plan's token of the state last staged
+        self._step_clock: deque[float] = deque(maxlen=17)  # when the recent optimizer steps ended
 
     # ------------------------------------------------------------------------------------------- steps
     def step_ended(self, trainer: Any, pl_module: Any) -> None:
         """``on_train_batch_end``: collect results; after an optimizer step, snapshot if due, else prepare."""
         step = trainer.global_step
         if step != self.last_step:
-            self.schedule.step_ended(time.perf_counter())
+            now = time.perf_counter()
+            self.schedule.step_ended(now)
+            self._step_clock.append(now)
         self.reporter.collect(self.persister, step, self.schedule)
         if step != self.last_step:
             self.schedule.begin(self.last_step)  # (the step this fit started from)
@@ -182,8 +188,9 @@ class SnapshotPipeline:
         """Off the snapshot steps, get the arena ready for the next snapshot, so that it does not wait.
 
         After the first optimizer step (the optimizer state exists, so the state has its size): plan the snapshot
-        and allocate its slot in a background thread. Later, when a snapshot is due within two steps and every slot
-        is still being persisted: allocate another slot in the background (double buffering, only when needed).
+        and allocate its slot in a background thread. Later, when every slot is still being persisted and a snapshot
+        is due within the steps that allocating a slot takes (:func:`reserve_lead`): allocate another slot in the
+        background (double buffering, only when needed), so that the snapshot finds it ready.
         """
         arena = self.arena
         if not self._planned:
@@ -203,8 +210,16 @@ class SnapshotPipeline:
         size = arena.planned_bytes
         if size is None or not arena.busy():
             return
-        if any(self.schedule.steps_to_due(i, step) in (1, 2) for i in range(len(self.tiers))):
+        lead = reserve_lead(arena.alloc_seconds, self._step_seconds())
+        if any(1 <= (self.schedule.steps_to_due(i, step) or 0) <= lead for i in range(len(self.tiers))):
             arena.reserve(size)
+
+    def _step_seconds(self) -> float | None:
+        """The median wall time between the recent optimizer steps (snapshot steps included), or None yet."""
+        times = self._step_clock
+        if len(times) < 3:
+            return None
+        return statistics.median(b - a for a, b in itertools.pairwise(times))
 
     # ------------------------------------------------------------------------------------------- stage
     def _maybe_snapshot(self, trainer: Any, pl_module: Any, step: int) -> bool:

@@ -252,6 +252,49 @@ def test_budget_of_one_buffer_never_holds_two(tmp_path):
     assert committed_steps(LocalTier(tmp_path))  # some snapshots still made it
 
 
+class SlowLocal(LocalTier):
+    def write(self, key, buffers):
+        time.sleep(0.6)  # slower than the snapshot interval: the next snapshot needs a second buffer
+        return super().write(key, buffers)
+
+
+def test_a_second_buffer_is_asked_for_as_many_steps_ahead_as_allocating_one_takes(tmp_path, monkeypatch):
+    """While the only buffer is still being persisted, the next one is allocated early enough to be ready when the
+    snapshot is due: as many steps ahead as the last allocation took (here 0.2 s, 20 steps of 10 ms), not a fixed
+    two steps (a GPT-2 medium snapshot on a GPU waited 1.2-4.4 s for a 4 GB buffer that was asked for too late)."""
+    new_slot, reserve = HostArena._new_slot, HostArena.reserve
+
+    def slow_new_slot(self, nbytes):
+        time.sleep(0.2)
+        return new_slot(self, nbytes)
+
+    started = []
+
+    def spy_reserve(self, nbytes):
+        ok = reserve(self, nbytes)
+        if ok:
+            started.append(trainer.global_step)
+        return ok
+
+    monkeypatch.setattr(HostArena, "_new_slot", slow_new_slot)
+    monkeypatch.setattr(HostArena, "reserve", spy_reserve)
+
+    class Paced(Model):
+        def training_step(self, batch, batch_idx):
+            time.sleep(0.01)
+            return super().training_step(batch, batch_idx)
+
+    L.seed_everything(0, verbose=False)
+    cb = SnapshotCallback(SlowLocal(tmp_path, every_n_train_steps=30, keep_last=None), on_error="raise")
+    trainer = L.Trainer(accelerator="cpu", max_steps=61, callbacks=[cb], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(Paced(0.2), DataLoader(Squares(), batch_size=4))
+    assert started[0] == 1  # the first buffer, right after the first optimizer step
+    assert len(started) == 2, started
+    assert 31 <= started[1] <= 50, started  # (a fixed two steps ahead: 58)
+    assert committed_steps(LocalTier(tmp_path)) == [61, 60, 30]
+
+
 class SlowRemote(LocalTier):
     """A real filesystem tier that is not ``local`` (as an NFS mount or a bucket would be): it uploads each step
     from the local tier's committed copy, and here it is slower to start than training is to take snapshots."""

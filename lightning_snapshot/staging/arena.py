@@ -37,6 +37,7 @@ import concurrent.futures as cf
 import errno
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -93,6 +94,14 @@ log = logging.getLogger(__name__)
 
 _ALIGN = 64
 _counter = itertools.count()
+
+
+def reserve_lead(alloc_seconds: float | None, step_seconds: float | None) -> int:
+    """How many steps before a snapshot a slot must be asked for (:meth:`HostArena.reserve`) to be ready when it is
+    due: the steps the last allocation took, with a quarter more and one step of margin; at least 2."""
+    if not alloc_seconds or not step_seconds or step_seconds <= 0:
+        return 2
+    return max(2, math.ceil(1.25 * alloc_seconds / step_seconds) + 1)
 
 
 class HostArena:
@@ -155,6 +164,9 @@ class HostArena:
         self.last_skip_reason = ""
         #: Seconds the last ``stage_async`` waited for a slot being allocated in the background.
         self.last_alloc_wait = 0.0
+        #: Wall seconds the latest slot took to allocate, fault in and register (None before the first): how far
+        #: ahead of a snapshot :meth:`reserve` must be asked.
+        self.alloc_seconds: float | None = None
 
     # ------------------------------------------------------------------------------------------- memory
     @property
@@ -169,9 +181,11 @@ class HostArena:
 
     def _allocate(self, nbytes: int, device: int | None) -> ArenaSlot:
         """A new slot of at least ``nbytes``, registered for CUDA ``device`` (unless None or registration failed)."""
+        t0 = time.perf_counter()
         slot = self._new_slot(align_up(max(nbytes, PAGE), 2 << 20))
         if device is not None:
             self._register(slot, device)
+        self.alloc_seconds = time.perf_counter() - t0
         return slot
 
     def _new_slot(self, nbytes: int) -> ArenaSlot:

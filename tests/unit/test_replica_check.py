@@ -65,6 +65,28 @@ def test_checksums_of_complex_empty_and_strided_tensors():
     assert checksums([]) == []
 
 
+@pytest.mark.parametrize("batch_bytes", [64, 1 << 20], ids=["many-batches", "one-batch"])
+def test_a_batched_checksum_is_each_tensor_own_and_sees_one_ulp_in_any_batch(monkeypatch, batch_bytes):
+    """Tensors checksummed in batches (as on a GPU, where tensors up to BATCH_BYTES are) each get their own value,
+    whatever batch they fall in and however many empty tensors sit among them; one ulp changes that tensor's alone."""
+    import lightning_snapshot.replicas as replicas
+
+    monkeypatch.setattr(replicas, "SMALL_BYTES", 1 << 20)
+    monkeypatch.setattr(replicas, "BATCH_BYTES", batch_bytes)
+    g = torch.Generator().manual_seed(1)
+    tensors = [torch.zeros(0), torch.zeros(0, dtype=torch.int64)] + [
+        (torch.randn(n, generator=g) * 1e3).to(dtype)
+        for n, dtype in [(3, torch.float32), (0, torch.float32), (40, torch.float32), (9, torch.bfloat16),
+                         (17, torch.int8), (5, torch.float64), (33, torch.float32), (1, torch.float32)]
+    ]
+    own = [checksums([t])[0] for t in tensors]  # each alone: a batch of one
+    assert checksums(tensors) == own
+    for k, t in enumerate(tensors):
+        if t.numel():
+            changed = checksums(tensors[:k] + [_one_ulp(t, t.numel() - 1)] + tensors[k + 1:])
+            assert [i for i, (a, b) in enumerate(zip(own, changed)) if a != b] == [k]
+
+
 def test_the_verdict_names_the_rank_that_differs_from_the_majority():
     v = verdict(12, ["a", "b", "c"], [[1, 5, 9], [1, 5, 9], [1, 6, 9], [1, 5, 9]])
     assert not v.ok and v.checked == 3 and v.world_size == 4
