@@ -196,12 +196,20 @@ def _overrides_on_save_checkpoint(trainer: Any, pl_module: Any) -> bool:
     )
 
 
-def capture_late(trainer: Any, pl_module: Any, loader_states: list[Any] | None = None) -> dict[str, Any]:
+def capture_late(
+    trainer: Any,
+    pl_module: Any,
+    loader_states: list[Any] | None = None,
+    structure: _fit_state.Structure | None = None,
+    token: object | None = None,
+) -> dict[str, Any]:
     """The rest of the training state, as it is right before the next training step begins: after the previous
     step's validation, the callbacks that reacted to it, epoch-end hooks and scheduler steps.
 
     ``loader_states``: the states of Lightning-restored (stateful) train loaders to record instead of their current
     ones (a loader without a length is fetched one batch ahead; the callback passes the state before that batch).
+    ``structure``, ``token``: the module's walk kept while the capture plan of ``token`` holds
+    (:class:`~lightning_snapshot.fit_state.Structure`).
 
     The ``on_save_checkpoint`` hooks are called here as Lightning's ``dump_checkpoint`` calls them (every callback's,
     then the ``LightningModule``'s), on a checkpoint dict that also holds the model's ``state_dict``; what they add is
@@ -226,7 +234,7 @@ def capture_late(trainer: Any, pl_module: Any, loader_states: list[Any] | None =
         "lightning_snapshot": {
             "optimizers": _compat.describe(trainer),
             # parameter groups, trainable flags, accumulation, epoch metrics, checkpoint files
-            "fit_state": _fit_state.capture(trainer, pl_module),
+            "fit_state": _fit_state.capture(trainer, pl_module, structure, token),
         },
     }
     for cb in trainer.callbacks:
@@ -282,10 +290,11 @@ def checkpoint_view(ckpt: dict[str, Any]) -> dict[str, Any]:
 
 
 def optimized_key(optimizers: Iterable[Any]) -> tuple[Any, ...]:
-    """What :func:`frozen_predicate` depends on: each optimizer's parameters, and which of them require a gradient.
-    Cheap (no data is read); a staging plan made under another key is not reused."""
+    """What :func:`frozen_predicate` depends on: each optimizer's parameters, and which of them require a gradient,
+    as two tuples (the parameters' ids, their ``requires_grad``). Cheap (no data is read, two C-level passes); a
+    staging plan made under another key is not reused."""
     params = list(itertools.chain.from_iterable(g["params"] for opt in optimizers for g in opt.param_groups))
-    return tuple(zip(map(id, params), map(_REQUIRES_GRAD, params), strict=True))
+    return tuple(map(id, params)), tuple(map(_REQUIRES_GRAD, params))
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")

@@ -56,7 +56,10 @@ import math
 import operator
 import os
 import warnings
-from typing import Any, cast
+import weakref
+from collections.abc import Callable
+from itertools import chain
+from typing import Any, NamedTuple, cast
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -90,29 +93,100 @@ def _raw(opt: Any) -> Any:
 
 
 # ------------------------------------------------------------------------------------------------- capture
-def capture(trainer: Any, pl_module: Any) -> dict[str, Any]:
-    """This state of the trainer, at the late capture point (right before the next batch is fetched, or between
-    epochs). Cheap: no tensor is copied here (the caller stages the result)."""
-    # (per parameter and per module, at every snapshot: one walk of each, the rest in C-level passes)
+class Walk(NamedTuple):
+    """One walk of the module for :func:`capture`."""
+
+    modules: list[tuple[str, Any]]  # named_modules()
+    param_names: list[str]
+    params: list[Any]
+    batchnorms: list[tuple[str, Any]]  # the BatchNorm modules, by name
+    metrics: list[tuple[str, Any]]  # the torchmetrics modules, by name
+
+
+def _walk(pl_module: Any) -> Walk:
     modules = list(pl_module.named_modules())
-    param_names, params = _named_parameters(modules)
-    names = dict(zip(map(id, params), param_names, strict=True))
+    names, params = _named_parameters(modules)
+    norms = [(n, m) for n, m in modules if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    classes = _metric_classes()
+    metrics = [(n, m) for n, m in modules if isinstance(m, classes)] if classes else []
+    return Walk(modules, names, params, norms, metrics)
+
+
+class Structure:
+    """The walk of the module that :func:`capture` makes at every snapshot (:class:`Walk`), kept from one snapshot to
+    the next while the capture plan's ``token`` vouches that the module tree and its parameters are the very same
+    objects (see :class:`~lightning_snapshot.staging.live.LiveCapture`). Weak references only: it keeps nothing
+    alive."""
+
+    def __init__(self) -> None:
+        self._token: object | None = None
+        self._mod_names: list[str] = []
+        self._mod_refs: list[Callable[[], Any]] = []
+        self._param_names: list[str] = []
+        self._param_refs: list[Callable[[], Any]] = []
+        self._norms: list[int] = []  # indices into the modules
+        self._metrics: list[int] = []
+        #: walks made; reused snapshots do not count
+        self.builds = 0
+
+    def get(self, pl_module: Any, token: object | None) -> Walk:
+        """The walk of ``pl_module``: the kept one while ``token`` is the token it was kept under (and every object
+        in it is still alive), else made afresh (and kept if ``token``)."""
+        if token is not None and token is self._token:
+            mods = list(map(_call, self._mod_refs))
+            params = list(map(_call, self._param_refs))
+            # (not `None in params`: that compares each tensor with None, one torch call each)
+            if mods[0] is pl_module and not any(map(operator.is_, chain(mods, params), itertools.repeat(None))):
+                modules = list(zip(self._mod_names, mods, strict=True))
+                return Walk(
+                    modules,
+                    self._param_names,
+                    params,
+                    [modules[i] for i in self._norms],
+                    [modules[i] for i in self._metrics],
+                )
+        walk = _walk(pl_module)
+        self.builds += 1
+        self._token = token
+        keep = token is not None
+        self._mod_names = [n for n, _ in walk.modules] if keep else []
+        self._mod_refs = [weakref.ref(m) for _, m in walk.modules] if keep else []
+        self._param_names = walk.param_names if keep else []
+        self._param_refs = list(map(weakref.ref, walk.params)) if keep else []
+        index = {id(m): i for i, (_, m) in enumerate(walk.modules)}
+        self._norms = [index[id(m)] for _, m in walk.batchnorms] if keep else []
+        self._metrics = [index[id(m)] for _, m in walk.metrics] if keep else []
+        return walk
+
+
+_call: Callable[[Any], Any] = getattr(operator, "call", lambda f: f())
+_DICT = operator.attrgetter("__dict__")
+_SECOND = operator.itemgetter(1)
+
+
+def capture(
+    trainer: Any, pl_module: Any, structure: Structure | None = None, token: object | None = None
+) -> dict[str, Any]:
+    """This state of the trainer, at the late capture point (right before the next batch is fetched, or between
+    epochs). Cheap: no tensor is copied here (the caller stages the result). ``structure`` and ``token``: the
+    module's walk kept while the capture plan of that token holds (see :class:`Structure`)."""
+    # (per parameter and per module, at every snapshot: C-level passes; the walk itself only when the plan changed)
+    walk = structure.get(pl_module, token) if structure is not None else _walk(pl_module)
+    names = dict(zip(map(id, walk.params), walk.param_names, strict=True))
     return {
         "param_groups": [_param_groups(_raw(opt), names) for opt in trainer.optimizers],
-        "trainable": dict(zip(param_names, map(_REQUIRES_GRAD, params), strict=True)),
-        "track_running_stats": {
-            n: bool(m.track_running_stats) for n, m in modules if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
-        },
+        "trainable": dict(zip(walk.param_names, map(_REQUIRES_GRAD, walk.params), strict=True)),
+        "track_running_stats": {n: bool(m.track_running_stats) for n, m in walk.batchnorms},
         "accumulate_grad_batches": int(trainer.accumulate_grad_batches),
         "train_results": _train_results(trainer),
         "logger_connector": _logger_connector_state(trainer),
         "checkpoint_files": _checkpoint_files(trainer),
         "checkpoint_saves": _checkpoint_saves(trainer),
         "grads": _reused_grads(trainer, pl_module),
-        "metrics": _metric_states(pl_module, modules),
+        "metrics": _metric_states(walk.metrics),
         "train_dl_epoch": _train_dl_epoch(trainer),
         "stopped": _stop_limits(trainer) if trainer.should_stop else None,
-        "generators": {path: gen.get_state() for path, gen in _module_generators(pl_module, modules).items()},
+        "generators": {path: gen.get_state() for path, gen in _module_generators(pl_module, walk.modules).items()},
     }
 
 
@@ -136,10 +210,12 @@ def _module_generators(pl_module: Any, modules: list[tuple[str, Any]] | None = N
     """The ``torch.Generator`` objects the module and its submodules hold as attributes, by ``module.attribute``
     path (a random masking or noise drawn from a generator of the model's own, not the global RNG). ``modules``:
     ``pl_module.named_modules()``, if the caller has it."""
-    # (on the training thread at every snapshot: a C-level pass over each module's attributes; the attributes of
-    # the modules that hold one are looked at by name only then)
+    # (on the training thread at every snapshot: one C-level pass over every module's attributes; the modules are
+    # looked at one by one only when some attribute is a generator)
     named = modules if modules is not None else list(pl_module.named_modules())
     out: dict[str, torch.Generator] = {}
+    if _GEN not in map(type, chain.from_iterable(map(dict.values, map(_DICT, map(_SECOND, named))))):
+        return out
     for name, module in named:
         if _GEN in map(type, module.__dict__.values()):
             for attr, v in module.__dict__.items():
@@ -223,25 +299,21 @@ def _metric_classes() -> tuple[type, ...]:
     return (Metric,)
 
 
-def _metric_states(pl_module: Any, modules: list[tuple[str, Any]] | None = None) -> dict[str, Any]:
-    """The accumulated state of every ``torchmetrics.Metric`` in the module, by module name: its states (tensors,
-    or lists of tensors for concatenating metrics) and its update count. They are not in the module's
-    ``state_dict`` (torchmetrics states are not persistent by default), and a metric logged with ``on_epoch=True``
-    accumulates over the epoch."""
-    classes = _metric_classes()
-    if not classes:
-        return {}
+def _metric_states(metrics: list[tuple[str, Any]]) -> dict[str, Any]:
+    """The accumulated state of every ``torchmetrics.Metric`` in the module (``metrics``: them by module name, from
+    :func:`_walk`): its states (tensors, or lists of tensors for concatenating metrics) and its update count. They
+    are not in the module's ``state_dict`` (torchmetrics states are not persistent by default), and a metric logged
+    with ``on_epoch=True`` accumulates over the epoch."""
     out: dict[str, Any] = {}
-    for name, module in modules if modules is not None else pl_module.named_modules():
-        if isinstance(module, classes):
-            states = {}
-            for key in getattr(module, "_defaults", {}):  # torchmetrics' registry of add_state names
-                value = getattr(module, key, None)
-                if isinstance(value, torch.Tensor) or (
-                    isinstance(value, list) and all(isinstance(v, torch.Tensor) for v in value)
-                ):
-                    states[key] = list(value) if isinstance(value, list) else value
-            out[name] = {"states": states, "update_count": int(getattr(module, "_update_count", 0))}
+    for name, module in metrics:
+        states = {}
+        for key in getattr(module, "_defaults", {}):  # torchmetrics' registry of add_state names
+            value = getattr(module, key, None)
+            if isinstance(value, torch.Tensor) or (
+                isinstance(value, list) and all(isinstance(v, torch.Tensor) for v in value)
+            ):
+                states[key] = list(value) if isinstance(value, list) else value
+        out[name] = {"states": states, "update_count": int(getattr(module, "_update_count", 0))}
     return out
 
 

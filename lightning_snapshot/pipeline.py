@@ -30,6 +30,7 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_snapshot import data as _data
+from lightning_snapshot import fit_state as _fit_state
 from lightning_snapshot.capture import (
     capture_late,
     capture_rng,
@@ -107,6 +108,7 @@ class SnapshotPipeline:
         self.stall = 0.0
         self.replicas = ReplicaChecker(config.replica_check) if config.replica_check else None
         self._capture_token: object | None = None  # the capture plan's token of the state last staged
+        self._structure = _fit_state.Structure()  # the module's walk for the late capture, kept while the plan holds
         self._step_clock: deque[float] = deque(maxlen=17)  # when the recent optimizer steps ended
 
     # ------------------------------------------------------------------------------------------- steps
@@ -300,7 +302,9 @@ class SnapshotPipeline:
         now = (shared_signature(trainer, pl_module, self.arena.live), optimized_key(trainer.optimizers))
         same = now == self._staged_signature and (self._signature_covers or not staged.changed())
         if self.comm.all_true(same):
-            return staged  # (nor was the optimizer state: a callback may reset it at the end of an epoch)
+            # (nor was the optimizer state: a callback may reset it at the end of an epoch). Either way, what this
+            # returns has every watched tensor's version counter as staged: compared here, or staged just now
+            return staged
         log.debug("lightning-snapshot: the model changed after step %d was staged; staging it again", step)
         with contextlib.suppress(Exception):  # the persist thread reports it
             staged.fence_training()
@@ -318,14 +322,18 @@ class SnapshotPipeline:
         assert self.pending is not None
         step, shared, due = self.pending
         self.pending = None
+        token = None  # the capture plan's token, once the late check confirmed that the plan still holds
+        checked = False  # the late check found every staged tensor's version counter as it was staged
         if shared is not None and self._staged_signature is not None:
             shared = self._restage_if_changed(trainer, step, shared)
             if shared is None:
                 self._unmeasured(due)
                 return
+            token, checked = self._capture_token, True
         self._staged_signature = None
         if shared is not None and shared.copied.is_set():
-            shared.settle()  # (copied before this step's training_step: what that changes cannot tear it)
+            # (copied before this step's training_step: what that changes cannot tear it)
+            shared.settle(unchanged=checked)
         replicas = self._check_replicas(trainer, step) if shared is not None else None
         if replicas is not None and not replicas.ok:
             action = self.config.on_replica_mismatch
@@ -354,7 +362,7 @@ class SnapshotPipeline:
         epoch = trainer.current_epoch
         try:
             consumed = max(0, trainer.fit_loop.epoch_loop.batch_progress.current.ready - consumed_offset)
-            private = stage(self._rank_state(trainer, consumed), "rank")
+            private = stage(self._rank_state(trainer, consumed, token), "rank")
         except SnapshotError as e:  # the same state shape on every rank: they all fail here together
             if shared is not None:
                 shared.fence_training()
@@ -396,7 +404,7 @@ class SnapshotPipeline:
         for i in indices:
             self.schedule.closed(i, measured=False)
 
-    def _rank_state(self, trainer: Any, consumed: int) -> dict[str, Any]:
+    def _rank_state(self, trainer: Any, consumed: int, token: object | None = None) -> dict[str, Any]:
         epoch_progress = trainer.fit_loop.epoch_progress.current
         ended = epoch_progress.ready == epoch_progress.processed  # the fit loop counted the epoch as finished
         batches = trainer.fit_loop.epoch_loop.batch_progress
@@ -420,7 +428,8 @@ class SnapshotPipeline:
         # a loader fetched ahead: its state before the first batch this snapshot has not consumed (fetch indices
         # count the epoch's batches, as the loop does)
         loader_states = None if boundary else self._fetch_states(consumed)
-        late = capture_late(trainer, trainer.lightning_module, loader_states)
+        # (the plan's token vouches for the module's structure only once the late check confirmed it: see _finish)
+        late = capture_late(trainer, trainer.lightning_module, loader_states, self._structure, token)
         if unfinished:
             late["epoch"] = epoch
             for counters in late["loops"]["fit_loop"]["epoch_progress"].values():

@@ -79,12 +79,14 @@ def _batched(tensors: list[torch.Tensor]) -> torch.Tensor:
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
     running = flat.view(_INT_OF_WIDTH[flat.element_size()]).cumsum(0, dtype=torch.int64)
-    ends = list(itertools.accumulate(t.numel() for t in tensors))
-    last = torch.tensor([max(e - 1, 0) for e in ends], dtype=torch.int64).to(running.device, non_blocking=True)
-    upto = running[last] if running.numel() else torch.zeros(len(tensors), dtype=torch.int64, device=running.device)
-    if not ends[0]:  # (leading empty tensors sum to nothing)
-        upto[: next((i for i, e in enumerate(ends) if e), len(ends))] = 0
+    ends = torch.tensor(list(map(_NUMEL, tensors)), dtype=torch.int64).cumsum(0).to(running.device, non_blocking=True)
+    if not running.numel():
+        return torch.zeros(len(tensors), dtype=torch.int64, device=running.device)
+    upto = running[(ends - 1).clamp_(min=0)].masked_fill_(ends == 0, 0)  # the running sum at each tensor's end
     return upto - torch.cat([upto.new_zeros(1), upto[:-1]])
+
+
+_NUMEL = torch.Tensor.numel
 
 
 def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -100,7 +102,7 @@ def checksums(tensors: Sequence[torch.Tensor]) -> list[int]:
     ones by :func:`_batched`, in batches of up to :data:`BATCH_BYTES`. Either way a different value of one element
     changes it, and it depends only on the tensor's device type, dtype and values (the same on every rank)."""
     out: list[Any] = [None] * len(tensors)
-    groups: dict[tuple[torch.device, torch.dtype], list[tuple[list[int], list[torch.Tensor], int]]] = {}
+    groups: dict[tuple[torch.device, torch.dtype], list[list[Any]]] = {}  # batches of [indices, tensors, bytes]
     with torch.no_grad():  # (no autograd bookkeeping, and no detach per tensor)
         for i, t in enumerate(tensors):
             if t.dtype in _COMPLEX:
@@ -111,11 +113,11 @@ def checksums(tensors: Sequence[torch.Tensor]) -> list[int]:
                 continue
             batches = groups.setdefault((t.device, t.dtype), [])
             if not batches or batches[-1][2] + nbytes > BATCH_BYTES:
-                batches.append(([], [], 0))
-            idx, members, size = batches[-1]
-            idx.append(i)
-            members.append(t)
-            batches[-1] = (idx, members, size + nbytes)
+                batches.append([[], [], 0])
+            batch = batches[-1]
+            batch[0].append(i)
+            batch[1].append(t)
+            batch[2] += nbytes
         parts: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
         for (device, _), batches in groups.items():
             for idx, members, _ in batches:
@@ -286,10 +288,11 @@ class ReplicaChecker:
         self, pl_module: Any, optimizers: Sequence[Any], ignored: set[str], trained: Any, key: Any = None
     ) -> tuple[list[str], list[Any]]:
         """The names and tensors this check compares. ``trained``: what the optimizers train now
-        (:func:`~lightning_snapshot.capture.optimized_key`: pairs of parameter id and ``requires_grad``); ``key``:
+        (:func:`~lightning_snapshot.capture.optimized_key`: parameter ids and their ``requires_grad``); ``key``:
         an object that is the same while the tensors are (the capture plan's token), or None."""
         plan, tensors = self._planned(pl_module, optimizers, ignored, key)
-        now = {pid for pid, requires_grad in trained if requires_grad}
+        ids, requires_grad = trained
+        now = set(itertools.compress(ids, requires_grad))
         if self._trained is not None:
             for pid in now - self._trained:  # newly trained: compared at the next checks, until one after a step
                 name = plan.param_ids.get(pid)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import base64
 import enum
 import math
+import operator
 import os
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -71,12 +72,11 @@ def encode(obj: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
         # the common types first, by exact type (a state of hundreds of tensors is walked at every snapshot)
         kind = type(x)
         if kind is dict or kind is OrderedDict:
-            plain = True
-            for k in x:
-                if type(k) is not str or k[:1] == "$":
-                    plain = False
-                    break
+            # (C-level passes: string keys, none starting with "$")
+            plain = set(map(type, x)) <= _STR and not any(map(_DOLLAR, x))
             if plain:
+                if set(map(type, x.values())) <= _EXACT_JSON:  # (trainable flags, names: as they are)
+                    return dict(x)
                 prefix = path + "/" if path else ""
                 return {k: walk(v, prefix + k, depth + 1) for k, v in x.items()}
             if all(type(k) is int for k in x):  # optimizer state, keyed by parameter index
@@ -262,3 +262,5 @@ _DTYPE_VALUES = frozenset(DTYPES.values())
 _TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 _SCALAR_TYPES = frozenset({int, float, str, bool, type(None)})
 _EXACT_JSON = frozenset({int, str, bool, type(None)})  # encoded as they are
+_STR = frozenset({str})
+_DOLLAR = operator.methodcaller("startswith", "$")

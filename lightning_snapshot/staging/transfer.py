@@ -132,12 +132,14 @@ class AsyncStaged:
             return []
         return [(name, t) for name, t, version, v in zip(names, tensors, versions, now, strict=True) if v != version]
 
-    def settle(self) -> None:
+    def settle(self, unchanged: bool = False) -> None:
         """On the training thread, once nothing can change the copy any more (the sources are fenced, the copy had
         finished, or training is over): record which watched tensors were changed in place since staging
-        (``torn``) and let the persist threads commit, or not. Idempotent."""
+        (``torn``) and let the persist threads commit, or not. ``unchanged``: the caller has just compared every
+        watched tensor's version counter with its staged one and found them equal (nothing to look at again).
+        Idempotent."""
         if not self.fenced.is_set():
-            self.torn = self._moved()
+            self.torn = [] if unchanged else self._moved()
             self.watched, self._watch = [], None
             self.fenced.set()
 

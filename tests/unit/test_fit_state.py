@@ -96,3 +96,38 @@ def test_a_generator_that_cannot_be_restored_is_named_in_a_warning():
     message = str(record[0].message)
     assert "'gone' is not a torch.Generator of the model now" in message
     assert "'gen': the saved state is not a generator state" in message
+
+
+def _names_and_ids(walk: fit_state.Walk) -> tuple:
+    return ([(n, id(m)) for n, m in walk.modules], walk.param_names, list(map(id, walk.params)),
+            [(n, id(m)) for n, m in walk.batchnorms], [(n, id(m)) for n, m in walk.metrics])
+
+
+def test_the_late_capture_walk_is_kept_while_the_plan_token_holds_and_keeps_nothing_alive():
+    """The walk of the module at the late capture (its modules, parameters and their names, BatchNorm modules) is
+    reused while the capture plan's token is the same, made again for a new token or when an object in it died,
+    equals a fresh walk either way, and holds no replaced parameter alive."""
+    import gc
+    import weakref
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 1))
+    model.tied = model[0]  # (a module reached twice is walked once, as named_modules() does)
+    kept = fit_state.Structure()
+    token = object()
+    first = kept.get(model, token)
+    again = kept.get(model, token)
+    assert kept.builds == 1
+    assert _names_and_ids(first) == _names_and_ids(again) == _names_and_ids(fit_state._walk(model))
+    assert [n for n, _ in again.batchnorms] == ["1"] and again.param_names[:2] == ["0.weight", "0.bias"]
+    # a parameter replaced: the plan makes a new token, and the walk is made again with the new parameter
+    old = weakref.ref(model[2].weight)
+    model[2].weight = torch.nn.Parameter(torch.zeros(1, 3))
+    del first, again
+    gc.collect()
+    assert old() is None  # the kept walk held it by a weak reference only
+    new = kept.get(model, object())
+    assert kept.builds == 2 and new.params[new.param_names.index("2.weight")] is model[2].weight
+    # without a token nothing is kept
+    kept.get(model, None)
+    kept.get(model, None)
+    assert kept.builds == 4
