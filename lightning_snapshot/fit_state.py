@@ -153,7 +153,7 @@ class Structure:
         self._mod_refs = [weakref.ref(m) for _, m in walk.modules] if keep else []
         self._param_names = walk.param_names if keep else []
         self._param_refs = list(map(weakref.ref, walk.params)) if keep else []
-        index = {id(m): i for i, (_, m) in enumerate(walk.modules)}
+        index = {id(m): i for i, (_, m) in enumerate(walk.modules)} if keep else {}
         self._norms = [index[id(m)] for _, m in walk.batchnorms] if keep else []
         self._metrics = [index[id(m)] for _, m in walk.metrics] if keep else []
         return walk

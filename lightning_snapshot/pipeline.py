@@ -18,12 +18,9 @@ The end of fit and a SIGTERM take a last snapshot of every tier synchronously. W
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
-import statistics
 import time
 import warnings
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -109,16 +106,13 @@ class SnapshotPipeline:
         self.replicas = ReplicaChecker(config.replica_check) if config.replica_check else None
         self._capture_token: object | None = None  # the capture plan's token of the state last staged
         self._structure = _fit_state.Structure()  # the module's walk for the late capture, kept while the plan holds
-        self._step_clock: deque[float] = deque(maxlen=17)  # when the recent optimizer steps ended
 
     # ------------------------------------------------------------------------------------------- steps
     def step_ended(self, trainer: Any, pl_module: Any) -> None:
         """``on_train_batch_end``: collect results; after an optimizer step, snapshot if due, else prepare."""
         step = trainer.global_step
         if step != self.last_step:
-            now = time.perf_counter()
-            self.schedule.step_ended(now)
-            self._step_clock.append(now)
+            self.schedule.step_ended(time.perf_counter())
         self.reporter.collect(self.persister, step, self.schedule)
         if step != self.last_step:
             self.schedule.begin(self.last_step)  # (the step this fit started from)
@@ -212,16 +206,9 @@ class SnapshotPipeline:
         size = arena.planned_bytes
         if size is None or not arena.busy():
             return
-        lead = reserve_lead(arena.alloc_seconds, self._step_seconds())
+        lead = reserve_lead(arena.alloc_seconds, self.schedule.recent_step_seconds)
         if any(1 <= (self.schedule.steps_to_due(i, step) or 0) <= lead for i in range(len(self.tiers))):
             arena.reserve(size)
-
-    def _step_seconds(self) -> float | None:
-        """The median wall time between the recent optimizer steps (snapshot steps included), or None yet."""
-        times = self._step_clock
-        if len(times) < 3:
-            return None
-        return statistics.median(b - a for a, b in itertools.pairwise(times))
 
     # ------------------------------------------------------------------------------------------- stage
     def _maybe_snapshot(self, trainer: Any, pl_module: Any, step: int) -> bool:

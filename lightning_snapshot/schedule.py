@@ -12,7 +12,10 @@ it which tiers are due; nothing else decides.
 from __future__ import annotations
 
 import datetime as _dt
+import itertools
 import logging
+import statistics
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -131,6 +134,7 @@ class FitSchedule:
         self.logged = [s.every or 0 for s in self.schedules]
         self._step_clock: float | None = None
         self._paused = 0.0
+        self._ends: deque[float] = deque(maxlen=17)  # when the recent optimizer steps ended
         self._pause_clock: float | None = None
 
     @property
@@ -163,11 +167,20 @@ class FitSchedule:
     # ------------------------------------------------------------------------------------------- every="auto"
     def step_ended(self, now: float) -> None:
         """One optimizer step ended at ``now`` (``time.perf_counter``): its wall time, less pauses, to the meter."""
+        self._ends.append(now)
         if self.meter is None:
             return
         if self._step_clock is not None:
             self.meter.step(now - self._step_clock - self._paused)
         self._step_clock, self._paused = now, 0.0
+
+    @property
+    def recent_step_seconds(self) -> float | None:
+        """The median wall time between the recent optimizer steps (snapshot steps and pauses included), or None
+        before three have ended."""
+        if len(self._ends) < 3:
+            return None
+        return statistics.median(b - a for a, b in itertools.pairwise(self._ends))
 
     def pause(self, now: float) -> None:
         """Time from ``now`` on is not a step's (validation inside training) until :meth:`resume`."""
