@@ -8,12 +8,12 @@ Together the pieces have the shape of a Lightning checkpoint (``state_dict``, ``
 ``lr_schedulers``, ``loops``, ``callbacks``, precision and datamodule state), so a snapshot can be exported and
 inspected like one.
 
-A snapshot of step N holds the state as it is when training step N+1 begins. Weights and optimizer state are taken
-at ``on_train_batch_end`` of step N (:func:`capture_shared`; they do not change before the next ``optimizer.step``,
-so they are copied in the background). Everything else changes after that hook, during step N's validation, the
-callbacks reacting to it, epoch-end hooks and scheduler steps: loops, callbacks, schedulers, logged metrics
-(:func:`capture_late`), RNG and data position are taken right before the next batch is fetched (or at
-``on_train_end``), and stored per rank, because Lightning's checkpoints keep rank 0's only.
+A snapshot of step N holds the state as it is when training step N+1 begins: everything is taken right before the
+next batch is fetched (or when the training loop ends), after step N's validation, the callbacks reacting to it,
+epoch-end hooks and scheduler steps. Weights and optimizer state (:func:`capture_shared`) do not change before the
+next ``optimizer.step``, so they are copied in the background while the next step runs; loops, callbacks,
+schedulers, logged metrics (:func:`capture_late`), RNG and data position are stored per rank, because Lightning's
+checkpoints keep rank 0's only.
 """
 
 from __future__ import annotations
@@ -48,13 +48,11 @@ __all__ = [
     "checkpoint_view",
     "frozen_predicate",
     "is_sharded",
-    "model_signature",
     "optimized_key",
     "raw_optimizer",
     "restore_rng",
     "restore_shared",
     "restore_targets",
-    "shared_signature",
     "templates",
 ]
 
@@ -103,8 +101,8 @@ def capture_shared(trainer: Any, pl_module: Any) -> dict[str, Any]:
     """The checkpoint-shaped tensor state of a step: model and optimizer. Tensors are live views: stage them before
     training goes on.
 
-    Taken at ``on_train_batch_end`` (parameters and optimizer state do not change until the next ``optimizer.step``);
-    the rest of the state is taken later, at the start of the next step (:func:`capture_late`).
+    Taken right before the next batch is fetched (parameters and optimizer state do not change until the next
+    ``optimizer.step``), with the rest of the state (:func:`capture_late`).
 
     Under a sharded strategy (``ModelParallelStrategy``) the model and optimizer state are this rank's DTensor
     shards, never gathered (whatever the strategy's ``save_distributed_checkpoint`` says), and the optimizer state
@@ -148,36 +146,6 @@ def capture_shared_live(trainer: Any, pl_module: Any, live: LiveCapture) -> Enco
     head = {"global_step": trainer.global_step, "pytorch-lightning_version": lightning.__version__}
     optimizers = [raw_optimizer(opt) for opt in trainer.optimizers]
     return live.capture(head, trainer.strategy.lightning_module, optimizers, lambda: capture_shared(trainer, pl_module))
-
-
-def shared_signature(
-    trainer: Any, pl_module: Any, live: LiveCapture | None, captured: Encoded | dict[str, Any] | None = None
-) -> tuple[Any, ...]:
-    """What tells whether the model's tensors (or, while a capture plan holds, the optimizer state) were changed in
-    place or replaced since: the capture plan's, while it holds; else :func:`model_signature`. ``captured``: the
-    state just captured (:func:`capture_shared_live`), whose signature it is then."""
-    sig = captured.signature() if isinstance(captured, Encoded) else None
-    if sig is not None:
-        return sig
-    if live is not None and _plain_state_dicts(trainer):
-        sig = live.signature(trainer.strategy.lightning_module, [raw_optimizer(o) for o in trainer.optimizers])
-        if sig is not None:
-            return sig
-    return model_signature(pl_module)
-
-
-def model_signature(module: torch.nn.Module) -> tuple[Any, ...]:
-    """What tells whether a model's tensors were changed in place or replaced since: per parameter and buffer its
-    name, storage address, shape and version counter (bumped by every in-place operation on it or a view of it, the
-    ``detach()``-ed views of ``state_dict`` included). Cheap: no data is read, no ``state_dict`` is made. Changes
-    made through ``tensor.data`` do not bump the counter."""
-    out = []
-    for prefix, mod in module.named_modules(remove_duplicate=False):  # (one walk for parameters and buffers)
-        for name, value in itertools.chain(mod._parameters.items(), mod._buffers.items()):
-            if value is not None:
-                t = local_tensor(value)
-                out.append((prefix, name, t.data_ptr(), t.shape, t._version))
-    return tuple(out)
 
 
 def _overrides_on_save_checkpoint(trainer: Any, pl_module: Any) -> bool:

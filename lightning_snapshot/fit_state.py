@@ -3,10 +3,10 @@
 Called by capture.py (:func:`capture` with each snapshot's late state, and when a snapshot is applied), by the
 Restorer (restore.py) and by the callback's ``on_train_start`` after a restore (``restore_*``).
 
-A snapshot of step N holds the weights and optimizer state of ``on_train_batch_end`` (N) and the rest of the state
-as it is right before step N+1 (:func:`lightning_snapshot.capture.capture_late`). Between those two points Lightning
-and its callbacks change more than loops, callbacks and schedulers. This module captures that, at the late point,
-and applies it on restore:
+A snapshot of step N holds the state as it is right before step N+1
+(:func:`lightning_snapshot.capture.capture_late`). After ``on_train_batch_end`` (N) Lightning and its callbacks change
+more than weights, loops, callbacks and schedulers, and Lightning's checkpoints leave some of it out. This module
+captures that, at the late point, and applies it on restore:
 
 * **the optimizers' parameter groups** (:func:`merge_param_groups`): hyperparameters change after
   ``on_train_batch_end`` (epoch-end and plateau scheduler steps, ``StochasticWeightAveraging``'s SWALR), and

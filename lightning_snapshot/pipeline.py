@@ -1,13 +1,16 @@
-"""A snapshot's way on the training thread: stage, (restage), finish, hand over; and the fences that keep it exact.
+"""A snapshot's way on the training thread: due, stage, finish, hand over; and the fences that keep it exact.
 
 States of one fit's pipeline (one :class:`SnapshotPipeline`, made by the callback's ``setup``):
 
-- **idle**: nothing staged. At a step some tier is due (:class:`~lightning_snapshot.schedule.FitSchedule`), the
-  model and optimizer state are *staged*: copied into the host arena in the background while training goes on.
-- **staged** (``pending``): the rest of the state (loops, callbacks, schedulers, RNG, data position) is taken right
-  before the next batch is fetched (``finish``; between epochs or at the end of fit when that comes first). If a
-  hook replaced or changed the staged tensors since (pruning, weight averaging), they are staged again first.
-  ``finish`` hands the snapshot to the persist threads, and the pipeline is idle again.
+- **idle**: nothing pending. At a step some tier is due (:class:`~lightning_snapshot.schedule.FitSchedule`), the
+  snapshot of that step becomes *pending*.
+- **pending**: the whole state is taken right before the next batch is fetched (``finish``; between epochs or at the
+  end of fit when that comes first), after the step's validation, the callbacks reacting to it and epoch-end hooks,
+  which may change or replace the model's tensors (pruning, weight averaging): the model and optimizer state are
+  *staged* (copied into the host arena in the background while the next step runs), then the rest (loops,
+  callbacks, schedulers, RNG, data position) is taken, and ``finish`` hands the snapshot to the persist threads.
+  Taking everything at one point checks the capture plan once per snapshot, and nothing can change the weights
+  between the two parts.
 - **in flight** (``inflight``): until the background copy of the weights is complete, every point that may change
   them waits for it first (``fence``: the next optimizer step, validation, a parameter frozen since).
 
@@ -35,7 +38,6 @@ from lightning_snapshot.capture import (
     frozen_predicate,
     optimized_key,
     raw_optimizer,
-    shared_signature,
 )
 from lightning_snapshot.comm import Comm
 from lightning_snapshot.config import SnapshotConfig
@@ -91,14 +93,12 @@ class SnapshotPipeline:
         #: the step of the last optimizer step seen (a snapshot needs an optimizer step since this one)
         self.last_step = start_step
         self.start_step = start_step
-        #: (step, staged tensors, due tier indices) of the snapshot finished right before the next fetch
+        #: (step, staged tensors or None: staged when finished, due tier indices) of the snapshot finished right
+        #: before the next fetch
         self.pending: tuple[int, AsyncStaged | None, list[int]] | None = None
         #: the staged copy still in flight, until it is fenced
         self.inflight: AsyncStaged | None = None
         self._copied = False  # the copy in flight was waited for before this step's optimizer step (validation)
-        # the model's signature and what the optimizers train, when the pending step was staged
-        self._staged_signature: tuple[Any, ...] | None = None
-        self._signature_covers = False
         self._planned = False
         self._ended = False  # the snapshot of the end of fit was taken
         self._warned_layout = False
@@ -223,15 +223,9 @@ class SnapshotPipeline:
         t0 = time.perf_counter()
         self.reporter.stop_if_failed(self.comm)  # background failures stop every rank together, here
         self.schedule.taken(due, step, now)
-        # Parameters, optimizer state, schedulers and loops stay frozen until the next optimizer.step: they are
-        # copied in the background. Buffers (forward changes them) are copied now. The rank state follows at the
-        # next batch, right before training_step.
-        staged = self._stage_shared(trainer, pl_module, step)
-        if staged is None:
-            return True
-        self.reporter.metrics.add("snapshot/bytes", staged.state.nbytes)
-        self.inflight = staged
-        self.pending = (step, staged, due)
+        # The whole state is taken right before the next batch (finish_pending): after this step's validation,
+        # epoch-end hooks and the callbacks reacting to them, which may change the weights
+        self.pending = (step, None, due)
         self.schedule.opened(due)
         self.stall = time.perf_counter() - t0
         return True
@@ -248,18 +242,15 @@ class SnapshotPipeline:
 
     def _stage_shared(self, trainer: Any, pl_module: Any, step: int, last: bool = False) -> AsyncStaged | None:
         """Stage the model and optimizer state of ``step`` (collective: every rank stages its own share, and they
-        agree); None when some rank could not (an error is handled, an arena without room is reported). Records
-        the model's signature (see :meth:`_restage_if_changed`)."""
+        agree); None when some rank could not (an error is handled, an arena without room is reported). Parameters
+        and optimizer state are copied in the background until the next optimizer step (:meth:`fence`); buffers,
+        which the next forward changes, at once."""
         staged: AsyncStaged | None = None
         error: SnapshotError | None = None
         self._planned = True  # (the first snapshot plans itself if no earlier step did)
         try:  # every rank stages (and later writes) its own share of the replicated state
             shared = capture_shared_live(trainer, pl_module, self.arena.live)
             frozen, key = self._frozen(trainer)
-            self._staged_signature = (shared_signature(trainer, pl_module, self.arena.live, shared), key)
-            # a capture plan's signature holds the version counter of every staged tensor: while it is unchanged,
-            # none was changed in place since it was staged either (then staged.changed() need not look again)
-            self._signature_covers = isinstance(shared, Encoded) and shared.signature() is not None
             self._capture_token = shared.token if isinstance(shared, Encoded) else None
             staged = self.arena.stage_async(
                 shared, frozen, step, rank=self.comm.rank, world_size=self.comm.world_size, frozen_key=key
@@ -277,31 +268,6 @@ class SnapshotPipeline:
         self.reporter.skipped(step, reason, last)
         return None
 
-    def _restage_if_changed(self, trainer: Any, step: int, staged: AsyncStaged) -> AsyncStaged | None:
-        """At the late capture point: if the model's tensors or the optimizer state were changed or replaced after
-        they were staged at ``on_train_batch_end`` (epoch-end and validation hooks may: ``ModelPruning`` prunes and
-        resets weights, ``StochasticWeightAveraging`` copies its averages in), stage them again, now, so that the
-        snapshot is the state before the next step. Collective (every rank restages if any must). None: the snapshot
-        is dropped."""
-        pl_module = trainer.lightning_module
-        # (and whether the optimizers still train the same parameters: a parameter frozen at the start of an epoch
-        # is one user code may now change in place during the step, which only a copy made at once keeps)
-        now = (shared_signature(trainer, pl_module, self.arena.live), optimized_key(trainer.optimizers))
-        same = now == self._staged_signature and (self._signature_covers or not staged.changed())
-        if self.comm.all_true(same):
-            # (nor was the optimizer state: a callback may reset it at the end of an epoch). Either way, what this
-            # returns has every watched tensor's version counter as staged: compared here, or staged just now
-            return staged
-        log.debug("lightning-snapshot: the model changed after step %d was staged; staging it again", step)
-        with contextlib.suppress(Exception):  # the persist thread reports it
-            staged.fence_training()
-        if self.inflight is staged:
-            self.inflight = None
-        self.arena.release(staged.slot)
-        restaged = self._stage_shared(trainer, pl_module, step)
-        self.inflight = restaged
-        return restaged
-
     # ------------------------------------------------------------------------------------------- finish
     def _finish(self, trainer: Any, consumed_offset: int = 0) -> None:
         """Add the rest of the state (loops, callbacks, schedulers, this rank's RNG and data position) to the
@@ -309,19 +275,19 @@ class SnapshotPipeline:
         assert self.pending is not None
         step, shared, due = self.pending
         self.pending = None
-        token = None  # the capture plan's token, once the late check confirmed that the plan still holds
-        checked = False  # the late check found every staged tensor's version counter as it was staged
-        if shared is not None and self._staged_signature is not None:
-            shared = self._restage_if_changed(trainer, step, shared)
+        if shared is None:  # (else staged synchronously just now: the last snapshot of fit)
+            shared = self._stage_shared(trainer, trainer.lightning_module, step)
             if shared is None:
                 self._unmeasured(due)
                 return
-            token, checked = self._capture_token, True
-        self._staged_signature = None
-        if shared is not None and shared.copied.is_set():
-            # (copied before this step's training_step: what that changes cannot tear it)
-            shared.settle(unchanged=checked)
-        replicas = self._check_replicas(trainer, step) if shared is not None else None
+            self.reporter.metrics.add("snapshot/bytes", shared.state.nbytes)
+            self.inflight = shared
+            if shared.copied.is_set():
+                # (copied already: nothing ran on this thread since the staged version counters were read)
+                shared.settle(unchanged=True)
+        # the capture plan's token vouches for the module's structure (as staged just now; see _rank_state)
+        token = self._capture_token
+        replicas = self._check_replicas(trainer, step)
         if replicas is not None and not replicas.ok:
             action = self.config.on_replica_mismatch
             if action == "warn":
@@ -331,7 +297,6 @@ class SnapshotPipeline:
                     stacklevel=2,
                 )
             else:
-                assert shared is not None
                 with contextlib.suppress(Exception):  # the persist thread reports it
                     shared.fence_training()
                 self.arena.release(shared.slot)
@@ -351,9 +316,8 @@ class SnapshotPipeline:
             consumed = max(0, trainer.fit_loop.epoch_loop.batch_progress.current.ready - consumed_offset)
             private = stage(self._rank_state(trainer, consumed, token), "rank")
         except SnapshotError as e:  # the same state shape on every rank: they all fail here together
-            if shared is not None:
-                shared.fence_training()
-                self.arena.release(shared.slot)
+            shared.fence_training()
+            self.arena.release(shared.slot)
             self._unmeasured(due)
             self.reporter.handle(e, step)
             return
@@ -459,7 +423,6 @@ class SnapshotPipeline:
         if staged is None:
             return
         staged.settle()  # (training is over: nothing changes it while it is copied)
-        self._staged_signature = None  # (staged right now)
         self.pending = (step, staged, list(range(len(self.tiers))))
 
     def end_of_fit(self, trainer: Any, pl_module: Any) -> None:
@@ -503,6 +466,7 @@ class SnapshotPipeline:
             self._final_snapshot(trainer, pl_module, step)
         if self.pending is not None:
             self._finish(trainer)
+        self.fence()  # (the weights it staged: the persist threads commit once the copy is settled)
         late = self.persister.drain(timeout=max(0.0, grace - (time.monotonic() - t0)))
         self.reporter.collect(self.persister, step, self.schedule)
         committed = self.reporter.committed

@@ -193,11 +193,27 @@ class Plain(L.LightningModule):
 
 
 def test_optimizer_state_changed_at_the_end_of_an_epoch_is_snapshotted_as_the_next_step_begins(tmp_path, slow_copy):
-    """The last step of an epoch is staged at on_train_batch_end, then epoch-end hooks change the optimizer state
-    while it is copied: the snapshot holds the state the next step begins with, and resuming from it is exact."""
+    """The last step of an epoch is due at on_train_batch_end, then epoch-end hooks change the optimizer state before
+    the next step: the snapshot holds the state the next step begins with, and resuming from it is exact."""
     _assert_resumes_exactly(Plain, tmp_path, 12, 8, ResetMoments())  # (8 batches per epoch)
     state = load_snapshot(tmp_path / "whole", step=8)
     assert all(not s["exp_avg"].any() for s in state["optimizer_states"][0]["state"].values())
+
+
+class ShrinkThroughData(Callback):
+    """Shrinks the weights at the end of every epoch through ``.data`` (no version counter moves), as a
+    weight-decay-at-epoch-end callback written the old way might."""
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        time.sleep(0.2)  # (a copy of the step's weights started before this hook has long finished)
+        pl_module.net.weight.data.mul_(0.5)
+
+
+def test_weights_changed_through_data_at_the_end_of_an_epoch_are_in_the_snapshot(tmp_path):
+    """A change that no version counter sees, made after on_train_batch_end of an epoch's last step and before the
+    next step: the snapshot of that step holds it (the whole state is taken as the next step begins), and resuming
+    from it is exact."""
+    _assert_resumes_exactly(Plain, tmp_path, 12, 8, ShrinkThroughData())  # (8 batches per epoch)
 
 
 class FreezeAtEpoch1(Callback):

@@ -50,7 +50,6 @@ _GROUP_PARAMS = operator.itemgetter("params")
 _PTR = torch.Tensor.data_ptr
 _STRIDE = torch.Tensor.stride
 _SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
-_SHAPE = operator.attrgetter("shape")
 _VERSION = operator.attrgetter("_version")
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _Module = torch.nn.Module
@@ -89,10 +88,6 @@ class Encoded:
     token: object | None = None
     #: The tensors' version counters when captured (:func:`versions`), or None.
     versions: list[int] | None = None
-
-    def signature(self) -> tuple[Any, ...] | None:
-        """:meth:`LiveCapture.signature` as of the capture (None without a plan)."""
-        return None if self.token is None or self.versions is None else (self.token, tuple(self.versions))
 
 
 def _ref(x: Any) -> Callable[[], Any]:
@@ -221,18 +216,13 @@ class _Plan:
         self.refs = [weakref.ref(t) for t in order]
         self.ptrs = list(map(_PTR, order))
         self.metas = list(map(_SHAPE_DTYPE, order))
-        self.shapes = list(map(_SHAPE, order))
         self.strides = list(map(_STRIDE, order))
         self.template = {k: tree[k] for k in tree}
         self.token = object()
         self.ok = self.tree(head, optimizers) == tree
 
-    def holds(self, module: _Module, optimizers: list[Any], strict: bool = True) -> list[torch.Tensor] | None:
-        """The plan's tensors (in encoding order) if a capture now would find the very same ones, else None.
-
-        ``strict=False`` checks each tensor's address and shape only, not also its dtype and strides (which only a
-        ``.data`` swap to a view of the same memory changes): what tells a tensor replaced or resized since a
-        capture that checked everything."""
+    def holds(self, module: _Module, optimizers: list[Any]) -> list[torch.Tensor] | None:
+        """The plan's tensors (in encoding order) if a capture now would find the very same ones, else None."""
         mods = list(map(_call, self.mod_refs))
         if mods[0] is not module or list(map(type, mods)) != self.mod_types:
             return None  # (a dead module is None, of another type)
@@ -268,8 +258,6 @@ class _Plan:
         tensors = list(map(_call, self.refs))  # (all alive: each was found in its slot above)
         if list(map(_PTR, tensors)) != self.ptrs:
             return None
-        if not strict:
-            return tensors if list(map(_SHAPE, tensors)) == self.shapes else None
         if list(map(_SHAPE_DTYPE, tensors)) != self.metas or list(map(_STRIDE, tensors)) != self.strides:
             return None
         return tensors
@@ -339,16 +327,6 @@ class LiveCapture:
         else:
             self._skip, self._backoff = self._backoff, min(2 * self._backoff, 64)
         return encoded
-
-    def signature(self, module: _Module, optimizers: list[Any]) -> tuple[Any, ...] | None:
-        """What tells whether the model's or the optimizers' tensors were replaced or changed in place since: the
-        plan's token and every planned tensor's version counter, while the plan holds; None when it does not (then
-        use a full signature)."""
-        plan = self._plan
-        tensors = plan.holds(module, optimizers, strict=False) if plan is not None else None
-        if plan is None or tensors is None:
-            return None
-        return (plan.token, tuple(versions(tensors)))
 
     def clear(self) -> None:
         self._plan = None

@@ -153,7 +153,7 @@ class AsyncStaged:
         if self.torn:
             raise TornSnapshotError(
                 f"step {self.step}: {', '.join(repr(n) for n, _ in self.torn[:3])}"
-                f"{' and others' if len(self.torn) > 3 else ''} changed in place after on_train_batch_end and before"
+                f"{' and others' if len(self.torn) > 3 else ''} changed in place after it was staged and before"
                 " optimizer.step (in training_step?), while being copied; the snapshot could hold either value."
                 " They are copied at once from now on"
             )
