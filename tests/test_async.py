@@ -254,7 +254,7 @@ def test_budget_of_one_buffer_never_holds_two(tmp_path):
 
 class SlowLocal(LocalTier):
     def write(self, key, buffers):
-        time.sleep(0.6)  # slower than the snapshot interval: the next snapshot needs a second buffer
+        time.sleep(1.5)  # slower than the snapshot interval (30 steps, even on a loaded machine): a second buffer
         return super().write(key, buffers)
 
 
@@ -291,7 +291,7 @@ def test_a_second_buffer_is_asked_for_as_many_steps_ahead_as_allocating_one_take
     trainer.fit(Paced(0.2), DataLoader(Squares(), batch_size=4))
     assert started[0] == 1  # the first buffer, right after the first optimizer step
     assert len(started) == 2, started
-    assert 31 <= started[1] <= 50, started  # (a fixed two steps ahead: 58)
+    assert 31 <= started[1] <= 55, started  # (a fixed two steps ahead: 58; 20+ ahead on a quiet machine)
     assert committed_steps(LocalTier(tmp_path)) == [61, 60, 30]
 
 

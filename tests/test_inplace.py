@@ -67,13 +67,14 @@ class Teacher(L.LightningModule):
 
 
 class Prototypes(L.LightningModule):
-    """SwAV's prototypes: trained, and normalized in place at the start of every training_step."""
+    """SwAV's prototypes: trained, and normalized in place at the start of every training_step. ``count`` of them
+    (64: 4 KiB, copied at once with the other small tensors; 2048: 128 KiB, copied while training goes on)."""
 
-    def __init__(self) -> None:
+    def __init__(self, count: int = 64) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.proto = nn.Linear(16, 64, bias=False)
-        self.head = nn.Linear(64, 1)
+        self.proto = nn.Linear(16, count, bias=False)
+        self.head = nn.Linear(count, 1)
 
     def training_step(self, batch, batch_idx):
         with torch.no_grad():
@@ -161,13 +162,22 @@ def test_resume_from_a_snapshot_taken_while_the_teacher_changed_is_exact(tmp_pat
 
 def test_a_trained_tensor_changed_in_training_step_drops_that_snapshot_never_commits_a_torn_one(tmp_path, slow_copy):
     record = Record()
-    messages = _fit(Prototypes(), tmp_path, 6, record)
+    messages = _fit(Prototypes(2048), tmp_path, 6, record)
     skipped = [m for m in messages if "skipped the snapshot" in m]
     assert len(skipped) == 1, messages
     assert "'state_dict/proto.weight'" in skipped[0] and "copied at once from now on" in skipped[0]
     # the first snapshot could hold either value and is not committed; from the next one the prototypes are copied
     # before training_step runs, and every snapshot holds its step
     assert _assert_snapshots_hold_their_steps(tmp_path, record.seen) == [2, 3, 4, 5, 6]
+
+
+def test_small_trained_tensors_changed_in_training_step_are_copied_before_it_and_never_torn(tmp_path, slow_copy):
+    """A state of small tensors (a few MiB in all) is copied at once when it is staged: what training_step then
+    changes in place cannot reach the snapshot, and none is dropped."""
+    record = Record()
+    messages = _fit(Prototypes(64), tmp_path, 6, record)
+    assert not [m for m in messages if "skipped" in m], messages
+    assert _assert_snapshots_hold_their_steps(tmp_path, record.seen) == [1, 2, 3, 4, 5, 6]
 
 
 class ResetMoments(Callback):

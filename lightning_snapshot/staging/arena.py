@@ -20,11 +20,12 @@ warning naming the reason. Each tensor of a snapshot gets a 64-byte aligned plac
 byte, the data object the writer puts on disk (``O_DIRECT`` straight from it, since the slot starts on a page).
 
 Copy contract (see DESIGN.md §1.2): when a snapshot is staged (right before the next batch is fetched) the training
-thread copies what the next forward
-changes (buffers, anything that is not a parameter or optimizer state) synchronously, and hands parameters and
-optimizer state to a copy thread (CPU: ``memmove`` in cache-sized blocks, each block hashed right after it is copied,
-while it is still in the cache; one thread, GIL released for both; CUDA: ``non_blocking`` copies on a side stream,
-with an event). Before the next ``optimizer.step`` the training thread waits for whatever is left.
+thread copies what the next forward changes (buffers, anything that is not a parameter or optimizer state)
+synchronously, and hands parameters and optimizer state to a copy thread (CPU: ``memmove`` in cache-sized blocks,
+each block hashed right after it is copied, while it is still in the cache; one thread, GIL released for both; CUDA:
+``non_blocking`` copies on a side stream, with an event). Small CPU tensors that hold a few MiB in all are copied
+at once instead, in one ``_foreach_copy_`` (cheaper than watching each for in-place changes until the fence). Before
+the next ``optimizer.step`` the training thread waits for whatever is left.
 
 What stays off the training thread: allocating and pre-faulting slots (:meth:`HostArena.reserve`, a background
 thread), and, from the second snapshot on, planning. The *plan* of a snapshot (which tensors, where in the slot,
@@ -60,10 +61,11 @@ from lightning_snapshot.staging.cuda_host import (
     noop_host_register,
     noop_host_unregister,
 )
-from lightning_snapshot.staging.live import Encoded, LiveCapture
+from lightning_snapshot.staging.live import LiveCapture
 from lightning_snapshot.staging.plan import (
     _BACKGROUND,
     _BULK_BELOW,
+    _BULK_NOW_BYTES,
     _CUDA_FROZEN,
     _CUDA_NOW,
     _NOW,
@@ -458,8 +460,13 @@ class HostArena:
         items, aliases, shards = prepare_tensors(tensors)
         names = list(tensors)
         index = {n: i for i, n in enumerate(names)}
+        small = min(_BULK_BELOW, self.chunk_bytes + 1)  # (copied in bulk: one checksum chunk, hashed in one call)
         # (before this rank's share is taken: every rank watches the same tensors, so they agree on a torn copy)
-        watch = [index[name] for name, t in items if frozen(t)]
+        trained = [(name, t) for name, t in items if frozen(t)]
+        tiny = {name: t.numel() * t.element_size() for name, t in trained if not t.is_cuda and t.is_contiguous()}
+        tiny = {name: nbytes for name, nbytes in tiny.items() if nbytes < small}
+        bulk_now = sum(tiny.values()) <= _BULK_NOW_BYTES  # (then the bulk is copied at once: not watched)
+        watch = [index[name] for name, _ in trained if not (bulk_now and name in tiny)]
         if world_size > 1:
             # Shards of sharded (DTensor) state are this rank's own and always written by it (prepare_tensors
             # already dropped the replicas other ranks write). The rest is replicated: only parameters and optimizer
@@ -476,7 +483,6 @@ class HostArena:
             if rank != 0:  # rank 0 records the aliases of replicated tensors; every rank those of its shards
                 aliases = {a: c for a, c in aliases.items() if c in shards}
         sizes = [(name, t.numel() * t.element_size()) for name, t in items]
-        small = min(_BULK_BELOW, self.chunk_bytes + 1)  # (copied in bulk: one checksum chunk, hashed in one call)
         # tensors 64-byte aligned inside the slot; the slot itself is page-aligned, so the whole region can be
         # written with O_DIRECT in one go
         placed, size = plan_layout(sizes, _ALIGN)
@@ -520,6 +526,7 @@ class HostArena:
             watch_names=[names[i] for i in watch],
             frozen_key=frozen_key,
             bulk=[i for i, (*_, nbytes, how) in enumerate(entries) if how == _BACKGROUND and nbytes < small],
+            bulk_now=bulk_now,
         )
         plan.bulk_hashed = [(plan.entries[i][0], plan.entries[i][2], plan.entries[i][3]) for i in plan.bulk]
         plan.bulk_names = [plan.entries[i][0] for i in plan.bulk]
@@ -642,10 +649,7 @@ class HostArena:
         handle = AsyncStaged(state, slot, step, cf.Future(), started=started, frozen_key=frozen_key)
         if plan.watch:  # (version counters now, on the training thread: compared at the fence)
             watched = list(map(values.__getitem__, plan.watch))
-            counted = obj.versions if isinstance(obj, Encoded) else None  # (read as it was captured, just now)
-            now = list(map(counted.__getitem__, plan.watch)) if counted is not None else _versions(watched)
-            handle.watched = list(zip(plan.watch_names, watched, now, strict=True))
-            handle._watch = (plan.watch_names, watched, now)
+            handle.watched = (plan.watch_names, watched, _versions(watched))
         handle._chunk_bytes = self.chunk_bytes
         if launch is not None:
             handle.cuda_event = launch.done[-1]
@@ -655,6 +659,9 @@ class HostArena:
         bulk = None
         if plan.bulk:
             bulk = (slot.bulk, list(map(sources.__getitem__, plan.bulk)), slot.bulk_bytes, plan.bulk_names)
+            if plan.bulk_now:  # (few bytes: at once, so that they need not be watched; hashed by the copy thread)
+                with torch.no_grad():
+                    torch._foreach_copy_(bulk[0], bulk[1])
         handle.cpu_pending = bool(background or bulk)
         # the sources stay referenced until copied (a resolved conjugate view is a temporary)
         handle.future = self._copier.submit(
@@ -668,6 +675,7 @@ class HostArena:
             sources,
             launch,
             bulk,
+            plan.bulk_now,
         )
         handle.future.add_done_callback(lambda _: handle.copied.set())  # (also when the copy failed)
         return handle
@@ -692,6 +700,7 @@ class HostArena:
         keepalive: Any,
         launch: _CudaLaunch | None = None,
         bulk: tuple[list[torch.Tensor], list[torch.Tensor], list[memoryview], list[str]] | None = None,
+        bulk_copied: bool = False,
     ) -> dict[str, list[str]]:
         packed = handle.state.packed
         assert packed is not None
@@ -714,7 +723,7 @@ class HostArena:
                     name, _, offset, nbytes, _ = launch.entries[i]
                     view = packed[offset : offset + nbytes]
                     pending.append((name, [pool.submit(digest_of, view[a:b]) for a, b in chunk_ranges(nbytes, chunk)]))
-        if bulk is not None:  # the small tensors at once (without the GIL), hashed below
+        if bulk is not None and not bulk_copied:  # the small tensors at once (without the GIL), hashed below
             with torch.no_grad():
                 torch._foreach_copy_(bulk[0], bulk[1])
         for name, offset, src, nbytes in background:

@@ -5,8 +5,8 @@ Encoding ``{"state_dict": module.state_dict(), "optimizer_states": [opt.state_di
 tensor in Python several times (the module tree, the state dicts, the encoder, the arena's plan check). But between
 two snapshots the *structure* of that state almost never changes: the same tensor objects sit in the same module and
 optimizer slots, only their values (and the optimizers' hyperparameters) move. :class:`LiveCapture` therefore makes
-a *capture plan* from one full capture (the tree with its tensor names, and weak references to the live tensors
-behind it, in encoding order), verifies that the plan reproduces that capture exactly, and from then on only checks,
+a *capture plan* from one full capture (the tree with its tensor names, and the ids of the live objects behind it,
+each watched through a weak reference that marks the plan dead once it is freed), verifies that the plan reproduces that capture exactly, and from then on only checks,
 with C-level passes over flat lists (``map``/``chain``, no Python loop per tensor), that it still holds:
 
 * the modules are the same objects of the same classes, with the same children; their ``_parameters`` and
@@ -21,7 +21,7 @@ the optimizers' parameter groups) encoded afresh, and its tensors are the plan's
 (:class:`Encoded`, whose ``token`` tells the arena that its own plan for them still holds too). Anything the plan
 cannot vouch for (a sharded or custom strategy, state-dict hooks, overridden ``state_dict``, non-tensor optimizer
 state, a tensor in a parameter group) is captured the full way, as before. The plan holds no tensor, module or
-optimizer alive: only weak references, names, addresses and shapes.
+optimizer alive: only weak references, ids, names, addresses and shapes.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch
 
 from lightning_snapshot import tree as _tree
 
-__all__ = ["Encoded", "LiveCapture", "versions"]
+__all__ = ["Encoded", "LiveCapture"]
 
 _call: Callable[[Any], Any] = getattr(operator, "call", lambda f: f())
 _is = operator.is_
@@ -49,31 +49,12 @@ _SD_PRE_HOOKS = operator.attrgetter("_state_dict_pre_hooks")
 _GROUP_PARAMS = operator.itemgetter("params")
 _PTR = torch.Tensor.data_ptr
 _STRIDE = torch.Tensor.stride
-_SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
-_VERSION = operator.attrgetter("_version")
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
+_eq = operator.eq
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _Module = torch.nn.Module
 _Optimizer = torch.optim.Optimizer
-
-
-def _none() -> None:
-    return None
-
-
-def versions(tensors: Iterable[torch.Tensor]) -> list[int]:
-    """The version counters of ``tensors`` (one C-level pass); -1 for a tensor that keeps none (made under
-    ``torch.inference_mode``)."""
-    tensors = list(tensors)
-    try:
-        return list(map(_VERSION, tensors))
-    except RuntimeError:
-        out = []
-        for t in tensors:
-            try:
-                out.append(int(t._version))
-            except RuntimeError:
-                out.append(-1)
-        return out
 
 
 @dataclass
@@ -86,12 +67,21 @@ class Encoded:
     names: list[str]
     tensors: list[torch.Tensor]
     token: object | None = None
-    #: The tensors' version counters when captured (:func:`versions`), or None.
-    versions: list[int] | None = None
 
 
-def _ref(x: Any) -> Callable[[], Any]:
-    return _none if x is None else weakref.ref(x)
+class _Died:
+    """The callback of the weak references through which a plan watches the objects it identifies by ``id()``: run
+    as one is freed (before its address can be reused), it marks the plan dead. While it is not, an equal ``id()`` is
+    the same object, and the plan's checks compare ids in one C-level pass without touching the objects. (It holds
+    nothing: no reference cycle, nothing kept alive.)"""
+
+    __slots__ = ("dead",)
+
+    def __init__(self) -> None:
+        self.dead = False
+
+    def __call__(self, _: Any) -> None:
+        self.dead = True
 
 
 def _same(objs: list[Any], refs: Sequence[Callable[[], Any]]) -> bool:
@@ -130,6 +120,8 @@ class _Plan:
         if not all(map(_module_eligible, mods)):
             return
         # --- the model: state_dict's order (a module's parameters, its persistent buffers, then its children)
+        self._died = _Died()
+        self._watched: list[weakref.ref[Any]] = []  # (kept: a weak reference's callback runs while it lives)
         self.mod_refs = [weakref.ref(m) for m in mods]
         self.mod_types = list(map(type, mods))
         self.children = list(map(id, chain.from_iterable(map(dict.values, map(_MODULES, mods)))))
@@ -137,8 +129,9 @@ class _Plan:
         dicts = list(chain.from_iterable(map(_PARAMS_BUFFERS, mods)))
         self.keys = list(chain.from_iterable(dicts))
         vals = list(chain.from_iterable(map(dict.values, dicts)))
-        self.val_refs = [_ref(v) for v in vals]
-        live: dict[str, torch.Tensor] = {}  # tensor name in the encoding -> the live tensor behind it
+        self.val_ids = self._ids(vals)
+        live: dict[str, int] = {}  # tensor name in the encoding -> where the live tensor behind it is in the pool
+        pool: list[Any] = list(vals)  # the model's values, then each optimizer's state values, as holds() lists them
         sd_tree = tree["state_dict"]
         at = 0
         for prefix, m in zip(prefixes, mods, strict=True):
@@ -151,16 +144,16 @@ class _Plan:
                     ref = sd_tree.get(key)
                     if not (type(ref) is dict and type(ref.get("$tensor")) is str) or vals[pos] is not v:
                         return
-                    live[ref["$tensor"]] = v
+                    live[ref["$tensor"]] = pos
         self.model_tensors = [i for i, v in enumerate(vals) if v is not None]
         # --- the optimizers: the same parameters in their groups, the same tensors in their state
         self.opt_refs = [weakref.ref(o) for o in optimizers]
         self.group_sizes: list[list[int]] = []
-        self.group_refs: list[list[Callable[[], Any]]] = []
+        self.group_ids: list[list[int]] = []
         self.group_index: list[list[list[int]]] = []
-        self.state_refs: list[list[Callable[[], Any]]] = []
+        self.state_ids: list[list[int]] = []
         self.state_keys: list[list[str]] = []
-        self.state_val_refs: list[list[Callable[[], Any]]] = []
+        self.state_val_ids: list[list[int]] = []
         self.state_trees: list[Any] = []
         for j, (opt, packed) in enumerate(zip(optimizers, obj["optimizer_states"], strict=True)):
             cls = type(opt)
@@ -174,9 +167,9 @@ class _Plan:
                 return
             groups = opt.param_groups
             self.group_sizes.append([len(g["params"]) for g in groups])
-            self.group_refs.append([weakref.ref(p) for p in chain.from_iterable(map(_GROUP_PARAMS, groups))])
+            self.group_ids.append(self._ids(chain.from_iterable(map(_GROUP_PARAMS, groups))))
             self.group_index.append([list(g["params"]) for g in packed["param_groups"]])
-            self.state_refs.append([weakref.ref(p) for p in opt.state])
+            self.state_ids.append(self._ids(opt.state))
             sdicts = list(opt.state.values())
             if not all(type(s) is dict for s in sdicts):
                 return
@@ -184,7 +177,9 @@ class _Plan:
             svals = list(chain.from_iterable(map(dict.values, sdicts)))
             if not all(isinstance(v, torch.Tensor) for v in svals):
                 return  # non-tensor optimizer state (a step count as a number) changes every step
-            self.state_val_refs.append([weakref.ref(v) for v in svals])
+            self.state_val_ids.append(self._ids(svals))
+            at = len(pool)
+            pool.extend(svals)
             state_tree = tree["optimizer_states"][j]["state"]
             self.state_trees.append(state_tree)
             pairs = state_tree.get("$dict") if type(state_tree) is dict else None
@@ -193,14 +188,15 @@ class _Plan:
             for (_, sub), s in zip(pairs or [], sdicts, strict=True):
                 if type(sub) is not dict or list(sub) != list(s):
                     return
-                for k, v in s.items():
+                for k in s:
                     ref = sub[k]
                     if not (type(ref) is dict and type(ref.get("$tensor")) is str):
                         return
-                    live[ref["$tensor"]] = v
+                    live[ref["$tensor"]], at = at, at + 1
         if set(live) != set(names):
             return  # a tensor the plan cannot find (in a parameter group, or the head)
-        order = [live[n] for n in names]
+        self.order = [live[n] for n in names]
+        order = list(map(pool.__getitem__, self.order))
         if not all(
             type(t) in _PLAIN
             and t.layout == torch.strided
@@ -213,13 +209,22 @@ class _Plan:
             for t, v in zip(order, values, strict=True)
         ):
             return
-        self.refs = [weakref.ref(t) for t in order]
         self.ptrs = list(map(_PTR, order))
-        self.metas = list(map(_SHAPE_DTYPE, order))
+        self.shapes = list(map(_SHAPE, order))
+        self.dtypes = list(map(_DTYPE, order))
         self.strides = list(map(_STRIDE, order))
         self.template = {k: tree[k] for k in tree}
         self.token = object()
         self.ok = self.tree(head, optimizers) == tree
+
+    def _ids(self, objs: Iterable[Any]) -> list[int]:
+        """The ids of ``objs`` (None among them), each watched from now on (see :class:`_Died`)."""
+        out = []
+        for x in objs:
+            if x is not None:
+                self._watched.append(weakref.ref(x, self._died))
+            out.append(id(x))
+        return out
 
     def holds(self, module: _Module, optimizers: list[Any]) -> list[torch.Tensor] | None:
         """The plan's tensors (in encoding order) if a capture now would find the very same ones, else None."""
@@ -231,8 +236,9 @@ class _Plan:
         dicts = list(chain.from_iterable(map(_PARAMS_BUFFERS, mods)))
         if list(chain.from_iterable(dicts)) != self.keys:
             return None
-        if not _same(list(chain.from_iterable(map(dict.values, dicts))), self.val_refs):
-            return None
+        pool = list(chain.from_iterable(map(dict.values, dicts)))
+        if self._died.dead or list(map(id, pool)) != self.val_ids:
+            return None  # (ids: see _Died)
         if list(map(_NON_PERSISTENT, mods)) != self.non_persistent:
             return None
         if any(map(len, map(_SD_HOOKS, mods))) or any(map(len, map(_SD_PRE_HOOKS, mods))):
@@ -243,22 +249,30 @@ class _Plan:
             groups = opt.param_groups
             if list(map(len, map(_GROUP_PARAMS, groups))) != self.group_sizes[j]:
                 return None
-            if not _same(list(chain.from_iterable(map(_GROUP_PARAMS, groups))), self.group_refs[j]):
+            if list(map(id, chain.from_iterable(map(_GROUP_PARAMS, groups)))) != self.group_ids[j]:
                 return None
             state = opt.state
-            if not _same(list(state), self.state_refs[j]):
+            if list(map(id, state)) != self.state_ids[j]:
                 return None
             sdicts = list(state.values())
             if list(chain.from_iterable(sdicts)) != self.state_keys[j]:
                 return None
-            if not _same(list(chain.from_iterable(map(dict.values, sdicts))), self.state_val_refs[j]):
+            svals = list(chain.from_iterable(map(dict.values, sdicts)))
+            if list(map(id, svals)) != self.state_val_ids[j]:
                 return None
+            pool.extend(svals)
             if opt._optimizer_state_dict_pre_hooks or opt._optimizer_state_dict_post_hooks:
                 return None
-        tensors = list(map(_call, self.refs))  # (all alive: each was found in its slot above)
+        tensors = list(map(pool.__getitem__, self.order))
         if list(map(_PTR, tensors)) != self.ptrs:
             return None
-        if list(map(_SHAPE_DTYPE, tensors)) != self.metas or list(map(_STRIDE, tensors)) != self.strides:
+        # (compared one by one as they are made, not collected in lists first: a list of 1,000s of new tuples
+        # would set off the garbage collector on the training thread, which then costs more than the check)
+        if not (
+            all(map(_eq, map(_SHAPE, tensors), self.shapes))
+            and all(map(_is, map(_DTYPE, tensors), self.dtypes))
+            and all(map(_eq, map(_STRIDE, tensors), self.strides))
+        ):
             return None
         return tensors
 
@@ -311,7 +325,7 @@ class LiveCapture:
         if plan is not None and tensors is not None:
             tree = plan.tree(head, optimizers)
             if tree is not None:
-                return Encoded(tree, plan.names, tensors, plan.token, versions(tensors))
+                return Encoded(tree, plan.names, tensors, plan.token)
         self._plan = None
         obj = full()
         if self._skip:
@@ -323,7 +337,7 @@ class LiveCapture:
         plan = _Plan(head, module, optimizers, obj, encoded)
         if plan.ok:
             self._plan, self._backoff = plan, 1
-            encoded.token, encoded.versions = plan.token, versions(encoded.tensors)
+            encoded.token = plan.token
         else:
             self._skip, self._backoff = self._backoff, min(2 * self._backoff, 64)
         return encoded

@@ -24,6 +24,11 @@ from lightning_snapshot.staging.live import Encoded
 #: which does not hold the GIL) and hashed afterwards; larger ones are copied and hashed block by block.
 _BULK_BELOW = _SMALL
 
+#: When the small tensors copied while training goes on hold no more than this in all (on every rank together), they
+#: are copied on the training thread at once instead (one ``_foreach_copy_``): that costs less than reading each one's
+#: version counter twice to tell a torn copy, and they are then not watched.
+_BULK_NOW_BYTES = 4 << 20
+
 #: How a planned tensor is copied: by the copy thread (CPU, frozen, contiguous), now on the training thread
 #: (buffers, non-contiguous tensors), or on the CUDA side stream (frozen: overlapping the next forward; buffers: in
 #: the order of the current stream).
@@ -71,6 +76,9 @@ class _Plan:
     #: Indices (into ``entries``) of the tensors the copy thread copies in one ``torch._foreach_copy_`` (small ones;
     #: the large ones are copied and hashed block by block, see ``background``), and the rest of ``background``.
     bulk: list[int] = field(default_factory=list)
+    #: Whether ``bulk`` is copied on the training thread at staging (see :data:`_BULK_NOW_BYTES`), not by the copy
+    #: thread (which hashes it either way).
+    bulk_now: bool = False
     bulk_hashed: list[tuple[str, int, int]] = field(default_factory=list)
     bulk_names: list[str] = field(default_factory=list)
     #: Per entry, its tensor's index in ``names``.

@@ -75,16 +75,14 @@ class AsyncStaged:
     launched: threading.Event | None = None
     #: Set once every byte is in the slot (before the checksums are all taken), or once the copy failed.
     copied: threading.Event = field(default_factory=threading.Event)
-    #: (name, tensor, version counter at staging) of each tensor copied while training goes on
-    watched: list[tuple[str, torch.Tensor, int]] = field(default_factory=list)
+    #: (names, tensors, version counters at staging) of the tensors copied while training goes on, or None
+    watched: tuple[list[str], list[torch.Tensor], list[int]] | None = None
     #: Set by the training thread once it may change the sources again (:meth:`fence_training`), with ``torn``:
     #: the watched tensors changed in place meanwhile (their copy may hold either value, or a mix): not committed.
     fenced: threading.Event = field(default_factory=threading.Event)
     torn: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     #: The ``frozen_key`` it was staged under (which tensors it copies while training goes on).
     frozen_key: Any = None
-    #: ``watched`` as three lists (names, tensors, versions), when the arena made them so.
-    _watch: tuple[list[str], list[torch.Tensor], list[int]] | None = None
 
     def wait_copied(self) -> None:
         """Block until every byte is in the slot, which is then final until the slot is released (the checksums
@@ -124,11 +122,11 @@ class AsyncStaged:
         return bool(self._moved())
 
     def _moved(self) -> list[tuple[str, torch.Tensor]]:
-        if not self.watched:
+        if self.watched is None:
             return []
-        names, tensors, versions = self._watch if self._watch is not None else zip(*self.watched, strict=True)
-        now = _versions(list(tensors))
-        if now == list(versions):  # (one C-level comparison; the loop below only when something moved)
+        names, tensors, versions = self.watched
+        now = _versions(tensors)
+        if now == versions:  # (one C-level comparison; the loop below only when something moved)
             return []
         return [(name, t) for name, t, version, v in zip(names, tensors, versions, now, strict=True) if v != version]
 
@@ -140,7 +138,7 @@ class AsyncStaged:
         Idempotent."""
         if not self.fenced.is_set():
             self.torn = [] if unchanged else self._moved()
-            self.watched, self._watch = [], None
+            self.watched = None
             self.fenced.set()
 
     def await_fence(self, stop: threading.Event | None = None) -> None:
