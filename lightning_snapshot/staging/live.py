@@ -6,8 +6,9 @@ tensor in Python several times (the module tree, the state dicts, the encoder, t
 two snapshots the *structure* of that state almost never changes: the same tensor objects sit in the same module and
 optimizer slots, only their values (and the optimizers' hyperparameters) move. :class:`LiveCapture` therefore makes
 a *capture plan* from one full capture (the tree with its tensor names, and the ids of the live objects behind it,
-each watched through a weak reference that marks the plan dead once it is freed), verifies that the plan reproduces that capture exactly, and from then on only checks,
-with C-level passes over flat lists (``map``/``chain``, no Python loop per tensor), that it still holds:
+each watched through a weak reference that marks the plan dead once it is freed), verifies that the plan
+reproduces that capture exactly, and from then on only checks, with C-level passes over flat lists
+(``map``/``chain``, no Python loop per tensor), that it still holds:
 
 * the modules are the same objects of the same classes, with the same children; their ``_parameters`` and
   ``_buffers`` hold the same names and the same tensor objects; no buffer changed persistence; no state-dict hook
