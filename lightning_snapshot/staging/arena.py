@@ -465,7 +465,9 @@ class HostArena:
         trained = [(name, t) for name, t in items if frozen(t)]
         tiny = {name: t.numel() * t.element_size() for name, t in trained if not t.is_cuda and t.is_contiguous()}
         tiny = {name: nbytes for name, nbytes in tiny.items() if nbytes < small}
-        bulk_now = sum(tiny.values()) <= _BULK_NOW_BYTES  # (then the bulk is copied at once: not watched)
+        # (then the bulk is copied at once, and not watched; not for sharded state, whose local shards differ by rank:
+        # every rank must watch the same tensors)
+        bulk_now = not shards and sum(tiny.values()) <= _BULK_NOW_BYTES
         watch = [index[name] for name, _ in trained if not (bulk_now and name in tiny)]
         if world_size > 1:
             # Shards of sharded (DTensor) state are this rank's own and always written by it (prepare_tensors
