@@ -117,10 +117,6 @@ class AsyncStaged:
         finally:
             self.settle()
 
-    def changed(self) -> bool:
-        """Whether a watched tensor was changed in place since staging (training thread; no data is read)."""
-        return bool(self._moved())
-
     def _moved(self) -> list[tuple[str, torch.Tensor]]:
         if self.watched is None:
             return []
