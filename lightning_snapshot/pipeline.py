@@ -240,11 +240,13 @@ class SnapshotPipeline:
         for name, value in self.schedule.adopt(proposal, self.comm.rank, self.reporter.names).items():
             self.reporter.metrics.add(name, value)
 
-    def _stage_shared(self, trainer: Any, pl_module: Any, step: int, last: bool = False) -> AsyncStaged | None:
+    def _stage_shared(
+        self, trainer: Any, pl_module: Any, step: int, last: bool = False, hold: bool = False
+    ) -> AsyncStaged | None:
         """Stage the model and optimizer state of ``step`` (collective: every rank stages its own share, and they
         agree); None when some rank could not (an error is handled, an arena without room is reported). Parameters
         and optimizer state are copied in the background until the next optimizer step (:meth:`fence`); buffers,
-        which the next forward changes, at once."""
+        which the next forward changes, at once. ``hold``: the background copy waits for the handle's ``go``."""
         staged: AsyncStaged | None = None
         error: SnapshotError | None = None
         self._planned = True  # (the first snapshot plans itself if no earlier step did)
@@ -253,13 +255,14 @@ class SnapshotPipeline:
             frozen, key = self._frozen(trainer)
             self._capture_token = shared.token if isinstance(shared, Encoded) else None
             staged = self.arena.stage_async(
-                shared, frozen, step, rank=self.comm.rank, world_size=self.comm.world_size, frozen_key=key
+                shared, frozen, step, rank=self.comm.rank, world_size=self.comm.world_size, frozen_key=key, hold=hold
             )
         except SnapshotError as e:
             error = e
         if self.comm.all_true(error is None and staged is not None):
             return staged
         if staged is not None:
+            staged.go.set()
             self.arena.release(staged.slot)
         if error is not None:
             self.reporter.handle(error, step)
@@ -276,15 +279,21 @@ class SnapshotPipeline:
         step, shared, due = self.pending
         self.pending = None
         if shared is None:  # (else staged synchronously just now: the last snapshot of fit)
-            shared = self._stage_shared(trainer, trainer.lightning_module, step)
+            # (the background copy starts once this rank's state is taken: a copy running alongside would slow that
+            # Python work down on a machine of few cores)
+            shared = self._stage_shared(trainer, trainer.lightning_module, step, hold=True)
             if shared is None:
                 self._unmeasured(due)
                 return
             self.reporter.metrics.add("snapshot/bytes", shared.state.nbytes)
             self.inflight = shared
-            if shared.copied.is_set():
-                # (copied already: nothing ran on this thread since the staged version counters were read)
-                shared.settle(unchanged=True)
+        try:
+            self._hand_over(trainer, step, shared, due, consumed_offset)
+        finally:
+            shared.go.set()  # (whatever happened: nothing may wait for a copy that never starts)
+
+    def _hand_over(self, trainer: Any, step: int, shared: AsyncStaged, due: list[int], consumed_offset: int) -> None:
+        """The rest of :meth:`_finish`: the replica check, this rank's state, and the hand-over."""
         # the capture plan's token vouches for the module's structure (as staged just now; see _rank_state)
         token = self._capture_token
         replicas = self._check_replicas(trainer, step)
@@ -315,6 +324,7 @@ class SnapshotPipeline:
         try:
             consumed = max(0, trainer.fit_loop.epoch_loop.batch_progress.current.ready - consumed_offset)
             private = stage(self._rank_state(trainer, consumed, token), "rank")
+            shared.go.set()
         except SnapshotError as e:  # the same state shape on every rank: they all fail here together
             shared.fence_training()
             self.arena.release(shared.slot)

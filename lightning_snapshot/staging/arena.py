@@ -568,6 +568,7 @@ class HostArena:
         rank: int = 0,
         world_size: int = 1,
         frozen_key: Any = None,
+        hold: bool = False,
     ) -> AsyncStaged | None:
         """Stage ``obj`` into a slot. Tensors for which ``frozen(t)`` holds are copied in the background.
 
@@ -582,6 +583,10 @@ class HostArena:
 
         The tensors copied while training goes on are watched: if one is changed in place before
         :meth:`AsyncStaged.fence_training`, the handle is ``torn`` and must not be committed.
+
+        ``hold``: the background copy starts only once the handle's ``go`` is set (by the caller, or by anything that
+        waits for the copy): the caller has Python work to do first, which a copy running alongside would slow down
+        on a machine of few cores.
 
         Returns None (and sets ``last_skip_reason``) when no slot is free within the budget.
         ``copy_hook`` runs in the copy thread before copying (tests use it to slow the copy down).
@@ -649,6 +654,8 @@ class HostArena:
         if self._copier is None:
             self._copier = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-snapshot-copy")
         handle = AsyncStaged(state, slot, step, cf.Future(), started=started, frozen_key=frozen_key)
+        if hold:
+            handle.go.clear()
         if plan.watch:  # (version counters now, on the training thread: compared at the fence)
             watched = list(map(values.__getitem__, plan.watch))
             handle.watched = (plan.watch_names, watched, _versions(watched))
@@ -708,6 +715,7 @@ class HostArena:
         assert packed is not None
         chunk = self.chunk_bytes
         sums: dict[str, list[str]] = {}
+        handle.go.wait()
         try:
             if copy_hook is not None:
                 copy_hook()

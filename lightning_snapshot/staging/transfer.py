@@ -55,6 +55,12 @@ def _copy_digests(dst: memoryview, dst_addr: int, src_addr: int, chunk_bytes: in
     return sums
 
 
+def _open() -> threading.Event:
+    event = threading.Event()
+    event.set()
+    return event
+
+
 @dataclass
 class AsyncStaged:
     """A snapshot being staged into a slot. ``state`` is usable once :meth:`wait` returned."""
@@ -75,6 +81,9 @@ class AsyncStaged:
     launched: threading.Event | None = None
     #: Set once every byte is in the slot (before the checksums are all taken), or once the copy failed.
     copied: threading.Event = field(default_factory=threading.Event)
+    #: The copy thread starts copying once this is set (at once, unless staged with ``hold``: then the training
+    #: thread sets it, or anything that waits for the copy does).
+    go: threading.Event = field(default_factory=_open)
     #: (names, tensors, version counters at staging) of the tensors copied while training goes on, or None
     watched: tuple[list[str], list[torch.Tensor], list[int]] | None = None
     #: Set by the training thread once it may change the sources again (:meth:`fence_training`), with ``torn``:
@@ -87,6 +96,7 @@ class AsyncStaged:
     def wait_copied(self) -> None:
         """Block until every byte is in the slot, which is then final until the slot is released (the checksums
         may still be being taken); raises what the copy raised."""
+        self.go.set()
         self.copied.wait()
         if self.future.done():  # (finished, or failed: then ``copied`` was set when it ended)
             self.future.result()
@@ -96,6 +106,7 @@ class AsyncStaged:
 
     def wait(self) -> None:
         """Block until the copy is finished; raises what the copy raised."""
+        self.go.set()
         self.state.checksums = self.future.result()
 
     def fence_training(self) -> None:
@@ -105,6 +116,7 @@ class AsyncStaged:
         changed in place since staging (its version counter moved: user code in ``training_step`` changed a trained
         parameter before ``optimizer.step``) makes the snapshot ``torn``, and it is not committed.
         """
+        self.go.set()
         try:
             if self.cuda_event is not None and not self.cpu_pending and not self.future.done():
                 if self.launched is not None:
