@@ -324,7 +324,7 @@ class SnapshotPipeline:
         try:
             consumed = max(0, trainer.fit_loop.epoch_loop.batch_progress.current.ready - consumed_offset)
             private = stage(self._rank_state(trainer, consumed, token), "rank")
-            shared.go.set()
+            shared.go.set()  # (the copy may start: what follows is cheap, or waits for the other ranks)
         except SnapshotError as e:  # the same state shape on every rank: they all fail here together
             shared.fence_training()
             self.arena.release(shared.slot)

@@ -460,14 +460,15 @@ class HostArena:
         items, aliases, shards = prepare_tensors(tensors)
         names = list(tensors)
         index = {n: i for i, n in enumerate(names)}
+        nbytes_of = {name: t.numel() * t.element_size() for name, t in items}
         small = min(_BULK_BELOW, self.chunk_bytes + 1)  # (copied in bulk: one checksum chunk, hashed in one call)
         # (before this rank's share is taken: every rank watches the same tensors, so they agree on a torn copy)
         trained = [(name, t) for name, t in items if frozen(t)]
-        tiny = {name: t.numel() * t.element_size() for name, t in trained if not t.is_cuda and t.is_contiguous()}
-        tiny = {name: nbytes for name, nbytes in tiny.items() if nbytes < small}
+        # the bulk: trained CPU tensors the copy thread would copy (contiguous) that are small
+        tiny = {name for name, t in trained if not t.is_cuda and t.is_contiguous() and nbytes_of[name] < small}
         # (then the bulk is copied at once, and not watched; not for sharded state, whose local shards differ by rank:
         # every rank must watch the same tensors)
-        bulk_now = not shards and sum(tiny.values()) <= _BULK_NOW_BYTES
+        bulk_now = not shards and sum(map(nbytes_of.__getitem__, tiny)) <= _BULK_NOW_BYTES
         watch = [index[name] for name, _ in trained if not (bulk_now and name in tiny)]
         if world_size > 1:
             # Shards of sharded (DTensor) state are this rank's own and always written by it (prepare_tensors
@@ -476,7 +477,7 @@ class HostArena:
             # Lightning's own checkpoint would.
             replicated = [i for i, (name, _) in enumerate(items) if name not in shards]
             owners = assign_writers(
-                [items[i][1].numel() * items[i][1].element_size() for i in replicated],
+                [nbytes_of[items[i][0]] for i in replicated],
                 world_size,
                 pinned=[None if frozen(items[i][1]) else 0 for i in replicated],
             )
@@ -484,7 +485,7 @@ class HostArena:
             items = [item for i, item in enumerate(items) if i not in dropped]
             if rank != 0:  # rank 0 records the aliases of replicated tensors; every rank those of its shards
                 aliases = {a: c for a, c in aliases.items() if c in shards}
-        sizes = [(name, t.numel() * t.element_size()) for name, t in items]
+        sizes = [(name, nbytes_of[name]) for name, _ in items]
         # tensors 64-byte aligned inside the slot; the slot itself is page-aligned, so the whole region can be
         # written with O_DIRECT in one go
         placed, size = plan_layout(sizes, _ALIGN)
@@ -521,13 +522,13 @@ class HostArena:
             [
                 (name, offset, t.data_ptr(), nbytes)
                 for (name, _, offset, nbytes, how), t in zip(entries, sources, strict=True)
-                if how == _BACKGROUND and nbytes >= small
+                if how == _BACKGROUND and name not in tiny
             ],
             any(how != _BACKGROUND for *_, how in entries),
             watch=watch,
             watch_names=[names[i] for i in watch],
             frozen_key=frozen_key,
-            bulk=[i for i, (*_, nbytes, how) in enumerate(entries) if how == _BACKGROUND and nbytes < small],
+            bulk=[i for i, (name, *_) in enumerate(entries) if name in tiny],
             bulk_now=bulk_now,
         )
         plan.bulk_hashed = [(plan.entries[i][0], plan.entries[i][2], plan.entries[i][3]) for i in plan.bulk]
