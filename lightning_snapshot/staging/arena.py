@@ -24,7 +24,8 @@ thread copies what the next forward changes (buffers, anything that is not a par
 synchronously, and hands parameters and optimizer state to a copy thread (CPU: ``memmove`` in cache-sized blocks,
 each block hashed right after it is copied, while it is still in the cache; one thread, GIL released for both; CUDA:
 ``non_blocking`` copies on a side stream, with an event). Small CPU tensors that hold a few MiB in all are copied
-at once instead, in one ``_foreach_copy_`` (cheaper than watching each for in-place changes until the fence). Before
+at once instead, in one gather from their addresses (:class:`~lightning_snapshot.staging.gather.Gather`; cheaper
+than watching each for in-place changes until the fence). Before
 the next ``optimizer.step`` the training thread waits for whatever is left.
 
 What stays off the training thread: allocating and pre-faulting slots (:meth:`HostArena.reserve`, a background
@@ -36,6 +37,7 @@ holds the same tensors (same names, addresses, shapes, strides and dtypes), whic
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import errno
 import itertools
 import logging
@@ -61,6 +63,7 @@ from lightning_snapshot.staging.cuda_host import (
     noop_host_register,
     noop_host_unregister,
 )
+from lightning_snapshot.staging.gather import Gather
 from lightning_snapshot.staging.live import LiveCapture
 from lightning_snapshot.staging.plan import (
     _BACKGROUND,
@@ -485,6 +488,20 @@ class HostArena:
             items = [item for i, item in enumerate(items) if i not in dropped]
             if rank != 0:  # rank 0 records the aliases of replicated tensors; every rank those of its shards
                 aliases = {a: c for a, c in aliases.items() if c in shards}
+        cacheable = (
+            not shards
+            and all(
+                type(tensors[name]) in _PLAIN
+                and t.data_ptr() == tensors[name].data_ptr()
+                and t.dtype == tensors[name].dtype
+                for name, t in items
+            )
+            and all(type(t) in _PLAIN for t in tensors.values())
+        )
+        # the bulk copied at once goes first, in one region of the slot: one gather copies it (see Gather)
+        gathered = bulk_now and cacheable and all(t.device.type == "cpu" for name, t in items if name in tiny)
+        if gathered:
+            items = [item for item in items if item[0] in tiny] + [item for item in items if item[0] not in tiny]
         sizes = [(name, nbytes_of[name]) for name, _ in items]
         # tensors 64-byte aligned inside the slot; the slot itself is page-aligned, so the whole region can be
         # written with O_DIRECT in one go
@@ -498,16 +515,6 @@ class HostArena:
             else:
                 how = _NOW  # changes before the next optimizer step (buffers), or is not contiguous: copy now
             entries.append((name, index[name], offset, nbytes, how))
-        cacheable = (
-            not shards
-            and all(
-                type(tensors[name]) in _PLAIN
-                and t.data_ptr() == tensors[name].data_ptr()
-                and t.dtype == tensors[name].dtype
-                for name, t in items
-            )
-            and all(type(t) in _PLAIN for t in tensors.values())
-        )
         sources = [t for _, t in items]
         plan = _Plan(
             names,
@@ -534,6 +541,15 @@ class HostArena:
         plan.bulk_hashed = [(plan.entries[i][0], plan.entries[i][2], plan.entries[i][3]) for i in plan.bulk]
         plan.bulk_names = [plan.entries[i][0] for i in plan.bulk]
         plan.sources = [i for _, i, _, _, _ in entries]
+        if gathered and plan.bulk:
+            bulk = [(sources[i], entries[i]) for i in plan.bulk]
+            with contextlib.suppress(ValueError):  # (then the per-tensor copy)
+                plan.gather = Gather(
+                    [t.data_ptr() for t, _ in bulk],
+                    [e[3] for _, e in bulk],
+                    [e[2] for _, e in bulk],
+                    max(e[2] + e[3] for _, e in bulk),
+                )
         self._device = plan.device
         return plan, sources
 
@@ -557,6 +573,8 @@ class HostArena:
         slot.bulk = list(map(slot.views.__getitem__, plan.bulk))
         packed = slot.region(plan.size)
         slot.bulk_bytes = [packed[offset : offset + nbytes] for _, offset, nbytes in plan.bulk_hashed]
+        if plan.gather is not None:
+            slot.gathered = region[: plan.gather.size].view(plan.gather.dtype)
         slot.plan = plan
 
     # ------------------------------------------------------------------------------------------- staging
@@ -669,7 +687,9 @@ class HostArena:
         bulk = None
         if plan.bulk:
             bulk = (slot.bulk, list(map(sources.__getitem__, plan.bulk)), slot.bulk_bytes, plan.bulk_names)
-            if plan.bulk_now:  # (few bytes: at once, so that they need not be watched; hashed by the copy thread)
+            if plan.gather is not None:  # (few bytes: at once, so that they need not be watched; hashed later)
+                plan.gather(slot.gathered)  # type: ignore[arg-type]  # (made with the views)
+            elif plan.bulk_now:
                 with torch.no_grad():
                     torch._foreach_copy_(bulk[0], bulk[1])
         handle.cpu_pending = bool(background or bulk)

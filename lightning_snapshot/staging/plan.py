@@ -18,6 +18,7 @@ import torch
 
 from lightning_snapshot import tree as _tree
 from lightning_snapshot.staging import SMALL_HASH as _SMALL
+from lightning_snapshot.staging.gather import Gather
 from lightning_snapshot.staging.live import Encoded
 
 #: Tensors copied while training goes on that are smaller than this are copied together (one ``_foreach_copy_``,
@@ -25,8 +26,8 @@ from lightning_snapshot.staging.live import Encoded
 _BULK_BELOW = _SMALL
 
 #: When the small tensors copied while training goes on hold no more than this in all (on every rank together), they
-#: are copied on the training thread at once instead (one ``_foreach_copy_``): that costs less than reading each one's
-#: version counter twice to tell a torn copy, and they are then not watched.
+#: are copied on the training thread at once instead (one gather on the CPU, else one ``_foreach_copy_``): that costs
+#: less than reading each one's version counter twice to tell a torn copy, and they are then not watched.
 _BULK_NOW_BYTES = 4 << 20
 
 #: How a planned tensor is copied: by the copy thread (CPU, frozen, contiguous), now on the training thread
@@ -83,6 +84,8 @@ class _Plan:
     bulk_names: list[str] = field(default_factory=list)
     #: Per entry, its tensor's index in ``names``.
     sources: list[int] = field(default_factory=list)
+    #: The one copy of ``bulk`` when it is copied at once from CPU tensors (placed first in the slot), else None.
+    gather: Gather | None = None
 
     @property
     def nbytes(self) -> int:

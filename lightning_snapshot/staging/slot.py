@@ -84,6 +84,8 @@ class ArenaSlot:
     #: The views of the plan's ``bulk`` entries, in that order.
     bulk: list[torch.Tensor] = field(default_factory=list)
     bulk_bytes: list[memoryview] = field(default_factory=list)
+    #: The region the plan's gather copies into (the plan's bulk, placed first), as its words.
+    gathered: torch.Tensor | None = None
     _bytes: memoryview | None = None
 
     def region(self, nbytes: int) -> memoryview:
