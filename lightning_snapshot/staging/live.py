@@ -15,7 +15,8 @@ reproduces that capture exactly, and from then on only checks, with C-level pass
   appeared;
 * the optimizers are the same objects, with the same parameters in their groups, the same tensors in their state
   (state appearing for a parameter, a group added, a tensor replaced: all change these), and no state-dict hook;
-* every tensor still has the same address, shape, dtype and strides (resized, or swapped through ``.data``).
+* every tensor still has the same address, shape, dtype and strides (resized, or swapped through ``.data``); the
+  last three in one C-level check where torch's own can be trusted (:mod:`~lightning_snapshot.staging.meta`).
 
 Then the snapshot's tree is the plan's template with the few plain values that change every step (the global step,
 the optimizers' parameter groups) encoded afresh, and its tensors are the plan's, in order
@@ -37,6 +38,7 @@ from typing import Any
 import torch
 
 from lightning_snapshot import tree as _tree
+from lightning_snapshot.staging.meta import metadata_check
 
 __all__ = ["Encoded", "LiveCapture"]
 
@@ -214,6 +216,7 @@ class _Plan:
         self.shapes = list(map(_SHAPE, order))
         self.dtypes = list(map(_DTYPE, order))
         self.strides = list(map(_STRIDE, order))
+        self.meta = metadata_check(order)  # (their shapes, dtypes and strides in one C-level check, where trusted)
         self.template = {k: tree[k] for k in tree}
         self.token = object()
         self.ok = self.tree(head, optimizers) == tree
@@ -267,6 +270,8 @@ class _Plan:
         tensors = list(map(pool.__getitem__, self.order))
         if list(map(_PTR, tensors)) != self.ptrs:
             return None
+        if self.meta is not None:
+            return tensors if self.meta(tensors) else None
         # (compared one by one as they are made, not collected in lists first: a list of 1,000s of new tuples
         # would set off the garbage collector on the training thread, which then costs more than the check)
         if not (

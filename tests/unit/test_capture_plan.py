@@ -9,6 +9,7 @@ import weakref
 from typing import Any
 
 import lightning as L
+import pytest
 import torch
 from torch import nn
 
@@ -16,8 +17,28 @@ from lightning_snapshot import SnapshotCallback, load_snapshot
 from lightning_snapshot.backends import LocalTier
 from lightning_snapshot.capture import frozen_predicate, optimized_key
 from lightning_snapshot.staging.arena import HostArena
+from lightning_snapshot.staging import live
 from lightning_snapshot.staging.live import Encoded
 from lightning_snapshot.tree import decode, encode
+
+
+@pytest.fixture(autouse=True, params=["torch-guard", "python"])
+def metadata_path(request, monkeypatch):
+    """Every test here runs twice: the plan's shapes, dtypes and strides checked by torch's guard
+    (staging/meta.py), and by Python (where that guard cannot be trusted)."""
+    import torch._dynamo.guards  # noqa: F401  (imported as Lightning's fit imports it)
+
+    made = []
+    real = live.metadata_check
+
+    def check(tensors):
+        made.append(None if request.param == "python" else real(tensors))
+        return made[-1]
+
+    monkeypatch.setattr(live, "metadata_check", check)
+    yield
+    if request.param == "torch-guard" and made:
+        assert any(m is not None for m in made), "no plan used torch's guard"
 
 
 def _full(head: dict[str, Any], model: nn.Module, opts: list[torch.optim.Optimizer]) -> dict[str, Any]:
@@ -141,6 +162,34 @@ def test_a_resized_or_swapped_tensor_rebuilds_the_plan_and_the_snapshot_holds_th
         _, state = _snapshot(arena, model, [opt], 5)
         assert arena.live.builds == 4
         _assert_same(state, _full({"global_step": 5}, model, [opt]))
+    finally:
+        arena.close()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda m, o: setattr(m[0].weight, "data", m[0].weight.data.view(64)),  # another shape
+        lambda m, o: m[1].weight.t_(),  # the same shape, other strides (transposed in place)
+        # another dtype (optimizer state)
+        lambda m, o: setattr(o.state[m[2].bias]["exp_avg"], "data", o.state[m[2].bias]["exp_avg"].view(torch.int32)),
+        lambda m, o: setattr(m[-1].running_var, "data", m[-1].running_var.view(torch.int32)),  # (a buffer)
+    ],
+    ids=["shape", "strides", "dtype", "buffer-dtype"],
+)
+def test_a_tensor_viewed_otherwise_at_the_same_address_rebuilds_the_plan(change):
+    model, opt, arena = _setup()
+    try:
+        _snapshot(arena, model, [opt], 1)
+        _snapshot(arena, model, [opt], 2)
+        tensors = lambda: [*model.parameters(), *model.buffers(), *(v for s in opt.state.values() for v in s.values())]
+        ptrs = [t.data_ptr() for t in tensors()]
+        with torch.no_grad():
+            change(model, opt)
+        assert [t.data_ptr() for t in tensors()] == ptrs  # (only the metadata tells)
+        _, state = _snapshot(arena, model, [opt], 3)
+        assert arena.live.builds == 2
+        _assert_same(state, _full({"global_step": 3}, model, [opt]))
     finally:
         arena.close()
 

@@ -1,0 +1,63 @@
+"""The one C-level check of the capture plan's tensor metadata (staging/meta.py): it sees every change the plan
+must see, and it is not used where torch's guard does not behave as expected."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo.guards  # noqa: F401  (imported as Lightning's fit imports it)
+from torch import nn
+
+from lightning_snapshot.staging import meta
+
+
+def _tensors() -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 3)
+    return [layer.weight, layer.bias, torch.zeros(5), torch.tensor(2.0), torch.empty(0), torch.arange(12.0)[2:8]]
+
+
+def test_it_accepts_the_same_tensors_and_the_same_metadata_in_other_tensors():
+    tensors = _tensors()
+    check = meta.metadata_check(tensors)
+    assert check is not None
+    assert check(list(tensors))
+    with torch.no_grad():
+        tensors[0].add_(1.0)  # (values are not metadata)
+    assert check(list(tensors))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda ts: setattr(ts[0], "data", torch.zeros(4, 3)),  # .data swapped: another shape
+        lambda ts: setattr(ts[0], "data", torch.zeros(4, 3).t()),  # .data swapped: the same shape, other strides
+        lambda ts: setattr(ts[1], "data", ts[1].data.double()),  # .data swapped: another dtype
+        lambda ts: ts[2].resize_(6),  # resized in place
+        lambda ts: ts[3].unsqueeze_(0),  # a dimension added in place
+        lambda ts: ts[5].t_() if ts[5].dim() > 1 else ts[5].as_strided_((3,), (2,)),  # other strides in place
+        lambda ts: ts.__setitem__(2, nn.Parameter(ts[2])),  # another type
+        lambda ts: ts.append(torch.zeros(1)),  # one more
+        lambda ts: ts.pop(),  # one fewer
+    ],
+    ids=["data-shape", "data-strides", "data-dtype", "resize", "unsqueeze", "as-strided", "type", "more", "fewer"],
+)
+def test_it_rejects_every_change_of_shape_dtype_strides_type_or_count(change):
+    tensors = _tensors()
+    check = meta.metadata_check(tensors)
+    assert check is not None
+    with torch.no_grad():
+        change(tensors)
+    assert not check(tensors)
+
+
+def test_a_guard_that_does_not_see_a_change_is_never_used(monkeypatch):
+    monkeypatch.setattr(meta, "_trusted", None)
+    monkeypatch.setattr(meta, "_build", lambda tensors: lambda given: True)  # (a torch whose guard changed meaning)
+    assert meta.metadata_check(_tensors()) is None
+    assert meta._trusted is False
+
+
+def test_without_torch_dynamo_imported_python_compares(monkeypatch):
+    monkeypatch.delitem(__import__("sys").modules, "torch._dynamo.guards")
+    assert meta.metadata_check(_tensors()) is None
