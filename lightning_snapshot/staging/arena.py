@@ -73,6 +73,7 @@ from lightning_snapshot.staging.plan import (
     _CUDA_NOW,
     _NOW,
     _PLAIN,
+    _addresses,
     _encoded,
     _key,
     _Plan,
@@ -99,6 +100,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _ALIGN = 64
+_STORAGE = torch.Tensor.untyped_storage
 _counter = itertools.count()
 
 
@@ -516,9 +518,13 @@ class HostArena:
                 how = _NOW  # changes before the next optimizer step (buffers), or is not contiguous: copy now
             entries.append((name, index[name], offset, nbytes, how))
         sources = [t for _, t in items]
+        keys = [_key(t) for t in tensors.values()] if cacheable else []
+        # (the same on every rank: which watched tensors are copied through the tensor object, if this rank copies them)
+        by_object = {name for name, t in trained if t.is_cuda or name in tiny}
+        watch_moved = [k for k, i in enumerate(watch) if names[i] in by_object]
         plan = _Plan(
             names,
-            [_key(t) for t in tensors.values()] if cacheable else [],
+            keys,
             entries,
             aliases,
             shards,
@@ -534,6 +540,9 @@ class HostArena:
             any(how != _BACKGROUND for *_, how in entries),
             watch=watch,
             watch_names=[names[i] for i in watch],
+            watch_moved=watch_moved,
+            watch_ptrs=[keys[watch[k]][1] for k in watch_moved] if keys else None,
+            held=[i for i, (name, _, _, _, how) in enumerate(entries) if how == _BACKGROUND and name not in tiny],
             frozen_key=frozen_key,
             bulk=[i for i, (name, *_) in enumerate(entries) if name in tiny],
             bulk_now=bulk_now,
@@ -677,7 +686,9 @@ class HostArena:
             handle.go.clear()
         if plan.watch:  # (version counters now, on the training thread: compared at the fence)
             watched = list(map(values.__getitem__, plan.watch))
-            handle.watched = (plan.watch_names, watched, _versions(watched))
+            moved = plan.watch_moved
+            ptrs = plan.watch_ptrs if plan.watch_ptrs is not None else _addresses(list(map(watched.__getitem__, moved)))
+            handle.watched = (plan.watch_names, watched, _versions(watched), moved, ptrs)
         handle._chunk_bytes = self.chunk_bytes
         if launch is not None:
             handle.cuda_event = launch.done[-1]
@@ -693,7 +704,10 @@ class HostArena:
                 with torch.no_grad():
                     torch._foreach_copy_(bulk[0], bulk[1])
         handle.cpu_pending = bool(background or bulk)
-        # the sources stay referenced until copied (a resolved conjugate view is a temporary)
+        # the sources stay referenced until copied (a resolved conjugate view is a temporary), and the storages of those
+        # copied from their addresses: one given new storage in the next training_step (``.data = ...``) would free
+        # the old one while it is read; held, the copy reads the values staged
+        keep = (sources, list(map(_STORAGE, map(sources.__getitem__, plan.held))))
         handle.future = self._copier.submit(
             self._copy,
             handle,
@@ -702,7 +716,7 @@ class HostArena:
             hashed,
             events,
             copy_hook,
-            sources,
+            keep,
             launch,
             bulk,
             plan.bulk_now,

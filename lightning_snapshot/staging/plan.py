@@ -18,6 +18,7 @@ import torch
 
 from lightning_snapshot import tree as _tree
 from lightning_snapshot.staging import SMALL_HASH as _SMALL
+from lightning_snapshot.staging import local_tensor
 from lightning_snapshot.staging.gather import Gather
 from lightning_snapshot.staging.live import Encoded
 
@@ -69,6 +70,14 @@ class _Plan:
     watch: list[int] = field(default_factory=list)
     #: The names of ``watch``'s tensors.
     watch_names: list[str] = field(default_factory=list)
+    #: Positions in ``watch`` of the tensors copied through the tensor object (on the CUDA side stream, or small ones
+    #: by the copy thread), and their addresses when the plan was made (None: read at each staging). One given new
+    #: storage before the fence (``.data = ...``) would be copied from that: the snapshot is then torn too.
+    watch_moved: list[int] = field(default_factory=list)
+    watch_ptrs: list[int] | None = None
+    #: Indices (into ``entries``) of the tensors the copy thread copies from their addresses (``background``): their
+    #: storages are held until copied, so that one given new storage meanwhile is still read where it was.
+    held: list[int] = field(default_factory=list)
     #: What the ``frozen`` predicate it was made with depended on (see ``stage_async``).
     frozen_key: Any = None
     #: The capture plan's token (:class:`~lightning_snapshot.staging.live.Encoded`) the tensors came with when this
@@ -126,6 +135,17 @@ def _versions(tensors: list[torch.Tensor]) -> list[int]:
 
 
 _VERSION = operator.attrgetter("_version")
+_PTR = torch.Tensor.data_ptr
+
+
+def _addresses(tensors: list[torch.Tensor]) -> list[int]:
+    """The data addresses of ``tensors`` (a DTensor's: its local shard's), in one C-level pass where they are plain."""
+    try:
+        return list(map(_PTR, tensors))
+    except (RuntimeError, TypeError, AttributeError):
+        return [local_tensor(t).data_ptr() for t in tensors]
+
+
 _THIRD = operator.itemgetter(2)
 
 

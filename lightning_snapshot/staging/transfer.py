@@ -23,7 +23,7 @@ from lightning_snapshot.errors import TornSnapshotError
 from lightning_snapshot.planner import chunk_ranges
 from lightning_snapshot.staging import SMALL_HASH as _SMALL
 from lightning_snapshot.staging import StagedState, chunk_digests
-from lightning_snapshot.staging.plan import _versions
+from lightning_snapshot.staging.plan import _addresses, _versions
 from lightning_snapshot.staging.slot import ArenaSlot
 
 __all__ = ["AsyncStaged"]
@@ -84,8 +84,9 @@ class AsyncStaged:
     #: The copy thread starts copying once this is set (at once, unless staged with ``hold``: then the training
     #: thread sets it, or anything that waits for the copy does).
     go: threading.Event = field(default_factory=_open)
-    #: (names, tensors, version counters at staging) of the tensors copied while training goes on, or None
-    watched: tuple[list[str], list[torch.Tensor], list[int]] | None = None
+    #: (names, tensors, version counters at staging, positions of those copied through the tensor object, their
+    #: addresses at staging) of the tensors copied while training goes on, or None
+    watched: tuple[list[str], list[torch.Tensor], list[int], list[int], list[int]] | None = None
     #: Set by the training thread once it may change the sources again (:meth:`fence_training`), with ``torn``:
     #: the watched tensors changed in place meanwhile (their copy may hold either value, or a mix): not committed.
     fenced: threading.Event = field(default_factory=threading.Event)
@@ -132,11 +133,17 @@ class AsyncStaged:
     def _moved(self) -> list[tuple[str, torch.Tensor]]:
         if self.watched is None:
             return []
-        names, tensors, versions = self.watched
+        names, tensors, versions, moved, ptrs = self.watched
         now = _versions(tensors)
-        if now == versions:  # (one C-level comparison; the loop below only when something moved)
+        addresses = _addresses(list(map(tensors.__getitem__, moved))) if moved else ptrs
+        if now == versions and addresses == ptrs:  # (C-level comparisons; the loops below only when something moved)
             return []
-        return [(name, t) for name, t, version, v in zip(names, tensors, versions, now, strict=True) if v != version]
+        renewed = {i for i, a, p in zip(moved, addresses, ptrs, strict=True) if a != p}  # (new storage: ``.data =``)
+        return [
+            (name, t)
+            for i, (name, t, version, v) in enumerate(zip(names, tensors, versions, now, strict=True))
+            if v != version or i in renewed
+        ]
 
     def settle(self, unchanged: bool = False) -> None:
         """On the training thread, once nothing can change the copy any more (the sources are fenced, the copy had
@@ -159,7 +166,8 @@ class AsyncStaged:
         if self.torn:
             raise TornSnapshotError(
                 f"step {self.step}: {', '.join(repr(n) for n, _ in self.torn[:3])}"
-                f"{' and others' if len(self.torn) > 3 else ''} changed in place after it was staged and before"
+                f"{' and others' if len(self.torn) > 3 else ''} changed in place (or given new storage through"
+                " .data) after it was staged and before"
                 " optimizer.step (in training_step?), while being copied; the snapshot could hold either value."
                 " They are copied at once from now on"
             )
