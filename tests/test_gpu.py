@@ -59,6 +59,26 @@ def test_cuda_state_is_staged_into_registered_shared_memory_point_in_time():
         arena.close()
 
 
+def test_a_cuda_parameter_given_new_storage_before_its_copy_is_launched_makes_the_snapshot_torn():
+    """The side-stream copy is queued by the copy thread through the tensor object: a trained parameter given new
+    storage before that (``.data = ...`` in training_step) would be copied from the new storage, so the snapshot is
+    torn (not committed; tests/test_inplace.py has the CPU cases)."""
+    torch.manual_seed(0)
+    model = nn.Linear(256, 256).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    arena = HostArena()
+    try:
+        state = {"model": model.state_dict(keep_vars=True)}  # (the live parameters, as the capture plan stages them)
+        handle = arena.stage_async(state, _frozen(model, opt), step=1, hold=True)  # (not launched until go)
+        with torch.no_grad():
+            model.weight.data = model.weight.data + 1.0
+        handle.fence_training()
+        assert [name for name, _ in handle.torn] == ["model/weight"]
+        handle.wait()
+    finally:
+        arena.close()
+
+
 def test_registered_arena_copies_from_cuda_are_correct_across_reuse():
     g = torch.Generator(device="cuda").manual_seed(1)
     tensors = {"a": torch.randn(3, 1000, device="cuda", generator=g),
