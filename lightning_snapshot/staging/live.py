@@ -216,7 +216,10 @@ class _Plan:
         self.shapes = list(map(_SHAPE, order))
         self.dtypes = list(map(_DTYPE, order))
         self.strides = list(map(_STRIDE, order))
-        self.meta = metadata_check(order)  # (their shapes, dtypes and strides in one C-level check, where trusted)
+        # (their shapes, dtypes and strides in one C-level check where trusted: made once the plan has held, so that
+        # a state whose plan never holds does not pay for it)
+        self.meta: Callable[[list[torch.Tensor]], bool] | None = None
+        self._meta_pending = True
         self.template = {k: tree[k] for k in tree}
         self.token = object()
         self.ok = self.tree(head, optimizers) == tree
@@ -280,6 +283,9 @@ class _Plan:
             and all(map(_eq, map(_STRIDE, tensors), self.strides))
         ):
             return None
+        if self._meta_pending:  # (the plan held: from the next snapshot on, one C-level check of the same metadata)
+            self._meta_pending = False
+            self.meta = metadata_check(tensors)
         return tensors
 
     def tree(self, head: dict[str, Any], optimizers: list[Any]) -> Any | None:
