@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, Checkpoint, ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 from torch import nn
 
@@ -48,6 +48,9 @@ def run_none(bench: Bench) -> Row:
             bench.memcpy_s, line = memcpy(run.module, run.optimizer)
             bench.foreach_s, more = foreach_copy(run.module, run.optimizer)
             line += "\n" + more
+            if bench.cfg.kind == "many":
+                bench.foreach_in_fit_s, more = foreach_copy_in_fit(bench)
+                line += "\n" + more
         bench.replica_check, more = replica_check(run.module, run.optimizer)
         print(line + "\n" + more, flush=True)
     return row
@@ -113,6 +116,39 @@ def foreach_copy(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[f
     one = statistics.median(timed(copy)[1] for _ in range(21))
     return one, (f"one torch._foreach_copy_ of the state's {len(tensors)} tensors into preallocated buffers:"
                  f" {one * 1000:.3f} ms (median of 21)")
+
+
+class _ForeachAtSnapshots(Callback):
+    """One ``torch._foreach_copy_`` of the state's tensors into preallocated buffers right after the fetch that
+    follows each snapshot step, where ours takes its snapshot: the same copy, with the caches as a training step
+    leaves them."""
+
+    def __init__(self, schedule: list[int]) -> None:
+        self.schedule = set(schedule)
+        self.buffers: list[torch.Tensor] | None = None
+        self.seconds: list[float] = []
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step not in self.schedule:
+            return
+        tensors = [t.detach() for t in state_tensors(pl_module, trainer.optimizers[0]).values()]
+        if self.buffers is None:
+            self.buffers = [torch.empty_like(t) for t in tensors]
+        with torch.no_grad():
+            start = time.perf_counter()
+            torch._foreach_copy_(self.buffers, tensors)
+            self.seconds.append(time.perf_counter() - start)
+
+
+def foreach_copy_in_fit(bench: Bench) -> tuple[float, str]:
+    """The same copy as :func:`foreach_copy`, timed inside a fit of its own (no snapshot library) at each snapshot
+    step, right after the next batch is fetched (median): context for the ``--model many`` reference, not a target."""
+    probe = _ForeachAtSnapshots(bench.schedule)
+    train(bench, [probe])
+    one = statistics.median(probe.seconds)
+    return one, (f"the same _foreach_copy_ inside a fit, right after the fetch following each snapshot step (where"
+                 f" ours snapshots; caches as a training step leaves them): {one * 1000:.3f} ms (median of"
+                 f" {len(probe.seconds)})")
 
 
 def replica_check(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[tuple[float, float, int], str]:

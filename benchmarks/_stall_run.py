@@ -214,6 +214,7 @@ class Bench:
     state_bytes: int = 0
     memcpy_s: float | None = None
     foreach_s: float | None = None  # one torch._foreach_copy_ of the state's tensors into preallocated buffers
+    foreach_in_fit_s: float | None = None  # the same copy inside a fit, at the snapshot points (--model many)
     device: str = "cpu"  # --device cuda: one GPU
     precision: str | None = None
     accumulate: int = 1

@@ -64,6 +64,7 @@ Usage::
     python benchmarks/stall.py              # full: ~124M params (GPT-2 small, tied embeddings), 1.49 GB state
     python benchmarks/stall.py --quick      # ~21M params, under 2 minutes on 2 cores
     python benchmarks/stall.py --model many # 195 Linear(8, 8): per-tensor cost, against one torch._foreach_copy_
+                                            # (timed before training, and inside a fit as context)
     python benchmarks/stall.py --steps 44 --every 5 --methods ours-local,dcp
 
 Other processes on the machine (a test run, say) show up as noise in the wall-clock columns. The ``noise`` column
@@ -298,6 +299,10 @@ def targets(bench: Bench, rows: list[Row], base: Baseline, check: harness.Target
                 ref = bench.foreach_s * 1000
                 check.check(s <= 3 * ref, f"{m}: median stall {s:.2f} ms <= 3 x one _foreach_copy_ of the same"
                                           f" tensors ({ref:.3f} ms) = {3 * ref:.2f} ms ({s / ref:.1f}x)", s, 3 * ref)
+                if bench.foreach_in_fit_s:
+                    fit_ref = bench.foreach_in_fit_s * 1000
+                    check.info(f"{m}: median stall {s:.2f} ms = {s / fit_ref:.1f}x the same _foreach_copy_ inside a fit"
+                               f" at the snapshot points ({fit_ref:.3f} ms; context, not a target)", s / fit_ref)
     ref = by.get(REFERENCE)
     if ref and best:
         for name, fn in (("overhead", base.overhead), ("ovh p50", base.overhead_p50)):
