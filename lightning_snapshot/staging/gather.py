@@ -40,7 +40,7 @@ class Gather:
     def __init__(self, ptrs: Sequence[int], nbytes: Sequence[int], offsets: Sequence[int], size: int) -> None:
         kept = [i for i, n in enumerate(nbytes) if n]  # (an empty tensor has no bytes, and may have no address)
         ptrs, nbytes, offsets = ([v[i] for i in kept] for v in (ptrs, nbytes, offsets))
-        self._zeros = torch.zeros(1, dtype=torch.int64)  # (the padding's source, held while the gather lives)
+        self._zeros = torch.zeros(1, dtype=torch.int64, device="cpu")  # (the padding's source, held while it lives)
         zero = self._zeros.data_ptr()
         unit, dtype = next((u, d) for u, d in _UNITS if all(v % u == 0 for v in (*ptrs, *nbytes, *offsets, size, zero)))
         src = np.asarray(ptrs, dtype=np.int64)

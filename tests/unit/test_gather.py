@@ -50,6 +50,17 @@ def test_each_tensor_lands_at_its_offset_and_the_gaps_are_zero(picks):
         assert gather.dtype == torch.int32  # (every address and size a multiple of 4: words of 4 bytes)
 
 
+def test_a_default_device_set_by_the_program_does_not_move_the_gathers_own_memory():
+    """(A program may set another default device, e.g. ``torch.set_default_device("cuda")``: the padding's word of
+    zeros must still be host memory, or the gather would read an address it cannot.)"""
+    a, b = torch.randn(5), torch.randn(3)
+    with torch.device("meta"):
+        gather = Gather([a.data_ptr(), b.data_ptr()], [20, 12], [0, 64], 76)
+    region = torch.full((76,), 0xFF, dtype=torch.uint8)
+    gather(region.view(gather.dtype))
+    assert torch.equal(region[:20], _bytes(a)) and torch.equal(region[64:], _bytes(b)) and not region[20:64].any()
+
+
 def test_tensors_that_overlap_in_the_region_or_run_past_it_are_refused():
     a, b = torch.randn(16), torch.randn(16)
     with pytest.raises(ValueError, match="overlap"):
