@@ -50,18 +50,21 @@ def _build(tensors: list[torch.Tensor]) -> Callable[[Any], bool]:
 
 def _self_test() -> bool:
     """Whether this torch's guard sees every change the plan must see (and accepts what it must accept)."""
-    base = torch.zeros(2, 3)
-    check = _build([base])
-    same = [torch.ones(2, 3)]
+
+    def zeros(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=dtype)  # (float32 whatever default dtype the program set)
+
+    check = _build([zeros(2, 3)])
+    same = [torch.ones(2, 3, dtype=torch.float32)]
     changed = [
-        [torch.zeros(3, 2)],  # shape
-        [torch.zeros(3, 2).t()],  # the same shape, other strides
-        [torch.zeros(2, 4)[:, :3]],  # the same shape, other strides
-        [torch.zeros(2, 3, dtype=torch.float64)],  # dtype
-        [torch.zeros(2, 3, dtype=torch.int32)],  # dtype of the same size
-        [torch.zeros(1, 2, 3)],  # one more dimension
-        [torch.nn.Parameter(torch.zeros(2, 3))],  # type
-        [torch.zeros(2, 3), torch.zeros(2, 3)],  # one more tensor
+        [zeros(3, 2)],  # shape
+        [zeros(3, 2).t()],  # the same shape, other strides
+        [zeros(2, 4)[:, :3]],  # the same shape, other strides
+        [zeros(2, 3, dtype=torch.float64)],  # dtype
+        [zeros(2, 3, dtype=torch.int32)],  # dtype of the same size
+        [zeros(1, 2, 3)],  # one more dimension
+        [torch.nn.Parameter(zeros(2, 3))],  # type
+        [zeros(2, 3), zeros(2, 3)],  # one more tensor
         [],
     ]
     return check(same) is True and not any(check(c) for c in changed)

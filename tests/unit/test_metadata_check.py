@@ -61,3 +61,15 @@ def test_a_guard_that_does_not_see_a_change_is_never_used(monkeypatch):
 def test_without_torch_dynamo_imported_python_compares(monkeypatch):
     monkeypatch.delitem(__import__("sys").modules, "torch._dynamo.guards")
     assert meta.metadata_check(_tensors()) is None
+
+
+def test_the_self_test_holds_whatever_default_device_and_dtype_the_program_set(monkeypatch):
+    monkeypatch.setattr(meta, "_trusted", None)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with torch.device("meta"):
+            assert meta.metadata_check(_tensors()) is not None
+    finally:
+        torch.set_default_dtype(previous)
+    assert meta._trusted is True
