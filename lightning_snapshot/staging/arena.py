@@ -697,12 +697,18 @@ class HostArena:
             handle.cuda_event = events[0]
         bulk = None
         if plan.bulk:
-            bulk = (slot.bulk, list(map(sources.__getitem__, plan.bulk)), slot.bulk_bytes, plan.bulk_names)
-            if plan.gather is not None:  # (few bytes: at once, so that they need not be watched; hashed later)
+            # the small tensors: at once when they are few bytes (so that they need not be watched), else by the copy
+            # thread (its sources, then); hashed by the copy thread either way
+            left: list[torch.Tensor] | None = None
+            if plan.gather is not None:
                 plan.gather(slot.gathered)  # type: ignore[arg-type]  # (made with the views)
-            elif plan.bulk_now:
-                with torch.no_grad():
-                    torch._foreach_copy_(bulk[0], bulk[1])
+            else:
+                left = list(map(sources.__getitem__, plan.bulk))
+                if plan.bulk_now:
+                    with torch.no_grad():
+                        torch._foreach_copy_(slot.bulk, left)
+                    left = None
+            bulk = (slot.bulk, left, slot.bulk_bytes, plan.bulk_names)
         handle.cpu_pending = bool(background or bulk)
         # the sources stay referenced until copied (a resolved conjugate view is a temporary), and the storages of those
         # copied from their addresses: one given new storage in the next training_step (``.data = ...``) would free
@@ -719,7 +725,6 @@ class HostArena:
             keep,
             launch,
             bulk,
-            plan.bulk_now,
         )
         handle.future.add_done_callback(lambda _: handle.copied.set())  # (also when the copy failed)
         return handle
@@ -743,8 +748,7 @@ class HostArena:
         copy_hook: Callable[[], None] | None,
         keepalive: Any,
         launch: _CudaLaunch | None = None,
-        bulk: tuple[list[torch.Tensor], list[torch.Tensor], list[memoryview], list[str]] | None = None,
-        bulk_copied: bool = False,
+        bulk: tuple[list[torch.Tensor], list[torch.Tensor] | None, list[memoryview], list[str]] | None = None,
     ) -> dict[str, list[str]]:
         packed = handle.state.packed
         assert packed is not None
@@ -768,7 +772,7 @@ class HostArena:
                     name, _, offset, nbytes, _ = launch.entries[i]
                     view = packed[offset : offset + nbytes]
                     pending.append((name, [pool.submit(digest_of, view[a:b]) for a, b in chunk_ranges(nbytes, chunk)]))
-        if bulk is not None and not bulk_copied:  # the small tensors at once (without the GIL), hashed below
+        if bulk is not None and bulk[1] is not None:  # the small tensors at once (without the GIL), hashed below
             with torch.no_grad():
                 torch._foreach_copy_(bulk[0], bulk[1])
         for name, offset, src, nbytes in background:

@@ -145,14 +145,12 @@ class AsyncStaged:
             if v != version or i in renewed
         ]
 
-    def settle(self, unchanged: bool = False) -> None:
+    def settle(self) -> None:
         """On the training thread, once nothing can change the copy any more (the sources are fenced, the copy had
-        finished, or training is over): record which watched tensors were changed in place since staging
-        (``torn``) and let the persist threads commit, or not. ``unchanged``: the caller has just compared every
-        watched tensor's version counter with its staged one and found them equal (nothing to look at again).
-        Idempotent."""
+        finished, or training is over): record which watched tensors were changed in place (or given new storage)
+        since staging (``torn``) and let the persist threads commit, or not. Idempotent."""
         if not self.fenced.is_set():
-            self.torn = [] if unchanged else self._moved()
+            self.torn = self._moved()
             self.watched = None
             self.fenced.set()
 
