@@ -298,6 +298,33 @@ def bucket(s3_server, request):
     return name
 
 
+def rendezvous_port() -> int:
+    """A free port on 127.0.0.1 for a rendezvous store, chosen at random below the kernel's ephemeral range.
+
+    Binding port 0 and closing it (the usual trick) hands out an ephemeral port, and in the seconds before rank 0's
+    store binds it the kernel can give that same port to any outgoing connection or gloo listener of the tests
+    running beside us: rank 0 then cannot bind, and the other ranks wait for a store that never comes. Ports below
+    the ephemeral range are only ever taken by an explicit bind."""
+    import socket
+
+    pick = random.SystemRandom()  # (the tests seed the module's generator: two workers would pick the same ports)
+    low = 20000
+    try:
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    high = max(low + 1000, ephemeral)
+    for _ in range(200):
+        port = pick.randrange(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port on 127.0.0.1 in [{low}, {high})")
+
+
 def launch_nodes(script: str, nodes: int, *args: str, timeout: int = 300, env: dict[str, str] | None = None,
                  ranks_per_node: int = 1) -> list[subprocess.CompletedProcess[str]]:
     """Run tests/scripts/SCRIPT as ``nodes`` simulated nodes of ``ranks_per_node`` processes each (NODE_RANK,
@@ -305,11 +332,7 @@ def launch_nodes(script: str, nodes: int, *args: str, timeout: int = 300, env: d
     ``ranks_per_node`` to its Trainer), with LIGHTNING_SNAPSHOT_SHM_DIR pointing each node at its own memory directory
     when ``env`` gives ``LIGHTNING_SNAPSHOT_SHM_DIR`` as a format string with ``{node}``. Returns the processes in
     global rank order."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = rendezvous_port()
     procs = []
     for node, local in ((n, lr) for n in range(nodes) for lr in range(ranks_per_node)):
         e = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning", "NODE_RANK": str(node),

@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from conftest import rendezvous_port
 
 SCRIPT = Path(__file__).parent.parent / "scripts" / "group_fail.py"
 
 
 def test_a_group_that_cannot_form_names_the_tier_and_the_fix_within_the_timeout():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = rendezvous_port()
     env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "PYTHONWARNINGS": "ignore"}
     procs = [subprocess.Popen([sys.executable, str(SCRIPT)], env={**env, "RANK": str(r)}, text=True,
