@@ -73,7 +73,7 @@ def encode(obj: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
         kind = type(x)
         if kind is dict or kind is OrderedDict:
             # (C-level passes: string keys, none starting with "$")
-            plain = set(map(type, x)) <= _STR and not any(map(_DOLLAR, x))
+            plain = set(map(type, x)) <= _STR and _no_dollar_key(x)
             if plain:
                 if set(map(type, x.values())) <= _EXACT_JSON:  # (trainable flags, names: as they are)
                     return dict(x)
@@ -86,10 +86,7 @@ def encode(obj: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
         elif kind in _SCALAR_TYPES:
             return x if kind is not float or math.isfinite(x) else {"$float": repr(x)}
         elif kind is list or kind is tuple:
-            for v in x:
-                if type(v) not in _EXACT_JSON:
-                    break
-            else:  # ints, strings, bools, None only (an RNG state): as they are
+            if set(map(type, x)) <= _EXACT_JSON:  # ints, strings, bools, None only (an RNG state): as they are
                 return list(x) if kind is list else {"$tuple": list(x)}
             items = [walk(v, f"{path}/{i}", depth + 1) for i, v in enumerate(x)]
             return items if kind is list else {"$tuple": items}
@@ -264,3 +261,9 @@ _SCALAR_TYPES = frozenset({int, float, str, bool, type(None)})
 _EXACT_JSON = frozenset({int, str, bool, type(None)})  # encoded as they are
 _STR = frozenset({str})
 _DOLLAR = operator.methodcaller("startswith", "$")
+
+
+def _no_dollar_key(keys: Any) -> bool:
+    """Whether none of ``keys`` (strings) starts with ``$``: one search of the keys joined by NULs (each key then
+    follows a NUL), and a key-by-key look only when that search finds a NUL followed by ``$``."""
+    return "\0$" not in "\0" + "\0".join(keys) or not any(map(_DOLLAR, keys))

@@ -233,6 +233,9 @@ def nested_state():
                               "param_groups": [{"lr": 0.1, "params": [0, 1]}]}],
         "dollar_keys": {"$tensor": "not a reference", "$x": 1, "plain": {"$dict": [[1, 2]]}},
         "tensor_as_string_key": {"$tensor": "x"},
+        # (the keys are looked at joined by NULs first: a NUL and "$" inside a key, a "$" key after plain ones)
+        "nul_dollar_inside": {"a\x00$b": 1, "c": True},
+        "dollar_after_plain": {"a": 1, "b": True, "$c": "x"},
         "floats": [float("nan"), float("inf"), float("-inf"), -0.0, 5e-324, 1.7976931348623157e308],
         "none": None,
         "bools": [True, False],
