@@ -18,6 +18,14 @@ reproduces that capture exactly, and from then on only checks, with C-level pass
 * every tensor still has the same address, shape, dtype and strides (resized, or swapped through ``.data``); the
   last three in one C-level check where torch's own can be trusted (:mod:`~lightning_snapshot.staging.meta`).
 
+Once the first two held, the plan records the versions of the dicts they read (each module's ``_modules``,
+``_parameters``, ``_buffers`` and state-dict hooks, each optimizer's ``state`` and per-parameter state; CPython
+gives a dict a new version at every change of its keys or values, and :func:`~lightning_snapshot.staging.meta.
+dict_version` reads it where it can be trusted). While they are unchanged, those dicts hold the very same objects,
+and only what no dict version covers is compared (the modules' classes, their non-persistent buffer names, the
+parameter groups' lists); any other version, and the objects are compared one by one again. Only plain dicts are
+vouched for this way: an ``OrderedDict`` can be reordered without a new version.
+
 Then the snapshot's tree is the plan's template with the few plain values that change every step (the global step,
 the optimizers' parameter groups) encoded afresh, and its tensors are the plan's, in order
 (:class:`Encoded`, whose ``token`` tells the arena that its own plan for them still holds too). Anything the plan
@@ -30,6 +38,7 @@ from __future__ import annotations
 
 import operator
 import weakref
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain
@@ -38,7 +47,7 @@ from typing import Any
 import torch
 
 from lightning_snapshot import tree as _tree
-from lightning_snapshot.staging.meta import metadata_check
+from lightning_snapshot.staging.meta import dict_version, metadata_check
 
 __all__ = ["Encoded", "LiveCapture"]
 
@@ -49,6 +58,10 @@ _PARAMS_BUFFERS = operator.attrgetter("_parameters", "_buffers")
 _NON_PERSISTENT = operator.attrgetter("_non_persistent_buffers_set")
 _SD_HOOKS = operator.attrgetter("_state_dict_hooks")
 _SD_PRE_HOOKS = operator.attrgetter("_state_dict_pre_hooks")
+# (every dict of a module whose keys and values the plan depends on)
+_MODULE_DICTS = operator.attrgetter("_modules", "_parameters", "_buffers", "_state_dict_hooks", "_state_dict_pre_hooks")
+_ORDERING_DICTS = operator.attrgetter("_modules", "_parameters", "_buffers")
+_UNORDERED = frozenset({dict, defaultdict})  # (an OrderedDict can be reordered without a new version)
 _GROUP_PARAMS = operator.itemgetter("params")
 _PTR = torch.Tensor.data_ptr
 _STRIDE = torch.Tensor.stride
@@ -212,6 +225,11 @@ class _Plan:
             for t, v in zip(order, values, strict=True)
         ):
             return
+        self.tensor_refs = list(map(weakref.ref, order))
+        #: the versions of every dict the structure depends on, as they were when it last held; None: not recorded
+        #: (see :meth:`_unchanged`)
+        self.versions: tuple[list[int], list[list[int]]] | None = None
+        self._version: Callable[[Any], int] = id  # (set with the versions)
         self.ptrs = list(map(_PTR, order))
         self.shapes = list(map(_SHAPE, order))
         self.dtypes = list(map(_DTYPE, order))
@@ -235,6 +253,80 @@ class _Plan:
 
     def holds(self, module: _Module, optimizers: list[Any]) -> list[torch.Tensor] | None:
         """The plan's tensors (in encoding order) if a capture now would find the very same ones, else None."""
+        tensors = self._unchanged(module, optimizers) if self.versions is not None else None
+        if tensors is None:
+            tensors = self._same_structure(module, optimizers)
+            if tensors is None:
+                return None
+        if list(map(_PTR, tensors)) != self.ptrs:
+            return None
+        if self.meta is not None:
+            return tensors if self.meta(tensors) else None
+        # (compared one by one as they are made, not collected in lists first: a list of 1,000s of new tuples
+        # would set off the garbage collector on the training thread, which then costs more than the check)
+        if not (
+            all(map(_eq, map(_SHAPE, tensors), self.shapes))
+            and all(map(_is, map(_DTYPE, tensors), self.dtypes))
+            and all(map(_eq, map(_STRIDE, tensors), self.strides))
+        ):
+            return None
+        if self._meta_pending:  # (the plan held: from the next snapshot on, one C-level check of the same metadata)
+            self._meta_pending = False
+            self.meta = metadata_check(tensors)
+        return tensors
+
+    def _unchanged(self, module: _Module, optimizers: list[Any]) -> list[torch.Tensor] | None:
+        """The plan's tensors if no dict the structure depends on changed since :meth:`_same_structure` last found
+        it the same (each has the version it had then: its keys and values are the same objects), else None (the
+        caller then compares the full way). The checks that no version covers are made as there."""
+        assert self.versions is not None
+        version = self._version
+        mods = list(map(_call, self.mod_refs))
+        if mods[0] is not module or list(map(type, mods)) != self.mod_types or self._died.dead:
+            return None
+        if list(map(version, chain.from_iterable(map(_MODULE_DICTS, mods)))) != self.versions[0]:
+            return None
+        if list(map(_NON_PERSISTENT, mods)) != self.non_persistent or not _same(optimizers, self.opt_refs):
+            return None
+        for j, opt in enumerate(optimizers):
+            if not self._same_groups(j, opt.param_groups):
+                return None
+            state = opt.state
+            if [version(state), *map(version, state.values())] != self.versions[1][j]:
+                return None
+            if opt._optimizer_state_dict_pre_hooks or opt._optimizer_state_dict_post_hooks:
+                return None
+        return list(map(_call, self.tensor_refs))
+
+    def _same_groups(self, j: int, groups: list[dict[str, Any]]) -> bool:
+        """Whether optimizer ``j``'s parameter groups hold the very parameters they held (the params lists are not
+        dicts: no version covers them)."""
+        return (
+            list(map(len, map(_GROUP_PARAMS, groups))) == self.group_sizes[j]
+            and list(map(id, chain.from_iterable(map(_GROUP_PARAMS, groups)))) == self.group_ids[j]
+        )
+
+    def _record_versions(self, mods: list[_Module], optimizers: list[Any]) -> None:
+        """Record the versions of the dicts the structure depends on, found the same just now (only where every one
+        of them is a plain dict, and the dict versions can be trusted here)."""
+        version = dict_version()
+        if version is None:
+            return
+        states = [[opt.state, *opt.state.values()] for opt in optimizers]
+        # (the dicts whose order is the state's order must be plain: an OrderedDict reordered keeps its version; the
+        # hook dicts need not, they are empty)
+        if not set(map(type, chain(chain.from_iterable(map(_ORDERING_DICTS, mods)), *states))) <= _UNORDERED:
+            return
+        self._version = version
+        self.versions = (
+            list(map(version, chain.from_iterable(map(_MODULE_DICTS, mods)))),
+            [list(map(version, s)) for s in states],
+        )
+
+    def _same_structure(self, module: _Module, optimizers: list[Any]) -> list[torch.Tensor] | None:
+        """The plan's tensors if the modules and optimizers hold the very same objects as the plan, in the same
+        places (compared the full way), else None."""
+        self.versions = None
         mods = list(map(_call, self.mod_refs))
         if mods[0] is not module or list(map(type, mods)) != self.mod_types:
             return None  # (a dead module is None, of another type)
@@ -253,10 +345,7 @@ class _Plan:
         if not _same(optimizers, self.opt_refs):
             return None
         for j, opt in enumerate(optimizers):
-            groups = opt.param_groups
-            if list(map(len, map(_GROUP_PARAMS, groups))) != self.group_sizes[j]:
-                return None
-            if list(map(id, chain.from_iterable(map(_GROUP_PARAMS, groups)))) != self.group_ids[j]:
+            if not self._same_groups(j, opt.param_groups):
                 return None
             state = opt.state
             if list(map(id, state)) != self.state_ids[j]:
@@ -270,23 +359,8 @@ class _Plan:
             pool.extend(svals)
             if opt._optimizer_state_dict_pre_hooks or opt._optimizer_state_dict_post_hooks:
                 return None
-        tensors = list(map(pool.__getitem__, self.order))
-        if list(map(_PTR, tensors)) != self.ptrs:
-            return None
-        if self.meta is not None:
-            return tensors if self.meta(tensors) else None
-        # (compared one by one as they are made, not collected in lists first: a list of 1,000s of new tuples
-        # would set off the garbage collector on the training thread, which then costs more than the check)
-        if not (
-            all(map(_eq, map(_SHAPE, tensors), self.shapes))
-            and all(map(_is, map(_DTYPE, tensors), self.dtypes))
-            and all(map(_eq, map(_STRIDE, tensors), self.strides))
-        ):
-            return None
-        if self._meta_pending:  # (the plan held: from the next snapshot on, one C-level check of the same metadata)
-            self._meta_pending = False
-            self.meta = metadata_check(tensors)
-        return tensors
+        self._record_versions(mods, optimizers)
+        return list(map(pool.__getitem__, self.order))
 
     def tree(self, head: dict[str, Any], optimizers: list[Any]) -> Any | None:
         """The snapshot's tree: the template, with the head and the parameter groups encoded afresh; None when a

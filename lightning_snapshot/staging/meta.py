@@ -1,4 +1,5 @@
-"""One C-level check that a list of tensors still has the metadata it had: type, dtype, device, shape and strides.
+"""One C-level check that a list of tensors still has the metadata it had: type, dtype, device, shape and strides;
+and a dict's version (:func:`dict_version`), which tells that a dict's keys and values are the very ones they were.
 
 The capture plan (:mod:`~lightning_snapshot.staging.live`) checks at every snapshot that each of its tensors still
 has the shape, dtype and strides it was planned with (a ``.data`` swap or a ``resize_`` changes them without moving
@@ -18,19 +19,25 @@ It is used only where it can be trusted, else the caller compares in Python:
 The guard also compares what the plan does not need (``requires_grad``, the dispatch keys under the current
 thread-local state): a difference there only makes the caller capture the full way once and plan again. It holds
 no reference to any tensor.
+
+:func:`dict_version` is trusted on the same terms: ``torch._dynamo`` imported, and a self-test once per process (a
+new version at every kind of change, none shared by two dicts). Where it is not, the plan compares its structure
+object by object at every snapshot, as before.
 """
 
 from __future__ import annotations
 
 import sys
+from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["metadata_check"]
+__all__ = ["dict_version", "metadata_check"]
 
 _trusted: bool | None = None  # the self-test's verdict, once per process
+_versions_trusted: bool | None = None  # the same for dict_version
 
 
 def _build(tensors: list[torch.Tensor]) -> Callable[[Any], bool]:
@@ -90,3 +97,57 @@ def metadata_check(tensors: list[torch.Tensor]) -> Callable[[list[torch.Tensor]]
         return check if check(tensors) is True else None
     except Exception:  # noqa: BLE001 - (a tensor it cannot guard: compared in Python)
         return None
+
+
+def _versions_self_test(version: Callable[[Any], int]) -> bool:
+    """Whether ``version`` gives a dict a new version at every change of its keys or values (a value replaced by
+    another object, a key added or removed, by every method that does), and never gives a new dict a version an
+    earlier dict had (one freed before it, at the same address)."""
+    seen: set[int] = set()
+
+    def fresh(d: dict[Any, Any]) -> bool:
+        v = version(d)
+        new = type(v) is int and v not in seen
+        seen.add(v)
+        return new
+
+    d: dict[Any, Any] = {"a": object()}
+    steps = [
+        lambda: d.__setitem__("a", object()),
+        lambda: d.__setitem__("b", object()),
+        lambda: d.__delitem__("b"),
+        lambda: d.pop("a"),
+        lambda: d.update(c=1),
+        lambda: d.setdefault("e", 2),
+        lambda: d.popitem(),
+        lambda: d.clear(),
+    ]
+    if not fresh(d):
+        return False
+    for step in steps:
+        step()
+        if not fresh(d):
+            return False
+    lazy: defaultdict[str, dict[str, int]] = defaultdict(dict)
+    fresh(lazy)
+    _ = lazy["x"]  # (a read that inserts)
+    return fresh(lazy) and all(fresh({"k": i}) for i in range(64))
+
+
+def dict_version() -> Callable[[Any], int] | None:
+    """A function giving a dict's version (CPython's ``ma_version_tag``, read by torch's own C++: the one the
+    guards of ``torch.compile`` compare to tell that a module's or a frame's dicts did not change), which changes
+    at every change of the dict's keys or values and is never shared by two dicts; None where it cannot be
+    trusted here (``torch._dynamo`` not imported, a Python without it, a self-test that fails). It does not see an
+    ``OrderedDict`` reordered: the caller uses it on plain dicts only."""
+    global _versions_trusted
+    guards = sys.modules.get("torch._C._dynamo.guards")
+    if "torch._dynamo.guards" not in sys.modules or guards is None:
+        return None
+    version = getattr(guards, "dict_version", None)
+    if _versions_trusted is None:
+        try:
+            _versions_trusted = version is not None and _versions_self_test(version)
+        except Exception:  # noqa: BLE001 - private torch API: anything unexpected means not here
+            _versions_trusted = False
+    return version if _versions_trusted else None

@@ -41,6 +41,25 @@ def metadata_path(request, monkeypatch):
         assert any(m is not None for m in made), "no plan used torch's guard"
 
 
+@pytest.fixture(autouse=True, params=["dict-versions", "compared"])
+def structure_path(request, monkeypatch):
+    """... and twice again: the structure vouched for by the versions of its dicts once it held (staging/meta.py's
+    dict_version), and compared object by object at every snapshot (where those versions cannot be trusted)."""
+    fast = []
+    real = live._Plan._unchanged
+
+    def unchanged(self, module, optimizers):
+        fast.append(real(self, module, optimizers))
+        return fast[-1]
+
+    if request.param == "compared":
+        monkeypatch.setattr(live, "dict_version", lambda: None)
+    monkeypatch.setattr(live._Plan, "_unchanged", unchanged)
+    yield request.param, fast
+    if request.param == "compared":
+        assert not fast
+
+
 def _full(head: dict[str, Any], model: nn.Module, opts: list[torch.optim.Optimizer]) -> dict[str, Any]:
     return {**head, "state_dict": model.state_dict(), "optimizer_states": [o.state_dict() for o in opts]}
 
@@ -93,7 +112,7 @@ def _setup(layers: int = 6) -> tuple[nn.Sequential, torch.optim.Optimizer, HostA
     return model, opt, HostArena()
 
 
-def test_the_plan_is_reused_across_snapshots_and_each_snapshot_holds_that_steps_values():
+def test_the_plan_is_reused_across_snapshots_and_each_snapshot_holds_that_steps_values(structure_path):
     model, opt, arena = _setup()
     try:
         tokens, plans = [], []
@@ -108,6 +127,9 @@ def test_the_plan_is_reused_across_snapshots_and_each_snapshot_holds_that_steps_
             _train_step(model, opt)
         assert arena.live.builds == 1
         assert all(t is tokens[0] for t in tokens) and all(p is plans[0] for p in plans)
+        path, fast = structure_path
+        if path == "dict-versions":  # (from the third snapshot on: the second compared and recorded the versions)
+            assert len(fast) == 2 and all(t is not None for t in fast)
     finally:
         arena.close()
 
@@ -162,6 +184,70 @@ def test_a_resized_or_swapped_tensor_rebuilds_the_plan_and_the_snapshot_holds_th
         _, state = _snapshot(arena, model, [opt], 5)
         assert arena.live.builds == 4
         _assert_same(state, _full({"global_step": 5}, model, [opt]))
+    finally:
+        arena.close()
+
+
+def _put_parameter(module: nn.Module, name: str, new: nn.Parameter, opt: torch.optim.Optimizer) -> None:
+    old = module._parameters[name]
+    module._parameters[name] = new
+    params = opt.param_groups[0]["params"]
+    params[next(i for i, p in enumerate(params) if p is old)] = new
+    opt.state[new] = opt.state.pop(old)
+
+
+def _hook(module, state_dict, prefix, local_metadata):
+    state_dict[prefix + "extra"] = torch.tensor([1.0, 2.0])
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        # a parameter put into the module's dict directly (no __setattr__), and into the optimizer in its place
+        lambda m, o: _put_parameter(m[3], "bias", nn.Parameter(torch.full((8,), 4.0)), o),
+        lambda m, o: m[-1]._buffers.__setitem__("running_mean", torch.full((8,), 6.0)),  # a buffer, directly
+        lambda m, o: o.state[m[4].weight].__setitem__("exp_avg", torch.full((8, 8), 2.0)),  # optimizer state
+        lambda m, o: o.state[m[4].weight].pop("exp_avg_sq"),  # optimizer state removed
+        lambda m, o: m[-1]._non_persistent_buffers_set.add("running_var"),  # a buffer made non-persistent
+        lambda m, o: m[2]._register_state_dict_hook(_hook),  # a state-dict hook (captured the full way)
+        lambda m, o: m.add_module("7", nn.Linear(2, 2)),  # a module added (not trained)
+    ],
+    ids=["parameter", "buffer", "optimizer-state", "state-removed", "non-persistent", "state-dict-hook", "module"],
+)
+def test_a_change_made_in_a_modules_or_an_optimizers_dicts_directly_is_in_the_next_snapshot(change):
+    """Changes that no ``__setattr__`` or ``register_*`` call makes (a dict written directly), after the plan held
+    twice (the second time, the dicts' versions were recorded): the next snapshot is the full capture's."""
+    model, opt, arena = _setup()
+    try:
+        for step in (1, 2, 3):
+            _snapshot(arena, model, [opt], step)
+        assert arena.live.builds == 1
+        change(model, opt)
+        _, state = _snapshot(arena, model, [opt], 4)
+        want = _full({"global_step": 4}, model, [opt])
+        _assert_same(state, want)
+        _snapshot(arena, model, [opt], 5)
+        _, state = _snapshot(arena, model, [opt], 6)  # (a new plan, reused)
+        _assert_same(state, _full({"global_step": 6}, model, [opt]))
+    finally:
+        arena.close()
+
+
+def test_parameters_reordered_in_an_ordered_dict_are_snapshotted_in_their_new_order():
+    """An OrderedDict reordered keeps its dict version: a module whose parameters sit in one is compared the full
+    way at every snapshot, and the state's order is state_dict()'s."""
+    from collections import OrderedDict
+
+    model, opt, arena = _setup()
+    try:
+        model[0]._parameters = OrderedDict(model[0]._parameters)
+        for step in (1, 2, 3):
+            _snapshot(arena, model, [opt], step)
+        model[0]._parameters.move_to_end("weight")  # (bias first now)
+        _, state = _snapshot(arena, model, [opt], 4)
+        want = _full({"global_step": 4}, model, [opt])
+        assert list(want["state_dict"])[:2] == ["0.bias", "0.weight"]
+        _assert_same(state, want)
     finally:
         arena.close()
 

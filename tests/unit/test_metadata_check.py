@@ -73,3 +73,43 @@ def test_the_self_test_holds_whatever_default_device_and_dtype_the_program_set(m
     finally:
         torch.set_default_dtype(previous)
     assert meta._trusted is True
+
+
+# ------------------------------------------------------------------------------------------------- dict versions
+def test_dict_versions_change_with_a_modules_and_an_optimizers_dicts_and_are_trusted_here(monkeypatch):
+    monkeypatch.setattr(meta, "_versions_trusted", None)
+    version = meta.dict_version()
+    assert version is not None and meta._versions_trusted is True
+    layer = nn.Linear(2, 2)
+    opt = torch.optim.AdamW(layer.parameters())
+    layer(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    dicts = [layer._parameters, layer._buffers, layer._modules, opt.state, opt.state[layer.bias]]
+    before = list(map(version, dicts))
+    layer(torch.ones(1, 2)).sum().backward()
+    opt.step()  # (values change in place: no dict changes)
+    assert list(map(version, dicts)) == before
+    layer.weight = nn.Parameter(torch.zeros(2, 2))
+    layer.register_buffer("b", torch.zeros(1))
+    layer.add_module("child", nn.Identity())
+    opt.state[layer.weight]  # (a read of a defaultdict that inserts)
+    opt.state[layer.bias]["exp_avg"] = torch.zeros(2)
+    after = list(map(version, dicts))
+    assert all(a != b for a, b in zip(after, before, strict=True))
+
+
+@pytest.mark.parametrize(
+    "version",
+    [lambda d: 0, id, len, lambda d: hash(tuple(d))],
+    ids=["constant", "id", "length", "keys-only"],
+)
+def test_a_dict_version_that_misses_a_change_is_never_used(monkeypatch, version):
+    monkeypatch.setattr(meta, "_versions_trusted", None)
+    monkeypatch.setattr(__import__("sys").modules["torch._C._dynamo.guards"], "dict_version", version)
+    assert meta.dict_version() is None
+    assert meta._versions_trusted is False
+
+
+def test_without_torch_dynamo_imported_no_dict_version(monkeypatch):
+    monkeypatch.delitem(__import__("sys").modules, "torch._dynamo.guards")
+    assert meta.dict_version() is None
