@@ -65,6 +65,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_snapshot.errors import StateMismatchError
+from lightning_snapshot.staging.meta import dict_version
 
 __all__ = [
     "capture",
@@ -128,6 +129,33 @@ class Structure:
         self._metrics: list[int] = []
         #: walks made; reused snapshots do not count
         self.builds = 0
+        # the generator scan: the version of each module's __dict__ when last scanned, and the names of the
+        # generator attributes found in it (names only: nothing kept alive)
+        self._dict_versions: list[int] = []
+        self._generator_attrs: list[tuple[str, ...]] = []
+
+    def generators(self, modules: list[tuple[str, Any]]) -> dict[str, torch.Generator]:
+        """:func:`_module_generators` of the module whose ``named_modules()`` are ``modules``, looking again only
+        at the modules whose ``__dict__`` changed since the last call (its version, where dict versions can be
+        trusted: see :func:`~lightning_snapshot.staging.meta.dict_version`; a dict's version is never another's, so
+        an equal version is the very dict, unchanged, whatever module holds it now)."""
+        version = dict_version()
+        if version is None:
+            return _module_generators(None, modules)
+        dicts = list(map(_DICT, map(_SECOND, modules)))
+        versions = list(map(version, dicts))
+        if versions != self._dict_versions:
+            known = dict(zip(self._dict_versions, self._generator_attrs, strict=True))
+            self._generator_attrs = [
+                known[v] if v in known else _generator_attrs(d) for v, d in zip(versions, dicts, strict=True)
+            ]
+            self._dict_versions = versions
+        out: dict[str, torch.Generator] = {}
+        if any(self._generator_attrs):
+            for (name, _), d, attrs in zip(modules, dicts, self._generator_attrs, strict=True):
+                for attr in attrs:
+                    out[f"{name}.{attr}" if name else attr] = d[attr]
+        return out
 
     def get(self, pl_module: Any, token: object | None) -> Walk:
         """The walk of ``pl_module``: the kept one while ``token`` is the token it was kept under (and every object
@@ -173,6 +201,9 @@ def capture(
     # (per parameter and per module, at every snapshot: C-level passes; the walk itself only when the plan changed)
     walk = structure.get(pl_module, token) if structure is not None else _walk(pl_module)
     names = dict(zip(map(id, walk.params), walk.param_names, strict=True))
+    generators = (
+        structure.generators(walk.modules) if structure is not None else _module_generators(pl_module, walk.modules)
+    )
     return {
         "param_groups": [_param_groups(_raw(opt), names) for opt in trainer.optimizers],
         "trainable": dict(zip(walk.param_names, map(_REQUIRES_GRAD, walk.params), strict=True)),
@@ -186,7 +217,7 @@ def capture(
         "metrics": _metric_states(walk.metrics),
         "train_dl_epoch": _train_dl_epoch(trainer),
         "stopped": _stop_limits(trainer) if trainer.should_stop else None,
-        "generators": {path: gen.get_state() for path, gen in _module_generators(pl_module, walk.modules).items()},
+        "generators": {path: gen.get_state() for path, gen in generators.items()},
     }
 
 
@@ -217,11 +248,17 @@ def _module_generators(pl_module: Any, modules: list[tuple[str, Any]] | None = N
     if _GEN not in map(type, chain.from_iterable(map(dict.values, map(_DICT, map(_SECOND, named))))):
         return out
     for name, module in named:
-        if _GEN in map(type, module.__dict__.values()):
-            for attr, v in module.__dict__.items():
-                if type(v) is _GEN:
-                    out[f"{name}.{attr}" if name else attr] = v
+        d = module.__dict__
+        for attr in _generator_attrs(d):
+            out[f"{name}.{attr}" if name else attr] = d[attr]
     return out
+
+
+def _generator_attrs(d: dict[str, Any]) -> tuple[str, ...]:
+    """The keys of the ``torch.Generator`` values of a module's ``__dict__``."""
+    if _GEN not in map(type, d.values()):
+        return ()
+    return tuple(k for k, v in d.items() if type(v) is _GEN)
 
 
 _GEN = torch.Generator

@@ -101,8 +101,9 @@ def metadata_check(tensors: list[torch.Tensor]) -> Callable[[list[torch.Tensor]]
 
 def _versions_self_test(version: Callable[[Any], int]) -> bool:
     """Whether ``version`` gives a dict a new version at every change of its keys or values (a value replaced by
-    another object, a key added or removed, by every method that does), and never gives a new dict a version an
-    earlier dict had (one freed before it, at the same address)."""
+    another object, a key added or removed, by every method that does, and an object's ``__dict__`` through
+    ``setattr``), and never gives a new dict a version an earlier dict had (one freed before it, at the same
+    address)."""
     seen: set[int] = set()
 
     def fresh(d: dict[Any, Any]) -> bool:
@@ -131,7 +132,28 @@ def _versions_self_test(version: Callable[[Any], int]) -> bool:
     lazy: defaultdict[str, dict[str, int]] = defaultdict(dict)
     fresh(lazy)
     _ = lazy["x"]  # (a read that inserts)
-    return fresh(lazy) and all(fresh({"k": i}) for i in range(64))
+    if not fresh(lazy) or not all(fresh({"k": i}) for i in range(64)):
+        return False
+    # an object's __dict__ (a module's attributes), changed through setattr and delattr
+    probe = _Probe()
+    attrs = probe.__dict__
+    if not fresh(attrs):
+        return False
+    for change in (
+        lambda: setattr(probe, "a", object()),
+        lambda: setattr(probe, "a", object()),
+        lambda: setattr(probe, "b", 1),
+        lambda: delattr(probe, "a"),
+    ):
+        change()
+        if not fresh(attrs):
+            return False
+    return True
+
+
+class _Probe:
+    def __init__(self) -> None:
+        self.x = 0
 
 
 def dict_version() -> Callable[[Any], int] | None:

@@ -131,3 +131,32 @@ def test_the_late_capture_walk_is_kept_while_the_plan_token_holds_and_keeps_noth
     kept.get(model, None)
     kept.get(model, None)
     assert kept.builds == 4
+
+
+@pytest.mark.parametrize("versions", [True, False], ids=["dict-versions", "scanned"])
+def test_generators_appearing_changing_and_going_between_snapshots_are_each_snapshots_own(monkeypatch, versions):
+    """The generator scan looks again only at modules whose attributes changed (by their dict's version): a
+    generator given to a module, replaced, moved to another module or deleted is seen at the next capture."""
+    import torch._dynamo.guards  # noqa: F401  (imported as Lightning's fit imports it)
+
+    if not versions:
+        monkeypatch.setattr(fit_state, "dict_version", lambda: None)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()))
+    structure = fit_state.Structure()
+    named = lambda: list(model.named_modules())  # noqa: E731
+    assert structure.generators(named()) == {}
+    first = torch.Generator().manual_seed(1)
+    model[1][0].noise = first
+    assert structure.generators(named()) == {"1.0.noise": first}
+    assert structure.generators(named()) == {"1.0.noise": first}  # (unchanged: not looked at again)
+    second = torch.Generator().manual_seed(2)
+    model[1][0].noise = second  # replaced
+    model.mask = first  # another module (the root)
+    assert structure.generators(named()) == {"1.0.noise": second, "mask": first}
+    del model[1][0].noise
+    model[0] = torch.nn.Linear(2, 2)  # a new module in place of another
+    model[0].g = second
+    assert structure.generators(named()) == {"0.g": second, "mask": first}
+    assert structure.generators(named()) == fit_state._module_generators(model)
+    moved = torch.nn.Sequential(model[1], model[0])  # the same modules under other names
+    assert structure.generators(list(moved.named_modules())) == {"1.g": second}
