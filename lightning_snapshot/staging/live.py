@@ -253,7 +253,12 @@ class _Plan:
 
     def holds(self, module: _Module, optimizers: list[Any]) -> list[torch.Tensor] | None:
         """The plan's tensors (in encoding order) if a capture now would find the very same ones, else None."""
-        tensors = self._unchanged(module, optimizers) if self.versions is not None else None
+        tensors = None
+        if self.versions is not None:
+            try:
+                tensors = self._unchanged(module, optimizers)
+            except Exception:  # noqa: BLE001 - (a dict replaced by something that has no version: compared below)
+                tensors = None
         if tensors is None:
             tensors = self._same_structure(module, optimizers)
             if tensors is None:
@@ -316,6 +321,8 @@ class _Plan:
         # (the dicts whose order is the state's order must be plain: an OrderedDict reordered keeps its version; the
         # hook dicts need not, they are empty)
         if not set(map(type, chain(chain.from_iterable(map(_ORDERING_DICTS, mods)), *states))) <= _UNORDERED:
+            return
+        if not all(isinstance(d, dict) for d in chain(map(_SD_HOOKS, mods), map(_SD_PRE_HOOKS, mods))):
             return
         self._version = version
         self.versions = (

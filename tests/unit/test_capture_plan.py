@@ -383,3 +383,34 @@ def test_a_state_no_plan_can_be_made_for_is_captured_the_full_way_and_planning_i
         assert arena.live.builds == 3  # tried at the 1st, 3rd and 6th capture only
     finally:
         arena.close()
+
+
+def test_a_modules_dict_replaced_by_a_mapping_without_a_version_is_compared_the_full_way():
+    """A dict the plan vouched for by its version, replaced by a mapping that has none: no error, and the snapshot is
+    the full capture's."""
+
+    model, opt, arena = _setup()
+    try:
+        for step in (1, 2, 3):
+            _snapshot(arena, model, [opt], step)
+        model[1]._state_dict_hooks = _NoVersion()
+        _, state = _snapshot(arena, model, [opt], 4)
+        _assert_same(state, _full({"global_step": 4}, model, [opt]))
+    finally:
+        arena.close()
+
+
+class _NoVersion:
+    """An empty mapping that is not a dict (no version to read)."""
+
+    def __len__(self) -> int:
+        return 0
+
+    def __bool__(self) -> bool:
+        return False
+
+    def values(self) -> list:
+        return []
+
+    def items(self) -> list:
+        return []
