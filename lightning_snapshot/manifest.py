@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from itertools import chain
 from typing import Any
 
+from lightning_snapshot.collector import deferred_collection
 from lightning_snapshot.dtypes import DTYPES, ITEMSIZE, dtype_from_name, dtype_name
 from lightning_snapshot.errors import FormatVersionError, ManifestError, UnsafePathError
 
@@ -252,22 +253,28 @@ class Manifest:
             FormatVersionError: the manifest was written by a newer format.
             ManifestError: anything else is wrong with it.
         """
-        try:
-            if isinstance(text, (bytes, bytearray, memoryview)):
-                text = bytes(text).decode("utf-8")
-            raw = json.loads(text, parse_constant=_reject_constant)
-        except ManifestError:
-            raise
-        except (ValueError, UnicodeDecodeError, RecursionError) as e:
-            raise ManifestError(
-                f"{where} is not valid JSON (truncated or corrupted?): {e}. Use another snapshot or re-create it"
-            ) from e
-        try:
-            return _manifest_from_dict(raw, where)
-        except (ManifestError, UnsafePathError):
-            raise
-        except (TypeError, ValueError, KeyError, AttributeError, OverflowError, RecursionError) as e:  # safety net
-            raise ManifestError(f"{where} is malformed: {type(e).__name__}: {e}") from e
+        with deferred_collection():  # (tens of thousands of short-lived objects: see collector.py)
+            return _parse(text, where)
+
+
+def _parse(text: str | bytes, where: str) -> Manifest:
+    """:meth:`Manifest.from_json`'s work."""
+    try:
+        if isinstance(text, (bytes, bytearray, memoryview)):
+            text = bytes(text).decode("utf-8")
+        raw = json.loads(text, parse_constant=_reject_constant)
+    except ManifestError:
+        raise
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise ManifestError(
+            f"{where} is not valid JSON (truncated or corrupted?): {e}. Use another snapshot or re-create it"
+        ) from e
+    try:
+        return _manifest_from_dict(raw, where)
+    except (ManifestError, UnsafePathError):
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError, OverflowError, RecursionError) as e:  # safety net
+        raise ManifestError(f"{where} is malformed: {type(e).__name__}: {e}") from e
 
 
 def _reject_constant(name: str) -> Any:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_snapshot.backends.base import Backend
+from lightning_snapshot.collector import deferred_collection
 from lightning_snapshot.comm import Comm
 from lightning_snapshot.commit import (  # (committed_steps: re-exported, the writer's name for it)
     CollectiveTransport,
@@ -161,7 +162,8 @@ def write_part(
     sections = [("rank", job.private)] + ([("shared", job.shared)] if job.shared is not None else [])
     for kind, staged in sections:
         obj = f"{run_id}-{kind}-{rank:05d}.bin"
-        buffers, entries, size = _section(staged, obj, alignment, chunk_bytes)
+        with deferred_collection():  # (an entry per tensor: see collector.py)
+            buffers, entries, size = _section(staged, obj, alignment, chunk_bytes)
         written = backend.write(f"{prefix}/{obj}", buffers)
         if written != size:
             raise SnapshotWriteError(f"wrote {written} of {size} bytes of {obj!r}")
@@ -240,8 +242,9 @@ def commit_job(
         return part
 
     def merge(parts: list[dict[str, Any]]) -> str:
-        raw = merge_parts(parts, job.step, job.epoch, transport.world_size, alignment, chunk_bytes)
-        return json.dumps(raw, separators=(",", ":"), allow_nan=False)
+        with deferred_collection():  # (see collector.py)
+            raw = merge_parts(parts, job.step, job.epoch, transport.world_size, alignment, chunk_bytes)
+            return json.dumps(raw, separators=(",", ":"), allow_nan=False)
 
     return commit_snapshot(backend, transport, job.step, write, merge, run_id=run_id, where=where)
 
