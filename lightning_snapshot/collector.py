@@ -13,12 +13,14 @@ reach an older generation, and what is still alive at the end is collected as us
 to a few tens of milliseconds of CPU work with no I/O and no waiting in it, so nothing is deferred for long. Windows
 of several threads nest (the collector is enabled again when the last one ends, and only if it was enabled when the
 first began). A program that disables the collector itself keeps it disabled, unless it does so from another thread
-while a window is open: then it is enabled again at the window's end.
+while a window is open: then it is enabled again at the window's end. A process forked while a window is open (a
+``DataLoader`` worker) starts with the collector as the program had it, not disabled for good.
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -46,3 +48,16 @@ def deferred_collection() -> Iterator[None]:
             _open -= 1
             if _open == 0 and _enable_after:
                 gc.enable()
+
+
+def _after_fork_in_child() -> None:
+    """In a child forked while a window was open in some thread of the parent: no thread of the child will end it."""
+    global _lock, _open
+    _lock = threading.Lock()  # (one held by another thread at the fork would stay held in the child)
+    if _open:
+        _open = 0
+        if _enable_after:
+            gc.enable()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

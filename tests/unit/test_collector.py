@@ -81,3 +81,19 @@ def test_a_fit_with_snapshots_leaves_the_collector_enabled(tmp_path):
     L.Trainer(max_steps=12, logger=False, enable_progress_bar=False, enable_model_summary=False,
               callbacks=[callback]).fit(Model(), data)
     assert gc.isenabled()
+
+
+def test_a_process_forked_while_a_window_is_open_starts_with_the_collector_enabled():
+    """(A DataLoader worker forked while a persist thread builds a manifest.)"""
+    import os
+
+    with deferred_collection():
+        pid = os.fork()
+        if pid == 0:  # the child: its collector, and a window of its own
+            code = 0 if gc.isenabled() else 3
+            with deferred_collection():
+                code = code or (0 if not gc.isenabled() else 4)
+            os._exit(code or (0 if gc.isenabled() else 5))
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert gc.isenabled()
