@@ -283,32 +283,36 @@ class _Plan:
     def _unchanged(self, module: _Module, optimizers: list[Any]) -> list[torch.Tensor] | None:
         """The plan's tensors if no dict the structure depends on changed since :meth:`_same_structure` last found
         it the same (each has the version it had then: its keys and values are the same objects), else None (the
-        caller then compares the full way). The checks that no version covers are made as there."""
+        caller then compares the full way). What no version covers is checked as the full way checks it
+        (:meth:`_uncovered_same`)."""
         assert self.versions is not None
         version = self._version
         mods = list(map(_call, self.mod_refs))
-        if mods[0] is not module or list(map(type, mods)) != self.mod_types or self._died.dead:
+        if self._died.dead or not self._uncovered_same(mods, module, optimizers):
             return None
         if list(map(version, chain.from_iterable(map(_MODULE_DICTS, mods)))) != self.versions[0]:
             return None
-        if list(map(_NON_PERSISTENT, mods)) != self.non_persistent or not _same(optimizers, self.opt_refs):
-            return None
         for j, opt in enumerate(optimizers):
-            if not self._same_groups(j, opt.param_groups):
-                return None
             state = opt.state
             if [version(state), *map(version, state.values())] != self.versions[1][j]:
                 return None
-            if opt._optimizer_state_dict_pre_hooks or opt._optimizer_state_dict_post_hooks:
-                return None
         return list(map(_call, self.tensor_refs))
 
-    def _same_groups(self, j: int, groups: list[dict[str, Any]]) -> bool:
-        """Whether optimizer ``j``'s parameter groups hold the very parameters they held (the params lists are not
-        dicts: no version covers them)."""
+    def _uncovered_same(self, mods: list[Any], module: _Module, optimizers: list[Any]) -> bool:
+        """Whether what no dict version covers is as the plan has it: the root module and the modules' classes (a
+        dead module is None, of another type), their non-persistent buffer names, the optimizers, the parameters in
+        their groups (lists, not dicts) and their state-dict hooks."""
         return (
-            list(map(len, map(_GROUP_PARAMS, groups))) == self.group_sizes[j]
-            and list(map(id, chain.from_iterable(map(_GROUP_PARAMS, groups)))) == self.group_ids[j]
+            mods[0] is module
+            and list(map(type, mods)) == self.mod_types
+            and list(map(_NON_PERSISTENT, mods)) == self.non_persistent
+            and _same(optimizers, self.opt_refs)
+            and all(
+                list(map(len, map(_GROUP_PARAMS, opt.param_groups))) == self.group_sizes[j]
+                and list(map(id, chain.from_iterable(map(_GROUP_PARAMS, opt.param_groups)))) == self.group_ids[j]
+                and not (opt._optimizer_state_dict_pre_hooks or opt._optimizer_state_dict_post_hooks)
+                for j, opt in enumerate(optimizers)
+            )
         )
 
     def _record_versions(self, mods: list[_Module], optimizers: list[Any]) -> None:
@@ -335,8 +339,8 @@ class _Plan:
         places (compared the full way), else None."""
         self.versions = None
         mods = list(map(_call, self.mod_refs))
-        if mods[0] is not module or list(map(type, mods)) != self.mod_types:
-            return None  # (a dead module is None, of another type)
+        if not self._uncovered_same(mods, module, optimizers):
+            return None
         if list(map(id, chain.from_iterable(map(dict.values, map(_MODULES, mods))))) != self.children:
             return None
         dicts = list(chain.from_iterable(map(_PARAMS_BUFFERS, mods)))
@@ -345,15 +349,9 @@ class _Plan:
         pool = list(chain.from_iterable(map(dict.values, dicts)))
         if self._died.dead or list(map(id, pool)) != self.val_ids:
             return None  # (ids: see _Died)
-        if list(map(_NON_PERSISTENT, mods)) != self.non_persistent:
-            return None
         if any(map(len, map(_SD_HOOKS, mods))) or any(map(len, map(_SD_PRE_HOOKS, mods))):
             return None
-        if not _same(optimizers, self.opt_refs):
-            return None
         for j, opt in enumerate(optimizers):
-            if not self._same_groups(j, opt.param_groups):
-                return None
             state = opt.state
             if list(map(id, state)) != self.state_ids[j]:
                 return None
@@ -364,8 +362,6 @@ class _Plan:
             if list(map(id, svals)) != self.state_val_ids[j]:
                 return None
             pool.extend(svals)
-            if opt._optimizer_state_dict_pre_hooks or opt._optimizer_state_dict_post_hooks:
-                return None
         self._record_versions(mods, optimizers)
         return list(map(pool.__getitem__, self.order))
 
