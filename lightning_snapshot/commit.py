@@ -31,10 +31,10 @@ from lightning_snapshot.manifest import (
     RESTORES_NAME,
     Manifest,
     health_group,
-    overlapping_boxes,
     parse_step_dirname,
     step_dirname,
 )
+from lightning_snapshot.planner import overlapping_boxes
 
 __all__ = [
     "CollectiveTransport",

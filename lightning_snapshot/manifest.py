@@ -27,6 +27,7 @@ from typing import Any
 from lightning_snapshot.collector import deferred_collection
 from lightning_snapshot.dtypes import DTYPES, ITEMSIZE, dtype_from_name, dtype_name
 from lightning_snapshot.errors import FormatVersionError, ManifestError, UnsafePathError
+from lightning_snapshot.planner import missing_region, overlapping_boxes
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
@@ -42,7 +43,6 @@ __all__ = [
     "dtype_from_name",
     "dtype_name",
     "health_group",
-    "overlapping_boxes",
     "parse_step_dirname",
     "step_dirname",
     "validate_key",
@@ -58,6 +58,9 @@ RESTORES_NAME = "restores.json"
 _STEP_RE = re.compile(r"^step-(\d{12})$")
 _KEY_PART_RE = re.compile(r"^[A-Za-z0-9._-]+$")
 _HEX_RE = re.compile(r"^[0-9a-f]{16}$")
+_HEX_MATCH = _HEX_RE.match
+_INT = frozenset({int})
+_STR = frozenset({str})
 _MAX_DIMS = 64
 _GROUP_RE = re.compile(r"^[A-Za-z0-9._-]{1,100}(/[0-9]{1,6})?$")
 _MAX_GROUPS = 4096
@@ -262,9 +265,9 @@ def _parse(text: str | bytes, where: str) -> Manifest:
     try:
         if isinstance(text, (bytes, bytearray, memoryview)):
             text = bytes(text).decode("utf-8")
-        raw = json.loads(text, parse_constant=_reject_constant)
-    except ManifestError:
-        raise
+        raw = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+    except ManifestError as e:
+        raise ManifestError(f"{where}: {e}; it is corrupted: use another snapshot or re-create it") from None
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise ManifestError(
             f"{where} is not valid JSON (truncated or corrupted?): {e}. Use another snapshot or re-create it"
@@ -279,6 +282,16 @@ def _parse(text: str | bytes, where: str) -> Manifest:
 
 def _reject_constant(name: str) -> Any:
     raise ManifestError(f"manifest holds the non-standard JSON constant {name}")
+
+
+def _finite_float(text: str) -> float:
+    """A JSON number with a fraction or an exponent; one past the range of a double (``1e999``, which Python would
+    read as infinity) is refused like the constants: a manifest never holds one (non-finite values are written as
+    ``{"$float": ...}``), and it could not be written back."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ManifestError(f"manifest holds the number {text[:40]}, which is out of the range of a double")
+    return value
 
 
 # ---------------------------------------------------------------------------------------------------- encoding
@@ -409,6 +422,15 @@ def _parse_tensors(
     names: set[str] = set()
     objects = _Objects(m_objects)
     for i, raw in enumerate(r.list_(value, path)):
+        # (the common entry first, without building its path or reader: a whole tensor in an object already checked)
+        if type(raw) is dict and raw.keys() == _TENSOR_FIELDS and raw["type"] == "tensor":
+            name = raw["name"]
+            if type(name) is str and name not in names:
+                whole = _whole_tensor(raw, name, objects, chunk_bytes, alignment)
+                if whole is not None:
+                    names.add(name)
+                    out.append(whole)
+                    continue
         p = f"{path}[{i}]"
         if not isinstance(raw, dict):
             raise r.fail(p, f"expected an object, got {type(raw).__name__}")
@@ -516,7 +538,8 @@ def _parse_tensor(
             )
         frags.append(Fragment(obj, offset, nbytes, offs, local, sums))
     covered = sum(math.prod(f.local_shape) for f in frags)
-    pair = overlapping_boxes([(f.global_offsets, f.local_shape) for f in frags]) if len(frags) > 1 else None
+    boxes = [(f.global_offsets, f.local_shape) for f in frags]
+    pair = overlapping_boxes(boxes) if len(frags) > 1 else None
     if pair is not None:
         a, b = (frags[k] for k in pair)
         raise r.fail(
@@ -529,7 +552,7 @@ def _parse_tensor(
         raise r.fail(
             p,
             f"fragments cover {covered} of the tensor's {math.prod(global_shape)} elements;"
-            f" missing region: {_missing_region(global_shape, frags)}. The snapshot is incomplete"
+            f" missing region: {missing_region(global_shape, boxes)}. The snapshot is incomplete"
             " (a lost shard?): use another snapshot",
         )
     return TensorEntry(name, dtype, global_shape, tuple(frags))
@@ -550,17 +573,18 @@ def _whole_tensor(
     itemsize = ITEMSIZE.get(dtype)  # (None for a dtype this torch does not know: the full path says so)
     obj, offset, nbytes, sums = fd["object"], fd["offset"], fd["nbytes"], fd["checksums"]
     local, offs = fd["local_shape"], fd["global_offsets"]
+    # (C-level passes over the short lists: this runs once per tensor, thousands of times per manifest)
     if (
         itemsize is None
         or type(obj) is not str
         or obj not in objects.safe
         or len(shape) > _MAX_DIMS
-        or not all(type(v) is int and 0 <= v <= 2**62 for v in shape)
         or type(local) is not list
         or type(offs) is not list
+        or not set(map(type, chain(shape, local, offs))) <= _INT  # ([True] == [1] and [0.0] == [0] in Python)
+        or (shape and (min(shape) < 0 or max(shape) > 2**62))
         or local != shape
         or offs != [0] * len(shape)
-        or not all(type(v) is int for v in chain(local, offs))  # ([True] == [1] and [0.0] == [0] in Python)
         or type(offset) is not int
         or type(nbytes) is not int
         or offset < 0
@@ -569,55 +593,39 @@ def _whole_tensor(
         or offset + nbytes > objects.sizes[obj]
         or type(sums) is not list
         or len(sums) != max(1, -(-nbytes // chunk_bytes))
-        or not all(type(c) is str and _HEX_RE.match(c) for c in sums)
+        or not set(map(type, sums)) <= _STR
+        or not all(map(_HEX_MATCH, sums))
     ):
         return None
     dims = tuple(shape)
     return TensorEntry(name, dtype, dims, (Fragment(obj, offset, nbytes, (0,) * len(dims), dims, tuple(sums)),))
 
 
-def overlapping_boxes(boxes: Sequence[tuple[Sequence[int], Sequence[int]]]) -> tuple[int, int] | None:
-    """Indices of two non-empty boxes (``(offsets, shape)``) that share an element, or None when none do.
-
-    A sweep along the dimension where the boxes start at the most distinct places (dim 0 for row shards, dim 1 for
-    column shards): each box is only compared with the boxes that start before it ends there.
-    """
-    live = [(tuple(o), tuple(s), i) for i, (o, s) in enumerate(boxes) if math.prod(s) > 0]
-    if len(live) < 2:
-        return None
-    ndim = len(live[0][0])
-    if ndim == 0:
-        return live[0][2], live[1][2]
-    dim = max(range(ndim), key=lambda d: len({o[d] for o, _, _ in live}))
-    live.sort(key=lambda b: b[0][dim])
-    for n, (o, s, i) in enumerate(live):
-        end = o[dim] + s[dim]
-        for o2, s2, j in live[n + 1 :]:
-            if o2[dim] >= end:
-                break
-            if all(a < b2 + c2 and b2 < a + c for a, c, b2, c2 in zip(o, s, o2, s2, strict=True)):
-                return (i, j) if i < j else (j, i)
-    return None
+_LEAVES = frozenset({int, float, str, bool, type(None)})
 
 
-def _missing_region(global_shape: tuple[int, ...], frags: list[Fragment]) -> str:
-    """Bounding box of the elements no fragment covers (or of the overlap when fragments overlap)."""
-    if not frags:
-        return f"offsets {[0] * len(global_shape)} shape {list(global_shape)} (the whole tensor)"
-    if math.prod(global_shape) > 1 << 24:
-        return "not computed for tensors this large"
-    import numpy as np
-
-    count = np.zeros(global_shape, dtype=np.int32)
-    for f in frags:
-        count[tuple(slice(o, o + n) for o, n in zip(f.global_offsets, f.local_shape, strict=True))] += 1
-    bad = np.argwhere(count != 1)
-    lo, hi = bad.min(axis=0), bad.max(axis=0) + 1
-    return f"offsets {lo.tolist()} shape {(hi - lo).tolist()}"
+def _refs_ok(tree: Any, names: set[str], depth: int) -> bool:
+    """Whether every ``{"$tensor": name}`` in ``tree`` names one of ``names``, within 200 levels (without the paths
+    :func:`_check_refs` names a problem by: it looks again only when this finds one)."""
+    if depth > 200:
+        return False
+    if isinstance(tree, dict):
+        if len(tree) == 1 and "$tensor" in tree:
+            ref = tree["$tensor"]
+            return isinstance(ref, str) and ref in names
+        values: Any = tree.values()
+    elif isinstance(tree, list):
+        values = tree
+    else:
+        return True
+    # (plain values all: one C-level pass; the trainable flags and names of a model's parameters)
+    return set(map(type, values)) <= _LEAVES or all(_refs_ok(v, names, depth + 1) for v in values)
 
 
 def _check_refs(r: _Reader, tree: Any, path: str, names: set[str], depth: int = 0) -> None:
     """Every ``{"$tensor": name}`` in a state tree must name a tensor of that section."""
+    if depth == 0 and _refs_ok(tree, names, 0):
+        return
     if depth > 200:
         raise r.fail(path, "state is nested deeper than 200 levels")
     if isinstance(tree, dict):

@@ -22,6 +22,8 @@ __all__ = [
     "bytes_planned",
     "chunk_ranges",
     "even_shards",
+    "missing_region",
+    "overlapping_boxes",
     "plan_layout",
     "plan_shared_reads",
     "plan_tensor_reads",
@@ -704,3 +706,43 @@ def bytes_needed(target: Box, itemsize: int) -> int:
 def bytes_planned(items: Iterable[ReadItem]) -> int:
     """Bytes the plan reads (checksum-chunk expansion included)."""
     return sum(item.bytes_planned for item in items)
+
+
+def overlapping_boxes(boxes: Sequence[tuple[Sequence[int], Sequence[int]]]) -> tuple[int, int] | None:
+    """Indices of two non-empty boxes (``(offsets, shape)``) that share an element, or None when none do.
+
+    A sweep along the dimension where the boxes start at the most distinct places (dim 0 for row shards, dim 1 for
+    column shards): each box is only compared with the boxes that start before it ends there.
+    """
+    live = [(tuple(o), tuple(s), i) for i, (o, s) in enumerate(boxes) if math.prod(s) > 0]
+    if len(live) < 2:
+        return None
+    ndim = len(live[0][0])
+    if ndim == 0:
+        return live[0][2], live[1][2]
+    dim = max(range(ndim), key=lambda d: len({o[d] for o, _, _ in live}))
+    live.sort(key=lambda b: b[0][dim])
+    for n, (o, s, i) in enumerate(live):
+        end = o[dim] + s[dim]
+        for o2, s2, j in live[n + 1 :]:
+            if o2[dim] >= end:
+                break
+            if all(a < b2 + c2 and b2 < a + c for a, c, b2, c2 in zip(o, s, o2, s2, strict=True)):
+                return (i, j) if i < j else (j, i)
+    return None
+
+
+def missing_region(global_shape: tuple[int, ...], boxes: Sequence[tuple[Sequence[int], Sequence[int]]]) -> str:
+    """Bounding box of the elements no box (``(offsets, shape)``) covers, or that several cover, as text."""
+    if not boxes:
+        return f"offsets {[0] * len(global_shape)} shape {list(global_shape)} (the whole tensor)"
+    if math.prod(global_shape) > 1 << 24:
+        return "not computed for tensors this large"
+    import numpy as np
+
+    count = np.zeros(global_shape, dtype=np.int32)
+    for offsets, shape in boxes:
+        count[tuple(slice(o, o + n) for o, n in zip(offsets, shape, strict=True))] += 1
+    bad = np.argwhere(count != 1)
+    lo, hi = bad.min(axis=0), bad.max(axis=0) + 1
+    return f"offsets {lo.tolist()} shape {(hi - lo).tolist()}"

@@ -255,10 +255,8 @@ def stage(obj: Any, prefix: str = "") -> StagedState:
     """
     tree, items, aliases, shards = _prepare(obj, prefix)
     staged = StagedState(tree, aliases=aliases, shards=shards)
-    for name, t in items:
-        host = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-        host.copy_(t)
-        staged.tensors[name] = host
+    for name, t in items:  # (one call per tensor: a contiguous copy in host memory)
+        staged.tensors[name] = t.to("cpu", copy=True, memory_format=torch.contiguous_format)
     return staged
 
 

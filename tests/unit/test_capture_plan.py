@@ -211,8 +211,12 @@ def _hook(module, state_dict, prefix, local_metadata):
         lambda m, o: m[-1]._non_persistent_buffers_set.add("running_var"),  # a buffer made non-persistent
         lambda m, o: m[2]._register_state_dict_hook(_hook),  # a state-dict hook (captured the full way)
         lambda m, o: m.add_module("7", nn.Linear(2, 2)),  # a module added (not trained)
+        lambda m, o: setattr(m[2], "__class__", _ExtraState),  # another class (whose state has one more entry)
+        lambda m, o: o.add_param_group({"params": [nn.Parameter(torch.ones(3))], "lr": 0.5}),  # a group, no state
+        lambda m, o: o.param_groups[0]["params"].reverse(),  # the parameters reordered (the state's indices move)
     ],
-    ids=["parameter", "buffer", "optimizer-state", "state-removed", "non-persistent", "state-dict-hook", "module"],
+    ids=["parameter", "buffer", "optimizer-state", "state-removed", "non-persistent", "state-dict-hook", "module",
+         "class", "group-added", "group-reordered"],
 )
 def test_a_change_made_in_a_modules_or_an_optimizers_dicts_directly_is_in_the_next_snapshot(change):
     """Changes that no ``__setattr__`` or ``register_*`` call makes (a dict written directly), after the plan held
@@ -229,6 +233,34 @@ def test_a_change_made_in_a_modules_or_an_optimizers_dicts_directly_is_in_the_ne
         _snapshot(arena, model, [opt], 5)
         _, state = _snapshot(arena, model, [opt], 6)  # (a new plan, reused)
         _assert_same(state, _full({"global_step": 6}, model, [opt]))
+    finally:
+        arena.close()
+
+
+class _ExtraState(nn.Linear):
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "extra"] = torch.tensor([3.0])
+
+
+def test_a_dict_changed_and_changed_back_keeps_the_plan_and_its_fast_path(structure_path):
+    """A parameter replaced and put back (its module's dict gets a new version, the structure is the same): the plan
+    is kept, the next snapshots hold the new values, and the structure is vouched for by the new versions."""
+    model, opt, arena = _setup()
+    try:
+        for step in (1, 2, 3):
+            _snapshot(arena, model, [opt], step)
+        weight = model[2].weight
+        model[2].weight = nn.Parameter(torch.zeros(8, 8))
+        model[2].weight = weight
+        for step in (4, 5, 6):
+            _train_step(model, opt)
+            _, state = _snapshot(arena, model, [opt], step)
+            _assert_same(state, _full({"global_step": step}, model, [opt]))
+        assert arena.live.builds == 1
+        path, fast = structure_path
+        if path != "compared":  # 3: versions held; 4: changed, compared, recorded again; 5, 6: held again
+            assert [t is not None for t in fast] == [True, False, True, True]
     finally:
         arena.close()
 

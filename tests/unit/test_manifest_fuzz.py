@@ -321,12 +321,17 @@ def test_state_reference_to_a_missing_tensor(real):
         Manifest.from_json(json.dumps(raw))
 
 
-@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
-def test_non_standard_json_constants_are_refused(real, constant):
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity", "1e999", "-2.5E+400"])
+def test_non_standard_json_constants_and_numbers_past_a_double_are_refused(real, constant):
+    """(Python reads 1e999 as infinity: such a manifest could not be written back, and none is ever written.)"""
     _, _, text = real
     tampered = text.replace('"created_unix":', f'"created_unix":{constant},"x":', 1)
-    with pytest.raises(ManifestError):
-        Manifest.from_json(tampered)
+    with pytest.raises(ManifestError, match="tier 0 step 42: manifest holds the .* use another snapshot"):
+        Manifest.from_json(tampered, where="tier 0 step 42")
+    in_state = text.replace('"loops":', f'"lr":{constant},"loops":', 1)
+    assert in_state != text
+    with pytest.raises(ManifestError, match="use another snapshot"):
+        Manifest.from_json(in_state)
 
 
 def test_loader_reports_a_tampered_manifest_as_manifest_error(real, tmp_path):
