@@ -75,6 +75,23 @@ def test_slowed_copy_with_optimizer_step_right_behind_is_point_in_time(fence):
         assert torn, "the unfenced copy should have seen the optimizer step"
 
 
+@pytest.mark.parametrize("which", [0, 17, 39])
+def test_a_byte_changed_in_one_of_many_small_staged_tensors_is_found_and_named(which):
+    """(The many-small-tensor case: each tensor is one checksum chunk, hashed in one call.)"""
+    tensors = {f"t{i}": torch.full((8,), float(i)) for i in range(40)}
+    arena = HostArena()
+    try:
+        handle = arena.stage_async(tensors, lambda t: True, step=3)
+        handle.wait()
+        handle.verify()
+        offset = {name: off for name, off, _ in handle.state.layout}[f"t{which}"]
+        handle.state.packed[offset + 5] ^= 0x01
+        with pytest.raises(RuntimeError, match=f"staged bytes of 't{which}' changed after staging"):
+            handle.verify()
+    finally:
+        arena.close()
+
+
 def test_stamp_and_checksums_are_verified_before_commit(tmp_path):
     model, opt = _trained()
     arena = HostArena()

@@ -175,9 +175,15 @@ class AsyncStaged:
         if self.slot.step != self.step:
             raise RuntimeError(f"arena slot was reused by step {self.slot.step} while step {self.step} was persisted")
         assert self.state.checksums is not None and self.state.packed is not None
-        packed = self.state.packed
+        packed, sums, chunk = self.state.packed, self.state.checksums, self._chunk_bytes
+        small = min(chunk, _SMALL)  # (one chunk, hashed in one call: the common tensor of a many-tensor state)
+        hexdigest = xxhash.xxh3_64_hexdigest
         for name, offset, nbytes in self.state.layout or ():
-            if chunk_digests(packed[offset : offset + nbytes], self._chunk_bytes) != self.state.checksums[name]:
+            if nbytes and nbytes <= small:
+                same = [hexdigest(packed[offset : offset + nbytes])] == sums[name]
+            else:
+                same = chunk_digests(packed[offset : offset + nbytes], chunk) == sums[name]
+            if not same:
                 raise RuntimeError(f"staged bytes of {name!r} changed after staging (step {self.step}); not committed")
 
     _chunk_bytes: int = 8 << 20
