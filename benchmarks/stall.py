@@ -314,13 +314,17 @@ def targets(bench: Bench, rows: list[Row], base: Baseline, check: harness.Target
         if d is not None and db is not None:
             check.check(d <= 0.5 * db, f"{REFERENCE}: durable in {d:.2f} s <= 0.5 x {best.method}'s {db:.2f} s",
                         d, 0.5 * db)
+    # --model many: a state of 50 KB, whose copy takes microseconds and whose size is within the process's memory
+    # noise: the targets relative to its bytes are printed, not judged (this mode's target is the stall's)
+    tiny = bench.cfg.kind == "many"
+    unjudged = " (not judged with --model many: the state is a few KB)" if tiny else ""
     if "ours-ram" in by and bench.memcpy_s:
         for name, fn in (("overhead", base.overhead), ("ovh p50", base.overhead_p50)):
             o = fn(by["ours-ram"])
             if o is not None:
-                check.check(o <= 1.5 * bench.memcpy_s, f"ours-ram: {name} {o:.3f} s <= 1.5 x one memcpy"
-                                                       f" ({bench.memcpy_s:.3f} s) = {1.5 * bench.memcpy_s:.3f} s",
-                            o, 1.5 * bench.memcpy_s)
+                check.check(None if tiny else o <= 1.5 * bench.memcpy_s,
+                            f"ours-ram: {name} {o:.3f} s <= 1.5 x one memcpy ({bench.memcpy_s:.3f} s)"
+                            f" = {1.5 * bench.memcpy_s:.3f} s{unjudged}", o, 1.5 * bench.memcpy_s)
     for m in OURS:
         cpu = by[m].cpu_per_snapshot if m in by else None
         if cpu is not None and bench.memcpy_s:
@@ -336,8 +340,8 @@ def targets(bench: Bench, rows: list[Row], base: Baseline, check: harness.Target
     for m, limit in (("ours-local", 2.1), ("ours-ram", 2.1), ("ours-local-1buf", 1.1)):
         extra = base.extra_rss(by[m]) if m in by else None
         if extra is not None and bench.state_bytes:
-            check.check(extra / bench.state_bytes <= limit,
-                        f"{m}: peak extra host memory {extra / bench.state_bytes:.2f}x the state <= {limit}x",
+            check.check(None if tiny else extra / bench.state_bytes <= limit,
+                        f"{m}: peak extra host memory {extra / bench.state_bytes:.2f}x the state <= {limit}x{unjudged}",
                         extra / bench.state_bytes, limit)
 
 
