@@ -17,16 +17,21 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import re
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from itertools import chain
+from itertools import repeat
 from typing import Any
 
 from lightning_snapshot.collector import deferred_collection
 from lightning_snapshot.dtypes import DTYPES, ITEMSIZE, dtype_from_name, dtype_name
 from lightning_snapshot.errors import FormatVersionError, ManifestError, UnsafePathError
+from lightning_snapshot.manifest_columns import FRAGMENT_FIELDS as _FRAGMENT_FIELDS
+from lightning_snapshot.manifest_columns import HEX_RE as _HEX_RE
+from lightning_snapshot.manifest_columns import TENSOR_FIELDS as _TENSOR_FIELDS
+from lightning_snapshot.manifest_columns import whole_tensor_columns
 from lightning_snapshot.planner import missing_region, overlapping_boxes
 
 __all__ = [
@@ -57,9 +62,6 @@ RESTORES_NAME = "restores.json"
 
 _STEP_RE = re.compile(r"^step-(\d{12})$")
 _KEY_PART_RE = re.compile(r"^[A-Za-z0-9._-]+$")
-_HEX_RE = re.compile(r"^[0-9a-f]{16}$")
-_HEX_MATCH = _HEX_RE.match
-_INT = frozenset({int})
 _STR = frozenset({str})
 _MAX_DIMS = 64
 _GROUP_RE = re.compile(r"^[A-Za-z0-9._-]{1,100}(/[0-9]{1,6})?$")
@@ -242,7 +244,8 @@ class Manifest:
     # -- JSON
     def to_json(self) -> str:
         """Serialize to JSON text (standard JSON: no NaN/Infinity literals)."""
-        return json.dumps(_manifest_to_dict(self), separators=(",", ":"), allow_nan=False)
+        # (no cycle check: a manifest is a tree, made from parsed JSON or from the encoder's depth-limited trees)
+        return json.dumps(_manifest_to_dict(self), separators=(",", ":"), allow_nan=False, check_circular=False)
 
     @classmethod
     def from_json(cls, text: str | bytes, *, where: str = "manifest") -> Manifest:
@@ -410,9 +413,7 @@ class _Reader:
         return tuple(self.int_(v, f"{path}[{i}]", 0, 2**62) for i, v in enumerate(items))
 
 
-_TENSOR_FIELDS = frozenset({"type", "name", "dtype", "global_shape", "fragments"})
 _ALIAS_FIELDS = frozenset({"type", "name", "dtype", "global_shape", "alias_of"})
-_FRAGMENT_FIELDS = frozenset({"object", "offset", "nbytes", "global_offsets", "local_shape", "checksums"})
 
 
 def _parse_tensors(
@@ -421,16 +422,31 @@ def _parse_tensors(
     out: list[TensorEntry] = []
     names: set[str] = set()
     objects = _Objects(m_objects)
-    for i, raw in enumerate(r.list_(value, path)):
-        # (the common entry first, without building its path or reader: a whole tensor in an object already checked)
-        if type(raw) is dict and raw.keys() == _TENSOR_FIELDS and raw["type"] == "tensor":
-            name = raw["name"]
-            if type(name) is str and name not in names:
-                whole = _whole_tensor(raw, name, objects, chunk_bytes, alignment)
-                if whole is not None:
-                    names.add(name)
-                    out.append(whole)
-                    continue
+    entries = r.list_(value, path)
+    # (the whole tensors, the common case, in C-level passes over their columns; the aliases the writer lists after
+    # them, and anything the column check does not take, entry by entry, naming what is wrong)
+    k = len(entries)
+    while k and not (type(entries[k - 1]) is dict and entries[k - 1].get("type") == "tensor"):
+        k -= 1
+    columns = whole_tensor_columns(
+        entries[:k], m_objects, objects.safe, _safe_key, ITEMSIZE, chunk_bytes, alignment, _MAX_DIMS
+    )
+    rest = enumerate(entries)
+    if columns is not None:
+        dims = list(map(tuple, columns.shapes))
+        fragments = map(
+            Fragment,
+            columns.objects,
+            columns.offsets,
+            columns.nbytes,
+            map(operator.mul, repeat((0,)), map(len, dims)),
+            dims,
+            map(tuple, columns.checksums),
+        )
+        out = list(map(TensorEntry, columns.names, columns.dtypes, dims, zip(fragments)))
+        names.update(columns.names)
+        rest = enumerate(entries[k:], k)
+    for i, raw in rest:
         p = f"{path}[{i}]"
         if not isinstance(raw, dict):
             raise r.fail(p, f"expected an object, got {type(raw).__name__}")
@@ -459,6 +475,14 @@ def _parse_tensors(
             if target.dtype != t.dtype or target.global_shape != t.global_shape:
                 raise r.fail(path, f"alias {t.name!r} does not match dtype/shape of {t.alias_of!r}")
     return tuple(out)
+
+
+def _safe_key(key: str) -> bool:
+    try:
+        validate_key(key)
+    except UnsafePathError:
+        return False
+    return True
 
 
 class _Objects:
@@ -493,10 +517,6 @@ def _parse_tensor(
     alignment: int,
 ) -> TensorEntry:
     """One tensor or alias entry ``d`` at JSON path ``p``; ``r`` names the tensor in its errors."""
-    if kind == "tensor":
-        whole = _whole_tensor(d, name, objects, chunk_bytes, alignment)
-        if whole is not None:
-            return whole
     dtype = r.str_(d["dtype"], f"{p}.dtype")
     try:
         torch_dtype = dtype_from_name(dtype)
@@ -558,50 +578,10 @@ def _parse_tensor(
     return TensorEntry(name, dtype, global_shape, tuple(frags))
 
 
-def _whole_tensor(
-    d: Mapping[str, Any], name: str, objects: _Objects, chunk_bytes: int, alignment: int
-) -> TensorEntry | None:
-    """The common entry, checked at a fraction of the full path's cost: a tensor stored whole in one fragment of an
-    object already checked, every field well-formed and consistent. None for anything else (the full path then
-    parses it and names what is wrong): this accepts nothing the full path refuses."""
-    dtype, shape, frags = d["dtype"], d["global_shape"], d["fragments"]
-    if type(dtype) is not str or type(frags) is not list or len(frags) != 1 or type(shape) is not list:
-        return None
-    fd = frags[0]
-    if type(fd) is not dict or fd.keys() != _FRAGMENT_FIELDS:
-        return None
-    itemsize = ITEMSIZE.get(dtype)  # (None for a dtype this torch does not know: the full path says so)
-    obj, offset, nbytes, sums = fd["object"], fd["offset"], fd["nbytes"], fd["checksums"]
-    local, offs = fd["local_shape"], fd["global_offsets"]
-    # (C-level passes over the short lists: this runs once per tensor, thousands of times per manifest)
-    if (
-        itemsize is None
-        or type(obj) is not str
-        or obj not in objects.safe
-        or len(shape) > _MAX_DIMS
-        or type(local) is not list
-        or type(offs) is not list
-        or not set(map(type, chain(shape, local, offs))) <= _INT  # ([True] == [1] and [0.0] == [0] in Python)
-        or (shape and (min(shape) < 0 or max(shape) > 2**62))
-        or local != shape
-        or offs != [0] * len(shape)
-        or type(offset) is not int
-        or type(nbytes) is not int
-        or offset < 0
-        or offset % alignment
-        or nbytes != math.prod(shape) * itemsize
-        or offset + nbytes > objects.sizes[obj]
-        or type(sums) is not list
-        or len(sums) != max(1, -(-nbytes // chunk_bytes))
-        or not set(map(type, sums)) <= _STR
-        or not all(map(_HEX_MATCH, sums))
-    ):
-        return None
-    dims = tuple(shape)
-    return TensorEntry(name, dtype, dims, (Fragment(obj, offset, nbytes, (0,) * len(dims), dims, tuple(sums)),))
-
-
 _LEAVES = frozenset({int, float, str, bool, type(None)})
+_ONLY_DICTS = frozenset({dict})
+_REF_KEYS = frozenset({"$tensor"})
+_REF = operator.itemgetter("$tensor")
 
 
 def _refs_ok(tree: Any, names: set[str], depth: int) -> bool:
@@ -618,8 +598,14 @@ def _refs_ok(tree: Any, names: set[str], depth: int) -> bool:
         values = tree
     else:
         return True
-    # (plain values all: one C-level pass; the trainable flags and names of a model's parameters)
-    return set(map(type, values)) <= _LEAVES or all(_refs_ok(v, names, depth + 1) for v in values)
+    if depth < 200:  # (the children within the limit: C-level passes over them where they are all alike)
+        kinds = set(map(type, values))
+        if kinds <= _LEAVES:  # plain values (a model's trainable flags and parameter names)
+            return True
+        if kinds == _ONLY_DICTS and all(map(operator.eq, map(dict.keys, values), repeat(_REF_KEYS))):
+            refs = list(map(_REF, values))  # tensor references only (a state dict)
+            return set(map(type, refs)) <= _STR and set(refs) <= names
+    return all(_refs_ok(v, names, depth + 1) for v in values)
 
 
 def _check_refs(r: _Reader, tree: Any, path: str, names: set[str], depth: int = 0) -> None:

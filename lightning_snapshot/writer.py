@@ -244,7 +244,8 @@ def commit_job(
     def merge(parts: list[dict[str, Any]]) -> str:
         with deferred_collection():  # (see collector.py)
             raw = merge_parts(parts, job.step, job.epoch, transport.world_size, alignment, chunk_bytes)
-            return json.dumps(raw, separators=(",", ":"), allow_nan=False)
+            # (no cycle check: the parts are trees the encoder made, depth-limited, or parsed JSON)
+            return json.dumps(raw, separators=(",", ":"), allow_nan=False, check_circular=False)
 
     return commit_snapshot(backend, transport, job.step, write, merge, run_id=run_id, where=where)
 

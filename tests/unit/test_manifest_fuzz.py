@@ -434,7 +434,7 @@ def test_a_bad_tensor_field_names_the_file_the_tensor_and_the_field(real, sectio
     assert problem in msg
 
 
-# ------------------------------------------------------------------------------------ the common entry's fast path
+# ------------------------------------------------------------------------------------ the column check of whole tensors
 
 
 def _outcome(text: str) -> object:
@@ -451,11 +451,9 @@ _LOOKALIKES = st.sampled_from([True, False, 0.0, 1.0, -0.0, 1e300, "0", None, []
 @FUZZ
 @given(data=st.data())
 def test_the_fast_path_of_whole_tensors_accepts_and_refuses_exactly_what_the_full_parser_does(real, data):
-    """Every tensor entry stored whole in one fragment is parsed by a fast path (the common case): for any field of
-    any entry replaced by a look-alike or an arbitrary value, the manifest parses to the same result, or fails with
-    the same message, as with the fast path turned off."""
-    from lightning_snapshot import manifest as manifest_module
-
+    """The tensor entries stored whole in one fragment are checked in C-level passes over their columns (the common
+    case): for any field of any entry replaced by a look-alike or an arbitrary value, the manifest parses to the same
+    result, or fails with the same message, as with that check turned off."""
     _, _, text = real
     raw = json.loads(text)
     entries = [p for p in _paths(raw) if len(p) > 1 and p[-2] == "tensors" or "fragments" in p]
@@ -466,11 +464,79 @@ def test_the_fast_path_of_whole_tensors_accepts_and_refuses_exactly_what_the_ful
                         label="key")
         target[key] = data.draw(st.one_of(_LOOKALIKES, json_values), label="value")
     mutated = json.dumps(raw)
-    fast = _outcome(mutated)
-    whole_tensor = manifest_module._whole_tensor
-    manifest_module._whole_tensor = lambda *a, **k: None
-    try:
-        full = _outcome(mutated)
-    finally:
-        manifest_module._whole_tensor = whole_tensor
-    assert fast == full
+    assert _outcome(mutated) == _entry_by_entry(mutated)
+
+
+def _entry_by_entry(text: str) -> object:
+    """:func:`_outcome` with the column check of whole tensors turned off (every entry parsed one by one)."""
+    from lightning_snapshot import manifest as manifest_module
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(manifest_module, "whole_tensor_columns", lambda *args: None)
+        return _outcome(text)
+
+
+# ---------------------------------------------------------------------------------------------------- column check
+
+
+@pytest.fixture(scope="module")
+def many(tmp_path_factory):
+    """A manifest whose sections are whole tensors only (no alias): the case the column check takes."""
+    root = tmp_path_factory.mktemp("many")
+    shared = {"state_dict": {f"layer{i}.weight": torch.full((2, i % 3 + 1), float(i)) for i in range(12)},
+              "scalars": [torch.tensor(float(i)) for i in range(3)], "empty": torch.empty(0, 4)}
+    job = SnapshotJob(7, 0, shared=stage(shared), private=stage({"rng": torch.arange(5)}, "rank"))
+    write_snapshot(LocalTier(root), LocalComm(), job, run_id="abc", chunk_bytes=16)
+    return json.loads((root / step_dirname(7) / "manifest.json").read_text())
+
+
+_MUTATIONS = {
+    "bool-dim": lambda e, f: e.__setitem__("global_shape", [True, *e["global_shape"][1:]]),
+    "float-offset": lambda e, f: f.__setitem__("offset", float(f["offset"])),
+    "negative-dim": lambda e, f: e.__setitem__("global_shape", [-1]),
+    "misaligned": lambda e, f: f.__setitem__("offset", f["offset"] + 4),
+    "checksum-count": lambda e, f: f.__setitem__("checksums", f["checksums"] + ["0123456789abcdef"]),
+    "checksum-hex": lambda e, f: f.__setitem__("checksums", ["0123456789ABCDEF"] * len(f["checksums"])),
+    "checksum-newline": lambda e, f: f.__setitem__("checksums", ["0123456789abcdef\n"] * len(f["checksums"])),
+    "unknown-dtype": lambda e, f: e.__setitem__("dtype", "float128"),
+    "dtype-not-str": lambda e, f: e.__setitem__("dtype", ["float32"]),
+    "unlisted-object": lambda e, f: f.__setitem__("object", "other.bin"),
+    "unsafe-object": lambda e, f: f.__setitem__("object", "../abc-shared-00000.bin"),
+    "extra-field": lambda e, f: e.__setitem__("extra", 1),
+    "missing-field": lambda e, f: f.pop("nbytes"),
+    "local-differs": lambda e, f: f.__setitem__("local_shape", [1] * len(f["local_shape"])),
+    "offsets-nonzero": lambda e, f: f.__setitem__("global_offsets", [1] * len(f["global_offsets"])),
+    "offsets-float": lambda e, f: f.__setitem__("global_offsets", [0.0] * len(f["global_offsets"])),
+    "nbytes": lambda e, f: f.__setitem__("nbytes", f["nbytes"] + 4),
+    "past-object": lambda e, f: f.__setitem__("offset", 1 << 40),
+    "two-fragments": lambda e, f: e.__setitem__("fragments", [f, dict(f)]),
+    "alias": lambda e, f: e.update(type="alias"),
+    "type-unhashable": lambda e, f: e.__setitem__("type", []),
+    "name-not-str": lambda e, f: e.__setitem__("name", 3),
+    "too-many-dims": lambda e, f: e.__setitem__("global_shape", [1] * 65),
+    "huge-dim": lambda e, f: e.__setitem__("global_shape", [2**62 + 1]),
+}
+
+
+@pytest.mark.parametrize("mutation", [None, "duplicate-name", *_MUTATIONS])
+@pytest.mark.parametrize("section", ["tensors", "rank"])
+def test_the_column_check_accepts_and_refuses_exactly_what_the_entry_by_entry_parse_does(many, mutation, section):
+    raw = json.loads(json.dumps(many))
+    entries = raw["tensors"] if section == "tensors" else raw["ranks"][0]["tensors"]
+    victim = entries[len(entries) // 2]
+    if mutation == "duplicate-name":
+        victim["name"] = entries[0]["name"]
+    elif mutation is not None:
+        _MUTATIONS[mutation](victim, victim["fragments"][0])
+    text = json.dumps(raw)
+    from lightning_snapshot import manifest as manifest_module
+
+    taken = []
+    real_check = manifest_module.whole_tensor_columns
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(manifest_module, "whole_tensor_columns", lambda *a: taken.append(real_check(*a)) or taken[-1])
+        got = _outcome(text)
+    assert got == _entry_by_entry(text)
+    if mutation is None:
+        assert isinstance(got, Manifest)
+        assert len(taken) == 2 and all(c is not None for c in taken)  # (both sections through the column check)
