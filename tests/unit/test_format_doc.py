@@ -50,7 +50,12 @@ def read_manifest(step_dir: Path) -> dict:
     def no_constants(name):
         raise FormatError(f"non-standard JSON constant {name}")
 
-    m = json.loads((step_dir / "manifest.json").read_text("utf-8"), parse_constant=no_constants)
+    def finite(text):
+        if not math.isfinite(value := float(text)):
+            raise FormatError(f"number {text} is past the range of a double")
+        return value
+
+    m = json.loads((step_dir / "manifest.json").read_text("utf-8"), parse_constant=no_constants, parse_float=finite)
     if m["format_version"] != 1:
         raise FormatError(f"format_version {m['format_version']} is not 1")
     if m["checksum"] != "xxh3_64":
