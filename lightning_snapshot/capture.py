@@ -258,13 +258,15 @@ def loop_state_dict(loop: Any) -> dict[str, Any]:
     from lightning.pytorch.loops.loop import _Loop
 
     if type(loop).state_dict is not _Loop.state_dict:
-        out: dict[str, Any] = loop.state_dict()
+        out: dict[str, Any] = loop.state_dict()  # (called as Lightning's checkpoint calls the fit loop's)
         return out
-    return _loop_state(loop, {}, "", _Loop)
+    return _loop_state(loop, {}, "")
 
 
-def _loop_state(loop: Any, destination: dict[str, Any], prefix: str, loop_cls: Any) -> dict[str, Any]:
-    """``_Loop.state_dict(loop, destination, prefix)``, with :func:`_progress_state` for its progress."""
+def _loop_state(loop: Any, destination: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """``_Loop.state_dict(loop, destination, prefix)``, with :func:`_progress_state` for its progress; a child loop
+    that overrides ``state_dict`` is called as ``_Loop.state_dict`` calls it."""
+    from lightning.pytorch.loops.loop import _Loop
     from lightning.pytorch.loops.progress import _BaseProgress
 
     destination[prefix + "state_dict"] = loop.on_save_checkpoint()
@@ -272,9 +274,9 @@ def _loop_state(loop: Any, destination: dict[str, Any], prefix: str, loop_cls: A
         key = prefix + k
         if isinstance(v, _BaseProgress):
             destination[key] = _progress_state(v) if type(v).state_dict is _BaseProgress.state_dict else v.state_dict()
-        elif isinstance(v, loop_cls):
-            if type(v).state_dict is loop_cls.state_dict:
-                _loop_state(v, destination, key + ".", loop_cls)
+        elif isinstance(v, _Loop):
+            if type(v).state_dict is _Loop.state_dict:
+                _loop_state(v, destination, key + ".")
             else:
                 v.state_dict(destination, key + ".")
     return destination

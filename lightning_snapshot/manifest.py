@@ -558,8 +558,7 @@ def _parse_tensor(
             )
         frags.append(Fragment(obj, offset, nbytes, offs, local, sums))
     covered = sum(math.prod(f.local_shape) for f in frags)
-    boxes = [(f.global_offsets, f.local_shape) for f in frags]
-    pair = overlapping_boxes(boxes) if len(frags) > 1 else None
+    pair = overlapping_boxes([(f.global_offsets, f.local_shape) for f in frags]) if len(frags) > 1 else None
     if pair is not None:
         a, b = (frags[k] for k in pair)
         raise r.fail(
@@ -569,6 +568,7 @@ def _parse_tensor(
             f" shape {list(b.local_shape)}); each element must be stored exactly once",
         )
     if covered != math.prod(global_shape):
+        boxes = [(f.global_offsets, f.local_shape) for f in frags]
         raise r.fail(
             p,
             f"fragments cover {covered} of the tensor's {math.prod(global_shape)} elements;"

@@ -91,9 +91,8 @@ def whole_tensor_columns(
     if set(map(type, local)) != _LIST or set(map(type, offs)) != _LIST or max(map(len, shapes)) > max_dims:
         return None
     # ([True] == [1] and [0.0] == [0] in Python: the types first)
-    if not set(
-        map(type, chain(chain.from_iterable(shapes), chain.from_iterable(local), chain.from_iterable(offs)))
-    ) <= (_INT):
+    all_dims = chain(chain.from_iterable(shapes), chain.from_iterable(local), chain.from_iterable(offs))
+    if not set(map(type, all_dims)) <= _INT:
         return None
     dims = list(chain.from_iterable(shapes))
     if dims and (min(dims) < 0 or max(dims) > 2**62):

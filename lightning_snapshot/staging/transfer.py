@@ -176,14 +176,8 @@ class AsyncStaged:
             raise RuntimeError(f"arena slot was reused by step {self.slot.step} while step {self.step} was persisted")
         assert self.state.checksums is not None and self.state.packed is not None
         packed, sums, chunk = self.state.packed, self.state.checksums, self._chunk_bytes
-        small = min(chunk, _SMALL)  # (one chunk, hashed in one call: the common tensor of a many-tensor state)
-        hexdigest = xxhash.xxh3_64_hexdigest
         for name, offset, nbytes in self.state.layout or ():
-            if nbytes and nbytes <= small:
-                same = [hexdigest(packed[offset : offset + nbytes])] == sums[name]
-            else:
-                same = chunk_digests(packed[offset : offset + nbytes], chunk) == sums[name]
-            if not same:
+            if chunk_digests(packed[offset : offset + nbytes], chunk) != sums[name]:
                 raise RuntimeError(f"staged bytes of {name!r} changed after staging (step {self.step}); not committed")
 
     _chunk_bytes: int = 8 << 20
