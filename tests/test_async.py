@@ -15,6 +15,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 from torch.utils.data import DataLoader
+from conftest import run_script
 from train import Model, Squares
 
 from lightning_snapshot import SnapshotCallback, load_snapshot
@@ -363,3 +364,12 @@ def test_wait_copied_returns_once_the_bytes_are_staged_and_raises_a_failed_copy(
             failed.wait_copied()
     finally:
         arena.close()
+
+
+def test_a_failed_agreement_after_staging_raises_and_the_process_exits(tmp_path):
+    """The collective right after a snapshot's weights were staged (copy held back until the rank's state is taken)
+    fails, as when a peer died or the group's timeout ran out: the fit raises that error and the process ends. The
+    copy was never let go, so before the fix the copy thread waited for it forever and the callback's teardown with
+    it (the job hung instead of exiting for its launcher to restart it)."""
+    proc = run_script("agree_fail.py", "--dir", str(tmp_path / "snaps"), timeout=90)
+    assert "RAISED injected: the other ranks did not answer within the collective timeout" in proc.stdout

@@ -46,6 +46,7 @@ import os
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -163,6 +164,9 @@ class HostArena:
         #: snapshot): copied at once from then on.
         self._at_once: set[int] = set()
         self._closed = False
+        #: The ``go`` of copies staged with ``hold`` (weakly), set by :meth:`close`: a copy never let go (an error
+        #: before ``go``: a collective failed) cannot keep the copy thread, and the process, waiting forever.
+        self._holds: weakref.WeakSet[threading.Event] = weakref.WeakSet()
         #: The CUDA device of the latest plan (what ``reserve`` registers a slot for); None: CPU state.
         self._device: int | None = None
         self._fake_register = bool(os.environ.get(FAKE_REGISTER_ENV))
@@ -417,9 +421,11 @@ class HostArena:
 
     def close(self) -> None:
         """Stop the copy and allocation threads and free every slot (unregistered from CUDA first, then unmapped;
-        their shared-memory files closed)."""
+        their shared-memory files closed). A copy still held back (staged with ``hold``, never let go) runs first."""
         with self._lock:
             self._closed = True
+        for go in list(self._holds):
+            go.set()
         if self._copier is not None:
             self._copier.shutdown(wait=True)
             self._copier = None
@@ -684,6 +690,7 @@ class HostArena:
         handle = AsyncStaged(state, slot, step, cf.Future(), started=started, frozen_key=frozen_key)
         if hold:
             handle.go.clear()
+            self._holds.add(handle.go)
         if plan.watch:  # (version counters now, on the training thread: compared at the fence)
             watched = list(map(values.__getitem__, plan.watch))
             moved = plan.watch_moved
