@@ -61,11 +61,12 @@ def _checksum(t: torch.Tensor) -> torch.Tensor:
 
 #: Tensors up to this size are checksummed in batches (one pass over each group of one device and dtype), so that a
 #: model of many small tensors does not pay a few torch calls per tensor. On a GPU, where each call costs a kernel
-#: launch or more (about 50 us per tensor for GPT-2 medium's 1168), tensors up to :data:`BATCH_BYTES` are.
+#: launch or more (about 50 us per tensor for GPT-2 medium's 1168), tensors whose running sum fits in
+#: :data:`BATCH_BYTES` are (4M elements: 16 MiB of float32).
 SMALL_BYTES = 64 << 10
 
-#: The most bytes of tensors one batch flattens (its transient memory is about three times this: the flattened
-#: copy and its running sum in 64-bit integers).
+#: The most bytes of 64-bit running sum one batch makes (8 per element, whatever the dtype): its transient memory is
+#: at most about three times this (the flattened copy, its values as 64-bit integers, and their running sum).
 BATCH_BYTES = 32 << 20
 
 
@@ -98,26 +99,27 @@ def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def checksums(tensors: Sequence[torch.Tensor]) -> list[int]:
     """The checksum of each tensor, computed on its device (one transfer to the host per device): a tensor of more
-    than :data:`SMALL_BYTES` (on a CPU) or :data:`BATCH_BYTES` (on another device) by :func:`_checksum`, smaller
-    ones by :func:`_batched`, in batches of up to :data:`BATCH_BYTES`. Either way a different value of one element
-    changes it, and it depends only on the tensor's device type, dtype and values (the same on every rank)."""
+    than :data:`SMALL_BYTES` (on a CPU) or of more elements than :data:`BATCH_BYTES` / 8 (on another device) by
+    :func:`_checksum`, smaller ones by :func:`_batched`, in batches whose 64-bit running sum fits in
+    :data:`BATCH_BYTES`. Either way a different value of one element changes it, and it depends only on the tensor's
+    device type, dtype and values (the same on every rank)."""
     out: list[Any] = [None] * len(tensors)
-    groups: dict[tuple[torch.device, torch.dtype], list[list[Any]]] = {}  # batches of [indices, tensors, bytes]
+    groups: dict[tuple[torch.device, torch.dtype], list[list[Any]]] = {}  # batches of [indices, tensors, sum bytes]
     with torch.no_grad():  # (no autograd bookkeeping, and no detach per tensor)
         for i, t in enumerate(tensors):
             if t.dtype in _COMPLEX:
                 t = torch.view_as_real(t)
-            nbytes = t.numel() * t.element_size()
-            if nbytes > (SMALL_BYTES if t.device.type == "cpu" else BATCH_BYTES):
+            numel = t.numel()
+            if (numel * t.element_size() > SMALL_BYTES) if t.device.type == "cpu" else (numel * 8 > BATCH_BYTES):
                 out[i] = _checksum(t).reshape(1)
                 continue
             batches = groups.setdefault((t.device, t.dtype), [])
-            if not batches or batches[-1][2] + nbytes > BATCH_BYTES:
+            if not batches or batches[-1][2] + numel * 8 > BATCH_BYTES:
                 batches.append([[], [], 0])
             batch = batches[-1]
             batch[0].append(i)
             batch[1].append(t)
-            batch[2] += nbytes
+            batch[2] += numel * 8  # (the batch's running sum, in 64-bit integers)
         parts: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
         for (device, _), batches in groups.items():
             for idx, members, _ in batches:

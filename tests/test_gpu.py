@@ -44,6 +44,7 @@ def test_cuda_state_is_staged_into_registered_shared_memory_point_in_time():
         assert slot.fd >= 0 and os.readlink(f"/proc/self/fd/{slot.fd}").startswith("/memfd:")
         assert arena.register_failure is None and slot.device == torch.cuda.current_device()
         assert slot.buffer.is_pinned()
+        assert not handle.cpu_pending  # (AdamW's CPU step counters are copied at once: nothing left for the CPU)
         handle.fence_training()  # orders the GPU: the next optimizer step waits for the side-stream copy
         train_step()
         handle.wait()
@@ -75,6 +76,35 @@ def test_a_cuda_parameter_given_new_storage_before_its_copy_is_launched_makes_th
         handle.fence_training()
         assert [name for name, _ in handle.torn] == ["model/weight"]
         handle.wait()
+    finally:
+        arena.close()
+
+
+def test_with_adam_the_fence_orders_the_gpu_instead_of_waiting_for_the_copy_on_the_host():
+    """Adam keeps its step counters in CPU tensors even for CUDA parameters; they are copied at once with the other
+    small tensors, so nothing is left for the CPU to copy and the fence before the next optimizer step only makes the
+    GPU wait (the host goes on queuing work while 1 GB is still being copied). The snapshot is still the staged step's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(4096, 4096) for _ in range(16))).cuda()  # 1.07 GB of weights
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 4096, device="cuda")).sum().backward()
+    opt.step()
+    assert all(s["step"].device.type == "cpu" for s in opt.state.values())
+    expected = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    arena = HostArena()
+    try:
+        state = {"model": model.state_dict(keep_vars=True), "opt": opt.state_dict()}
+        handle = arena.stage_async(state, _frozen(model, opt), step=1)
+        assert not handle.cpu_pending
+        handle.fence_training()
+        assert not handle.copied.is_set()  # (returned while the side stream still copies)
+        opt.zero_grad()
+        model(torch.randn(4, 4096, device="cuda")).sum().backward()
+        opt.step()  # (queued behind the copy on the GPU)
+        handle.wait()
+        assert not handle.torn
+        for k, v in expected.items():
+            assert torch.equal(handle.state.tensors[f"model/{k}"], v), k
     finally:
         arena.close()
 

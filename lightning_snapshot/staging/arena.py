@@ -301,7 +301,7 @@ class HostArena:
             slot.fd = -1
         slot.buffer = torch.empty(0, dtype=torch.uint8)
         slot.plan, slot.views, slot.tensors, slot.bulk, slot._bytes = None, [], {}, [], None
-        slot.bulk_bytes = []
+        slot.bulk_bytes, slot.gathered = [], None
 
     def _fits(self, size: int) -> bool:
         budget = self.max_host_bytes
@@ -716,7 +716,7 @@ class HostArena:
                         torch._foreach_copy_(slot.bulk, left)
                     left = None
             bulk = (slot.bulk, left, slot.bulk_bytes, plan.bulk_names)
-        handle.cpu_pending = bool(background or bulk)
+        handle.cpu_pending = bool(background) or (bulk is not None and bulk[1] is not None)
         # the sources stay referenced until copied (a resolved conjugate view is a temporary), and the storages of those
         # copied from their addresses: one given new storage in the next training_step (``.data = ...``) would free
         # the old one while it is read; held, the copy reads the values staged

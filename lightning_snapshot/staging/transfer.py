@@ -70,6 +70,9 @@ class AsyncStaged:
     step: int
     future: cf.Future[dict[str, list[str]]]
     cuda_event: Any = None
+    #: Whether the copy thread still copies bytes on the CPU (tensors copied while training goes on, or small ones in
+    #: bulk): a CUDA fence then waits for it on the host. Small tensors copied at once leave it only hashing, and the
+    #: fence just orders the GPU streams (``cuda_event``).
     cpu_pending: bool = True
     started: float = 0.0
     #: Seconds from the start of staging until the copy (and its checksums) finished.

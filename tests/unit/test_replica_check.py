@@ -298,3 +298,20 @@ def test_a_slice_without_tensors_calls_no_collective():
         assert result.ok and result.checked == len(names)
         empty += not names
     assert empty >= 6 and len(called) == 8 - empty
+
+
+def test_a_batch_of_one_byte_values_keeps_its_running_sum_within_batch_bytes(monkeypatch):
+    """A batch's running sum holds one 64-bit integer per element whatever the dtype: batches of int8 or bool values
+    are cut by elements, not bytes (else a 32 MiB batch of bytes needs 544 MiB of temporaries, on a GPU too)."""
+    import lightning_snapshot.replicas as replicas
+
+    monkeypatch.setattr(replicas, "BATCH_BYTES", 1 << 16)
+    made: list[int] = []
+    batched = replicas._batched
+    monkeypatch.setattr(replicas, "_batched", lambda ts: (made.append(sum(t.numel() for t in ts) * 8), batched(ts))[1])
+    g = torch.Generator().manual_seed(2)
+    tensors = [torch.randint(-100, 100, (4096,), dtype=torch.int8, generator=g) for _ in range(40)]
+    tensors += [torch.rand(1000, generator=g) > 0.5 for _ in range(10)]
+    own = [checksums([t])[0] for t in tensors]  # each alone: a batch of one
+    assert checksums(tensors) == own
+    assert len(made) > 2 and max(made) <= 1 << 16
