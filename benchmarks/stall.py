@@ -65,6 +65,7 @@ Usage::
     python benchmarks/stall.py --quick      # ~21M params, under 2 minutes on 2 cores
     python benchmarks/stall.py --model many # 195 Linear(8, 8): per-tensor cost, against one torch._foreach_copy_
                                             # (timed before training, and inside a fit as context)
+    python benchmarks/stall.py --model many --layers 1950  # the same with 15,600 tensors
     python benchmarks/stall.py --steps 44 --every 5 --methods ours-local,dcp
 
 Other processes on the machine (a test run, say) show up as noise in the wall-clock columns. The ``noise`` column
@@ -81,6 +82,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -366,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="many: 195 Linear(8, 8) layers (1,560 tensors with AdamW, a few hundred bytes each),"
                              " snapshot every 4 steps, 20 snapshots; the stall is compared with one"
                              " torch._foreach_copy_ of the same tensors")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="with --model many: the number of Linear(8, 8) layers (default 195; 1950 gives 15,600"
+                             " tensors, for how the stall grows with the tensor count)")
     parser.add_argument("--steps", type=int, help="optimizer steps per run (default: full 44, quick 14)")
     parser.add_argument("--every", type=int, help="snapshot every K steps, K >= 2 (default: full 5, quick 3)")
     parser.add_argument("--methods", default=",".join(METHODS.names),
@@ -389,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     many = args.model == "many"
     if many and cuda:
         parser.error("--model many runs on CPU")
+    if args.layers is not None and (not many or args.layers < 1):
+        parser.error("--layers needs --model many and a positive count")
     every = args.every or (4 if many else 10 if cuda else 3 if args.quick else 5)
     steps = args.steps or (21 * every - 1 if many else (3 if args.quick else 6) * every + 2 if cuda
                            else 5 * every - 1 if args.quick else 9 * every - 1)
@@ -400,7 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
     root = Path(tempfile.mkdtemp(prefix="ls-stall-", dir=args.dir))
-    bench = Bench(MANY if many else MEDIUM if cuda else QUICK if args.quick else FULL, steps, every, root,
+    model = dataclasses.replace(MANY, layers=args.layers) if many and args.layers else MANY if many else None
+    bench = Bench(model if model is not None else MEDIUM if cuda else QUICK if args.quick else FULL, steps, every, root,
                   device=args.device,
                   precision="bf16-mixed" if cuda else None, accumulate=args.accumulate or (4 if cuda else 1),
                   restore=args.restore)
