@@ -443,6 +443,9 @@ class SnapshotPipeline:
         if self._ended:
             return
         self._ended = True
+        # the copy in flight is settled first: its commit waits for that (no optimizer step comes to do it when the
+        # loop stopped after a batch that only accumulated gradients), and draining waits for its commit
+        self.fence()
         self.persister.drain()  # the last snapshot waits for room in every tier instead of being skipped
         step = trainer.global_step
         if self.pending is None or self.pending[0] != step:

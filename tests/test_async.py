@@ -366,10 +366,29 @@ def test_wait_copied_returns_once_the_bytes_are_staged_and_raises_a_failed_copy(
         arena.close()
 
 
-def test_a_failed_agreement_after_staging_raises_and_the_process_exits(tmp_path):
+@pytest.mark.parametrize(
+    "flags,raised",
+    [
+        ((), "RuntimeError: injected: the other ranks did not answer within the collective timeout"),
+        (("--other-on-exception-raises",), "OSError: injected: another callback's on_exception failed"),
+        (("--spawn",), "ProcessRaisedException"),
+    ],
+    ids=["teardown", "no-teardown", "ddp-spawn"],
+)
+def test_a_failed_agreement_after_staging_raises_and_the_process_exits(tmp_path, flags, raised):
     """The collective right after a snapshot's weights were staged (copy held back until the rank's state is taken)
-    fails, as when a peer died or the group's timeout ran out: the fit raises that error and the process ends. The
-    copy was never let go, so before the fix the copy thread waited for it forever and the callback's teardown with
-    it (the job hung instead of exiting for its launcher to restart it)."""
-    proc = run_script("agree_fail.py", "--dir", str(tmp_path / "snaps"), timeout=90)
-    assert "RAISED injected: the other ranks did not answer within the collective timeout" in proc.stdout
+    fails, as when a peer died or the group's timeout ran out: the fit raises and the process ends. The copy was
+    never let go: the callback's teardown lets it go; where no teardown runs (another callback's on_exception raised
+    first; a ddp_spawn worker), the copy thread must not keep the process alive at exit. Each case hung before."""
+    proc = run_script("agree_fail.py", "--dir", str(tmp_path / "snaps"), *flags, timeout=90)
+    assert f"RAISED {raised}" in proc.stdout
+    assert proc.stdout.rstrip().endswith("END")
+
+
+def test_a_fit_stopped_after_a_batch_without_optimizer_step_ends_with_the_copy_in_flight(tmp_path):
+    """should_stop (Timer, EarlyStopping on a training metric) right after a batch that only accumulated gradients,
+    while the previous snapshot's copy is still in flight: no optimizer step comes to settle it, and the end of fit
+    settles it before waiting for the commits (it waited for that commit first: a deadlock, fit never returned)."""
+    proc = run_script("stop_unfenced.py", "--dir", str(tmp_path / "snaps"), timeout=90)
+    assert "FIT RETURNED step=2" in proc.stdout
+    assert committed_steps(LocalTier(str(tmp_path / "snaps"))) == [2]

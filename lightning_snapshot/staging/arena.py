@@ -83,7 +83,7 @@ from lightning_snapshot.staging.plan import (
     _versions,
 )
 from lightning_snapshot.staging.slot import PAGE, ArenaSlot, _memfd_ok, _populate
-from lightning_snapshot.staging.transfer import AsyncStaged, _copy_digests, _CudaLaunch
+from lightning_snapshot.staging.transfer import AsyncStaged, CopyThread, _copy_digests, _CudaLaunch
 
 __all__ = [
     "FAKE_REGISTER_ENV",
@@ -151,7 +151,7 @@ class HostArena:
         self.shm_dir = shm_dir
         self.slots: list[ArenaSlot] = []
         self._lock = threading.Condition()
-        self._copier: cf.ThreadPoolExecutor | None = None
+        self._copier: CopyThread | None = None
         self._hasher: cf.ThreadPoolExecutor | None = None
         self._allocator: cf.ThreadPoolExecutor | None = None
         self._growing = 0  # bytes of slots being allocated in the background
@@ -686,7 +686,7 @@ class HostArena:
             mutable_done.record(current)
             events = [mutable_done]
         if self._copier is None:
-            self._copier = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-snapshot-copy")
+            self._copier = CopyThread("lightning-snapshot-copy")
         handle = AsyncStaged(state, slot, step, cf.Future(), started=started, frozen_key=frozen_key)
         if hold:
             handle.go.clear()

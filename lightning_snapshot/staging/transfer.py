@@ -2,6 +2,7 @@
 
 One job: what runs and is waited for once a plan is made. :class:`AsyncStaged` is the handle of one staged snapshot
 (wait for the bytes, fence training before the next optimizer step, tell whether it is torn, re-verify the slot);
+:class:`CopyThread` runs the copies, one after the other;
 :class:`_CudaLaunch` queues the device-to-host copies of frozen CUDA tensors on the side stream, group by group;
 :func:`_copy_digests` copies host memory block by block, hashing each block while it is in the cache. Called by
 :class:`~lightning_snapshot.staging.arena.HostArena` (``stage_async`` and its copy thread) and, through the
@@ -12,7 +13,9 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import ctypes
+import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +29,52 @@ from lightning_snapshot.staging import StagedState, chunk_digests
 from lightning_snapshot.staging.plan import _addresses, _versions
 from lightning_snapshot.staging.slot import ArenaSlot
 
-__all__ = ["AsyncStaged"]
+__all__ = ["AsyncStaged", "CopyThread"]
+
+
+class CopyThread:
+    """One daemon thread that runs the calls submitted to it in order (the arena's copy thread).
+
+    A daemon, unlike a ``ThreadPoolExecutor``'s workers, which the interpreter joins at exit: a copy held back
+    (``AsyncStaged.go``) that nothing lets go because the callback's teardown never ran (another callback's
+    ``on_exception`` raised first; a ``ddp_spawn`` worker exits without teardown) cannot keep the process from
+    exiting. Its snapshot was lost with the process anyway: the persist threads are daemons too.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue[tuple[cf.Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> cf.Future[Any]:
+        future: cf.Future[Any] = cf.Future()
+        self._calls.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        while (call := self._calls.get()) is not None:
+            self._call(*call)
+            del call  # (a finished copy's sources are not kept alive by this frame until the next one comes)
+
+    @staticmethod
+    def _call(future: cf.Future[Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            result = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits for it, as an executor does
+            future.set_exception(e)
+        else:
+            future.set_result(result)
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Run what was submitted, then stop; ``wait``: until then."""
+        self._calls.put(None)
+        if wait:
+            self._thread.join()
+
 
 #: Copy-and-hash block: small enough that the block is still in the (L2) cache when it is hashed.
 _FUSE_BLOCK = 1 << 20
