@@ -321,20 +321,25 @@ class SnapshotPipeline:
                 )
                 return
         epoch = trainer.current_epoch
+        error: SnapshotError | None = None
         try:
             consumed = max(0, trainer.fit_loop.epoch_loop.batch_progress.current.ready - consumed_offset)
             private = stage(self._rank_state(trainer, consumed, token), "rank")
-            shared.go.set()  # (the copy may start: what follows is cheap, or waits for the other ranks)
-        except SnapshotError as e:  # the same state shape on every rank: they all fail here together
+        except SnapshotError as e:
+            error = e
+        shared.go.set()  # (the copy may start: what follows is cheap, or waits for the other ranks)
+        # in one collective, every rank agrees on whether every rank took its own state (one may fail alone: a value
+        # only it holds) and on the tiers with room (one whose queue is full, an object store in an outage, skips it)
+        *room, captured = self.comm.all_true_each([self.persister.has_room(i) for i in due] + [error is None])
+        if not captured:
             shared.fence_training()
             self.arena.release(shared.slot)
             self._unmeasured(due)
-            self.reporter.handle(e, step)
+            elsewhere = f"another rank could not take its state for the snapshot of step {step} (see its log)"
+            self.reporter.handle(error or SnapshotError(elsewhere), step)
             return
         if any(self.tiers[i].durable for i in due):
             self.reporter.last_durable_due = step  # (the end of fit checks that some durable tier holds it)
-        # a tier whose queue is full (an object store in an outage) skips this snapshot; every rank agrees
-        room = self.comm.all_true_each([self.persister.has_room(i) for i in due])
         accepted = [i for i, ok in zip(due, room, strict=True) if ok]
         full = [i for i, ok in zip(due, room, strict=True) if not ok]
         self._unmeasured(full)

@@ -392,3 +392,23 @@ def test_a_fit_stopped_after_a_batch_without_optimizer_step_ends_with_the_copy_i
     proc = run_script("stop_unfenced.py", "--dir", str(tmp_path / "snaps"), timeout=90)
     assert "FIT RETURNED step=2" in proc.stdout
     assert committed_steps(LocalTier(str(tmp_path / "snaps"))) == [2]
+
+
+@pytest.mark.parametrize("on_error", ["warn", "raise"])
+def test_under_ddp_a_state_only_one_rank_cannot_take_is_agreed_on_by_every_rank(tmp_path, on_error):
+    """Two ranks; from step 4 rank 0 alone adds a value the format cannot store in on_save_checkpoint. The ranks agree
+    on it: with on_error='warn' both warn (rank 0 naming the value, rank 1 pointing at the other rank) and train on in
+    step to the end, no snapshot committed; with 'raise' both raise. Rank 0 used to return before a collective rank 1
+    entered: the ranks' collectives went out of step and gloo aborted the process."""
+    snaps = tmp_path / "snaps"
+    proc = run_script("rank_state_one_rank.py", "--dir", str(snaps), "--on-error", on_error, timeout=180)
+    if on_error == "warn":
+        assert "rank 0: FIT RETURNED step=12" in proc.stdout and "rank 1: FIT RETURNED step=12" in proc.stdout
+        assert proc.stderr.count("cannot store the value at 'rank/late/rank0_only'") == 3  # (steps 4, 8, 12)
+        for step in (4, 8, 12):
+            assert f"another rank could not take its state for the snapshot of step {step} (see its log)" in proc.stderr
+        assert committed_steps(LocalTier(str(snaps))) == []
+    else:
+        assert "rank 0: RAISED CaptureError: cannot store the value at 'rank/late/rank0_only'" in proc.stdout
+        assert ("rank 1: RAISED SnapshotError: another rank could not take its state for the snapshot of step 4"
+                in proc.stdout)
