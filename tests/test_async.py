@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import threading
 import time
@@ -268,6 +269,37 @@ def test_budget_of_one_buffer_never_holds_two(tmp_path):
         trainer.fit(Model(0.2), DataLoader(Squares(), batch_size=4))
     assert max(peak) <= budget
     assert committed_steps(LocalTier(tmp_path))  # some snapshots still made it
+
+
+def test_a_snapshot_waiting_long_for_a_buffer_is_reported_and_none_is_lost(tmp_path, monkeypatch, caplog):
+    """A tier stuck writing (a hung mount) holds every staging buffer; without max_host_bytes the next snapshot waits
+    for one (back-pressure) and training with it: each STUCK_REPORT_S of that wait is reported with what to do, and
+    once the tier moves again every scheduled snapshot is committed."""
+    import lightning_snapshot.staging.slot as slot
+
+    monkeypatch.setattr(slot, "STUCK_REPORT_S", 0.3)
+    moving = threading.Event()
+    timers: list[threading.Timer] = []
+
+    class StuckLocal(LocalTier):
+        def write(self, key, buffers):
+            if key.startswith("step-"):  # (the first snapshot's write hangs 2.5 s)
+                if not timers:
+                    timers.append(threading.Timer(2.5, moving.set))
+                    timers[0].start()
+                moving.wait(30)
+            return super().write(key, buffers)
+
+    cb = SnapshotCallback(StuckLocal(tmp_path, every_n_train_steps=1, keep_last=None), on_error="raise")
+    trainer = L.Trainer(accelerator="cpu", max_steps=6, callbacks=[cb], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    with caplog.at_level(logging.WARNING, logger="lightning_snapshot.staging.slot"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Model(0.2), DataLoader(Squares(), batch_size=4))
+    reports = [r.getMessage() for r in caplog.records if "for a staging buffer" in r.getMessage()]
+    assert reports, "no report of the wait"
+    assert "every one is still being persisted" in reports[0] and "max_host_bytes" in reports[0]
+    assert committed_steps(LocalTier(tmp_path)) == [6, 5, 4, 3, 2, 1]
 
 
 class SlowLocal(LocalTier):

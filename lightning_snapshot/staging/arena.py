@@ -82,7 +82,7 @@ from lightning_snapshot.staging.plan import (
     _storage,
     _versions,
 )
-from lightning_snapshot.staging.slot import PAGE, ArenaSlot, _memfd_ok, _populate
+from lightning_snapshot.staging.slot import PAGE, ArenaSlot, _memfd_ok, _populate, wait_for_slot
 from lightning_snapshot.staging.transfer import AsyncStaged, CopyThread, _copy_digests, _CudaLaunch
 
 __all__ = [
@@ -373,10 +373,9 @@ class HostArena:
         """A free slot of at least ``nbytes`` (allocating within the budget), or None (reason in last_skip_reason).
 
         Without a budget, when every slot is still being persisted, this waits for one (back-pressure: no
-        scheduled snapshot is lost; the wait counts as stall). With ``max_host_bytes`` set it returns None instead,
-        unless a slot is being allocated in the background, which it waits for.
-        """
-        budget = self.max_host_bytes
+        scheduled snapshot is lost; the wait counts as stall; a long one is reported). With ``max_host_bytes`` set it
+        returns None instead, unless a slot is being allocated in the background, which it waits for."""
+        budget, since = self.max_host_bytes, time.monotonic()
         size = align_up(max(nbytes, PAGE), 2 << 20)
         self.last_alloc_wait = 0.0
         if budget is not None and size > budget:
@@ -407,7 +406,7 @@ class HostArena:
                         " still being persisted"
                     )
                     return None
-                self._lock.wait()
+                wait_for_slot(self._lock, since)
 
     def busy(self) -> bool:
         """Whether every slot is in use (a snapshot now would wait, or allocate) and none is being allocated."""

@@ -1,15 +1,19 @@
 """One arena slot: a page-aligned, pre-faulted shared-memory buffer reused across snapshots.
 
 One job: the host memory primitives of the arena: whether anonymous memory files (``memfd_create``) can back it
-(:func:`_memfd_ok`), faulting a buffer's pages in ahead of use (:func:`_populate`), and :class:`ArenaSlot`, the
-buffer with the views the current plan made into it. Called by :class:`~lightning_snapshot.staging.arena.HostArena`
-(which allocates, registers and frees slots) and :mod:`~lightning_snapshot.staging.transfer` (the copy into one).
+(:func:`_memfd_ok`), faulting a buffer's pages in ahead of use (:func:`_populate`), :class:`ArenaSlot`, the
+buffer with the views the current plan made into it, and waiting for one to be free (:func:`wait_for_slot`). Called
+by :class:`~lightning_snapshot.staging.arena.HostArena` (which allocates, registers and frees slots) and
+:mod:`~lightning_snapshot.staging.transfer` (the copy into one).
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -100,3 +104,25 @@ class ArenaSlot:
 
     def view(self) -> memoryview:
         return tensor_bytes(self.buffer)
+
+
+log = logging.getLogger(__name__)
+
+#: A snapshot that has waited this long for a free slot is reported, and again each time as long again has passed.
+STUCK_REPORT_S = 60.0
+
+
+def wait_for_slot(cond: threading.Condition, since: float) -> None:
+    """One wait (``cond`` held) for a slot to be released, of a snapshot waiting since ``since`` (``time.monotonic``):
+    every slot is still being persisted, and training waits (back-pressure). Each :data:`STUCK_REPORT_S` of waiting is
+    reported (a tier that is slow or stuck holds every slot, and training does not move on)."""
+    before = time.monotonic() - since
+    cond.wait(STUCK_REPORT_S - before % STUCK_REPORT_S)
+    waited = time.monotonic() - since
+    if waited // STUCK_REPORT_S > before // STUCK_REPORT_S:
+        log.warning(
+            "lightning-snapshot: training has waited %.0f s for a staging buffer: every one is still being persisted"
+            " (a tier is slow or stuck). Snapshots wait for room instead of being skipped;"
+            " SnapshotCallback(max_host_bytes=...) skips them instead",
+            waited,
+        )
