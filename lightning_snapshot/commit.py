@@ -534,5 +534,8 @@ def commit_snapshot(
     if manifest is None:
         manifest = Manifest.from_json(text, where=f"manifest of {prefix}")
     if transport.cleans_up:
-        remove_unreferenced(backend, prefix, manifest)
+        try:  # (best effort, on some ranks only: a failure here must not make only them retry, out of step)
+            remove_unreferenced(backend, prefix, manifest)
+        except Exception as e:  # noqa: BLE001 - the snapshot is committed; leftovers go with its retention
+            log.warning("lightning-snapshot: could not remove older objects of %s in %s: %s", prefix, backend.url, e)
     return Commit(manifest)

@@ -259,13 +259,17 @@ class SnapshotPipeline:
             )
         except SnapshotError as e:
             error = e
-        if self.comm.all_true(error is None and staged is not None):
+        # in one collective: whether some rank failed (then every rank handles it: all raise, or all warn and train
+        # on in step) and whether every rank staged (one without room makes every rank skip the snapshot)
+        no_error, all_staged = self.comm.all_true_each([error is None, staged is not None])
+        if no_error and all_staged:
             return staged
         if staged is not None:
             staged.go.set()
             self.arena.release(staged.slot)
-        if error is not None:
-            self.reporter.handle(error, step)
+        if not no_error:
+            elsewhere = f"another rank could not stage the snapshot of step {step} (see its log)"
+            self.reporter.handle(error or SnapshotError(elsewhere), step)
             return None
         reason = self.arena.last_skip_reason if staged is None else "another rank could not stage it"
         self.reporter.skipped(step, reason, last)

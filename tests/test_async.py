@@ -444,3 +444,29 @@ def test_under_ddp_a_state_only_one_rank_cannot_take_is_agreed_on_by_every_rank(
         assert "rank 0: RAISED CaptureError: cannot store the value at 'rank/late/rank0_only'" in proc.stdout
         assert ("rank 1: RAISED SnapshotError: another rank could not take its state for the snapshot of step 4"
                 in proc.stdout)
+
+
+@pytest.mark.parametrize("on_error", ["raise", "warn"])
+def test_under_ddp_a_staging_failure_on_one_rank_is_handled_by_every_rank(tmp_path, on_error):
+    """Rank 0 alone cannot stage the weights from step 4: with 'raise' every rank raises (rank 1 the agreed error,
+    not the broken connection it met when it skipped, warned and trained on alone), with 'warn' both train on."""
+    proc = run_script("one_rank_fails.py", "--dir", str(tmp_path / "snaps"), "--fail", "stage", "--on-error", on_error,
+                      timeout=180)
+    if on_error == "raise":
+        assert "rank 0: RAISED CaptureError: injected: rank 0 cannot capture its share of the weights" in proc.stdout
+        assert ("rank 1: RAISED SnapshotError: another rank could not stage the snapshot of step 4 (see its log)"
+                in proc.stdout)
+    else:
+        assert "rank 0: FIT RETURNED step=12" in proc.stdout and "rank 1: FIT RETURNED step=12" in proc.stdout
+
+
+def test_under_ddp_a_cleanup_failure_after_a_commit_on_one_rank_keeps_the_tier_in_step(tmp_path):
+    """After step 4's commit rank 0's removal of older objects fails once, on a tier that retries failed writes: it is
+    logged, the commit stands, and the later snapshots commit (rank 0 alone used to retry: the tier's collectives went
+    out of step and no later snapshot of the fit became durable)."""
+    snaps = tmp_path / "snaps"
+    proc = run_script("one_rank_fails.py", "--dir", str(snaps), "--fail", "cleanup", "--on-error", "warn", timeout=180)
+    assert "rank 0: FIT RETURNED step=12" in proc.stdout and "rank 1: FIT RETURNED step=12" in proc.stdout
+    assert "could not remove older objects of step-000000000004" in proc.stderr
+    assert "not durable" not in proc.stderr and "step 8 failed" not in proc.stderr
+    assert committed_steps(LocalTier(str(snaps))) == [12, 8, 4]

@@ -4,7 +4,7 @@ not hang waiting for a copy that was never let go (in the callback's teardown, o
 teardown runs).
 
 Usage: python agree_fail.py --dir SNAPDIR [--other-on-exception-raises] [--spawn]
-One process (the failure is injected into ``LocalComm.all_true`` where the pipeline's stage agrees).
+One process (the failure is injected into ``LocalComm.all_true_each`` where the pipeline's stage agrees).
 ``--other-on-exception-raises``: another callback's ``on_exception`` raises too, so Lightning calls no other
 ``on_exception`` hook and no teardown (the snapshot callback's included). ``--spawn``: ``strategy="ddp_spawn"`` with
 one process, whose worker runs the fit outside Lightning's exception handling (no ``on_exception``, no teardown).
@@ -25,16 +25,16 @@ from lightning_snapshot import SnapshotCallback
 from lightning_snapshot.backends import LocalTier
 from lightning_snapshot.comm import LocalComm
 
-original = LocalComm.all_true
+original = LocalComm.all_true_each
 
 
-def all_true(self: LocalComm, flag: bool) -> bool:
+def all_true_each(self: LocalComm, flags: list[bool]) -> list[bool]:
     if sys._getframe(1).f_code.co_name == "_stage_shared":  # (the agreement right after staging)
         raise RuntimeError("injected: the other ranks did not answer within the collective timeout")
-    return original(self, flag)
+    return original(self, flags)
 
 
-LocalComm.all_true = all_true  # type: ignore[method-assign]  # (at import: a spawned worker imports this too)
+LocalComm.all_true_each = all_true_each  # type: ignore[method-assign]  # (at import: a spawned worker imports it)
 
 
 class FailingOnException(Callback):  # (a logger's or profiler's callback whose on_exception fails)

@@ -1,0 +1,67 @@
+"""Two processes under DDP (gloo), one failure on rank 0 only; the ranks must stay in step (their collectives
+paired), whatever the failure:
+
+- ``--fail stage``: from step 4 rank 0 cannot capture its share of the weights (a ``CaptureError`` while staging):
+  with ``on_error="raise"`` every rank raises (rank 1 used to skip the snapshot, warn and train on alone, its next
+  collective then failing when rank 0 was gone; NCCL would hang); with ``"warn"`` both train on to the end.
+- ``--fail cleanup``: after step 4's commit, rank 0's removal of older objects fails once (a listing error) on a
+  tier that retries failed writes: rank 0 alone retried the commit, and the tier's collectives went out of step for
+  the rest of the fit (the later snapshots never committed).
+
+Usage: python one_rank_fails.py --dir SNAPDIR --fail stage|cleanup [--on-error raise|warn]
+Each rank prints ``rank R: FIT RETURNED step=S`` or ``rank R: RAISED <type>: <message>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import lightning as L
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+import lightning_snapshot.commit as commit
+import lightning_snapshot.pipeline as pipeline
+from lightning_snapshot import SnapshotCallback
+from lightning_snapshot.backends import LocalTier
+from lightning_snapshot.errors import CaptureError
+
+p = argparse.ArgumentParser()
+p.add_argument("--dir", required=True)
+p.add_argument("--fail", choices=["stage", "cleanup"], required=True)
+p.add_argument("--on-error", choices=["warn", "raise"], default="raise")
+a = p.parse_args()
+rank = int(os.environ.get("LOCAL_RANK", "0"))
+
+if a.fail == "stage":
+    capture = pipeline.capture_shared_live
+
+    def capture_shared_live(trainer, pl_module, live):
+        if trainer.global_rank == 0 and trainer.global_step >= 4:
+            raise CaptureError("injected: rank 0 cannot capture its share of the weights")
+        return capture(trainer, pl_module, live)
+
+    pipeline.capture_shared_live = capture_shared_live
+else:
+    remove = commit.remove_unreferenced
+    failed: list[str] = []
+
+    def remove_unreferenced(backend, prefix, manifest):
+        if rank == 0 and prefix.endswith("04") and not failed:
+            failed.append(prefix)
+            raise OSError(5, "injected: listing failed after the commit")
+        return remove(backend, prefix, manifest)
+
+    commit.remove_unreferenced = remove_unreferenced
+
+tier = LocalTier(a.dir, every_n_train_steps=4, keep_last=None)
+if a.fail == "cleanup":
+    tier.retry_initial, tier.retry_max = 0.2, 0.4  # (retries failed writes, as an object store does)
+snapshots = SnapshotCallback(tier, on_error=a.on_error, collective_timeout=20, shutdown_timeout=10)
+trainer = L.Trainer(max_steps=12, callbacks=[snapshots], logger=False, enable_progress_bar=False,
+                    enable_model_summary=False, limit_val_batches=0, accelerator="cpu", devices=2, strategy="ddp")
+try:
+    trainer.fit(BoringModel())
+    print(f"rank {trainer.global_rank}: FIT RETURNED step={trainer.global_step}", flush=True)
+except Exception as e:  # noqa: BLE001 - (what each rank raised is the outcome)
+    print(f"rank {trainer.global_rank}: RAISED {type(e).__name__}: {str(e)[:300]}", flush=True)
