@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
-from lightning_snapshot.errors import ConfigError, TierUnavailableError
+from lightning_snapshot.errors import ConfigError, SnapshotError, TierUnavailableError
 from lightning_snapshot.schedule import DEFAULT_EVERY_N_TRAIN_STEPS, TierSchedule
 
 __all__ = ["DEFAULT_EVERY_N_TRAIN_STEPS", "DEFAULT_KEEP_LAST", "Backend", "Distributing", "LayoutSettling"]
@@ -438,3 +438,28 @@ class LayoutSettling(Protocol):
 
     def settle_layout(self, comm: Any, run_id: str) -> str:
         """Decide whether the directory is shared or node-local (collective); returns how it was settled."""
+
+
+def node_steps(tier: Backend, comm: Any) -> builtins.list[int]:
+    """:meth:`Backend.collective_steps` of a :attr:`~Backend.node_local` tier: the steps committed on any node, newest
+    first (collective: every rank calls it; each node's first rank lists its node). A listing that fails on some node
+    fails on every rank, with the same error naming the rank, so that the ranks stay in step (the ranks that listed
+    would otherwise go on to the next collective while the failed one left).
+
+    Raises:
+        SnapshotError: some node's listing failed.
+    """
+    from lightning_snapshot.commit import committed_steps
+
+    mine: builtins.list[int] = []
+    error: str | None = None
+    if tier.node_leader:
+        try:
+            mine = committed_steps(tier)
+        except Exception as e:  # noqa: BLE001 - agreed on below, on every rank
+            error = f"{type(e).__name__}: {tier.redact(str(e))}"
+    gathered = comm.all_gather((mine, error)) if getattr(comm, "world_size", 1) > 1 else [(mine, error)]
+    failed = [f"rank {rank}: {e}" for rank, (_, e) in enumerate(gathered) if e]
+    if failed:
+        raise SnapshotError(f"listing failed on {'; '.join(failed)}")
+    return sorted({s for steps, _ in gathered for s in steps}, reverse=True)

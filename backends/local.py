@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from lightning_snapshot.backends.base import DEFAULT_KEEP_LAST, Backend
+from lightning_snapshot.backends.base import DEFAULT_KEEP_LAST, Backend, node_steps
 from lightning_snapshot.backends.mapped_files import (
     close_map,
     create_file,
@@ -269,13 +269,9 @@ class LocalTier(Backend):
         return "detected"
 
     def collective_steps(self, comm: Any) -> list[int]:
-        """Steps whose manifest any node holds, newest first (collective; node-local tiers)."""
-        from lightning_snapshot.commit import committed_steps
-
-        mine = committed_steps(self) if self.node_leader else []
-        if getattr(comm, "world_size", 1) > 1:
-            return sorted({s for steps in comm.all_gather(mine) for s in steps}, reverse=True)
-        return mine
+        """Steps whose manifest any node holds, newest first (collective; node-local tiers: see
+        :func:`~lightning_snapshot.backends.base.node_steps`)."""
+        return node_steps(self, comm)
 
     def restore(self, comm: Any, step: int, read: Callable[[], _T]) -> _T:
         """Restore ``step`` (collective): node-local, first make every object of it readable on this node

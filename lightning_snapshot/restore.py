@@ -179,16 +179,23 @@ class Restorer:
         unlisted: list[str] = []
         messages: list[str] = []
         skipped_all: str | None = None
-        collective: dict[int, list[int]] = {}
+        collective: dict[int, list[int] | SnapshotError] = {}
         for i, tier in enumerate(self.tiers):
             if tier.node_local:  # a node-local tier: what any node holds
-                held = tier.collective_steps(self.tier_comms[i] if self.tier_comms else LocalComm())
+                try:
+                    held = tier.collective_steps(self.tier_comms[i] if self.tier_comms else LocalComm())
+                except SnapshotError as e:  # (on every rank alike: the ranks agree on a node's failed listing)
+                    collective[i] = e
+                    continue
                 if held is not None:
                     collective[i] = held
         if self.comm.rank == 0:
             for i, tier in enumerate(self.tiers):
                 try:
-                    found += [(step, i) for step in (collective[i] if i in collective else committed_steps(tier))]
+                    listed = collective[i] if i in collective else committed_steps(tier)
+                    if isinstance(listed, SnapshotError):
+                        raise listed
+                    found += [(step, i) for step in listed]
                 except Exception as e:  # noqa: BLE001 - a tier that cannot be listed may hold the newest snapshot
                     detail = str(e) if isinstance(e, SnapshotError) else f"{type(e).__name__}: {tier.redact(str(e))}"
                     unlisted.append(f"cannot list the {tier.tier} tier {tier.url!r} to resume from it ({detail})")

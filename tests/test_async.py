@@ -457,7 +457,8 @@ def test_under_ddp_a_staging_failure_on_one_rank_is_handled_by_every_rank(tmp_pa
         assert ("rank 1: RAISED SnapshotError: another rank could not stage the snapshot of step 4 (see its log)"
                 in proc.stdout)
     else:
-        assert "rank 0: FIT RETURNED step=12" in proc.stdout and "rank 1: FIT RETURNED step=12" in proc.stdout
+        assert "rank 0: FIT RETURNED step=12 from=None" in proc.stdout
+        assert "rank 1: FIT RETURNED step=12 from=None" in proc.stdout
 
 
 def test_under_ddp_a_cleanup_failure_after_a_commit_on_one_rank_keeps_the_tier_in_step(tmp_path):
@@ -466,7 +467,20 @@ def test_under_ddp_a_cleanup_failure_after_a_commit_on_one_rank_keeps_the_tier_i
     out of step and no later snapshot of the fit became durable)."""
     snaps = tmp_path / "snaps"
     proc = run_script("one_rank_fails.py", "--dir", str(snaps), "--fail", "cleanup", "--on-error", "warn", timeout=180)
-    assert "rank 0: FIT RETURNED step=12" in proc.stdout and "rank 1: FIT RETURNED step=12" in proc.stdout
+    assert "rank 0: FIT RETURNED step=12 from=None" in proc.stdout
+    assert "rank 1: FIT RETURNED step=12 from=None" in proc.stdout
     assert "could not remove older objects of step-000000000004" in proc.stderr
     assert "not durable" not in proc.stderr and "step 8 failed" not in proc.stderr
     assert committed_steps(LocalTier(str(snaps))) == [12, 8, 4]
+
+
+def test_under_ddp_a_node_local_tier_one_rank_cannot_list_once_at_setup_resumes_on_every_rank(tmp_path):
+    """A node-local tier holds steps 4 and 8. At the next fit's setup rank 0, which lists it for the node, fails once
+    (a transient error): every rank learns it from the listing's collective, so they give up loading the callbacks'
+    states there together, and both resume from step 8 at the fit's start (rank 0 used to leave the collective alone:
+    rank 1 timed out in it and both crashed)."""
+    snaps = str(tmp_path / "snaps")
+    first = run_script("one_rank_fails.py", "--dir", snaps, "--fail", "none", "--max-steps", "8", timeout=180)
+    assert "rank 0: FIT RETURNED step=8 from=None" in first.stdout
+    proc = run_script("one_rank_fails.py", "--dir", snaps, "--fail", "list", timeout=180)
+    assert "rank 0: FIT RETURNED step=12 from=8" in proc.stdout and "rank 1: FIT RETURNED step=12 from=8" in proc.stdout

@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from lightning_snapshot.backends.base import Backend
+from lightning_snapshot.backends.base import Backend, node_steps
 from lightning_snapshot.backends.local import LocalTier
 from lightning_snapshot.backends.mapped_files import as_tensor, close_map, map_existing, map_new
 from lightning_snapshot.backends.ram import erasure as _ec
@@ -488,13 +488,9 @@ class RamTier(Backend):
 
     # ------------------------------------------------------------------------------------------- restore
     def collective_steps(self, comm: Any) -> builtins.list[int]:  # (``list`` here is the method above)
-        """Steps committed on any node, newest first (collective: every rank calls it)."""
-        from lightning_snapshot.commit import committed_steps
-
-        mine = committed_steps(self) if self.node_leader else []
-        if getattr(comm, "world_size", 1) > 1:
-            return sorted({s for steps in comm.all_gather(mine) for s in steps}, reverse=True)
-        return mine
+        """Steps committed on any node, newest first (collective: every rank calls it; see
+        :func:`~lightning_snapshot.backends.base.node_steps`)."""
+        return node_steps(self, comm)
 
     def restore(self, comm: Any, step: int, read: Callable[[], _T]) -> _T:
         """Restore ``step`` from this tier (collective): :meth:`prepare_restore`, ``read()``, :meth:`finish_restore`.

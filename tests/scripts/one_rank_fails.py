@@ -7,9 +7,13 @@ paired), whatever the failure:
 - ``--fail cleanup``: after step 4's commit, rank 0's removal of older objects fails once (a listing error) on a
   tier that retries failed writes: rank 0 alone retried the commit, and the tier's collectives went out of step for
   the rest of the fit (the later snapshots never committed).
+- ``--fail list``: a node-local tier; at setup rank 0 (the node's lister) cannot list it once (a transient error):
+  rank 0 alone left the listing's collective (rank 1 timed out there, then both crashed); the ranks now agree that
+  the callbacks' states are not loaded at setup, and both resume at the fit's start.
 
-Usage: python one_rank_fails.py --dir SNAPDIR --fail stage|cleanup [--on-error raise|warn]
-Each rank prints ``rank R: FIT RETURNED step=S`` or ``rank R: RAISED <type>: <message>``.
+Usage: python one_rank_fails.py --dir SNAPDIR --fail none|stage|cleanup|list [--on-error raise|warn] [--max-steps N]
+Each rank prints ``rank R: FIT RETURNED step=S from=STEP`` (the step restored, or None) or ``rank R: RAISED <type>:
+<message>``.
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ from lightning_snapshot.errors import CaptureError
 
 p = argparse.ArgumentParser()
 p.add_argument("--dir", required=True)
-p.add_argument("--fail", choices=["stage", "cleanup"], required=True)
+p.add_argument("--fail", choices=["none", "stage", "cleanup", "list"], required=True)
 p.add_argument("--on-error", choices=["warn", "raise"], default="raise")
+p.add_argument("--max-steps", type=int, default=12)
 a = p.parse_args()
 rank = int(os.environ.get("LOCAL_RANK", "0"))
 
@@ -42,7 +47,18 @@ if a.fail == "stage":
         return capture(trainer, pl_module, live)
 
     pipeline.capture_shared_live = capture_shared_live
-else:
+elif a.fail == "list":
+    listing = LocalTier.list
+    listed: list[str] = []
+
+    def list_once_failing(self, prefix=""):
+        if rank == 0 and prefix == "" and not listed:
+            listed.append(prefix)
+            raise OSError(5, "injected: input/output error listing the tier, once")
+        return listing(self, prefix)
+
+    LocalTier.list = list_once_failing
+elif a.fail == "cleanup":
     remove = commit.remove_unreferenced
     failed: list[str] = []
 
@@ -54,14 +70,15 @@ else:
 
     commit.remove_unreferenced = remove_unreferenced
 
-tier = LocalTier(a.dir, every_n_train_steps=4, keep_last=None)
+tier = LocalTier(a.dir, every_n_train_steps=4, keep_last=None, node_local=a.fail in ("none", "list"))
 if a.fail == "cleanup":
     tier.retry_initial, tier.retry_max = 0.2, 0.4  # (retries failed writes, as an object store does)
 snapshots = SnapshotCallback(tier, on_error=a.on_error, collective_timeout=20, shutdown_timeout=10)
-trainer = L.Trainer(max_steps=12, callbacks=[snapshots], logger=False, enable_progress_bar=False,
+trainer = L.Trainer(max_steps=a.max_steps, callbacks=[snapshots], logger=False, enable_progress_bar=False,
                     enable_model_summary=False, limit_val_batches=0, accelerator="cpu", devices=2, strategy="ddp")
 try:
     trainer.fit(BoringModel())
-    print(f"rank {trainer.global_rank}: FIT RETURNED step={trainer.global_step}", flush=True)
+    restored = snapshots.restored_from[1] if snapshots.restored_from else None
+    print(f"rank {trainer.global_rank}: FIT RETURNED step={trainer.global_step} from={restored}", flush=True)
 except Exception as e:  # noqa: BLE001 - (what each rank raised is the outcome)
     print(f"rank {trainer.global_rank}: RAISED {type(e).__name__}: {str(e)[:300]}", flush=True)
