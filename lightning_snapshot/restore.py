@@ -173,8 +173,23 @@ class Restorer:
         resume = self.config.resume
         if isinstance(resume, str):
             backend, step = resolve_source(resume)
-            steps = [step] if step is not None else committed_steps(backend)[:1]
-            return [(backend, s) for s in steps]
+            if step is not None:
+                return [(backend, step)]
+            # rank 0 lists it, for every rank: a listing per rank could find different newest steps (a commit
+            # racing it, a node's own disk) and the ranks would restore different snapshots
+            newest_of: tuple[list[int], str] | None = None
+            if self.comm.rank == 0:
+                try:
+                    newest_of = (committed_steps(backend)[:1], "")
+                except Exception as e:  # noqa: BLE001 - raised below, on every rank
+                    newest_of = ([], f"{type(e).__name__}: {backend.redact(str(e))}")
+            newest, problem = self.comm.broadcast(newest_of)
+            if problem:
+                raise TierUnavailableError(
+                    f"lightning-snapshot: cannot list {resume!r} to resume from it ({problem}). Fix access to it and"
+                    " run again, or name one snapshot directory in resume"
+                )
+            return [(backend, s) for s in newest]
         found: list[tuple[int, int]] = []
         unlisted: list[str] = []
         messages: list[str] = []

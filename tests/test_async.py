@@ -484,3 +484,15 @@ def test_under_ddp_a_node_local_tier_one_rank_cannot_list_once_at_setup_resumes_
     assert "rank 0: FIT RETURNED step=8 from=None" in first.stdout
     proc = run_script("one_rank_fails.py", "--dir", snaps, "--fail", "list", timeout=180)
     assert "rank 0: FIT RETURNED step=12 from=8" in proc.stdout and "rank 1: FIT RETURNED step=12 from=8" in proc.stdout
+
+
+def test_under_ddp_resuming_from_a_path_every_rank_restores_the_step_rank_0_found(tmp_path):
+    """resume='<snapshot dir>' holding steps 4 and 8; rank 1's listing of it is stale (misses step 8, as a listing
+    racing a commit can): every rank restores step 8, the one rank 0 found (each rank used to list it itself, and the
+    ranks restored different snapshots: weights and optimizer state silently out of step)."""
+    old = str(tmp_path / "old")
+    first = run_script("one_rank_fails.py", "--dir", old, "--fail", "none", "--max-steps", "8", timeout=180)
+    assert "rank 0: FIT RETURNED step=8 from=None" in first.stdout
+    proc = run_script("one_rank_fails.py", "--dir", str(tmp_path / "new"), "--fail", "stale-listing", "--resume", old,
+                      timeout=180)
+    assert "rank 0: FIT RETURNED step=12 from=8" in proc.stdout and "rank 1: FIT RETURNED step=12 from=8" in proc.stdout

@@ -10,8 +10,12 @@ paired), whatever the failure:
 - ``--fail list``: a node-local tier; at setup rank 0 (the node's lister) cannot list it once (a transient error):
   rank 0 alone left the listing's collective (rank 1 timed out there, then both crashed); the ranks now agree that
   the callbacks' states are not loaded at setup, and both resume at the fit's start.
+- ``--fail stale-listing --resume PATH``: resuming from a snapshot directory given by path, rank 1's listing of it
+  is stale (it misses the newest step, as a listing racing a commit can): every rank must restore the step rank 0
+  found (each listed it itself, and restored different snapshots).
 
-Usage: python one_rank_fails.py --dir SNAPDIR --fail none|stage|cleanup|list [--on-error raise|warn] [--max-steps N]
+Usage: python one_rank_fails.py --dir SNAPDIR --fail none|stage|cleanup|list|stale-listing [--on-error raise|warn]
+       [--max-steps N] [--resume PATH]
 Each rank prints ``rank R: FIT RETURNED step=S from=STEP`` (the step restored, or None) or ``rank R: RAISED <type>:
 <message>``.
 """
@@ -32,9 +36,10 @@ from lightning_snapshot.errors import CaptureError
 
 p = argparse.ArgumentParser()
 p.add_argument("--dir", required=True)
-p.add_argument("--fail", choices=["none", "stage", "cleanup", "list"], required=True)
+p.add_argument("--fail", choices=["none", "stage", "cleanup", "list", "stale-listing"], required=True)
 p.add_argument("--on-error", choices=["warn", "raise"], default="raise")
 p.add_argument("--max-steps", type=int, default=12)
+p.add_argument("--resume", default=None, help="resume from this snapshot directory (default: the tier's newest)")
 a = p.parse_args()
 rank = int(os.environ.get("LOCAL_RANK", "0"))
 
@@ -58,6 +63,16 @@ elif a.fail == "list":
         return listing(self, prefix)
 
     LocalTier.list = list_once_failing
+elif a.fail == "stale-listing":
+    import lightning_snapshot.restore as restore
+
+    newest_first = restore.committed_steps
+
+    def stale(backend):
+        steps = newest_first(backend)
+        return steps[1:] if rank == 1 and backend.url != tier_url else steps  # (rank 1 misses the newest step)
+
+    restore.committed_steps = stale
 elif a.fail == "cleanup":
     remove = commit.remove_unreferenced
     failed: list[str] = []
@@ -71,9 +86,11 @@ elif a.fail == "cleanup":
     commit.remove_unreferenced = remove_unreferenced
 
 tier = LocalTier(a.dir, every_n_train_steps=4, keep_last=None, node_local=a.fail in ("none", "list"))
+tier_url = tier.url
 if a.fail == "cleanup":
     tier.retry_initial, tier.retry_max = 0.2, 0.4  # (retries failed writes, as an object store does)
-snapshots = SnapshotCallback(tier, on_error=a.on_error, collective_timeout=20, shutdown_timeout=10)
+snapshots = SnapshotCallback(tier, on_error=a.on_error, collective_timeout=20, shutdown_timeout=10,
+                             resume=a.resume if a.resume else True)
 trainer = L.Trainer(max_steps=a.max_steps, callbacks=[snapshots], logger=False, enable_progress_bar=False,
                     enable_model_summary=False, limit_val_batches=0, accelerator="cpu", devices=2, strategy="ddp")
 try:
