@@ -52,6 +52,10 @@ class PersistJob:
     #: the replica check's outcome (the manifest's ``replicas``: :meth:`~lightning_snapshot.replicas.Verdict.record`)
     #: or None (not checked)
     replicas: dict | None = None
+    #: whether the nodes' snapshot agents may write its durable tiers: every rank's link to its agent worked when it
+    #: was handed over (the ranks agree on it; one writing through its agent, another itself, would wait for each
+    #: other's parts in vain)
+    by_agent: bool = True
 
 
 @dataclass
@@ -123,7 +127,7 @@ class _TierWorker:
     def _by_agent(self, job: PersistJob) -> bool:
         """Whether the node's snapshot agent writes this durable tier (out of this process: no GIL shared)."""
         agent = self.p.agent
-        return agent is not None and self.tier.durable and agent.handles(job, self.tier)
+        return job.by_agent and agent is not None and self.tier.durable and agent.handles(job, self.tier)
 
     def _retrying(self, job: PersistJob) -> tenacity.Retrying:
         """How a failed write of ``job`` is retried: with exponential backoff (``retry_initial`` doubling up to

@@ -333,8 +333,12 @@ class SnapshotPipeline:
             error = e
         shared.go.set()  # (the copy may start: what follows is cheap, or waits for the other ranks)
         # in one collective, every rank agrees on whether every rank took its own state (one may fail alone: a value
-        # only it holds) and on the tiers with room (one whose queue is full, an object store in an outage, skips it)
-        *room, captured = self.comm.all_true_each([self.persister.has_room(i) for i in due] + [error is None])
+        # only it holds), on the tiers with room (one whose queue is full, an object store in an outage, skips it)
+        # and on whether the nodes' agents write the durable tiers (a rank may have lost the link to its agent)
+        agent = self.persister.agent
+        *room, captured, by_agent = self.comm.all_true_each(
+            [self.persister.has_room(i) for i in due] + [error is None, agent is None or agent.linked]
+        )
         if not captured:
             shared.fence_training()
             self.arena.release(shared.slot)
@@ -351,6 +355,7 @@ class SnapshotPipeline:
             self.reporter.queue_full(i, step, self.persister.pending(i))
         job = PersistJob(step, epoch, shared, private, [self.tiers[i] for i in accepted])
         job.replicas = replicas.record() if replicas is not None else None
+        job.by_agent = by_agent
         self.persister.submit(job, accepted)
         self.reporter.handed_over(step, accepted)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SCRIPTS, assert_bitwise_equal, check_flush_after_death, launch_nodes, run_train
+from conftest import SCRIPTS, assert_bitwise_equal, check_flush_after_death, launch_nodes, run_script, run_train
 from conftest import wait_until as _wait
 
 from lightning_snapshot.backends.ram.agent import agent_log_path, agent_status, ensure_agent, stop_agent
@@ -409,3 +409,16 @@ def test_agent_flushes_a_snapshot_handed_over_before_its_checksums_were_taken(tm
     exp_avg = want["optimizer_states"][0]["state"][0]["exp_avg"]
     assert torch.equal(got["optimizer_states"][0]["state"][0]["exp_avg"], exp_avg)
     assert stop_agent(node)
+
+
+def test_under_ddp_one_rank_losing_its_agent_link_keeps_the_durable_snapshots_committing(tmp_path, shm):
+    """A RAM tier whose agents write the local tier, two ranks; at step 5 rank 1 alone loses the link to its agent.
+    The ranks agree at each hand-over whether the agents write: from step 8 on every rank writes the local tier
+    itself, and steps 8 and 12 are committed by the trainers (rank 1 used to write it itself while rank 0's agent
+    waited for rank 1's part: both failed, and no later snapshot of the fit reached the local tier)."""
+    snaps = tmp_path / "snaps"
+    proc = run_script("agent_lost_one_rank.py", "--dir", str(snaps), timeout=240)
+    assert "rank 0: FIT RETURNED step=12" in proc.stdout and "rank 1: FIT RETURNED step=12" in proc.stdout
+    assert "rank 1 lost the link to its snapshot agent" in proc.stderr
+    assert "failed; training goes on" not in proc.stderr and "not durable" not in proc.stderr
+    assert committed_steps(LocalTier(str(snaps))) == [12, 8, 4]

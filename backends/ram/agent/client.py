@@ -313,6 +313,11 @@ class AgentClient:
         for ev, _box in list(self._waiting.values()):  # the agent is gone: nobody answers these
             ev.set()
 
+    @property
+    def linked(self) -> bool:
+        """Whether the link to the agent still works (this rank; the ranks agree on it at each hand-over)."""
+        return self._lost is None
+
     def handles(self, job: Any, tier: Any) -> bool:
         """Whether the agent writes ``job`` to ``tier`` (a durable tier, staged in shared memory it can map)."""
         slot = getattr(job.shared, "slot", None)
