@@ -110,16 +110,17 @@ def checksums(tensors: Sequence[torch.Tensor]) -> list[int]:
             if t.dtype in _COMPLEX:
                 t = torch.view_as_real(t)
             numel = t.numel()
-            if (numel * t.element_size() > SMALL_BYTES) if t.device.type == "cpu" else (numel * 8 > BATCH_BYTES):
+            running = numel * 8  # (bytes of its part of a batch's running sum, in 64-bit integers)
+            if (numel * t.element_size() > SMALL_BYTES) if t.device.type == "cpu" else (running > BATCH_BYTES):
                 out[i] = _checksum(t).reshape(1)
                 continue
             batches = groups.setdefault((t.device, t.dtype), [])
-            if not batches or batches[-1][2] + numel * 8 > BATCH_BYTES:
+            if not batches or batches[-1][2] + running > BATCH_BYTES:
                 batches.append([[], [], 0])
             batch = batches[-1]
             batch[0].append(i)
             batch[1].append(t)
-            batch[2] += numel * 8  # (the batch's running sum, in 64-bit integers)
+            batch[2] += running
         parts: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
         for (device, _), batches in groups.items():
             for idx, members, _ in batches:

@@ -321,7 +321,7 @@ class AgentClient:
     def handles(self, job: Any, tier: Any) -> bool:
         """Whether the agent writes ``job`` to ``tier`` (a durable tier, staged in shared memory it can map)."""
         slot = getattr(job.shared, "slot", None)
-        return self._lost is None and tier in self.tiers and slot is not None and slot.fd >= 0
+        return self.linked and tier in self.tiers and slot is not None and slot.fd >= 0
 
     def persist(self, job: Any, tier: Any, stop: threading.Event) -> tuple[int, float]:
         """Have the agent write ``job`` to ``tier``; returns (bytes, seconds) once committed.
