@@ -1,8 +1,9 @@
 """The replica check end to end, with real DDP processes (2 ranks, gloo, Lightning's subprocess launcher) running
 tests/scripts/setups.py: a rank that moves one parameter by one ulp is caught and named (``on_replica_mismatch``
-"warn", "skip" and "raise" each do what they say, ``inspect`` shows the outcome), a fault that persists is caught by
-the default rotating check and a resume skips the snapshots whose replicas disagreed; ``BackboneFinetuning`` under DDP
-is caught at the first snapshot after the unfrozen backbone trained; and a long DDP run with dropout, shuffling and
+"warn", "skip" and "raise" each do what they say, ``inspect`` shows the outcome), and so is one ulp in the last value
+of parameters of a megabyte (the checksum's 64-bit-word path); a fault that persists is caught by the default
+rotating check and a resume skips the snapshots whose replicas disagreed; ``BackboneFinetuning`` under DDP is caught
+at the first snapshot after the unfrozen backbone trained; and a long DDP run with dropout, shuffling and
 augmentation in loader workers, every tensor compared at every step, raises no false alarm."""
 
 from __future__ import annotations
@@ -102,6 +103,26 @@ def test_a_persistent_fault_is_caught_within_four_snapshots_and_a_resume_skips_w
     assert why in again.stderr, again.stderr[-3000:]
     assert not _caught(again), again.stderr[-3000:]
     assert read_manifest(tier, 20).replicas.disagree_count == 0
+
+
+def test_one_ulp_in_the_last_value_of_megabyte_parameters_is_caught_and_named(tmp_path):
+    """At a real model's tensor sizes (the checksum's 64-bit-word path): setup ``big`` has two hidden weights of a
+    megabyte, ``net.2.weight`` (511 x 512 float32, 1,046,528 bytes: its last value is in its last whole 64-bit word)
+    and ``net.4.weight`` (513 x 511, 1,048,572 bytes: its last value is the 4 bytes past it). Rank 1 moves the last
+    value of each by one ulp after step 6: the snapshot of step 6 names both, with rank 1, and nothing else; the
+    snapshot of step 4 agrees. (A checksum that ignored the last word, or the bytes past it, would miss one.)"""
+    d = tmp_path / "big"
+    proc = _run(d, "big", "--perturb", "6:1:net.2.weight,net.4.weight:last", "--every", "2", "--max-steps", "6",
+                "--snapshot", "replica_check=1")
+    assert _caught(proc) == [6], proc.stderr[-3000:]
+    assert "2 of " in proc.stderr, proc.stderr[-3000:]
+    assert "'net.2.weight' (rank 1)" in proc.stderr and "'net.4.weight' (rank 1)" in proc.stderr, proc.stderr[-3000:]
+    tier = LocalTier(d / "snaps")
+    m = read_manifest(tier, 6)
+    assert sorted(m.replicas.disagree) == [("net.2.weight", (1,)), ("net.4.weight", (1,))], m.replicas
+    assert m.replicas.disagree_count == 2 and not m.healthy
+    before = read_manifest(tier, 4)
+    assert before.replicas.disagree_count == 0 and before.replicas.checked == m.replicas.checked, before.replicas
 
 
 @pytest.mark.parametrize("action", ["skip", "raise"])

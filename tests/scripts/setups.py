@@ -14,7 +14,9 @@ StatefulDataLoader(shuffle=True) with augmentation in the main process, and the 
 BatchSizeFinder (trial steps in their on_fit_start); a curriculum (a datamodule whose train_dataloader() reads
 the epoch, reloaded every 2 epochs), a CombinedLoader of two shuffled loaders whose shorter one cycles, and a batch
 sampler of the user's own (bucketing by length, each bucket shuffled as it is reached) with augmentation in 2 loader
-workers or in the main process; random masking drawn from a torch.Generator the model holds.
+workers or in the main process; random masking drawn from a torch.Generator the model holds; ``big``: a wider
+network whose two hidden weights are a megabyte each (511 x 512 and 513 x 511 float32: the first ends on a whole 64-bit
+word, the second one value past it), for the replica check at real tensor sizes.
 
 Usage: python setups.py --setup NAME --dir SNAPDIR --out RESULT.pt [--crash-at S] [--every K] [--max-steps N]
        [--max-epochs N] [--sigterm-at S] [--neutrality]
@@ -65,7 +67,7 @@ SETUPS = ("val-epoch", "val-interval", "plateau-epoch", "plateau-step", "aug-mai
           "aug-workers-persistent", "aug-workers-plain", "stateful-iterable", "manual-two-optimizers", "bf16-mixed", "finetune", "swa",
           "lr-monitor", "grad-accum", "early-stop-train", "ckpt-steps", "ema", "user-hooks", "epoch-sched",
           "metric-obj", "stateful-shuffle", "pruning", "lr-finder", "bs-finder", "curriculum", "combined",
-          "bucket", "bucket-main", "own-generator")
+          "bucket", "bucket-main", "own-generator", "big")
 #: Setups that log through a CSVLogger (the values logged are compared).
 LOGGED = ("lr-monitor", "early-stop-train", "metric-obj")
 
@@ -117,6 +119,9 @@ class Model(L.LightningModule):
         if setup == "finetune":  # BackboneFinetuning needs a ``backbone``
             self.backbone = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU())
             self.top = nn.Sequential(nn.Dropout(0.2), nn.Linear(16, 1))
+        elif setup == "big":  # net.2.weight: 261,632 float32 (1,046,528 B); net.4.weight: 262,143 (1,048,572 B)
+            self.net = nn.Sequential(nn.Linear(8, 512), nn.ReLU(), nn.Linear(512, 511), nn.ReLU(), nn.Linear(511, 513),
+                                     nn.ReLU(), nn.Linear(513, 1))
         else:
             self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2),
                                      nn.Linear(16, 1))
@@ -264,19 +269,22 @@ class Preempt(L.Callback):
 
 class Perturb(L.Callback):
     """On rank ``rank`` only, after the optimizer step of ``global_step == at`` (``each``: and of every later step):
-    move the first value of parameter ``name`` up by one ulp (silent data corruption on one GPU). DDP averages the
-    gradients, so every rank applies the same update to its own copy: the replicas differ in that parameter only,
-    until rounding in later updates happens to absorb a single change (hence ``each``: a fault that persists)."""
+    move the first value (``last``: the last value) of each parameter of ``names`` up by one ulp (silent data
+    corruption on one GPU). DDP averages the gradients, so every rank applies the same update to its own copy: the
+    replicas differ in those parameters only, until rounding in later updates happens to absorb a single change
+    (hence ``each``: a fault that persists)."""
 
-    def __init__(self, at: int, rank: int, name: str, each: bool) -> None:
-        self.at, self.rank, self.name, self.each = at, rank, name, each
+    def __init__(self, at: int, rank: int, names: list[str], each: bool, last: bool = False) -> None:
+        self.at, self.rank, self.names, self.each, self.last = at, rank, names, each, last
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         step = trainer.global_step
         if (step == self.at or (self.each and step > self.at)) and trainer.global_rank == self.rank:
             with torch.no_grad():
-                flat = dict(pl_module.named_parameters())[self.name].view(-1)
-                flat[0] = torch.nextafter(flat[0], torch.tensor(math.inf))
+                for name in self.names:
+                    flat = dict(pl_module.named_parameters())[name].view(-1)
+                    i = flat.numel() - 1 if self.last else 0
+                    flat[i] = torch.nextafter(flat[i], torch.tensor(math.inf))
 
 
 class Buckets(torch.utils.data.Sampler):
@@ -343,9 +351,9 @@ def main() -> None:
                    help="another Trainer argument (e.g. check_val_every_n_epoch=2), over the setup's own")
     p.add_argument("--snapshot", action="append", default=[], metavar="KEY=JSON",
                    help="a SnapshotCallback argument (e.g. replica_check=1)")
-    p.add_argument("--perturb", default="", metavar="STEP[+]:RANK:PARAM",
-                   help="move PARAM by one ulp on RANK after the optimizer step of STEP (the snapshot of STEP sees it);"
-                        " STEP+: and after every later step")
+    p.add_argument("--perturb", default="", metavar="STEP[+]:RANK:PARAM[,PARAM...][:last]",
+                   help="move the first value (:last: the last) of each PARAM by one ulp on RANK after the optimizer"
+                        " step of STEP (the snapshot of STEP sees it); STEP+: and after every later step")
     p.add_argument("--neutrality", action="store_true",
                    help="first run the same fit without lightning-snapshot (in DIR/nolib, result OUT.nolib), in this"
                         " process, then the fit with it")
@@ -460,8 +468,9 @@ def fit(a: argparse.Namespace, root: str, out: str, library: bool) -> None:
         tier = LocalTier(os.path.join(root, "snaps"), every_n_train_steps=a.every, keep_last=2)
         snapshot = SnapshotCallback([tier], **{k: json.loads(v) for k, _, v in (o.partition("=") for o in a.snapshot)})
         if a.perturb:  # (before the snapshot callback: its hooks run first)
-            at, rank, name = a.perturb.split(":")
-            callbacks.append(Perturb(int(at.rstrip("+")), int(rank), name, at.endswith("+")))
+            at, rank, names, *where = a.perturb.split(":")
+            callbacks.append(Perturb(int(at.rstrip("+")), int(rank), names.split(","), at.endswith("+"),
+                                     last=where == ["last"]))
         callbacks += [snapshot, ReportRestore(snapshot)]
         if a.crash_at >= 0:
             callbacks.append(Crash(a.crash_at, tier))
