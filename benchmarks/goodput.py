@@ -480,13 +480,13 @@ def calibrate(method: str, every: int, mtbf: float, common: dict[str, Any]) -> d
 
 
 def predict(inputs: dict[str, Any], run: dict[str, Any], *, interval_scale: float = 1.0, cost_scale: float = 1.0,
-            lost_work: bool = True, draws: int | None = None) -> dict[str, float]:
+            lost_work: bool = True, tail: bool = True, draws: int | None = None) -> dict[str, float]:
     """The simulator's prediction for ``run`` (a record of the JSON's ``runs``) from ``inputs``, none measured in that
     run: ``none``'s step time and ideal wall, the method's calibration, the interval the run was given (``auto``:
     Young/Daly for the calibrated cost, the callback's rule), the restart delay and the run's failure times (or
     ``draws`` draws of them: the expected goodput). A failure loses the work back to the newest snapshot, then costs
-    the delay and a restarted process's start-up. ``interval_scale``, ``cost_scale`` and ``lost_work=False``
-    (snapshots continuous, at the same cost per second) break the model on purpose (tests/unit/test_goodput_sim.py)."""
+    the delay and a restarted process's start-up. ``interval_scale``, ``cost_scale``, ``lost_work=False`` (snapshots
+    continuous, same cost per second), ``tail=False`` (no tail) break it on purpose (tests/unit/test_goodput_sim.py)."""
     from lightning_snapshot.interval import young_daly_seconds
     from lightning_snapshot.simulate import TierModel, simulate
 
@@ -503,7 +503,7 @@ def predict(inputs: dict[str, Any], run: dict[str, Any], *, interval_scale: floa
     out = simulate(tiers, work_s=inputs["steps"] * step, mtbf_s=run["mtbf_s"], start_s=cal["start_s"],
                    restart_s=inputs["restart_delay_s"] + cal["restart_start_s"], horizon_s=inputs["failure_horizon_s"],
                    failure_times=None if draws else run["failure_schedule"], runs=draws or 1)
-    wall = out.wall_s + cal["tail_s"]
+    wall = out.wall_s + (cal["tail_s"] if tail else 0.0)  # (the tail: from the last step to the process's exit)
     return {"goodput": inputs["ideal_wall_s"] / wall, "wall_s": wall, "failures": out.failures,
             "lost_work_s": out.lost_work_s}
 
