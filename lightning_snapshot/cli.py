@@ -1,28 +1,18 @@
 """The ``lightning-snapshot`` command: list, inspect, verify, export, copy and prune snapshots; run a node's
-snapshot agent.
+snapshot agent; plan tiers and intervals.
 
 Nothing in the library calls it: :func:`main` is the ``lightning-snapshot`` console script (``[project.scripts]`` in
 pyproject.toml), also entered by the RAM tier's agent process (``main`` of backends/ram/agent.py). The work is done
 by loader.py, ops.py, export.py and plan.py.
 
-    lightning-snapshot list /nvme/snap/run-42 [--json]
-    lightning-snapshot inspect /nvme/snap/run-42 [--step 1200] [--json]
-    lightning-snapshot verify /nvme/snap/run-42 [--step 1200 | --all] [--json]
-    lightning-snapshot export /nvme/snap/run-42 model.safetensors [--format safetensors|torch] [--step 1200]
-    lightning-snapshot copy /nvme/snap/run-42 s3://bucket/run-42 [--step 1200] [--json]
-    lightning-snapshot gc s3://bucket/run-42 [--keep-last 5] [--older-than 7d] [--grace 1h] [--dry-run] [--json]
-    lightning-snapshot agent --dir /dev/shm/lightning-snapshot-$UID/NAME [--stop | --status [--json]] [--log FILE]
-    lightning-snapshot plan [--nodes 1,64,4096] [--state-bytes 16GB] [--node-mtbf 6000h] [--metrics LOGDIR]
-
-A tier is a path, file:///path, ram://NAME or an fsspec URL (s3://bucket/prefix, ...); list, inspect, verify,
-export and copy's source also take one step-* directory. list, inspect and verify only read: they never create a
-directory or a file. --json prints one JSON document on stdout (fields: docs/operations.md) and no progress bar; a
-progress bar is drawn on stderr only when it is a terminal.
-
-Exit status: 0 success; 1 the command failed (no tier or snapshot at that place, a snapshot that does not verify,
-an I/O error); 2 the command line is wrong (unknown option or URL scheme, invalid value, a directory where a file is
-expected); 3 (agent) another agent already serves the directory. ``agent --status`` exits 1 when no agent serves
-it. Errors are one line on stderr.
+What a user reads, ``--help``: :data:`DESCRIPTION` (what the command does; argparse lists the sub-commands after it)
+and :data:`EPILOG` (examples, what a tier is, the exit statuses). Each sub-command's ``--help`` has its options.
+The exit statuses: 0 success; 1 the command failed (no tier or snapshot at that place, a snapshot that does not
+verify, an I/O error); 2 the command line is wrong (unknown option or URL scheme, invalid value, a directory where a
+file is expected); 3 (agent) another agent already serves the directory. ``agent --status`` exits 1 when no agent
+serves it. Errors are one line on stderr (:func:`_run`). list, inspect and verify never create a directory or a
+file. ``--json`` prints one JSON document on stdout (fields: docs/operations.md) and no progress bar; a progress bar
+is drawn on stderr only when it is a terminal.
 """
 
 from __future__ import annotations
@@ -46,6 +36,34 @@ from lightning_snapshot.errors import ConfigError, SnapshotError, SnapshotNotFou
 __all__ = ["main"]
 
 PROG = "lightning-snapshot"
+#: ``--help``: what the command does, for users (the sub-commands follow, listed by argparse)
+DESCRIPTION = """\
+Manage the snapshots that lightning-snapshot's SnapshotCallback writes: list
+them, show one, check it, export it to one file, copy it to another tier and
+prune a tier; run a node's snapshot agent (it holds the RAM tier's memory); and
+plan snapshot intervals and tiers for a cluster."""
+#: ``--help``: after the list of sub-commands
+EPILOG = """\
+examples:
+  lightning-snapshot list /nvme/snap/run-42
+  lightning-snapshot inspect /nvme/snap/run-42 --step 1200
+  lightning-snapshot verify /nvme/snap/run-42 --all
+  lightning-snapshot export /nvme/snap/run-42 model.safetensors
+  lightning-snapshot copy /nvme/snap/run-42 s3://bucket/run-42
+  lightning-snapshot gc s3://bucket/run-42 --keep-last 5 --dry-run
+  lightning-snapshot agent --dir /dev/shm/lightning-snapshot-$UID/NAME --status
+  lightning-snapshot plan --nodes 1,64,4096 --state-bytes 16GB
+
+A tier is a directory, file:///path, ram://NAME or an fsspec URL
+(s3://bucket/prefix, ...); list, inspect, verify, export and copy also take one
+step-* directory. list, inspect and verify only read, never write. --json
+prints one JSON document on stdout.
+
+exit status: 0 success; 1 the command failed (no snapshot there, a snapshot that
+does not verify, an I/O error); 2 the command line is wrong; 3 (agent) another
+agent already serves the directory.
+
+Run 'lightning-snapshot COMMAND --help' for the options of a command."""
 #: Set to 1 to see the full traceback of an unexpected error (bug reports).
 DEBUG_ENV = "LIGHTNING_SNAPSHOT_DEBUG"
 
@@ -550,7 +568,9 @@ def _cmd_agent(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------------------ parser
 def _parser() -> _Parser:
-    parser = _Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(
+        prog=PROG, description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("list", help="committed snapshots of a tier")
     p.add_argument("source", help="tier path or URL")

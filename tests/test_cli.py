@@ -330,6 +330,37 @@ def test_help_does_not_import_torch_or_lightning(command):
     assert proc.stdout.strip().splitlines()[-1] == "HEAVY []"
 
 
+def test_help_says_what_the_command_does_and_lists_the_commands_without_internals():
+    """``lightning-snapshot --help`` is for users: what the command does, every sub-command with its one-line help,
+    examples, what a tier is, the exit statuses and where each command's options are; nothing of the code (module
+    names, console-script wiring, reST markup), which stays in cli.py's docstring for developers."""
+    import argparse
+
+    from lightning_snapshot import cli as cli_module
+
+    rc, out, err = cli("--help")
+    assert rc == 0 and not err
+    assert out.startswith("usage: lightning-snapshot [-h] COMMAND ...")
+    assert "Manage the snapshots that lightning-snapshot's SnapshotCallback writes" in out
+    sub = next(a for a in cli_module._parser()._actions if isinstance(a, argparse._SubParsersAction))
+    commands = [c.dest for c in sub._choices_actions]
+    assert commands == ["list", "inspect", "verify", "export", "gc", "copy", "agent", "plan"]
+    listed = out.split("positional arguments:", 1)[1].split("options:", 1)[0]
+    for command in commands:
+        assert f"\n    {command} " in listed, (command, listed)
+        assert f"lightning-snapshot {command} " in out, f"no example of {command}"  # (in the examples)
+    assert "exit status: 0 success; 1 the command failed" in out
+    assert "Run 'lightning-snapshot COMMAND --help' for the options of a command." in out
+    for internal in (".py", "``", ":func:", ":data:", "console script", "project.scripts", "Nothing in the library",
+                     "pyproject"):
+        assert internal not in out, f"--help shows {internal!r}:\n{out}"
+    text = f"{cli_module.DESCRIPTION}\n{cli_module.EPILOG}"
+    assert max(map(len, text.splitlines())) <= 80, "a line of --help wider than a terminal (argparse keeps them)"
+    # the developer's account stays in the code
+    assert cli_module.__doc__ and "Nothing in the library calls it" in cli_module.__doc__
+    assert "loader.py, ops.py, export.py and plan.py" in cli_module.__doc__
+
+
 @pytest.mark.slow
 def test_an_endpoint_that_refuses_connections_is_an_error(s3_environment):
     """A closed port on 127.0.0.1 (s3fs retries a few times first: some seconds)."""
