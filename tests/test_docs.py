@@ -1,5 +1,6 @@
 """The documentation site builds with ``mkdocs build --strict``: no warning (a broken link or anchor, a page missing
-from the nav, a docstring mkdocstrings cannot parse) gets through CI."""
+from the nav, a docstring mkdocstrings cannot parse) gets through CI; the python blocks of the guides run as pasted;
+every CHANGELOG entry is one or two lines a user reads (under 300 characters)."""
 
 from __future__ import annotations
 
@@ -68,3 +69,35 @@ def test_every_python_block_of_the_docs_runs_as_pasted(tmp_path):
     assert ran >= 9, proc.stdout
     assert (tmp_path / "snapshots" / "run-42" / "step-000000000300" / "manifest.json").is_file()
     assert (tmp_path / "model.safetensors").stat().st_size > 0 and (tmp_path / "state.pt").stat().st_size > 0
+
+
+#: the most characters of one CHANGELOG entry (its lines joined): one or two lines a user reads
+CHANGELOG_ENTRY_MAX = 300
+
+
+def changelog_entries(text: str) -> list[tuple[int, str]]:
+    """(line number, text) of every entry of a CHANGELOG: a line starting with ``- `` or ``* `` and the indented lines
+    that continue it, joined by single spaces."""
+    entries: list[list] = []
+    open_entry = False
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.startswith(("- ", "* ")):
+            entries.append([number, line[2:].strip()])
+            open_entry = True
+        elif open_entry and line.startswith(" ") and line.strip():
+            entries[-1][1] += " " + line.strip()
+        else:
+            open_entry = False
+    return [(n, t) for n, t in entries]
+
+
+def test_every_changelog_entry_is_under_300_characters():
+    """An entry says what changed for a user in one or two lines; the how and the measurements go to the commit
+    message and the docs."""
+    entries = changelog_entries((ROOT / "CHANGELOG.md").read_text())
+    assert len(entries) > 100
+    long = [f"CHANGELOG.md line {n}: {len(t)} characters: {t[:80]}..."
+            for n, t in entries if len(t) >= CHANGELOG_ENTRY_MAX]
+    assert not long, "entries of 300 characters or more (shorten them to one or two lines):\n" + "\n".join(long)
+    # (the parser sees an entry's continuation lines)
+    assert changelog_entries("- a\n  b\n\n- c\nd\n  e\n") == [(1, "a b"), (4, "c")]
