@@ -26,10 +26,11 @@ from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.capture import check_placements, is_sharded
 from lightning_snapshot.config import SnapshotConfig
 from lightning_snapshot.ddp_layout import DDP_LAYOUT_ENV
-from lightning_snapshot.errors import ConfigError
+from lightning_snapshot.errors import ConfigError, Preempted
 from lightning_snapshot.fit_loaders import FitLoaders
 from lightning_snapshot.interval import default_mtbf
 from lightning_snapshot.pipeline import SnapshotPipeline
+from lightning_snapshot.preempt import Preemption, requeue_slurm_job, signal_name
 from lightning_snapshot.reporting import Reporter
 from lightning_snapshot.restore import Restorer
 from lightning_snapshot.schedule import FitSchedule
@@ -85,9 +86,9 @@ class SnapshotCallback(Checkpoint):
             verified in whole chunks, so a resharded load (each rank reading only its shard) reads up to about two
             chunks more than it needs per tensor and shard boundary: smaller chunks mean less read amplification,
             at the cost of a longer manifest.
-        sigterm_grace: seconds the callback may take after a SIGTERM (a preempted SLURM or Kubernetes job, through
-            Lightning's signal handling) to snapshot the current step into every tier and wait until a durable tier
-            holds it; default 25 s, within SLURM's and Kubernetes' default 30 s between SIGTERM and SIGKILL.
+        sigterm_grace: seconds the callback may take after a preemption signal (``preemption_signals``) to snapshot
+            the current step into every tier and wait until a durable tier holds it; default 25 s, within SLURM's,
+            Kubernetes' and torchrun's default 30 s between SIGTERM and SIGKILL.
         collective_timeout: the longest any wait across processes of a snapshot may take (seconds; default 300): a
             collective of a tier's commit (gloo's timeout of the tier's process group), and the snapshot agent's
             wait for the other ranks' parts of a snapshot; and a trainer's wait for its node's agent, which says it is
@@ -125,6 +126,15 @@ class SnapshotCallback(Checkpoint):
             ("replicas disagree", shown by ``lightning-snapshot inspect``), so that ``resume=True`` skips it as
             it skips one holding a NaN (unless ``resume_unhealthy=True``). ``"skip"``: warn and do not write it.
             ``"raise"``: stop training with a ``ReplicaMismatchError``.
+        preemption_signals: the signals that mean "preempted" (names such as ``"SIGTERM"``, ``"USR1"``, or numbers;
+            default ``("SIGTERM",)``). While a fit runs the callback owns them instead of Lightning: the handler only
+            records the signal; the ranks agree at the next optimizer step (any rank's signal stops every rank at
+            the same step), that step is snapshotted into every tier and made durable within ``sigterm_grace``, and
+            ``fit`` raises :class:`~lightning_snapshot.errors.Preempted` (exit status 128 + the signal number, 143
+            for SIGTERM). DataLoader workers started during the fit do not receive these signals. Under
+            ``SLURMEnvironment(auto_requeue=True)`` its requeue signal (SIGUSR1) is owned too, and the job is
+            requeued once the snapshot is durable. An empty list leaves Lightning's own handling. See
+            ``docs/preemption.md``.
 
     Snapshots are taken after the optimizer step of every scheduled ``global_step`` (with gradient accumulation,
     only when ``global_step`` moved). Supported strategies: single device, DDP (``ddp``, ``ddp_spawn``) and
@@ -147,6 +157,7 @@ class SnapshotCallback(Checkpoint):
     mtbf = _Option()
     replica_check = _Option()
     on_replica_mismatch = _Option()
+    preemption_signals = _Option()
 
     def __init__(
         self,
@@ -164,6 +175,7 @@ class SnapshotCallback(Checkpoint):
         mtbf: float | str | None = None,
         replica_check: int | None = 4,
         on_replica_mismatch: str = "warn",
+        preemption_signals: str | int | Sequence[str | int] | None = ("SIGTERM",),
     ) -> None:
         self.config = SnapshotConfig.create(
             tiers,
@@ -179,6 +191,7 @@ class SnapshotCallback(Checkpoint):
             mtbf=mtbf,
             replica_check=replica_check,
             on_replica_mismatch=on_replica_mismatch,
+            preemption_signals=preemption_signals,
         )
         self._reporter = Reporter(self.config.tiers, self.config.on_error)
         self._loaders = FitLoaders()
@@ -198,6 +211,8 @@ class SnapshotCallback(Checkpoint):
         self._schedule: FitSchedule | None = None
         self._pipeline: SnapshotPipeline | None = None
         self._restorer: Restorer | None = None
+        self._preemption: Preemption | None = None
+        self._requeue_signal: int | None = None  # (SLURM auto-requeue: this signal requeues the job)
         self._patches = _patches.Patches()
         #: the restored snapshot's fit state, applied at ``on_train_start``
         self._fit_state: dict[str, Any] | None = None
@@ -254,11 +269,25 @@ class SnapshotCallback(Checkpoint):
             hooked=lambda: self._hooked(trainer),
             on_train_loader=lambda loader: self._loaders.on_train_loader(loader, trainer),
             before_fetch=lambda: self._before_fetch(trainer),
-            between_epochs=lambda: self._finish_pending(trainer),
+            between_epochs=lambda: self._between_epochs(trainer),
             end_of_fit=lambda: self._end_of_fit(trainer),
         )
         self._fit_state = None
+        self._own_signals(trainer, session)
         self._restorer.preload_callbacks(trainer, exclude=self)
+
+    def _own_signals(self, trainer: Any, session: FitSession) -> None:
+        """Own the preemption signals for the fit, right after Lightning registers its handlers (so that its
+        in-handler broadcast never runs; Lightning's teardown restores what was there before it)."""
+        signals = list(self.config.preemption_signals)
+        environment = getattr(trainer._accelerator_connector, "cluster_environment", None)  # private, as Lightning
+        self._requeue_signal = _patches.slurm_requeue_signal(environment)
+        if signals and self._requeue_signal is not None and self._requeue_signal not in signals:
+            signals.append(self._requeue_signal)  # (Lightning's would save a checkpoint inside its handler)
+        if not signals:
+            return
+        preemption = self._preemption = Preemption(signals, session.step_comm)
+        _patches.own_signals(self._patches, trainer, preemption.install, sigterm=15 in signals)
 
     def _hooked(self, trainer: Any) -> bool:
         """Whether the trainer's loops run with this callback (False while a tuner, such as LearningRateFinder, runs
@@ -271,22 +300,28 @@ class SnapshotCallback(Checkpoint):
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         # Lightning skips teardown hooks after an exception: stop here. Snapshots already handed to the persist
         # thread are still written (nothing staged is lost); the pending one, without its rank state, is dropped.
+        # (Preempted: the stop step was snapshotted before it was raised; SIGTERMException: Lightning's own handling,
+        # when the callback owns no signal)
         try:
             if type(exception).__name__ == "SIGTERMException" and self._pipeline is not None:
-                self._pipeline.on_sigterm(trainer, pl_module)
+                self._pipeline.last_snapshot(trainer, pl_module, "SIGTERM", time.monotonic())
         finally:
             if self._pipeline is not None:
                 self._pipeline.pending = None
-            self._shutdown(abort=True)
+            # (after a preemption what sigterm_grace allowed is done: the rest is abandoned at once, before SIGKILL)
+            self._shutdown(abort=True, timeout=1.0 if isinstance(exception, Preempted) else None)
 
-    def _shutdown(self, abort: bool) -> None:
-        """Undo every patch, settle the snapshot in flight and close the fit's session."""
+    def _shutdown(self, abort: bool, timeout: float | None = None) -> None:
+        """Give the signals back, undo every patch, settle the snapshot in flight and close the fit's session."""
+        if self._preemption is not None:
+            self._preemption.restore()
+            self._preemption = None
         self._patches.undo_all()
         if self._pipeline is not None:
             self._pipeline.close()
             self._pipeline = None
         if self._session is not None:
-            self._session.close(abort)
+            self._session.close(abort, timeout)
             self._session = None
 
     # ------------------------------------------------------------------------------------------- resume
@@ -356,7 +391,29 @@ class SnapshotCallback(Checkpoint):
         """Right before the training loop fetches a batch: the point a snapshot's RNG, data position, loops,
         callbacks and schedulers are taken at, and restored at."""
         self._loaders.before_fetch(trainer)
+        self._stop_if_preempted(trainer)
         self._finish_pending(trainer)
+
+    def _between_epochs(self, trainer: Any) -> None:
+        self._stop_if_preempted(trainer)
+        self._finish_pending(trainer)
+
+    def _stop_if_preempted(self, trainer: Any) -> None:
+        """Once per optimizer step, at the point snapshots are taken: the ranks agree whether one of them was sent a
+        preemption signal; if so every rank snapshots this step into every tier, waits until a durable tier holds it
+        (``sigterm_grace``), and stops with :class:`Preempted`."""
+        preemption, pipeline = self._preemption, self._pipeline
+        if preemption is None or pipeline is None:
+            return
+        signum = preemption.poll(trainer.global_step)
+        if not signum:
+            return
+        _, since = preemption.received()
+        name = signal_name(signum)
+        step, durable = pipeline.last_snapshot(trainer, trainer.lightning_module, name, since or time.monotonic())
+        if signum == self._requeue_signal and trainer.global_rank == 0:
+            log.warning("lightning-snapshot: %s", requeue_slurm_job())
+        raise Preempted(signum, step, durable)
 
     def _finish_pending(self, trainer: Any, consumed_offset: int = 0) -> None:
         if self._pipeline is not None:

@@ -44,6 +44,10 @@ class Comm(Protocol):
     def all_true_each(self, flags: list[bool]) -> list[bool]:
         """Element-wise :meth:`all_true` of equally long lists, in one collective."""
 
+    def all_max(self, value: int) -> int:
+        """The largest of every rank's ``value`` (an int32), on every rank; one collective of a preallocated
+        tensor (nothing pickled, nothing allocated: called once per training step by the preemption agreement)."""
+
     def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj`` (small, plain values), in rank order, on rank 0; None on the others."""
 
@@ -118,6 +122,9 @@ class LocalComm:
     def all_true_each(self, flags: list[bool]) -> list[bool]:
         return [bool(f) for f in flags]
 
+    def all_max(self, value: int) -> int:
+        return int(value)
+
     def gather(self, obj: Any) -> list[Any] | None:
         return [obj]
 
@@ -152,6 +159,14 @@ class StrategyComm:
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return [bool(v) for v in t.tolist()]
 
+    def all_max(self, value: int) -> int:
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.int32, device=self.strategy.root_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
     def gather(self, obj: Any) -> list[Any] | None:
         import torch.distributed as dist
 
@@ -179,6 +194,7 @@ class GroupComm:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self._max_box: Any = None  # (all_max's tensor, made once)
 
     def barrier(self) -> None:
         self._dist.barrier(group=self.group)
@@ -197,6 +213,16 @@ class GroupComm:
         t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
         self._dist.all_reduce(t, op=self._dist.ReduceOp.MIN, group=self.group)
         return [bool(v) for v in t.tolist()]
+
+    def all_max(self, value: int) -> int:
+        t = self._max_box
+        if t is None:
+            import torch
+
+            t = self._max_box = torch.zeros(1, dtype=torch.int32)
+        t[0] = value
+        self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self.group)
+        return int(t[0])
 
     def gather(self, obj: Any) -> list[Any] | None:
         box: list[Any] | None = [None] * self.world_size if self.rank == 0 else None

@@ -14,6 +14,7 @@ from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.backends.registry import parse_tier
 from lightning_snapshot.errors import ConfigError
 from lightning_snapshot.interval import parse_duration
+from lightning_snapshot.preempt import DEFAULT_SIGNALS, parse_signals
 
 __all__ = ["ON_ERROR", "ON_REPLICA_MISMATCH", "SnapshotConfig"]
 
@@ -42,6 +43,8 @@ class SnapshotConfig:
     #: the replica check's slices (the state is compared across ranks over this many snapshots), or None: off
     replica_check: int | None = 4
     on_replica_mismatch: str = "warn"
+    #: the signal numbers the fit owns as a preemption notice (empty: Lightning's own handling)
+    preemption_signals: tuple[int, ...] = (15,)
 
     @classmethod
     def create(
@@ -60,6 +63,7 @@ class SnapshotConfig:
         mtbf: float | str | None,
         replica_check: int | None = 4,
         on_replica_mismatch: str = "warn",
+        preemption_signals: Any = DEFAULT_SIGNALS,
     ) -> SnapshotConfig:
         """Validate the callback's arguments (tier URLs are parsed into backends).
 
@@ -119,6 +123,7 @@ class SnapshotConfig:
             mtbf=None if mtbf is None else parse_duration(mtbf, "mtbf"),
             replica_check=replica_check,
             on_replica_mismatch=on_replica_mismatch,
+            preemption_signals=parse_signals(preemption_signals),
         )
 
 

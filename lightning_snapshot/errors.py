@@ -18,6 +18,7 @@ __all__ = [
     "FormatVersionError",
     "ManifestError",
     "NotDurableError",
+    "Preempted",
     "ReplicaMismatchError",
     "SnapshotError",
     "SnapshotNotFoundError",
@@ -98,3 +99,23 @@ class AgentError(SnapshotError, RuntimeError):
 class ReplicaMismatchError(SnapshotError, RuntimeError):
     """Under data parallelism, the ranks' replicas of the parameters or optimizer state disagree
     (``on_replica_mismatch="raise"``); the message names the tensors and the ranks."""
+
+
+class Preempted(SystemExit):
+    """The fit was stopped by a preemption signal (``preemption_signals``), on every rank at the same step, after
+    that step was snapshotted: a ``SystemExit`` whose status is 128 + the signal number (143 for SIGTERM), so that a
+    process that does not catch it exits as a signalled one would, and a supervisor restarts it. Not a
+    :class:`SnapshotError`: nothing failed."""
+
+    def __init__(self, signum: int, step: int, durable: bool) -> None:
+        super().__init__(128 + signum)
+        #: the signal number, the step snapshotted, and whether a durable tier held it within ``sigterm_grace``
+        self.signum = signum
+        self.step = step
+        self.durable = durable
+
+    def __str__(self) -> str:
+        return (
+            f"preempted by signal {self.signum} at step {self.step}"
+            f" ({'durable' if self.durable else 'not durable within sigterm_grace'}); exit status {self.code}"
+        )

@@ -17,7 +17,15 @@ from typing import Any
 
 from lightning.pytorch.loops.loop import _Loop
 
-__all__ = ["Patches", "install_fit_hooks", "make_loaders_at_epoch", "resume_loops", "shift_batch_counters"]
+__all__ = [
+    "Patches",
+    "install_fit_hooks",
+    "make_loaders_at_epoch",
+    "own_signals",
+    "resume_loops",
+    "shift_batch_counters",
+    "slurm_requeue_signal",
+]
 
 
 class Patches:
@@ -177,3 +185,34 @@ def shift_batch_counters(trainer: Any, consumed: int) -> None:
         current.started += delta
         current.processed += delta
         current.completed += delta
+
+
+def own_signals(patches: Patches, trainer: Any, install: Callable[[], bool], sigterm: bool) -> None:
+    """Lightning registers its signal handlers when training is about to run (``_SignalConnector
+    .register_signal_handlers``, after ``on_fit_start``, recording the handlers before it to give back at its
+    teardown): ``install()`` (which takes the preemption signals over) runs right after it. With SIGTERM owned, the
+    epoch loop's per-batch broadcast of rank 0's SIGTERM flag (``_broadcast_sigterm_tensor``, a collective and, on a
+    GPU, a device synchronisation per batch) has nothing to broadcast any more (Lightning's flag is never set): it is
+    skipped for the fit."""
+    connector = trainer._signal_connector
+    original = connector.register_signal_handlers
+
+    def register_signal_handlers() -> None:
+        original()
+        install()
+
+    patches.install(connector, "register_signal_handlers", register_signal_handlers)
+    epoch_loop = trainer.fit_loop.epoch_loop
+    if sigterm and hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
+        patches.install(epoch_loop, "_broadcast_sigterm_tensor", lambda: None)
+
+
+def slurm_requeue_signal(environment: Any) -> int | None:
+    """The signal of Lightning's SLURM auto-requeue (``SLURMEnvironment(auto_requeue=True)``, SIGUSR1 by default), or
+    None when the job does not requeue itself."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    if not isinstance(environment, SLURMEnvironment) or not environment.auto_requeue:
+        return None
+    signum = environment.requeue_signal
+    return int(signum) if signum is not None else None

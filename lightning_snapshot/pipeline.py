@@ -14,7 +14,7 @@ States of one fit's pipeline (one :class:`SnapshotPipeline`, made by the callbac
 - **in flight** (``inflight``): until the background copy of the weights is complete, every point that may change
   them waits for it first (``fence``: the next optimizer step, validation, a parameter frozen since).
 
-The end of fit and a SIGTERM take a last snapshot of every tier synchronously. What happens is told to the
+The end of fit and a preemption take a last snapshot of every tier synchronously. What happens is told to the
 :class:`~lightning_snapshot.reporting.Reporter`; the pipeline owns no policy.
 """
 
@@ -477,14 +477,16 @@ class SnapshotPipeline:
                     copy.fence_training()
         self.inflight = None
 
-    def on_sigterm(self, trainer: Any, pl_module: Any) -> None:
-        """Preemption (SIGTERM, through Lightning's signal handling, on every rank together): snapshot the current
-        step into every tier and wait, within ``sigterm_grace`` seconds, until a durable tier holds it."""
+    def last_snapshot(self, trainer: Any, pl_module: Any, reason: str, since: float) -> tuple[int, bool]:
+        """Preemption (every rank together, at the point a snapshot is taken): snapshot the current step into every
+        tier (a snapshot of it already pending is extended to every tier: one capture) and wait until a durable tier
+        holds it, within ``sigterm_grace`` seconds of ``since`` (``time.monotonic()`` when the signal came). Returns
+        the step and whether a durable tier holds it."""
         grace = self.config.sigterm_grace
-        t0 = time.monotonic()
+        deadline = since + grace
         step = trainer.global_step
         self.fence()  # (training stopped between steps: the copy in flight is settled, not torn by it)
-        self.persister.drain(timeout=grace / 2)
+        self.persister.drain(timeout=max(0.0, (deadline - time.monotonic()) / 2))
         if self.pending is not None and self.pending[0] == step:
             self.pending = (step, self.pending[1], list(range(len(self.tiers))))
         elif step > self.start_step:
@@ -494,24 +496,31 @@ class SnapshotPipeline:
         if self.pending is not None:
             self._finish(trainer)
         self.fence()  # (the weights it staged: the persist threads commit once the copy is settled)
-        late = self.persister.drain(timeout=max(0.0, grace - (time.monotonic() - t0)))
+        late = self.persister.drain(timeout=max(0.0, deadline - time.monotonic()))
         self.reporter.collect(self.persister, step, self.schedule)
         committed = self.reporter.committed
         held = [t.url for i, t in enumerate(self.tiers) if committed.get(i) == step]
         durable = [t.url for i, t in enumerate(self.tiers) if t.durable and committed.get(i) == step]
+        seconds = time.monotonic() - since
+        if step <= self.start_step:  # (no optimizer step in this fit: nothing new to lose)
+            rank_zero_info(f"lightning-snapshot: {reason}: at step {step}, where this fit started; nothing to snapshot")
+            return step, True
         if durable:
             rank_zero_info(
-                f"lightning-snapshot: SIGTERM: step {step} is held by {', '.join(held)} ({time.monotonic() - t0:.1f} s)"
+                f"lightning-snapshot: {reason}: step {step} is held by {', '.join(held)} ({seconds:.1f} s after the"
+                " signal)"
             )
         else:
             log.error(
-                "lightning-snapshot: SIGTERM: step %d did not become durable within sigterm_grace=%s s"
+                "lightning-snapshot: %s: step %d did not become durable within sigterm_grace=%s s"
                 " (held by: %s; still writing: %s)",
+                reason,
                 step,
                 grace,
                 held or "none",
                 [t.url for t in late] or "none",
             )
+        return step, bool(durable)
 
     def close(self) -> None:
         """Drop the snapshot still staged (it has no rank state) and settle the copy in flight (after an exception,

@@ -41,6 +41,9 @@ class FitSession:
         self.run_id = run_id
         #: one process group per tier (``LocalComm`` in a single process)
         self.tier_comms: list[Comm] = [LocalComm() for _ in self.tiers]
+        #: the training thread's own gloo group (``LocalComm`` in a single process): the preemption agreement's
+        #: per-step all-reduce, which must never synchronise a device (the trainer's group may be NCCL)
+        self.step_comm: Comm = LocalComm()
         self.arena: HostArena | None = None
         self.persister: Persister | None = None
         self.agent: Any = None
@@ -66,8 +69,10 @@ class FitSession:
             # main group, and a tier in an outage never blocks another's commits; a stuck peer fails a collective
             # after collective_timeout (a dead one at once)
             timeout = dt.timedelta(seconds=config.collective_timeout)
-            groups = new_gloo_groups([f"the {t.tier} tier {t.url}" for t in self.tiers], timeout, self.run_id)
-            self.tier_comms = [GroupComm(group) for group in groups]
+            names = [f"the {t.tier} tier {t.url}" for t in self.tiers] + ["the preemption agreement"]
+            groups = new_gloo_groups(names, timeout, self.run_id)
+            self.tier_comms = [GroupComm(group) for group in groups[:-1]]
+            self.step_comm = GroupComm(groups[-1])
         self._setup_node_local_tiers(trainer)
         self._check_tiers()  # (after the local tiers know their node's directory; before the agent starts)
         self._setup_ram_tier(trainer)
@@ -164,11 +169,12 @@ class FitSession:
             part_wait=self.config.collective_timeout,
         )
 
-    def close(self, abort: bool) -> None:
-        """Stop the background machinery, waiting at most ``shutdown_timeout`` for the persist threads (``abort``:
-        after an exception, snapshots still queued are dropped and retries stop)."""
+    def close(self, abort: bool, timeout: float | None = None) -> None:
+        """Stop the background machinery, waiting at most ``timeout`` (default ``shutdown_timeout``) for the persist
+        threads (``abort``: after an exception, snapshots still queued are dropped and retries stop)."""
         if self.persister is not None:
-            self.persister.close(timeout=self.config.shutdown_timeout, abort=abort)
+            wait = self.config.shutdown_timeout if timeout is None else timeout
+            self.persister.close(timeout=wait, abort=abort)
             self.persister = None
         if self.agent is not None:
             self.agent.close()

@@ -209,14 +209,14 @@ def test_a_finished_fit_continued_ends_as_one_longer_fit(tmp_path, name, first):
 
 @pytest.mark.slow
 def test_sigterm_snapshots_the_current_step_and_the_rerun_continues_exactly(tmp_path):
-    """A preempted job (SIGTERM through Lightning's signal handling) snapshots the step it stopped at, although no
-    snapshot was due (every 100 steps), and the rerun continues exactly. (Lightning ends the run with its
-    ``SIGTERMException``, a ``SystemExit`` without a code: exit status 0.)"""
+    """A preempted job (SIGTERM, owned by the callback during the fit) snapshots the step it stopped at, although no
+    snapshot was due (every 100 steps), exits with status 143 (128 + SIGTERM: not a finished run), and the rerun
+    continues exactly."""
     args = ("--every", "100", "--max-steps", "24")
     run_setup(tmp_path / "ref", "val-interval", *args)
     d = tmp_path / "preempted"
     proc = run_script("setups.py", "--dir", str(d), "--out", str(d / "out.pt"), "--setup", "val-interval", *args,
-                      "--sigterm-at", "9")
+                      "--sigterm-at", "9", expect_rc=143)
     steps = committed_steps(LocalTier(d / "snaps"))
     assert steps and 9 <= steps[0] <= 10, f"no snapshot of the preempted step: {steps}\n{proc.stderr[-2000:]}"
     assert f"SIGTERM: step {steps[0]} is held by" in proc.stderr + proc.stdout

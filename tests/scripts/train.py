@@ -61,10 +61,17 @@ class Model(L.LightningModule):
             self.net = nn.Sequential(nn.Linear(8, hidden), nn.BatchNorm1d(hidden), nn.ReLU(), nn.Dropout(dropout),
                                      nn.Linear(hidden, 1))
         self.seen = []
+        self.val_delay = 0.0
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         return nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        if self.val_delay:
+            time.sleep(self.val_delay)
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
@@ -179,6 +186,63 @@ class CrashAfterRestore(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _job_processes() -> list[int]:
+    """Every process of this torchrun job: the launcher (this rank's parent) and all its descendants (the ranks and
+    their loader workers), as SLURM's scancel --signal reaches every process of a job step."""
+    root = os.getppid()
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        for task in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else []:
+            try:
+                with open(f"/proc/{pid}/task/{task}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+            except OSError:
+                pass
+    return found
+
+
+class SendSignal(L.Callback):
+    """Preempt the job as a cluster would: at ``global_step == at`` (after that step's optimizer step; ``during``
+    "validation": during the first validation batch from that step on), send ``sig`` to ``to``: "self" (this process,
+    rank ``rank``), "launcher" (torchrun, which forwards it to its workers' process groups) or "all" (every process
+    of the job, loader workers included). Prints ``SIGNAL-SENT step=S`` first."""
+
+    test_harness = True
+
+    def __init__(self, at: int, to: str, rank: int, during: str, sig: int) -> None:
+        self.at, self.to, self.rank, self.during, self.sig = at, to, rank, during, sig
+        self.sent = False
+
+    def _send(self, trainer) -> None:
+        if self.sent or trainer.global_rank != self.rank or trainer.global_step < self.at:
+            return
+        self.sent = True
+        sys.stdout.flush()
+        os.write(sys.stdout.fileno(), f"SIGNAL-SENT step={trainer.global_step} to={self.to}\n".encode())
+        if self.to == "self":
+            os.kill(os.getpid(), self.sig)
+        elif self.to == "launcher":
+            os.kill(os.getppid(), self.sig)
+        else:
+            for pid in _job_processes():
+                try:
+                    os.kill(pid, self.sig)
+                except ProcessLookupError:
+                    pass
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.during == "train":
+            self._send(trainer)
+        if self.sent or trainer.global_step >= self.at:  # (the steps trained from the signal on: none may be lost)
+            os.write(sys.stdout.fileno(), f"STEP-END step={trainer.global_step} rank={trainer.global_rank}\n".encode())
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        if self.during == "validation" and trainer.training is False and trainer.state.fn == "fit":
+            self._send(trainer)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--dir", required=True)
@@ -232,6 +296,14 @@ def main() -> None:
     p.add_argument("--kill-at", type=int, default=-1,
                    help="SIGKILL at this global step, waiting only for the RAM tier (if any) to hold the newest step"
                         " due in it (its agent has it then), not for any durable tier")
+    p.add_argument("--signal-at", type=int, default=-1, help="send a preemption signal at this global step...")
+    p.add_argument("--signal-to", choices=["self", "launcher", "all"], default="self", help="...to these processes")
+    p.add_argument("--signal-rank", type=int, default=0, help="...from (or, with 'self', to) this rank")
+    p.add_argument("--signal-during", choices=["train", "validation"], default="train")
+    p.add_argument("--signal", default="SIGTERM", help="the signal sent (and the one the callback owns)")
+    p.add_argument("--val-every", type=int, default=0, help="validate every N training batches (0: never)")
+    p.add_argument("--val-delay", type=float, default=0.0, help="seconds each validation batch sleeps")
+    p.add_argument("--sigterm-grace", type=float, default=25.0)
     a = p.parse_args()
     a.dir = os.path.expandvars(a.dir)  # (a path from an environment variable: each simulated node its own)
 
@@ -271,7 +343,8 @@ def main() -> None:
         tiers.append(ObjectStoreTier(a.s3, storage_options=s3_options(a.endpoint),
                                      every_n_train_steps=a.s3_every or a.every, keep_last=2, retry_initial=0.1))
     callbacks = [SnapshotCallback(tiers, resume=not a.no_resume, collective_timeout=a.collective_timeout,
-                                  max_restores=a.max_restores)]
+                                  max_restores=a.max_restores, sigterm_grace=a.sigterm_grace,
+                                  preemption_signals=[a.signal])]
     callbacks.append(ReportRestore(callbacks[0]))  # (before CrashAfterRestore: the restore is reported first)
     if a.nan_at >= 0:
         callbacks.append(NanGradient(a.nan_at))
@@ -281,6 +354,9 @@ def main() -> None:
         callbacks.append(Crash(a.crash_at, tiers, newest=bool(a.ram_every) or a.crash_after_newest))
     if a.raise_at >= 0:
         callbacks.append(Raise(a.raise_at, a.raise_rank, tier))
+    if a.signal_at >= 0:
+        callbacks.append(SendSignal(a.signal_at, a.signal_to, a.signal_rank, a.signal_during,
+                                    int(getattr(signal, a.signal))))
     if a.kill_at >= 0:
         callbacks.append(Crash(a.kill_at, tiers[:1] if a.ram_every else [], newest=True))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -293,7 +369,13 @@ def main() -> None:
         from lightning.pytorch.strategies import DDPStrategy
 
         strategy = DDPStrategy(find_unused_parameters=a.find_unused, static_graph=a.static_graph)
+    model.val_delay = a.val_delay
+    val_loader = None
+    if a.val_every:
+        val_loader = DataLoader(Squares(16), batch_size=a.batch_size, num_workers=a.workers)
+    validation = dict(val_check_interval=a.val_every, num_sanity_val_steps=0) if a.val_every else {}
     trainer = L.Trainer(
+        **validation,
         accelerator=a.accelerator,
         devices=a.devices,
         num_nodes=a.num_nodes,
@@ -306,7 +388,12 @@ def main() -> None:
         enable_model_summary=False,
         deterministic=True,
     )
-    trainer.fit(model, loader)
+    try:
+        trainer.fit(model, loader, val_loader)
+    except SystemExit as e:  # (a preemption: report the status each rank exits with)
+        sys.stdout.flush()
+        os.write(sys.stdout.fileno(), f"EXITING status={e.code} rank={trainer.global_rank}\n".encode())
+        raise
     result = capture(trainer, model)
     out = a.out if trainer.global_rank == 0 else f"{a.out}.rank{trainer.global_rank}"
     torch.save(result, out)

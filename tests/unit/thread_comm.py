@@ -40,6 +40,9 @@ class ThreadComm:
     def all_true_each(self, flags: list[bool]) -> list[bool]:
         return [all(f) for f in zip(*self._exchange(list(flags)), strict=True)]
 
+    def all_max(self, value: int) -> int:
+        return max(self._exchange(int(value)))
+
     def gather(self, obj: Any) -> list[Any] | None:
         seen = self._exchange(obj)
         return seen if self.rank == 0 else None

@@ -1,0 +1,223 @@
+"""Preemption: the signals a fit owns, the ranks' agreement to stop, and loader workers kept out of the way.
+
+A preempted job gets a signal (SIGTERM from Kubernetes, SLURM or torchrun; SIGUSR1 from SLURM's ``--signal``) on one
+rank, on every process, or through its launcher, and SIGKILL some seconds later. While a fit runs
+:class:`Preemption` owns those signals:
+
+- the handler (:func:`_record`) only records the signal number and when it came: no collective, no I/O, nothing
+  that can block (Lightning's own handler broadcasts from inside the handler, which hangs against the training's
+  collectives when one rank is signalled);
+- the ranks agree once per optimizer step, at the point a snapshot is taken (right before the next batch is
+  fetched, after validation and epoch-end hooks), with one all-reduce of the signal number over the library's own
+  gloo group (Megatron-LM's per-iteration all-gather of a flag; never the trainer's NCCL group, so no device
+  synchronisation): any rank's signal stops every rank at the same step;
+- DataLoader workers started during the fit are created with the preemption signals blocked, so a signal sent to
+  the whole process group (torchrun and SLURM do) cannot kill them: a worker killed by it would otherwise crash the
+  training thread mid-step before the step could be made durable.
+
+The callback then snapshots the step into every tier, waits until a durable tier holds it (``sigterm_grace``), and
+raises :class:`~lightning_snapshot.errors.Preempted`, a ``SystemExit`` with status 128 + the signal number. Pure
+bookkeeping apart from the signal module: no I/O, no process group of its own (the comm is given).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from lightning_snapshot.errors import ConfigError
+
+__all__ = ["DEFAULT_SIGNALS", "Preemption", "parse_signals", "requeue_slurm_job"]
+
+log = logging.getLogger(__name__)
+
+#: The signals a fit owns unless told otherwise.
+DEFAULT_SIGNALS = ("SIGTERM",)
+
+#: [signal number of the first preemption signal (0: none), time.monotonic() when it came, signals received]: set
+#: by the handler only (preallocated; the handler assigns into it and returns)
+_received: list[Any] = [0, 0.0, 0]
+
+#: Signals that cannot be owned: they are not a preemption notice, or Python cannot handle them.
+_REFUSED = {"SIGKILL", "SIGSTOP", "SIGCHLD", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT", "SIGPIPE"}
+
+
+def _record(signum: int, frame: Any) -> None:
+    """The preemption signals' handler: record, nothing else (a second signal changes nothing)."""
+    if not _received[0]:
+        _received[1] = time.monotonic()
+        _received[0] = signum
+    _received[2] += 1
+
+
+def parse_signals(value: Any) -> tuple[int, ...]:
+    """The signal numbers of a ``preemption_signals`` option: names (``"SIGTERM"``, ``"TERM"``, ``"USR1"``) or
+    numbers, one or a list; empty: Lightning's own handling is left as it is.
+
+    Raises:
+        ConfigError: naming the value that is not a signal this library can own, and what it accepts.
+    """
+    if value is None:
+        return ()
+    if isinstance(value, (str, int)) and not isinstance(value, bool):
+        value = [value]
+    if not isinstance(value, Sequence):
+        raise ConfigError(f"preemption_signals must be a signal name, a number or a list of them, got {value!r}")
+    out: list[int] = []
+    for item in value:
+        if isinstance(item, bool) or not isinstance(item, (str, int)):
+            raise ConfigError(f"preemption_signals: {item!r} is not a signal name or number (e.g. 'SIGTERM', 'USR1')")
+        try:
+            sig = signal.Signals(item) if isinstance(item, int) else signal.Signals[_signal_name(item)]
+        except (KeyError, ValueError):
+            raise ConfigError(
+                f"preemption_signals: {item!r} is not a signal of this platform (e.g. 'SIGTERM', 'SIGUSR1', 15)"
+            ) from None
+        if sig.name in _REFUSED:
+            raise ConfigError(
+                f"preemption_signals: {sig.name} cannot be a preemption signal (it cannot be handled, or it means"
+                " something else); clusters send SIGTERM, SIGUSR1/SIGUSR2 (SLURM --signal), SIGINT or SIGHUP"
+            )
+        if int(sig) not in out:
+            out.append(int(sig))
+    return tuple(out)
+
+
+def _signal_name(text: str) -> str:
+    name = text.strip().upper()
+    return name if name.startswith("SIG") else f"SIG{name}"
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+class Preemption:
+    """One fit's ownership of the preemption signals and its ranks' agreement to stop.
+
+    Args:
+        signals: the signal numbers owned (:func:`parse_signals`).
+        comm: the collective the ranks agree over (the library's training-thread gloo group; a single process: a
+            local one). Called only from the training thread, at points every rank reaches together.
+    """
+
+    def __init__(self, signals: Sequence[int], comm: Any) -> None:
+        self.signals = tuple(signals)
+        self.comm = comm
+        self._previous: dict[int, Any] = {}
+        self._polled: int | None = None
+        self._iter_init: Any = None
+        #: the signal number the ranks agreed to stop for (0: none yet)
+        self.agreed = 0
+
+    # ------------------------------------------------------------------------------------------- ownership
+    def install(self) -> bool:
+        """Own the signals (replacing Lightning's handlers, kept to be given back); False when this is not the main
+        thread (Python delivers signals there only): the previous handling stays."""
+        if not self.signals or self._previous:
+            return bool(self._previous)
+        if threading.current_thread() is not threading.main_thread():
+            log.warning(
+                "lightning-snapshot: trainer.fit runs outside the main thread, so the preemption signals (%s) cannot"
+                " be handled by the library; a preemption is handled by Lightning, if at all",
+                ", ".join(signal_name(s) for s in self.signals),
+            )
+            return False
+        _received[0], _received[1], _received[2] = 0, 0.0, 0
+        for sig in self.signals:
+            self._previous[sig] = signal.getsignal(sig)
+            signal.signal(sig, _record)
+        self._guard_workers()
+        return True
+
+    def restore(self) -> None:
+        """Give the signals back to the handlers they had (where the handler is still this module's: Lightning's
+        teardown may have restored its originals already). Idempotent."""
+        for sig, handler in self._previous.items():
+            if signal.getsignal(sig) is _record and threading.current_thread() is threading.main_thread():
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        self._previous = {}
+        self._unguard_workers()
+
+    @property
+    def owned(self) -> bool:
+        return bool(self._previous)
+
+    @staticmethod
+    def received() -> tuple[int, float]:
+        """(the first preemption signal this process recorded, or 0; when, in ``time.monotonic()``)."""
+        return int(_received[0]), float(_received[1])
+
+    # ------------------------------------------------------------------------------------------- agreement
+    def poll(self, step: int) -> int:
+        """Collective, once per ``step`` (the trainer's ``global_step``, the same on every rank; later calls at the
+        same step return 0 without a collective): the signal some rank received (the highest number when several
+        did), or 0 when none did. Every rank gets the same answer at the same step."""
+        if not self._previous or self.agreed or step == self._polled:
+            return 0
+        self._polled = step
+        agreed = int(_received[0])  # BROKEN
+        if agreed:
+            self.agreed = agreed
+        return agreed
+
+    # ------------------------------------------------------------------------------------------- loader workers
+    def _guard_workers(self) -> None:
+        """Start every multi-process loader iterator of the fit with the signals blocked: its workers (forked or
+        spawned: a child inherits the signal mask) never receive them, and the main thread gets the ones that came
+        meanwhile when the mask is restored."""
+        try:
+            from torch.utils.data import dataloader
+        except ImportError:  # pragma: no cover - torch always has it
+            return
+        cls = dataloader._MultiProcessingDataLoaderIter  # private: where a loader starts its workers
+        original = cls.__dict__["__init__"]
+        signals = set(self.signals)
+
+        def __init__(it: Any, *args: Any, **kwargs: Any) -> None:
+            if threading.current_thread() is not threading.main_thread():
+                original(it, *args, **kwargs)
+                return
+            before = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+            try:
+                original(it, *args, **kwargs)
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+        __init__.__wrapped__ = original  # type: ignore[attr-defined]
+        setattr(cls, "__init__", __init__)  # noqa: B010 - (a method replaced for the fit)
+        self._iter_init = (cls, original, __init__)
+
+    def _unguard_workers(self) -> None:
+        if self._iter_init is None:
+            return
+        cls, original, installed = self._iter_init
+        self._iter_init = None
+        if cls.__dict__.get("__init__") is installed:
+            setattr(cls, "__init__", original)  # noqa: B010
+
+
+def requeue_slurm_job() -> str:
+    """``scontrol requeue`` this SLURM job (what Lightning's auto-requeue does on its signal); returns what happened,
+    for the log. Called by global rank 0 only, once the snapshot is durable."""
+    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job = f"{array_job}_{os.environ.get('SLURM_ARRAY_TASK_ID', '')}" if array_job else os.environ.get("SLURM_JOB_ID")
+    if not job or not re.fullmatch(r"[0-9]+(_[0-9]+)?", job):
+        return f"not requeued: no valid SLURM job id in the environment ({job!r})"
+    try:
+        result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"requeueing SLURM job {job} failed: {e}"
+    if result.returncode != 0:
+        return f"requeueing SLURM job {job} failed (scontrol exit status {result.returncode}): {result.stderr.strip()}"
+    return f"SLURM job {job} requeued"
