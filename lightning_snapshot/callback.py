@@ -408,9 +408,12 @@ class SnapshotCallback(Checkpoint):
         signum = preemption.poll(trainer.global_step)
         if not signum:
             return
-        _, since = preemption.received()
+        mine, since = preemption.received()
+        what = "the signal reached this rank" if mine else "the ranks agreed to stop (another rank was signalled)"
         name = signal_name(signum)
-        step, durable = pipeline.last_snapshot(trainer, trainer.lightning_module, name, since or time.monotonic())
+        step, durable = pipeline.last_snapshot(
+            trainer, trainer.lightning_module, name, since if mine else time.monotonic(), what
+        )
         if signum == self._requeue_signal and trainer.global_rank == 0:
             log.warning("lightning-snapshot: %s", requeue_slurm_job())
         raise Preempted(signum, step, durable)
@@ -454,6 +457,8 @@ class SnapshotCallback(Checkpoint):
 
     def _end_of_fit(self, trainer: Any) -> None:
         """Fit's last snapshot, when the training loop ends, before the ``on_train_end`` hooks."""
+        if self._preemption is not None:
+            self._preemption.settle()  # (the last step's agreement: every rank started it)
         if self._pipeline is not None:
             self._pipeline.end_of_fit(trainer, trainer.lightning_module)
 

@@ -19,6 +19,7 @@ __all__ = [
     "Comm",
     "GroupComm",
     "LocalComm",
+    "Pending",
     "StrategyComm",
     "TensorComm",
     "agree",
@@ -27,6 +28,33 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+class Pending(Protocol):
+    """A collective started and not yet waited for (:meth:`Comm.all_max_start`)."""
+
+    def result(self) -> int: ...
+
+
+class _Ready:
+    """A :class:`Pending` whose result is known already (one process)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = int(value)
+
+    def result(self) -> int:
+        return self.value
+
+
+class _Started:
+    """A gloo all-reduce in flight and the tensor it reduces into."""
+
+    def __init__(self, work: Any, box: Any) -> None:
+        self.work, self.box = work, box
+
+    def result(self) -> int:
+        self.work.wait()
+        return int(self.box[0])
 
 
 class Comm(Protocol):
@@ -45,8 +73,11 @@ class Comm(Protocol):
         """Element-wise :meth:`all_true` of equally long lists, in one collective."""
 
     def all_max(self, value: int) -> int:
-        """The largest of every rank's ``value`` (an int32), on every rank; one collective of a preallocated
-        tensor (nothing pickled, nothing allocated: called once per training step by the preemption agreement)."""
+        """The largest of every rank's ``value`` (an int32), on every rank; one collective of a small tensor."""
+
+    def all_max_start(self, value: int) -> Pending:
+        """:meth:`all_max`, started without waiting for it (the preemption agreement, once per training step, reads
+        it a step later): its ``result()`` waits. Every rank starts the same ones in the same order."""
 
     def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj`` (small, plain values), in rank order, on rank 0; None on the others."""
@@ -125,6 +156,9 @@ class LocalComm:
     def all_max(self, value: int) -> int:
         return int(value)
 
+    def all_max_start(self, value: int) -> Pending:
+        return _Ready(value)
+
     def gather(self, obj: Any) -> list[Any] | None:
         return [obj]
 
@@ -167,6 +201,9 @@ class StrategyComm:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t.item())
 
+    def all_max_start(self, value: int) -> Pending:
+        return _Ready(self.all_max(value))  # (the trainer's group may be NCCL: not used for this per step)
+
     def gather(self, obj: Any) -> list[Any] | None:
         import torch.distributed as dist
 
@@ -194,7 +231,6 @@ class GroupComm:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self._max_box: Any = None  # (all_max's tensor, made once)
 
     def barrier(self) -> None:
         self._dist.barrier(group=self.group)
@@ -215,14 +251,14 @@ class GroupComm:
         return [bool(v) for v in t.tolist()]
 
     def all_max(self, value: int) -> int:
-        t = self._max_box
-        if t is None:
-            import torch
+        return self.all_max_start(value).result()
 
-            t = self._max_box = torch.zeros(1, dtype=torch.int32)
-        t[0] = value
-        self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self.group)
-        return int(t[0])
+    def all_max_start(self, value: int) -> Pending:
+        import torch
+
+        box = torch.tensor([value], dtype=torch.int32)
+        work = self._dist.all_reduce(box, op=self._dist.ReduceOp.MAX, group=self.group, async_op=True)
+        return _Started(work, box)
 
     def gather(self, obj: Any) -> list[Any] | None:
         box: list[Any] | None = [None] * self.world_size if self.rank == 0 else None

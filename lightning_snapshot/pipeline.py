@@ -477,7 +477,9 @@ class SnapshotPipeline:
                     copy.fence_training()
         self.inflight = None
 
-    def last_snapshot(self, trainer: Any, pl_module: Any, reason: str, since: float) -> tuple[int, bool]:
+    def last_snapshot(
+        self, trainer: Any, pl_module: Any, reason: str, since: float, since_what: str = "the signal"
+    ) -> tuple[int, bool]:
         """Preemption (every rank together, at the point a snapshot is taken): snapshot the current step into every
         tier (a snapshot of it already pending is extended to every tier: one capture) and wait until a durable tier
         holds it, within ``sigterm_grace`` seconds of ``since`` (``time.monotonic()`` when the signal came). Returns
@@ -507,8 +509,8 @@ class SnapshotPipeline:
             return step, True
         if durable:
             rank_zero_info(
-                f"lightning-snapshot: {reason}: step {step} is held by {', '.join(held)} ({seconds:.1f} s after the"
-                " signal)"
+                f"lightning-snapshot: {reason}: step {step} is held by {', '.join(held)} ({seconds:.1f} s after"
+                f" {since_what})"
             )
         else:
             log.error(

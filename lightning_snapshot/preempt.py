@@ -10,7 +10,8 @@ rank, on every process, or through its launcher, and SIGKILL some seconds later.
 - the ranks agree once per optimizer step, at the point a snapshot is taken (right before the next batch is
   fetched, after validation and epoch-end hooks), with one all-reduce of the signal number over the library's own
   gloo group (Megatron-LM's per-iteration all-gather of a flag; never the trainer's NCCL group, so no device
-  synchronisation): any rank's signal stops every rank at the same step;
+  synchronisation), started at one step and read at the next (no rank waits for it): any rank's signal stops every
+  rank at the same step, the one after the step it came in;
 - DataLoader workers started during the fit are created with the preemption signals blocked, so a signal sent to
   the whole process group (torchrun and SLURM do) cannot kill them: a worker killed by it would otherwise crash the
   training thread mid-step before the step could be made durable.
@@ -116,6 +117,7 @@ class Preemption:
         self.comm = comm
         self._previous: dict[int, Any] = {}
         self._polled: int | None = None
+        self._pending: Any = None  # (the all-reduce started at the previous step)
         self._iter_init: Any = None
         #: the signal number the ranks agreed to stop for (0: none yet)
         self.agreed = 0
@@ -162,20 +164,47 @@ class Preemption:
     def poll(self, step: int) -> int:
         """Collective, once per ``step`` (the trainer's ``global_step``, the same on every rank; later calls at the
         same step return 0 without a collective): the signal some rank received (the highest number when several
-        did), or 0 when none did. Every rank gets the same answer at the same step."""
+        did), or 0 when none did. Every rank gets the same answer at the same step.
+
+        Under several processes each call starts the all-reduce of this step's signal and reads the one the previous
+        call started, which finished while that step trained: no rank waits for the others here (a network round
+        trip per step), and a signal stops the ranks one optimizer step after the one it reached them in."""
         if not self._previous or self.agreed or step == self._polled:
             return 0
         self._polled = step
-        agreed = int(_received[0])  # BROKEN
+        local = self._local()
+        if self.comm.world_size == 1:
+            agreed = local
+        else:
+            earlier, self._pending = self._pending, self.comm.all_max_start(local)
+            agreed = earlier.result() if earlier is not None else 0
         if agreed:
             self.agreed = agreed
+            self.settle()
         return agreed
+
+    def settle(self) -> None:
+        """Wait for the agreement still in flight (every rank started it: at a stop, or at the end of the fit), so
+        that no collective of the group is left running. Not after an exception: a peer may be gone."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            try:
+                pending.result()
+            except Exception as e:  # noqa: BLE001 - a peer that failed: its own error says why
+                log.debug("lightning-snapshot: the last preemption agreement did not complete: %s", e)
+
+    def _local(self) -> int:
+        """The signal this process recorded (0: none)."""
+        return int(_received[0])
 
     # ------------------------------------------------------------------------------------------- loader workers
     def _guard_workers(self) -> None:
         """Start every multi-process loader iterator of the fit with the signals blocked: its workers (forked or
-        spawned: a child inherits the signal mask) never receive them, and the main thread gets the ones that came
-        meanwhile when the mask is restored."""
+        spawned: a child inherits the signal mask) never receive a signal sent to the whole process group, and the
+        main thread gets the ones that came meanwhile when the mask is restored. The main process can still stop a
+        worker: a forked worker exits when its parent sends it one of them (``terminate``, as torch's own worker
+        handler does), through a thread that waits for them (:func:`_after_fork`); a worker of another start method
+        is killed instead."""
         try:
             from torch.utils.data import dataloader
         except ImportError:  # pragma: no cover - torch always has it
@@ -184,15 +213,26 @@ class Preemption:
         original = cls.__dict__["__init__"]
         signals = set(self.signals)
 
-        def __init__(it: Any, *args: Any, **kwargs: Any) -> None:
+        def __init__(it: Any, loader: Any, *args: Any, **kwargs: Any) -> None:
             if threading.current_thread() is not threading.main_thread():
-                original(it, *args, **kwargs)
+                original(it, loader, *args, **kwargs)
                 return
             before = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+            _forking[0] = tuple(signals)
+            init = loader.worker_init_fn
+            loader.worker_init_fn = _GuardWorker(tuple(signals), init)  # (a spawned worker: see _GuardWorker)
             try:
-                original(it, *args, **kwargs)
+                original(it, loader, *args, **kwargs)
             finally:
+                loader.worker_init_fn = init
+                _forking[0] = ()
                 signal.pthread_sigmask(signal.SIG_SETMASK, before)
+                for worker in getattr(it, "_workers", ()):
+                    # a spawned worker ignores the signal terminate() sends: it is killed instead (also by
+                    # multiprocessing's exit handler, which terminates daemonic children through their Popen)
+                    popen = getattr(worker, "_popen", None)
+                    if popen is not None and type(popen).__module__ != "multiprocessing.popen_fork":
+                        popen.terminate = popen.kill
 
         __init__.__wrapped__ = original  # type: ignore[attr-defined]
         setattr(cls, "__init__", __init__)  # noqa: B010 - (a method replaced for the fit)
@@ -205,6 +245,75 @@ class Preemption:
         self._iter_init = None
         if cls.__dict__.get("__init__") is installed:
             setattr(cls, "__init__", original)  # noqa: B010
+
+
+#: the signals blocked while a guarded loader iterator forks its workers (empty otherwise)
+_forking: list[tuple[int, ...]] = [()]
+
+
+#: the signals this worker process guards against (set once its guard runs)
+_guarded: list[tuple[int, ...]] = [()]
+
+
+def _guard_this_worker(signals: tuple[int, ...], parent: int) -> None:
+    """In a loader worker: block ``signals`` and start a thread that takes them as they come, exiting the worker
+    when ``parent`` (the main process stopping it: ``terminate``) sent one, as torch's own worker handler does, and
+    ignoring the others (the cluster's signal to the process group, which the main process handles). Once."""
+    if _guarded[0] or not signals:
+        return
+    _guarded[0] = signals
+    signal.pthread_sigmask(signal.SIG_BLOCK, set(signals))
+
+    def watch() -> None:
+        while True:
+            info = signal.sigwaitinfo(signals)
+            if info.si_pid == parent:
+                os._exit(0)
+
+    threading.Thread(target=watch, name="lightning-snapshot-worker-signals", daemon=True).start()
+
+
+def _after_fork() -> None:
+    """In a process forked by a guarded loader iterator (a worker; the signals are blocked already, inherited)."""
+    signals = _forking[0]
+    if signals:
+        _forking[0] = ()
+        _guard_this_worker(signals, os.getppid())
+
+
+class _GuardWorker:
+    """The loader's ``worker_init_fn`` while a guarded iterator starts its workers. A worker started by spawn or
+    forkserver does not inherit the signal mask: it ignores the signals from the moment it unpickles this object,
+    before torch's worker loop runs (a signal during the interpreter's start-up before that can still kill it); a
+    forked worker is guarded already (:func:`_after_fork`). Then the user's own ``worker_init_fn`` runs."""
+
+    def __init__(self, signals: tuple[int, ...], inner: Any) -> None:
+        self.signals = signals
+        self.inner = inner
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"signals": self.signals, "inner": self.inner}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # (a spawned worker: threads that started with its imports, OpenMP's, do not block the signals and would
+        # take them: they are ignored instead, and the main process stops such a worker with SIGKILL)
+        self.signals, self.inner = state["signals"], state["inner"]
+        self._ignore = True
+        self._ignore_signals()
+
+    def _ignore_signals(self) -> None:
+        if getattr(self, "_ignore", False) and threading.current_thread() is threading.main_thread():
+            signal.pthread_sigmask(signal.SIG_BLOCK, set(self.signals))
+            for sig in self.signals:
+                signal.signal(sig, signal.SIG_IGN)
+
+    def __call__(self, worker_id: int) -> None:
+        self._ignore_signals()  # (again: torch's worker loop installed its own SIGTERM handler since)
+        if self.inner is not None:
+            self.inner(worker_id)
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def requeue_slurm_job() -> str:

@@ -11,6 +11,7 @@ import argparse
 import os
 import random
 import signal
+import subprocess
 import sys
 import time
 
@@ -186,10 +187,9 @@ class CrashAfterRestore(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _job_processes() -> list[int]:
-    """Every process of this torchrun job: the launcher (this rank's parent) and all its descendants (the ranks and
-    their loader workers), as SLURM's scancel --signal reaches every process of a job step."""
-    root = os.getppid()
+def _job_processes(root: int) -> list[int]:
+    """``root`` and all its descendants: for a torchrun job's launcher (this rank's parent), the ranks and their loader
+    workers, as SLURM's scancel --signal reaches every process of a job step."""
     found, todo = [], [root]
     while todo:
         pid = todo.pop()
@@ -211,8 +211,9 @@ class SendSignal(L.Callback):
 
     test_harness = True
 
-    def __init__(self, at: int, to: str, rank: int, during: str, sig: int) -> None:
+    def __init__(self, at: int, to: str, rank: int, during: str, sig: int, again: float = 0.0) -> None:
         self.at, self.to, self.rank, self.during, self.sig = at, to, rank, during, sig
+        self.again = again
         self.sent = False
 
     def _send(self, trainer) -> None:
@@ -220,17 +221,19 @@ class SendSignal(L.Callback):
             return
         self.sent = True
         sys.stdout.flush()
-        os.write(sys.stdout.fileno(), f"SIGNAL-SENT step={trainer.global_step} to={self.to}\n".encode())
+        os.write(sys.stdout.fileno(), f"SIGNAL-SENT step={trainer.global_step} to={self.to} at={time.time():.3f}\n".encode())
+        if self.again:  # a second signal while the preemption's snapshot is being written
+            import threading
+
+            threading.Timer(self.again, os.kill, (os.getpid(), self.sig)).start()
         if self.to == "self":
             os.kill(os.getpid(), self.sig)
         elif self.to == "launcher":
             os.kill(os.getppid(), self.sig)
-        else:
-            for pid in _job_processes():
-                try:
-                    os.kill(pid, self.sig)
-                except ProcessLookupError:
-                    pass
+        else:  # "all": the torchrun job; "tree": this process and its loader workers
+            # (sent by another process, as the cluster's agent does: a worker tells its parent's signal apart)
+            pids = _job_processes(os.getppid() if self.to == "all" else os.getpid())
+            subprocess.run(["kill", f"-{self.sig}", *map(str, pids)], check=False)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.during == "train":
@@ -297,13 +300,16 @@ def main() -> None:
                    help="SIGKILL at this global step, waiting only for the RAM tier (if any) to hold the newest step"
                         " due in it (its agent has it then), not for any durable tier")
     p.add_argument("--signal-at", type=int, default=-1, help="send a preemption signal at this global step...")
-    p.add_argument("--signal-to", choices=["self", "launcher", "all"], default="self", help="...to these processes")
+    p.add_argument("--signal-to", choices=["self", "launcher", "all", "tree"], default="self", help="...to these processes")
     p.add_argument("--signal-rank", type=int, default=0, help="...from (or, with 'self', to) this rank")
     p.add_argument("--signal-during", choices=["train", "validation"], default="train")
     p.add_argument("--signal", default="SIGTERM", help="the signal sent (and the one the callback owns)")
     p.add_argument("--val-every", type=int, default=0, help="validate every N training batches (0: never)")
     p.add_argument("--val-delay", type=float, default=0.0, help="seconds each validation batch sleeps")
     p.add_argument("--sigterm-grace", type=float, default=25.0)
+    p.add_argument("--signal-again", type=float, default=0.0, help="send the signal again this many seconds later")
+    p.add_argument("--slurm-requeue", action="store_true",
+                   help="SLURMEnvironment(auto_requeue=True) (the SLURM_* variables come from the test)")
     a = p.parse_args()
     a.dir = os.path.expandvars(a.dir)  # (a path from an environment variable: each simulated node its own)
 
@@ -344,7 +350,7 @@ def main() -> None:
                                      every_n_train_steps=a.s3_every or a.every, keep_last=2, retry_initial=0.1))
     callbacks = [SnapshotCallback(tiers, resume=not a.no_resume, collective_timeout=a.collective_timeout,
                                   max_restores=a.max_restores, sigterm_grace=a.sigterm_grace,
-                                  preemption_signals=[a.signal])]
+                                  preemption_signals=("SIGTERM",) if a.slurm_requeue else [a.signal])]
     callbacks.append(ReportRestore(callbacks[0]))  # (before CrashAfterRestore: the restore is reported first)
     if a.nan_at >= 0:
         callbacks.append(NanGradient(a.nan_at))
@@ -356,7 +362,7 @@ def main() -> None:
         callbacks.append(Raise(a.raise_at, a.raise_rank, tier))
     if a.signal_at >= 0:
         callbacks.append(SendSignal(a.signal_at, a.signal_to, a.signal_rank, a.signal_during,
-                                    int(getattr(signal, a.signal))))
+                                    int(getattr(signal, a.signal)), a.signal_again))
     if a.kill_at >= 0:
         callbacks.append(Crash(a.kill_at, tiers[:1] if a.ram_every else [], newest=True))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -374,6 +380,10 @@ def main() -> None:
     if a.val_every:
         val_loader = DataLoader(Squares(16), batch_size=a.batch_size, num_workers=a.workers)
     validation = dict(val_check_interval=a.val_every, num_sanity_val_steps=0) if a.val_every else {}
+    if a.slurm_requeue:
+        from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+        validation["plugins"] = [SLURMEnvironment(auto_requeue=True)]
     trainer = L.Trainer(
         **validation,
         accelerator=a.accelerator,

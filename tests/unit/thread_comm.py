@@ -43,6 +43,11 @@ class ThreadComm:
     def all_max(self, value: int) -> int:
         return max(self._exchange(int(value)))
 
+    def all_max_start(self, value: int):
+        from lightning_snapshot.comm import _Ready
+
+        return _Ready(self.all_max(value))
+
     def gather(self, obj: Any) -> list[Any] | None:
         seen = self._exchange(obj)
         return seen if self.rank == 0 else None
