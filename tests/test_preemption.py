@@ -217,3 +217,19 @@ def test_with_the_ram_tier_the_requeue_restores_from_node_memory(tmp_path, refer
     for suffix in ("", ".rank1"):
         assert assert_bitwise_equal(Path(f"{references['plain'] / 'out.pt'}{suffix}"),
                                     Path(f"{run / 'out.pt'}{suffix}"), since=step) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("during", ["backward", "accumulating"])
+def test_a_signal_mid_step_snapshots_the_last_whole_optimizer_step(tmp_path, during):
+    """SIGTERM in the middle of a step (right after its backward), and with gradients accumulated over 3 batches
+    after a batch that does not step: the snapshot is of a whole optimizer step, never of a half-done one, and the
+    rerun ends bitwise equal to an uninterrupted run with the same accumulation."""
+    accumulate = ("--accumulate", "3") if during == "accumulating" else ()
+    ref = tmp_path / "ref"
+    run_script("train.py", "--dir", str(ref / "local"), "--out", str(ref / "out.pt"), *ONE, *accumulate)
+    step, proc = _one(tmp_path, ref, *accumulate, "--signal-at", "5", "--signal-to", "self", "--signal-during",
+                      during)
+    # (sent during the step after step S, whose optimizer step then completes: that step is the one snapshotted)
+    sent = int(re.search(r"SIGNAL-SENT step=(\d+) ", proc.stdout).group(1))
+    assert sent >= 5 and step == sent + 1, (step, proc.stdout[-2000:])

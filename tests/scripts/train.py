@@ -245,6 +245,13 @@ class SendSignal(L.Callback):
         if self.during == "validation" and trainer.training is False and trainer.state.fn == "fit":
             self._send(trainer)
 
+    def on_after_backward(self, trainer, pl_module):
+        # "backward": in the middle of a step; "accumulating": after the backward of a batch that does not step
+        if self.during == "backward" or (
+            self.during == "accumulating" and trainer.fit_loop.epoch_loop._should_accumulate()
+        ):
+            self._send(trainer)
+
 
 def main() -> None:
     p = argparse.ArgumentParser()
@@ -302,7 +309,7 @@ def main() -> None:
     p.add_argument("--signal-at", type=int, default=-1, help="send a preemption signal at this global step...")
     p.add_argument("--signal-to", choices=["self", "launcher", "all", "tree"], default="self", help="...to these processes")
     p.add_argument("--signal-rank", type=int, default=0, help="...from (or, with 'self', to) this rank")
-    p.add_argument("--signal-during", choices=["train", "validation"], default="train")
+    p.add_argument("--signal-during", choices=["train", "validation", "backward", "accumulating"], default="train")
     p.add_argument("--signal", default="SIGTERM", help="the signal sent (and the one the callback owns)")
     p.add_argument("--val-every", type=int, default=0, help="validate every N training batches (0: never)")
     p.add_argument("--val-delay", type=float, default=0.0, help="seconds each validation batch sleeps")
