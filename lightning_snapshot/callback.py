@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import signal
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -287,7 +288,7 @@ class SnapshotCallback(Checkpoint):
         if not signals:
             return
         preemption = self._preemption = Preemption(signals, session.step_comm)
-        _patches.own_signals(self._patches, trainer, preemption.install, sigterm=15 in signals)
+        _patches.own_signals(self._patches, trainer, preemption.install, sigterm=signal.SIGTERM in signals)
 
     def _hooked(self, trainer: Any) -> bool:
         """Whether the trainer's loops run with this callback (False while a tuner, such as LearningRateFinder, runs
