@@ -303,6 +303,7 @@ class SnapshotCallback(Checkpoint):
         # thread are still written (nothing staged is lost); the pending one, without its rank state, is dropped.
         # (Preempted: the stop step was snapshotted before it was raised; SIGTERMException: Lightning's own handling,
         # when the callback owns no signal)
+        self._spawned_rank_preempted(exception)
         try:
             if type(exception).__name__ == "SIGTERMException" and self._pipeline is not None:
                 self._pipeline.last_snapshot(trainer, pl_module, "SIGTERM", time.monotonic())
@@ -311,6 +312,16 @@ class SnapshotCallback(Checkpoint):
                 self._pipeline.pending = None
             # (after a preemption what sigterm_grace allowed is done: the rest is abandoned at once, before SIGKILL)
             self._shutdown(abort=True, timeout=1.0 if isinstance(exception, Preempted) else None)
+
+    def _spawned_rank_preempted(self, exception: BaseException) -> None:
+        """In the process that launched ``ddp_spawn`` ranks (no fit of its own runs here): a rank that ended with
+        :class:`Preempted` makes torch raise ``ProcessExitedException``; this process exits with the rank's status
+        (128 + the signal number) instead of 1, as the ranks do."""
+        code = getattr(exception, "exit_code", None)
+        spawned = self._session is None and type(exception).__name__ == "ProcessExitedException"
+        if spawned and isinstance(code, int) and code - 128 in self.config.preemption_signals:
+            log.warning("lightning-snapshot: a spawned rank was preempted (exit status %d): so is this process", code)
+            raise SystemExit(code) from exception
 
     def _shutdown(self, abort: bool, timeout: float | None = None) -> None:
         """Give the signals back, undo every patch, settle the snapshot in flight and close the fit's session."""

@@ -233,3 +233,20 @@ def test_a_signal_mid_step_snapshots_the_last_whole_optimizer_step(tmp_path, dur
     # (sent during the step after step S, whose optimizer step then completes: that step is the one snapshotted)
     sent = int(re.search(r"SIGNAL-SENT step=(\d+) ", proc.stdout).group(1))
     assert sent >= 5 and step == sent + 1, (step, proc.stdout[-2000:])
+
+
+@pytest.mark.slow
+def test_ddp_spawn_preempted_rank_stops_both_and_the_launcher_exits_143(tmp_path):
+    """ddp_spawn: rank 1 alone gets SIGTERM after step 5; both ranks stop at the same step with it durable, and the
+    launching process (where no fit runs) exits 143 like its ranks instead of 1 (torch's ProcessExitedException).
+    The rerun resumes there and finishes."""
+    proc = run_script("preempt_spawn.py", "--dir", str(tmp_path / "snaps"), expect_rc=143)
+    said = proc.stdout + proc.stderr
+    held = HELD.findall(said)
+    assert held and int(held[0][1]) in (5, 6), said[-3000:]
+    step = int(held[0][1])
+    assert committed_steps(LocalTier(tmp_path / "snaps"))[0] == step
+    assert "FIT RETURNED" not in proc.stdout
+    rerun = run_script("preempt_spawn.py", "--dir", str(tmp_path / "snaps"), "--no-signal")
+    assert "FIT RETURNED" in rerun.stdout
+    assert committed_steps(LocalTier(tmp_path / "snaps"))[0] == 12
