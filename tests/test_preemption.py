@@ -46,12 +46,20 @@ def references(tmp_path_factory) -> dict[str, Path]:
     return refs
 
 
+def _lightning_ddp(base: Path, *args: str, timeout: int = 240) -> subprocess.CompletedProcess[str]:
+    """The same job launched by Lightning itself (``python train.py``, strategy "ddp": rank 0 starts rank 1), as a
+    container's main process often is."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning"}
+    cmd = [sys.executable, str(SCRIPTS / "train.py"), "--dir", str(base / "local"), "--out", str(base / "out.pt"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, start_new_session=True)
+
+
 def _preempt_and_requeue(tmp_path: Path, ref: Path, extra: tuple[str, ...], signal_args: tuple[str, ...],
-                         signalled_at: int) -> int:
+                         signalled_at: int, launch=_torchrun) -> int:
     """Run the job with the signal, check it stopped at the step the signal found with that step durable, requeue it
     and check the requeued job resumed there and ended bitwise equal to ``ref``. Returns the step."""
     run = tmp_path / "run"
-    proc = _torchrun(run, *COMMON, *extra, *signal_args)
+    proc = launch(run, *COMMON, *extra, *signal_args)
     said = proc.stdout + proc.stderr
     assert proc.returncode != 0, f"a preempted job must not exit 0\n{said[-6000:]}"
     assert "DataLoader worker" not in said, said[-6000:]
@@ -70,7 +78,7 @@ def _preempt_and_requeue(tmp_path: Path, ref: Path, extra: tuple[str, ...], sign
     assert committed_steps(LocalTier(run / "local"))[0] == step
     # every rank exits with 128 + SIGTERM
     assert sorted(re.findall(r"EXITING status=(\d+) rank=(\d+)", proc.stdout)) == [("143", "0"), ("143", "1")], said
-    requeued = _torchrun(run, *COMMON, *extra)
+    requeued = launch(run, *COMMON, *extra)
     assert requeued.returncode == 0, (requeued.stdout + requeued.stderr)[-6000:]
     got = sorted(restores(requeued.stdout))
     assert got == [(step, str(run / "local"), 0), (step, str(run / "local"), 1)], got
@@ -89,6 +97,14 @@ def _preempt_and_requeue(tmp_path: Path, ref: Path, extra: tuple[str, ...], sign
 def test_sigterm_stops_every_rank_at_the_step_it_found_and_the_requeue_resumes_there(tmp_path, references, to, rank):
     _preempt_and_requeue(tmp_path, references["plain"], (),
                          ("--signal-at", "23", "--signal-to", to, "--signal-rank", str(rank)), 23)
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_main_process_of_a_job_lightning_launched(tmp_path, references):
+    """``python train.py`` with strategy "ddp" on 2 devices (Lightning starts rank 1 from rank 0): SIGTERM to the
+    main process only, as Kubernetes sends it; both ranks stop at the same step, exit 143, and the rerun resumes."""
+    _preempt_and_requeue(tmp_path, references["plain"], (), ("--signal-at", "23", "--signal-to", "self"), 23,
+                         launch=_lightning_ddp)
 
 
 @pytest.mark.slow
