@@ -219,6 +219,7 @@ class Preemption:
                 return
             before = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
             _forking[0] = tuple(signals)
+            _forking_thread[0] = threading.get_ident()
             init = loader.worker_init_fn
             loader.worker_init_fn = _GuardWorker(tuple(signals), init)  # (a spawned worker: see _GuardWorker)
             try:
@@ -247,8 +248,9 @@ class Preemption:
             setattr(cls, "__init__", original)  # noqa: B010
 
 
-#: the signals blocked while a guarded loader iterator forks its workers (empty otherwise)
+#: the signals blocked while a guarded loader iterator forks its workers (empty otherwise), and the thread forking
 _forking: list[tuple[int, ...]] = [()]
+_forking_thread: list[int] = [0]
 
 
 #: the signals this worker process guards against (set once its guard runs)
@@ -278,7 +280,8 @@ def _after_fork() -> None:
     signals = _forking[0]
     if signals:
         _forking[0] = ()
-        _guard_this_worker(signals, os.getppid())
+        if threading.get_ident() == _forking_thread[0]:  # (not a fork another thread made meanwhile)
+            _guard_this_worker(signals, os.getppid())
 
 
 class _GuardWorker:
