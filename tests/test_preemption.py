@@ -266,3 +266,18 @@ def test_ddp_spawn_preempted_rank_stops_both_and_the_launcher_exits_143(tmp_path
     rerun = run_script("preempt_spawn.py", "--dir", str(tmp_path / "snaps"), "--no-signal")
     assert "FIT RETURNED" in rerun.stdout
     assert committed_steps(LocalTier(tmp_path / "snaps"))[0] == 12
+
+
+@pytest.mark.slow
+def test_preemption_with_a_local_and_an_object_store_tier(tmp_path, s3_server, bucket, one_process_reference):
+    """A local tier and an object store (moto on 127.0.0.1), both every 10 steps: SIGTERM at step 13 makes step 13
+    durable in both (the bytes in the bucket are the step's), and the rerun resumes it bitwise."""
+    from lightning_snapshot.backends import ObjectStoreTier
+    from train import s3_options
+
+    url = f"s3://{bucket}/run"
+    step, proc = _one(tmp_path, one_process_reference, "--signal-at", "13", "--signal-to", "tree", "--s3", url,
+                      "--endpoint", s3_server.endpoint, expect_step=13)
+    store = ObjectStoreTier(url, storage_options=s3_options(s3_server.endpoint))
+    assert committed_steps(store)[0] == 13
+    assert f"step 13 is held by {tmp_path / 'run' / 'local'}, {url}" in proc.stdout + proc.stderr
