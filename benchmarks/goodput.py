@@ -347,8 +347,8 @@ def run_method(method: str, *, steps: int, every: int, failure_times: list[float
                 proc.wait()
                 raise RuntimeError(f"{method}: did not reach {steps} steps within {timeout} s (see {d}/stderr.log)")
             due = bool(pending) and now - t0 >= pending[0]
-            if at_steps:
-                rows = _read_progress(d / "progress.log")
+            if at_steps:  # (only this process's rows: the last row may still be the killed one's, past the step)
+                rows = _read_progress(d / "progress.log")[spawns[-1][1]:]
                 due = bool(rows) and rows[-1][0] == "step" and rows[-1][1] >= at_steps[0]
             if due:
                 (at_steps or pending).pop(0)
