@@ -42,9 +42,9 @@ log = logging.getLogger(__name__)
 #: The signals a fit owns unless told otherwise.
 DEFAULT_SIGNALS = ("SIGTERM",)
 
-#: [signal number of the first preemption signal (0: none), time.monotonic() when it came, signals received]: set
-#: by the handler only (preallocated; the handler assigns into it and returns)
-_received: list[Any] = [0, 0.0, 0]
+#: [signal number of the first preemption signal (0: none), time.monotonic() when it came]: set by the handler only
+#: (preallocated; the handler assigns into it and returns)
+_received: list[Any] = [0, 0.0]
 
 #: Signals that cannot be owned: they are not a preemption notice, or Python cannot handle them.
 _REFUSED = {"SIGKILL", "SIGSTOP", "SIGCHLD", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT", "SIGPIPE"}
@@ -55,7 +55,6 @@ def _record(signum: int, frame: Any) -> None:
     if not _received[0]:
         _received[1] = time.monotonic()
         _received[0] = signum
-    _received[2] += 1
 
 
 def parse_signals(value: Any) -> tuple[int, ...]:
@@ -135,7 +134,7 @@ class Preemption:
                 ", ".join(signal_name(s) for s in self.signals),
             )
             return False
-        _received[0], _received[1], _received[2] = 0, 0.0, 0
+        _received[0], _received[1] = 0, 0.0
         for sig in self.signals:
             self._previous[sig] = signal.getsignal(sig)
             signal.signal(sig, _record)
@@ -150,10 +149,6 @@ class Preemption:
                 signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
         self._previous = {}
         self._unguard_workers()
-
-    @property
-    def owned(self) -> bool:
-        return bool(self._previous)
 
     @staticmethod
     def received() -> tuple[int, float]:
