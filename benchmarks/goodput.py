@@ -105,6 +105,7 @@ def _worker(a: argparse.Namespace) -> None:  # noqa: C901 - one training run per
     # the interpreter, torch and Lightning are up: what every method's process does alike (what follows, the method's
     # own imports, its restore and Lightning's setup, is the method's)
     progress.write(f"boot 0 {time.time():.6f}\n")
+    hold_at = {int(s) for s in a.hold_at.split(",") if s} if a.hold_at else set()
 
     class Progress(Callback):
         def __init__(self) -> None:
@@ -119,6 +120,10 @@ def _worker(a: argparse.Namespace) -> None:  # noqa: C901 - one training run per
             if step != self.last:
                 self.last = step
                 progress.write(f"step {step} {time.time():.6f}\n")
+                held = out / f"held-{step}"
+                if step in hold_at and not held.exists():  # (once: the restarted process passes it again)
+                    held.touch()
+                    time.sleep(3600)  # the supervisor SIGKILLs this process here, at this step
                 # keep the two newest checkpoints: looked at just after a save (ModelCheckpoint saves after this
                 # callback) and half an interval later (AsyncCheckpointIO's file lands later), not at every step
                 pruning = a.method.startswith("mc") or a.method == "async-io"
@@ -322,11 +327,13 @@ def run_method(method: str, *, steps: int, every: int, failure_times: list[float
                mtbf: float, width: int, workdir: Path, timeout: float, frozen_mb: int = 0,
                kill_steps: list[int] | None = None) -> tuple[Run, Path]:
     """Run ``method`` to ``steps`` steps under the given failure times (seconds since its first start), or killed
-    when its progress first reaches each of ``kill_steps`` (tests: kills at known steps)."""
+    when its progress first reaches each of ``kill_steps`` (tests: kills at known steps; the worker waits there)."""
     d = Path(tempfile.mkdtemp(prefix=f"{method}-", dir=workdir))
     cmd = [sys.executable, str(Path(__file__).resolve()), "worker", "--method", method, "--dir", str(d),
            "--steps", str(steps), "--every", str(every), "--mtbf", str(mtbf), "--width", str(width),
            "--frozen-mb", str(frozen_mb)]
+    if kill_steps:  # (the worker waits at each to be killed: steps of a millisecond would run past a poll's reach)
+        cmd += ["--hold-at", ",".join(map(str, kill_steps))]
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     run = Run(method, every)
     meter = harness.NoiseMeter().__enter__()  # (load average and others' CPU during the run)
@@ -528,6 +535,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
     p.add_argument("--seed", type=int, default=0, help="of the failure times (the first, with --seeds)")
     p.add_argument("--seeds", type=int, default=None, help="seeds of failure times at the first MTBF (--predict: at"
                    " each), each a run of every method, in an order rotated each time (3; 1 --quick; 2 --predict)")
+    p.add_argument("--hold-at", default=None, help="worker: wait at these steps to be killed (comma-separated)")
     p.add_argument("--kills", default=None, help="explicit kill times (seconds since start), comma-separated")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--predict", action="store_true", help="the regime of the prediction check (tests/fixtures/"
