@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
+from lightning_snapshot.comm import agree_on
 from lightning_snapshot.errors import ConfigError, SnapshotError, TierUnavailableError
 from lightning_snapshot.schedule import DEFAULT_EVERY_N_TRAIN_STEPS, TierSchedule
 
@@ -458,8 +459,7 @@ def node_steps(tier: Backend, comm: Any) -> builtins.list[int]:
             mine = committed_steps(tier)
         except Exception as e:  # noqa: BLE001 - agreed on below, on every rank
             error = f"{type(e).__name__}: {tier.redact(str(e))}"
-    gathered = comm.all_gather((mine, error)) if getattr(comm, "world_size", 1) > 1 else [(mine, error)]
-    failed = [f"rank {rank}: {e}" for rank, (_, e) in enumerate(gathered) if e]
-    if failed:
-        raise SnapshotError(f"listing failed on {'; '.join(failed)}")
-    return sorted({s for steps, _ in gathered for s in steps}, reverse=True)
+    agreed = agree_on(comm, f"listing the {tier.tier} tier {tier.url}", lambda: mine, error=error, gather=True)
+    if not agreed.ok:
+        raise SnapshotError(f"listing the {tier.tier} tier {tier.url} failed: {agreed.text}")
+    return sorted({s for steps in agreed.values or [] if steps for s in steps}, reverse=True)

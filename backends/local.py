@@ -31,6 +31,7 @@ from lightning_snapshot.backends.mapped_files import (
     pread_all,
     pwrite_all,
 )
+from lightning_snapshot.comm import agree_on
 from lightning_snapshot.errors import (
     ConfigError,
     SnapshotError,
@@ -241,21 +242,20 @@ class LocalTier(Backend):
                 self._mkdirs(self.root)
                 probe.write_bytes(b"")
             except OSError as e:
-                error = f"rank {comm.rank} cannot write {str(probe)!r}: {e}"
+                error = f"cannot write {str(probe)!r}: {e}"
         comm.barrier()
         try:
             seen = sorted(n for n in os.listdir(self.root) if n.startswith(f".probe-{run_id}-node"))
         except OSError as e:
-            seen, error = [], error or f"rank {comm.rank} cannot list {str(self.root)!r}: {e}"
-        views = comm.all_gather((seen, error))
+            seen, error = [], error or f"cannot list {str(self.root)!r}: {e}"
+        agreed = agree_on(comm, f"probing the local tier {self.url}", lambda: seen, error=error or None, gather=True)
         comm.barrier()
         if self.local_rank == 0:
             with contextlib.suppress(OSError):
                 probe.unlink()
-        errors = [e for _s, e in views if e]
-        if errors:
-            raise ConfigError(f"cannot tell whether the local tier {self.url} is shared or node-local: {errors[0]}")
-        counts = {len(s) for s, _e in views}
+        if not agreed.ok:
+            raise ConfigError(f"cannot tell whether the local tier {self.url} is shared or node-local: {agreed.text}")
+        counts = {len(s or []) for s in agreed.values or []}
         if counts == {self.num_nodes}:
             self.node_local = False
         elif counts == {1}:

@@ -105,7 +105,7 @@ def _worker(a: argparse.Namespace) -> None:  # noqa: C901 - one training run per
     # the interpreter, torch and Lightning are up: what every method's process does alike (what follows, the method's
     # own imports, its restore and Lightning's setup, is the method's)
     progress.write(f"boot 0 {time.time():.6f}\n")
-    hold_at = {int(s) for s in a.hold_at.split(",") if s} if a.hold_at else set()
+    hold_at = {int(s) for s in a.hold_at.split(",") if s}
 
     class Progress(Callback):
         def __init__(self) -> None:
@@ -120,9 +120,8 @@ def _worker(a: argparse.Namespace) -> None:  # noqa: C901 - one training run per
             if step != self.last:
                 self.last = step
                 progress.write(f"step {step} {time.time():.6f}\n")
-                held = out / f"held-{step}"
-                if step in hold_at and not held.exists():  # (once: the restarted process passes it again)
-                    held.touch()
+                if step in hold_at and not (out / f"held-{step}").exists():  # (once: a restart passes it again)
+                    (out / f"held-{step}").touch()
                     time.sleep(3600)  # the supervisor SIGKILLs this process here, at this step
                 # keep the two newest checkpoints: looked at just after a save (ModelCheckpoint saves after this
                 # callback) and half an interval later (AsyncCheckpointIO's file lands later), not at every step
@@ -313,14 +312,8 @@ class Run:
 
 
 def _read_progress(path: Path) -> list[tuple[str, int, float]]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        parts = line.split()
-        if len(parts) == 3:
-            rows.append((parts[0], int(parts[1]), float(parts[2])))
-    return rows
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [(p[0], int(p[1]), float(p[2])) for p in map(str.split, lines) if len(p) == 3]
 
 
 def run_method(method: str, *, steps: int, every: int, failure_times: list[float], restart_delay: float,
@@ -331,9 +324,7 @@ def run_method(method: str, *, steps: int, every: int, failure_times: list[float
     d = Path(tempfile.mkdtemp(prefix=f"{method}-", dir=workdir))
     cmd = [sys.executable, str(Path(__file__).resolve()), "worker", "--method", method, "--dir", str(d),
            "--steps", str(steps), "--every", str(every), "--mtbf", str(mtbf), "--width", str(width),
-           "--frozen-mb", str(frozen_mb)]
-    if kill_steps:  # (the worker waits at each to be killed: steps of a millisecond would run past a poll's reach)
-        cmd += ["--hold-at", ",".join(map(str, kill_steps))]
+           "--frozen-mb", str(frozen_mb), "--hold-at", ",".join(map(str, kill_steps or []))]
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     run = Run(method, every)
     meter = harness.NoiseMeter().__enter__()  # (load average and others' CPU during the run)
@@ -421,14 +412,12 @@ def _account(run: Run, d: Path, spawns: list[tuple[float, int]], kills: list[tup
 def _bitwise(a: Path, b: Path) -> str:
     import torch
 
-    x = torch.load(a, weights_only=True)
-    y = torch.load(b, weights_only=True)
+    x, y = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
     if x.keys() != y.keys():
         return "FAIL (different tensors)"
-    bad = [k for k in x if x[k].dtype != y[k].dtype or x[k].shape != y[k].shape or
-           not torch.equal(x[k].view(-1).view(torch.uint8) if x[k].numel() else x[k],
-                           y[k].view(-1).view(torch.uint8) if y[k].numel() else y[k])]
-    return "PASS" if not bad else f"FAIL ({len(bad)} of {len(x)} tensors differ)"
+    same = [x[k].dtype == y[k].dtype and x[k].shape == y[k].shape and torch.equal(
+        *(t.view(-1).view(torch.uint8) if t.numel() else t for t in (x[k], y[k]))) for k in x]
+    return "PASS" if all(same) else f"FAIL ({same.count(False)} of {len(x)} tensors differ)"
 
 
 def save_cost(progress: Path, every: int, warmup: int = 10) -> float:
@@ -535,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
     p.add_argument("--seed", type=int, default=0, help="of the failure times (the first, with --seeds)")
     p.add_argument("--seeds", type=int, default=None, help="seeds of failure times at the first MTBF (--predict: at"
                    " each), each a run of every method, in an order rotated each time (3; 1 --quick; 2 --predict)")
-    p.add_argument("--hold-at", default=None, help="worker: wait at these steps to be killed (comma-separated)")
+    p.add_argument("--hold-at", default="", help="worker: wait at these steps to be killed (comma-separated)")
     p.add_argument("--kills", default=None, help="explicit kill times (seconds since start), comma-separated")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--predict", action="store_true", help="the regime of the prediction check (tests/fixtures/"

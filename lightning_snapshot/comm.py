@@ -1,5 +1,5 @@
 """The few collectives the engine needs, over the trainer's strategy, a tier's own gloo group or a single process;
-:func:`agree`: one rank's problem becomes every rank's same error.
+:func:`agree_on`: the one way ranks agree on an outcome (one rank's failure is every rank's error, naming it).
 
 Used by session.py (which makes the fit's comms and the tiers' gloo groups), pipeline.py, restore.py and
 reporting.py on the training thread; by the persist threads (persist.py, writer.py) to agree on each commit over
@@ -13,18 +13,21 @@ import datetime
 import logging
 import os
 import re
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar, cast, overload, runtime_checkable
 
 __all__ = [
+    "Agreed",
     "Comm",
     "GroupComm",
     "LocalComm",
     "Pending",
     "StrategyComm",
     "TensorComm",
-    "agree",
+    "agree_on",
     "new_gloo_groups",
-    "raise_together",
+    "problem_text",
 ]
 
 log = logging.getLogger(__name__)
@@ -105,34 +108,189 @@ class TensorComm(Comm, Protocol):
         """Receive into ``tensor`` what rank ``src`` sends with :meth:`send_tensor` (blocking)."""
 
 
-def agree(comm: Comm, problem: str | None) -> str | None:
-    """Collective: None when no rank has a problem; else the problems of every rank (each prefixed with the ranks
-    that have it, under several processes; the same problem on several ranks is said once), joined into one text
-    that is the same on every rank, so that every rank raises the same error together."""
-    if comm.all_true(problem is None):
+def _joined(comm: Comm, problems: list[str | None]) -> str:
+    """Every rank's problem (None: none), each prefixed with the ranks that have it under several processes (the same
+    problem on several ranks said once), joined into one text."""
+    ranks: dict[str, list[int]] = {}
+    for rank, p in enumerate(problems):
+        if p:
+            ranks.setdefault(p, []).append(rank)
+    return "; ".join(
+        p if comm.world_size == 1 else f"on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {p}"
+        for p, r in ranks.items()
+    )
+
+
+#: The longest text of one rank's problem sent to the other ranks (a listing or a traceback in a message is cut).
+PROBLEM_CHARS = 2000
+
+T = TypeVar("T")
+
+
+def problem_text(error: BaseException | str | None) -> str | None:
+    if error is None:
         return None
-    gathered = comm.gather(problem)
-    text = None
-    if gathered is not None:  # (rank 0)
-        ranks: dict[str, list[int]] = {}
-        for rank, p in enumerate(gathered):
-            if p:
-                ranks.setdefault(p, []).append(rank)
-        text = "; ".join(
-            p if comm.world_size == 1 else f"on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {p}"
-            for p, r in ranks.items()
-        )
-    return str(comm.broadcast(text))
+    text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    return text if len(text) <= PROBLEM_CHARS else text[: PROBLEM_CHARS - 3] + "..."
 
 
-def raise_together(comm: Comm, error: BaseException | None, elsewhere: str) -> None:
-    """Collective: when some rank caught an error, every rank raises: its own ``error``, or, on the ranks that had
-    none, a :class:`~lightning_snapshot.errors.SnapshotError` saying ``elsewhere`` (what failed on another rank)."""
-    if comm.all_true(error is None):
-        return
+@dataclass
+class Agreed(Generic[T]):
+    """What :func:`agree_on` agreed, on this rank: the same on every rank but ``value``, ``values`` aside.
+
+    Attributes:
+        value: what ``fn`` returned on this rank (None where it raised, or without ``fn``).
+        flags: each extra flag given, true iff it is true on every rank.
+        values: with ``gather=True``, every rank's ``value`` in rank order (on every rank); else None.
+        failed: the ranks whose ``fn`` raised (or that gave an ``error``), in order; empty when none did.
+        text: the failed ranks' problems, "on rank 1: OSError: ..." (the same on every rank); "" when none failed.
+        error: None when no rank failed; else what this rank raises (:meth:`result`): its own error, or, on a rank
+            that did not fail, a ``failed`` error that says ``elsewhere`` and ``text`` (so it names the rank).
+    """
+
+    value: T | None = None
+    flags: list[bool] = field(default_factory=list)
+    values: list[Any] | None = None
+    failed: list[int] = field(default_factory=list)
+    text: str = ""
+    error: BaseException | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+    def flags_or_raise(self) -> list[bool]:
+        """``flags``, or raise ``error`` (on every rank together)."""
+        if self.error is not None:
+            raise self.error
+        return self.flags
+
+    def result(self) -> T | None:
+        """``value``, or raise ``error`` (on every rank together: each rank's :class:`Agreed` has one)."""
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+@overload
+def agree_on(
+    comm: Comm,
+    what: str,
+    fn: None = ...,
+    *,
+    error: BaseException | str | None = ...,
+    flags: Sequence[bool] = ...,
+    catch: type[BaseException] | tuple[type[BaseException], ...] = ...,
+    elsewhere: str | None = ...,
+    failed: type[BaseException] | None = ...,
+    gather: bool = ...,
+    on_failure: Callable[[], None] | None = ...,
+    translate: bool = ...,
+) -> Agreed[None]: ...
+
+
+@overload
+def agree_on(
+    comm: Comm,
+    what: str,
+    fn: Callable[[], T],
+    *,
+    error: BaseException | str | None = ...,
+    flags: Sequence[bool] = ...,
+    catch: type[BaseException] | tuple[type[BaseException], ...] = ...,
+    elsewhere: str | None = ...,
+    failed: type[BaseException] | None = ...,
+    gather: bool = ...,
+    on_failure: Callable[[], None] | None = ...,
+    translate: bool = ...,
+) -> Agreed[T]: ...
+
+
+def agree_on(
+    comm: Comm,
+    what: str,
+    fn: Callable[[], T] | None = None,
+    *,
+    error: BaseException | str | None = None,
+    flags: Sequence[bool] = (),
+    catch: type[BaseException] | tuple[type[BaseException], ...] = Exception,
+    elsewhere: str | None = None,
+    failed: type[BaseException] | None = None,
+    gather: bool = False,
+    on_failure: Callable[[], None] | None = None,
+    translate: bool = False,
+) -> Agreed[T]:
+    """The one way ranks agree on an outcome (after DCP's ``_DistWrapper``): collective, called by every rank at the
+    same point with the same ``what`` and as many ``flags``.
+
+    Runs ``fn`` here (an exception of ``catch`` is this rank's failure, as is a given ``error``: an exception, or a
+    problem's text), then one collective tells every rank whether some rank failed, and each extra flag's
+    all-true; with ``gather=True``, every rank's value too (the same collective). Only when some rank failed, a
+    second exchange gives every rank the same text naming the ranks that failed and their problems. No rank learns
+    of a peer's failure by a timeout.
+
+    Args:
+        what: the step, named in the errors ("writing the data of the snapshot of step 7 in the local tier ...").
+        elsewhere: the message of the error of the ranks that did not fail (followed by ``text``); default
+            "``what`` failed on another rank (see its log)".
+        failed: the type of that error (default :class:`~lightning_snapshot.errors.SnapshotError`), also of the
+            error that says the collective itself failed (a peer died, the group's timeout ran out).
+        on_failure: called on every rank (best effort: an exception of its own is logged) when some rank failed,
+            before the errors are raised (clean-up of what the failed step left).
+        translate: an exception of the collective itself (a peer died, the group's timeout ran out) is raised as a
+            ``failed`` error naming this rank and ``what``; False (the default): as it is.
+
+    Returns:
+        What was agreed; :meth:`Agreed.result` raises the agreed failure. It does not raise itself, except when the
+        collective fails.
+    """
     from lightning_snapshot.errors import SnapshotError
 
-    raise error or SnapshotError(elsewhere)
+    kind = failed or SnapshotError
+    value: T | None = None
+    if fn is not None and error is None:
+        try:
+            value = fn()
+        except catch as e:
+            error = e
+    mine = problem_text(error)
+    try:
+        if gather:
+            entry = (value, mine, [bool(f) for f in flags])
+            # (gather=True: a TensorComm, a tier's group)
+            seen = cast("TensorComm", comm).all_gather(entry) if comm.world_size > 1 else [entry]
+            problems: list[str | None] | None = [p for _, p, _ in seen]
+            values: list[Any] | None = [v for v, _, _ in seen]
+            agreed = [all(f) for f in zip(*(fs for _, _, fs in seen), strict=True)] if flags else []
+            no_failure = not any(problems or ())
+        else:
+            values, problems = None, None
+            no_failure, *agreed = comm.all_true_each([mine is None, *flags])
+        if no_failure:
+            return Agreed(value, agreed, values)
+        if problems is None:  # (the failure path only: every rank knows by now that some rank failed)
+            gathered = comm.gather(mine)
+            problems = comm.broadcast(list(gathered) if gathered is not None else None)
+    except Exception as e:
+        if not translate:
+            raise
+        raise kind(
+            f"rank {comm.rank}: waiting for the other ranks to agree on {what} failed ({type(e).__name__}: {e}):"
+            " another rank failed, exited or is stuck (see its log)"
+        ) from e
+    assert problems is not None
+    text = _joined(comm, problems)
+    if on_failure is not None:
+        try:
+            on_failure()
+        except Exception as e:  # noqa: BLE001 - best effort: the failure itself is what is raised
+            log.debug("lightning-snapshot: cleaning up after %s failed: %s", what, e)
+    if isinstance(error, BaseException):
+        own: BaseException = error
+    else:
+        lead = error if error is not None else (elsewhere or f"{what} failed on another rank (see its log)")
+        own = kind(f"{lead}: {text}" if error is None else lead)
+    return Agreed(value, agreed, values, [r for r, p in enumerate(problems) if p], text, own)
 
 
 class LocalComm:

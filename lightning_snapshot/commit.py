@@ -24,7 +24,7 @@ from typing import Any, cast
 
 import lightning_snapshot
 from lightning_snapshot.backends.base import Backend, Distributing
-from lightning_snapshot.comm import Comm
+from lightning_snapshot.comm import PROBLEM_CHARS, Comm, agree_on, problem_text
 from lightning_snapshot.errors import SnapshotError, SnapshotWriteError
 from lightning_snapshot.manifest import (
     MANIFEST_NAME,
@@ -278,32 +278,36 @@ class CollectiveTransport(Transport):
         self.rank0_commits = not node_local
         self.cleans_up = comm.rank == 0 or node_local
 
+    def _what(self, what: str) -> str:
+        return f"{what} of the snapshot of step {self.step} in the {self.backend.tier} tier {self.backend.url}"
+
     def _collective(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """A collective that moves data (the parts, the manifest) once every rank agreed that none failed."""
         if self.failure is not None:
             return fn(*args)
         try:
             return fn(*args)
         except Exception as e:  # a peer died or the group's timeout ran out
             raise SnapshotWriteError(
-                f"rank {self.comm.rank}: waiting for the other ranks to agree on {what} of the snapshot of step"
-                f" {self.step} in the {self.backend.tier} tier {self.backend.url} failed ({type(e).__name__}: {e}):"
-                " another rank failed, exited or is stuck (see its log)"
+                f"rank {self.comm.rank}: waiting for the other ranks to agree on {self._what(what)} failed"
+                f" ({type(e).__name__}: {e}): another rank failed, exited or is stuck (see its log)"
             ) from e
 
-    def _agree(self, what: str, error: BaseException | None) -> None:
-        if self._collective(what, self.comm.all_true, error is None):
-            return
+    def _discard(self) -> None:
         if self.run_id is not None and (self.comm.rank == 0 or self.node_local):
             # a node-local tier (RAM) holds each node's objects on that node only
-            try:
-                discard_run_objects(self.backend, step_dirname(self.step), self.run_id)
-            except Exception as e:  # noqa: BLE001 - best effort (the tier may be unreachable): the error says why
-                log.debug("lightning-snapshot: could not discard the objects of step %d: %s", self.step, e)
-        if error is not None:
-            raise error
-        if self.failure is not None:
-            raise SnapshotWriteError(self.failure)
-        raise SnapshotWriteError(f"{what} of the snapshot of step {self.step} failed on another rank (see its log)")
+            discard_run_objects(self.backend, step_dirname(self.step), self.run_id)
+
+    def _agree(self, what: str, error: BaseException | None) -> None:
+        agree_on(
+            self.comm,
+            self._what(what),
+            error=error,
+            elsewhere=self.failure,
+            failed=SnapshotWriteError,
+            on_failure=self._discard,
+            translate=self.failure is None,
+        ).result()
 
     def share(self, part: dict[str, Any] | None, error: BaseException | None) -> list[dict[str, Any]] | None:
         self._agree("writing the data", error)
@@ -359,10 +363,12 @@ class MarkerTransport(Transport):
     def committed(self, key: str) -> bool:
         return self.tier.exists(key)
 
-    def _fail(self) -> None:
+    def _fail(self, error: BaseException | None = None) -> None:
+        """Leave this rank's failure marker, with its error's text for the other ranks' errors."""
         if self.world_size > 1:
             with contextlib.suppress(Exception):  # (the tier may be what fails)
-                self.tier.write(self._failed, [b"{}"])
+                marker = {"error": problem_text(error)} if error is not None else {}
+                self.tier.write(self._failed, [json.dumps(marker).encode()])
 
     def begin(self) -> None:
         if self.world_size > 1 and self.tier.exists(self._failed):
@@ -374,8 +380,8 @@ class MarkerTransport(Transport):
                 raise error
             if self.world_size > 1:
                 self.tier.write(f"{self.prefix}/{self.run_id}-part-{self.rank:05d}.json", [json.dumps(part).encode()])
-        except Exception:
-            self._fail()
+        except Exception as e:
+            self._fail(e)
             raise
         self.deadline = time.monotonic() + self.wait
         if self.rank != 0:
@@ -383,8 +389,8 @@ class MarkerTransport(Transport):
         assert part is not None
         try:  # (any failure of rank 0 leaves its marker: the other ranks' agents stop waiting at once)
             parts = _gather_parts(self.tier, self.prefix, self.run_id, self.world_size, part, self.deadline)
-        except BaseException:
-            self._fail()
+        except BaseException as e:
+            self._fail(e)
             raise
         if parts is None or self.tier.exists(f"{self.prefix}/{MANIFEST_NAME}"):
             raise _Committed
@@ -393,7 +399,7 @@ class MarkerTransport(Transport):
     def settle(self, backend: Backend, key: str, text: str | bytes | None, error: BaseException | None) -> Any:
         if self.rank == 0:
             if error is not None:
-                self._fail()
+                self._fail(error)
                 raise error
             return text
         while not self.tier.exists(key):
@@ -401,6 +407,7 @@ class MarkerTransport(Transport):
                 raise SnapshotError(
                     f"rank {self.rank}'s agent: rank 0 failed to commit step {self.step} to the {self.tier.tier}"
                     f" tier {self.tier.url} (see its log)"
+                    + _marker_problem(self.tier, f"{self.prefix}/{self.run_id}-failed-00000.json")
                 )
             if time.monotonic() > self.deadline:
                 raise SnapshotError(
@@ -435,6 +442,7 @@ def _gather_parts(
             if tier.exists(f"{prefix}/{run_id}-failed-{r:05d}.json"):
                 raise SnapshotError(
                     f"rank {r} could not write its part of {prefix} to the {tier.tier} tier {tier.url} (see its log)"
+                    + _marker_problem(tier, f"{prefix}/{run_id}-failed-{r:05d}.json")
                 )
             if time.monotonic() > deadline:
                 if unreadable:
@@ -453,6 +461,17 @@ def _gather_parts(
             time.sleep(0.05)
         parts.append(got)
     return parts
+
+
+def _marker_problem(tier: Any, key: str) -> str:
+    """ ": <the error>" a rank's failure marker ``key`` holds (a file in the tier: read as JSON, any other content
+    ignored), or "" when it says none or cannot be read."""
+    try:
+        got = json.loads(tier.read(key))
+    except Exception:  # noqa: BLE001 - the marker's presence is the message; its text only adds to it
+        return ""
+    text = got.get("error") if isinstance(got, dict) else None
+    return f": {text[:PROBLEM_CHARS]}" if isinstance(text, str) and text else ""
 
 
 def _read_part(tier: Any, key: str) -> dict[str, Any] | str | None:

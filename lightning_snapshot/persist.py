@@ -22,7 +22,7 @@ import tenacity
 
 from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.backends.ram.agent import AgentClient
-from lightning_snapshot.comm import Comm
+from lightning_snapshot.comm import Comm, agree_on
 from lightning_snapshot.errors import SnapshotError, SnapshotWriteError
 from lightning_snapshot.manifest import Manifest
 from lightning_snapshot.staging import StagedState
@@ -141,7 +141,10 @@ class _TierWorker:
 
         def retry(e: BaseException) -> bool:
             want = _retryable(e) and not self.stop.is_set()
-            return self.comm.all_true(want) if collective else want
+            if not collective:
+                return want
+            (agreed,) = agree_on(self.comm, f"retrying the write to the {self.tier.tier} tier", flags=[want]).flags
+            return agreed
 
         def sleep(seconds: float) -> None:
             self.stop.wait(seconds)  # (a stop ends the wait at once)

@@ -39,7 +39,7 @@ from lightning_snapshot.capture import (
     optimized_key,
     raw_optimizer,
 )
-from lightning_snapshot.comm import Comm
+from lightning_snapshot.comm import Comm, agree_on
 from lightning_snapshot.config import SnapshotConfig
 from lightning_snapshot.ddp_layout import capture_layout, is_ddp
 from lightning_snapshot.ddp_layout import enabled as ddp_layout_enabled
@@ -261,15 +261,21 @@ class SnapshotPipeline:
             error = e
         # in one collective: whether some rank failed (then every rank handles it: all raise, or all warn and train
         # on in step) and whether every rank staged (one without room makes every rank skip the snapshot)
-        no_error, all_staged = self.comm.all_true_each([error is None, staged is not None])
-        if no_error and all_staged:
+        agreed = agree_on(
+            self.comm,
+            f"staging the snapshot of step {step}",
+            error=error,
+            flags=[staged is not None],
+            elsewhere=f"another rank could not stage the snapshot of step {step} (see its log)",
+        )
+        (all_staged,) = agreed.flags
+        if agreed.ok and all_staged:
             return staged
         if staged is not None:
             staged.go.set()
             self.arena.release(staged.slot)
-        if not no_error:
-            elsewhere = f"another rank could not stage the snapshot of step {step} (see its log)"
-            self.reporter.handle(error or SnapshotError(elsewhere), step)
+        if agreed.error is not None:
+            self.reporter.handle(agreed.error, step)
             return None
         reason = self.arena.last_skip_reason if staged is None else "another rank could not stage it"
         self.reporter.skipped(step, reason, last)
@@ -336,15 +342,19 @@ class SnapshotPipeline:
         # only it holds), on the tiers with room (one whose queue is full, an object store in an outage, skips it)
         # and on whether the nodes' agents write the durable tiers (a rank may have lost the link to its agent)
         agent = self.persister.agent
-        *room, captured, by_agent = self.comm.all_true_each(
-            [self.persister.has_room(i) for i in due] + [error is None, agent is None or agent.linked]
+        agreed = agree_on(
+            self.comm,
+            f"taking the ranks' state for the snapshot of step {step}",
+            error=error,
+            flags=[self.persister.has_room(i) for i in due] + [agent is None or agent.linked],
+            elsewhere=f"another rank could not take its state for the snapshot of step {step} (see its log)",
         )
-        if not captured:
+        *room, by_agent = agreed.flags
+        if agreed.error is not None:
             shared.fence_training()
             self.arena.release(shared.slot)
             self._unmeasured(due)
-            elsewhere = f"another rank could not take its state for the snapshot of step {step} (see its log)"
-            self.reporter.handle(error or SnapshotError(elsewhere), step)
+            self.reporter.handle(agreed.error, step)
             return
         if any(self.tiers[i].durable for i in due):
             self.reporter.last_durable_due = step  # (the end of fit checks that some durable tier holds it)

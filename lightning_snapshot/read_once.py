@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from lightning_snapshot.backends.base import Backend
-from lightning_snapshot.comm import TensorComm, agree, raise_together
+from lightning_snapshot.comm import TensorComm, agree_on
 from lightning_snapshot.errors import SnapshotError
 from lightning_snapshot.loader import ChunkUnit, FragmentRead, chunk_units, read_units
 from lightning_snapshot.manifest import Manifest
@@ -74,7 +74,12 @@ class ReadOnce:
         targets). When some rank did not (``error``), every rank raises: its own error, or a
         :class:`SnapshotError` saying that another rank failed; so that no rank waits in a transfer for a rank that
         will never come."""
-        raise_together(self.comm, error, f"preparing the restore of the {self.where} failed on another rank")
+        agree_on(
+            self.comm,
+            f"preparing the restore of the {self.where}",
+            error=error,
+            elsewhere=f"preparing the restore of the {self.where} failed on another rank",
+        ).result()
 
     def __call__(self, backend: Backend, manifest: Manifest, prefix: str, reads: list[FragmentRead]) -> int:
         comm = self.comm
@@ -95,11 +100,11 @@ class ReadOnce:
             problem = str(e) if isinstance(e, SnapshotError) else f"{type(e).__name__}: {backend.redact(str(e))}"
         except Exception as e:  # noqa: BLE001 - a bug: raised here after the others heard of it (they do not wait)
             problem, unexpected = f"{type(e).__name__}: {backend.redact(str(e))}", e
-        agreed = agree(comm, problem)
+        agreed = agree_on(comm, f"reading the parts of the {self.where}", error=problem)
         if unexpected is not None:
             raise unexpected
-        if agreed is not None:
-            raise SnapshotError(f"the ranks could not read their parts of the {self.where}: {agreed}")
+        if not agreed.ok:
+            raise SnapshotError(f"the ranks could not read their parts of the {self.where}: {agreed.text}")
         received = 0
         for batch in plan:
             if batch.receivers and (comm.rank == batch.reader or comm.rank in batch.receivers):

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_snapshot.backends.base import Backend
-from lightning_snapshot.comm import Comm, agree
-from lightning_snapshot.errors import NotDurableError, SnapshotError, TornSnapshotError
+from lightning_snapshot.comm import Comm, agree_on
+from lightning_snapshot.errors import NotDurableError, TornSnapshotError
 from lightning_snapshot.metrics import MetricsSink, tier_metric_names
 from lightning_snapshot.schedule import FitSchedule
 
@@ -106,12 +106,16 @@ class Reporter:
     def stop_if_failed(self, comm: Comm) -> None:
         """Collective: with ``on_error="raise"``, a snapshot that failed in the background on any rank stops every
         rank together, here."""
-        if comm.all_true(not (self._errors and self.on_error == "raise")):
-            return
-        errors, self._errors = self._errors, []
-        if errors:
-            raise errors[0]
-        raise SnapshotError("a snapshot failed to persist on another rank (see its log); stopping (on_error='raise')")
+        failed = self._errors[0] if self._errors and self.on_error == "raise" else None
+        agreed = agree_on(
+            comm,
+            "whether a snapshot failed to persist",
+            error=failed,
+            elsewhere="a snapshot failed to persist on another rank (see its log); stopping (on_error='raise')",
+        )
+        if not agreed.ok:
+            self._errors = []
+            agreed.result()
 
     # ------------------------------------------------------------------------------------------- results
     def collect(self, persister: Any, step: int, schedule: FitSchedule | None) -> None:
@@ -200,9 +204,10 @@ class Reporter:
             ram = [t.url for i, t in enumerate(self.tiers) if not t.durable and self.committed.get(i, -1) >= step]
             only = f" Only the memory of the RAM tier holds it ({', '.join(ram)})." if ram else ""
             problem = f"{why}.{only}"
-        message = agree(comm, problem)
-        if message is None:
+        agreed = agree_on(comm, f"whether step {step} is durable", error=problem)
+        if agreed.ok:
             return
+        message = agreed.text
         text = (
             f"lightning-snapshot: the last snapshot of this fit (step {step}) is not durable: no durable tier"
             f" holds it. {message} Fix the tier (see the reason), then rerun to resume from the newest snapshot"

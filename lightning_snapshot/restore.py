@@ -31,7 +31,7 @@ from lightning_snapshot.capture import (
     restore_targets,
     templates,
 )
-from lightning_snapshot.comm import Comm, LocalComm, TensorComm, raise_together
+from lightning_snapshot.comm import Comm, LocalComm, TensorComm, agree_on
 from lightning_snapshot.commit import committed_steps
 from lightning_snapshot.config import SnapshotConfig
 from lightning_snapshot.ddp_layout import DDP_LAYOUT_ENV, apply_layout, check_layout, is_ddp
@@ -273,7 +273,8 @@ class Restorer:
             if failed:
                 problem = "; ".join(failed)
             log.debug("lightning-snapshot: step %d restored %d time(s)", step, count)
-        if not self.comm.all_true(problem is None) and problem is not None:
+        agreed = agree_on(self.comm, f"recording the restore of step {step}", error=problem)
+        if not agreed.ok and problem is not None:
             warnings.warn(
                 f"lightning-snapshot: could not record the restore of step {step} ({problem}); the"
                 " crash-loop breaker (max_restores) does not count this restore there",
@@ -321,8 +322,16 @@ class Restorer:
                 fatal = e
             except (SnapshotError, OSError) as e:
                 error = e
-            raise_together(self.comm, fatal, f"restoring the {where} failed on another rank (see its log)")
-            if self.comm.all_true(error is None):
+            # in one collective: a snapshot that does not fit this run (on any rank) stops every rank; one that
+            # failed to load on some rank is skipped by every rank
+            (loaded_everywhere,) = agree_on(
+                self.comm,
+                f"restoring the {where}",
+                error=fatal,
+                flags=[error is None],
+                elsewhere=f"restoring the {where} failed on another rank (see its log)",
+            ).flags_or_raise()
+            if loaded_everywhere:
                 shared, rank_state = cast("tuple[dict[str, Any], Any]", loaded)  # (read without an error everywhere)
                 return self._apply(trainer, pl_module, backend, step, shared, rank_state, live, t0)
             reason = str(error) if error is not None else "it failed to load on another rank"
@@ -521,7 +530,9 @@ class Restorer:
         first = self.comm.broadcast(layout)
         if problem is None and layout != first:
             problem = f"rank {self.comm.rank} holds another layout than rank 0"
-        none_stored, all_fit = self.comm.all_true_each([layout is None, problem is None])
+        none_stored, all_fit = agree_on(
+            self.comm, f"the DDP layout of the {where}", flags=[layout is None, problem is None]
+        ).flags
         if none_stored:  # taken before this feature, without DDP, or where DDP never rebuilds; or turned off
             return
         if not all_fit:
@@ -533,16 +544,11 @@ class Restorer:
                 stacklevel=2,
             )
             return
-        error: BaseException | None = None
-        try:
-            apply_layout(model, layout)
-        except Exception as e:  # noqa: BLE001 - raised on every rank below
-            error = e
-        if not self.comm.all_true(error is None):
+        applied = agree_on(self.comm, f"giving DDP the layout of the {where}", lambda: apply_layout(model, layout))
+        if not applied.ok:
             raise SnapshotError(
-                f"giving DDP the gradient-bucket layout of the {where} failed"
-                f" ({f'{type(error).__name__}: {error}' if error is not None else 'on another rank'}); set"
+                f"giving DDP the gradient-bucket layout of the {where} failed ({applied.text}); set"
                 f" {DDP_LAYOUT_ENV}=0 to resume without it (with 3 or more ranks not bitwise identical to an"
                 " uninterrupted run)"
-            ) from error
+            ) from applied.error
         log.debug("lightning-snapshot: DDP gradient-bucket layout restored: %s", first["buckets"])

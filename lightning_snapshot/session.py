@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_snapshot.backends.base import LayoutSettling
-from lightning_snapshot.comm import Comm, GroupComm, LocalComm, StrategyComm, agree, new_gloo_groups, raise_together
+from lightning_snapshot.comm import Comm, GroupComm, LocalComm, StrategyComm, agree_on, new_gloo_groups
 from lightning_snapshot.config import SnapshotConfig
 from lightning_snapshot.errors import ConfigError, TierUnavailableError
 from lightning_snapshot.persist import Persister
@@ -127,10 +127,10 @@ class FitSession:
                 tier.check()
             except TierUnavailableError as e:
                 problems.append(str(e))
-        message = agree(self.comm, "; ".join(problems) or None)
-        if message is not None:
+        agreed = agree_on(self.comm, "checking the tiers", error="; ".join(problems) or None)
+        if not agreed.ok:
             raise TierUnavailableError(
-                f"lightning-snapshot cannot use its tiers, so training does not start: {message}"
+                f"lightning-snapshot cannot use its tiers, so training does not start: {agreed.text}"
             )
 
     def _setup_ram_tier(self, trainer: Any) -> None:
@@ -157,7 +157,12 @@ class FitSession:
                 ensure_agent(ram.node_dir, idle_timeout=ram.idle_timeout)
             except Exception as e:  # noqa: BLE001 - raised on every rank below
                 error = e
-        raise_together(self.comm, error, "starting the snapshot agent failed on another node (see its log)")
+        agree_on(
+            self.comm,
+            "starting the snapshot agent",
+            error=error,
+            elsewhere="starting the snapshot agent failed on another node (see its log)",
+        ).result()
         # the agent writes the durable tiers whose commit it can see from its node (not the node-local ones, whose
         # commit the trainers agree on over their process group)
         self.agent = AgentClient(

@@ -34,6 +34,16 @@ if [ -n "$long" ]; then
   echo "$long" >&2
   status=1
 fi
+# the ranks agree on an outcome in one place (comm.agree_on): no flag collective, raise-together or gather of
+# errors written by hand elsewhere (docs/architecture.md, "Agreement")
+echo "[lint] agreement" >&2
+raw=$(grep -rnE --include='*.py' '\.all_true(_each)?\(|raise_together\(|\.all_gather\(\(.*(error|problem)' \
+  lightning_snapshot backends | grep -v '^lightning_snapshot/comm.py:' || true)
+if [ -n "$raw" ]; then
+  echo "a flag collective written by hand (use comm.agree_on):" >&2
+  echo "$raw" >&2
+  status=1
+fi
 # import-linter reads the package from disk as it is installed: a copy with backends/ at lightning_snapshot/backends
 # (it does not follow the links of the mypy tree). The contracts are [tool.importlinter] in pyproject.toml.
 echo "[lint] import-linter" >&2

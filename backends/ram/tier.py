@@ -71,6 +71,7 @@ from lightning_snapshot.backends.ram.shares import (
     read_exactly,
     view_of,
 )
+from lightning_snapshot.comm import agree_on
 from lightning_snapshot.errors import ConfigError, SnapshotError, SnapshotNotFoundError, SnapshotWriteError
 
 __all__ = ["RamTier", "allocated_bytes", "default_shm_base"]
@@ -518,7 +519,7 @@ class RamTier(Backend):
                 error = e
             corrupt = isinstance(error, ChecksumError)
             if world > 1:
-                corrupt = not comm.all_true(not corrupt)  # on any rank
+                corrupt = not agree_on(comm, f"reading step {step} from the RAM tier", flags=[not corrupt]).flags[0]
             if corrupt and self.erasure is not None:
                 if getattr(comm, "rank", 0) == 0:
                     log.warning(

@@ -128,6 +128,8 @@ def test_a_crash_between_data_and_manifest_commits_nothing_and_a_later_commit_wo
         out = commit_all(kind, tier, 6, 2.0, before_commit={1: _fail_after_data})
         assert isinstance(out[1], RuntimeError)
         assert isinstance(out[0], SnapshotError)  # the other rank fails too, not left waiting
+        # told by the failing rank (its error named), not left to learn it by a timeout
+        assert "rank 1 died after writing its data" in str(out[0]), out[0]
     else:
         tier.abort_commit = True
         out = commit_all(kind, tier, 6, 2.0)
