@@ -450,7 +450,7 @@ def node_steps(tier: Backend, comm: Any) -> builtins.list[int]:
     Raises:
         SnapshotError: some node's listing failed.
     """
-    from lightning_snapshot.commit import committed_steps
+    from lightning_snapshot.committed import committed_steps
 
     mine: builtins.list[int] = []
     error: str | None = None

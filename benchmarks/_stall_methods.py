@@ -251,15 +251,15 @@ class DeviceCopies(Patches):
 
     def __init__(self) -> None:
         from lightning_snapshot.backends.ram import agent
-        from lightning_snapshot.staging import arena
+        from lightning_snapshot.staging import stager
 
         super().__init__()
         self.copies: list[tuple[int, float]] = []
         self.to_agent: dict[int, float] = {}
 
         def timed_copy(copy: Callable[..., Any]) -> Callable[..., Any]:
-            def wrapped(arena_self: Any, handle: Any, *args: Any, **kwargs: Any) -> Any:
-                out = copy(arena_self, handle, *args, **kwargs)
+            def wrapped(stager_self: Any, handle: Any, *args: Any, **kwargs: Any) -> Any:
+                out = copy(stager_self, handle, *args, **kwargs)
                 if handle.device_copy_seconds:
                     self.copies.append((handle.device_copy_bytes, handle.device_copy_seconds))
                 return out
@@ -273,7 +273,7 @@ class DeviceCopies(Patches):
 
             return wrapped
 
-        self.patch(arena.HostArena, "_copy", timed_copy)
+        self.patch(stager.Stager, "_copy", timed_copy)
         self.patch(agent.AgentClient, "staged", timed_staged)
 
 
@@ -282,20 +282,20 @@ class BackgroundCpu(Patches):
 
     Wall-clock overheads are at the mercy of other processes on a shared machine; CPU time is not. On 2 cores,
     where training keeps both busy, CPU time of the background threads is compute training loses. Wraps, for the
-    duration of a run, the functions each thread runs: the copy (``HostArena._copy``: memmove + staging checksums),
-    the allocation of arena buffers (``HostArena._grow``), and the persist thread's work per snapshot and tier
+    duration of a run, the functions each thread runs: the copy (``Stager._copy``: memmove + staging checksums),
+    the allocation of arena buffers (``SlotPool._grow``), and the persist thread's work per snapshot and tier
     (``_TierWorker._persist``: re-verifying the staged bytes, writing, committing, retention).
     """
 
     def __init__(self) -> None:
         from lightning_snapshot import persist
-        from lightning_snapshot.staging import arena
+        from lightning_snapshot.staging import pool, stager
 
         super().__init__()
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self._lock = threading.Lock()
-        for owner, name, label in ((arena.HostArena, "_copy", "copy"), (arena.HostArena, "_grow", "allocate"),
+        for owner, name, label in ((stager.Stager, "_copy", "copy"), (pool.SlotPool, "_grow", "allocate"),
                                    (persist._TierWorker, "_persist", "persist")):
             self.patch(owner, name, lambda original, label=label: self._wrap(original, label))
 

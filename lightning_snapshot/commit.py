@@ -25,13 +25,13 @@ from typing import Any, cast
 import lightning_snapshot
 from lightning_snapshot.backends.base import Backend, Distributing
 from lightning_snapshot.comm import PROBLEM_CHARS, Comm, agree_on, problem_text
+from lightning_snapshot.committed import committed_steps
 from lightning_snapshot.errors import SnapshotError, SnapshotWriteError
 from lightning_snapshot.manifest import (
     MANIFEST_NAME,
     RESTORES_NAME,
     Manifest,
     health_group,
-    parse_step_dirname,
     step_dirname,
 )
 from lightning_snapshot.planner import overlapping_boxes
@@ -65,16 +65,6 @@ class Commit:
 
 class _Committed(Exception):
     """The step was committed meanwhile (an earlier attempt): nothing more to do."""
-
-
-def committed_steps(backend: Backend) -> list[int]:
-    """Steps that have a committed manifest in ``backend``, newest first."""
-    steps = []
-    for name in backend.list(""):
-        step = parse_step_dirname(name)
-        if step is not None and backend.exists(f"{name}/{MANIFEST_NAME}"):
-            steps.append(step)
-    return sorted(steps, reverse=True)
 
 
 # ----------------------------------------------------------------------------------------------- merge

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_snapshot.staging import arena as arena_mod
+from lightning_snapshot.staging import cuda_host as arena_mod
 from lightning_snapshot.staging.arena import FAKE_REGISTER_ENV, HostArena
 from lightning_snapshot.capture import frozen_predicate
 from lightning_snapshot.staging import stage

@@ -25,6 +25,7 @@ from lightning_snapshot.capture import frozen_predicate
 from lightning_snapshot.backends import LocalTier
 from lightning_snapshot.comm import LocalComm
 from lightning_snapshot.staging import stage
+from lightning_snapshot.staging.pool import SlotPool
 from lightning_snapshot.writer import SnapshotJob, committed_steps, write_snapshot
 
 
@@ -312,7 +313,7 @@ def test_a_second_buffer_is_asked_for_as_many_steps_ahead_as_allocating_one_take
     """While the only buffer is still being persisted, the next one is allocated early enough to be ready when the
     snapshot is due: as many steps ahead as the last allocation took (here 0.2 s, 20 steps of 10 ms), not a fixed
     two steps (a GPT-2 medium snapshot on a GPU waited 1.2-4.4 s for a 4 GB buffer that was asked for too late)."""
-    new_slot, reserve = HostArena._new_slot, HostArena.reserve
+    new_slot, reserve = SlotPool._new_slot, HostArena.reserve
 
     def slow_new_slot(self, nbytes):
         time.sleep(0.2)
@@ -326,7 +327,7 @@ def test_a_second_buffer_is_asked_for_as_many_steps_ahead_as_allocating_one_take
             started.append(trainer.global_step)
         return ok
 
-    monkeypatch.setattr(HostArena, "_new_slot", slow_new_slot)
+    monkeypatch.setattr(SlotPool, "_new_slot", slow_new_slot)
     monkeypatch.setattr(HostArena, "reserve", spy_reserve)
 
     class Paced(Model):

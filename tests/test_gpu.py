@@ -54,7 +54,7 @@ def test_cuda_state_is_staged_into_registered_shared_memory_point_in_time():
         assert handle.state.tensors["model/2.weight"].dtype == torch.bfloat16
         # unregistered before it is unmapped; the memory is then ordinary (pageable) shared memory again
         arena.release(slot)
-        arena._unregister(slot)
+        arena.pool.registration.unregister(slot)
         assert slot.device is None and not slot.buffer.is_pinned()
     finally:
         arena.close()

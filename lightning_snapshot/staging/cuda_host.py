@@ -2,26 +2,38 @@
 
 One job: register and unregister a range of host memory with CUDA, reporting why when the driver refuses
 (:class:`HostRegisterError`), plus the no-op registrar :data:`FAKE_REGISTER_ENV` selects to run the CUDA arena path
-on machines without a GPU. Called by :class:`~lightning_snapshot.staging.arena.HostArena` (which looks the functions
-up in :mod:`~lightning_snapshot.staging.arena` at each call, where tests substitute them) and by the GPU tests.
+on machines without a GPU; and :class:`HostRegistration`, the arena's registrar (its own thread, one warning on the
+first failure). Used by :class:`~lightning_snapshot.staging.pool.SlotPool` (through :class:`HostRegistration`, which
+looks the functions up in this module at each call, where tests substitute them) and by the GPU tests.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import logging
 import os
 import resource
-from typing import Any
+import threading
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from lightning_snapshot.staging.slot import ArenaSlot
 
 __all__ = [
     "FAKE_REGISTER_ENV",
     "HostRegisterError",
+    "HostRegistration",
     "cuda_host_register",
     "cuda_host_unregister",
     "noop_host_register",
     "noop_host_unregister",
 ]
+
+log = logging.getLogger(__name__)
 
 #: ``cudaHostRegisterPortable``: the memory counts as page-locked for every CUDA context, not only the current one.
 _HOST_REGISTER_PORTABLE = 1
@@ -110,3 +122,78 @@ def _record_fake(line: str) -> None:
     if path:
         with open(path, "a", encoding="utf-8") as f:
             f.write(line + "\n")
+
+
+class HostRegistration:
+    """Registers arena slots with CUDA as page-locked memory, on a thread of its own that launches no CUDA work (see
+    :func:`cuda_host_register`), and unregisters them before they are unmapped. The first failure is reported once (a
+    warning naming the reason); nothing is registered after it (:attr:`failure`).
+
+    Under :data:`FAKE_REGISTER_ENV` the no-op registrars are used, looked up in this module at each call (tests
+    substitute them).
+    """
+
+    def __init__(self, lock: threading.Condition) -> None:
+        self._lock = lock
+        self.fake = bool(os.environ.get(FAKE_REGISTER_ENV))
+        self._thread: cf.ThreadPoolExecutor | None = None
+        #: Why registration failed (then nothing more is registered), or None.
+        self.failure: str | None = None
+
+    def _registrar(self) -> tuple[Callable[[int, int, int], None], Callable[[int, int], None]]:
+        """The (register, unregister) functions in use, looked up at each call (tests substitute them)."""
+        if self.fake:
+            return noop_host_register, noop_host_unregister
+        return cuda_host_register, cuda_host_unregister
+
+    def _on_thread(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)`` on the registration thread (it launches no CUDA work: see :func:`cuda_host_register`)
+        and wait for it; raises what ``fn`` raised."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-snapshot-cuda-host")
+            pool = self._thread
+        pool.submit(fn, *args).result()
+
+    def register(self, slot: ArenaSlot, device: int) -> None:
+        """Register ``slot`` for CUDA ``device`` once; on the first failure, warn once and register nothing more."""
+        if slot.device is not None or self.failure is not None or slot.capacity == 0:
+            return
+        register, _ = self._registrar()
+        try:
+            self._on_thread(register, slot.buffer.data_ptr(), slot.capacity, device)
+        except HostRegisterError as e:
+            with self._lock:
+                first = self.failure is None
+                self.failure = str(e)
+            if first:
+                warnings.warn(
+                    f"lightning-snapshot: could not page-lock the snapshot staging memory for CUDA: {e}. Snapshots"
+                    " are staged in unregistered (pageable) shared memory instead: device-to-host copies are slower"
+                    " and hold up the training thread while they run (the snapshot agent still maps the memory, so a"
+                    " staged snapshot still survives a crash). If a memory limit is the cause, raise it (ulimit -l,"
+                    " the container's locked-memory limit) or lower max_host_bytes.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            return
+        slot.device = device
+
+    def unregister(self, slot: ArenaSlot) -> None:
+        """Unregister ``slot`` from CUDA if it is registered; the buffer must still be mapped (it is: the slot holds
+        it)."""
+        if slot.device is None:
+            return
+        device, slot.device = slot.device, None
+        _, unregister = self._registrar()
+        try:
+            self._on_thread(unregister, slot.buffer.data_ptr(), device)
+        except HostRegisterError as e:
+            log.warning("lightning-snapshot: %s; the staging buffer is freed anyway", e)
+
+    def close(self) -> None:
+        """Stop the registration thread (after the slots were unregistered)."""
+        with self._lock:
+            pool, self._thread = self._thread, None
+        if pool is not None:
+            pool.shutdown(wait=True)

@@ -3,22 +3,26 @@
 One job: describe a snapshot's copy so it can be reused while the state holds the same tensors (:class:`_Plan`,
 checked with :func:`_key` and :meth:`_Plan.matches`), the copy kinds (background thread, training thread now, CUDA
 side stream, CUDA current stream), their grouping for a mixed plan (:func:`_split`), and the version counters that
-tell whether a tensor copied while training went on was changed in place (:func:`_versions`). Called by
-:class:`~lightning_snapshot.staging.arena.HostArena` (which builds plans) and
+tell whether a tensor copied while training went on was changed in place (:func:`_versions`); and how a plan is
+made (:func:`build_plan`: this rank's share, the layout, which tensors are watched, copied in bulk or gathered).
+Called by :class:`~lightning_snapshot.staging.arena.HostArena` (which builds plans) and
 :mod:`~lightning_snapshot.staging.transfer` (the fence reads the version counters).
 """
 
 from __future__ import annotations
 
+import contextlib
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from lightning_snapshot import tree as _tree
+from lightning_snapshot.planner import assign_writers, plan_layout
 from lightning_snapshot.staging import SMALL_HASH as _SMALL
-from lightning_snapshot.staging import local_tensor
+from lightning_snapshot.staging import local_tensor, prepare_tensors
 from lightning_snapshot.staging.gather import Gather
 from lightning_snapshot.staging.live import Encoded
 
@@ -35,6 +39,9 @@ _BULK_NOW_BYTES = 4 << 20
 #: (buffers, non-contiguous tensors), or on the CUDA side stream (frozen: overlapping the next forward; buffers: in
 #: the order of the current stream).
 _BACKGROUND, _NOW, _CUDA_FROZEN, _CUDA_NOW = 0, 1, 2, 3
+
+#: The alignment of each tensor inside a slot (the slot itself starts on a page).
+_ALIGN = 64
 
 
 @dataclass
@@ -202,3 +209,135 @@ def _split(entries: list[tuple[str, int, int, int, int]]) -> _Split:
         out.hashed.append((name, offset, nbytes))
         (out.now if how == _NOW else out.cuda_now).append(i)
     return out
+
+
+def build_plan(
+    tensors: dict[str, torch.Tensor],
+    frozen: Callable[[torch.Tensor], bool],
+    rank: int,
+    world_size: int,
+    frozen_key: Any = None,
+    *,
+    at_once: set[int],
+    chunk_bytes: int,
+    fake_register: bool,
+) -> tuple[_Plan, list[torch.Tensor]]:
+    """A new plan for ``tensors``, and the tensors to copy (in the order of its entries).
+
+    ``at_once``: storage addresses of tensors copied on the training thread whatever ``frozen`` says (they were
+    changed in place while copied in the background); ``chunk_bytes``: the checksum chunk size; ``fake_register``:
+    under :data:`~lightning_snapshot.staging.cuda_host.FAKE_REGISTER_ENV` (CPU state takes the CUDA path).
+    """
+    if at_once:
+        given = frozen
+
+        def frozen(t: torch.Tensor) -> bool:
+            return given(t) and _storage(t) not in at_once
+
+    items, aliases, shards = prepare_tensors(tensors)
+    names = list(tensors)
+    index = {n: i for i, n in enumerate(names)}
+    nbytes_of = {name: t.numel() * t.element_size() for name, t in items}
+    small = min(_BULK_BELOW, chunk_bytes + 1)  # (copied in bulk: one checksum chunk, hashed in one call)
+    # (before this rank's share is taken: every rank watches the same tensors, so they agree on a torn copy)
+    trained = [(name, t) for name, t in items if frozen(t)]
+    # the bulk: trained CPU tensors the copy thread would copy (contiguous) that are small
+    tiny = {name for name, t in trained if not t.is_cuda and t.is_contiguous() and nbytes_of[name] < small}
+    # (then the bulk is copied at once, and not watched; not for sharded state, whose local shards differ by rank:
+    # every rank must watch the same tensors)
+    bulk_now = not shards and sum(map(nbytes_of.__getitem__, tiny)) <= _BULK_NOW_BYTES
+    watch = [index[name] for name, _ in trained if not (bulk_now and name in tiny)]
+    if world_size > 1:
+        # Shards of sharded (DTensor) state are this rank's own and always written by it (prepare_tensors
+        # already dropped the replicas other ranks write). The rest is replicated: only parameters and optimizer
+        # state are identical on every rank; buffers (BatchNorm statistics) are not, so rank 0 writes those, as
+        # Lightning's own checkpoint would.
+        replicated = [i for i, (name, _) in enumerate(items) if name not in shards]
+        owners = assign_writers(
+            [nbytes_of[items[i][0]] for i in replicated],
+            world_size,
+            pinned=[None if frozen(items[i][1]) else 0 for i in replicated],
+        )
+        dropped = {i for i, owner in zip(replicated, owners, strict=True) if owner != rank}
+        items = [item for i, item in enumerate(items) if i not in dropped]
+        if rank != 0:  # rank 0 records the aliases of replicated tensors; every rank those of its shards
+            aliases = {a: c for a, c in aliases.items() if c in shards}
+    cacheable = (
+        not shards
+        and all(
+            type(tensors[name]) in _PLAIN
+            and t.data_ptr() == tensors[name].data_ptr()
+            and t.dtype == tensors[name].dtype
+            for name, t in items
+        )
+        and all(type(t) in _PLAIN for t in tensors.values())
+    )
+    # the bulk copied at once goes first, in one region of the slot: one gather copies it (see Gather)
+    gathered = bulk_now and cacheable and all(t.device.type == "cpu" for name, t in items if name in tiny)
+    if gathered:
+        items = [item for item in items if item[0] in tiny] + [item for item in items if item[0] not in tiny]
+    sizes = [(name, nbytes_of[name]) for name, _ in items]
+    # tensors 64-byte aligned inside the slot; the slot itself is page-aligned, so the whole region can be
+    # written with O_DIRECT in one go
+    placed, size = plan_layout(sizes, _ALIGN)
+    entries = []
+    for (name, t), (_, offset), (_, nbytes) in zip(items, placed, sizes, strict=True):
+        if t.is_cuda:
+            how = _CUDA_FROZEN if frozen(t) else _CUDA_NOW
+        elif frozen(t) and t.is_contiguous():
+            how = _BACKGROUND
+        else:
+            how = _NOW  # changes before the next optimizer step (buffers), or is not contiguous: copy now
+        entries.append((name, index[name], offset, nbytes, how))
+    sources = [t for _, t in items]
+    keys = [_key(t) for t in tensors.values()] if cacheable else []
+    # (the same on every rank: which watched tensors are copied through the tensor object, if this rank copies them)
+    by_object = {name for name, t in trained if t.is_cuda or name in tiny}
+    watch_moved = [k for k, i in enumerate(watch) if names[i] in by_object]
+    plan = _Plan(
+        names,
+        keys,
+        entries,
+        aliases,
+        shards,
+        size,
+        register_device(sources, fake_register),
+        cacheable,
+        [(name, offset, nbytes) for name, _, offset, nbytes, _ in entries],
+        [
+            (name, offset, t.data_ptr(), nbytes)
+            for (name, _, offset, nbytes, how), t in zip(entries, sources, strict=True)
+            if how == _BACKGROUND and name not in tiny
+        ],
+        any(how != _BACKGROUND for *_, how in entries),
+        watch=watch,
+        watch_names=[names[i] for i in watch],
+        watch_moved=watch_moved,
+        watch_ptrs=[keys[watch[k]][1] for k in watch_moved] if keys else None,
+        held=[i for i, (name, _, _, _, how) in enumerate(entries) if how == _BACKGROUND and name not in tiny],
+        frozen_key=frozen_key,
+        bulk=[i for i, (name, *_) in enumerate(entries) if name in tiny],
+        bulk_now=bulk_now,
+    )
+    plan.bulk_hashed = [(plan.entries[i][0], plan.entries[i][2], plan.entries[i][3]) for i in plan.bulk]
+    plan.bulk_names = [plan.entries[i][0] for i in plan.bulk]
+    plan.sources = [i for _, i, _, _, _ in entries]
+    if gathered and plan.bulk:
+        bulk = [(sources[i], entries[i]) for i in plan.bulk]
+        with contextlib.suppress(ValueError):  # (then the per-tensor copy)
+            plan.gather = Gather(
+                [t.data_ptr() for t, _ in bulk],
+                [e[3] for _, e in bulk],
+                [e[2] for _, e in bulk],
+                max(e[2] + e[3] for _, e in bulk),
+            )
+    return plan, sources
+
+
+def register_device(sources: list[torch.Tensor], fake_register: bool) -> int | None:
+    """The CUDA device slots are registered for: that of the first CUDA tensor among ``sources``; None when
+    there is none (under :data:`FAKE_REGISTER_ENV`: device 0 then, so CPU state takes the CUDA path)."""
+    for t in sources:
+        if t.is_cuda:
+            return t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return 0 if fake_register else None

@@ -19,13 +19,13 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_snapshot import SnapshotCallback
 from lightning_snapshot.backends import LocalTier
-from lightning_snapshot.staging.arena import HostArena
+from lightning_snapshot.staging.stager import Stager
 
 p = argparse.ArgumentParser()
 p.add_argument("--dir", required=True)
 a = p.parse_args()
 
-copy = HostArena._copy
+copy = Stager._copy
 
 
 def slow_copy(self, handle, *args, **kwargs):  # (a copy that outlasts the next batch, as a large model's does)
@@ -34,7 +34,7 @@ def slow_copy(self, handle, *args, **kwargs):  # (a copy that outlasts the next 
     return copy(self, handle, *args, **kwargs)
 
 
-HostArena._copy = slow_copy  # type: ignore[method-assign]
+Stager._copy = slow_copy  # type: ignore[method-assign]
 
 
 class StopAfterAccumulating(Callback):

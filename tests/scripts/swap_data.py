@@ -21,9 +21,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_snapshot import SnapshotCallback, load_snapshot
 from lightning_snapshot.backends import LocalTier
-from lightning_snapshot.staging.arena import HostArena
+from lightning_snapshot.staging.stager import Stager
 
-copy = HostArena._copy
+copy = Stager._copy
 
 
 def late(self, *args, **kwargs):
@@ -31,7 +31,7 @@ def late(self, *args, **kwargs):
     return copy(self, *args, **kwargs)
 
 
-HostArena._copy = late
+Stager._copy = late
 
 
 class Swapping(L.LightningModule):

@@ -469,7 +469,7 @@ def test_the_fast_path_of_whole_tensors_accepts_and_refuses_exactly_what_the_ful
 
 def _entry_by_entry(text: str) -> object:
     """:func:`_outcome` with the column check of whole tensors turned off (every entry parsed one by one)."""
-    from lightning_snapshot import manifest as manifest_module
+    from lightning_snapshot import manifest_decode as manifest_module
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(manifest_module, "whole_tensor_columns", lambda *args: None)
@@ -529,7 +529,7 @@ def test_the_column_check_accepts_and_refuses_exactly_what_the_entry_by_entry_pa
     elif mutation is not None:
         _MUTATIONS[mutation](victim, victim["fragments"][0])
     text = json.dumps(raw)
-    from lightning_snapshot import manifest as manifest_module
+    from lightning_snapshot import manifest_decode as manifest_module
 
     taken = []
     real_check = manifest_module.whole_tensor_columns
