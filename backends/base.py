@@ -5,8 +5,9 @@ session.py (checks, set-up), writer.py and persist.py (write, commit, retention)
 reporting.py, ops.py and export.py, and the RAM tier's agent when it writes the durable tiers.
 
 A backend stores opaque objects under '/'-separated keys relative to its root and knows nothing about tensors or
-manifests. The engine asks it what it is (:attr:`Backend.tier`, :attr:`Backend.durable`) and when it is due
-(:meth:`Backend.is_due`); it never checks concrete classes.
+manifests. The engine asks it what it is (:attr:`Backend.tier`, :attr:`Backend.durable`); it never checks concrete
+classes. A tier keeps its schedule's options as plain data (:attr:`Backend.schedule_options`); the callback's
+configuration builds the schedule from them (:mod:`lightning_snapshot.schedule`), which holds no part of it here.
 
 Capabilities are declared, never probed with ``getattr``. Every optional feature a tier may have is declared here
 with a documented default that means "this tier does not do it", so the engine uses it directly:
@@ -39,7 +40,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 from lightning_snapshot.errors import ConfigError, SnapshotError, TierUnavailableError
-from lightning_snapshot.schedule import DEFAULT_EVERY_N_TRAIN_STEPS, TierSchedule
+from lightning_snapshot.interval import DEFAULT_EVERY_N_TRAIN_STEPS, ScheduleOptions
 
 __all__ = ["DEFAULT_EVERY_N_TRAIN_STEPS", "DEFAULT_KEEP_LAST", "Backend", "Distributing", "LayoutSettling"]
 
@@ -62,8 +63,8 @@ class Backend(abc.ABC):
             ``train_time_interval`` is given, it defaults to ``DEFAULT_EVERY_N_TRAIN_STEPS`` (100). ``"auto"``: the
             callback picks the interval, in steps since the tier's last snapshot, from Young/Daly's
             ``sqrt(2 x cost x MTBF)`` with the tier's measured cost and the callback's ``mtbf``, and re-estimates it
-            as training runs (see :mod:`lightning_snapshot.interval`); the attribute then holds the interval in use
-            (first ``FIRST_AUTO_INTERVAL`` = 10 steps, within the bounds) and :attr:`auto_every` is True.
+            as training runs (see :mod:`lightning_snapshot.interval`); the attribute then holds the first interval
+            (``FIRST_AUTO_INTERVAL`` = 10 steps, within the bounds) and :attr:`auto_every` is True.
         train_time_interval: also snapshot when this much wall time passed since the last snapshot of the tier
             (a ``datetime.timedelta`` or seconds as a number).
         keep_last: how many committed snapshots the tier keeps (>= 1), or ``None`` to keep all. The newest
@@ -192,33 +193,37 @@ class Backend(abc.ABC):
         min_every: int | None = None,
         max_every: int | None = None,
     ) -> None:
-        self.schedule = TierSchedule(every_n_train_steps, train_time_interval, min_every, max_every)
+        #: the schedule options, validated: plain data (the callback's configuration builds the tier's schedule from
+        #: them, and that schedule holds the interval in use)
+        self.schedule_options = ScheduleOptions.of(every_n_train_steps, train_time_interval, min_every, max_every)
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise ConfigError(f"keep_last must be an integer >= 1, or None to keep every snapshot, got {keep_last!r}")
         self.keep_last = keep_last
 
-    # (the schedule's configuration, read-only: the callback's schedule owns the interval in use)
+    # (the schedule's options, read-only; the interval in use is the callback's: ``SnapshotCallback`` builds each
+    # tier's schedule from these)
     @property
     def every_n_train_steps(self) -> int | None:
-        """The step interval in use (with ``"auto"``: the one last chosen), or None (by time only)."""
-        return self.schedule.every
+        """The step interval the tier starts with (with ``"auto"``: the first one, which the callback's schedule then
+        re-estimates), or None (by time only)."""
+        return self.schedule_options.every
 
     @property
     def auto_every(self) -> bool:
         """Whether ``every_n_train_steps="auto"`` was asked for."""
-        return self.schedule.auto
+        return self.schedule_options.auto
 
     @property
     def train_time_interval(self) -> _dt.timedelta | None:
-        return self.schedule.time_interval
+        return self.schedule_options.time_interval
 
     @property
     def min_every(self) -> int:
-        return self.schedule.min_every
+        return self.schedule_options.min_every
 
     @property
     def max_every(self) -> int | None:
-        return self.schedule.max_every
+        return self.schedule_options.max_every
 
     # ------------------------------------------------------------------------------------------- pickling
     #: Attributes that belong to one process (locks, open handles, clients, counters): left out when the tier is
@@ -244,15 +249,17 @@ class Backend(abc.ABC):
 
     # ------------------------------------------------------------------------------------------- schedule
     def is_due(self, step: int, seconds_since_last: float | None, steps_since_last: int | None = None) -> bool:
-        """Whether a snapshot of ``step`` is due in this tier.
+        """Whether a snapshot of ``step`` is due in this tier, by its options (with ``"auto"``: at the first interval;
+        a fit decides with its own schedule of the tier, which holds the interval in use).
 
         Args:
             step: the trainer's ``global_step`` after the optimizer step that just finished.
             seconds_since_last: wall time since this tier's last snapshot (or since training started).
             steps_since_last: optimizer steps since this tier's last snapshot in this fit (or since it started);
-                with ``every_n_train_steps="auto"`` the snapshot is due when it reaches the interval in use.
+                with ``every_n_train_steps="auto"`` the snapshot is due when it reaches the interval.
         """
-        return self.schedule.is_due(step, seconds_since_last, steps_since_last)
+        options = self.schedule_options
+        return options.is_due(step, seconds_since_last, steps_since_last, options.every)
 
     # ------------------------------------------------------------------------------------------- identity
     @property

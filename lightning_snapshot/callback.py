@@ -230,7 +230,7 @@ class SnapshotCallback(Checkpoint):
         if any(t.auto_every for t in config.tiers):
             mtbf = config.mtbf if config.mtbf is not None else default_mtbf(getattr(trainer, "num_nodes", 1) or 1)
             log.debug("lightning-snapshot: every='auto' with a job MTBF of %.0f s", mtbf)
-        self._schedule = FitSchedule(config.tiers, mtbf, time.monotonic())
+        self._schedule = FitSchedule(config.tiers, config.schedules, mtbf, time.monotonic())
         assert session.arena is not None and session.persister is not None
         self._pipeline = SnapshotPipeline(
             config,

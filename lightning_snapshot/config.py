@@ -24,6 +24,7 @@ from lightning_snapshot.backends.registry import parse_tier
 from lightning_snapshot.errors import ConfigError
 from lightning_snapshot.interval import parse_duration
 from lightning_snapshot.preempt import DEFAULT_SIGNALS, parse_signals
+from lightning_snapshot.schedule import TierSchedule
 
 __all__ = ["ON_ERROR", "ON_REPLICA_MISMATCH", "REQUIRED", "SnapshotConfig", "option"]
 
@@ -149,11 +150,17 @@ class SnapshotConfig:
     on_replica_mismatch: str = option("warn", _one_of("on_replica_mismatch", ON_REPLICA_MISMATCH))
     #: the signal numbers the fit owns as a preemption notice (empty: Lightning's own handling)
     preemption_signals: tuple[int, ...] = option(DEFAULT_SIGNALS, parse_signals)
+    #: not an option: each tier's schedule, built from the tier's options (:attr:`Backend.schedule_options`); it holds
+    #: the interval in use, which ``every_n_train_steps="auto"`` re-estimates, from one fit of the callback to the next
+    schedules: tuple[TierSchedule, ...] = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "schedules", tuple(TierSchedule.of(t.schedule_options) for t in self.tiers))
 
     @classmethod
     def options(cls) -> tuple[dataclasses.Field[Any], ...]:
         """The declared options, in order (each field's ``metadata`` holds its default, check and settable)."""
-        return dataclasses.fields(cls)
+        return tuple(f for f in dataclasses.fields(cls) if "check" in f.metadata)
 
     @classmethod
     def create(cls, tiers: Any = REQUIRED, **options: Any) -> SnapshotConfig:
@@ -179,8 +186,12 @@ class SnapshotConfig:
         return cls(**values)
 
     def replace(self, **changes: Any) -> SnapshotConfig:
-        """This configuration with some options changed, validated as in :meth:`create`."""
-        return self.create(**{**self.given(), **changes})
+        """This configuration with some options changed, validated as in :meth:`create` (the tiers, which cannot
+        change, keep their schedules)."""
+        config = self.create(**{**self.given(), **changes})
+        if config.tiers == self.tiers:
+            object.__setattr__(config, "schedules", self.schedules)
+        return config
 
     def given(self) -> dict[str, Any]:
         """The options as :meth:`create` takes them (they validate again to this configuration)."""
