@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_snapshot.backends.base import Backend
+from lightning_snapshot.backends.base import Backend, NodeAgentHosting
 from lightning_snapshot.backends.registry import parse_tier
 from lightning_snapshot.errors import ConfigError
 from lightning_snapshot.interval import parse_duration
@@ -57,7 +57,7 @@ def _tiers(tiers: Any) -> tuple[Backend, ...]:
     if not isinstance(tiers, Sequence) or not tiers:
         raise ConfigError(f"tiers must be a tier URL, a Backend or a non-empty list of them, got {tiers!r}")
     backends = tuple(parse_tier(t) for t in tiers)
-    if sum(1 for t in backends if t.tier == "ram") > 1:
+    if sum(1 for t in backends if isinstance(t, NodeAgentHosting)) > 1:
         raise ConfigError("SnapshotCallback takes at most one RAM tier (one agent per node and run)")
     return backends
 
