@@ -5,8 +5,9 @@ session.py (checks, set-up), writer.py and persist.py (write, commit, retention)
 reporting.py, ops.py and export.py, and the RAM tier's agent when it writes the durable tiers.
 
 A backend stores opaque objects under '/'-separated keys relative to its root and knows nothing about tensors or
-manifests. The engine asks it what it is (:attr:`Backend.tier`, :attr:`Backend.durable`) and when it is due
-(:meth:`Backend.is_due`); it never checks concrete classes.
+manifests. The engine asks it what it is (:attr:`Backend.tier`, :attr:`Backend.durable`); it never checks concrete
+classes. A tier keeps its schedule's options as plain data (:attr:`Backend.schedule_options`); the callback's
+configuration builds the schedule from them (:mod:`lightning_snapshot.schedule`), which holds no part of it here.
 
 Capabilities are declared, never probed with ``getattr``. Every optional feature a tier may have is declared here
 with a documented default that means "this tier does not do it", so the engine uses it directly:
@@ -22,7 +23,10 @@ with a documented default that means "this tier does not do it", so the engine u
 * behaviours that add a collective step or a set-up step, which a tier either has or not, as runtime-checkable
   protocols the engine tests with ``isinstance``: :class:`Distributing` (``distribute``: place the data over the
   nodes before the commit) and :class:`LayoutSettling` (``bind`` and ``settle_layout``: learn the node's place and
-  whether the tier's directory is shared). A default there would add a collective or a set-up step to every tier.
+  whether the tier's directory is shared), and :class:`NodeAgentHosting` (the tier's data is held by a per-node agent
+  process that outlives the trainer and writes the durable tiers: :meth:`NodeAgentHosting.connect_agent` gives the
+  engine a :class:`NodeAgent`, which it tells of each staged snapshot through the typed :class:`AgentJob`). A default
+  there would add a collective or a set-up step to every tier.
 """
 
 from __future__ import annotations
@@ -36,13 +40,29 @@ import os
 import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 from lightning_snapshot.comm import agree_on
 from lightning_snapshot.errors import ConfigError, SnapshotError, TierUnavailableError
-from lightning_snapshot.schedule import DEFAULT_EVERY_N_TRAIN_STEPS, TierSchedule
+from lightning_snapshot.interval import DEFAULT_EVERY_N_TRAIN_STEPS, ScheduleOptions
 
-__all__ = ["DEFAULT_EVERY_N_TRAIN_STEPS", "DEFAULT_KEEP_LAST", "Backend", "Distributing", "LayoutSettling"]
+if TYPE_CHECKING:
+    import threading
+    from collections.abc import Sequence
+
+    from lightning_snapshot.staging import StagedState
+
+__all__ = [
+    "DEFAULT_EVERY_N_TRAIN_STEPS",
+    "DEFAULT_KEEP_LAST",
+    "AgentJob",
+    "Backend",
+    "Distributing",
+    "LayoutSettling",
+    "NodeAgent",
+    "NodeAgentHosting",
+    "SharedSlot",
+]
 
 DEFAULT_KEEP_LAST = 3
 
@@ -63,8 +83,8 @@ class Backend(abc.ABC):
             ``train_time_interval`` is given, it defaults to ``DEFAULT_EVERY_N_TRAIN_STEPS`` (100). ``"auto"``: the
             callback picks the interval, in steps since the tier's last snapshot, from Young/Daly's
             ``sqrt(2 x cost x MTBF)`` with the tier's measured cost and the callback's ``mtbf``, and re-estimates it
-            as training runs (see :mod:`lightning_snapshot.interval`); the attribute then holds the interval in use
-            (first ``FIRST_AUTO_INTERVAL`` = 10 steps, within the bounds) and :attr:`auto_every` is True.
+            as training runs (see :mod:`lightning_snapshot.interval`); the attribute then holds the first interval
+            (``FIRST_AUTO_INTERVAL`` = 10 steps, within the bounds) and :attr:`auto_every` is True.
         train_time_interval: also snapshot when this much wall time passed since the last snapshot of the tier
             (a ``datetime.timedelta`` or seconds as a number).
         keep_last: how many committed snapshots the tier keeps (>= 1), or ``None`` to keep all. The newest
@@ -86,6 +106,9 @@ class Backend(abc.ABC):
     durable: ClassVar[bool] = True
     #: What to do when :meth:`check` finds the tier unusable (the end of its error message).
     check_hint: ClassVar[str] = "fix the tier's location or permissions, or remove it from the tiers"
+    #: Whether a slower tier that snapshots the same step uploads this tier's committed files byte for byte instead
+    #: of writing from the staging buffer, which this tier then frees sooner (files on a local disk).
+    copy_source: ClassVar[bool] = False
     #: How many ``read_into`` calls the engine may make at once, from different threads (restores read large
     #: snapshots in parallel where the backend allows it; 1: one call at a time).
     parallel_reads: ClassVar[int] = 1
@@ -193,33 +216,37 @@ class Backend(abc.ABC):
         min_every: int | None = None,
         max_every: int | None = None,
     ) -> None:
-        self.schedule = TierSchedule(every_n_train_steps, train_time_interval, min_every, max_every)
+        #: the schedule options, validated: plain data (the callback's configuration builds the tier's schedule from
+        #: them, and that schedule holds the interval in use)
+        self.schedule_options = ScheduleOptions.of(every_n_train_steps, train_time_interval, min_every, max_every)
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise ConfigError(f"keep_last must be an integer >= 1, or None to keep every snapshot, got {keep_last!r}")
         self.keep_last = keep_last
 
-    # (the schedule's configuration, read-only: the callback's schedule owns the interval in use)
+    # (the schedule's options, read-only; the interval in use is the callback's: ``SnapshotCallback`` builds each
+    # tier's schedule from these)
     @property
     def every_n_train_steps(self) -> int | None:
-        """The step interval in use (with ``"auto"``: the one last chosen), or None (by time only)."""
-        return self.schedule.every
+        """The step interval the tier starts with (with ``"auto"``: the first one, which the callback's schedule then
+        re-estimates), or None (by time only)."""
+        return self.schedule_options.every
 
     @property
     def auto_every(self) -> bool:
         """Whether ``every_n_train_steps="auto"`` was asked for."""
-        return self.schedule.auto
+        return self.schedule_options.auto
 
     @property
     def train_time_interval(self) -> _dt.timedelta | None:
-        return self.schedule.time_interval
+        return self.schedule_options.time_interval
 
     @property
     def min_every(self) -> int:
-        return self.schedule.min_every
+        return self.schedule_options.min_every
 
     @property
     def max_every(self) -> int | None:
-        return self.schedule.max_every
+        return self.schedule_options.max_every
 
     # ------------------------------------------------------------------------------------------- pickling
     #: Attributes that belong to one process (locks, open handles, clients, counters): left out when the tier is
@@ -245,15 +272,17 @@ class Backend(abc.ABC):
 
     # ------------------------------------------------------------------------------------------- schedule
     def is_due(self, step: int, seconds_since_last: float | None, steps_since_last: int | None = None) -> bool:
-        """Whether a snapshot of ``step`` is due in this tier.
+        """Whether a snapshot of ``step`` is due in this tier, by its options (with ``"auto"``: at the first interval;
+        a fit decides with its own schedule of the tier, which holds the interval in use).
 
         Args:
             step: the trainer's ``global_step`` after the optimizer step that just finished.
             seconds_since_last: wall time since this tier's last snapshot (or since training started).
             steps_since_last: optimizer steps since this tier's last snapshot in this fit (or since it started);
-                with ``every_n_train_steps="auto"`` the snapshot is due when it reaches the interval in use.
+                with ``every_n_train_steps="auto"`` the snapshot is due when it reaches the interval.
         """
-        return self.schedule.is_due(step, seconds_since_last, steps_since_last)
+        options = self.schedule_options
+        return options.is_due(step, seconds_since_last, steps_since_last, options.every)
 
     # ------------------------------------------------------------------------------------------- identity
     @property
@@ -439,6 +468,109 @@ class LayoutSettling(Protocol):
 
     def settle_layout(self, comm: Any, run_id: str) -> str:
         """Decide whether the directory is shared or node-local (collective); returns how it was settled."""
+
+
+class SharedSlot(Protocol):
+    """Host memory a snapshot is staged in, as a node agent maps it (the staging arena's slot)."""
+
+    @property
+    def fd(self) -> int:
+        """The shared-memory file behind the slot, which the agent maps; -1 when there is none (anonymous memory)."""
+
+    @property
+    def capacity(self) -> int:
+        """Its size in bytes."""
+
+
+class AgentJob(Protocol):
+    """A staged snapshot, as the engine tells a :class:`NodeAgent` of it (the persist thread's job)."""
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def epoch(self) -> int: ...
+
+    @property
+    def tiers(self) -> builtins.list[Backend]:
+        """The tiers it is due in."""
+
+    @property
+    def slot(self) -> SharedSlot | None:
+        """Where its shared state is staged; None when it is not in a slot (then no agent can write it)."""
+
+    @property
+    def shared_state(self) -> StagedState | None:
+        """The layout of the shared state (the tensors) staged in :attr:`slot`."""
+
+    @property
+    def private(self) -> StagedState:
+        """This rank's own small state (sent inline)."""
+
+    @property
+    def replicas(self) -> dict[str, Any] | None:
+        """The replica check's outcome for the manifest, or None."""
+
+
+class NodeAgent(Protocol):
+    """A trainer rank's link to its node's agent, as the engine uses it (made by
+    :meth:`NodeAgentHosting.connect_agent`). Thread-safe: the persist threads and the training thread call it."""
+
+    @property
+    def linked(self) -> bool:
+        """Whether the link still works (the ranks agree on it at each hand-over)."""
+
+    def handles(self, job: AgentJob, tier: Backend) -> bool:
+        """Whether the agent writes ``job`` to ``tier`` (a durable tier it was told of, ``job`` staged in a slot it
+        can map)."""
+
+    def persist(self, job: AgentJob, tier: Backend, stop: threading.Event) -> tuple[int, float]:
+        """Have the agent write ``job`` to ``tier``; returns (bytes, seconds) once committed.
+
+        Raises:
+            SnapshotWriteError: it failed (the caller may retry).
+            AgentError: the agent stopped answering.
+            TimeoutError: ``stop`` was set meanwhile (the agent finishes the write on its own).
+        """
+
+    def staged(self, job: AgentJob) -> None:
+        """``job`` is staged (its copy finished): the agent writes it if this trainer dies before releasing it."""
+
+    def release(self, slot: SharedSlot, ok: bool) -> None:
+        """Every tier is done with ``slot`` (``ok``: all committed it)."""
+
+    def close(self) -> None:
+        """End the link (the agent keeps what it holds)."""
+
+
+@runtime_checkable
+class NodeAgentHosting(Protocol):
+    """A tier whose data a per-node agent process holds (the RAM tier): the agent outlives the trainer and writes the
+    durable tiers, so a snapshot staged before a crash still reaches them. At most one per callback.
+
+    Set-up (session.py, every rank): rank 0's :meth:`propose_name` is broadcast, :meth:`bind` places the tier, the
+    node's first rank (:attr:`Backend.node_leader`) calls :meth:`start_agent` (the ranks agree on the outcome), then
+    :meth:`connect_agent` links this rank; the persist threads use the :class:`NodeAgent` it returns.
+    """
+
+    def propose_name(self, others: Sequence[str]) -> str:
+        """The run's name this rank proposes when none was given (``others``: the URLs of the callback's other
+        tiers); rank 0's is used."""
+
+    def bind(self, *, node_rank: int, num_nodes: int, local_rank: int, ranks_per_node: int, default_name: str) -> None:
+        """Place the tier in the job (every rank, at set-up)."""
+
+    def start_agent(self) -> None:
+        """Start the node's agent unless one runs (the node's first rank).
+
+        Raises:
+            SnapshotError: it did not start (its log says why).
+        """
+
+    def connect_agent(
+        self, *, rank: int, world_size: int, run_id: str, tiers: Sequence[Backend], part_wait: float
+    ) -> NodeAgent:
+        """Link this rank to its node's agent, which will write ``tiers`` (durable, shared ones) for it."""
 
 
 def node_steps(tier: Backend, comm: Any) -> builtins.list[int]:

@@ -131,6 +131,7 @@ class LocalTier(Backend):
     """
 
     tier = "local"
+    copy_source = True
     durable = True
     root: Path  # (the declared capabilities this tier always has, with their types here)
     bytes_read: int

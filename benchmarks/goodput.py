@@ -144,7 +144,7 @@ def _worker(a: argparse.Namespace) -> None:  # noqa: C901 - one training run per
             from lightning_snapshot.metrics import tier_metric_names
 
             costs = [logged.get(f"snapshot/{name}/cost_ms") for name in tier_metric_names(snap.tiers)]
-            stats = {"intervals": [t.every_n_train_steps for t in snap.tiers],
+            stats = {"intervals": [s.every for s in snap.config.schedules],
                      # the mean of what the callback's cost meter logged (snapshot/<tier>/cost_ms), per tier
                      "costs_s": [sum(c) / len(c) / 1e3 if c else None for c in costs],
                      "metrics_mean": {k: sum(v) / len(v) for k, v in logged.items()}}

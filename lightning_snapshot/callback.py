@@ -10,12 +10,11 @@ fence, hand over) and :mod:`~lightning_snapshot.reporting` (metrics, warnings, t
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import signal
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
@@ -41,29 +40,38 @@ __all__ = ["DDP_LAYOUT_ENV", "SnapshotCallback"]
 
 log = logging.getLogger(__name__)
 
+_C = TypeVar("_C")
+
 
 class _Option:
-    """A read-only view of one field of the callback's :class:`~lightning_snapshot.config.SnapshotConfig`."""
+    """A read-only view of one field of the callback's :class:`~lightning_snapshot.config.SnapshotConfig`, made for
+    every declared option by :func:`_options`."""
 
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
+    def __init__(self, name: str, settable: bool) -> None:
+        self.name, self.settable = name, settable
 
     def __get__(self, obj: Any, owner: type | None = None) -> Any:
         if obj is None:
             return self
         value = getattr(obj.config, self.name)
-        return list(value) if self.name == "tiers" else value
+        return value if self.settable else list(value)  # (the tiers: a list, as given)
 
     def __set__(self, obj: Any, value: Any) -> None:
         """A new configuration with this option changed, validated as in ``__init__`` (between fits only)."""
-        if self.name == "tiers" or obj._session is not None:
+        if not self.settable or obj._session is not None:
             raise AttributeError(f"SnapshotCallback.{self.name} cannot change now: make a new SnapshotCallback")
-        options = {f.name: getattr(obj.config, f.name) for f in dataclasses.fields(obj.config)}
-        options[self.name] = value
-        obj.config = SnapshotConfig.create(**options)
+        obj.config = obj.config.replace(**{self.name: value})
         obj._reporter.on_error = obj.config.on_error
 
 
+def _options(cls: type[_C]) -> type[_C]:
+    """Give ``cls`` an attribute per option declared by :class:`~lightning_snapshot.config.SnapshotConfig`."""
+    for f in SnapshotConfig.options():
+        setattr(cls, f.name, _Option(f.name, f.metadata["settable"]))
+    return cls
+
+
+@_options
 class SnapshotCallback(Checkpoint):
     """Take snapshots of the complete training state into one or more tiers, and resume from them.
 
@@ -145,21 +153,6 @@ class SnapshotCallback(Checkpoint):
     any of them, at any world size: each rank reads only the bytes of its own shards.
     """
 
-    tiers = _Option()
-    resume = _Option()
-    on_error = _Option()
-    max_host_bytes = _Option()
-    chunk_bytes = _Option()
-    sigterm_grace = _Option()
-    collective_timeout = _Option()
-    shutdown_timeout = _Option()
-    resume_unhealthy = _Option()
-    max_restores = _Option()
-    mtbf = _Option()
-    replica_check = _Option()
-    on_replica_mismatch = _Option()
-    preemption_signals = _Option()
-
     def __init__(
         self,
         tiers: str | Backend | Sequence[str | Backend],
@@ -178,22 +171,8 @@ class SnapshotCallback(Checkpoint):
         on_replica_mismatch: str = "warn",
         preemption_signals: str | int | Sequence[str | int] | None = ("SIGTERM",),
     ) -> None:
-        self.config = SnapshotConfig.create(
-            tiers,
-            resume=resume,
-            on_error=on_error,
-            max_host_bytes=max_host_bytes,
-            chunk_bytes=chunk_bytes,
-            sigterm_grace=sigterm_grace,
-            collective_timeout=collective_timeout,
-            shutdown_timeout=shutdown_timeout,
-            resume_unhealthy=resume_unhealthy,
-            max_restores=max_restores,
-            mtbf=mtbf,
-            replica_check=replica_check,
-            on_replica_mismatch=on_replica_mismatch,
-            preemption_signals=preemption_signals,
-        )
+        # (the keywords are the options SnapshotConfig declares: tests/unit/test_config.py holds them to each other)
+        self.config = SnapshotConfig.create(**SnapshotConfig.pick(locals()))
         self._reporter = Reporter(self.config.tiers, self.config.on_error)
         self._loaders = FitLoaders()
         self._init_fit()
@@ -220,7 +199,7 @@ class SnapshotCallback(Checkpoint):
 
     @property
     def state_key(self) -> str:
-        return f"SnapshotCallback{{tiers={[t.url for t in self.tiers]}}}"
+        return f"SnapshotCallback{{tiers={[t.url for t in self.config.tiers]}}}"
 
     @property
     def _meter(self) -> Any:
@@ -251,7 +230,7 @@ class SnapshotCallback(Checkpoint):
         if any(t.auto_every for t in config.tiers):
             mtbf = config.mtbf if config.mtbf is not None else default_mtbf(getattr(trainer, "num_nodes", 1) or 1)
             log.debug("lightning-snapshot: every='auto' with a job MTBF of %.0f s", mtbf)
-        self._schedule = FitSchedule(config.tiers, mtbf, time.monotonic())
+        self._schedule = FitSchedule(config.tiers, config.schedules, mtbf, time.monotonic())
         assert session.arena is not None and session.persister is not None
         self._pipeline = SnapshotPipeline(
             config,

@@ -13,22 +13,31 @@ Everything here is pure (no torch, no collectives): the callback's schedule (sch
 feeds it times and decides *when* (at snapshot steps every rank agrees on) and *on which rank* (rank 0, then a
 broadcast) the intervals change. Also used by config.py and backends/registry.py (durations, ``"auto"``), the
 callback (the default MTBF), and ``lightning-snapshot plan`` (plan.py, simulate.py).
+
+:class:`ScheduleOptions` is a tier's schedule as its constructor was given it (``every_n_train_steps``,
+``train_time_interval``, ``min_every``, ``max_every``), validated, and the due rule: plain data that the tier keeps.
+The callback's configuration builds each tier's schedule from it (:class:`~lightning_snapshot.schedule.TierSchedule`,
+which holds the interval in use).
 """
 
 from __future__ import annotations
 
+import datetime as _dt
 import math
 import re
 import statistics
 from collections import deque
+from dataclasses import dataclass
 
 from lightning_snapshot.errors import ConfigError
 
 __all__ = [
     "AUTO",
+    "DEFAULT_EVERY_N_TRAIN_STEPS",
     "DEFAULT_NODE_MTBF_S",
     "FIRST_AUTO_INTERVAL",
     "CostMeter",
+    "ScheduleOptions",
     "default_mtbf",
     "parse_duration",
     "young_daly_seconds",
@@ -43,6 +52,8 @@ DEFAULT_NODE_MTBF_S = 6000 * 3600.0
 #: Steps before the first snapshot of an ``every="auto"`` tier (within ``min_every``/``max_every``): the first
 #: snapshot is what measures the cost, and the steps before it measure the step time.
 FIRST_AUTO_INTERVAL = 10
+#: The step interval of a tier given neither ``every_n_train_steps`` nor ``train_time_interval``.
+DEFAULT_EVERY_N_TRAIN_STEPS = 100
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)?\s*$")
 _UNIT = {None: 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -65,6 +76,83 @@ def parse_duration(value: object, option: str) -> float:
             f'{option} must be a positive duration: seconds (14400) or a number with s, m, h or d ("4h"), got {value!r}'
         )
     return seconds
+
+
+@dataclass(frozen=True)
+class ScheduleOptions:
+    """A tier's schedule options, validated (see :class:`~lightning_snapshot.backends.base.Backend`). Made by
+    :meth:`of`; plain data (the interval in use lives in the fit's schedule, not here)."""
+
+    #: whether ``every_n_train_steps="auto"`` was asked for
+    auto: bool
+    #: the step interval the tier starts with (``"auto"``: the first one, within the bounds), or None (time only)
+    every: int | None
+    time_interval: _dt.timedelta | None
+    min_every: int
+    max_every: int | None
+
+    @classmethod
+    def of(
+        cls,
+        every_n_train_steps: int | str | None = None,
+        train_time_interval: _dt.timedelta | float | None = None,
+        min_every: int | None = None,
+        max_every: int | None = None,
+    ) -> ScheduleOptions:
+        """Validate a tier's schedule arguments.
+
+        Raises:
+            ConfigError: naming the option that is not valid and what it accepts.
+        """
+        auto = every_n_train_steps == AUTO
+        for option, value in (("min_every", min_every), ("max_every", max_every)):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{option} must be an integer >= 1 (steps) or None, got {value!r}")
+            if not auto:
+                raise ConfigError(
+                    f"{option} bounds the interval of every_n_train_steps='auto' (URL every=auto);"
+                    " set every_n_train_steps='auto' or drop it"
+                )
+        if min_every is not None and max_every is not None and min_every > max_every:
+            raise ConfigError(f"min_every ({min_every}) must not be larger than max_every ({max_every})")
+        if auto:
+            every_n_train_steps = max(min_every or 1, FIRST_AUTO_INTERVAL)
+            if max_every is not None:
+                every_n_train_steps = min(every_n_train_steps, max_every)
+        if every_n_train_steps is not None and (
+            isinstance(every_n_train_steps, bool) or not isinstance(every_n_train_steps, int) or every_n_train_steps < 1
+        ):
+            raise ConfigError(
+                f"every_n_train_steps must be an integer >= 1, 'auto' or None, got {every_n_train_steps!r}"
+            )
+        if train_time_interval is not None:
+            if isinstance(train_time_interval, (int, float)) and not isinstance(train_time_interval, bool):
+                train_time_interval = _dt.timedelta(seconds=train_time_interval)
+            if not isinstance(train_time_interval, _dt.timedelta) or train_time_interval.total_seconds() <= 0:
+                raise ConfigError(
+                    "train_time_interval must be a positive datetime.timedelta or a number of seconds,"
+                    f" got {train_time_interval!r}"
+                )
+        if every_n_train_steps is None and train_time_interval is None:
+            every_n_train_steps = DEFAULT_EVERY_N_TRAIN_STEPS
+        return cls(auto, every_n_train_steps, train_time_interval, min_every or 1, max_every)
+
+    def is_due(
+        self, step: int, seconds_since_last: float | None, steps_since_last: int | None, every: int | None
+    ) -> bool:
+        """Whether a snapshot of ``step`` is due with the step interval ``every`` (the one in use)."""
+        if self.auto:
+            if steps_since_last is not None and steps_since_last >= (every or 1):
+                return True
+        elif every is not None and step % every == 0:
+            return True
+        return (
+            self.time_interval is not None
+            and seconds_since_last is not None
+            and seconds_since_last >= self.time_interval.total_seconds()
+        )
 
 
 def default_mtbf(num_nodes: int, node_mtbf: float = DEFAULT_NODE_MTBF_S) -> float:

@@ -1,7 +1,8 @@
 """Persist threads: write staged snapshots to their tiers, off the training thread.
 
 :class:`Persister` is made by the fit's session (session.py) and fed by the snapshot pipeline (pipeline.py), which
-hands it each finished snapshot; its threads write through writer.py (or hand the snapshot to the RAM tier's agent).
+hands it each finished snapshot; its threads write through writer.py (or hand the snapshot to the node's agent, a
+:class:`~lightning_snapshot.backends.base.NodeAgent`, when a tier hosts one: the RAM tier).
 
 One thread per tier and rank, so a slow or unreachable tier (an object store during an outage) never holds up the
 others. Under DDP the ranks agree on each commit through a gloo process group per tier, created for this purpose
@@ -20,13 +21,13 @@ from dataclasses import dataclass, field
 
 import tenacity
 
-from lightning_snapshot.backends.base import Backend
-from lightning_snapshot.backends.ram.agent import AgentClient
+from lightning_snapshot.backends.base import Backend, NodeAgent
 from lightning_snapshot.comm import Comm, agree_on
 from lightning_snapshot.errors import SnapshotError, SnapshotWriteError
 from lightning_snapshot.manifest import Manifest
 from lightning_snapshot.staging import StagedState
 from lightning_snapshot.staging.arena import AsyncStaged, HostArena
+from lightning_snapshot.staging.slot import ArenaSlot
 from lightning_snapshot.writer import SnapshotJob, apply_retention, copy_snapshot, write_snapshot
 
 __all__ = ["PersistJob", "PersistResult", "Persister"]
@@ -56,6 +57,16 @@ class PersistJob:
     #: was handed over (the ranks agree on it; one writing through its agent, another itself, would wait for each
     #: other's parts in vain)
     by_agent: bool = True
+
+    # (what a node agent reads of a job: the typed AgentJob protocol of backends/base.py)
+    @property
+    def slot(self) -> ArenaSlot | None:
+        """The arena slot the shared state is staged in, or None (not staged in the arena)."""
+        return self.shared.slot if isinstance(self.shared, AsyncStaged) else None
+
+    @property
+    def shared_state(self) -> StagedState | None:
+        return self.shared.state if isinstance(self.shared, AsyncStaged) else self.shared
 
 
 @dataclass
@@ -117,10 +128,10 @@ class _TierWorker:
 
     def _source(self, job: PersistJob) -> int | None:
         """A local tier of the same job whose committed copy this (slower) tier can upload byte for byte."""
-        if self.tier.tier == "local" or not self.tier.durable or self._by_agent(job):
+        if self.tier.copy_source or not self.tier.durable or self._by_agent(job):
             return None  # (the RAM tier encodes from the staging buffer)
         for i, t in enumerate(self.p.tiers):
-            if i != self.index and t.tier == "local" and i in job.done:
+            if i != self.index and t.copy_source and i in job.done:
                 return i
         return None
 
@@ -308,7 +319,7 @@ class Persister:
     """
 
     def __init__(
-        self, tiers: list[Backend], comms: list[Comm], run_id: str, arena: HostArena, agent: AgentClient | None = None
+        self, tiers: list[Backend], comms: list[Comm], run_id: str, arena: HostArena, agent: NodeAgent | None = None
     ) -> None:
         self.tiers = tiers
         self.run_id = run_id

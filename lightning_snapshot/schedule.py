@@ -1,9 +1,12 @@
 """When each tier snapshots: configuration, decision and state of the schedules, in one place. Pure: no I/O, no
 collectives (the caller broadcasts where ranks must agree), clocks passed in.
 
-:class:`TierSchedule` is one tier's: built by ``Backend.__init__`` from its ``every_n_train_steps``,
-``train_time_interval``, ``min_every`` and ``max_every`` (validated here), it holds the interval in use (which
-``every_n_train_steps="auto"`` re-estimates) and decides whether a step is due. :class:`FitSchedule` is one fit's,
+:class:`TierSchedule` is one tier's: built by the callback's configuration
+(:class:`~lightning_snapshot.config.SnapshotConfig`) from the tier's options (``every_n_train_steps``,
+``train_time_interval``, ``min_every`` and ``max_every``, which the tier keeps as plain data,
+:class:`~lightning_snapshot.interval.ScheduleOptions`), it holds the interval in use (which
+``every_n_train_steps="auto"`` re-estimates) and decides whether a step is due. The tiers themselves hold no
+schedule. :class:`FitSchedule` is one fit's,
 over all the callback's tiers: the time and step of each tier's last snapshot, the cost meter and the re-estimation
 of the ``"auto"`` intervals (Young/Daly, :mod:`lightning_snapshot.interval`). The callback's snapshot pipeline asks
 it which tiers are due; nothing else decides.
@@ -19,19 +22,16 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_snapshot.errors import ConfigError
-from lightning_snapshot.interval import AUTO, FIRST_AUTO_INTERVAL, CostMeter, young_daly_steps
+from lightning_snapshot.interval import DEFAULT_EVERY_N_TRAIN_STEPS, CostMeter, ScheduleOptions, young_daly_steps
 
 __all__ = ["DEFAULT_EVERY_N_TRAIN_STEPS", "FitSchedule", "TierSchedule"]
 
 log = logging.getLogger(__name__)
 
-#: The step interval of a tier given neither ``every_n_train_steps`` nor ``train_time_interval``.
-DEFAULT_EVERY_N_TRAIN_STEPS = 100
-
 
 class TierSchedule:
-    """One tier's schedule (see :class:`~lightning_snapshot.backends.base.Backend` for the options).
+    """One tier's schedule: its options (validated) and the step interval in use, which ``every_n_train_steps="auto"``
+    re-estimates (see :class:`~lightning_snapshot.backends.base.Backend` for the options).
 
     Raises:
         ConfigError: naming the option that is not valid and what it accepts.
@@ -44,57 +44,37 @@ class TierSchedule:
         min_every: int | None = None,
         max_every: int | None = None,
     ) -> None:
-        self.auto = every_n_train_steps == AUTO
-        for option, value in (("min_every", min_every), ("max_every", max_every)):
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{option} must be an integer >= 1 (steps) or None, got {value!r}")
-            if not self.auto:
-                raise ConfigError(
-                    f"{option} bounds the interval of every_n_train_steps='auto' (URL every=auto);"
-                    " set every_n_train_steps='auto' or drop it"
-                )
-        if min_every is not None and max_every is not None and min_every > max_every:
-            raise ConfigError(f"min_every ({min_every}) must not be larger than max_every ({max_every})")
-        self.min_every: int = min_every or 1
-        self.max_every: int | None = max_every
-        if self.auto:
-            every_n_train_steps = max(self.min_every, FIRST_AUTO_INTERVAL)
-            if self.max_every is not None:
-                every_n_train_steps = min(every_n_train_steps, self.max_every)
-        if every_n_train_steps is not None and (
-            isinstance(every_n_train_steps, bool) or not isinstance(every_n_train_steps, int) or every_n_train_steps < 1
-        ):
-            raise ConfigError(
-                f"every_n_train_steps must be an integer >= 1, 'auto' or None, got {every_n_train_steps!r}"
-            )
-        if train_time_interval is not None:
-            if isinstance(train_time_interval, (int, float)) and not isinstance(train_time_interval, bool):
-                train_time_interval = _dt.timedelta(seconds=train_time_interval)
-            if not isinstance(train_time_interval, _dt.timedelta) or train_time_interval.total_seconds() <= 0:
-                raise ConfigError(
-                    "train_time_interval must be a positive datetime.timedelta or a number of seconds,"
-                    f" got {train_time_interval!r}"
-                )
-        if every_n_train_steps is None and train_time_interval is None:
-            every_n_train_steps = DEFAULT_EVERY_N_TRAIN_STEPS
+        self.options = ScheduleOptions.of(every_n_train_steps, train_time_interval, min_every, max_every)
         #: the step interval in use (``"auto"``: the one last re-estimated), or None (time only)
-        self.every: int | None = every_n_train_steps
-        self.time_interval: _dt.timedelta | None = train_time_interval
+        self.every: int | None = self.options.every
+
+    @classmethod
+    def of(cls, options: ScheduleOptions) -> TierSchedule:
+        """The schedule of a tier with these options (the configuration builds one per tier from its options)."""
+        schedule = cls.__new__(cls)
+        schedule.options, schedule.every = options, options.every
+        return schedule
+
+    @property
+    def auto(self) -> bool:
+        return self.options.auto
+
+    @property
+    def min_every(self) -> int:
+        return self.options.min_every
+
+    @property
+    def max_every(self) -> int | None:
+        return self.options.max_every
+
+    @property
+    def time_interval(self) -> _dt.timedelta | None:
+        return self.options.time_interval
 
     def is_due(self, step: int, seconds_since_last: float | None, steps_since_last: int | None = None) -> bool:
-        """Whether a snapshot of ``step`` is due (see :meth:`~lightning_snapshot.backends.base.Backend.is_due`)."""
-        if self.auto:
-            if steps_since_last is not None and steps_since_last >= (self.every or 1):
-                return True
-        elif self.every is not None and step % self.every == 0:
-            return True
-        return (
-            self.time_interval is not None
-            and seconds_since_last is not None
-            and seconds_since_last >= self.time_interval.total_seconds()
-        )
+        """Whether a snapshot of ``step`` is due (see :meth:`~lightning_snapshot.backends.base.Backend.is_due`), with
+        the interval in use."""
+        return self.options.is_due(step, seconds_since_last, steps_since_last, self.every)
 
     def steps_to_due(self, step: int, last_snapshot_step: int) -> int | None:
         """Optimizer steps from ``step`` until the tier is next due by its step interval (None: it has none)."""
@@ -116,14 +96,18 @@ class FitSchedule:
     """The schedules of one fit's tiers, and what they measure (training thread only).
 
     Args:
-        tiers: the callback's tiers (each with its :class:`TierSchedule` as ``schedule``), for names in logs.
+        tiers: the callback's tiers, for names in logs.
+        schedules: their schedules, in the same order (built by the configuration: the intervals in use carry over
+            from one fit of the callback to the next).
         mtbf: the job's mean time between failures (seconds) when some tier is ``"auto"``; None: no tier is.
         start_time: the clock (``time.monotonic``) when the fit starts: every tier's time interval counts from it.
     """
 
-    def __init__(self, tiers: Sequence[Any], mtbf: float | None, start_time: float) -> None:
+    def __init__(
+        self, tiers: Sequence[Any], schedules: Sequence[TierSchedule], mtbf: float | None, start_time: float
+    ) -> None:
         self.tiers = list(tiers)
-        self.schedules: list[TierSchedule] = [t.schedule for t in self.tiers]
+        self.schedules: list[TierSchedule] = list(schedules)
         self.meter = CostMeter(len(self.tiers)) if mtbf is not None else None
         self.mtbf = mtbf or 0.0
         #: per tier: when its last snapshot was taken (the fit's start until then)

@@ -11,19 +11,16 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import uuid
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_snapshot.backends.base import LayoutSettling
+from lightning_snapshot.backends.base import LayoutSettling, NodeAgent, NodeAgentHosting
 from lightning_snapshot.comm import Comm, GroupComm, LocalComm, StrategyComm, agree_on, new_gloo_groups
 from lightning_snapshot.config import SnapshotConfig
 from lightning_snapshot.errors import ConfigError, TierUnavailableError
 from lightning_snapshot.persist import Persister
 from lightning_snapshot.staging.arena import HostArena
-
-if TYPE_CHECKING:
-    from lightning_snapshot.backends.ram.tier import RamTier
 
 __all__ = ["FitSession"]
 
@@ -46,7 +43,8 @@ class FitSession:
         self.step_comm: Comm = LocalComm()
         self.arena: HostArena | None = None
         self.persister: Persister | None = None
-        self.agent: Any = None
+        #: this rank's link to its node's agent, when a tier hosts one (the RAM tier)
+        self.agent: NodeAgent | None = None
 
     @classmethod
     def open(cls, config: SnapshotConfig, trainer: Any) -> FitSession:
@@ -75,7 +73,7 @@ class FitSession:
             self.step_comm = GroupComm(groups[-1])
         self._setup_node_local_tiers(trainer)
         self._check_tiers()  # (after the local tiers know their node's directory; before the agent starts)
-        self._setup_ram_tier(trainer)
+        self._setup_node_agent(trainer)
         self.persister = Persister(self.tiers, self.tier_comms, self.run_id, self.arena, agent=self.agent)
         if self.comm.rank == 0:
             for tier in self.tiers:
@@ -133,15 +131,12 @@ class FitSession:
                 f"lightning-snapshot cannot use its tiers, so training does not start: {agreed.text}"
             )
 
-    def _setup_ram_tier(self, trainer: Any) -> None:
-        """Place the RAM tier in the job (which node this rank is on) and attach this rank to its node's agent."""
-        found = next((t for t in self.tiers if t.tier == "ram"), None)
-        if found is None:
+    def _setup_node_agent(self, trainer: Any) -> None:
+        """Place the tier that hosts a node agent (the RAM tier) in the job (which node this rank is on) and attach this
+        rank to its node's agent."""
+        ram = next((t for t in self.tiers if isinstance(t, NodeAgentHosting)), None)
+        if ram is None:
             return
-        ram = cast("RamTier", found)
-        from lightning_snapshot.backends.ram.agent import AgentClient, ensure_agent
-        from lightning_snapshot.backends.ram.tier import default_run_name
-
         placement = self.placement(trainer)
         world, num_nodes = self.comm.world_size, placement["num_nodes"]
         if world % num_nodes:
@@ -149,12 +144,12 @@ class FitSession:
                 f"the RAM tier needs the same number of processes on every node ({world} processes on"
                 f" {num_nodes} nodes)"
             )
-        name = self.comm.broadcast(default_run_name([t.url for t in self.tiers if t is not ram]))
+        name = self.comm.broadcast(ram.propose_name([t.url for t in self.tiers if t is not ram]))
         ram.bind(**placement, default_name=name)
         error: BaseException | None = None
         if ram.node_leader:
             try:
-                ensure_agent(ram.node_dir, idle_timeout=ram.idle_timeout)
+                ram.start_agent()
             except Exception as e:  # noqa: BLE001 - raised on every rank below
                 error = e
         agree_on(
@@ -165,8 +160,7 @@ class FitSession:
         ).result()
         # the agent writes the durable tiers whose commit it can see from its node (not the node-local ones, whose
         # commit the trainers agree on over their process group)
-        self.agent = AgentClient(
-            ram.node_dir,
+        self.agent = ram.connect_agent(
             rank=self.comm.rank,
             world_size=world,
             run_id=self.run_id,

@@ -1,7 +1,8 @@
 """RAM tier: snapshots in node memory (shared memory held by the node's snapshot agent), erasure coded across nodes.
 
-:class:`RamTier` is made by registry.py (``ram://NAME``) or by the user; session.py binds it to the job and attaches
-the node's agent, and the engine drives it through the Backend interface (writer.py and persist.py write and
+:class:`RamTier` is made by registry.py (``ram://NAME``) or by the user; it hosts the node's agent
+(:class:`~lightning_snapshot.backends.base.NodeAgentHosting`: session.py binds it to the job and has it start and link
+the agent), and the engine drives it through the Backend interface (writer.py and persist.py write and
 commit, restore.py restores). The agent also uses this module's memory helpers.
 
 Storage: every node has a directory in shared memory (``/dev/shm/lightning-snapshot-<uid>/<run>``, mode 0700, files
@@ -41,11 +42,11 @@ import json
 import logging
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from lightning_snapshot.backends.base import Backend, node_steps
+from lightning_snapshot.backends.base import Backend, NodeAgent, node_steps
 from lightning_snapshot.backends.local import LocalTier
 from lightning_snapshot.backends.mapped_files import as_tensor, close_map, map_existing, map_new
 from lightning_snapshot.backends.ram import erasure as _ec
@@ -53,7 +54,7 @@ from lightning_snapshot.backends.ram.node import (  # (all importable from here 
     JOB_ID_VARIABLES,  # noqa: F401
     SHM_ENV,
     allocated_bytes,
-    default_run_name,  # noqa: F401
+    default_run_name,
     default_shm_base,
     job_ids,  # noqa: F401
 )
@@ -101,6 +102,7 @@ class _Store(LocalTier):
 
     tier = "ram"
     durable = False
+    copy_source = False
     file_mode = 0o600
 
 
@@ -197,6 +199,26 @@ class RamTier(Backend):
         if self.name is None:
             self.name = default_name
         self._store = None
+
+    def propose_name(self, others: Sequence[str]) -> str:
+        """The default run name from this process (see ``name``; rank 0's is used)."""
+        return default_run_name(list(others))
+
+    def start_agent(self) -> None:
+        """Start the node's snapshot agent unless one answers (the node's first rank, at set-up)."""
+        from lightning_snapshot.backends.ram.agent.client import ensure_agent
+
+        ensure_agent(self.node_dir, idle_timeout=self.idle_timeout)
+
+    def connect_agent(
+        self, *, rank: int, world_size: int, run_id: str, tiers: Sequence[Backend], part_wait: float
+    ) -> NodeAgent:
+        """This rank's link to its node's agent (:class:`~lightning_snapshot.backends.ram.agent.AgentClient`)."""
+        from lightning_snapshot.backends.ram.agent.client import AgentClient
+
+        return AgentClient(
+            self.node_dir, rank=rank, world_size=world_size, run_id=run_id, tiers=list(tiers), part_wait=part_wait
+        )
 
     @property
     def node_dir(self) -> Path:

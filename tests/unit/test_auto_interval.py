@@ -245,7 +245,7 @@ class RecordingCallback(SnapshotCallback):
         def recording_retune() -> None:
             retune()
             if self._meter is not None and self._meter.cost(0) is not None:  # (decided from a measured cost)
-                self.decisions.append((self.tiers[0].every_n_train_steps, self._meter.step_seconds))
+                self.decisions.append((self.config.schedules[0].every, self._meter.step_seconds))
 
         pipeline._retune = recording_retune
 
@@ -268,8 +268,9 @@ def test_interval_reacts_to_a_slowed_tier(tmp_path, caplog):
     # reach 0.2 s with other tests running beside it)
     slow, slow_cb = _fit(tmp_path, "slow", 1.5)
     fast_cost, slow_cost = fast_cb._meter.cost(0), slow_cb._meter.cost(0)
-    print(f"fast: cost {fast_cost * 1e3:.1f} ms interval {fast.every_n_train_steps}; slow: cost"
-          f" {slow_cost * 1e3:.1f} ms interval {slow.every_n_train_steps}")
+    fast_every, slow_every = fast_cb.config.schedules[0].every, slow_cb.config.schedules[0].every
+    print(f"fast: cost {fast_cost * 1e3:.1f} ms interval {fast_every}; slow: cost"
+          f" {slow_cost * 1e3:.1f} ms interval {slow_every}")
     # (margins for a loaded machine: other processes add noise to the fast tier's few-ms cost)
     assert slow_cost > 3 * fast_cost
     # Young/Daly: the time between snapshots grows with the sqrt of the cost ratio. Compared in seconds of training

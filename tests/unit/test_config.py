@@ -320,3 +320,49 @@ def test_an_option_set_after_construction_is_validated_and_used(tmp_path):
     assert cb.on_error == "warn"  # (a refused value changes nothing)
     with pytest.raises(AttributeError, match="make a new SnapshotCallback"):
         cb.tiers = [LocalTier(tmp_path / "other")]
+
+
+# ---------------------------------------------------------------------------------------------------- options declared once
+def test_the_callback_signature_is_the_declared_options():
+    """SnapshotConfig declares every option once (default and check); SnapshotCallback.__init__ spells them out for
+    type checkers and LightningCLI: the same names, in the same order, with the same defaults."""
+    import inspect
+
+    from lightning_snapshot.config import REQUIRED, SnapshotConfig
+
+    params = list(inspect.signature(SnapshotCallback.__init__).parameters.values())[1:]
+    declared = SnapshotConfig.options()
+    assert [p.name for p in params] == [f.name for f in declared]
+    for p, f in zip(params, declared):
+        default = f.metadata["default"]
+        assert p.default == (inspect.Parameter.empty if default is REQUIRED else default), p.name
+        kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if p.name == "tiers" else inspect.Parameter.KEYWORD_ONLY
+        assert p.kind is kind, p.name
+        assert f.name in SnapshotCallback.__dict__  # (its attribute, made from the declaration)
+
+
+def test_every_declared_option_is_documented():
+    """The callback's docstring (the API reference) and docs/configuration.md document every option."""
+    import pathlib
+    import re
+
+    from lightning_snapshot.config import SnapshotConfig
+
+    doc = SnapshotCallback.__doc__ or ""
+    page = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    for f in SnapshotConfig.options():
+        assert re.search(rf"^\s+{f.name}:", doc, re.M), f"SnapshotCallback's docstring does not document {f.name}"
+        assert f"| `{f.name}` |" in page, f"docs/configuration.md does not document {f.name}"
+
+
+def test_the_declared_defaults_are_valid_and_each_attribute_reads_its_option(tmp_path):
+    from lightning_snapshot.config import SnapshotConfig
+
+    tier = LocalTier(tmp_path)
+    cb = SnapshotCallback(tier)
+    assert cb.config == SnapshotConfig.create(tier) == cb.config.replace()
+    for f in SnapshotConfig.options():
+        value = getattr(cb.config, f.name)
+        assert getattr(cb, f.name) == (list(value) if f.name == "tiers" else value)
+    with pytest.raises(TypeError, match="evry"):
+        SnapshotConfig.create(str(tmp_path), evry=3)

@@ -12,10 +12,14 @@ from lightning_snapshot.schedule import DEFAULT_EVERY_N_TRAIN_STEPS, FitSchedule
 
 
 class _Tier:
-    """What FitSchedule reads of a tier: its schedule, and its kind and URL for the log."""
+    """What FitSchedule reads of a tier: its kind and URL for the log."""
 
-    def __init__(self, schedule: TierSchedule, url: str = "/snap") -> None:
-        self.schedule, self.tier, self.url = schedule, "local", url
+    def __init__(self, url: str = "/snap") -> None:
+        self.tier, self.url = "local", url
+
+
+def _fit(schedules: list[TierSchedule], mtbf: float | None, start_time: float) -> FitSchedule:
+    return FitSchedule([_Tier() for _ in schedules], schedules, mtbf=mtbf, start_time=start_time)
 
 
 def test_a_fixed_interval_is_due_at_its_multiples_only():
@@ -88,7 +92,7 @@ def test_bad_configuration_names_the_option(kwargs, message):
 
 def test_a_fit_schedule_counts_each_tier_from_its_own_last_snapshot():
     fixed, auto = TierSchedule(every_n_train_steps=3), TierSchedule(every_n_train_steps="auto", max_every=4)
-    fit = FitSchedule([_Tier(fixed), _Tier(auto)], mtbf=None, start_time=100.0)
+    fit = _fit([fixed, auto], mtbf=None, start_time=100.0)
     assert fit.meter is None and not fit.time_based
     fit.begin(10)  # (restored at step 10)
     fit.begin(99)  # (only the first call counts)
@@ -102,7 +106,7 @@ def test_a_fit_schedule_counts_each_tier_from_its_own_last_snapshot():
 
 
 def test_a_time_based_fit_schedule_counts_wall_time_from_the_fit_start():
-    fit = FitSchedule([_Tier(TierSchedule(train_time_interval=30))], mtbf=None, start_time=1000.0)
+    fit = _fit([TierSchedule(train_time_interval=30)], mtbf=None, start_time=1000.0)
     assert fit.time_based
     assert fit.due(1, now=1029.0, start_step=0) == []
     assert fit.due(1, now=1030.0, start_step=0) == [0]
@@ -112,7 +116,7 @@ def test_a_time_based_fit_schedule_counts_wall_time_from_the_fit_start():
 
 def test_auto_adopts_the_proposal_from_measured_costs_and_reports_it():
     auto = TierSchedule(every_n_train_steps="auto", max_every=1000)
-    fit = FitSchedule([_Tier(auto), _Tier(TierSchedule(every_n_train_steps=5))], mtbf=3600.0, start_time=0.0)
+    fit = _fit([auto, TierSchedule(every_n_train_steps=5)], mtbf=3600.0, start_time=0.0)
     assert fit.propose() == [FIRST_AUTO_INTERVAL, 5]  # (nothing measured yet)
     clock = 0.0
     for _ in range(20):  # steps of 0.1 s with nothing in flight
@@ -135,7 +139,7 @@ def test_auto_adopts_the_proposal_from_measured_costs_and_reports_it():
 
 
 def test_paused_time_is_not_a_steps_time():
-    fit = FitSchedule([_Tier(TierSchedule(every_n_train_steps="auto"))], mtbf=60.0, start_time=0.0)
+    fit = _fit([TierSchedule(every_n_train_steps="auto")], mtbf=60.0, start_time=0.0)
     for t in (0.0, 1.0, 2.0, 3.0):
         fit.step_ended(t)
     fit.pause(3.2)
@@ -144,12 +148,21 @@ def test_paused_time_is_not_a_steps_time():
     assert fit.meter.step_seconds == pytest.approx(1.0)
 
 
-def test_backend_reports_its_schedule_read_only(tmp_path):
+def test_backend_reports_its_schedule_options_read_only_and_holds_no_schedule(tmp_path):
+    """A tier keeps its schedule's options as plain data; the callback's configuration builds the schedule, which
+    holds the interval in use (re-estimated for "auto") from one fit to the next."""
+    from lightning_snapshot import SnapshotCallback
     from lightning_snapshot.backends.local import LocalTier
 
     tier = LocalTier(tmp_path, every_n_train_steps="auto", min_every=2, max_every=8)
     assert (tier.every_n_train_steps, tier.auto_every, tier.min_every, tier.max_every) == (8, True, 2, 8)
-    tier.schedule.every = 6  # what the callback's re-estimation does
-    assert tier.every_n_train_steps == 6
+    assert not hasattr(tier, "schedule")
     with pytest.raises(AttributeError):
         tier.every_n_train_steps = 3
+    cb = SnapshotCallback(tier)
+    (schedule,) = cb.config.schedules
+    assert schedule.options is tier.schedule_options and schedule.every == 8
+    schedule.every = 6  # what the callback's re-estimation does
+    assert tier.every_n_train_steps == 8  # (the tier's options do not change)
+    cb.on_error = "warn"  # (a new configuration, same tiers: their schedules carry over)
+    assert cb.config.schedules[0] is schedule

@@ -17,8 +17,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_snapshot.backends.ram.agent.protocol import (
     HEARTBEAT_S,
@@ -34,6 +35,9 @@ from lightning_snapshot.backends.ram.agent.protocol import (
     describe_staged,
 )
 from lightning_snapshot.errors import SnapshotError
+
+if TYPE_CHECKING:
+    from lightning_snapshot.backends.base import AgentJob, Backend, SharedSlot
 
 __all__ = ["AgentClient", "agent_status", "ensure_agent", "format_status", "stop_agent"]
 
@@ -227,7 +231,9 @@ def ensure_agent(node_dir: str | os.PathLike[str], *, idle_timeout: float = 600.
 
 
 class AgentClient:
-    """A trainer rank's link to its node's agent: passes arena memory and tells which snapshots need flushing.
+    """A trainer rank's link to its node's agent: passes arena memory and tells which snapshots need flushing. The
+    RAM tier's :class:`~lightning_snapshot.backends.base.NodeAgent` (made by ``RamTier.connect_agent``); it reads a
+    job through the typed :class:`~lightning_snapshot.backends.base.AgentJob`.
 
     Thread-safe: the persist threads and the training thread call it; one lock guards the socket.
     """
@@ -239,7 +245,7 @@ class AgentClient:
         rank: int,
         world_size: int,
         run_id: str,
-        tiers: list[Any],
+        tiers: Sequence[Backend],
         part_wait: float = PART_WAIT_S,
     ) -> None:
         self.node_dir = Path(node_dir)
@@ -318,12 +324,12 @@ class AgentClient:
         """Whether the link to the agent still works (this rank; the ranks agree on it at each hand-over)."""
         return self._lost is None
 
-    def handles(self, job: Any, tier: Any) -> bool:
+    def handles(self, job: AgentJob, tier: Backend) -> bool:
         """Whether the agent writes ``job`` to ``tier`` (a durable tier, staged in shared memory it can map)."""
-        slot = getattr(job.shared, "slot", None)
+        slot = job.slot
         return self.linked and tier in self.tiers and slot is not None and slot.fd >= 0
 
-    def persist(self, job: Any, tier: Any, stop: threading.Event) -> tuple[int, float]:
+    def persist(self, job: AgentJob, tier: Backend, stop: threading.Event) -> tuple[int, float]:
         """Have the agent write ``job`` to ``tier``; returns (bytes, seconds) once committed.
 
         Raises SnapshotWriteError when it failed (the caller retries), AgentError when the agent stopped answering
@@ -332,7 +338,9 @@ class AgentClient:
         """
         from lightning_snapshot.errors import AgentError, SnapshotWriteError
 
-        sid = self._slot_id(job.shared.slot)
+        if job.slot is None:
+            raise SnapshotWriteError(f"step {job.step} is not staged in shared memory the snapshot agent can map")
+        sid = self._slot_id(job.slot)
         request = next(self._ids)
         ev = threading.Event()
         box: list[dict[str, Any]] = []
@@ -345,9 +353,9 @@ class AgentClient:
                 "step": job.step,
                 "epoch": job.epoch,
                 "tier": self.tiers.index(tier),
-                "shared": describe_staged(job.shared.state, inline=False),
+                "shared": describe_staged(job.shared_state, inline=False),
                 "private": describe_staged(job.private, inline=True),
-                "replicas": getattr(job, "replicas", None),
+                "replicas": job.replicas,
             }
         )
         while not ev.wait(0.2):
@@ -382,7 +390,7 @@ class AgentClient:
                 self._sock.close()
                 self._sock = None
 
-    def _slot_id(self, slot: Any) -> int | None:
+    def _slot_id(self, slot: SharedSlot) -> int | None:
         if slot.fd < 0:
             return None
         with self._slots_lock:  # (the persist threads and the agent-link thread)
@@ -392,11 +400,11 @@ class AgentClient:
                 self._send({"op": "arena", "slot": self._sent_slots[key], "size": slot.capacity, "nfds": 1}, [slot.fd])
             return self._sent_slots[key]
 
-    def staged(self, job: Any) -> None:
+    def staged(self, job: AgentJob) -> None:
         """The snapshot of ``job`` is staged (its copy finished): flush it if this trainer dies before releasing it."""
         tiers = [self.tiers.index(t) for t in job.tiers if t in self.tiers]
-        shared = getattr(job.shared, "state", job.shared)
-        slot = getattr(job.shared, "slot", None)
+        shared = job.shared_state
+        slot = job.slot
         if not tiers or slot is None:
             return
         sid = self._slot_id(slot)
@@ -411,11 +419,11 @@ class AgentClient:
                 "tiers": tiers,
                 "shared": describe_staged(shared, inline=False),
                 "private": describe_staged(job.private, inline=True),
-                "replicas": getattr(job, "replicas", None),
+                "replicas": job.replicas,
             }
         )
 
-    def release(self, slot: Any, ok: bool) -> None:
+    def release(self, slot: SharedSlot, ok: bool) -> None:
         """Every tier is done with ``slot`` (``ok``: all committed it)."""
         sid = self._sent_slots.get(id(slot))
         if sid is not None:
