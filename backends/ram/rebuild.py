@@ -1,6 +1,7 @@
 """A node's part of a RAM-tier restore: what the node holds of a step (its inventory: the manifest, whole objects,
 the shares that pass the check), then fetching what it lacks from the other nodes and rebuilding every
-erasure-coded object readable from ``k`` good shares.
+erasure-coded object readable from ``k`` good shares. Also what a node holds of the steps its agent kept for
+trainers that died (:data:`PROPOSED`), which the restore commits once every object is held somewhere.
 
 Functions of the node's store, with no tier state: :meth:`~lightning_snapshot.backends.ram.tier.RamTier.prepare_restore`
 calls them on each node's first rank (it gathers the inventories and plans the transfers).
@@ -11,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,15 @@ from lightning_snapshot.backends.ram import erasure as _ec
 from lightning_snapshot.backends.ram.shares import EC, LAYOUT_FILE, READING_FILE, parse_layout, share_ok, view_of
 from lightning_snapshot.errors import SnapshotError
 
-__all__ = ["fetch_and_rebuild", "inventory"]
+__all__ = ["PROPOSED", "commit_kept", "fetch_and_rebuild", "inventory"]
+
+log = logging.getLogger(__name__)
+
+#: The end of the name (``<run>-proposed-manifest.json``) under which the node's snapshot agent keeps, next to a
+#: trainer's data objects it wrote into the RAM tier after that trainer died, the manifest the agents committed to a
+#: durable tier for the step. Not a manifest of this tier: the step counts only once the trainers committed it
+#: (:func:`commit_kept`).
+PROPOSED = "proposed-manifest.json"
 
 
 def inventory(store: LocalTier, prefix: str, *, leader: bool, verify: bool, threads: int | None) -> dict[str, Any]:
@@ -166,3 +176,127 @@ def fetch_and_rebuild(
                 if p not in used:
                     with contextlib.suppress(OSError):
                         os.unlink(p)
+
+
+def _proposed(store: LocalTier) -> tuple[dict[int, tuple[str, str]], list[int]]:
+    """What ``store`` (a node's) holds: the steps not committed there that hold a manifest its agent proposed
+    (:data:`PROPOSED`), ``{step: (its name in the step's directory, its text)}``, and the steps committed there. What
+    cannot be listed or read counts as not there (logged): every rank goes on to the collective that follows."""
+    from lightning_snapshot.manifest import MANIFEST_NAME, parse_step_dirname
+
+    found: dict[int, tuple[str, str]] = {}
+    committed: list[int] = []
+    try:
+        for name in store.list(""):
+            step = parse_step_dirname(name)
+            if step is None:
+                continue
+            if store.exists(f"{name}/{MANIFEST_NAME}"):
+                committed.append(step)
+                continue
+            entry = next((e for e in store.list(name) if e.endswith(PROPOSED)), None)
+            if entry is not None:
+                found[step] = (entry, store.read(f"{name}/{entry}").decode())
+    except Exception as e:  # noqa: BLE001 - a leader that raised here would leave the other ranks in the collective
+        log.warning("lightning-snapshot: cannot look for the steps kept by the snapshot agent in %s: %s", store.root, e)
+    return found, committed
+
+
+def _holdings(store: LocalTier, prefix: str, threads: int | None) -> dict[str, Any]:
+    """What ``store`` (a node's) holds of the step ``prefix``: ``{"whole": {key: size}, "shares": {key: [k, [share
+    indices]]}}``, the shares only where their checksum matches their layout's (hashed on up to ``threads``
+    threads). Never raises: what cannot be read counts as not held."""
+    whole: dict[str, int] = {}
+    shares: dict[str, list[Any]] = {}
+    try:
+        inv = inventory(store, prefix, leader=True, verify=True, threads=threads)
+        for key in inv["whole"]:
+            with contextlib.suppress(OSError):
+                whole[key] = store._path(key).stat().st_size
+        shares = {key: [e["layout"]["k"], e["good"]] for key, e in inv["shares"].items()}
+    except Exception as e:  # noqa: BLE001 - a leader that raised here would leave the other ranks in the collective
+        log.warning("lightning-snapshot: cannot list %s in %s: %s", prefix, store.root, e)
+    return {"whole": whole, "shares": shares}
+
+
+def _missing_objects(text: str, prefix: str, held: list[dict[str, Any]]) -> list[str]:
+    """The objects of the manifest ``text`` of the step ``prefix`` that none of the nodes' :func:`_holdings` ``held``
+    holds whole (of their size) or as ``k`` good shares; a manifest that does not parse misses everything. Pure."""
+    from lightning_snapshot.manifest import Manifest
+
+    try:
+        manifest = Manifest.from_json(text, where=f"manifest proposed for {prefix} in the RAM tier")
+    except Exception as e:  # noqa: BLE001 - not a manifest: nothing of it is committed
+        return [f"its manifest ({type(e).__name__}: {e})"]
+    missing = []
+    for obj in manifest.objects:
+        key = f"{prefix}/{obj.key}"
+        if any(h["whole"].get(key) == obj.nbytes for h in held):
+            continue
+        k, good = 0, set()
+        for h in held:
+            if key in h["shares"]:
+                k = h["shares"][key][0]
+                good.update(h["shares"][key][1])
+        if not k or len(good) < k:
+            missing.append(obj.key)
+    return missing
+
+
+def commit_kept(store: LocalTier, comm: Any, *, leader: bool, url: str, threads: int | None) -> None:
+    """Commit on every node the steps the nodes' snapshot agents kept in the RAM tier ``url`` for trainers that died
+    before the trainers committed them there, but after the agents had committed them to a durable tier (collective:
+    every rank of the tier's group calls it, before the tier is listed; ``leader``: this rank is its node's first,
+    which looks at and writes the node's ``store``).
+
+    Each rank's agent keeps that rank's data objects, byte for byte those of the durable copy, and the durable
+    manifest as a proposal (:data:`PROPOSED`). The agents of different nodes cannot agree on a commit; the trainers do
+    it here, under the tier's commit rule: a proposed step is committed only when every object of its manifest is held
+    on some node (whole, of its size, or as ``k`` shares that pass their checksums, hashed on up to ``threads``
+    threads). One that is not stays uncommitted, with a warning (retention removes it later); one the trainers
+    committed on some node is left as it is. Raises nothing a single rank could raise alone: every rank takes the
+    same decisions, from what the leaders gathered.
+    """
+    from lightning_snapshot.manifest import MANIFEST_NAME, step_dirname
+
+    world = getattr(comm, "world_size", 1)
+    mine, committed = _proposed(store) if leader else ({}, [])
+    everyone = comm.all_gather((mine, committed)) if world > 1 else [(mine, committed)]
+    done = {step for _found, steps in everyone for step in steps}  # (committed on some node: listed as it is)
+    texts: dict[int, str] = {}
+    for found, _steps in everyone:
+        for step, (_name, text) in found.items():
+            if step not in done:
+                texts.setdefault(step, text)
+    if not texts:
+        return
+    here = {s: _holdings(store, step_dirname(s), threads) for s in texts} if leader else {}
+    held = comm.all_gather(here) if world > 1 else [here]
+    first = getattr(comm, "rank", 0) == 0
+    for step, text in sorted(texts.items()):
+        prefix = step_dirname(step)
+        missing = _missing_objects(text, prefix, [h[step] for h in held if step in h])
+        if missing:
+            if first:
+                log.warning(
+                    "lightning-snapshot: RAM tier %s: step %d, kept by the snapshot agents for trainers that died,"
+                    " stays uncommitted: %s not held on any node (its durable copy remains)",
+                    url,
+                    step,
+                    ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""),
+                )
+            continue
+        if leader:
+            try:
+                store.commit(f"{prefix}/{MANIFEST_NAME}", text.encode())
+                if step in mine:
+                    store.delete(f"{prefix}/{mine[step][0]}")
+            except OSError as e:  # (the other nodes' copies count: a step is committed where any node holds it)
+                log.warning("lightning-snapshot: RAM tier %s: committing step %d kept by its agent: %s", url, step, e)
+        if first:
+            log.info(
+                "lightning-snapshot: RAM tier %s: step %d, which the snapshot agents wrote to a durable tier after the"
+                " trainers died, is committed here too (every rank's data is held)",
+                url,
+                step,
+            )

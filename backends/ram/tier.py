@@ -58,7 +58,7 @@ from lightning_snapshot.backends.ram.node import (  # (all importable from here 
     default_shm_base,
     job_ids,  # noqa: F401
 )
-from lightning_snapshot.backends.ram.rebuild import fetch_and_rebuild, inventory
+from lightning_snapshot.backends.ram.rebuild import commit_kept, fetch_and_rebuild, inventory
 from lightning_snapshot.backends.ram.shares import (
     EC,
     LAYOUT_FILE,
@@ -75,7 +75,7 @@ from lightning_snapshot.backends.ram.shares import (
 from lightning_snapshot.comm import agree_on
 from lightning_snapshot.errors import ConfigError, SnapshotError, SnapshotNotFoundError, SnapshotWriteError
 
-__all__ = ["RamTier", "allocated_bytes", "default_shm_base"]
+__all__ = ["RamTier", "allocated_bytes", "default_shm_base", "node_store"]
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -104,6 +104,17 @@ class _Store(LocalTier):
     durable = False
     copy_source = False
     file_mode = 0o600
+
+
+def node_store(node_dir: Path) -> _Store:
+    """The store of the RAM tier whose node memory directory is ``node_dir`` (made, owner-only, if missing): what the
+    tier reads and writes on this node, and where the node's agent keeps a snapshot for a trainer that died."""
+    node_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(node_dir, 0o700)
+    (node_dir / "store").mkdir(mode=0o700, exist_ok=True)
+    store = _Store(node_dir / "store", keep_last=None)
+    store.direct_io = False
+    return store
 
 
 class RamTier(Backend):
@@ -228,12 +239,7 @@ class RamTier(Backend):
     @property
     def store(self) -> _Store:
         if self._store is None:
-            d = self.node_dir
-            d.mkdir(mode=0o700, parents=True, exist_ok=True)
-            os.chmod(d, 0o700)
-            (d / "store").mkdir(mode=0o700, exist_ok=True)
-            self._store = _Store(d / "store", keep_last=None)
-            self._store.direct_io = False
+            self._store = node_store(self.node_dir)
         return self._store
 
     @property
@@ -512,7 +518,10 @@ class RamTier(Backend):
     # ------------------------------------------------------------------------------------------- restore
     def collective_steps(self, comm: Any) -> builtins.list[int]:  # (``list`` here is the method above)
         """Steps committed on any node, newest first (collective: every rank calls it; see
-        :func:`~lightning_snapshot.backends.base.node_steps`)."""
+        :func:`~lightning_snapshot.backends.base.node_steps`). The steps the nodes' agents kept here for trainers
+        that died are committed first, where every rank's objects are held
+        (:func:`~lightning_snapshot.backends.ram.rebuild.commit_kept`)."""
+        commit_kept(self.store, comm, leader=self.node_leader, url=self.url, threads=self.threads)
         return node_steps(self, comm)
 
     def restore(self, comm: Any, step: int, read: Callable[[], _T]) -> _T:

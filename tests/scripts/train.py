@@ -159,6 +159,72 @@ class Crash(Checkpoint):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _ram_kill_plan(plan: str) -> int | None:
+    """The step of ``--kill-in-ram-write ATTEMPT:RANK:STEP`` if it is this process' (this attempt, this rank)."""
+    if not plan:
+        return None
+    when, rank, step = (int(x) for x in plan.split(":"))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return step if (when, rank) == (attempt, int(os.environ.get("RANK", "0"))) else None
+
+
+def _agent_holds(node_dir, step: int, rank: int) -> bool:
+    from lightning_snapshot.backends.ram.agent import agent_status
+
+    st = agent_status(node_dir) or {}
+    return any(p["step"] == step and p["rank"] == rank for p in st.get("pending") or ())
+
+
+def make_ram_tier(kill_at: int | None, **kw):
+    """The RAM tier; with ``kill_at``, one whose trainer SIGKILLs itself as its persist thread starts writing step
+    ``kill_at`` to it, once the node's agent holds that snapshot (staged, fenced, due in a durable tier): the RAM tier
+    never gets this rank's data of that step, the trainers never commit it there, and only the agent can write it
+    anywhere."""
+    from lightning_snapshot.backends import RamTier
+
+    class RamKilledInWrite(RamTier):
+        def write(self, key, buffers):
+            if key.startswith(f"step-{kill_at:012d}/"):
+                rank = int(os.environ.get("RANK", "0"))
+                deadline = time.monotonic() + 60
+                while not _agent_holds(self.node_dir, kill_at, rank) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                sys.stdout.flush()
+                os.write(sys.stdout.fileno(), f"KILLED-IN-RAM-WRITE step={kill_at} rank={rank}\n".encode())
+                os.kill(os.getpid(), signal.SIGKILL)
+            return super().write(key, buffers)
+
+    return RamTier(**kw) if kill_at is None else RamKilledInWrite(**kw)
+
+
+class Hold(Checkpoint):
+    """Hold the training thread at ``global_step == at`` (right before its optimizer step, after the snapshot
+    callback's fence) until another thread of the process SIGKILLs it, so that no later snapshot is staged meanwhile.
+    A ``Checkpoint``, so that Lightning runs it after the ``SnapshotCallback``."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step == self.at:
+            time.sleep(120)
+            raise RuntimeError(f"held at step {self.at} for 120 s and not killed")
+
+
+def wait_for_agent_idle(node_dir, timeout: float = 120.0) -> None:
+    """Wait until the node's agent has no trainer attached and writes nothing (the trainers of the attempt before
+    are gone and it flushed what they left it), or no agent answers."""
+    from lightning_snapshot.backends.ram.agent import agent_status
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = agent_status(node_dir)
+        if st is None or (st["attached"] == 0 and not st["flushing"]):
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"the agent of {node_dir} was still busy after {timeout:g} s: {st}")
+
+
 class NanGradient(L.Callback):
     """Put a NaN into the first parameter's gradient right before the optimizer step that follows ``global_step ==
     at``: the parameters and optimizer state after that step (snapshots of ``at + 1`` on) hold NaNs, while the state
@@ -306,6 +372,12 @@ def main() -> None:
     p.add_argument("--kill-at", type=int, default=-1,
                    help="SIGKILL at this global step, waiting only for the RAM tier (if any) to hold the newest step"
                         " due in it (its agent has it then), not for any durable tier")
+    p.add_argument("--kill-in-ram-write", default="",
+                   help="under torchrun: ATTEMPT:RANK:STEP: that rank of that attempt is SIGKILLed as it starts writing"
+                        " step STEP to the RAM tier, once its agent holds it; its training thread waits at STEP + 1")
+    p.add_argument("--wait-agent-idle", action="store_true",
+                   help="under torchrun, from the second attempt on: before training, wait until the RAM tier's agent"
+                        " flushed what the attempt before left it")
     p.add_argument("--signal-at", type=int, default=-1, help="send a preemption signal at this global step...")
     p.add_argument("--signal-to", choices=["self", "launcher", "all", "tree"], default="self", help="...to these processes")
     p.add_argument("--signal-rank", type=int, default=0, help="...from (or, with 'self', to) this rank")
@@ -346,10 +418,11 @@ def main() -> None:
                          node_local={"auto": None, "true": True, "false": False}[a.node_local])
     tiers = [] if a.no_local else [tier]
     if a.ram_every:
-        from lightning_snapshot.backends import RamTier
-
-        tiers.insert(0, RamTier(every_n_train_steps=a.ram_every, keep_last=2, erasure=a.ram_erasure, name="test",
-                                idle_timeout=120))
+        ram = make_ram_tier(_ram_kill_plan(a.kill_in_ram_write), every_n_train_steps=a.ram_every, keep_last=2,
+                            erasure=a.ram_erasure, name="test", idle_timeout=120)
+        tiers.insert(0, ram)
+        if a.wait_agent_idle and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+            wait_for_agent_idle(ram.node_dir)
     if a.s3:
         from lightning_snapshot.backends import ObjectStoreTier
 
@@ -372,6 +445,8 @@ def main() -> None:
                                     int(getattr(signal, a.signal)), a.signal_again))
     if a.kill_at >= 0:
         callbacks.append(Crash(a.kill_at, tiers[:1] if a.ram_every else [], newest=True))
+    if _ram_kill_plan(a.kill_in_ram_write) is not None:
+        callbacks.append(Hold(_ram_kill_plan(a.kill_in_ram_write) + 1))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     for entry in filter(None, a.kill_plan.split(",")):
         when, rank, step = (int(x) for x in entry.split(":"))

@@ -417,6 +417,9 @@ class AgentClient:
                 "step": job.step,
                 "epoch": job.epoch,
                 "tiers": tiers,
+                # (due in the RAM tier too, the only tier that is not durable: the agent keeps it there if it has to
+                # write it to the durable tiers itself)
+                "ram": any(not t.durable for t in job.tiers),
                 "shared": describe_staged(shared, inline=False),
                 "private": describe_staged(job.private, inline=True),
                 "replicas": job.replicas,

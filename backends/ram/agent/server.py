@@ -15,8 +15,10 @@ so the agent maps the very memory the trainer staged into: no copy. For every sn
 trainer tells the agent where it lies and which durable tiers it is due in; when every tier committed it, the
 trainer releases it. If the trainer goes away (SIGKILL, crash) with snapshots not released, the agent writes them to
 their durable tiers itself, under the same commit rule: each rank's data objects and its part of the manifest, and
-the agent of rank 0 merges the parts and commits the manifest once every rank's part is there. Nothing is unpickled:
-messages are JSON, tensors are raw bytes in shared memory.
+the agent of rank 0 merges the parts and commits the manifest once every rank's part is there. A snapshot so written
+that was due in the RAM tier too is kept there (each rank's objects, and the durable manifest as a proposal that the
+next restore commits once every rank's objects are held). Nothing is unpickled: messages are JSON, tensors are raw
+bytes in shared memory.
 
 Run by ``lightning-snapshot agent --dir DIR`` (the CLI parses the options and calls :func:`run_agent`), which
 :func:`~lightning_snapshot.backends.ram.agent.client.ensure_agent` starts on the first local rank of a node. Its
@@ -309,11 +311,14 @@ class Agent:
         }
 
     def _flush(self, hello: dict[str, Any], entry: dict[str, Any], arena: Any) -> None:
-        """Write a snapshot the trainer staged but could not make durable to the tiers it was due in."""
+        """Write a snapshot the trainer staged but could not make durable to the tiers it was due in; if it was due
+        in the RAM tier too, keep it there as well (:meth:`_keep_in_ram`)."""
+        durable: int | None = None  # a durable tier that holds it committed
         for index in entry["tiers"]:
             try:
                 if self._write_tier(hello, entry, arena, int(index), after_death=True):
                     log.info("step %s committed to tier %d after rank %s died", entry["step"], index, hello["rank"])
+                durable = int(index) if durable is None else durable
             except Exception as e:  # noqa: BLE001 - logged; the other tiers still get it
                 log.warning(
                     "flushing step %s of rank %s failed: %s",
@@ -321,6 +326,59 @@ class Agent:
                     hello["rank"],
                     self._describe(hello, entry, e),
                 )
+        if durable is not None and entry.get("ram"):
+            try:
+                self._keep_in_ram(hello, entry, arena, durable)
+            except Exception as e:  # noqa: BLE001 - logged; the durable tier holds it
+                log.warning(
+                    "keeping step %s of rank %s in the RAM tier failed: %s",
+                    entry["step"],
+                    hello["rank"],
+                    self._describe(hello, {"tier": durable}, e),
+                )
+
+    def _keep_in_ram(self, hello: dict[str, Any], entry: dict[str, Any], arena: Any, index: int) -> None:
+        """Keep this rank's part of the snapshot ``entry`` in the node's RAM tier: the trainers did not commit it
+        there (the trainer died first), the agents committed it to the durable tier ``index``.
+
+        Writes this rank's data objects into the node's memory (byte for byte those of the durable copy; whole, not
+        erasure coded: the durable copy protects them) and, next to them, the durable manifest as a proposal
+        (:data:`~lightning_snapshot.backends.ram.rebuild.PROPOSED`). The agents of different nodes cannot agree on
+        a commit of the RAM tier: the trainers that restore next commit it, on every node, once they saw that every
+        rank's objects are held (:meth:`~lightning_snapshot.backends.ram.tier.RamTier.collective_steps`). Nothing is
+        kept when the RAM tier holds this step or a newer one.
+        """
+        from lightning_snapshot.backends.base import Backend
+        from lightning_snapshot.backends.ram.rebuild import PROPOSED
+        from lightning_snapshot.backends.ram.shares import EC
+        from lightning_snapshot.backends.ram.tier import node_store
+        from lightning_snapshot.commit import committed_steps
+        from lightning_snapshot.manifest import MANIFEST_NAME, Manifest, step_dirname
+        from lightning_snapshot.writer import SnapshotJob, write_part
+
+        step, rank, run_id = int(entry["step"]), int(hello["rank"]), str(hello["run_id"])
+        store = node_store(self.dir)
+        held = committed_steps(store)
+        if held and held[0] >= step:
+            return
+        prefix = step_dirname(step)
+        tier = Backend.from_spec(hello["tiers"][index])
+        text = tier.read(f"{prefix}/{MANIFEST_NAME}")
+        want = {
+            o.key: o.nbytes
+            for o in Manifest.from_json(text, where=f"manifest of {prefix} in {tier.url}").objects
+            if o.rank == rank
+        }
+        for key in want:  # (shares the trainer placed before it died: the whole object replaces them here)
+            store.delete(f"{prefix}/{key}{EC}")
+        shared = rebuild_staged(entry["shared"], memoryview(arena) if arena is not None else None)
+        job = SnapshotJob(step, int(entry["epoch"]), shared, rebuild_staged(entry["private"], None))
+        part = write_part(store, job, rank, run_id, shared.alignment, shared.chunk_bytes or (8 << 20))
+        wrote = {o["key"]: o["nbytes"] for o in part["objects"]}
+        if wrote != want:
+            raise SnapshotError(f"the objects of rank {rank} ({wrote}) are not those of the manifest ({want})")
+        store.commit(f"{prefix}/{run_id}-{PROPOSED}", text)
+        log.info("step %d of rank %d kept in the RAM tier (committed there by the next restore)", step, rank)
 
     @staticmethod
     def _describe(hello: dict[str, Any] | None, msg: dict[str, Any], e: BaseException) -> str:
