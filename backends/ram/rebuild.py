@@ -21,17 +21,13 @@ from lightning_snapshot.backends.local import LocalTier
 from lightning_snapshot.backends.mapped_files import close_map, exchange, map_existing, map_new
 from lightning_snapshot.backends.ram import erasure as _ec
 from lightning_snapshot.backends.ram.shares import EC, LAYOUT_FILE, READING_FILE, parse_layout, share_ok, view_of
+from lightning_snapshot.backends.ram.store import PROPOSED
+from lightning_snapshot.comm import agree_on
 from lightning_snapshot.errors import SnapshotError
 
 __all__ = ["PROPOSED", "commit_kept", "fetch_and_rebuild", "inventory"]
 
 log = logging.getLogger(__name__)
-
-#: The end of the name (``<run>-proposed-manifest.json``) under which the node's snapshot agent keeps, next to a
-#: trainer's data objects it wrote into the RAM tier after that trainer died, the manifest the agents committed to a
-#: durable tier for the step. Not a manifest of this tier: the step counts only once the trainers committed it
-#: (:func:`commit_kept`).
-PROPOSED = "proposed-manifest.json"
 
 
 def inventory(store: LocalTier, prefix: str, *, leader: bool, verify: bool, threads: int | None) -> dict[str, Any]:
@@ -259,9 +255,9 @@ def commit_kept(store: LocalTier, comm: Any, *, leader: bool, url: str, threads:
     """
     from lightning_snapshot.manifest import MANIFEST_NAME, step_dirname
 
-    world = getattr(comm, "world_size", 1)
     mine, committed = _proposed(store) if leader else ({}, [])
-    everyone = comm.all_gather((mine, committed)) if world > 1 else [(mine, committed)]
+    everyone = agree_on(comm, f"the steps kept in the RAM tier {url}", lambda: (mine, committed), gather=True).values
+    assert everyone is not None
     done = {step for _found, steps in everyone for step in steps}  # (committed on some node: listed as it is)
     texts: dict[int, str] = {}
     for found, _steps in everyone:
@@ -271,7 +267,8 @@ def commit_kept(store: LocalTier, comm: Any, *, leader: bool, url: str, threads:
     if not texts:
         return
     here = {s: _holdings(store, step_dirname(s), threads) for s in texts} if leader else {}
-    held = comm.all_gather(here) if world > 1 else [here]
+    held = agree_on(comm, f"what the nodes hold of the kept steps in {url}", lambda: here, gather=True).values
+    assert held is not None
     first = getattr(comm, "rank", 0) == 0
     for step, text in sorted(texts.items()):
         prefix = step_dirname(step)

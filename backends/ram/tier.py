@@ -47,7 +47,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from lightning_snapshot.backends.base import Backend, NodeAgent, node_steps
-from lightning_snapshot.backends.local import LocalTier
 from lightning_snapshot.backends.mapped_files import as_tensor, close_map, map_existing, map_new
 from lightning_snapshot.backends.ram import erasure as _ec
 from lightning_snapshot.backends.ram.node import (  # (all importable from here too, as before this module was split)
@@ -72,6 +71,8 @@ from lightning_snapshot.backends.ram.shares import (
     read_exactly,
     view_of,
 )
+from lightning_snapshot.backends.ram.store import NodeStore as _Store
+from lightning_snapshot.backends.ram.store import node_store
 from lightning_snapshot.comm import agree_on
 from lightning_snapshot.errors import ConfigError, SnapshotError, SnapshotNotFoundError, SnapshotWriteError
 
@@ -95,26 +96,6 @@ def parse_erasure(value: Any) -> tuple[int, int] | None:
     if not isinstance(value, (tuple, list)) or len(value) != 2:
         raise ConfigError(f"erasure must be None or a (k, m) pair such as (4, 2), got {value!r}")
     return _ec.check_params(value[0], value[1])
-
-
-class _Store(LocalTier):
-    """The node's files: no O_DIRECT (tmpfs), owner-only permissions."""
-
-    tier = "ram"
-    durable = False
-    copy_source = False
-    file_mode = 0o600
-
-
-def node_store(node_dir: Path) -> _Store:
-    """The store of the RAM tier whose node memory directory is ``node_dir`` (made, owner-only, if missing): what the
-    tier reads and writes on this node, and where the node's agent keeps a snapshot for a trainer that died."""
-    node_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(node_dir, 0o700)
-    (node_dir / "store").mkdir(mode=0o700, exist_ok=True)
-    store = _Store(node_dir / "store", keep_last=None)
-    store.direct_io = False
-    return store
 
 
 class RamTier(Backend):
