@@ -20,8 +20,8 @@ from typing import Any
 from lightning_snapshot.backends.local import LocalTier
 from lightning_snapshot.backends.mapped_files import close_map, exchange, map_existing, map_new
 from lightning_snapshot.backends.ram import erasure as _ec
+from lightning_snapshot.backends.ram.node_store import PROPOSED
 from lightning_snapshot.backends.ram.shares import EC, LAYOUT_FILE, READING_FILE, parse_layout, share_ok, view_of
-from lightning_snapshot.backends.ram.store import PROPOSED
 from lightning_snapshot.comm import agree_on
 from lightning_snapshot.errors import SnapshotError
 

@@ -57,6 +57,8 @@ from lightning_snapshot.backends.ram.node import (  # (all importable from here 
     default_shm_base,
     job_ids,  # noqa: F401
 )
+from lightning_snapshot.backends.ram.node_store import NodeStore as _Store
+from lightning_snapshot.backends.ram.node_store import node_store
 from lightning_snapshot.backends.ram.rebuild import commit_kept, fetch_and_rebuild, inventory
 from lightning_snapshot.backends.ram.shares import (
     EC,
@@ -71,8 +73,6 @@ from lightning_snapshot.backends.ram.shares import (
     read_exactly,
     view_of,
 )
-from lightning_snapshot.backends.ram.store import NodeStore as _Store
-from lightning_snapshot.backends.ram.store import node_store
 from lightning_snapshot.comm import agree_on
 from lightning_snapshot.errors import ConfigError, SnapshotError, SnapshotNotFoundError, SnapshotWriteError
 

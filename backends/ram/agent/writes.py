@@ -63,14 +63,14 @@ def keep_in_ram(node_dir: Path, hello: dict[str, Any], entry: dict[str, Any], ar
 
     Writes this rank's data objects into the node's memory (byte for byte those of the durable copy; whole, not
     erasure coded: the durable copy protects them) and, next to them, the durable manifest as a proposal
-    (:data:`~lightning_snapshot.backends.ram.store.PROPOSED`). The agents of different nodes cannot agree on
+    (:data:`~lightning_snapshot.backends.ram.node_store.PROPOSED`). The agents of different nodes cannot agree on
     a commit of the RAM tier: the trainers that restore next commit it, on every node, once they saw that every
     rank's objects are held (:meth:`~lightning_snapshot.backends.ram.tier.RamTier.collective_steps`). Nothing is
     kept when the RAM tier holds this step or a newer one.
     """
     from lightning_snapshot.backends.base import Backend
+    from lightning_snapshot.backends.ram.node_store import PROPOSED, node_store
     from lightning_snapshot.backends.ram.shares import EC
-    from lightning_snapshot.backends.ram.store import PROPOSED, node_store
     from lightning_snapshot.commit import committed_steps
     from lightning_snapshot.manifest import MANIFEST_NAME, Manifest, step_dirname
     from lightning_snapshot.writer import SnapshotJob, write_part
