@@ -43,11 +43,14 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
-from lightning_snapshot.backends.portable import Portable, spec_class
-from lightning_snapshot.backends.schedule_options import ScheduleOptionsView
 from lightning_snapshot.comm import agree_on
 from lightning_snapshot.errors import ConfigError, SnapshotError, TierUnavailableError
 from lightning_snapshot.interval import DEFAULT_EVERY_N_TRAIN_STEPS, ScheduleOptions
+
+# (relative: the API page's static analysis, which sees backends/ as ``backends``, follows them to Backend's inherited
+# members)
+from .portable import Portable, spec_class
+from .schedule_options import ScheduleOptionsView
 
 if TYPE_CHECKING:
     import threading
