@@ -7,7 +7,10 @@ reporting.py, ops.py and export.py, and the RAM tier's agent when it writes the 
 A backend stores opaque objects under '/'-separated keys relative to its root and knows nothing about tensors or
 manifests. The engine asks it what it is (:attr:`Backend.tier`, :attr:`Backend.durable`); it never checks concrete
 classes. A tier keeps its schedule's options as plain data (:attr:`Backend.schedule_options`); the callback's
-configuration builds the schedule from them (:mod:`lightning_snapshot.schedule`), which holds no part of it here.
+configuration builds the schedule from them (:mod:`lightning_snapshot.schedule`), which holds no part of it here. Two
+mixins of :class:`Backend` have their own modules: :mod:`~lightning_snapshot.backends.portable` (a tier in another
+process: :meth:`Backend.spec`, pickling) and :mod:`~lightning_snapshot.backends.schedule_options` (the options read
+back: :attr:`Backend.every_n_train_steps` ..., :meth:`Backend.is_due`).
 
 Capabilities are declared, never probed with ``getattr``. Every optional feature a tier may have is declared here
 with a documented default that means "this tier does not do it", so the engine uses it directly:
@@ -34,8 +37,6 @@ from __future__ import annotations
 import abc
 import builtins
 import datetime as _dt
-import functools
-import importlib
 import os
 import uuid
 from collections.abc import Callable, Iterable
@@ -45,6 +46,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, runtime_chec
 from lightning_snapshot.comm import agree_on
 from lightning_snapshot.errors import ConfigError, SnapshotError, TierUnavailableError
 from lightning_snapshot.interval import DEFAULT_EVERY_N_TRAIN_STEPS, ScheduleOptions
+
+# (relative: the API page's static analysis, which sees backends/ as ``backends``, follows them to Backend's inherited
+# members)
+from .portable import Portable, spec_class
+from .schedule_options import ScheduleOptionsView
 
 if TYPE_CHECKING:
     import threading
@@ -70,7 +76,7 @@ Buffer = "bytes | bytearray | memoryview"
 _T = TypeVar("_T")
 
 
-class Backend(abc.ABC):
+class Backend(Portable, ScheduleOptionsView, abc.ABC):
     """A storage tier: where snapshots go, how often, and how many are kept.
 
     Keys are '/'-separated and relative to the tier's root; every method that takes one refuses a key that could
@@ -140,69 +146,11 @@ class Backend(abc.ABC):
     #: Where the tier's objects live, where it has such a place: a directory (a ``Path``) for files, ``bucket/prefix``
     #: for object stores; None otherwise. A ``Path`` root that a failed copy created is removed with it.
     root: Path | str | None = None
-    #: (cls, args, kwargs) of the outermost library constructor, set by ``__init_subclass__``'s wrapper
-    _spec_args: tuple[type[Backend], tuple[Any, ...], dict[str, Any]]
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        init = cls.__dict__.get("__init__")
-        if init is None:
-            return
-
-        library = cls.__module__.startswith("lightning_snapshot.backends.")
-
-        @functools.wraps(init)
-        def recording_init(self: Backend, *args: Any, **kw: Any) -> None:
-            # the outermost constructor of a library class is the one to replay (a user's subclass is rebuilt as
-            # the library tier it extends)
-            if library and not hasattr(self, "_spec_args"):
-                self._spec_args = (cls, args, kw)
-            init(self, *args, **kw)
-
-        cls.__init__ = recording_init  # type: ignore[method-assign]
-
-    def spec(self) -> dict[str, Any]:
-        """How to build this tier again in another process (the snapshot agent): plain JSON values.
-
-        It holds the constructor's arguments, ``storage_options`` included, so it is sent only to a process of the
-        same user over a socket only that user can open, and never logged.
-        """
-        cls, args, kw = getattr(self, "_spec_args", (type(self), (), {}))
-
-        def plain(v: Any) -> Any:
-            if isinstance(v, _dt.timedelta):
-                return v.total_seconds()
-            if isinstance(v, (str, int, float, bool)) or v is None:
-                return v
-            if isinstance(v, (list, tuple)):
-                return [plain(x) for x in v]
-            if isinstance(v, dict):
-                return {str(k): plain(x) for k, x in v.items()}
-            return str(v)  # a path
-
-        return {
-            "module": cls.__module__,
-            "class": cls.__qualname__,
-            "args": plain(list(args)),
-            "kwargs": plain(dict(kw)),
-        }
 
     @staticmethod
     def from_spec(spec: Any) -> Backend:
         """The tier :meth:`spec` describes. Only classes of ``lightning_snapshot.backends`` are accepted."""
-        if (
-            not isinstance(spec, dict)
-            or not isinstance(spec.get("module"), str)
-            or not isinstance(spec.get("class"), str)
-            or not isinstance(spec.get("args"), list)
-            or not isinstance(spec.get("kwargs"), dict)
-        ):
-            raise ConfigError(f"malformed tier spec {spec!r}")
-        if not spec["module"].startswith("lightning_snapshot.backends."):
-            raise ConfigError(
-                f"tier spec names {spec['module']!r}; only lightning_snapshot.backends tiers are accepted"
-            )
-        cls = getattr(importlib.import_module(spec["module"]), spec["class"], None)
+        cls = spec_class(spec)
         if not (isinstance(cls, type) and issubclass(cls, Backend)):
             raise ConfigError(f"tier spec names {spec['module']}.{spec['class']}, which is not a tier class")
         return cls(*spec["args"], **spec["kwargs"])
@@ -222,67 +170,6 @@ class Backend(abc.ABC):
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise ConfigError(f"keep_last must be an integer >= 1, or None to keep every snapshot, got {keep_last!r}")
         self.keep_last = keep_last
-
-    # (the schedule's options, read-only; the interval in use is the callback's: ``SnapshotCallback`` builds each
-    # tier's schedule from these)
-    @property
-    def every_n_train_steps(self) -> int | None:
-        """The step interval the tier starts with (with ``"auto"``: the first one, which the callback's schedule then
-        re-estimates), or None (by time only)."""
-        return self.schedule_options.every
-
-    @property
-    def auto_every(self) -> bool:
-        """Whether ``every_n_train_steps="auto"`` was asked for."""
-        return self.schedule_options.auto
-
-    @property
-    def train_time_interval(self) -> _dt.timedelta | None:
-        return self.schedule_options.time_interval
-
-    @property
-    def min_every(self) -> int:
-        return self.schedule_options.min_every
-
-    @property
-    def max_every(self) -> int | None:
-        return self.schedule_options.max_every
-
-    # ------------------------------------------------------------------------------------------- pickling
-    #: Attributes that belong to one process (locks, open handles, clients, counters): left out when the tier is
-    #: pickled (``ddp_spawn`` pickles the trainer and its callbacks to start its processes) and made again by
-    #: :meth:`_init_process_state` in the process that unpickles it. Each class lists its own; they add up.
-    _process_local: ClassVar[tuple[str, ...]] = ()
-
-    def _init_process_state(self) -> None:  # noqa: B027 - an optional hook: by default there is no such state
-        """Create this process's runtime state (the attributes of ``_process_local``); called after unpickling.
-        Subclasses that have some call it from ``__init__`` too and call ``super()._init_process_state()``."""
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Only the configuration travels; what belongs to this process is made again on the other side."""
-        state = dict(self.__dict__)
-        for klass in type(self).__mro__:
-            for name in vars(klass).get("_process_local", ()):
-                state.pop(name, None)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._init_process_state()
-
-    # ------------------------------------------------------------------------------------------- schedule
-    def is_due(self, step: int, seconds_since_last: float | None, steps_since_last: int | None = None) -> bool:
-        """Whether a snapshot of ``step`` is due in this tier, by its options (with ``"auto"``: at the first interval;
-        a fit decides with its own schedule of the tier, which holds the interval in use).
-
-        Args:
-            step: the trainer's ``global_step`` after the optimizer step that just finished.
-            seconds_since_last: wall time since this tier's last snapshot (or since training started).
-            steps_since_last: optimizer steps since this tier's last snapshot in this fit (or since it started);
-                with ``every_n_train_steps="auto"`` the snapshot is due when it reaches the interval.
-        """
-        options = self.schedule_options
-        return options.is_due(step, seconds_since_last, steps_since_last, options.every)
 
     # ------------------------------------------------------------------------------------------- identity
     @property
@@ -367,7 +254,7 @@ class Backend(abc.ABC):
         """
         return None
 
-    def require_exists(self) -> None:  # noqa: B027 - an optional check: the default accepts every tier
+    def require_exists(self) -> None:
         """Check that the tier itself exists, for callers that only read (``load_snapshot``, the CLI).
 
         Creates nothing. The default accepts every tier; tiers that can tell a missing root from an empty one say so.
@@ -435,7 +322,7 @@ class Backend(abc.ABC):
         root, "upload_id": ..., "modified": Unix time}`` (object stores with multipart uploads). Default: none."""
         return []
 
-    def abort_upload(self, upload: dict[str, Any]) -> None:  # noqa: B027 - optional: the default has none to abort
+    def abort_upload(self, upload: dict[str, Any]) -> None:
         """Abort one upload of :meth:`incomplete_uploads`. The default does nothing (the tier has none)."""
 
     def abort_incomplete_uploads(self, older_than: float | None = None) -> int:
