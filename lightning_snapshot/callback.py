@@ -20,8 +20,6 @@ from typing import Any
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
-from lightning_snapshot import compat as _compat
-from lightning_snapshot import fit_state as _fit_state
 from lightning_snapshot import patches as _patches
 from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.capture import check_placements, is_sharded
@@ -34,6 +32,7 @@ from lightning_snapshot.pipeline import SnapshotPipeline
 from lightning_snapshot.preempt import Preemption, requeue_slurm_job, signal_name
 from lightning_snapshot.reporting import Reporter
 from lightning_snapshot.restore import Restorer
+from lightning_snapshot.resuming import Resumption, report_restore
 from lightning_snapshot.schedule import FitSchedule
 from lightning_snapshot.session import FitSession
 
@@ -215,8 +214,8 @@ class SnapshotCallback(Checkpoint):
         self._preemption: Preemption | None = None
         self._requeue_signal: int | None = None  # (SLURM auto-requeue: this signal requeues the job)
         self._patches = _patches.Patches()
-        #: the restored snapshot's fit state, applied at ``on_train_start``
-        self._fit_state: dict[str, Any] | None = None
+        #: the restored snapshot's state parts still to apply (at ``on_train_start``, before the first fetch)
+        self._resumption: Resumption | None = None
 
     @property
     def state_key(self) -> str:
@@ -273,7 +272,7 @@ class SnapshotCallback(Checkpoint):
             between_epochs=lambda: self._between_epochs(trainer),
             end_of_fit=lambda: self._end_of_fit(trainer),
         )
-        self._fit_state = None
+        self._resumption = None
         self._own_signals(trainer, session)
         self._restorer.preload_callbacks(trainer, exclude=self)
 
@@ -348,60 +347,25 @@ class SnapshotCallback(Checkpoint):
         if restored is not None:
             self._pipeline.last_step = restored.step
             self.restored_from = (restored.url, restored.step, restored.seconds)
-            self._loaders.resume(restored.resumed, restored.rng, restored.loaders, restored.exact_data)
-            self._fit_state = restored.fit_state
-            metrics = self._reporter.metrics
-            metrics.add("restore/ms", restored.seconds * 1000)
-            metrics.add("restore/step", restored.step)
-            if self.restore_stats is not None:
-                metrics.add("restore/bytes_read", self.restore_stats["bytes_read"] or 0)
-                metrics.add("restore/bytes_received", self.restore_stats["bytes_received"] or 0)
-                metrics.add("restore/job_bytes_read", self.restore_stats["job_bytes_read"] or 0)
-            if restored.tier_index is not None:
-                metrics.add("restore/tier_index", restored.tier_index)
-        # A resumed run makes its train loaders as the interrupted run last made them (at the epoch it last made
-        # them at: a curriculum that reads the epoch; reload_dataloaders_every_n_epochs at the same epochs)
-        made = self._fit_state.get("train_dl_epoch") if isinstance(self._fit_state, dict) else None
-        if isinstance(made, int) and not isinstance(made, bool) and 0 <= made < trainer.current_epoch:
-            _patches.make_loaders_at_epoch(
-                self._patches, trainer, made, lambda: self._hooked(trainer), self._loaders.set_making_epoch
-            )
-        # Train loaders that exist already (a tuner such as LearningRateFinder ran the fit loop in its on_fit_start,
-        # and Lightning keeps the loaders it set up) are not processed again: follow them, and resume them, now
-        combined = getattr(trainer.fit_loop, "_combined_loader", None)  # private: the fit loop's loaders
-        loaders = getattr(combined, "flattened", None) or []
-        for loader in loaders:
-            self._loaders.on_train_loader(loader, trainer)
-        fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)  # private: it holds the epoch's iterators
-        if loaders and fetcher is not None and self._loaders.resumed is not None:
-            # Lightning created the epoch's iterators when it set the loaders up, before this restore, and does not
-            # create them again for a resumed epoch: create them now, from the restored position (as Lightning
-            # does when it sets the loaders up after a restore)
-            iter(fetcher)
+            report_restore(self._reporter.metrics, restored, self.restore_stats)
+            self._resumption = restored.resumption
+            self._resumption.fit_start(self._loaders, self._patches, lambda: self._hooked(trainer))
+        self._loaders.adopt_made(trainer)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        resumed, self._loaders.resumed = self._loaders.resumed, None
-        saved, self._fit_state = self._fit_state, None
-        if resumed is None:
-            return
-        _fit_state.restore_stop(trainer, saved, trainer.global_step)
-        _fit_state.restore_generators(pl_module, saved)
-        _patches.resume_loops(self._patches, trainer, boundary=resumed == "boundary")
-        if resumed == "boundary":  # (the next epoch starts as in a run that never stopped)
-            _fit_state.restore_grads(pl_module, saved)
-            _compat.reinstate_swalr_after_averaging(trainer, pl_module)
-            self._loaders.restore_rng()
-            return
-        # within an epoch: what the epoch's start hooks set up, which do not run again (SWA's SWALR, the gradient
-        # accumulation of GradientAccumulationScheduler, the epoch's accumulated training metrics)
-        _compat.reinstate_epoch_start_schedulers(trainer, pl_module)
-        _compat.reinstate_swalr_after_averaging(trainer, pl_module)
-        _fit_state.restore_in_epoch(trainer, saved)
+        self._loaders.resumed = None
+        if self._resumption is not None:
+            self._resumption.train_start()
+
+    def _first_fetch(self) -> None:
+        if self._resumption is not None:
+            self._resumption.first_fetch()
 
     # ------------------------------------------------------------------------------------------- snapshots
     def _before_fetch(self, trainer: Any) -> None:
         """Right before the training loop fetches a batch: the point a snapshot's RNG, data position, loops,
         callbacks and schedulers are taken at, and restored at."""
+        self._first_fetch()
         self._loaders.before_fetch(trainer)
         self._stop_if_preempted(trainer)
         self._finish_pending(trainer)
@@ -441,7 +405,7 @@ class SnapshotCallback(Checkpoint):
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self._pipeline is not None:
             self._pipeline.batch_start(trainer)
-        self._loaders.restore_rng()  # (a loop that fetched without the epoch loop's fetch hook)
+        self._first_fetch()  # (a loop that fetched without the epoch loop's fetch hook)
         self._finish_pending(trainer, consumed_offset=1)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
@@ -505,7 +469,7 @@ class SnapshotCallback(Checkpoint):
                 " trainer.fit or after it returns"
             )
         state = dict(self.__dict__)
-        for name in ("_session", "_schedule", "_pipeline", "_restorer", "_patches", "_fit_state"):
+        for name in ("_session", "_schedule", "_pipeline", "_restorer", "_patches", "_resumption"):
             state.pop(name, None)
         return state
 

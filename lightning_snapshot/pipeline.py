@@ -29,11 +29,8 @@ from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_snapshot import data as _data
-from lightning_snapshot import fit_state as _fit_state
 from lightning_snapshot.capture import (
     capture_late,
-    capture_rng,
     capture_shared_live,
     frozen_predicate,
     optimized_key,
@@ -41,9 +38,9 @@ from lightning_snapshot.capture import (
 )
 from lightning_snapshot.comm import Comm
 from lightning_snapshot.config import SnapshotConfig
-from lightning_snapshot.ddp_layout import capture_layout, is_ddp
-from lightning_snapshot.ddp_layout import enabled as ddp_layout_enabled
+from lightning_snapshot.ddp_layout import is_ddp
 from lightning_snapshot.errors import ReplicaMismatchError, SnapshotError
+from lightning_snapshot.parts import CaptureContext
 from lightning_snapshot.persist import Persister, PersistJob
 from lightning_snapshot.replicas import ReplicaChecker, Verdict
 from lightning_snapshot.reporting import Reporter
@@ -51,6 +48,7 @@ from lightning_snapshot.schedule import FitSchedule
 from lightning_snapshot.staging import stage
 from lightning_snapshot.staging.arena import AsyncStaged, HostArena, reserve_lead
 from lightning_snapshot.staging.live import Encoded
+from lightning_snapshot.state_parts import REGISTRY
 
 __all__ = ["SnapshotPipeline"]
 
@@ -101,11 +99,11 @@ class SnapshotPipeline:
         self._copied = False  # the copy in flight was waited for before this step's optimizer step (validation)
         self._planned = False
         self._ended = False  # the snapshot of the end of fit was taken
-        self._warned_layout = False
         self.stall = 0.0
         self.replicas = ReplicaChecker(config.replica_check) if config.replica_check else None
         self._capture_token: object | None = None  # the capture plan's token of the state last staged
-        self._structure = _fit_state.Structure()  # the module's walk for the late capture, kept while the plan holds
+        #: the state parts' memory across the fit's snapshots (the module's walk kept while the plan holds, ...)
+        self._memo: dict[str, Any] = {}
 
     # ------------------------------------------------------------------------------------------- steps
     def step_ended(self, trainer: Any, pl_module: Any) -> None:
@@ -380,6 +378,8 @@ class SnapshotPipeline:
             self.schedule.closed(i, measured=False)
 
     def _rank_state(self, trainer: Any, consumed: int, token: object | None = None) -> dict[str, Any]:
+        """This rank's section of the snapshot: the late state (loops, schedulers, ... and the shared state parts) and
+        the per-rank state parts (:mod:`~lightning_snapshot.state_parts`)."""
         epoch_progress = trainer.fit_loop.epoch_progress.current
         ended = epoch_progress.ready == epoch_progress.processed  # the fit loop counted the epoch as finished
         batches = trainer.fit_loop.epoch_loop.batch_progress
@@ -388,52 +388,26 @@ class SnapshotPipeline:
         unfinished = ended and not batches.is_last_batch and consumed < trainer.num_training_batches
         boundary = ended and not unfinished  # training ended with an epoch: the next starts from its beginning
         epoch = trainer.current_epoch - 1 if unfinished else trainer.current_epoch
-        # (at an epoch boundary only persistent loader workers carry something into the next epoch: their RNG)
-        train_loaders = _data.flatten_loaders(trainer.train_dataloader)
-        # several loaders (a CombinedLoader) of a known length, fetched as they are consumed: each is at its own
-        # batch (a shorter one starts again within the epoch, or ran out)
-        fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
-        own = len(train_loaders) > 1 and getattr(fetcher, "length", None) is not None
-        loaders = [
-            _data.position(dl, epoch, 0, ended=True)
-            if boundary
-            else _data.position(dl, epoch, _data.own_batches(dl, consumed) if own else consumed)
-            for dl in train_loaders
-        ]
         # a loader fetched ahead: its state before the first batch this snapshot has not consumed (fetch indices
         # count the epoch's batches, as the loop does)
         loader_states = None if boundary else self._fetch_states(consumed)
+        pl_module = trainer.lightning_module
         # (the plan's token vouches for the module's structure only once the late check confirmed it: see _finish)
-        late = capture_late(trainer, trainer.lightning_module, loader_states, self._structure, token)
-        if unfinished:
-            late["epoch"] = epoch
-            for counters in late["loops"]["fit_loop"]["epoch_progress"].values():
-                counters["processed"] -= 1
-                counters["completed"] -= 1
-        return {"rng": capture_rng(), "loaders": loaders, "late": late, "ddp_layout": self._ddp_layout(trainer)}
+        ctx = CaptureContext(
+            trainer, pl_module, consumed=consumed, epoch=epoch, boundary=boundary, token=token, memo=self._memo
+        )
 
-    def _ddp_layout(self, trainer: Any) -> dict[str, Any] | None:
-        """DDP's rebuilt gradient-bucket layout (plain data), or None (not DDP, not rebuilt, or turned off).
+        def late(parts: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+            state = capture_late(trainer, pl_module, loader_states, parts)
+            if unfinished:
+                state["epoch"] = epoch
+                for counters in state["loops"]["fit_loop"]["epoch_progress"].values():
+                    counters["processed"] -= 1
+                    counters["completed"] -= 1
+            return state
 
-        Every rank calls this at the same point on the training thread: when the rebuild is still pending (the
-        snapshot of a process's first step) it is done here, with DDP's own broadcast from rank 0, exactly as the
-        next forward would do it.
-        """
-        model = trainer.strategy.model
-        if not is_ddp(model) or not ddp_layout_enabled():
-            return None
-        try:
-            return capture_layout(model, rebuild_pending=True)
-        except (AttributeError, TypeError, RuntimeError) as e:  # torch's private internals changed
-            if not self._warned_layout:
-                self._warned_layout = True
-                warnings.warn(
-                    f"lightning-snapshot: cannot read DDP's gradient-bucket layout with this torch"
-                    f" ({type(e).__name__}: {e}); snapshots are taken without it, and a resume with 3 or"
-                    f" more ranks will not be bitwise identical to an uninterrupted run",
-                    stacklevel=2,
-                )
-            return None
+        section: dict[str, Any] = REGISTRY.capture(ctx, late)
+        return section
 
     # ------------------------------------------------------------------------------------------- last snapshots
     def _final_snapshot(self, trainer: Any, pl_module: Any, step: int) -> None:

@@ -14,7 +14,6 @@ import logging
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, cast
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -34,8 +33,6 @@ from lightning_snapshot.capture import (
 from lightning_snapshot.comm import Comm, LocalComm, TensorComm, raise_together
 from lightning_snapshot.commit import committed_steps
 from lightning_snapshot.config import SnapshotConfig
-from lightning_snapshot.ddp_layout import DDP_LAYOUT_ENV, apply_layout, check_layout, is_ddp
-from lightning_snapshot.ddp_layout import enabled as ddp_layout_enabled
 from lightning_snapshot.errors import (
     FormatVersionError,
     SnapshotError,
@@ -44,36 +41,18 @@ from lightning_snapshot.errors import (
     TierUnavailableError,
 )
 from lightning_snapshot.loader import ReadStats, read_manifest, read_section, resolve_source
+from lightning_snapshot.parts import Phase, RestoreContext
 from lightning_snapshot.progress import human_bytes
 from lightning_snapshot.read_once import ReadOnce
 from lightning_snapshot.read_once import enabled as read_once_enabled
 from lightning_snapshot.restore_records import read_candidate, record_restore
 from lightning_snapshot.resume_policy import Candidate, plan_resume
+from lightning_snapshot.resuming import Restored, Resumption
+from lightning_snapshot.state_parts import REGISTRY
 
 __all__ = ["Restored", "Restorer"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Restored:
-    """What a restore did, and what the rest of the fit must still put back."""
-
-    url: str
-    step: int
-    seconds: float
-    #: index of the tier in the callback's tiers, or None (a snapshot path given as ``resume``)
-    tier_index: int | None
-    #: "boundary": the snapshot ended an epoch (the next starts from its beginning); "mid": it continues an epoch
-    resumed: str
-    #: this rank's RNG states (restored right before the first fetch), or None
-    rng: dict[str, Any] | None
-    #: each train loader's saved position, in order (resumed as Lightning makes the loaders)
-    loaders: list[dict[str, Any] | None]
-    #: False after a change of the number of processes (the data continues from the global sample count)
-    exact_data: bool
-    #: the snapshot's :mod:`~lightning_snapshot.fit_state` (applied at ``on_train_start``)
-    fit_state: dict[str, Any] | None
 
 
 class Restorer:
@@ -120,7 +99,9 @@ class Restorer:
             log.debug("lightning-snapshot: callback states not loaded at setup (%s); on_fit_start reports", e)
             return
         if isinstance(late, dict):
-            _fit_state.load_callback_states(trainer, late.get("callbacks"), exclude=exclude)
+            where = f"snapshot of step {step} in the {backend.tier} tier {backend.url!r}"
+            ctx = RestoreContext(trainer, trainer.lightning_module, step, where, comm=self.comm, owner=exclude)
+            REGISTRY.restore(Phase.SETUP, ctx, late, None)
             self.preloaded = (backend.url, step)
 
     def _read_late(self, backend: Backend, step: int) -> Any:
@@ -352,25 +333,27 @@ class Restorer:
         live: Templates | None,
         t0: float,
     ) -> Restored:
-        """Put a snapshot read on every rank into the trainer and the model (collective)."""
+        """Put a snapshot read on every rank into the trainer and the model (collective): the checkpoint-shaped state
+        and the state parts up to LOADED; the later ones go with the returned :class:`Restored`."""
         where = f"snapshot of step {step} in the {backend.tier} tier {backend.url!r}"
         self._sections.clear()
         self._job_bytes_read()
-        restore_shared(trainer, pl_module, shared, where, live, load_callbacks=self.preloaded != (backend.url, step))
+        exact = rank_state.get("exact", True) if rank_state is not None else True
+        ctx = RestoreContext(trainer, pl_module, step, where, comm=self.comm, exact=exact)
+        preloaded = self.preloaded == (backend.url, step)
+
+        def parts(phase: Phase) -> None:
+            if not (phase is Phase.SETUP and preloaded):  # (the callbacks' states, loaded at setup already)
+                REGISTRY.restore(phase, ctx, shared, rank_state)
+
+        restore_shared(trainer, pl_module, shared, where, live, parts)
         progress = trainer.fit_loop.epoch_progress.current
         # a snapshot taken when an epoch had just ended (the end of training) starts the next epoch from its
         # beginning; any other continues the epoch it was taken in (see patches.resume_loops)
-        resumed = "boundary" if progress.ready == progress.processed else "mid"
-        loaders = list(rank_state.get("loaders", [])) if rank_state is not None else []
-        if loaders and all(p is not None for p in loaders):
-            # Lightning cannot see that our sampler restores the position of plain DataLoaders, and would warn
-            warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
+        ctx.resumed = resumed = "boundary" if progress.ready == progress.processed else "mid"
         _fit_state.realias_lottery_tickets(trainer, trainer.current_epoch)
         self._record_restore(backend, step)
-        fit_state = _fit_state.saved_state(shared)
-        _fit_state.prune_checkpoints(trainer, fit_state, step)
-        _fit_state.restore_checkpoint_saves(trainer, fit_state)
-        self._restore_ddp_layout(trainer, rank_state, where)
+        parts(Phase.LOADED)  # (ModelCheckpoint's files and record, DDP's bucket layout: every rank together)
         seconds = time.monotonic() - t0
         job = self.stats.get("job_bytes_read") if self.stats is not None else None
         once = (
@@ -388,10 +371,7 @@ class Restorer:
             seconds=seconds,
             tier_index=self.tiers.index(backend) if backend in self.tiers else None,
             resumed=resumed,
-            rng=rank_state.get("rng") if rank_state is not None else None,
-            loaders=loaders,
-            exact_data=rank_state.get("exact", True) if rank_state is not None else True,
-            fit_state=fit_state,
+            resumption=Resumption(ctx, shared, rank_state),
         )
 
     def _read(
@@ -439,15 +419,9 @@ class Restorer:
                 " identical to an uninterrupted one.",
                 stacklevel=2,
             )
-            # the data position, as a global sample count, from rank 0's section (the same on every rank)
-            saved = self._rank_state(backend, manifest, 0)
-            if isinstance(saved, dict):
-                rank_state = {
-                    "rng": None,
-                    "loaders": saved.get("loaders", []),
-                    "exact": False,
-                    "late": saved.get("late"),
-                }
+            # the data position, as a global sample count, from rank 0's section (the same on every rank); the state
+            # parts that are not resharded (RNG, DDP's layout) are not restored
+            rank_state = REGISTRY.resized(self._rank_state(backend, manifest, 0))
         else:
             rank_state = self._rank_state(backend, manifest, self.comm.rank)
         # loops, callbacks, schedulers: taken with the rank state, right before the next step (this rank's own)
@@ -456,7 +430,9 @@ class Restorer:
             shared.update(late)
         if "loops" not in shared:
             raise SnapshotError(f"{where} holds no training state")
-        _fit_state.merge_param_groups(shared, where)  # the optimizer's groups as they were with the late state
+        # the state parts applied to the state as read (the optimizer's groups as they were with the late state)
+        ctx = RestoreContext(trainer, pl_module, step, where, comm=self.comm, shared=shared)
+        REGISTRY.restore(Phase.READ, ctx, shared, rank_state)
         check_optimizers(trainer, shared, where)  # before anything is applied
         return shared, rank_state
 
@@ -493,56 +469,3 @@ class Restorer:
         total = self.comm.broadcast(sum(gathered) if gathered is not None else None)
         if self.stats is not None:
             self.stats["job_bytes_read"] = int(total)
-
-    def _restore_ddp_layout(self, trainer: Any, rank_state: dict[str, Any] | None, where: str) -> None:
-        """Give DDP the gradient-bucket layout the snapshot's process all-reduced with (see ``ddp_layout``).
-
-        Called on every rank together in ``on_fit_start``: the strategy has wrapped the model in DDP and nothing has
-        run a forward through it yet (the sanity check and training come later). The layout is untrusted input: it
-        is applied only when every rank holds the same layout and it fits the live DDP module (the parameters that
-        require grad, their sizes and dtypes); otherwise a warning names why and the resume goes on without it (the
-        weights and all other state are restored either way; only the float summation order of the next
-        all-reduces may differ from an uninterrupted run). Only at the same world size (``_read_tier`` passes no
-        layout after a change of the number of processes) and only into DDP (another strategy has no buckets).
-        """
-        model = trainer.strategy.model
-        if not is_ddp(model) or self.comm.world_size < 2:
-            return
-        layout = rank_state.get("ddp_layout") if isinstance(rank_state, dict) else None
-        if not ddp_layout_enabled():
-            layout = None
-        problem = None
-        try:
-            check_layout(model, layout)
-        except ValueError as e:
-            problem = str(e)
-        except (AttributeError, TypeError, RuntimeError) as e:  # torch's private internals changed
-            problem = f"this torch is not supported ({type(e).__name__}: {e})"
-        first = self.comm.broadcast(layout)
-        if problem is None and layout != first:
-            problem = f"rank {self.comm.rank} holds another layout than rank 0"
-        none_stored, all_fit = self.comm.all_true_each([layout is None, problem is None])
-        if none_stored:  # taken before this feature, without DDP, or where DDP never rebuilds; or turned off
-            return
-        if not all_fit:
-            warnings.warn(
-                f"lightning-snapshot: the {where} holds a DDP gradient-bucket layout that is not applied"
-                f" ({problem or 'it does not fit on another rank'}); the resume goes on without it, so"
-                " with 3 or more ranks the next steps may differ in the last bits from an uninterrupted"
-                " run",
-                stacklevel=2,
-            )
-            return
-        error: BaseException | None = None
-        try:
-            apply_layout(model, layout)
-        except Exception as e:  # noqa: BLE001 - raised on every rank below
-            error = e
-        if not self.comm.all_true(error is None):
-            raise SnapshotError(
-                f"giving DDP the gradient-bucket layout of the {where} failed"
-                f" ({f'{type(error).__name__}: {error}' if error is not None else 'on another rank'}); set"
-                f" {DDP_LAYOUT_ENV}=0 to resume without it (with 3 or more ranks not bitwise identical to an"
-                " uninterrupted run)"
-            ) from error
-        log.debug("lightning-snapshot: DDP gradient-bucket layout restored: %s", first["buckets"])
