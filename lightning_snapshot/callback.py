@@ -29,7 +29,7 @@ from lightning_snapshot.errors import ConfigError, Preempted
 from lightning_snapshot.fit_loaders import FitLoaders
 from lightning_snapshot.interval import default_mtbf
 from lightning_snapshot.pipeline import SnapshotPipeline
-from lightning_snapshot.preempt import Preemption, requeue_slurm_job, signal_name
+from lightning_snapshot.preempt import Preemption, spawned_rank_preempted, stop_if_preempted
 from lightning_snapshot.reporting import Reporter
 from lightning_snapshot.restore import Restorer
 from lightning_snapshot.resuming import Resumption, report_restore
@@ -302,7 +302,7 @@ class SnapshotCallback(Checkpoint):
         # thread are still written (nothing staged is lost); the pending one, without its rank state, is dropped.
         # (Preempted: the stop step was snapshotted before it was raised; SIGTERMException: Lightning's own handling,
         # when the callback owns no signal)
-        self._spawned_rank_preempted(exception)
+        spawned_rank_preempted(exception, self.config.preemption_signals, fit_running=self._session is not None)
         try:
             if type(exception).__name__ == "SIGTERMException" and self._pipeline is not None:
                 self._pipeline.last_snapshot(trainer, pl_module, "SIGTERM", time.monotonic())
@@ -311,16 +311,6 @@ class SnapshotCallback(Checkpoint):
                 self._pipeline.pending = None
             # (after a preemption what sigterm_grace allowed is done: the rest is abandoned at once, before SIGKILL)
             self._shutdown(abort=True, timeout=1.0 if isinstance(exception, Preempted) else None)
-
-    def _spawned_rank_preempted(self, exception: BaseException) -> None:
-        """In the process that launched ``ddp_spawn`` ranks (no fit of its own runs here): a rank that ended with
-        :class:`Preempted` makes torch raise ``ProcessExitedException``; this process exits with the rank's status
-        (128 + the signal number) instead of 1, as the ranks do."""
-        code = getattr(exception, "exit_code", None)
-        spawned = self._session is None and type(exception).__name__ == "ProcessExitedException"
-        if spawned and isinstance(code, int) and code - 128 in self.config.preemption_signals:
-            log.warning("lightning-snapshot: a spawned rank was preempted (exit status %d): so is this process", code)
-            raise SystemExit(code) from exception
 
     def _shutdown(self, abort: bool, timeout: float | None = None) -> None:
         """Give the signals back, undo every patch, settle the snapshot in flight and close the fit's session."""
@@ -367,32 +357,12 @@ class SnapshotCallback(Checkpoint):
         callbacks and schedulers are taken at, and restored at."""
         self._first_fetch()
         self._loaders.before_fetch(trainer)
-        self._stop_if_preempted(trainer)
+        stop_if_preempted(self._preemption, self._pipeline, trainer, self._requeue_signal)
         self._finish_pending(trainer)
 
     def _between_epochs(self, trainer: Any) -> None:
-        self._stop_if_preempted(trainer)
+        stop_if_preempted(self._preemption, self._pipeline, trainer, self._requeue_signal)
         self._finish_pending(trainer)
-
-    def _stop_if_preempted(self, trainer: Any) -> None:
-        """Once per optimizer step, at the point snapshots are taken: the ranks agree whether one of them was sent a
-        preemption signal; if so every rank snapshots this step into every tier, waits until a durable tier holds it
-        (``sigterm_grace``), and stops with :class:`Preempted`."""
-        preemption, pipeline = self._preemption, self._pipeline
-        if preemption is None or pipeline is None:
-            return
-        signum = preemption.poll(trainer.global_step)
-        if not signum:
-            return
-        mine, since = preemption.received()
-        what = "the signal reached this rank" if mine else "the ranks agreed to stop (another rank was signalled)"
-        name = signal_name(signum)
-        step, durable = pipeline.last_snapshot(
-            trainer, trainer.lightning_module, name, since if mine else time.monotonic(), what
-        )
-        if signum == self._requeue_signal and trainer.global_rank == 0:
-            log.warning("lightning-snapshot: %s", requeue_slurm_job())
-        raise Preempted(signum, step, durable)
 
     def _finish_pending(self, trainer: Any, consumed_offset: int = 0) -> None:
         if self._pipeline is not None:
@@ -400,16 +370,16 @@ class SnapshotCallback(Checkpoint):
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         if self._pipeline is not None:
-            self._pipeline.fence_if_retrained(trainer)
+            self._pipeline.stager.fence_if_retrained(trainer)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self._pipeline is not None:
-            self._pipeline.batch_start(trainer)
+            self._pipeline.stager.batch_start(trainer)
         self._first_fetch()  # (a loop that fetched without the epoch loop's fetch hook)
         self._finish_pending(trainer, consumed_offset=1)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        stall = self._pipeline.before_optimizer_step() if self._pipeline is not None else None
+        stall = self._pipeline.stager.before_optimizer_step() if self._pipeline is not None else None
         if stall is not None:
             self._reporter.metrics.add("snapshot/stall_ms", stall)
 
@@ -424,7 +394,7 @@ class SnapshotCallback(Checkpoint):
         # validation may change the weights in place and back (WeightAveraging swaps the averaged weights in for
         # it): the copy of a snapshot's weights must be complete before
         if self._pipeline is not None:
-            self._pipeline.fence()
+            self._pipeline.stager.fence()
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         # validation inside training is not a step's time (the meter would count it against a tier in flight)

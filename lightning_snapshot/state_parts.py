@@ -17,18 +17,19 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from lightning_snapshot import data as _data
 from lightning_snapshot import fit_state as _fit
 from lightning_snapshot import patches as _patches
-from lightning_snapshot.capture import capture_rng, restore_rng
+from lightning_snapshot.capture import capture_late, capture_rng, restore_rng
 from lightning_snapshot.ddp_layout import DDP_LAYOUT_ENV, apply_layout, capture_layout, check_layout, is_ddp
 from lightning_snapshot.ddp_layout import enabled as ddp_layout_enabled
 from lightning_snapshot.errors import SnapshotError
 from lightning_snapshot.parts import CaptureContext, Part, Phase, Registry, RestoreContext
 
-__all__ = ["REGISTRY", "register", "unregister"]
+__all__ = ["REGISTRY", "capture_section", "register", "unregister"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,40 @@ def _walk(ctx: CaptureContext) -> _fit.Walk:
         structure = ctx.memo.setdefault("structure", _fit.Structure())
         walk = ctx.cache["walk"] = structure.get(ctx.pl_module, ctx.token)
     return walk
+
+
+def capture_section(
+    trainer: Any, consumed: int, token: object | None, fetch_states: Callable[[int], Any], memo: dict[str, Any]
+) -> dict[str, Any]:
+    """This rank's section of the snapshot: the late state (loops, schedulers, ... and the shared state parts) and the
+    per-rank state parts. ``consumed``: the epoch's batches consumed; ``token``: the capture plan's token (it vouches
+    for the module's structure only once the late check confirmed it: see ``SnapshotPipeline._finish``);
+    ``fetch_states``: the train loaders' states recorded before a fetch; ``memo``: the parts' memory for the fit."""
+    epoch_progress = trainer.fit_loop.epoch_progress.current
+    ended = epoch_progress.ready == epoch_progress.processed  # the fit loop counted the epoch as finished
+    batches = trainer.fit_loop.epoch_loop.batch_progress
+    # max_steps can end training inside an epoch, and Lightning then counts that epoch as finished too: the
+    # snapshot records it as unfinished, so that a longer run continues it from the next batch
+    unfinished = ended and not batches.is_last_batch and consumed < trainer.num_training_batches
+    boundary = ended and not unfinished  # training ended with an epoch: the next starts from its beginning
+    epoch = trainer.current_epoch - 1 if unfinished else trainer.current_epoch
+    # a loader fetched ahead: its state before the first batch this snapshot has not consumed (fetch indices
+    # count the epoch's batches, as the loop does)
+    loader_states = None if boundary else fetch_states(consumed)
+    pl_module = trainer.lightning_module
+    ctx = CaptureContext(trainer, pl_module, consumed=consumed, epoch=epoch, boundary=boundary, token=token, memo=memo)
+
+    def late(parts: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        state = capture_late(trainer, pl_module, loader_states, parts)
+        if unfinished:
+            state["epoch"] = epoch
+            for counters in state["loops"]["fit_loop"]["epoch_progress"].values():
+                counters["processed"] -= 1
+                counters["completed"] -= 1
+        return state
+
+    section: dict[str, Any] = REGISTRY.capture(ctx, late)
+    return section
 
 
 # ------------------------------------------------------------------------------------------------- per rank
