@@ -3,9 +3,10 @@
 The parts (``docs/architecture.md`` has the map): :mod:`~lightning_snapshot.config` (the options, validated once),
 :mod:`~lightning_snapshot.session` (a fit's process groups, tiers, agent, arena and persist threads),
 :mod:`~lightning_snapshot.patches` (every write into Lightning's private state, undone from one registry),
-:mod:`~lightning_snapshot.restore` (the resume), :mod:`~lightning_snapshot.fit_loaders` (train loader positions and
-RNG), :mod:`~lightning_snapshot.schedule` (when each tier is due), :mod:`~lightning_snapshot.pipeline` (stage, finish,
-fence, hand over) and :mod:`~lightning_snapshot.reporting` (metrics, warnings, the ``on_error`` policy).
+:mod:`~lightning_snapshot.restore` (the resume; :mod:`~lightning_snapshot.resuming` its later phases, over the state
+parts of :mod:`~lightning_snapshot.state_parts`), :mod:`~lightning_snapshot.fit_loaders` (train loader positions),
+:mod:`~lightning_snapshot.schedule` (when each tier is due), :mod:`~lightning_snapshot.pipeline` (stage, finish, fence,
+hand over) and :mod:`~lightning_snapshot.reporting` (metrics, warnings, the ``on_error`` policy).
 """
 
 from __future__ import annotations
