@@ -3,9 +3,10 @@
 The parts (``docs/architecture.md`` has the map): :mod:`~lightning_snapshot.config` (the options, validated once),
 :mod:`~lightning_snapshot.session` (a fit's process groups, tiers, agent, arena and persist threads),
 :mod:`~lightning_snapshot.patches` (every write into Lightning's private state, undone from one registry),
-:mod:`~lightning_snapshot.restore` (the resume), :mod:`~lightning_snapshot.fit_loaders` (train loader positions and
-RNG), :mod:`~lightning_snapshot.schedule` (when each tier is due), :mod:`~lightning_snapshot.pipeline` (stage, finish,
-fence, hand over) and :mod:`~lightning_snapshot.reporting` (metrics, warnings, the ``on_error`` policy).
+:mod:`~lightning_snapshot.restore` (the resume; :mod:`~lightning_snapshot.resuming` its later phases, over the state
+parts of :mod:`~lightning_snapshot.state_parts`), :mod:`~lightning_snapshot.fit_loaders` (train loader positions),
+:mod:`~lightning_snapshot.schedule` (when each tier is due), :mod:`~lightning_snapshot.pipeline` (stage, finish, fence,
+hand over) and :mod:`~lightning_snapshot.reporting` (metrics, warnings, the ``on_error`` policy).
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ from typing import Any, TypeVar
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
-from lightning_snapshot import compat as _compat
-from lightning_snapshot import fit_state as _fit_state
 from lightning_snapshot import patches as _patches
 from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.capture import check_placements, is_sharded
@@ -30,9 +29,10 @@ from lightning_snapshot.errors import ConfigError, Preempted
 from lightning_snapshot.fit_loaders import FitLoaders
 from lightning_snapshot.interval import default_mtbf
 from lightning_snapshot.pipeline import SnapshotPipeline
-from lightning_snapshot.preempt import Preemption, requeue_slurm_job, signal_name
+from lightning_snapshot.preempt import Preemption, spawned_rank_preempted, stop_if_preempted
 from lightning_snapshot.reporting import Reporter
 from lightning_snapshot.restore import Restorer
+from lightning_snapshot.resuming import Resumption, report_restore
 from lightning_snapshot.schedule import FitSchedule
 from lightning_snapshot.session import FitSession
 
@@ -194,8 +194,8 @@ class SnapshotCallback(Checkpoint):
         self._preemption: Preemption | None = None
         self._requeue_signal: int | None = None  # (SLURM auto-requeue: this signal requeues the job)
         self._patches = _patches.Patches()
-        #: the restored snapshot's fit state, applied at ``on_train_start``
-        self._fit_state: dict[str, Any] | None = None
+        #: the restored snapshot's state parts still to apply (at ``on_train_start``, before the first fetch)
+        self._resumption: Resumption | None = None
 
     @property
     def state_key(self) -> str:
@@ -252,7 +252,7 @@ class SnapshotCallback(Checkpoint):
             between_epochs=lambda: self._between_epochs(trainer),
             end_of_fit=lambda: self._end_of_fit(trainer),
         )
-        self._fit_state = None
+        self._resumption = None
         self._own_signals(trainer, session)
         self._restorer.preload_callbacks(trainer, exclude=self)
 
@@ -282,7 +282,7 @@ class SnapshotCallback(Checkpoint):
         # thread are still written (nothing staged is lost); the pending one, without its rank state, is dropped.
         # (Preempted: the stop step was snapshotted before it was raised; SIGTERMException: Lightning's own handling,
         # when the callback owns no signal)
-        self._spawned_rank_preempted(exception)
+        spawned_rank_preempted(exception, self.config.preemption_signals, fit_running=self._session is not None)
         try:
             if type(exception).__name__ == "SIGTERMException" and self._pipeline is not None:
                 self._pipeline.last_snapshot(trainer, pl_module, "SIGTERM", time.monotonic())
@@ -291,16 +291,6 @@ class SnapshotCallback(Checkpoint):
                 self._pipeline.pending = None
             # (after a preemption what sigterm_grace allowed is done: the rest is abandoned at once, before SIGKILL)
             self._shutdown(abort=True, timeout=1.0 if isinstance(exception, Preempted) else None)
-
-    def _spawned_rank_preempted(self, exception: BaseException) -> None:
-        """In the process that launched ``ddp_spawn`` ranks (no fit of its own runs here): a rank that ended with
-        :class:`Preempted` makes torch raise ``ProcessExitedException``; this process exits with the rank's status
-        (128 + the signal number) instead of 1, as the ranks do."""
-        code = getattr(exception, "exit_code", None)
-        spawned = self._session is None and type(exception).__name__ == "ProcessExitedException"
-        if spawned and isinstance(code, int) and code - 128 in self.config.preemption_signals:
-            log.warning("lightning-snapshot: a spawned rank was preempted (exit status %d): so is this process", code)
-            raise SystemExit(code) from exception
 
     def _shutdown(self, abort: bool, timeout: float | None = None) -> None:
         """Give the signals back, undo every patch, settle the snapshot in flight and close the fit's session."""
@@ -327,87 +317,32 @@ class SnapshotCallback(Checkpoint):
         if restored is not None:
             self._pipeline.last_step = restored.step
             self.restored_from = (restored.url, restored.step, restored.seconds)
-            self._loaders.resume(restored.resumed, restored.rng, restored.loaders, restored.exact_data)
-            self._fit_state = restored.fit_state
-            metrics = self._reporter.metrics
-            metrics.add("restore/ms", restored.seconds * 1000)
-            metrics.add("restore/step", restored.step)
-            if self.restore_stats is not None:
-                metrics.add("restore/bytes_read", self.restore_stats["bytes_read"] or 0)
-                metrics.add("restore/bytes_received", self.restore_stats["bytes_received"] or 0)
-                metrics.add("restore/job_bytes_read", self.restore_stats["job_bytes_read"] or 0)
-            if restored.tier_index is not None:
-                metrics.add("restore/tier_index", restored.tier_index)
-        # A resumed run makes its train loaders as the interrupted run last made them (at the epoch it last made
-        # them at: a curriculum that reads the epoch; reload_dataloaders_every_n_epochs at the same epochs)
-        made = self._fit_state.get("train_dl_epoch") if isinstance(self._fit_state, dict) else None
-        if isinstance(made, int) and not isinstance(made, bool) and 0 <= made < trainer.current_epoch:
-            _patches.make_loaders_at_epoch(
-                self._patches, trainer, made, lambda: self._hooked(trainer), self._loaders.set_making_epoch
-            )
-        # Train loaders that exist already (a tuner such as LearningRateFinder ran the fit loop in its on_fit_start,
-        # and Lightning keeps the loaders it set up) are not processed again: follow them, and resume them, now
-        combined = getattr(trainer.fit_loop, "_combined_loader", None)  # private: the fit loop's loaders
-        loaders = getattr(combined, "flattened", None) or []
-        for loader in loaders:
-            self._loaders.on_train_loader(loader, trainer)
-        fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)  # private: it holds the epoch's iterators
-        if loaders and fetcher is not None and self._loaders.resumed is not None:
-            # Lightning created the epoch's iterators when it set the loaders up, before this restore, and does not
-            # create them again for a resumed epoch: create them now, from the restored position (as Lightning
-            # does when it sets the loaders up after a restore)
-            iter(fetcher)
+            report_restore(self._reporter.metrics, restored, self.restore_stats)
+            self._resumption = restored.resumption
+            self._resumption.fit_start(self._loaders, self._patches, lambda: self._hooked(trainer))
+        self._loaders.adopt_made(trainer)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        resumed, self._loaders.resumed = self._loaders.resumed, None
-        saved, self._fit_state = self._fit_state, None
-        if resumed is None:
-            return
-        _fit_state.restore_stop(trainer, saved, trainer.global_step)
-        _fit_state.restore_generators(pl_module, saved)
-        _patches.resume_loops(self._patches, trainer, boundary=resumed == "boundary")
-        if resumed == "boundary":  # (the next epoch starts as in a run that never stopped)
-            _fit_state.restore_grads(pl_module, saved)
-            _compat.reinstate_swalr_after_averaging(trainer, pl_module)
-            self._loaders.restore_rng()
-            return
-        # within an epoch: what the epoch's start hooks set up, which do not run again (SWA's SWALR, the gradient
-        # accumulation of GradientAccumulationScheduler, the epoch's accumulated training metrics)
-        _compat.reinstate_epoch_start_schedulers(trainer, pl_module)
-        _compat.reinstate_swalr_after_averaging(trainer, pl_module)
-        _fit_state.restore_in_epoch(trainer, saved)
+        self._loaders.resumed = None
+        if self._resumption is not None:
+            self._resumption.train_start()
+
+    def _first_fetch(self) -> None:
+        if self._resumption is not None:
+            self._resumption.first_fetch()
 
     # ------------------------------------------------------------------------------------------- snapshots
     def _before_fetch(self, trainer: Any) -> None:
         """Right before the training loop fetches a batch: the point a snapshot's RNG, data position, loops,
         callbacks and schedulers are taken at, and restored at."""
+        self._first_fetch()
         self._loaders.before_fetch(trainer)
-        self._stop_if_preempted(trainer)
+        stop_if_preempted(self._preemption, self._pipeline, trainer, self._requeue_signal)
         self._finish_pending(trainer)
 
     def _between_epochs(self, trainer: Any) -> None:
-        self._stop_if_preempted(trainer)
+        stop_if_preempted(self._preemption, self._pipeline, trainer, self._requeue_signal)
         self._finish_pending(trainer)
-
-    def _stop_if_preempted(self, trainer: Any) -> None:
-        """Once per optimizer step, at the point snapshots are taken: the ranks agree whether one of them was sent a
-        preemption signal; if so every rank snapshots this step into every tier, waits until a durable tier holds it
-        (``sigterm_grace``), and stops with :class:`Preempted`."""
-        preemption, pipeline = self._preemption, self._pipeline
-        if preemption is None or pipeline is None:
-            return
-        signum = preemption.poll(trainer.global_step)
-        if not signum:
-            return
-        mine, since = preemption.received()
-        what = "the signal reached this rank" if mine else "the ranks agreed to stop (another rank was signalled)"
-        name = signal_name(signum)
-        step, durable = pipeline.last_snapshot(
-            trainer, trainer.lightning_module, name, since if mine else time.monotonic(), what
-        )
-        if signum == self._requeue_signal and trainer.global_rank == 0:
-            log.warning("lightning-snapshot: %s", requeue_slurm_job())
-        raise Preempted(signum, step, durable)
 
     def _finish_pending(self, trainer: Any, consumed_offset: int = 0) -> None:
         if self._pipeline is not None:
@@ -415,16 +350,16 @@ class SnapshotCallback(Checkpoint):
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         if self._pipeline is not None:
-            self._pipeline.fence_if_retrained(trainer)
+            self._pipeline.stager.fence_if_retrained(trainer)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self._pipeline is not None:
-            self._pipeline.batch_start(trainer)
-        self._loaders.restore_rng()  # (a loop that fetched without the epoch loop's fetch hook)
+            self._pipeline.stager.batch_start(trainer)
+        self._first_fetch()  # (a loop that fetched without the epoch loop's fetch hook)
         self._finish_pending(trainer, consumed_offset=1)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        stall = self._pipeline.before_optimizer_step() if self._pipeline is not None else None
+        stall = self._pipeline.stager.before_optimizer_step() if self._pipeline is not None else None
         if stall is not None:
             self._reporter.metrics.add("snapshot/stall_ms", stall)
 
@@ -439,7 +374,7 @@ class SnapshotCallback(Checkpoint):
         # validation may change the weights in place and back (WeightAveraging swaps the averaged weights in for
         # it): the copy of a snapshot's weights must be complete before
         if self._pipeline is not None:
-            self._pipeline.fence()
+            self._pipeline.stager.fence()
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         # validation inside training is not a step's time (the meter would count it against a tier in flight)
@@ -484,7 +419,7 @@ class SnapshotCallback(Checkpoint):
                 " trainer.fit or after it returns"
             )
         state = dict(self.__dict__)
-        for name in ("_session", "_schedule", "_pipeline", "_restorer", "_patches", "_fit_state"):
+        for name in ("_session", "_schedule", "_pipeline", "_restorer", "_patches", "_resumption"):
             state.pop(name, None)
         return state
 

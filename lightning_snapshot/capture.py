@@ -30,9 +30,9 @@ import numpy as np
 import torch
 
 from lightning_snapshot import compat as _compat
-from lightning_snapshot import fit_state as _fit_state
 from lightning_snapshot import tree as _tree
 from lightning_snapshot.errors import CaptureError, ConfigError, ManifestError, StateMismatchError
+from lightning_snapshot.parts import Phase
 from lightning_snapshot.staging import dtensor_box, is_dtensor, local_tensor
 from lightning_snapshot.staging.live import Encoded, LiveCapture
 
@@ -170,16 +170,15 @@ def capture_late(
     trainer: Any,
     pl_module: Any,
     loader_states: list[Any] | None = None,
-    structure: _fit_state.Structure | None = None,
-    token: object | None = None,
+    parts: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """The rest of the training state, as it is right before the next training step begins: after the previous
     step's validation, the callbacks that reacted to it, epoch-end hooks and scheduler steps.
 
     ``loader_states``: the states of Lightning-restored (stateful) train loaders to record instead of their current
     ones (a loader without a length is fetched one batch ahead; the callback passes the state before that batch).
-    ``structure``, ``token``: the module's walk kept while the capture plan of ``token`` holds
-    (:class:`~lightning_snapshot.fit_state.Structure`).
+    ``parts``: captures the shared state parts into the late state (the callbacks' states, the fit state: see
+    :mod:`lightning_snapshot.state_parts`), before the ``on_save_checkpoint`` hooks.
 
     The ``on_save_checkpoint`` hooks are called here as Lightning's ``dump_checkpoint`` calls them (every callback's,
     then the ``LightningModule``'s), on a checkpoint dict that also holds the model's ``state_dict``; what they add is
@@ -203,14 +202,12 @@ def capture_late(
         # the optimizer and scheduler classes and layout, checked before a restore applies anything
         "lightning_snapshot": {
             "optimizers": _compat.describe(trainer),
-            # parameter groups, trainable flags, accumulation, epoch metrics, checkpoint files
-            "fit_state": _fit_state.capture(trainer, pl_module, structure, token),
+            # parameter groups, trainable flags, accumulation, epoch metrics, checkpoint files (state parts)
+            "fit_state": {},
         },
     }
-    for cb in trainer.callbacks:
-        state = cb.state_dict()
-        if state:
-            late["callbacks"][cb.state_key] = state
+    if parts is not None:
+        parts(late)
     precision = trainer.precision_plugin.state_dict()
     if precision:
         late[type(trainer.precision_plugin).__qualname__] = precision
@@ -603,16 +600,16 @@ def restore_shared(
     ckpt: dict[str, Any],
     where: str,
     live: Templates | None = None,
-    load_callbacks: bool = True,
+    parts: Callable[[Phase], None] | None = None,
 ) -> None:
     """Load the shared state into a trainer whose strategy is set up (optimizers exist): at ``on_fit_start``.
 
     Works across strategies: optimizer state stored by parameter index (DDP, single device) or by parameter name
     (ModelParallel) is re-keyed to what this strategy's optimizer uses. Under a sharded strategy ``live`` are the
     templates the state was read into (see :func:`restore_targets`), applied with ``set_model_state_dict`` and
-    ``set_optimizer_state_dict`` (Lightning's own loading hooks do nothing there). ``load_callbacks=False``: the
-    callbacks' states were loaded earlier (at ``setup``, before their ``on_fit_start``, as Lightning's own restore
-    does) and are not loaded again.
+    ``set_optimizer_state_dict`` (Lightning's own loading hooks do nothing there). ``parts(phase)`` applies the state
+    parts of a phase (:mod:`lightning_snapshot.state_parts`): LOAD right after the weights, SETUP (the callbacks'
+    states, unless they were loaded at ``setup``) after the callbacks' ``on_load_checkpoint``.
     """
     check_model(pl_module, ckpt.get("state_dict"), where)
     optimizer_states = ckpt.get("optimizer_states", [])
@@ -632,17 +629,17 @@ def restore_shared(
             raise StateMismatchError(f"{where}: the state does not fit this model and optimizer: {e}") from e
     else:
         trainer.strategy.load_model_state_dict(ckpt, strict=True)
-    _fit_state.restore_trainable(pl_module, _fit_state.saved_state(ckpt))
-    _fit_state.restore_metrics(pl_module, _fit_state.saved_state(ckpt))
+    if parts is not None:
+        parts(Phase.LOAD)  # (trainable flags, BatchNorm tracking, metric states)
     datamodule = trainer.datamodule
     if datamodule is not None and type(datamodule).__qualname__ in ckpt:
         datamodule.load_state_dict(ckpt[type(datamodule).__qualname__])
-    # the callbacks' on_load_checkpoint, then their load_state_dict (Lightning's order; with load_callbacks=False
-    # the states were loaded at setup, before the callbacks' on_fit_start)
+    # the callbacks' on_load_checkpoint, then their load_state_dict (Lightning's order; the states loaded at setup,
+    # before the callbacks' on_fit_start, are not loaded again: ``parts`` knows)
     for cb in trainer.callbacks:
         cb.on_load_checkpoint(trainer, pl_module, view)
-    if load_callbacks:
-        _fit_state.load_callback_states(trainer, ckpt.get("callbacks", {}))
+    if parts is not None:
+        parts(Phase.SETUP)
     precision_key = type(trainer.precision_plugin).__qualname__
     if precision_key in ckpt:
         trainer.precision_plugin.load_state_dict(ckpt[precision_key])

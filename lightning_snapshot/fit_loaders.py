@@ -1,10 +1,10 @@
-"""The fit's train loaders and RNG, as the callback sees them: followed as Lightning makes them, put back where a
-restored snapshot left them, and recorded before each fetch of a loader fetched ahead.
+"""The fit's train loaders, as the callback sees them: followed as Lightning makes them, put back where a restored
+snapshot left them, and recorded before each fetch of a loader fetched ahead.
 
 One :class:`FitLoaders` per callback, on the training thread. The callback's patched ``process_dataloader`` hands
-it each train loader (:meth:`FitLoaders.on_train_loader`); a restore hands it the saved positions and RNG
-(:meth:`FitLoaders.resume`), which go back right before the first batch is fetched; the snapshot pipeline reads the
-states recorded before each fetch (:meth:`FitLoaders.state_before`). The position arithmetic and the samplers live
+it each train loader (:meth:`FitLoaders.on_train_loader`); a restore hands it the saved positions
+(:meth:`FitLoaders.resume`, from the ``loaders`` state part); the snapshot pipeline reads the states recorded before
+each fetch (:meth:`FitLoaders.state_before`). The position arithmetic and the samplers live
 in :mod:`lightning_snapshot.data`.
 """
 
@@ -14,14 +14,13 @@ import warnings
 from typing import Any
 
 from lightning_snapshot import data as _data
-from lightning_snapshot.capture import restore_rng
 from lightning_snapshot.patches import shift_batch_counters
 
 __all__ = ["FitLoaders"]
 
 
 class FitLoaders:
-    """Train loader positions and the RNG of a resumed fit."""
+    """Train loader positions of a fit, and of the snapshot it resumed from."""
 
     def __init__(self) -> None:
         #: warnings given once per callback (by kind, or by loader type)
@@ -32,7 +31,6 @@ class FitLoaders:
         """A fit starts: nothing restored yet."""
         #: Stateful train-loader states recorded before each fetch of a loader without a length, by fetch index.
         self._fetch_states: dict[int, Any] = {}
-        self._rng: dict[str, Any] | None = None
         self._pending: list[dict[str, Any] | None] = []
         self._count = 0
         self._exact = True
@@ -41,11 +39,9 @@ class FitLoaders:
         #: the epoch a resumed run's loaders are being made at (``patches.make_loaders_at_epoch``), or None
         self.making_epoch: int | None = None
 
-    def resume(self, resumed: str, rng: dict[str, Any] | None, loaders: list[Any], exact: bool) -> None:
-        """A snapshot was restored: its RNG and each train loader's position are put back as the loaders are made
-        and right before the first fetch."""
+    def resume(self, resumed: str, loaders: list[Any], exact: bool) -> None:
+        """A snapshot was restored: each train loader's position is put back as the loaders are made."""
         self.resumed = resumed
-        self._rng = rng
         self._pending = list(loaders)
         self._count = len(self._pending)
         self._exact = exact
@@ -53,17 +49,10 @@ class FitLoaders:
     def set_making_epoch(self, epoch: int | None) -> None:
         self.making_epoch = epoch
 
-    def restore_rng(self) -> None:
-        """Put the restored RNG back (once): right before the first fetch, where the interrupted run took it."""
-        if self._rng is not None:
-            restore_rng(self._rng)
-            self._rng = None
-
     def before_fetch(self, trainer: Any) -> None:
-        """Right before the training loop fetches a batch: the RNG goes back after a restore, and a loader without a
-        length (fetched one batch ahead) has its state recorded, so that a snapshot records the position of the first
-        batch not consumed (what Lightning would save for a stateful loader)."""
-        self.restore_rng()
+        """Right before the training loop fetches a batch: a loader without a length (fetched one batch ahead) has its
+        state recorded, so that a snapshot records the position of the first batch not consumed (what Lightning
+        would save for a stateful loader)."""
         fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
         index = int(getattr(fetcher, "fetched", 0))
         if getattr(fetcher, "length", 0) is None:
@@ -72,6 +61,21 @@ class FitLoaders:
             if states:
                 self._fetch_states = {i: v for i, v in self._fetch_states.items() if i >= index - 2}
                 self._fetch_states[index] = states
+
+    def adopt_made(self, trainer: Any) -> None:
+        """At the end of ``on_fit_start``: train loaders that exist already (a tuner such as LearningRateFinder ran the
+        fit loop in its on_fit_start, and Lightning keeps the loaders it set up) are not processed again: follow
+        them, and resume them, now."""
+        combined = getattr(trainer.fit_loop, "_combined_loader", None)  # private: the fit loop's loaders
+        loaders = getattr(combined, "flattened", None) or []
+        for loader in loaders:
+            self.on_train_loader(loader, trainer)
+        fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)  # private: it holds the epoch's iterators
+        if loaders and fetcher is not None and self.resumed is not None:
+            # Lightning created the epoch's iterators when it set the loaders up, before this restore, and does not
+            # create them again for a resumed epoch: create them now, from the restored position (as Lightning
+            # does when it sets the loaders up after a restore)
+            iter(fetcher)
 
     def state_before(self, index: int) -> Any:
         """The loaders' states recorded before fetch ``index`` of the epoch, or None."""

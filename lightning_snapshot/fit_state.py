@@ -1,7 +1,7 @@
 """Training state that Lightning's checkpoints leave out, and that callbacks change during fit.
 
-Called by capture.py (:func:`capture` with each snapshot's late state, and when a snapshot is applied), by the
-Restorer (restore.py) and by the callback's ``on_train_start`` after a restore (``restore_*``).
+Each kind of state here is a registered part (:mod:`lightning_snapshot.state_parts` declares them: what is captured,
+by which function here, and at which phase the ``restore_*`` function is applied); this module has the functions.
 
 A snapshot of step N holds the state as it is right before step N+1
 (:func:`lightning_snapshot.capture.capture_late`). After ``on_train_batch_end`` (N) Lightning and its callbacks change
@@ -68,9 +68,16 @@ from lightning_snapshot.errors import StateMismatchError
 from lightning_snapshot.staging.meta import dict_version
 
 __all__ = [
-    "capture",
+    "Structure",
+    "Walk",
+    "checkpoint_files",
+    "checkpoint_saves",
     "load_callback_states",
+    "logger_connector_state",
     "merge_param_groups",
+    "metric_states",
+    "module_generators",
+    "optimizer_groups",
     "prune_checkpoints",
     "realias_lottery_tickets",
     "restore_checkpoint_saves",
@@ -80,7 +87,13 @@ __all__ = [
     "restore_metrics",
     "restore_stop",
     "restore_trainable",
+    "reused_grads",
+    "running_stats_tracking",
     "saved_state",
+    "stop_limits",
+    "train_dl_epoch",
+    "train_results",
+    "trainable_flags",
 ]
 
 log = logging.getLogger(__name__)
@@ -95,7 +108,7 @@ def _raw(opt: Any) -> Any:
 
 # ------------------------------------------------------------------------------------------------- capture
 class Walk(NamedTuple):
-    """One walk of the module for :func:`capture`."""
+    """One walk of the module for the fit-state parts."""
 
     modules: list[tuple[str, Any]]  # named_modules()
     param_names: list[str]
@@ -114,7 +127,7 @@ def _walk(pl_module: Any) -> Walk:
 
 
 class Structure:
-    """The walk of the module that :func:`capture` makes at every snapshot (:class:`Walk`), kept from one snapshot to
+    """The walk of the module that the fit-state parts make at every snapshot (:class:`Walk`), kept from one snapshot to
     the next while the capture plan's ``token`` vouches that the module tree and its parameters are the very same
     objects (see :class:`~lightning_snapshot.staging.live.LiveCapture`). Weak references only: it keeps nothing
     alive."""
@@ -192,33 +205,18 @@ _DICT = operator.attrgetter("__dict__")
 _SECOND = operator.itemgetter(1)
 
 
-def capture(
-    trainer: Any, pl_module: Any, structure: Structure | None = None, token: object | None = None
-) -> dict[str, Any]:
-    """This state of the trainer, at the late capture point (right before the next batch is fetched, or between
-    epochs). Cheap: no tensor is copied here (the caller stages the result). ``structure`` and ``token``: the
-    module's walk kept while the capture plan of that token holds (see :class:`Structure`)."""
-    # (per parameter and per module, at every snapshot: C-level passes; the walk itself only when the plan changed)
-    walk = structure.get(pl_module, token) if structure is not None else _walk(pl_module)
+def optimizer_groups(trainer: Any, walk: Walk) -> list[list[dict[str, Any]]]:
+    """Per optimizer, its parameter groups: hyperparameters and the names of their parameters (``walk``: the module's
+    walk, :class:`Structure`)."""
     names = dict(zip(map(id, walk.params), walk.param_names, strict=True))
-    generators = (
-        structure.generators(walk.modules) if structure is not None else _module_generators(pl_module, walk.modules)
-    )
-    return {
-        "param_groups": [_param_groups(_raw(opt), names) for opt in trainer.optimizers],
-        "trainable": dict(zip(walk.param_names, map(_REQUIRES_GRAD, walk.params), strict=True)),
-        "track_running_stats": {n: bool(m.track_running_stats) for n, m in walk.batchnorms},
-        "accumulate_grad_batches": int(trainer.accumulate_grad_batches),
-        "train_results": _train_results(trainer),
-        "logger_connector": _logger_connector_state(trainer),
-        "checkpoint_files": _checkpoint_files(trainer),
-        "checkpoint_saves": _checkpoint_saves(trainer),
-        "grads": _reused_grads(trainer, pl_module),
-        "metrics": _metric_states(walk.metrics),
-        "train_dl_epoch": _train_dl_epoch(trainer),
-        "stopped": _stop_limits(trainer) if trainer.should_stop else None,
-        "generators": {path: gen.get_state() for path, gen in generators.items()},
-    }
+    return [_param_groups(_raw(opt), names) for opt in trainer.optimizers]
+
+
+def module_generators(walk: Walk, structure: Structure | None = None) -> dict[str, torch.Tensor]:
+    """The states of the module's own ``torch.Generator`` objects, by path (see :func:`_module_generators`);
+    ``structure``: the walk's keeper, which looks again only at the modules that changed."""
+    generators = structure.generators(walk.modules) if structure is not None else _module_generators(None, walk.modules)
+    return {path: gen.get_state() for path, gen in generators.items()}
 
 
 def _named_parameters(modules: list[tuple[str, Any]]) -> tuple[list[str], list[Any]]:
@@ -265,6 +263,16 @@ _GEN = torch.Generator
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
+def trainable_flags(walk: Walk) -> dict[str, bool]:
+    """``requires_grad`` of every parameter, by name."""
+    return dict(zip(walk.param_names, map(_REQUIRES_GRAD, walk.params), strict=True))
+
+
+def running_stats_tracking(walk: Walk) -> dict[str, bool]:
+    """``track_running_stats`` of every BatchNorm layer, by name."""
+    return {n: bool(m.track_running_stats) for n, m in walk.batchnorms}
+
+
 def restore_generators(pl_module: Any, saved: dict[str, Any] | None) -> None:
     """Put the states of the module's own ``torch.Generator`` objects back (see :func:`_module_generators`); one
     that the snapshot holds and the module no longer has, or a state that does not fit, is named in a warning."""
@@ -293,7 +301,7 @@ def restore_generators(pl_module: Any, saved: dict[str, Any] | None) -> None:
         )
 
 
-def _stop_limits(trainer: Any) -> dict[str, Any]:
+def stop_limits(trainer: Any) -> dict[str, Any]:
     """The limits a fit runs under (``max_steps``, ``max_epochs``, a ``Timer``'s duration in seconds)."""
     timers = [cb for cb in trainer.callbacks if type(cb).__name__ == "Timer"]
     duration = getattr(timers[0], "_duration", None) if timers else None  # private: Timer's max_time, seconds
@@ -310,7 +318,7 @@ def restore_stop(trainer: Any, saved: dict[str, Any] | None, step: int) -> bool:
     same limits; a fit given more (``max_steps``, ``max_epochs``, ``max_time``) trains on, as Lightning's own resume
     does. Returns whether it stops."""
     stopped = saved.get("stopped") if isinstance(saved, dict) else None
-    if not isinstance(stopped, dict) or stopped != _stop_limits(trainer):
+    if not isinstance(stopped, dict) or stopped != stop_limits(trainer):
         return False
     trainer.should_stop = True
     rank_zero_info(
@@ -321,7 +329,7 @@ def restore_stop(trainer: Any, saved: dict[str, Any] | None, step: int) -> bool:
     return True
 
 
-def _train_dl_epoch(trainer: Any) -> int | None:
+def train_dl_epoch(trainer: Any) -> int | None:
     """The epoch at which Lightning last made the train loaders (``train_dataloader()`` saw it as
     ``trainer.current_epoch``; ``reload_dataloaders_every_n_epochs`` counts from it), or None before that."""
     epoch = getattr(trainer.fit_loop, "_last_train_dl_reload_epoch", None)  # private: float("-inf") before
@@ -336,7 +344,7 @@ def _metric_classes() -> tuple[type, ...]:
     return (Metric,)
 
 
-def _metric_states(metrics: list[tuple[str, Any]]) -> dict[str, Any]:
+def metric_states(metrics: list[tuple[str, Any]]) -> dict[str, Any]:
     """The accumulated state of every ``torchmetrics.Metric`` in the module (``metrics``: them by module name, from
     :func:`_walk`): its states (tensors, or lists of tensors for concatenating metrics) and its update count. They
     are not in the module's ``state_dict`` (torchmetrics states are not persistent by default), and a metric logged
@@ -355,7 +363,7 @@ def _metric_states(metrics: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def restore_metrics(pl_module: Any, saved: dict[str, Any] | None) -> None:
-    """Put the captured state back into the module's ``torchmetrics.Metric`` objects (see :func:`_metric_states`),
+    """Put the captured state back into the module's ``torchmetrics.Metric`` objects (see :func:`metric_states`),
     on each metric's device; a metric the snapshot does not name is left as it is."""
     metrics = saved.get("metrics") if isinstance(saved, dict) else None
     classes = _metric_classes()
@@ -381,7 +389,7 @@ def restore_metrics(pl_module: Any, saved: dict[str, Any] | None) -> None:
         module._computed = None  # (compute() caches its result until the next update)
 
 
-def _reused_grads(trainer: Any, pl_module: Any) -> dict[str, torch.Tensor]:
+def reused_grads(trainer: Any, pl_module: Any) -> dict[str, torch.Tensor]:
     """The gradients the next epoch's optimizer step reuses without computing new ones: before the BatchNorm-update
     epoch of ``StochasticWeightAveraging`` (its private ``_model_contains_batch_norm`` and ``_max_epochs``, set in
     its ``on_fit_start``); {} otherwise."""
@@ -410,7 +418,7 @@ def _param_groups(opt: Any, names: dict[int, str]) -> list[dict[str, Any]]:
     ]
 
 
-def _train_results(trainer: Any) -> list[dict[str, Any]]:
+def train_results(trainer: Any) -> list[dict[str, Any]]:
     """The tensor metrics the training loop has accumulated in this epoch (Lightning's ``_ResultCollection``)."""
     results = getattr(trainer.fit_loop.epoch_loop, "_results", None)  # private: the training ResultCollection
     out: list[dict[str, Any]] = []
@@ -441,7 +449,7 @@ def _train_results(trainer: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _logger_connector_state(trainer: Any) -> dict[str, Any]:
+def logger_connector_state(trainer: Any) -> dict[str, Any]:
     """Whether the next ``self.log`` of a hook resets that hook's accumulated metrics (Lightning's logger connector
     resets them at the first batch of an epoch and after a validation: its private ``_first_loop_iter`` and
     ``_current_fx``)."""
@@ -467,7 +475,7 @@ def _local_dir(cb: Any) -> str | None:
     return str(dirpath)
 
 
-def _checkpoint_files(trainer: Any) -> dict[str, list[str]]:
+def checkpoint_files(trainer: Any) -> dict[str, list[str]]:
     """Per ModelCheckpoint (by state key): the checkpoint files in its local directory now (global rank 0 only,
     which is the rank that writes them)."""
     if getattr(trainer, "global_rank", 0) != 0:
@@ -488,7 +496,7 @@ def _checkpoint_files(trainer: Any) -> dict[str, list[str]]:
 _SAVE_RECORD = {"_last_global_step_saved": int, "_last_checkpoint_saved": str, "_defer_save_until_validation": bool}
 
 
-def _checkpoint_saves(trainer: Any) -> dict[str, dict[str, Any]]:
+def checkpoint_saves(trainer: Any) -> dict[str, dict[str, Any]]:
     """Per ModelCheckpoint (by state key): its record of its last save (the attributes of ``_SAVE_RECORD`` it has)
     and its directory."""
     return {
@@ -502,7 +510,7 @@ def _checkpoint_saves(trainer: Any) -> dict[str, dict[str, Any]]:
 
 # ------------------------------------------------------------------------------------------------- restore
 def saved_state(ckpt: Any) -> dict[str, Any]:
-    """What :func:`capture` stored in a restored snapshot (``ckpt["lightning_snapshot"]["fit_state"]``); {} in
+    """What the fit-state parts stored in a restored snapshot (``ckpt["lightning_snapshot"]["fit_state"]``); {} in
     snapshots of older versions."""
     own = ckpt.get("lightning_snapshot") if isinstance(ckpt, dict) else None
     state = own.get("fit_state") if isinstance(own, dict) else None
@@ -688,7 +696,7 @@ def prune_checkpoints(trainer: Any, saved: dict[str, Any] | None, step: int) -> 
 
 
 def restore_checkpoint_saves(trainer: Any, saved: dict[str, Any] | None) -> None:
-    """Give every ModelCheckpoint back its record of its last save (:func:`_checkpoint_saves`), where the snapshot
+    """Give every ModelCheckpoint back its record of its last save (:func:`checkpoint_saves`), where the snapshot
     holds one for its state key and the same directory (as ``ModelCheckpoint.load_state_dict`` reloads its state only
     then); a snapshot of an older version holds none (nothing changes)."""
     records = (saved or {}).get("checkpoint_saves")

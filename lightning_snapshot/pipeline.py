@@ -29,28 +29,16 @@ from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_snapshot import data as _data
-from lightning_snapshot import fit_state as _fit_state
-from lightning_snapshot.capture import (
-    capture_late,
-    capture_rng,
-    capture_shared_live,
-    frozen_predicate,
-    optimized_key,
-    raw_optimizer,
-)
 from lightning_snapshot.comm import Comm, agree_on
 from lightning_snapshot.config import SnapshotConfig
-from lightning_snapshot.ddp_layout import capture_layout, is_ddp
-from lightning_snapshot.ddp_layout import enabled as ddp_layout_enabled
 from lightning_snapshot.errors import ReplicaMismatchError, SnapshotError
 from lightning_snapshot.persist import Persister, PersistJob
-from lightning_snapshot.replicas import ReplicaChecker, Verdict
 from lightning_snapshot.reporting import Reporter
 from lightning_snapshot.schedule import FitSchedule
+from lightning_snapshot.stager import Stager
 from lightning_snapshot.staging import stage
-from lightning_snapshot.staging.arena import AsyncStaged, HostArena, reserve_lead
-from lightning_snapshot.staging.live import Encoded
+from lightning_snapshot.staging.arena import AsyncStaged, HostArena
+from lightning_snapshot.state_parts import capture_section
 
 __all__ = ["SnapshotPipeline"]
 
@@ -96,16 +84,11 @@ class SnapshotPipeline:
         #: (step, staged tensors or None: staged when finished, due tier indices) of the snapshot finished right
         #: before the next fetch
         self.pending: tuple[int, AsyncStaged | None, list[int]] | None = None
-        #: the staged copy still in flight, until it is fenced
-        self.inflight: AsyncStaged | None = None
-        self._copied = False  # the copy in flight was waited for before this step's optimizer step (validation)
-        self._planned = False
+        #: the weights and optimizer state on their way into the arena (the copy in flight, its fences)
+        self.stager = Stager(config, comm, arena, schedule, reporter)
         self._ended = False  # the snapshot of the end of fit was taken
-        self._warned_layout = False
-        self.stall = 0.0
-        self.replicas = ReplicaChecker(config.replica_check) if config.replica_check else None
-        self._capture_token: object | None = None  # the capture plan's token of the state last staged
-        self._structure = _fit_state.Structure()  # the module's walk for the late capture, kept while the plan holds
+        #: the state parts' memory across the fit's snapshots (the module's walk kept while the plan holds, ...)
+        self._memo: dict[str, Any] = {}
 
     # ------------------------------------------------------------------------------------------- steps
     def step_ended(self, trainer: Any, pl_module: Any) -> None:
@@ -118,99 +101,16 @@ class SnapshotPipeline:
             self.schedule.begin(self.last_step)  # (the step this fit started from)
             self.last_step = step
             if not self._maybe_snapshot(trainer, pl_module, step):
-                self._prepare_arena(trainer, pl_module, step)
+                self.stager.prepare_arena(trainer, pl_module, step)
 
     def finish_pending(self, trainer: Any, consumed_offset: int = 0) -> None:
         """If a snapshot is staged, finish it now (counted as stall)."""
         if self.pending is not None:
             t0 = time.perf_counter()
             self._finish(trainer, consumed_offset)
-            self.stall += time.perf_counter() - t0
+            self.stager.stall += time.perf_counter() - t0
 
-    def batch_start(self, trainer: Any) -> None:
-        """``on_train_batch_start``: the point a snapshot is finished at when the loop fetched without its hook."""
-        self.fence_if_retrained(trainer)
-        if self.inflight is not None and self.inflight.copied.is_set():
-            self.inflight.settle()  # (copied before training_step: committed without waiting for the step)
-
-    def before_optimizer_step(self) -> float | None:
-        """Parameters and optimizer state change in the step that follows: the copy must be complete. Returns the
-        stall of the snapshot (ms) once its copy was waited for, else None."""
-        if self.fence() or self._copied:
-            stall, self.stall, self._copied = self.stall, 0.0, False
-            return stall * 1000
-        return None
-
-    def fence_if_retrained(self, trainer: Any) -> None:
-        """A snapshot in flight copies the parameters the optimizers trained when it was staged while training goes
-        on. If a hook has frozen one since (``BackboneFinetuning``-style callbacks at an epoch's start, after that
-        epoch's last snapshot was finished), code in the coming step may change it in place, even through ``.data``
-        which no version counter sees: the copy is waited for now, before that step (counted as stall)."""
-        staged = self.inflight
-        if staged is None or staged.fenced.is_set() or not trainer.optimizers:
-            return
-        if optimized_key(trainer.optimizers) != staged.frozen_key:
-            self.fence()
-
-    def fence(self) -> bool:
-        """Wait until the weights and optimizer state of the snapshot in flight are copied (counted as stall);
-        False when none is in flight."""
-        if self.inflight is None:
-            return False
-        t0 = time.perf_counter()
-        staged = self.inflight
-        with contextlib.suppress(Exception):  # the persist thread reports it
-            staged.fence_training()
-        if staged.torn:  # (not committed: the persist thread warns)
-            self.arena.copy_at_once([t for _, t in staged.torn])
-        self.stall += time.perf_counter() - t0
-        self.inflight = None
-        self._copied = True
-        return True
-
-    def _frozen(self, trainer: Any) -> tuple[Callable[[Any], bool], Any]:
-        """The frozen-tensor predicate, computed only if the arena asks (it does not while its plan holds), and
-        what it depends on (which parameters the optimizers train: a plan made under other ones is not reused)."""
-        made: list[Callable[[Any], bool]] = []
-
-        def frozen(t: Any) -> bool:
-            if not made:
-                made.append(frozen_predicate(trainer.optimizers))
-            return made[0](t)
-
-        return frozen, optimized_key(trainer.optimizers)
-
-    def _prepare_arena(self, trainer: Any, pl_module: Any, step: int) -> None:
-        """Off the snapshot steps, get the arena ready for the next snapshot, so that it does not wait.
-
-        After the first optimizer step (the optimizer state exists, so the state has its size): plan the snapshot
-        and allocate its slot in a background thread. Later, when every slot is still being persisted and a snapshot
-        is due within the steps that allocating a slot takes (:func:`reserve_lead`): allocate another slot in the
-        background (double buffering, only when needed), so that the snapshot finds it ready.
-        """
-        arena = self.arena
-        if not self._planned:
-            self._planned = True
-            try:
-                frozen, key = self._frozen(trainer)
-                arena.plan_ahead(
-                    capture_shared_live(trainer, pl_module, arena.live),
-                    frozen,
-                    rank=self.comm.rank,
-                    world_size=self.comm.world_size,
-                    frozen_key=key,
-                )
-            except Exception as e:  # noqa: BLE001 - the snapshot itself reports what cannot be captured
-                log.debug("lightning-snapshot: planning ahead failed (%s); the first snapshot plans itself", e)
-            return
-        size = arena.planned_bytes
-        if size is None or not arena.busy():
-            return
-        lead = reserve_lead(arena.alloc_seconds, self.schedule.recent_step_seconds)
-        if any(1 <= (self.schedule.steps_to_due(i, step) or 0) <= lead for i in range(len(self.tiers))):
-            arena.reserve(size)
-
-    # ------------------------------------------------------------------------------------------- stage
+    # ------------------------------------------------------------------------------------------- due
     def _maybe_snapshot(self, trainer: Any, pl_module: Any, step: int) -> bool:
         """Take the snapshot of ``step`` if one is due in some tier; returns whether one was due."""
         now = time.monotonic()
@@ -227,7 +127,7 @@ class SnapshotPipeline:
         # epoch-end hooks and the callbacks reacting to them, which may change the weights
         self.pending = (step, None, due)
         self.schedule.opened(due)
-        self.stall = time.perf_counter() - t0
+        self.stager.stall = time.perf_counter() - t0
         return True
 
     def _retune(self) -> None:
@@ -240,47 +140,6 @@ class SnapshotPipeline:
         for name, value in self.schedule.adopt(proposal, self.comm.rank, self.reporter.names).items():
             self.reporter.metrics.add(name, value)
 
-    def _stage_shared(
-        self, trainer: Any, pl_module: Any, step: int, last: bool = False, hold: bool = False
-    ) -> AsyncStaged | None:
-        """Stage the model and optimizer state of ``step`` (collective: every rank stages its own share, and they
-        agree); None when some rank could not (an error is handled, an arena without room is reported). Parameters
-        and optimizer state are copied in the background until the next optimizer step (:meth:`fence`); buffers,
-        which the next forward changes, at once. ``hold``: the background copy waits for the handle's ``go``."""
-        staged: AsyncStaged | None = None
-        error: SnapshotError | None = None
-        self._planned = True  # (the first snapshot plans itself if no earlier step did)
-        try:  # every rank stages (and later writes) its own share of the replicated state
-            shared = capture_shared_live(trainer, pl_module, self.arena.live)
-            frozen, key = self._frozen(trainer)
-            self._capture_token = shared.token if isinstance(shared, Encoded) else None
-            staged = self.arena.stage_async(
-                shared, frozen, step, rank=self.comm.rank, world_size=self.comm.world_size, frozen_key=key, hold=hold
-            )
-        except SnapshotError as e:
-            error = e
-        # in one collective: whether some rank failed (then every rank handles it: all raise, or all warn and train
-        # on in step) and whether every rank staged (one without room makes every rank skip the snapshot)
-        agreed = agree_on(
-            self.comm,
-            f"staging the snapshot of step {step}",
-            error=error,
-            flags=[staged is not None],
-            elsewhere=f"another rank could not stage the snapshot of step {step} (see its log)",
-        )
-        (all_staged,) = agreed.flags
-        if agreed.ok and all_staged:
-            return staged
-        if staged is not None:
-            staged.go.set()
-            self.arena.release(staged.slot)
-        if agreed.error is not None:
-            self.reporter.handle(agreed.error, step)
-            return None
-        reason = self.arena.last_skip_reason if staged is None else "another rank could not stage it"
-        self.reporter.skipped(step, reason, last)
-        return None
-
     # ------------------------------------------------------------------------------------------- finish
     def _finish(self, trainer: Any, consumed_offset: int = 0) -> None:
         """Add the rest of the state (loops, callbacks, schedulers, this rank's RNG and data position) to the
@@ -291,12 +150,12 @@ class SnapshotPipeline:
         if shared is None:  # (else staged synchronously just now: the last snapshot of fit)
             # (the background copy starts once this rank's state is taken: a copy running alongside would slow that
             # Python work down on a machine of few cores)
-            shared = self._stage_shared(trainer, trainer.lightning_module, step, hold=True)
+            shared = self.stager.stage_shared(trainer, trainer.lightning_module, step, hold=True)
             if shared is None:
                 self._unmeasured(due)
                 return
             self.reporter.metrics.add("snapshot/bytes", shared.state.nbytes)
-            self.inflight = shared
+            self.stager.inflight = shared
         try:
             self._hand_over(trainer, step, shared, due, consumed_offset)
         finally:
@@ -304,9 +163,9 @@ class SnapshotPipeline:
 
     def _hand_over(self, trainer: Any, step: int, shared: AsyncStaged, due: list[int], consumed_offset: int) -> None:
         """The rest of :meth:`_finish`: the replica check, this rank's state, and the hand-over."""
-        # the capture plan's token vouches for the module's structure (as staged just now; see _rank_state)
-        token = self._capture_token
-        replicas = self._check_replicas(trainer, step)
+        # the capture plan's token vouches for the module's structure (as staged just now; see capture_section)
+        token = self.stager.capture_token
+        replicas = self.stager.check_replicas(trainer, step)
         if replicas is not None and not replicas.ok:
             action = self.config.on_replica_mismatch
             if action == "warn":
@@ -334,7 +193,7 @@ class SnapshotPipeline:
         error: SnapshotError | None = None
         try:
             consumed = max(0, trainer.fit_loop.epoch_loop.batch_progress.current.ready - consumed_offset)
-            private = stage(self._rank_state(trainer, consumed, token), "rank")
+            private = stage(capture_section(trainer, consumed, token, self._fetch_states, self._memo), "rank")
         except SnapshotError as e:
             error = e
         shared.go.set()  # (the copy may start: what follows is cheap, or waits for the other ranks)
@@ -369,91 +228,20 @@ class SnapshotPipeline:
         self.persister.submit(job, accepted)
         self.reporter.handed_over(step, accepted)
 
-    def _check_replicas(self, trainer: Any, step: int) -> Verdict | None:
-        """Under DDP, compare the replicas of the state this snapshot holds (collective; see
-        :mod:`~lightning_snapshot.replicas`). None: not checked."""
-        checker, model = self.replicas, trainer.strategy.model
-        if checker is None or self.comm.world_size < 2 or not is_ddp(model):
-            return None
-        ignored = set(getattr(model, "parameters_to_ignore", None) or ())
-        optimizers = [raw_optimizer(o) for o in trainer.optimizers]
-        names, tensors = checker.select(
-            trainer.lightning_module, optimizers, ignored, optimized_key(optimizers), self._capture_token
-        )
-        result = checker.check(step, names, tensors, self.comm.all_gather_ints)
-        self.reporter.metrics.add("snapshot/replicas_disagree", len(result.disagree))
-        return result
-
     def _unmeasured(self, indices: list[int]) -> None:
         """Snapshots of these tiers that will not be written: they end their cost measurement unmeasured."""
         for i in indices:
             self.schedule.closed(i, measured=False)
-
-    def _rank_state(self, trainer: Any, consumed: int, token: object | None = None) -> dict[str, Any]:
-        epoch_progress = trainer.fit_loop.epoch_progress.current
-        ended = epoch_progress.ready == epoch_progress.processed  # the fit loop counted the epoch as finished
-        batches = trainer.fit_loop.epoch_loop.batch_progress
-        # max_steps can end training inside an epoch, and Lightning then counts that epoch as finished too: the
-        # snapshot records it as unfinished, so that a longer run continues it from the next batch
-        unfinished = ended and not batches.is_last_batch and consumed < trainer.num_training_batches
-        boundary = ended and not unfinished  # training ended with an epoch: the next starts from its beginning
-        epoch = trainer.current_epoch - 1 if unfinished else trainer.current_epoch
-        # (at an epoch boundary only persistent loader workers carry something into the next epoch: their RNG)
-        train_loaders = _data.flatten_loaders(trainer.train_dataloader)
-        # several loaders (a CombinedLoader) of a known length, fetched as they are consumed: each is at its own
-        # batch (a shorter one starts again within the epoch, or ran out)
-        fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
-        own = len(train_loaders) > 1 and getattr(fetcher, "length", None) is not None
-        loaders = [
-            _data.position(dl, epoch, 0, ended=True)
-            if boundary
-            else _data.position(dl, epoch, _data.own_batches(dl, consumed) if own else consumed)
-            for dl in train_loaders
-        ]
-        # a loader fetched ahead: its state before the first batch this snapshot has not consumed (fetch indices
-        # count the epoch's batches, as the loop does)
-        loader_states = None if boundary else self._fetch_states(consumed)
-        # (the plan's token vouches for the module's structure only once the late check confirmed it: see _finish)
-        late = capture_late(trainer, trainer.lightning_module, loader_states, self._structure, token)
-        if unfinished:
-            late["epoch"] = epoch
-            for counters in late["loops"]["fit_loop"]["epoch_progress"].values():
-                counters["processed"] -= 1
-                counters["completed"] -= 1
-        return {"rng": capture_rng(), "loaders": loaders, "late": late, "ddp_layout": self._ddp_layout(trainer)}
-
-    def _ddp_layout(self, trainer: Any) -> dict[str, Any] | None:
-        """DDP's rebuilt gradient-bucket layout (plain data), or None (not DDP, not rebuilt, or turned off).
-
-        Every rank calls this at the same point on the training thread: when the rebuild is still pending (the
-        snapshot of a process's first step) it is done here, with DDP's own broadcast from rank 0, exactly as the
-        next forward would do it.
-        """
-        model = trainer.strategy.model
-        if not is_ddp(model) or not ddp_layout_enabled():
-            return None
-        try:
-            return capture_layout(model, rebuild_pending=True)
-        except (AttributeError, TypeError, RuntimeError) as e:  # torch's private internals changed
-            if not self._warned_layout:
-                self._warned_layout = True
-                warnings.warn(
-                    f"lightning-snapshot: cannot read DDP's gradient-bucket layout with this torch"
-                    f" ({type(e).__name__}: {e}); snapshots are taken without it, and a resume with 3 or"
-                    f" more ranks will not be bitwise identical to an uninterrupted run",
-                    stacklevel=2,
-                )
-            return None
 
     # ------------------------------------------------------------------------------------------- last snapshots
     def _final_snapshot(self, trainer: Any, pl_module: Any, step: int) -> None:
         """Stage the state of the last step for every tier (synchronously: training is over)."""
         if step <= self.start_step:
             return  # nothing trained in this fit: the step it started from is already held
-        if self.inflight is not None:
-            self.inflight.fence_training()
-            self.inflight = None
-        staged = self._stage_shared(trainer, pl_module, step, last=True)
+        if self.stager.inflight is not None:
+            self.stager.inflight.fence_training()
+            self.stager.inflight = None
+        staged = self.stager.stage_shared(trainer, pl_module, step, last=True)
         if staged is None:
             return
         staged.settle()  # (training is over: nothing changes it while it is copied)
@@ -469,7 +257,7 @@ class SnapshotPipeline:
         self._ended = True
         # the copy in flight is settled first: its commit waits for that (no optimizer step comes to do it when the
         # loop stopped after a batch that only accumulated gradients), and draining waits for its commit
-        self.fence()
+        self.stager.fence()
         self.persister.drain()  # the last snapshot waits for room in every tier instead of being skipped
         step = trainer.global_step
         if self.pending is None or self.pending[0] != step:
@@ -478,14 +266,14 @@ class SnapshotPipeline:
             self._final_snapshot(trainer, pl_module, step)
         elif set(self.pending[2]) != set(range(len(self.tiers))):
             self.pending = (step, self.pending[1], list(range(len(self.tiers))))
-        staged = self.pending[1] if self.pending is not None else self.inflight
+        staged = self.pending[1] if self.pending is not None else self.stager.inflight
         if self.pending is not None:
             self._finish(trainer)  # (which may stage the weights again: then that copy is the one in flight)
-        for copy in (staged, self.inflight):
+        for copy in (staged, self.stager.inflight):
             if copy is not None:
                 with contextlib.suppress(Exception):  # the persist thread reports it
                     copy.fence_training()
-        self.inflight = None
+        self.stager.inflight = None
 
     def last_snapshot(
         self, trainer: Any, pl_module: Any, reason: str, since: float, since_what: str = "the signal"
@@ -497,7 +285,7 @@ class SnapshotPipeline:
         grace = self.config.sigterm_grace
         deadline = since + grace
         step = trainer.global_step
-        self.fence()  # (training stopped between steps: the copy in flight is settled, not torn by it)
+        self.stager.fence()  # (training stopped between steps: the copy in flight is settled, not torn by it)
         self.persister.drain(timeout=max(0.0, (deadline - time.monotonic()) / 2))
         if self.pending is not None and self.pending[0] == step:
             self.pending = (step, self.pending[1], list(range(len(self.tiers))))
@@ -507,7 +295,7 @@ class SnapshotPipeline:
             self._final_snapshot(trainer, pl_module, step)
         if self.pending is not None:
             self._finish(trainer)
-        self.fence()  # (the weights it staged: the persist threads commit once the copy is settled)
+        self.stager.fence()  # (the weights it staged: the persist threads commit once the copy is settled)
         late = self.persister.drain(timeout=max(0.0, deadline - time.monotonic()))
         self.reporter.collect(self.persister, step, self.schedule)
         committed = self.reporter.committed
@@ -542,7 +330,7 @@ class SnapshotPipeline:
             self.pending = None
             if staged is not None:
                 self.arena.release(staged.slot)
-        if self.inflight is not None:
+        if self.stager.inflight is not None:
             with contextlib.suppress(Exception):  # reported by the persist thread
-                self.inflight.fence_training()
-            self.inflight = None
+                self.stager.inflight.fence_training()
+            self.stager.inflight = None

@@ -33,9 +33,16 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_snapshot.errors import ConfigError
+from lightning_snapshot.errors import ConfigError, Preempted
 
-__all__ = ["DEFAULT_SIGNALS", "Preemption", "parse_signals", "requeue_slurm_job"]
+__all__ = [
+    "DEFAULT_SIGNALS",
+    "Preemption",
+    "parse_signals",
+    "requeue_slurm_job",
+    "spawned_rank_preempted",
+    "stop_if_preempted",
+]
 
 log = logging.getLogger(__name__)
 
@@ -328,3 +335,35 @@ def requeue_slurm_job() -> str:
     if result.returncode != 0:
         return f"requeueing SLURM job {job} failed (scontrol exit status {result.returncode}): {result.stderr.strip()}"
     return f"SLURM job {job} requeued"
+
+
+def stop_if_preempted(preemption: Preemption | None, pipeline: Any, trainer: Any, requeue_signal: int | None) -> None:
+    """The callback's check, once per optimizer step, at the point snapshots are taken: the ranks agree whether one of
+    them was sent a preemption signal; if so every rank snapshots this step into every tier (``pipeline``), waits
+    until a durable tier holds it (``sigterm_grace``), and stops with :class:`Preempted` (``requeue_signal``: the
+    SLURM job is requeued first)."""
+    if preemption is None or pipeline is None:
+        return
+    signum = preemption.poll(trainer.global_step)
+    if not signum:
+        return
+    mine, since = preemption.received()
+    what = "the signal reached this rank" if mine else "the ranks agreed to stop (another rank was signalled)"
+    name = signal_name(signum)
+    step, durable = pipeline.last_snapshot(
+        trainer, trainer.lightning_module, name, since if mine else time.monotonic(), what
+    )
+    if signum == requeue_signal and trainer.global_rank == 0:
+        log.warning("lightning-snapshot: %s", requeue_slurm_job())
+    raise Preempted(signum, step, durable)
+
+
+def spawned_rank_preempted(exception: BaseException, signals: Sequence[int], fit_running: bool) -> None:
+    """In the process that launched ``ddp_spawn`` ranks (no fit of its own runs here): a rank that ended with
+    :class:`Preempted` makes torch raise ``ProcessExitedException``; this process exits with the rank's status
+    (128 + the signal number) instead of 1, as the ranks do."""
+    code = getattr(exception, "exit_code", None)
+    spawned = not fit_running and type(exception).__name__ == "ProcessExitedException"
+    if spawned and isinstance(code, int) and code - 128 in signals:
+        log.warning("lightning-snapshot: a spawned rank was preempted (exit status %d): so is this process", code)
+        raise SystemExit(code) from exception

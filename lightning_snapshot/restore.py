@@ -13,8 +13,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, cast
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -23,19 +22,12 @@ from lightning_snapshot import fit_state as _fit_state
 from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.capture import (
     Templates,
-    adopt_pruning,
-    check_model,
-    check_optimizers,
-    is_sharded,
     restore_shared,
-    restore_targets,
     templates,
 )
-from lightning_snapshot.comm import Comm, LocalComm, TensorComm, agree_on
+from lightning_snapshot.comm import Comm, LocalComm, agree_on
 from lightning_snapshot.commit import committed_steps
 from lightning_snapshot.config import SnapshotConfig
-from lightning_snapshot.ddp_layout import DDP_LAYOUT_ENV, apply_layout, check_layout, is_ddp
-from lightning_snapshot.ddp_layout import enabled as ddp_layout_enabled
 from lightning_snapshot.errors import (
     FormatVersionError,
     SnapshotError,
@@ -43,37 +35,18 @@ from lightning_snapshot.errors import (
     StateMismatchError,
     TierUnavailableError,
 )
-from lightning_snapshot.loader import ReadStats, read_manifest, read_section, resolve_source
+from lightning_snapshot.loader import resolve_source
+from lightning_snapshot.parts import Phase, RestoreContext
 from lightning_snapshot.progress import human_bytes
-from lightning_snapshot.read_once import ReadOnce
-from lightning_snapshot.read_once import enabled as read_once_enabled
+from lightning_snapshot.restore_read import SnapshotReader
 from lightning_snapshot.restore_records import read_candidate, record_restore
 from lightning_snapshot.resume_policy import Candidate, plan_resume
+from lightning_snapshot.resuming import Restored, Resumption
+from lightning_snapshot.state_parts import REGISTRY
 
 __all__ = ["Restored", "Restorer"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Restored:
-    """What a restore did, and what the rest of the fit must still put back."""
-
-    url: str
-    step: int
-    seconds: float
-    #: index of the tier in the callback's tiers, or None (a snapshot path given as ``resume``)
-    tier_index: int | None
-    #: "boundary": the snapshot ended an epoch (the next starts from its beginning); "mid": it continues an epoch
-    resumed: str
-    #: this rank's RNG states (restored right before the first fetch), or None
-    rng: dict[str, Any] | None
-    #: each train loader's saved position, in order (resumed as Lightning makes the loaders)
-    loaders: list[dict[str, Any] | None]
-    #: False after a change of the number of processes (the data continues from the global sample count)
-    exact_data: bool
-    #: the snapshot's :mod:`~lightning_snapshot.fit_state` (applied at ``on_train_start``)
-    fit_state: dict[str, Any] | None
 
 
 class Restorer:
@@ -96,10 +69,13 @@ class Restorer:
         self._facts: dict[tuple[int, int], tuple[str, int]] = {}
         #: (tier url, step) of the snapshot whose callback states were loaded at setup, or None
         self.preloaded: tuple[str, int] | None = None
-        #: (tier url, step, rank) -> a rank section's state, as read at setup (for on_fit_start: read once)
-        self._sections: dict[tuple[str, int, int], Any] = {}
-        #: what this rank read for the last snapshot it read (see ``SnapshotCallback.restore_stats``), or None
-        self.stats: dict[str, int | None] | None = None
+        #: reads the snapshots (the state of each rank's section read once per fit)
+        self.reader = SnapshotReader(self.tiers, comm, self.tier_comms)
+
+    @property
+    def stats(self) -> dict[str, int | None] | None:
+        """What this rank read for the last snapshot it read (see ``SnapshotCallback.restore_stats``), or None."""
+        return self.reader.stats
 
     def preload_callbacks(self, trainer: Any, exclude: Any) -> None:
         """Load the other callbacks' states (all but ``exclude``) from the snapshot that will be restored, now, before
@@ -115,50 +91,15 @@ class Restorer:
             if not candidates:
                 return
             backend, step = candidates[0]
-            late = self._read_late(backend, step)
+            late = self.reader.read_late(backend, step)
         except (SnapshotError, OSError) as e:
             log.debug("lightning-snapshot: callback states not loaded at setup (%s); on_fit_start reports", e)
             return
         if isinstance(late, dict):
-            _fit_state.load_callback_states(trainer, late.get("callbacks"), exclude=exclude)
+            where = f"snapshot of step {step} in the {backend.tier} tier {backend.url!r}"
+            ctx = RestoreContext(trainer, trainer.lightning_module, step, where, comm=self.comm, owner=exclude)
+            REGISTRY.restore(Phase.SETUP, ctx, late, None)
             self.preloaded = (backend.url, step)
-
-    def _read_late(self, backend: Backend, step: int) -> Any:
-        """This rank's late state (loops, callbacks, schedulers) of a snapshot; rank 0's after a change of the
-        number of processes."""
-
-        def read() -> Any:
-            manifest = read_manifest(backend, step)
-            rank = self.comm.rank if manifest.world_size == self.comm.world_size else 0
-            state = self._rank_state(backend, manifest, rank)
-            return state.get("late") if isinstance(state, dict) else None
-
-        if backend.node_local and backend.read_once:
-            # each node's own disk: its own rank's section is there (it wrote it), read without first copying every
-            # object a node lacks to it (the restore does that once); where it is not, on_fit_start loads the states
-            return read()
-        return self._through_tier(backend, step, read)
-
-    def _rank_state(self, backend: Backend, manifest: Any, rank: int) -> Any:
-        """The state of ``rank``'s section of a snapshot (its RNG, data position, late state), or None when it has
-        none: read once per fit (the callback states are loaded from it at ``setup``, the rest at ``on_fit_start``)."""
-        key = (backend.url, manifest.step, rank)
-        if key not in self._sections:
-            section = manifest.rank_section(rank)
-            if section is None:
-                return None
-            self._sections[key] = read_section(backend, manifest, section.tensors, section.state)
-        return self._sections[key]
-
-    def _through_tier(self, backend: Backend, step: int, read: Callable[[], Any]) -> Any:
-        """Run ``read`` (a read of snapshot ``step`` of ``backend``). For a node-local tier of this callback (RAM, a
-        local tier on each node's own disk) the objects are first made readable on every node (RAM: a corrupted
-        share found by the read is repaired from the others) and what the restore added is freed after: collective
-        over the tier's group. Any other backend (a snapshot path given as ``resume``) is read directly."""
-        if not backend.node_local or backend not in self.tiers:
-            return read()
-        comm = self.tier_comms[self.tiers.index(backend)] if self.tier_comms else LocalComm()
-        return backend.restore(comm, step, read)
 
     # ------------------------------------------------------------------------------------------- candidates
     def candidates(self, report: bool = False) -> list[tuple[Backend, int]]:
@@ -317,7 +258,7 @@ class Restorer:
             try:
                 if live is None:  # (sharded: creates the optimizer state, so only once there is one to restore)
                     live = templates(trainer, pl_module)
-                loaded = self._read(backend, step, trainer, pl_module, live)
+                loaded = self.reader.read(backend, step, trainer, pl_module, live)
             except (FormatVersionError, StateMismatchError) as e:
                 fatal = e
             except (SnapshotError, OSError) as e:
@@ -361,30 +302,32 @@ class Restorer:
         live: Templates | None,
         t0: float,
     ) -> Restored:
-        """Put a snapshot read on every rank into the trainer and the model (collective)."""
+        """Put a snapshot read on every rank into the trainer and the model (collective): the checkpoint-shaped state
+        and the state parts up to LOADED; the later ones go with the returned :class:`Restored`."""
         where = f"snapshot of step {step} in the {backend.tier} tier {backend.url!r}"
-        self._sections.clear()
-        self._job_bytes_read()
-        restore_shared(trainer, pl_module, shared, where, live, load_callbacks=self.preloaded != (backend.url, step))
+        self.reader.forget()
+        self.reader.job_bytes_read()
+        exact = rank_state.get("exact", True) if rank_state is not None else True
+        ctx = RestoreContext(trainer, pl_module, step, where, comm=self.comm, exact=exact)
+        preloaded = self.preloaded == (backend.url, step)
+
+        def parts(phase: Phase) -> None:
+            if not (phase is Phase.SETUP and preloaded):  # (the callbacks' states, loaded at setup already)
+                REGISTRY.restore(phase, ctx, shared, rank_state)
+
+        restore_shared(trainer, pl_module, shared, where, live, parts)
         progress = trainer.fit_loop.epoch_progress.current
         # a snapshot taken when an epoch had just ended (the end of training) starts the next epoch from its
         # beginning; any other continues the epoch it was taken in (see patches.resume_loops)
-        resumed = "boundary" if progress.ready == progress.processed else "mid"
-        loaders = list(rank_state.get("loaders", [])) if rank_state is not None else []
-        if loaders and all(p is not None for p in loaders):
-            # Lightning cannot see that our sampler restores the position of plain DataLoaders, and would warn
-            warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
+        ctx.resumed = resumed = "boundary" if progress.ready == progress.processed else "mid"
         _fit_state.realias_lottery_tickets(trainer, trainer.current_epoch)
         self._record_restore(backend, step)
-        fit_state = _fit_state.saved_state(shared)
-        _fit_state.prune_checkpoints(trainer, fit_state, step)
-        _fit_state.restore_checkpoint_saves(trainer, fit_state)
-        self._restore_ddp_layout(trainer, rank_state, where)
+        parts(Phase.LOADED)  # (ModelCheckpoint's files and record, DDP's bucket layout: every rank together)
         seconds = time.monotonic() - t0
         job = self.stats.get("job_bytes_read") if self.stats is not None else None
         once = (
             f" (read once for {self.comm.world_size} ranks: {human_bytes(job)} from the tier)"
-            if self._read_once(backend, where) is not None and isinstance(job, int)
+            if self.reader.read_once(backend, where) is not None and isinstance(job, int)
             else ""
         )
         rank_zero_info(
@@ -397,158 +340,5 @@ class Restorer:
             seconds=seconds,
             tier_index=self.tiers.index(backend) if backend in self.tiers else None,
             resumed=resumed,
-            rng=rank_state.get("rng") if rank_state is not None else None,
-            loaders=loaders,
-            exact_data=rank_state.get("exact", True) if rank_state is not None else True,
-            fit_state=fit_state,
+            resumption=Resumption(ctx, shared, rank_state),
         )
-
-    def _read(
-        self, backend: Backend, step: int, trainer: Any, pl_module: Any, live: Templates
-    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        return self._through_tier(backend, step, lambda: self._read_tier(backend, step, trainer, pl_module, live))
-
-    def _read_tier(
-        self, backend: Backend, step: int, trainer: Any, pl_module: Any, live: Templates
-    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        where = f"snapshot of step {step} in the {backend.tier} tier {backend.url!r}"
-        shared_reader = self._read_once(backend, where)
-        try:
-            manifest = read_manifest(backend, step)
-            targets = self._targets(trainer, pl_module, live, manifest, where)
-        except Exception as e:
-            if shared_reader is not None:
-                shared_reader.start(e)  # (raises on every rank)
-            raise
-        if shared_reader is not None:
-            shared_reader.start(None)
-        stats = ReadStats()
-        counted = backend.bytes_read
-        shared = read_section(
-            backend, manifest, manifest.tensors, manifest.state, targets=targets, stats=stats, shared=shared_reader
-        )
-        after = backend.bytes_read
-        self.stats = {
-            "bytes_needed": stats.bytes_needed,
-            "bytes_read": stats.bytes_read,
-            "bytes_received": shared_reader.bytes_received if shared_reader is not None else 0,
-            "tier_bytes_read": after - counted if isinstance(counted, int) and isinstance(after, int) else None,
-            "tensors_resharded": stats.tensors_resharded,
-            "job_bytes_read": None,  # (summed over the ranks once every rank has read: _apply)
-        }
-        if not isinstance(shared, dict):
-            raise SnapshotError(f"{where} holds no training state")
-        check_model(pl_module, shared.get("state_dict"), where)
-        rank_state = None
-        if manifest.world_size != self.comm.world_size:
-            warnings.warn(
-                f"lightning-snapshot: the {where} was taken with {manifest.world_size} process(es), this run has"
-                f" {self.comm.world_size}: weights, optimizer and loop state are restored, and the data continues"
-                " from the saved global sample, but per-rank RNG is not restored, so the run will not be bitwise"
-                " identical to an uninterrupted one.",
-                stacklevel=2,
-            )
-            # the data position, as a global sample count, from rank 0's section (the same on every rank)
-            saved = self._rank_state(backend, manifest, 0)
-            if isinstance(saved, dict):
-                rank_state = {
-                    "rng": None,
-                    "loaders": saved.get("loaders", []),
-                    "exact": False,
-                    "late": saved.get("late"),
-                }
-        else:
-            rank_state = self._rank_state(backend, manifest, self.comm.rank)
-        # loops, callbacks, schedulers: taken with the rank state, right before the next step (this rank's own)
-        late = rank_state.get("late") if isinstance(rank_state, dict) else None
-        if isinstance(late, dict):
-            shared.update(late)
-        if "loops" not in shared:
-            raise SnapshotError(f"{where} holds no training state")
-        _fit_state.merge_param_groups(shared, where)  # the optimizer's groups as they were with the late state
-        check_optimizers(trainer, shared, where)  # before anything is applied
-        return shared, rank_state
-
-    @staticmethod
-    def _targets(trainer: Any, pl_module: Any, live: Templates, manifest: Any, where: str) -> dict[str, Any]:
-        """The tensors the shared state is read into (a pruned model first reparametrized as in the snapshot)."""
-        saved_model = manifest.state.get("state_dict") if isinstance(manifest.state, dict) else None
-        if isinstance(saved_model, dict) and not is_sharded(trainer.strategy):
-            pruned = adopt_pruning(pl_module, saved_model)
-            if pruned:  # (ModelPruning had pruned them): the model reads into its new tensors
-                live.model.clear()
-                live.model.update(pl_module.state_dict())
-                log.info("lightning-snapshot: %d pruned parameter(s) reparametrized as in the snapshot", len(pruned))
-        # the model's own tensors are read into directly (verified chunk by chunk); under a sharded strategy the
-        # optimizer state too, and each rank reads only its shards; the rest is allocated
-        return restore_targets(trainer, live, manifest.state, where)
-
-    def _read_once(self, backend: Backend, where: str) -> ReadOnce | None:
-        """The shared reader of a restore from ``backend`` (each byte read once in the job, then shared over the
-        tier's group), or None: every rank reads all it needs itself (one process; a snapshot path given as
-        ``resume``, which has no group; a tier that declares ``read_once`` False; ``LIGHTNING_SNAPSHOT_READ_ONCE=0``).
-        The same on every rank."""
-        if not read_once_enabled() or not backend.read_once or backend not in self.tiers or not self.tier_comms:
-            return None
-        comm = self.tier_comms[self.tiers.index(backend)]
-        if comm.world_size < 2 or not isinstance(comm, TensorComm):
-            return None
-        return ReadOnce(comm, where)
-
-    def _job_bytes_read(self) -> None:
-        """Collective: the bytes every rank read from the tier for the shared state, summed (``job_bytes_read``)."""
-        mine = self.stats.get("bytes_read") if self.stats is not None else None
-        gathered = self.comm.gather(mine if isinstance(mine, int) else 0)
-        total = self.comm.broadcast(sum(gathered) if gathered is not None else None)
-        if self.stats is not None:
-            self.stats["job_bytes_read"] = int(total)
-
-    def _restore_ddp_layout(self, trainer: Any, rank_state: dict[str, Any] | None, where: str) -> None:
-        """Give DDP the gradient-bucket layout the snapshot's process all-reduced with (see ``ddp_layout``).
-
-        Called on every rank together in ``on_fit_start``: the strategy has wrapped the model in DDP and nothing has
-        run a forward through it yet (the sanity check and training come later). The layout is untrusted input: it
-        is applied only when every rank holds the same layout and it fits the live DDP module (the parameters that
-        require grad, their sizes and dtypes); otherwise a warning names why and the resume goes on without it (the
-        weights and all other state are restored either way; only the float summation order of the next
-        all-reduces may differ from an uninterrupted run). Only at the same world size (``_read_tier`` passes no
-        layout after a change of the number of processes) and only into DDP (another strategy has no buckets).
-        """
-        model = trainer.strategy.model
-        if not is_ddp(model) or self.comm.world_size < 2:
-            return
-        layout = rank_state.get("ddp_layout") if isinstance(rank_state, dict) else None
-        if not ddp_layout_enabled():
-            layout = None
-        problem = None
-        try:
-            check_layout(model, layout)
-        except ValueError as e:
-            problem = str(e)
-        except (AttributeError, TypeError, RuntimeError) as e:  # torch's private internals changed
-            problem = f"this torch is not supported ({type(e).__name__}: {e})"
-        first = self.comm.broadcast(layout)
-        if problem is None and layout != first:
-            problem = f"rank {self.comm.rank} holds another layout than rank 0"
-        none_stored, all_fit = agree_on(
-            self.comm, f"the DDP layout of the {where}", flags=[layout is None, problem is None]
-        ).flags
-        if none_stored:  # taken before this feature, without DDP, or where DDP never rebuilds; or turned off
-            return
-        if not all_fit:
-            warnings.warn(
-                f"lightning-snapshot: the {where} holds a DDP gradient-bucket layout that is not applied"
-                f" ({problem or 'it does not fit on another rank'}); the resume goes on without it, so"
-                " with 3 or more ranks the next steps may differ in the last bits from an uninterrupted"
-                " run",
-                stacklevel=2,
-            )
-            return
-        applied = agree_on(self.comm, f"giving DDP the layout of the {where}", lambda: apply_layout(model, layout))
-        if not applied.ok:
-            raise SnapshotError(
-                f"giving DDP the gradient-bucket layout of the {where} failed ({applied.text}); set"
-                f" {DDP_LAYOUT_ENV}=0 to resume without it (with 3 or more ranks not bitwise identical to an"
-                " uninterrupted run)"
-            ) from applied.error
-        log.debug("lightning-snapshot: DDP gradient-bucket layout restored: %s", first["buckets"])

@@ -29,7 +29,7 @@ import lightning as L
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 import lightning_snapshot.commit as commit
-import lightning_snapshot.pipeline as pipeline
+import lightning_snapshot.stager as stager
 from lightning_snapshot import SnapshotCallback
 from lightning_snapshot.backends import LocalTier
 from lightning_snapshot.errors import CaptureError
@@ -44,14 +44,14 @@ a = p.parse_args()
 rank = int(os.environ.get("LOCAL_RANK", "0"))
 
 if a.fail == "stage":
-    capture = pipeline.capture_shared_live
+    capture = stager.capture_shared_live
 
     def capture_shared_live(trainer, pl_module, live):
         if trainer.global_rank == 0 and trainer.global_step >= 4:
             raise CaptureError("injected: rank 0 cannot capture its share of the weights")
         return capture(trainer, pl_module, live)
 
-    pipeline.capture_shared_live = capture_shared_live
+    stager.capture_shared_live = capture_shared_live
 elif a.fail == "list":
     listing = LocalTier.list
     listed: list[str] = []
