@@ -8,42 +8,43 @@ A snapshot of step N holds the state as it is right before step N+1
 more than weights, loops, callbacks and schedulers, and Lightning's checkpoints leave some of it out. This module
 captures that, at the late point, and applies it on restore:
 
-* **the optimizers' parameter groups** (:func:`merge_param_groups`): hyperparameters change after
-  ``on_train_batch_end`` (epoch-end and plateau scheduler steps, ``StochasticWeightAveraging``'s SWALR), and
-  ``BackboneFinetuning`` adds a group when it unfreezes. The groups taken late replace those of the early optimizer
-  state, so that optimizer, scheduler and callback states agree.
+* **the optimizers' parameter groups** (:func:`merge_param_groups`): hyperparameters change after ``on_train_batch_end``
+  (epoch-end and plateau scheduler steps, ``StochasticWeightAveraging``'s SWALR), and ``BackboneFinetuning`` adds a
+  group when it unfreezes. The groups taken late replace those of the early optimizer state, so that optimizer,
+  scheduler and callback states agree.
 * **which parameters are trainable** (``requires_grad``) and whether BatchNorm layers track running statistics
-  (:func:`restore_trainable`): ``BaseFinetuning`` freezes the backbone in ``setup`` and unfreezes it at an epoch
-  start; after a restore Lightning's own resume leaves the unfrozen parameters frozen (Lightning issue #21901).
-* **the gradient accumulation in force** (``trainer.accumulate_grad_batches``; ``GradientAccumulationScheduler``
-  sets it at each epoch start, which a resume within an epoch does not run again).
-* **the epoch aggregates of logged training metrics** (``self.log(..., on_epoch=True)`` in ``training_step``):
-  the accumulated value and batch count of every tensor metric of the training ``_ResultCollection``, so that the
-  epoch mean after a resume within an epoch includes the steps before it (``train_loss_epoch`` monitored by
-  EarlyStopping or ModelCheckpoint). Values logged as ``torchmetrics.Metric`` objects keep their state in the
-  metric (next item).
-* **the accumulated state of ``torchmetrics.Metric`` objects** in the module (:func:`restore_metrics`): not in the
-  module's ``state_dict``, and a metric logged with ``on_epoch=True`` accumulates over the epoch.
-* **gradients, only where Lightning reuses them**: ``StochasticWeightAveraging``'s BatchNorm-update epoch (the
-  epoch after the last averaging epoch, when the model has BatchNorm layers) skips ``zero_grad`` and backward, and
-  its one optimizer step applies the gradients left by the last step before it. A snapshot taken right before that
-  epoch holds those gradients (:func:`restore_grads`); no other snapshot holds gradients.
-* **the epoch the train loaders were made at** (Lightning's ``_last_train_dl_reload_epoch``): a resumed run makes
-  them as the interrupted run last did, with ``trainer.current_epoch`` at that epoch (a ``train_dataloader()`` that
-  depends on the epoch, ``reload_dataloaders_every_n_epochs``), and reloads them at the same epochs.
+  (:func:`restore_trainable`): ``BaseFinetuning`` freezes the backbone in ``setup`` and unfreezes it at an epoch start;
+  after a restore Lightning's own resume leaves the unfrozen parameters frozen (Lightning issue #21901).
+* **the gradient accumulation in force** (``trainer.accumulate_grad_batches``; ``GradientAccumulationScheduler`` sets it
+  at each epoch start, which a resume within an epoch does not run again).
+* **the epoch aggregates of logged training metrics** (``self.log(..., on_epoch=True)`` in ``training_step``): the
+  accumulated value and batch count of every tensor metric of the training ``_ResultCollection``, so that the epoch mean
+  after a resume within an epoch includes the steps before it (``train_loss_epoch`` monitored by EarlyStopping or
+  ModelCheckpoint). Values logged as ``torchmetrics.Metric`` objects keep their state in the metric (next item).
+* **the accumulated state of ``torchmetrics.Metric`` objects** in the module
+  (:func:`~lightning_snapshot.fit_metrics.restore_metrics`): not in the module's ``state_dict``, and a metric logged
+  with ``on_epoch=True`` accumulates over the epoch.
+* **gradients, only where Lightning reuses them**: ``StochasticWeightAveraging``'s BatchNorm-update epoch (the epoch
+  after the last averaging epoch, when the model has BatchNorm layers) skips ``zero_grad`` and backward, and its one
+  optimizer step applies the gradients left by the last step before it. A snapshot taken right before that epoch holds
+  those gradients (:func:`restore_grads`); no other snapshot holds gradients.
+* **the epoch the train loaders were made at** (Lightning's ``_last_train_dl_reload_epoch``): a resumed run makes them
+  as the interrupted run last did, with ``trainer.current_epoch`` at that epoch (a ``train_dataloader()`` that depends
+  on the epoch, ``reload_dataloaders_every_n_epochs``), and reloads them at the same epochs.
 * **the model's own random generators** (``torch.Generator`` attributes of the module and its submodules,
-  :func:`restore_generators`): neither in the ``state_dict`` nor in Lightning's checkpoints, and unlike the global
-  RNG not restored by anyone else.
+  :func:`restore_generators`): neither in the ``state_dict`` nor in Lightning's checkpoints, and unlike the global RNG
+  not restored by anyone else.
 * **a request to stop** (``trainer.should_stop``, set by ``EarlyStopping``, a ``Timer`` or a callback) with the limits
   the fit ran under (:func:`restore_stop`): a rerun of a fit that stopped early stops where it did, as the run that
   never stopped did; one given larger limits trains on.
-* **the checkpoint files of every ModelCheckpoint** (:func:`prune_checkpoints`): a file written after the snapshot
-  by the interrupted run is written again by the resumed run (same step, same name), and would otherwise stay
-  behind as an untracked duplicate (or make ModelCheckpoint save a ``-v1`` copy).
-* **what every ModelCheckpoint remembers of its last save** (:func:`restore_checkpoint_saves`; private, not in its
-  ``state_dict``): the step and file of its newest save and a save deferred until validation. From them it decides
-  whether to save again at the same step and whether ``save_last`` still owes a ``last.ckpt`` at the end of training
-  (a resumed run that has not saved since would write one the uninterrupted run did not).
+* **the checkpoint files of every ModelCheckpoint** (:func:`~lightning_snapshot.fit_checkpoints.prune_checkpoints`): a
+  file written after the snapshot by the interrupted run is written again by the resumed run (same step, same name), and
+  would otherwise stay behind as an untracked duplicate (or make ModelCheckpoint save a ``-v1`` copy).
+* **what every ModelCheckpoint remembers of its last save**
+  (:func:`~lightning_snapshot.fit_checkpoints.restore_checkpoint_saves`; private, not in its ``state_dict``): the step
+  and file of its newest save and a save deferred until validation. From them it decides whether to save again at the
+  same step and whether ``save_last`` still owes a ``last.ckpt`` at the end of training (a resumed run that has not
+  saved since would write one the uninterrupted run did not).
 
 Everything is tensors and plain values (no pickle); private Lightning attributes used are named where they are read.
 """
@@ -54,12 +55,11 @@ import itertools
 import logging
 import math
 import operator
-import os
 import warnings
 import weakref
 from collections.abc import Callable
 from itertools import chain
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -70,21 +70,12 @@ from lightning_snapshot.staging.meta import dict_version
 __all__ = [
     "Structure",
     "Walk",
-    "checkpoint_files",
-    "checkpoint_saves",
-    "load_callback_states",
-    "logger_connector_state",
     "merge_param_groups",
-    "metric_states",
     "module_generators",
     "optimizer_groups",
-    "prune_checkpoints",
     "realias_lottery_tickets",
-    "restore_checkpoint_saves",
     "restore_generators",
     "restore_grads",
-    "restore_in_epoch",
-    "restore_metrics",
     "restore_stop",
     "restore_trainable",
     "reused_grads",
@@ -92,14 +83,10 @@ __all__ = [
     "saved_state",
     "stop_limits",
     "train_dl_epoch",
-    "train_results",
     "trainable_flags",
 ]
 
 log = logging.getLogger(__name__)
-
-_RESULT_FLAGS = ("prog_bar", "logger", "on_step", "on_epoch", "enable_graph", "add_dataloader_idx")
-_REDUCTIONS = ("mean", "sum", "max", "min")
 
 
 def _raw(opt: Any) -> Any:
@@ -115,6 +102,14 @@ class Walk(NamedTuple):
     params: list[Any]
     batchnorms: list[tuple[str, Any]]  # the BatchNorm modules, by name
     metrics: list[tuple[str, Any]]  # the torchmetrics modules, by name
+
+
+def _metric_classes() -> tuple[type, ...]:
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # (a dependency of Lightning's; absent only in unusual installs)
+        return ()
+    return (Metric,)
 
 
 def _walk(pl_module: Any) -> Walk:
@@ -336,59 +331,6 @@ def train_dl_epoch(trainer: Any) -> int | None:
     return int(epoch) if isinstance(epoch, (int, float)) and math.isfinite(epoch) else None
 
 
-def _metric_classes() -> tuple[type, ...]:
-    try:
-        from torchmetrics import Metric
-    except ImportError:  # (a dependency of Lightning's; absent only in unusual installs)
-        return ()
-    return (Metric,)
-
-
-def metric_states(metrics: list[tuple[str, Any]]) -> dict[str, Any]:
-    """The accumulated state of every ``torchmetrics.Metric`` in the module (``metrics``: them by module name, from
-    :func:`_walk`): its states (tensors, or lists of tensors for concatenating metrics) and its update count. They
-    are not in the module's ``state_dict`` (torchmetrics states are not persistent by default), and a metric logged
-    with ``on_epoch=True`` accumulates over the epoch."""
-    out: dict[str, Any] = {}
-    for name, module in metrics:
-        states = {}
-        for key in getattr(module, "_defaults", {}):  # torchmetrics' registry of add_state names
-            value = getattr(module, key, None)
-            if isinstance(value, torch.Tensor) or (
-                isinstance(value, list) and all(isinstance(v, torch.Tensor) for v in value)
-            ):
-                states[key] = list(value) if isinstance(value, list) else value
-        out[name] = {"states": states, "update_count": int(getattr(module, "_update_count", 0))}
-    return out
-
-
-def restore_metrics(pl_module: Any, saved: dict[str, Any] | None) -> None:
-    """Put the captured state back into the module's ``torchmetrics.Metric`` objects (see :func:`metric_states`),
-    on each metric's device; a metric the snapshot does not name is left as it is."""
-    metrics = saved.get("metrics") if isinstance(saved, dict) else None
-    classes = _metric_classes()
-    if not isinstance(metrics, dict) or not metrics or not classes:
-        return
-    for name, module in pl_module.named_modules():
-        entry = metrics.get(name)
-        if not isinstance(module, classes) or not isinstance(entry, dict):
-            continue
-        module = cast("Any", module)
-        defaults = getattr(module, "_defaults", {})
-        for key, value in (entry.get("states") or {}).items():
-            if key not in defaults:
-                continue
-            current = getattr(module, key, None)
-            if isinstance(value, list):
-                device = current[0].device if isinstance(current, list) and current else module.device
-                setattr(module, key, [v.to(device) for v in value if isinstance(v, torch.Tensor)])
-            elif isinstance(value, torch.Tensor):
-                device = current.device if isinstance(current, torch.Tensor) else module.device
-                setattr(module, key, value.to(device))
-        module._update_count = int(entry.get("update_count", 0))
-        module._computed = None  # (compute() caches its result until the next update)
-
-
 def reused_grads(trainer: Any, pl_module: Any) -> dict[str, torch.Tensor]:
     """The gradients the next epoch's optimizer step reuses without computing new ones: before the BatchNorm-update
     epoch of ``StochasticWeightAveraging`` (its private ``_model_contains_batch_norm`` and ``_max_epochs``, set in
@@ -418,97 +360,6 @@ def _param_groups(opt: Any, names: dict[int, str]) -> list[dict[str, Any]]:
     ]
 
 
-def train_results(trainer: Any) -> list[dict[str, Any]]:
-    """The tensor metrics the training loop has accumulated in this epoch (Lightning's ``_ResultCollection``)."""
-    results = getattr(trainer.fit_loop.epoch_loop, "_results", None)  # private: the training ResultCollection
-    out: list[dict[str, Any]] = []
-    for key, metric in (results or {}).items():
-        meta = getattr(metric, "meta", None)
-        if meta is None or not getattr(metric, "is_tensor", False) or metric.has_reset:
-            continue
-        reduce = getattr(meta.reduce_fx, "__name__", "")
-        if reduce not in _REDUCTIONS:
-            continue
-        sync = meta._sync
-        entry: dict[str, Any] = {
-            "key": key,
-            "fx": meta.fx,
-            "name": meta.name,
-            "reduce_fx": reduce,
-            "dataloader_idx": meta.dataloader_idx,
-            "metric_attribute": meta.metric_attribute,
-            "sync_dist": bool(sync is not None and sync._should),
-            "rank_zero_only": bool(sync is not None and sync.rank_zero_only),
-            "value": metric.value,
-            "cumulated_batch_size": getattr(metric, "cumulated_batch_size", None) if meta.is_mean_reduction else None,
-            "forward_cache": metric._forward_cache if isinstance(metric._forward_cache, torch.Tensor) else None,
-            "update_count": int(getattr(metric, "_update_count", 0)),
-        }
-        entry.update({flag: bool(getattr(meta, flag)) for flag in _RESULT_FLAGS})
-        out.append(entry)
-    return out
-
-
-def logger_connector_state(trainer: Any) -> dict[str, Any]:
-    """Whether the next ``self.log`` of a hook resets that hook's accumulated metrics (Lightning's logger connector
-    resets them at the first batch of an epoch and after a validation: its private ``_first_loop_iter`` and
-    ``_current_fx``)."""
-    connector = trainer._logger_connector
-    first = getattr(connector, "_first_loop_iter", None)
-    fx = getattr(connector, "_current_fx", None)
-    return {
-        "first_loop_iter": first if isinstance(first, bool) else None,
-        "current_fx": fx if isinstance(fx, str) else None,
-    }
-
-
-def _model_checkpoints(trainer: Any) -> list[Any]:
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    return [cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]
-
-
-def _local_dir(cb: Any) -> str | None:
-    dirpath = getattr(cb, "dirpath", None)
-    if not dirpath or "://" in str(dirpath):
-        return None  # remote checkpoint directories are left alone
-    return str(dirpath)
-
-
-def checkpoint_files(trainer: Any) -> dict[str, list[str]]:
-    """Per ModelCheckpoint (by state key): the checkpoint files in its local directory now (global rank 0 only,
-    which is the rank that writes them)."""
-    if getattr(trainer, "global_rank", 0) != 0:
-        return {}
-    out: dict[str, list[str]] = {}
-    for cb in _model_checkpoints(trainer):
-        dirpath = _local_dir(cb)
-        if dirpath is None:
-            continue
-        try:
-            out[cb.state_key] = sorted(f for f in os.listdir(dirpath) if f.endswith(cb.FILE_EXTENSION))
-        except FileNotFoundError:
-            out[cb.state_key] = []
-    return out
-
-
-#: ModelCheckpoint's private record of its last save (Lightning 2.6): attribute -> type
-_SAVE_RECORD = {"_last_global_step_saved": int, "_last_checkpoint_saved": str, "_defer_save_until_validation": bool}
-
-
-def checkpoint_saves(trainer: Any) -> dict[str, dict[str, Any]]:
-    """Per ModelCheckpoint (by state key): its record of its last save (the attributes of ``_SAVE_RECORD`` it has)
-    and its directory."""
-    return {
-        cb.state_key: {
-            "dirpath": str(cb.dirpath),
-            **{k: kind(getattr(cb, k)) for k, kind in _SAVE_RECORD.items() if hasattr(cb, k)},
-        }
-        for cb in _model_checkpoints(trainer)
-    }
-
-
-# ------------------------------------------------------------------------------------------------- restore
 def saved_state(ckpt: Any) -> dict[str, Any]:
     """What the fit-state parts stored in a restored snapshot (``ckpt["lightning_snapshot"]["fit_state"]``); {} in
     snapshots of older versions."""
@@ -565,8 +416,9 @@ def restore_trainable(pl_module: Any, saved: dict[str, Any] | None) -> None:
 
 
 def realias_lottery_tickets(trainer: Any, epoch: int) -> int:
-    """After a restore into a model that ``ModelPruning`` had pruned (see :func:`capture.adopt_pruning`): give its
-    lottery-ticket copies the aliasing the interrupted run had; returns how many tensors were aliased.
+    """After a restore into a model that ``ModelPruning`` had pruned (see
+    :func:`~lightning_snapshot.restore_targets.adopt_pruning`): give its lottery-ticket copies the aliasing the
+    interrupted run had; returns how many tensors were aliased.
 
     ``ModelPruning.apply_lottery_ticket_hypothesis`` (run after each pruning, unless ``resample_parameters``) resets a
     pruned parameter by assigning it the *storage* of the copy of the layer it took in ``setup``
@@ -612,125 +464,3 @@ def restore_grads(pl_module: Any, saved: dict[str, Any] | None) -> None:
         grad = grads.get(name)
         if isinstance(grad, torch.Tensor):
             param.grad = grad.to(device=param.device, dtype=param.dtype).reshape(param.shape)
-
-
-def restore_in_epoch(trainer: Any, saved: dict[str, Any] | None) -> None:
-    """After a restore *within* an epoch (at ``on_train_start``, after every other callback's): the gradient
-    accumulation in force and the epoch's accumulated training metrics."""
-    if not isinstance(saved, dict):
-        return
-    accumulate = saved.get("accumulate_grad_batches")
-    if isinstance(accumulate, int) and accumulate >= 1:
-        trainer.accumulate_grad_batches = accumulate
-    entries = saved.get("train_results")
-    if isinstance(entries, list) and entries:
-        _restore_train_results(trainer, entries)
-    connector = saved.get("logger_connector")
-    if isinstance(connector, dict):
-        trainer._logger_connector._first_loop_iter = connector.get("first_loop_iter")
-        trainer._logger_connector._current_fx = connector.get("current_fx")
-
-
-def _restore_train_results(trainer: Any, entries: list[dict[str, Any]]) -> None:
-    results = trainer.fit_loop.epoch_loop._results  # private: the training ResultCollection
-    for e in entries:
-        value = e.get("value")
-        if not isinstance(value, torch.Tensor) or e.get("reduce_fx") not in _REDUCTIONS:
-            continue
-        # Lightning's own log call makes the metric exactly as training_step's self.log makes it (its metadata must
-        # match at the next self.log); its accumulated state is then set to the saved one
-        results.log(
-            e["fx"],
-            e["name"],
-            value.clone(),
-            reduce_fx=getattr(torch, e["reduce_fx"]),
-            sync_dist=e["sync_dist"],
-            sync_dist_fn=trainer.strategy.reduce,
-            batch_size=1,
-            metric_attribute=e["metric_attribute"],
-            rank_zero_only=e["rank_zero_only"],
-            **{flag: e[flag] for flag in _RESULT_FLAGS},
-        )
-        metric = results.get(e["key"])
-        if metric is None:
-            log.debug("lightning-snapshot: logged metric %s not restored (key %s)", e["name"], e["key"])
-            continue
-        metric.value = value
-        if isinstance(e.get("cumulated_batch_size"), torch.Tensor):
-            metric.cumulated_batch_size = e["cumulated_batch_size"]
-        metric._forward_cache = e.get("forward_cache")
-        metric._update_count = int(e.get("update_count", 1))
-        metric._computed = None
-        metric.has_reset = False
-
-
-def prune_checkpoints(trainer: Any, saved: dict[str, Any] | None, step: int) -> list[str]:
-    """Delete the checkpoint files each ModelCheckpoint's local directory gained after the snapshot was taken (the
-    interrupted run wrote them after step ``step``; the resumed run writes them again), unless the restored
-    ModelCheckpoint state names them. Global rank 0 only. Returns the paths removed."""
-    files = saved.get("checkpoint_files") if isinstance(saved, dict) else None
-    if not isinstance(files, dict) or getattr(trainer, "global_rank", 0) != 0:
-        return []
-    removed: list[str] = []
-    for cb in _model_checkpoints(trainer):
-        before = files.get(cb.state_key)
-        dirpath = _local_dir(cb)
-        if not isinstance(before, list) or dirpath is None or not os.path.isdir(dirpath):
-            continue
-        known = {os.path.basename(str(p)) for p in (*cb.best_k_models, cb.last_model_path, cb.best_model_path) if p}
-        for name in sorted(os.listdir(dirpath)):
-            if name.endswith(cb.FILE_EXTENSION) and name not in before and name not in known:
-                path = os.path.join(dirpath, name)
-                if os.path.isfile(path):
-                    os.remove(path)
-                    removed.append(path)
-    if removed:
-        log.info(
-            "lightning-snapshot: removed %d checkpoint file(s) the interrupted run wrote after step %d (the"
-            " resumed run writes them again): %s",
-            len(removed),
-            step,
-            ", ".join(removed),
-        )
-    return removed
-
-
-def restore_checkpoint_saves(trainer: Any, saved: dict[str, Any] | None) -> None:
-    """Give every ModelCheckpoint back its record of its last save (:func:`checkpoint_saves`), where the snapshot
-    holds one for its state key and the same directory (as ``ModelCheckpoint.load_state_dict`` reloads its state only
-    then); a snapshot of an older version holds none (nothing changes)."""
-    records = (saved or {}).get("checkpoint_saves")
-    if not isinstance(records, dict):
-        return
-    for cb in _model_checkpoints(trainer):
-        record = records.get(cb.state_key)
-        if not isinstance(record, dict) or record.get("dirpath") != str(cb.dirpath):
-            continue
-        for attr, kind in _SAVE_RECORD.items():
-            value = record.get(attr)
-            if hasattr(cb, attr) and type(value) is kind:
-                setattr(cb, attr, value)
-
-
-def load_callback_states(trainer: Any, states: Any, exclude: Any = None) -> int:
-    """Load each callback's saved state (by state key), as Lightning's restore does; returns how many were loaded.
-
-    Also what a built-in callback's ``state_dict`` holds and its ``load_state_dict`` leaves out:
-    ``ModelCheckpoint.current_score`` (the score of the newest checkpoint it saved, which it changes only when it
-    saves one again), so that the resumed callback's ``state_dict`` equals the uninterrupted one's.
-    """
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    if not isinstance(states, dict):
-        return 0
-    loaded = 0
-    for cb in trainer.callbacks:
-        if cb is exclude:
-            continue
-        state = states.get(cb.state_key)
-        if state:
-            cb.load_state_dict(state)
-            loaded += 1
-            if isinstance(cb, ModelCheckpoint) and state.get("dirpath", cb.dirpath) == cb.dirpath:
-                cb.current_score = state.get("current_score", cb.current_score)
-    return loaded

@@ -20,11 +20,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_snapshot import fit_state as _fit_state
 from lightning_snapshot.backends.base import Backend
-from lightning_snapshot.capture import (
-    Templates,
-    restore_shared,
-    templates,
-)
 from lightning_snapshot.comm import Comm, LocalComm, agree_on
 from lightning_snapshot.commit import committed_steps
 from lightning_snapshot.config import SnapshotConfig
@@ -40,6 +35,7 @@ from lightning_snapshot.parts import Phase, RestoreContext
 from lightning_snapshot.progress import human_bytes
 from lightning_snapshot.restore_read import SnapshotReader
 from lightning_snapshot.restore_records import read_candidate, record_restore
+from lightning_snapshot.restore_targets import Templates, restore_shared, templates
 from lightning_snapshot.resume_policy import Candidate, plan_resume
 from lightning_snapshot.resuming import Restored, Resumption
 from lightning_snapshot.state_parts import REGISTRY

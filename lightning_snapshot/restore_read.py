@@ -13,20 +13,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lightning_snapshot.backends.base import Backend
-from lightning_snapshot.capture import (
-    Templates,
-    adopt_pruning,
-    check_model,
-    check_optimizers,
-    is_sharded,
-    restore_targets,
-)
+from lightning_snapshot.capture import check_model, is_sharded
 from lightning_snapshot.comm import Comm, LocalComm, TensorComm
 from lightning_snapshot.errors import SnapshotError
 from lightning_snapshot.loader import ReadStats, read_manifest, read_section
 from lightning_snapshot.parts import Phase, RestoreContext
 from lightning_snapshot.read_once import ReadOnce
 from lightning_snapshot.read_once import enabled as read_once_enabled
+from lightning_snapshot.restore_targets import Templates, adopt_pruning, check_optimizers, restore_targets
 from lightning_snapshot.state_parts import REGISTRY
 
 __all__ = ["SnapshotReader"]

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_snapshot import data as _data
+from lightning_snapshot import fit_checkpoints as _ckpts
+from lightning_snapshot import fit_metrics as _metrics
 from lightning_snapshot import fit_state as _fit
 from lightning_snapshot import patches as _patches
 from lightning_snapshot.capture import capture_late, capture_rng, restore_rng
@@ -247,39 +249,39 @@ register(
     Part(
         "accumulate_grad_batches",  # (within an epoch: GradientAccumulationScheduler sets it at its start)
         lambda ctx: int(ctx.trainer.accumulate_grad_batches),
-        lambda ctx, v: _fit.restore_in_epoch(ctx.trainer, {"accumulate_grad_batches": v}) if _mid(ctx) else None,
+        lambda ctx, v: _metrics.restore_in_epoch(ctx.trainer, {"accumulate_grad_batches": v}) if _mid(ctx) else None,
         Phase.EPOCH,
     )
 )
 register(
     Part(
         "train_results",
-        lambda ctx: _fit.train_results(ctx.trainer),
-        lambda ctx, v: _fit.restore_in_epoch(ctx.trainer, {"train_results": v}) if _mid(ctx) else None,
+        lambda ctx: _metrics.train_results(ctx.trainer),
+        lambda ctx, v: _metrics.restore_in_epoch(ctx.trainer, {"train_results": v}) if _mid(ctx) else None,
         Phase.EPOCH,
     )
 )
 register(
     Part(
         "logger_connector",
-        lambda ctx: _fit.logger_connector_state(ctx.trainer),
-        lambda ctx, v: _fit.restore_in_epoch(ctx.trainer, {"logger_connector": v}) if _mid(ctx) else None,
+        lambda ctx: _metrics.logger_connector_state(ctx.trainer),
+        lambda ctx, v: _metrics.restore_in_epoch(ctx.trainer, {"logger_connector": v}) if _mid(ctx) else None,
         Phase.EPOCH,
     )
 )
 register(
     Part(
         "checkpoint_files",
-        lambda ctx: _fit.checkpoint_files(ctx.trainer),
-        lambda ctx, v: _fit.prune_checkpoints(ctx.trainer, {"checkpoint_files": v}, ctx.step),
+        lambda ctx: _ckpts.checkpoint_files(ctx.trainer),
+        lambda ctx, v: _ckpts.prune_checkpoints(ctx.trainer, {"checkpoint_files": v}, ctx.step),
         Phase.LOADED,
     )
 )
 register(
     Part(
         "checkpoint_saves",  # ModelCheckpoint's record of its last save
-        lambda ctx: _fit.checkpoint_saves(ctx.trainer),
-        lambda ctx, v: _fit.restore_checkpoint_saves(ctx.trainer, {"checkpoint_saves": v}),
+        lambda ctx: _ckpts.checkpoint_saves(ctx.trainer),
+        lambda ctx, v: _ckpts.restore_checkpoint_saves(ctx.trainer, {"checkpoint_saves": v}),
         Phase.LOADED,
     )
 )
@@ -294,8 +296,8 @@ register(
 register(
     Part(
         "metrics",  # torchmetrics.Metric states
-        lambda ctx: _fit.metric_states(_walk(ctx).metrics),
-        lambda ctx, v: _fit.restore_metrics(ctx.pl_module, {"metrics": v}),
+        lambda ctx: _metrics.metric_states(_walk(ctx).metrics),
+        lambda ctx, v: _metrics.restore_metrics(ctx.pl_module, {"metrics": v}),
         Phase.LOAD,
     )
 )
@@ -321,7 +323,7 @@ register(
     Part(
         "callbacks",
         _capture_callbacks,
-        lambda ctx, v: _fit.load_callback_states(ctx.trainer, v, exclude=ctx.owner),
+        lambda ctx, v: _ckpts.load_callback_states(ctx.trainer, v, exclude=ctx.owner),
         Phase.SETUP,
         path=("callbacks",),
     )
