@@ -57,6 +57,33 @@ def run_script(script: str, *args: str, expect_kill: bool = False, timeout: int 
     return proc
 
 
+def run_job(cmd: list[str], timeout: float, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """Run a multi-process job (torchrun) in a session of its own; when it runs past ``timeout``, every process of
+    the session gets SIGABRT first, so that Python's fault handler (``PYTHONFAULTHANDLER``) writes each one's thread
+    stacks into the output the failure shows: a hang says where it hangs. Then the session is killed."""
+    import signal
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**env, "PYTHONFAULTHANDLER": "1"}, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        found = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        for pid in found:
+            if int(pid) != proc.pid:  # (the launcher last: it would kill its workers before they dump)
+                os.kill(int(pid), signal.SIGABRT)
+        try:
+            out, err = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        with __import__("contextlib").suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"{' '.join(cmd[:6])}... ran past {timeout:g} s; the stacks of its processes (SIGABRT):"
+                             f"\n{err[-12000:]}\n--- stdout ---\n{out[-2000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def run_train(snapshot_dir: Path, out: Path, *args: str, expect_kill: bool = False, timeout: int = 300
               ) -> subprocess.CompletedProcess[str]:
     """Run tests/scripts/train.py in a fresh process; SIGKILL (rc -9) is expected when ``expect_kill``."""

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import SCRIPTS, assert_bitwise_equal, restores, run_script
+from conftest import SCRIPTS, assert_bitwise_equal, restores, run_job, run_script
 
 from lightning_snapshot.backends import LocalTier
 from lightning_snapshot.writer import committed_steps
@@ -31,7 +31,7 @@ def _torchrun(base: Path, *args: str, timeout: int = 240) -> subprocess.Complete
     env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(SCRIPTS / "train.py"), "--dir", str(base / "local"), "--out", str(base / "out.pt"), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, start_new_session=True)
+    return run_job(cmd, timeout, env)
 
 
 @pytest.fixture(scope="module")

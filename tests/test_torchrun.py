@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import SCRIPTS, assert_bitwise_equal, restores
+from conftest import SCRIPTS, assert_bitwise_equal, restores, run_job
 
 from lightning_snapshot.backends import LocalTier
 from lightning_snapshot.backends.ram.agent import stop_agent
@@ -31,7 +31,7 @@ def _torchrun(base: Path, *args: str, max_restarts: int, common: tuple[str, ...]
            "--max-restarts", str(max_restarts), str(SCRIPTS / "train.py"), "--dir", str(base / "local"),
            "--out", str(base / "out.pt"), *common, *args]
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env, start_new_session=True)
+        return run_job(cmd, 420, env)
     finally:
         for sock in list((base / "shm").glob("**/agent.sock")):
             stop_agent(sock.parent)
