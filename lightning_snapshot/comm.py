@@ -28,6 +28,7 @@ __all__ = [
     "agree_on",
     "new_gloo_groups",
     "problem_text",
+    "waiting_failed",
 ]
 
 log = logging.getLogger(__name__)
@@ -172,6 +173,14 @@ class Agreed(Generic[T]):
         return self.value
 
 
+def waiting_failed(comm: Comm, what: str, error: BaseException, kind: type[BaseException]) -> BaseException:
+    """The error of a rank whose collective on ``what`` failed (a peer died, the group's timeout ran out)."""
+    return kind(
+        f"rank {comm.rank}: waiting for the other ranks to agree on {what} failed ({type(error).__name__}: {error}):"
+        " another rank failed, exited or is stuck (see its log)"
+    )
+
+
 @overload
 def agree_on(
     comm: Comm,
@@ -274,10 +283,7 @@ def agree_on(
     except Exception as e:
         if not translate:
             raise
-        raise kind(
-            f"rank {comm.rank}: waiting for the other ranks to agree on {what} failed ({type(e).__name__}: {e}):"
-            " another rank failed, exited or is stuck (see its log)"
-        ) from e
+        raise waiting_failed(comm, what, e, kind) from e
     assert problems is not None
     text = _joined(comm, problems)
     if on_failure is not None:

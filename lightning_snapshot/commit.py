@@ -24,7 +24,7 @@ from typing import Any, cast
 
 import lightning_snapshot
 from lightning_snapshot.backends.base import Backend, Distributing
-from lightning_snapshot.comm import PROBLEM_CHARS, Comm, agree_on, problem_text
+from lightning_snapshot.comm import PROBLEM_CHARS, Comm, agree_on, problem_text, waiting_failed
 from lightning_snapshot.committed import committed_steps
 from lightning_snapshot.errors import SnapshotError, SnapshotWriteError
 from lightning_snapshot.manifest import (
@@ -278,10 +278,7 @@ class CollectiveTransport(Transport):
         try:
             return fn(*args)
         except Exception as e:  # a peer died or the group's timeout ran out
-            raise SnapshotWriteError(
-                f"rank {self.comm.rank}: waiting for the other ranks to agree on {self._what(what)} failed"
-                f" ({type(e).__name__}: {e}): another rank failed, exited or is stuck (see its log)"
-            ) from e
+            raise waiting_failed(self.comm, self._what(what), e, SnapshotWriteError) from e
 
     def _discard(self) -> None:
         if self.run_id is not None and (self.comm.rank == 0 or self.node_local):
