@@ -57,10 +57,37 @@ def run_script(script: str, *args: str, expect_kill: bool = False, timeout: int 
     return proc
 
 
+def descendants(pid: int) -> list[int]:
+    """The processes descended from ``pid`` (children first), found through /proc: torchrun starts each worker in a
+    session of its own, so neither the launcher's session nor its process group holds the ranks."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # (gone meanwhile)
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = [], list(children.get(pid, ()))
+    while todo:
+        child = todo.pop(0)
+        found.append(child)
+        todo.extend(children.get(child, ()))
+    return found
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with __import__("contextlib").suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
 def run_job(cmd: list[str], timeout: float, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """Run a multi-process job (torchrun) in a session of its own; when it runs past ``timeout``, every process of
-    the session gets SIGABRT first, so that Python's fault handler (``PYTHONFAULTHANDLER``) writes each one's thread
-    stacks into the output the failure shows: a hang says where it hangs. Then the session is killed."""
+    """Run a multi-process job (torchrun) in a session of its own; when it runs past ``timeout``, every process
+    descended from the launcher (the ranks and their loader workers) gets SIGABRT first, so that Python's fault
+    handler (``PYTHONFAULTHANDLER``) writes each one's thread stacks into the output the failure shows: a hang says
+    where it hangs. Then they and the launcher are killed, so that nothing is left holding the output pipes."""
     import signal
 
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -68,15 +95,14 @@ def run_job(cmd: list[str], timeout: float, env: dict[str, str]) -> subprocess.C
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        found = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True).stdout.split()
-        for pid in found:
-            if int(pid) != proc.pid:  # (the launcher last: it would kill its workers before they dump)
-                os.kill(int(pid), signal.SIGABRT)
+        job = descendants(proc.pid)
+        _signal_all(job, signal.SIGABRT)  # (not the launcher: it would kill its workers before they dump)
         try:
             out, err = proc.communicate(timeout=15)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
+            _signal_all([proc.pid, *job, *descendants(proc.pid)], signal.SIGKILL)
+            out, err = proc.communicate(timeout=60)
+        _signal_all([*job, *descendants(proc.pid)], signal.SIGKILL)
         with __import__("contextlib").suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         raise AssertionError(f"{' '.join(cmd[:6])}... ran past {timeout:g} s; the stacks of its processes (SIGABRT):"

@@ -50,8 +50,9 @@ def _lightning_ddp(base: Path, *args: str, timeout: int = 240) -> subprocess.Com
     """The same job launched by Lightning itself (``python train.py``, strategy "ddp": rank 0 starts rank 1), as a
     container's main process often is."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning"}
-    cmd = [sys.executable, str(SCRIPTS / "train.py"), "--dir", str(base / "local"), "--out", str(base / "out.pt"), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, start_new_session=True)
+    cmd = [sys.executable, str(SCRIPTS / "train.py"), "--dir", str(base / "local"), "--out", str(base / "out.pt"),
+           *args]
+    return run_job(cmd, timeout, env)
 
 
 def _preempt_and_requeue(tmp_path: Path, ref: Path, extra: tuple[str, ...], signal_args: tuple[str, ...],
