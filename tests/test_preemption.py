@@ -210,20 +210,24 @@ def test_slurm_auto_requeue_signal_snapshots_requeues_and_exits_138(tmp_path, on
 @pytest.mark.slow
 def test_with_the_ram_tier_the_requeue_restores_from_node_memory(tmp_path, references):
     """RAM tier every step (its agents outlive the job), local tier every 10: SIGTERM to torchrun at step 23. The
-    step the signal found, already due in the RAM tier, is snapshotted once for every tier; the requeue on the same
-    node restores it from the RAM tier, on both ranks, and ends bitwise equal."""
+    step the signal found, already due in the RAM tier, is captured once (on each rank) for every tier; the requeue
+    on the same node restores it from the RAM tier, on both ranks, and ends bitwise equal."""
     from lightning_snapshot.backends.ram.agent import stop_agent
 
     run = tmp_path / "run"
     os.environ["LIGHTNING_SNAPSHOT_SHM_DIR"] = str(tmp_path / "shm")
     try:
-        proc = _torchrun(run, *COMMON, "--ram-every", "1", "--signal-at", "23", "--signal-to", "launcher")
+        proc = _torchrun(run, *COMMON, "--ram-every", "1", "--signal-at", "23", "--signal-to", "launcher",
+                         "--print-captures")
         said = proc.stdout + proc.stderr
         assert proc.returncode != 0, said[-6000:]
         held = HELD.findall(said)
         assert held, said[-6000:]
         step = int(held[0][1])
         assert step >= 23 and committed_steps(LocalTier(run / "local"))[0] == step, (held, said[-3000:])
+        # the RAM tier's snapshot of that step is the one made durable: each rank captured the step once
+        captures = re.findall(rf"CAPTURE step={step} rank=(\d+)\n", proc.stdout)
+        assert sorted(captures) == ["0", "1"], (captures, proc.stdout[-3000:])
         requeued = _torchrun(run, *COMMON, "--ram-every", "1")
         assert requeued.returncode == 0, (requeued.stdout + requeued.stderr)[-6000:]
     finally:

@@ -319,6 +319,19 @@ class SendSignal(L.Callback):
             self._send(trainer)
 
 
+def _print_captures() -> None:
+    """Print a line each time this rank stages the model and optimizer state (a capture), with its step."""
+    from lightning_snapshot.stager import Stager
+
+    original = Stager.stage_shared
+
+    def stage_shared(self, trainer, pl_module, step, *args, **kwargs):
+        os.write(sys.stdout.fileno(), f"CAPTURE step={step} rank={trainer.global_rank}\n".encode())
+        return original(self, trainer, pl_module, step, *args, **kwargs)
+
+    Stager.stage_shared = stage_shared
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--dir", required=True)
@@ -387,6 +400,8 @@ def main() -> None:
     p.add_argument("--val-delay", type=float, default=0.0, help="seconds each validation batch sleeps")
     p.add_argument("--sigterm-grace", type=float, default=25.0)
     p.add_argument("--signal-again", type=float, default=0.0, help="send the signal again this many seconds later")
+    p.add_argument("--print-captures", action="store_true",
+                   help="print CAPTURE step=S rank=R each time the model and optimizer state is staged")
     p.add_argument("--slurm-requeue", action="store_true",
                    help="SLURMEnvironment(auto_requeue=True) (the SLURM_* variables come from the test)")
     a = p.parse_args()
@@ -440,6 +455,8 @@ def main() -> None:
         callbacks.append(Crash(a.crash_at, tiers, newest=bool(a.ram_every) or a.crash_after_newest))
     if a.raise_at >= 0:
         callbacks.append(Raise(a.raise_at, a.raise_rank, tier))
+    if a.print_captures:
+        _print_captures()
     if a.signal_at >= 0:
         callbacks.append(SendSignal(a.signal_at, a.signal_to, a.signal_rank, a.signal_during,
                                     int(getattr(signal, a.signal)), a.signal_again))
