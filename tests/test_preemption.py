@@ -287,3 +287,35 @@ def test_preemption_with_a_local_and_an_object_store_tier(tmp_path, s3_server, b
     store = ObjectStoreTier(url, storage_options=s3_options(s3_server.endpoint))
     assert committed_steps(store)[0] == 13
     assert f"step 13 is held by {tmp_path / 'run' / 'local'}, {url}" in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_model_parallel_sigterm_to_one_rank_stops_both_and_the_requeue_resumes_bitwise(tmp_path):
+    """ModelParallelStrategy (FSDP2, each rank holding half of every parameter) under torchrun: SIGTERM to rank 1
+    only after step 23. Both ranks stop at the step after it with their shards durable, exit 143, and the requeue
+    resumes there and ends bitwise equal to a job that was never interrupted."""
+    common = ("--strategy", "mp", "--max-steps", "40", "--every", "10", "--samples", "400")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning"}
+
+    def job(base: Path, *args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(SCRIPTS / "reshard_train.py"), "--dir", str(base / "local"), "--out", str(base / "out.pt"), *args]
+        return run_job(cmd, 240, env)
+
+    ref = job(tmp_path / "ref", *common)
+    assert ref.returncode == 0, ref.stderr[-4000:]
+    run = tmp_path / "run"
+    proc = job(run, *common, "--signal-at", "23", "--signal-to", "self", "--signal-rank", "1")
+    said = proc.stdout + proc.stderr
+    assert proc.returncode != 0, said[-6000:]
+    held = HELD.findall(said)
+    assert {int(h[1]) for h in held} == {24}, said[-6000:]
+    # torchrun's summary of its failed workers: both ranks exited 143; neither trained past the step made durable
+    assert re.findall(r"exitcode\s*: (\d+) \(pid", said) == ["143", "143"], said[-3000:]
+    for r in (0, 1):
+        assert max(int(s) for s in re.findall(rf"STEP-END step=(\d+) rank={r}\n", proc.stdout)) == 24, said[-3000:]
+    assert committed_steps(LocalTier(run / "local"))[0] == 24
+    requeued = job(run, *common)
+    assert requeued.returncode == 0, requeued.stderr[-4000:]
+    assert sorted(re.findall(r"RESTORED step=(\d+) rank=(\d)", requeued.stdout)) == [("24", "0"), ("24", "1")]
+    assert assert_bitwise_equal(tmp_path / "ref" / "out.pt", run / "out.pt", since=24) > 0

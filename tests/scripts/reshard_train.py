@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 
 import lightning as L
 import torch
@@ -30,7 +31,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_snapshot import SnapshotCallback
 from lightning_snapshot.backends import LocalTier, ObjectStoreTier
-from train import Crash  # (tests/scripts is the script's directory: on sys.path)
+from train import Crash, SendSignal  # (tests/scripts is the script's directory: on sys.path)
 
 IN, HIDDEN, OUT = 32, 256, 5  # OUT=5 rows over 2 ranks: an uneven shard (3 + 2)
 
@@ -175,6 +176,9 @@ def main() -> None:
     p.add_argument("--count-reads", default=None,
                    help="count the bytes read from the data objects under --dir at the OS interface (io_count.py)"
                         " and write them to this path + .rank<global rank>")
+    p.add_argument("--signal-at", type=int, default=-1, help="SIGTERM at this global step (train.py's SendSignal)")
+    p.add_argument("--signal-to", choices=["self", "launcher", "all"], default="launcher")
+    p.add_argument("--signal-rank", type=int, default=0)
     a = p.parse_args()
 
     write_reads = None
@@ -205,6 +209,8 @@ def main() -> None:
         callbacks.append(record)
     if a.crash_at >= 0:
         callbacks.append(Crash(a.crash_at, tiers))
+    if a.signal_at >= 0:
+        callbacks.append(SendSignal(a.signal_at, a.signal_to, a.signal_rank, "train", signal.SIGTERM))
     if a.strategy == "mp":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
