@@ -16,7 +16,7 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_snapshot.backends.base import LayoutSettling, NodeAgent, NodeAgentHosting
-from lightning_snapshot.comm import Comm, GroupComm, LocalComm, StrategyComm, agree_on, new_gloo_groups
+from lightning_snapshot.comm import Comm, GroupComm, LocalComm, StrategyComm, agree_on, new_gloo_groups, wait_as_long_as
 from lightning_snapshot.config import SnapshotConfig
 from lightning_snapshot.errors import ConfigError, TierUnavailableError
 from lightning_snapshot.persist import Persister
@@ -25,6 +25,17 @@ from lightning_snapshot.staging.arena import HostArena
 __all__ = ["FitSession"]
 
 log = logging.getLogger(__name__)
+
+
+def _trainer_timeout(strategy: Any) -> dt.timedelta:
+    """The timeout of the trainer's own collectives: the strategy's ``timeout=`` (DDP, FSDP, ModelParallel), else
+    torch's default for a process group."""
+    timeout = getattr(strategy, "_timeout", None)
+    if isinstance(timeout, dt.timedelta):
+        return timeout
+    from torch.distributed.distributed_c10d import default_pg_timeout
+
+    return default_pg_timeout
 
 
 class FitSession:
@@ -71,6 +82,7 @@ class FitSession:
             groups = new_gloo_groups(names, timeout, self.run_id)
             self.tier_comms = [GroupComm(group) for group in groups[:-1]]
             self.step_comm = GroupComm(groups[-1])
+            wait_as_long_as(groups[-1], _trainer_timeout(trainer.strategy))
         self._setup_node_local_tiers(trainer)
         self._check_tiers()  # (after the local tiers know their node's directory; before the agent starts)
         self._setup_node_agent(trainer)

@@ -319,3 +319,17 @@ def test_model_parallel_sigterm_to_one_rank_stops_both_and_the_requeue_resumes_b
     assert requeued.returncode == 0, requeued.stderr[-4000:]
     assert sorted(re.findall(r"RESTORED step=(\d+) rank=(\d)", requeued.stdout)) == [("24", "0"), ("24", "1")]
     assert assert_bitwise_equal(tmp_path / "ref" / "out.pt", run / "out.pt", since=24) > 0
+
+
+@pytest.mark.slow
+def test_a_rank_late_at_a_step_boundary_by_more_than_collective_timeout_does_not_fail_the_agreement(tmp_path):
+    """Rank 0 alone works 8 s after step 5 (an evaluation in a rank-zero callback) while rank 1 goes on and waits in
+    the next step's collectives; collective_timeout is 3 s. The per-step preemption agreement waits as long as the
+    trainer's own collectives do (Lightning's 30 min), not collective_timeout: the job trains to the end and its
+    snapshots commit (it failed with gloo's 'Timed out waiting 3000ms' when the agreement used collective_timeout)."""
+    proc = _torchrun(tmp_path, "--devices", "2", "--max-steps", "12", "--every", "2", "--collective-timeout", "3",
+                     "--rank0-delay", "5:8")
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 0, said[-6000:]
+    assert "Timed out" not in said, said[-6000:]
+    assert committed_steps(LocalTier(tmp_path / "local"))[0] == 12

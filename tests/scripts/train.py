@@ -319,6 +319,20 @@ class SendSignal(L.Callback):
             self._send(trainer)
 
 
+class Rank0Delay(L.Callback):
+    """Rank 0 alone sleeps after the batch of one step (work only rank 0 does, such as an evaluation in a rank-zero
+    callback), while the other ranks go on to the next step boundary and wait there in the next collective."""
+
+    test_harness = True
+
+    def __init__(self, step: str, seconds: str) -> None:
+        self.step, self.seconds = int(step), float(seconds)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step and trainer.global_rank == 0:
+            time.sleep(self.seconds)
+
+
 def _print_captures() -> None:
     """Print a line each time this rank stages the model and optimizer state (a capture), with its step."""
     from lightning_snapshot.stager import Stager
@@ -400,6 +414,7 @@ def main() -> None:
     p.add_argument("--val-delay", type=float, default=0.0, help="seconds each validation batch sleeps")
     p.add_argument("--sigterm-grace", type=float, default=25.0)
     p.add_argument("--signal-again", type=float, default=0.0, help="send the signal again this many seconds later")
+    p.add_argument("--rank0-delay", default="", help="STEP:SECONDS: rank 0 alone sleeps after that step's batch")
     p.add_argument("--print-captures", action="store_true",
                    help="print CAPTURE step=S rank=R each time the model and optimizer state is staged")
     p.add_argument("--slurm-requeue", action="store_true",
@@ -455,6 +470,8 @@ def main() -> None:
         callbacks.append(Crash(a.crash_at, tiers, newest=bool(a.ram_every) or a.crash_after_newest))
     if a.raise_at >= 0:
         callbacks.append(Raise(a.raise_at, a.raise_rank, tier))
+    if a.rank0_delay:
+        callbacks.append(Rank0Delay(*a.rank0_delay.split(":")))
     if a.print_captures:
         _print_captures()
     if a.signal_at >= 0:
