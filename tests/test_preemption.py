@@ -310,8 +310,10 @@ def test_model_parallel_sigterm_to_one_rank_stops_both_and_the_requeue_resumes_b
     assert proc.returncode != 0, said[-6000:]
     held = HELD.findall(said)
     assert {int(h[1]) for h in held} == {24}, said[-6000:]
-    # torchrun's summary of its failed workers: both ranks exited 143; neither trained past the step made durable
-    assert re.findall(r"exitcode\s*: (\d+) \(pid", said) == ["143", "143"], said[-3000:]
+    # torchrun's summary of its failed workers: both ranks exited non-zero, 143, or -15 for a rank torchrun itself
+    # sent SIGTERM while it was exiting, once the other had exited 143; neither trained past the step made durable
+    codes = re.findall(r"exitcode\s*: (-?\d+) \(pid", said)
+    assert len(codes) == 2 and "143" in codes and set(codes) <= {"143", "-15"}, said[-3000:]
     for r in (0, 1):
         assert max(int(s) for s in re.findall(rf"STEP-END step=(\d+) rank={r}\n", proc.stdout)) == 24, said[-3000:]
     assert committed_steps(LocalTier(run / "local"))[0] == 24
