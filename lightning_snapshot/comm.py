@@ -508,14 +508,14 @@ def new_gloo_groups(names: list[str], timeout: datetime.timedelta, nonce: str) -
     return groups
 
 
-def wait_as_long_as(group: Any, timeout: datetime.timedelta | None) -> None:
+def wait_as_long_as(group: Any, timeout: datetime.timedelta) -> None:
     """Make the collectives of ``group`` (formed within ``collective_timeout``) wait for a peer as long as
     ``timeout``: the trainer's own process-group timeout (Lightning's ``timeout=``, 30 min by default). The
     preemption agreement's group carries an all-reduce every training step, so a rank that reaches a step boundary
     later than the others (work only rank 0 does, such as an evaluation in a rank-zero callback) must not fail it
     any sooner than the training's own collectives would fail. A peer that died still fails it at once."""
     setter = getattr(group, "set_timeout", None)
-    if timeout is None or setter is None:  # (an older torch without it: the group keeps collective_timeout)
+    if setter is None:  # (an older torch without it: the group keeps collective_timeout)
         log.debug("lightning-snapshot: the preemption agreement keeps its group's timeout (no set_timeout)")
         return
     setter(timeout)

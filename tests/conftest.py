@@ -1,9 +1,11 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -57,29 +59,9 @@ def run_script(script: str, *args: str, expect_kill: bool = False, timeout: int 
     return proc
 
 
-def descendants(pid: int) -> list[int]:
-    """The processes descended from ``pid`` (children first), found through /proc: torchrun starts each worker in a
-    session of its own, so neither the launcher's session nor its process group holds the ranks."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue  # (gone meanwhile)
-            children.setdefault(parent, []).append(int(entry))
-    found, todo = [], list(children.get(pid, ()))
-    while todo:
-        child = todo.pop(0)
-        found.append(child)
-        todo.extend(children.get(child, ()))
-    return found
-
-
 def _signal_all(pids: list[int], sig: int) -> None:
     for pid in pids:
-        with __import__("contextlib").suppress(ProcessLookupError):
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
 
 
@@ -88,22 +70,24 @@ def run_job(cmd: list[str], timeout: float, env: dict[str, str]) -> subprocess.C
     descended from the launcher (the ranks and their loader workers) gets SIGABRT first, so that Python's fault
     handler (``PYTHONFAULTHANDLER``) writes each one's thread stacks into the output the failure shows: a hang says
     where it hangs. Then they and the launcher are killed, so that nothing is left holding the output pipes."""
-    import signal
-
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**env, "PYTHONFAULTHANDLER": "1"}, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        job = descendants(proc.pid)
+        from processes import job_processes  # (tests/scripts)
+
+        job = job_processes(proc.pid)[1:]
         _signal_all(job, signal.SIGABRT)  # (not the launcher: it would kill its workers before they dump)
         try:
             out, err = proc.communicate(timeout=15)
+            stuck = []
         except subprocess.TimeoutExpired:
-            _signal_all([proc.pid, *job, *descendants(proc.pid)], signal.SIGKILL)
+            stuck = [proc.pid]  # (the launcher too: it did not end when its workers did)
+        _signal_all([*job, *job_processes(proc.pid)[1:], *stuck], signal.SIGKILL)  # (nothing holds the pipes)
+        if stuck:
             out, err = proc.communicate(timeout=60)
-        _signal_all([*job, *descendants(proc.pid)], signal.SIGKILL)
-        with __import__("contextlib").suppress(ProcessLookupError):
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         raise AssertionError(f"{' '.join(cmd[:6])}... ran past {timeout:g} s; the stacks of its processes (SIGABRT):"
                              f"\n{err[-12000:]}\n--- stdout ---\n{out[-2000:]}") from None

@@ -27,10 +27,11 @@ VALIDATION = ("--val-every", "5")
 HELD = re.compile(r"lightning-snapshot: (SIG\w+): step (\d+) is held by (.+?) \(([\d.]+) s after ")
 
 
-def _torchrun(base: Path, *args: str, timeout: int = 240) -> subprocess.CompletedProcess[str]:
+def _torchrun(base: Path, *args: str, timeout: int = 240, script: str = "train.py"
+              ) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(SCRIPTS / "train.py"), "--dir", str(base / "local"), "--out", str(base / "out.pt"), *args]
+           str(SCRIPTS / script), "--dir", str(base / "local"), "--out", str(base / "out.pt"), *args]
     return run_job(cmd, timeout, env)
 
 
@@ -295,12 +296,9 @@ def test_model_parallel_sigterm_to_one_rank_stops_both_and_the_requeue_resumes_b
     only after step 23. Both ranks stop at the step after it with their shards durable, exit 143, and the requeue
     resumes there and ends bitwise equal to a job that was never interrupted."""
     common = ("--strategy", "mp", "--max-steps", "40", "--every", "10", "--samples", "400")
-    env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning"}
 
     def job(base: Path, *args: str) -> subprocess.CompletedProcess[str]:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(SCRIPTS / "reshard_train.py"), "--dir", str(base / "local"), "--out", str(base / "out.pt"), *args]
-        return run_job(cmd, 240, env)
+        return _torchrun(base, *args, script="reshard_train.py")
 
     ref = job(tmp_path / "ref", *common)
     assert ref.returncode == 0, ref.stderr[-4000:]

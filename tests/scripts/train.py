@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from fingerprint import ReportRestore, capture
 from lightning_snapshot import SnapshotCallback
 from lightning_snapshot.backends import LocalTier
+from processes import job_processes
 
 
 class Squares(Dataset):
@@ -253,22 +254,6 @@ class CrashAfterRestore(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _job_processes(root: int) -> list[int]:
-    """``root`` and all its descendants: for a torchrun job's launcher (this rank's parent), the ranks and their loader
-    workers, as SLURM's scancel --signal reaches every process of a job step."""
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        for task in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else []:
-            try:
-                with open(f"/proc/{pid}/task/{task}/children") as f:
-                    todo.extend(int(c) for c in f.read().split())
-            except OSError:
-                pass
-    return found
-
-
 class SendSignal(L.Callback):
     """Preempt the job as a cluster would: at ``global_step == at`` (after that step's optimizer step; ``during``
     "validation": during the first validation batch from that step on), send ``sig`` to ``to``: "self" (this process,
@@ -298,7 +283,7 @@ class SendSignal(L.Callback):
             os.kill(os.getppid(), self.sig)
         else:  # "all": the torchrun job; "tree": this process and its loader workers
             # (sent by another process, as the cluster's agent does: a worker tells its parent's signal apart)
-            pids = _job_processes(os.getppid() if self.to == "all" else os.getpid())
+            pids = job_processes(os.getppid() if self.to == "all" else os.getpid())
             subprocess.run(["kill", f"-{self.sig}", *map(str, pids)], check=False)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
