@@ -6,7 +6,6 @@ by users through ``lightning_snapshot.load_snapshot``.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import logging
 import math
 import os
@@ -23,6 +22,7 @@ from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.backends.registry import parse_tier
 from lightning_snapshot.commit import committed_steps
 from lightning_snapshot.errors import ChecksumError, ConfigError, ManifestError, SnapshotNotFoundError
+from lightning_snapshot.forksafe import Executor
 from lightning_snapshot.manifest import (
     MANIFEST_NAME,
     Manifest,
@@ -263,7 +263,7 @@ def read_units(backend: Backend, manifest: Manifest, prefix: str, chunks: Sequen
                 failed.set()  # the other threads stop at their next chunk
                 raise
 
-    with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lightning-snapshot-read") as pool:
+    with Executor(max_workers=workers, thread_name_prefix="lightning-snapshot-read") as pool:
         futures = [pool.submit(run) for _ in range(workers)]
         for f in futures:
             f.result()  # the first failure, in order

@@ -24,6 +24,7 @@ import tenacity
 from lightning_snapshot.backends.base import Backend, NodeAgent
 from lightning_snapshot.comm import Comm, agree_on
 from lightning_snapshot.errors import SnapshotError, SnapshotWriteError
+from lightning_snapshot.forksafe import first_use
 from lightning_snapshot.manifest import Manifest
 from lightning_snapshot.staging import StagedState
 from lightning_snapshot.staging.arena import AsyncStaged, HostArena
@@ -113,7 +114,9 @@ class _TierWorker:
                     self._drop(job)
                     continue
                 self.current = job.step
-                self._persist(job)
+                # (a tier's first write calls operators a first time in the process: forks wait, see forksafe)
+                with first_use(f"persist thread of the {self.tier.tier} tier"):
+                    self._persist(job)
             finally:
                 self.current = None
                 self.jobs.task_done()
@@ -347,19 +350,20 @@ class Persister:
                 return
             what, job = item
             try:
-                if what == "staged":
-                    if isinstance(job.shared, AsyncStaged):
-                        # the agent holds the snapshot as soon as its bytes are in the slot (it would take the
-                        # checksums itself, were this trainer to die now), and gets them once they are taken
-                        job.shared.wait_copied()
-                        # (not before training settled that the copy is not torn: the agent would flush it)
-                        job.shared.await_fence(self._closing)
-                        if not job.shared.done():
-                            self.agent.staged(job)
-                        job.shared.wait()
-                    self.agent.staged(job)
-                elif isinstance(job.shared, AsyncStaged):
-                    self.agent.release(job.shared.slot, ok=all(job.ok.get(i, False) for i in job.done))
+                with first_use("agent link"):
+                    if what == "staged":
+                        if isinstance(job.shared, AsyncStaged):
+                            # the agent holds the snapshot as soon as its bytes are in the slot (it would take the
+                            # checksums itself, were this trainer to die now), and gets them once they are taken
+                            job.shared.wait_copied()
+                            # (not before training settled that the copy is not torn: the agent would flush it)
+                            job.shared.await_fence(self._closing)
+                            if not job.shared.done():
+                                self.agent.staged(job)
+                            job.shared.wait()
+                        self.agent.staged(job)
+                    elif isinstance(job.shared, AsyncStaged):
+                        self.agent.release(job.shared.slot, ok=all(job.ok.get(i, False) for i in job.done))
             except Exception as e:  # noqa: BLE001 - a failed copy is reported by the tier workers
                 log.debug("lightning-snapshot: agent link: %s", e)
 

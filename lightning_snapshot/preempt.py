@@ -179,6 +179,10 @@ class Preemption:
             agreed = local
         else:
             earlier, self._pending = self._pending, self.comm.all_max_start(local)
+            if earlier is None:
+                # the first one waited for at once: gloo's thread calls its operators a first time then, which must
+                # not be while the training thread forks loader workers (see forksafe)
+                self._pending.result()
             agreed = earlier.result() if earlier is not None else 0
         if agreed:
             self.agreed = agreed

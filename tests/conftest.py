@@ -65,6 +65,32 @@ def _signal_all(pids: list[int], sig: int) -> None:
             os.kill(pid, sig)
 
 
+def condensed_stacks(err: str, top: int = 6, bottom: int = 2) -> str:
+    """The fault handler's dumps in ``err`` (one per process, each thread's frames most recent first) cut to each
+    thread's ``top`` most recent frames and its ``bottom`` outermost (which say whether it is a rank's training
+    thread, a loader worker or a helper thread), so that every process of a job fits in the failure's message; the
+    other lines of ``err`` are kept, the extension module lists dropped."""
+    out: list[str] = []
+    frames: list[str] = []
+
+    def flush() -> None:
+        if len(frames) > top + bottom:
+            out.extend([*frames[:top], f"    ... {len(frames) - top - bottom} frames ...", *frames[-bottom:]])
+        else:
+            out.extend(frames)
+        frames.clear()
+
+    for line in err.splitlines():
+        if line.lstrip().startswith("File \"") and re.search(r", line \d+ in ", line):
+            frames.append(line)
+            continue
+        flush()
+        if not line.lstrip().startswith("Extension modules:"):
+            out.append(line)
+    flush()
+    return "\n".join(out)
+
+
 def run_job(cmd: list[str], timeout: float, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     """Run a multi-process job (torchrun) in a session of its own; when it runs past ``timeout``, every process
     descended from the launcher (the ranks and their loader workers) gets SIGABRT first, so that Python's fault
@@ -90,7 +116,7 @@ def run_job(cmd: list[str], timeout: float, env: dict[str, str]) -> subprocess.C
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         raise AssertionError(f"{' '.join(cmd[:6])}... ran past {timeout:g} s; the stacks of its processes (SIGABRT):"
-                             f"\n{err[-12000:]}\n--- stdout ---\n{out[-2000:]}") from None
+                             f"\n{condensed_stacks(err)[-12000:]}\n--- stdout ---\n{out[-2000:]}") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 

@@ -21,7 +21,6 @@ Pure functions over buffers: no I/O, no process group. Called by the RAM tier: r
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import ctypes
 import os
 import threading
@@ -32,6 +31,7 @@ import numpy as np
 import zfec
 
 from lightning_snapshot.errors import ChecksumError, ConfigError
+from lightning_snapshot.forksafe import Executor
 
 __all__ = ["DEFAULT_BLOCK", "ShareLayout", "check_params", "decode", "encode", "layout", "rebuild"]
 
@@ -181,7 +181,7 @@ def _run(fn: Callable[[int, int], None], stripes: int, threads: int | None) -> N
                 return
             fn(a, min(a + grain, stripes))
 
-    with cf.ThreadPoolExecutor(max_workers=n, thread_name_prefix="lightning-snapshot-zfec") as pool:
+    with Executor(max_workers=n, thread_name_prefix="lightning-snapshot-zfec") as pool:
         for f in [pool.submit(worker) for _ in range(n)]:
             f.result()
 

@@ -9,7 +9,6 @@ calls them on each node's first rank (it gathers the inventories and plans the t
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import contextlib
 import json
 import logging
@@ -24,6 +23,7 @@ from lightning_snapshot.backends.ram.node_store import PROPOSED
 from lightning_snapshot.backends.ram.shares import EC, LAYOUT_FILE, READING_FILE, parse_layout, share_ok, view_of
 from lightning_snapshot.comm import agree_on
 from lightning_snapshot.errors import SnapshotError
+from lightning_snapshot.forksafe import Executor
 
 __all__ = ["PROPOSED", "commit_kept", "fetch_and_rebuild", "inventory"]
 
@@ -65,7 +65,7 @@ def inventory(store: LocalTier, prefix: str, *, leader: bool, verify: bool, thre
     # every share hashed once, on as many threads as the tier codes with (xxh3 releases the GIL)
     workers = min(len(checks), threads or min(8, os.cpu_count() or 1)) if verify else 1
     if workers > 1:
-        with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lightning-snapshot-verify") as pool:
+        with Executor(max_workers=workers, thread_name_prefix="lightning-snapshot-verify") as pool:
             results = list(pool.map(check, checks))
     else:
         results = [check(c) for c in checks]

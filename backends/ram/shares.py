@@ -8,7 +8,6 @@ shares, the rebuild, the reads from data shares).
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import json
 import mmap
 import os
@@ -21,6 +20,7 @@ import xxhash
 from lightning_snapshot.backends.mapped_files import pread_all
 from lightning_snapshot.backends.ram import erasure as _ec
 from lightning_snapshot.errors import SnapshotError
+from lightning_snapshot.forksafe import Executor
 from lightning_snapshot.staging import digest
 
 __all__ = [
@@ -118,7 +118,7 @@ def digests(items: list[tuple[memoryview, int]], threads: int | None) -> list[st
     workers = min(len(items), threads or min(8, os.cpu_count() or 1))
     if workers <= 1:
         return [_padded_digest(v) for v in items]
-    with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lightning-snapshot-digest") as pool:
+    with Executor(max_workers=workers, thread_name_prefix="lightning-snapshot-digest") as pool:
         return list(pool.map(_padded_digest, items))
 
 

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lightning_snapshot.forksafe import Executor
+
 if TYPE_CHECKING:
     from lightning_snapshot.staging.slot import ArenaSlot
 
@@ -151,7 +153,7 @@ class HostRegistration:
         and wait for it; raises what ``fn`` raised."""
         with self._lock:
             if self._thread is None:
-                self._thread = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-snapshot-cuda-host")
+                self._thread = Executor(max_workers=1, thread_name_prefix="lightning-snapshot-cuda-host")
             pool = self._thread
         pool.submit(fn, *args).result()
 

@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from lightning_snapshot.forksafe import Executor
 from lightning_snapshot.planner import align_up
 from lightning_snapshot.staging.cuda_host import HostRegistration
 from lightning_snapshot.staging.slot import PAGE, ArenaSlot, _memfd_ok, _populate, wait_for_slot
@@ -140,7 +141,7 @@ class SlotPool:
                 return False
             self._growing = size
             if self._allocator is None:
-                self._allocator = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-snapshot-alloc")
+                self._allocator = Executor(max_workers=1, thread_name_prefix="lightning-snapshot-alloc")
         self._allocator.submit(self._grow, nbytes, self.device)
         return True
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import xxhash
 
+from lightning_snapshot.forksafe import Executor, waiting
 from lightning_snapshot.planner import chunk_ranges
 from lightning_snapshot.staging import StagedState, chunk_digests
 from lightning_snapshot.staging import digest as digest_of
@@ -169,7 +170,7 @@ class Stager:
         """Threads that hash what the CUDA side stream copied, chunk by chunk, while it copies the rest (xxhash
         releases the GIL): the snapshot is staged, with its checksums, about when the last byte has arrived."""
         if self._hasher is None:
-            self._hasher = cf.ThreadPoolExecutor(
+            self._hasher = Executor(
                 max_workers=max(1, min(8, (os.cpu_count() or 2) // 2)), thread_name_prefix="lightning-snapshot-hash"
             )
         return self._hasher
@@ -190,7 +191,8 @@ class Stager:
         assert packed is not None
         chunk = self.chunk_bytes
         sums: dict[str, list[str]] = {}
-        handle.go.wait()
+        with waiting():  # (held back until the training thread has taken this rank's state: see forksafe)
+            handle.go.wait()
         try:
             if copy_hook is not None:
                 copy_hook()

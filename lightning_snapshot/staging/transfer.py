@@ -23,6 +23,7 @@ import torch
 import xxhash
 
 from lightning_snapshot.errors import TornSnapshotError
+from lightning_snapshot.forksafe import first_use, waiting
 from lightning_snapshot.planner import chunk_ranges
 from lightning_snapshot.staging import SMALL_HASH as _SMALL
 from lightning_snapshot.staging import StagedState, chunk_digests
@@ -42,6 +43,7 @@ class CopyThread:
     """
 
     def __init__(self, name: str) -> None:
+        self.name = name
         self._calls: queue.SimpleQueue[tuple[cf.Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = (
             queue.SimpleQueue()
         )
@@ -55,7 +57,8 @@ class CopyThread:
 
     def _run(self) -> None:
         while (call := self._calls.get()) is not None:
-            self._call(*call)
+            with first_use(self.name):  # (its first copy calls operators a first time: forks wait, see forksafe)
+                self._call(*call)
             del call  # (a finished copy's sources are not kept alive by this frame until the next one comes)
 
     @staticmethod
@@ -209,9 +212,10 @@ class AsyncStaged:
         """Block until the training thread has settled the copy (:meth:`fence_training`: at the next optimizer
         step, or when training ends); raises :class:`~lightning_snapshot.errors.TornSnapshotError` if it is torn.
         Returns early, without a verdict, once ``stop`` is set (the writer is being stopped)."""
-        while not self.fenced.wait(0.5):
-            if stop is not None and stop.is_set():
-                raise TornSnapshotError(f"step {self.step}: stopped before training settled its copy")
+        with waiting():  # (for the training thread, which may be forking: see forksafe)
+            while not self.fenced.wait(0.5):
+                if stop is not None and stop.is_set():
+                    raise TornSnapshotError(f"step {self.step}: stopped before training settled its copy")
         if self.torn:
             raise TornSnapshotError(
                 f"step {self.step}: {', '.join(repr(n) for n, _ in self.torn[:3])}"
