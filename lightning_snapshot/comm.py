@@ -27,6 +27,7 @@ __all__ = [
     "TensorComm",
     "agree_on",
     "new_gloo_groups",
+    "prime_operators",
     "problem_text",
     "wait_as_long_as",
     "waiting_failed",
@@ -39,6 +40,21 @@ class Pending(Protocol):
     """A collective started and not yet waited for (:meth:`Comm.all_max_start`)."""
 
     def result(self) -> int: ...
+
+
+def prime_operators() -> None:
+    """Call once, on the training thread, the operators gloo's run loop calls on a collective's tensors (``view``,
+    ``select``, ``as_strided``, ``copy_``), so that its first collectives do not call them a first time in the process:
+    torch registers an exit handler at an operator's first call, and a loader worker forked while another thread is
+    inside that registration can hang for ever (glibc's exit-handler lock: see :mod:`~lightning_snapshot.forksafe`,
+    which covers the library's own threads; gloo's are torch's)."""
+    import torch
+
+    t = torch.zeros(8)
+    t.view(2, 4).select(0, 1).as_strided((2,), (1,)).copy_(torch.ones(2))
+    # (and those the library's threads call at their first snapshot, which forksafe's gate covers too)
+    t.unsqueeze(0).gt(t).sum()
+    torch.empty(0).resize_(2)
 
 
 class _Ready:

@@ -16,7 +16,16 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_snapshot.backends.base import LayoutSettling, NodeAgent, NodeAgentHosting
-from lightning_snapshot.comm import Comm, GroupComm, LocalComm, StrategyComm, agree_on, new_gloo_groups, wait_as_long_as
+from lightning_snapshot.comm import (
+    Comm,
+    GroupComm,
+    LocalComm,
+    StrategyComm,
+    agree_on,
+    new_gloo_groups,
+    prime_operators,
+    wait_as_long_as,
+)
 from lightning_snapshot.config import SnapshotConfig
 from lightning_snapshot.errors import ConfigError, TierUnavailableError
 from lightning_snapshot.persist import Persister
@@ -61,6 +70,7 @@ class FitSession:
     def open(cls, config: SnapshotConfig, trainer: Any) -> FitSession:
         """Wire a fit (collective). On failure what was started is closed again and the error raised."""
         strategy = trainer.strategy
+        prime_operators()  # (before the first collective of this fit: see forksafe)
         comm: Comm = StrategyComm(strategy) if strategy.world_size > 1 else LocalComm()
         session = cls(config, comm, str(comm.broadcast(uuid.uuid4().hex[:12])))
         try:
