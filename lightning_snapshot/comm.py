@@ -43,8 +43,9 @@ class Pending(Protocol):
 
 
 def prime_operators() -> None:
-    """Call once, on the training thread, the operators gloo's run loop calls on a collective's tensors (``view``,
-    ``select``, ``as_strided``, ``copy_``), so that its first collectives do not call them a first time in the process:
+    """Call, on the training thread before a fit's first collective (each fit: it costs microseconds), the operators
+    gloo's run loop calls on a collective's tensors (``view``, ``select``, ``as_strided``, ``copy_``), so that its
+    collectives never call them a first time in the process:
     torch registers an exit handler at an operator's first call, and a loader worker forked while another thread is
     inside that registration can hang for ever (glibc's exit-handler lock: see :mod:`~lightning_snapshot.forksafe`,
     which covers the library's own threads; gloo's are torch's)."""
