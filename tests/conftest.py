@@ -5,10 +5,12 @@ import contextlib
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -66,10 +68,10 @@ def _signal_all(pids: list[int], sig: int) -> None:
 
 
 def condensed_stacks(err: str, top: int = 6, bottom: int = 2) -> str:
-    """The fault handler's dumps in ``err`` (one per process, each thread's frames most recent first) cut to each
-    thread's ``top`` most recent frames and its ``bottom`` outermost (which say whether it is a rank's training
-    thread, a loader worker or a helper thread), so that every process of a job fits in the failure's message; the
-    other lines of ``err`` are kept, the extension module lists dropped."""
+    """The fault handler's dumps in ``err`` (each thread's frames most recent first) cut to each thread's ``top``
+    most recent frames and its ``bottom`` outermost (which say whether it is a rank's training thread, a loader
+    worker or a helper thread), so that every process of a job fits in the failure's message; the other lines of
+    ``err`` are kept, the extension module lists dropped."""
     out: list[str] = []
     frames: list[str] = []
 
@@ -81,7 +83,7 @@ def condensed_stacks(err: str, top: int = 6, bottom: int = 2) -> str:
         frames.clear()
 
     for line in err.splitlines():
-        if line.lstrip().startswith("File \"") and re.search(r", line \d+ in ", line):
+        if re.match(r"\s+(File \"|\S.* \(.*\)$)", line):  # (a frame: the fault handler's, or py-spy's)
             frames.append(line)
             continue
         flush()
@@ -91,11 +93,74 @@ def condensed_stacks(err: str, top: int = 6, bottom: int = 2) -> str:
     return "\n".join(out)
 
 
+def _py_spy() -> str | None:
+    found = Path(sys.executable).with_name("py-spy")
+    return str(found) if found.exists() else shutil.which("py-spy")
+
+
+def job_stacks(launcher: int) -> str:
+    """The thread stacks of every process of a hung job, one process after the other (ranks first, then their
+    loader workers): the launcher is stopped first (SIGSTOP) so that it does not end its workers meanwhile. With
+    py-spy (the test extra) each is dumped with its native frames, the process left running; without it, each gets
+    SIGABRT in turn and Python's fault handler (``PYTHONFAULTHANDLER``) writes its stacks to ``/proc/PID/fd/2``'s
+    pipe, which the caller reads: one at a time, so the dumps of two processes do not interleave."""
+    from processes import job_processes  # (tests/scripts)
+
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(launcher, signal.SIGSTOP)
+    job = job_processes(launcher)[1:]
+    ranks = [pid for pid in job if _parent(pid) == launcher]
+    order = ranks + [pid for pid in job if pid not in ranks]
+    spy = _py_spy()
+    dumps = []
+    for pid in order:
+        what = "rank" if pid in ranks else f"child of {_parent(pid)}"
+        text = None
+        if spy is not None:
+            try:
+                got = subprocess.run([spy, "dump", "--native", "--pid", str(pid)], capture_output=True, text=True,
+                                     timeout=60)
+                text = got.stdout if got.returncode == 0 else None
+                failed = got.stderr.strip()[-300:]
+            except subprocess.TimeoutExpired:
+                failed = "no answer in 60 s"
+            if text is None:
+                dumps.append(f"(py-spy failed on pid {pid}: {failed})")
+        if text is not None:
+            text = condensed_stacks(re.sub(r"(?m)^Python v.*\n", "", text), top=14, bottom=3)
+            cap = 4500 if pid in ranks else 1200  # (the ranks in full, their workers' main threads)
+            dumps.append(f"=== pid {pid} ({what}) ===\n{text[:cap]}")
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGABRT)
+            for _ in range(50):  # (its dump written before the next one starts)
+                if not os.path.exists(f"/proc/{pid}") or _state(pid) in ("Z", "X"):
+                    break
+                time.sleep(0.1)
+            dumps.append(f"=== pid {pid} ({what}): SIGABRT, its stacks in the job's stderr in this order ===")
+    return "\n".join(dumps)
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "X"
+
+
 def run_job(cmd: list[str], timeout: float, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """Run a multi-process job (torchrun) in a session of its own; when it runs past ``timeout``, every process
-    descended from the launcher (the ranks and their loader workers) gets SIGABRT first, so that Python's fault
-    handler (``PYTHONFAULTHANDLER``) writes each one's thread stacks into the output the failure shows: a hang says
-    where it hangs. Then they and the launcher are killed, so that nothing is left holding the output pipes."""
+    """Run a multi-process job (torchrun) in a session of its own; when it runs past ``timeout``, the failure says
+    where each of its processes hangs (``job_stacks``), then they and the launcher are killed, so that nothing is
+    left holding the output pipes."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**env, "PYTHONFAULTHANDLER": "1"}, start_new_session=True)
     try:
@@ -103,20 +168,14 @@ def run_job(cmd: list[str], timeout: float, env: dict[str, str]) -> subprocess.C
     except subprocess.TimeoutExpired:
         from processes import job_processes  # (tests/scripts)
 
-        job = job_processes(proc.pid)[1:]
-        _signal_all(job, signal.SIGABRT)  # (not the launcher: it would kill its workers before they dump)
-        try:
-            out, err = proc.communicate(timeout=15)
-            stuck = []
-        except subprocess.TimeoutExpired:
-            stuck = [proc.pid]  # (the launcher too: it did not end when its workers did)
-        _signal_all([*job, *job_processes(proc.pid)[1:], *stuck], signal.SIGKILL)  # (nothing holds the pipes)
-        if stuck:
-            out, err = proc.communicate(timeout=60)
+        stacks = job_stacks(proc.pid)
+        _signal_all(job_processes(proc.pid), signal.SIGKILL)  # (nothing holds the pipes)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError(f"{' '.join(cmd[:6])}... ran past {timeout:g} s; the stacks of its processes (SIGABRT):"
-                             f"\n{condensed_stacks(err)[-12000:]}\n--- stdout ---\n{out[-2000:]}") from None
+        out, err = proc.communicate(timeout=60)
+        raise AssertionError(f"{' '.join(cmd[:6])}... ran past {timeout:g} s; the stacks of its processes:\n"
+                             f"{stacks[:14000]}\n--- stderr ---\n{condensed_stacks(err)[-6000:]}\n"
+                             f"--- stdout ---\n{out[-2000:]}") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
