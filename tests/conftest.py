@@ -101,9 +101,10 @@ def _py_spy() -> str | None:
 def job_stacks(launcher: int) -> str:
     """The thread stacks of every process of a hung job, one process after the other (ranks first, then their
     loader workers): the launcher is stopped first (SIGSTOP) so that it does not end its workers meanwhile. With
-    py-spy (the test extra) each is dumped with its native frames, the process left running; without it, each gets
-    SIGABRT in turn and Python's fault handler (``PYTHONFAULTHANDLER``) writes its stacks to ``/proc/PID/fd/2``'s
-    pipe, which the caller reads: one at a time, so the dumps of two processes do not interleave."""
+    py-spy (the test extra) each is dumped with its native frames, the process left running; where py-spy fails,
+    gdb's native backtrace; without either, each gets SIGABRT in turn and Python's fault handler
+    (``PYTHONFAULTHANDLER``) writes its stacks to the job's stderr: one at a time, so that two dumps do not
+    interleave."""
     from processes import job_processes  # (tests/scripts)
 
     with contextlib.suppress(ProcessLookupError):
@@ -126,6 +127,13 @@ def job_stacks(launcher: int) -> str:
                 failed = "no answer in 60 s"
             if text is None:
                 dumps.append(f"(py-spy failed on pid {pid}: {failed})")
+        if text is None and shutil.which("gdb"):  # (native frames only, 12 per thread)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                got = subprocess.run(["gdb", "-p", str(pid), "-batch", "-nx", "-ex", "thread apply all bt 12"],
+                                     capture_output=True, text=True, timeout=60)
+                text = "\n".join(line for line in got.stdout.splitlines() if line.startswith(("Thread ", "#")))
+                text = re.sub(r"(?m)^(#\d+) +(?:0x[0-9a-f]+ in )?(\S+) .*?(?: (?:at|from) (\S+))?$", r"\1 \2 \3",
+                              text) or None  # (the frame's function and file, without its arguments)
         if text is not None:
             text = condensed_stacks(re.sub(r"(?m)^Python v.*\n", "", text), top=14, bottom=3)
             cap = 4500 if pid in ranks else 1200  # (the ranks in full, their workers' main threads)
