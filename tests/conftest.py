@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -98,13 +99,18 @@ def _py_spy() -> str | None:
     return str(found) if found.exists() else shutil.which("py-spy")
 
 
-def job_stacks(launcher: int) -> str:
+#: a thread stopped inside ``os.fork`` (py-spy's, gdb's or the fault handler's notation)
+IN_FORK = re.compile(r"_launch \(multiprocessing/popen_fork\.py:66\)|^#\d+ (os_fork_impl|PyOS_AfterFork_Child) |"
+                     r"\(most recent call first\):\n\s+File \"[^\"]*popen_fork\.py\", line 66 in _launch", re.M)
+
+
+def job_stacks(launcher: int) -> tuple[str, bool]:
     """The thread stacks of every process of a hung job, one process after the other (ranks first, then their
-    loader workers): the launcher is stopped first (SIGSTOP) so that it does not end its workers meanwhile. With
-    py-spy (the test extra) each is dumped with its native frames, the process left running; where py-spy fails,
-    gdb's native backtrace; without either, each gets SIGABRT in turn and Python's fault handler
-    (``PYTHONFAULTHANDLER``) writes its stacks to the job's stderr: one at a time, so that two dumps do not
-    interleave."""
+    loader workers), and whether one of its threads is stopped inside ``os.fork``. The launcher is stopped first
+    (SIGSTOP) so that it does not end its workers meanwhile. With py-spy (the test extra) each is dumped with its
+    native frames, the process left running; where py-spy fails, gdb's native backtrace; without either, each gets
+    SIGABRT in turn and Python's fault handler (``PYTHONFAULTHANDLER``) writes its stacks to the job's stderr (the
+    caller looks there): one at a time, so that two dumps do not interleave."""
     from processes import job_processes  # (tests/scripts)
 
     with contextlib.suppress(ProcessLookupError):
@@ -114,6 +120,7 @@ def job_stacks(launcher: int) -> str:
     order = ranks + [pid for pid in job if pid not in ranks]
     spy = _py_spy()
     dumps = []
+    in_fork = False
     for pid in order:
         what = "rank" if pid in ranks else f"child of {_parent(pid)}"
         text = None
@@ -135,6 +142,7 @@ def job_stacks(launcher: int) -> str:
                 text = re.sub(r"(?m)^(#\d+) +(?:0x[0-9a-f]+ in )?(\S+) .*?(?: (?:at|from) (\S+))?$", r"\1 \2 \3",
                               text) or None  # (the frame's function and file, without its arguments)
         if text is not None:
+            in_fork = in_fork or bool(IN_FORK.search(text))
             text = condensed_stacks(re.sub(r"(?m)^Python v.*\n", "", text), top=14, bottom=3)
             cap = 4500 if pid in ranks else 1200  # (the ranks in full, their workers' main threads)
             dumps.append(f"=== pid {pid} ({what}) ===\n{text[:cap]}")
@@ -146,7 +154,7 @@ def job_stacks(launcher: int) -> str:
                     break
                 time.sleep(0.1)
             dumps.append(f"=== pid {pid} ({what}): SIGABRT, its stacks in the job's stderr in this order ===")
-    return "\n".join(dumps)
+    return "\n".join(dumps), in_fork
 
 
 def _parent(pid: int) -> int:
@@ -168,23 +176,34 @@ def _state(pid: int) -> str:
 def run_job(cmd: list[str], timeout: float, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     """Run a multi-process job (torchrun) in a session of its own; when it runs past ``timeout``, the failure says
     where each of its processes hangs (``job_stacks``), then they and the launcher are killed, so that nothing is
-    left holding the output pipes."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**env, "PYTHONFAULTHANDLER": "1"}, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        from processes import job_processes  # (tests/scripts)
+    left holding the output pipes.
 
-        stacks = job_stacks(proc.pid)
-        _signal_all(job_processes(proc.pid), signal.SIGKILL)  # (nothing holds the pipes)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate(timeout=60)
-        raise AssertionError(f"{' '.join(cmd[:6])}... ran past {timeout:g} s; the stacks of its processes:\n"
-                             f"{stacks[:14000]}\n--- stderr ---\n{condensed_stacks(err)[-6000:]}\n"
-                             f"--- stdout ---\n{out[-2000:]}") from None
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    One hang is run again, once: a process stopped inside ``os.fork`` (a loader worker being forked, the parent or
+    the child side), seen in about one full run of the suite in three on 2 cores and not explained yet
+    (docs/troubleshooting.md, 'Training hangs with its DataLoader workers alive'). The retry is reported as a
+    warning with every process's stacks, so that it shows in the run's summary; a second hang fails."""
+    for attempt in (1, 2):
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**env, "PYTHONFAULTHANDLER": "1"}, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+            return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+        except subprocess.TimeoutExpired:
+            from processes import job_processes  # (tests/scripts)
+
+            stacks, in_fork = job_stacks(proc.pid)
+            _signal_all(job_processes(proc.pid), signal.SIGKILL)  # (nothing holds the pipes)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate(timeout=60)
+        in_fork = in_fork or bool(IN_FORK.search(err))
+        said = (f"{' '.join(cmd[:6])}... ran past {timeout:g} s; the stacks of its processes:\n{stacks[:14000]}\n"
+                f"--- stderr ---\n{condensed_stacks(err)[-6000:]}\n--- stdout ---\n{out[-2000:]}")
+        if attempt == 1 and in_fork:
+            warnings.warn(f"a process of the job hung inside os.fork; the job is run again. {said}", stacklevel=2)
+            continue
+        raise AssertionError(said)
+    raise AssertionError("unreachable")
 
 
 def run_train(snapshot_dir: Path, out: Path, *args: str, expect_kill: bool = False, timeout: int = 300
