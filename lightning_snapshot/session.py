@@ -23,6 +23,7 @@ from lightning_snapshot.comm import (
     StrategyComm,
     agree_on,
     new_gloo_groups,
+    pin_gloo_thread_states,
     prime_operators,
     wait_as_long_as,
 )
@@ -93,6 +94,7 @@ class FitSession:
             self.tier_comms = [GroupComm(group) for group in groups[:-1]]
             self.step_comm = GroupComm(groups[-1])
             wait_as_long_as(groups[-1], _trainer_timeout(trainer.strategy))
+            pin_gloo_thread_states()  # (the trainer's groups and these: a loader worker forked later cannot hang)
         self._setup_node_local_tiers(trainer)
         self._check_tiers()  # (after the local tiers know their node's directory; before the agent starts)
         self._setup_node_agent(trainer)

@@ -27,16 +27,27 @@ ARGS = ("--devices", "2", "--max-steps", "40", "--every", "10", "--shuffle", "--
         "--augment")
 
 
-@pytest.fixture(scope="module")
-def exit_lock(tmp_path_factory) -> Path:
-    """The stand-in for glibc's exit-handler lock, built with the machine's C compiler."""
+def _build(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """tests/fixtures/NAME/NAME.c built with the machine's C compiler (an LD_PRELOAD stand-in)."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        pytest.skip("no C compiler (cc) to build tests/fixtures/exit_lock/exit_lock.c")
-    out = tmp_path_factory.mktemp("exit_lock") / "exit_lock.so"
-    source = Path(__file__).parent / "fixtures" / "exit_lock" / "exit_lock.c"
+        pytest.skip(f"no C compiler (cc) to build tests/fixtures/{name}/{name}.c")
+    out = tmp_path_factory.mktemp(name) / f"{name}.so"
+    source = Path(__file__).parent / "fixtures" / name / f"{name}.c"
     subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(out), str(source), "-ldl", "-lpthread"], check=True)
     return out
+
+
+@pytest.fixture(scope="module")
+def exit_lock(tmp_path_factory) -> Path:
+    """The stand-in for glibc's exit-handler lock."""
+    return _build(tmp_path_factory, "exit_lock")
+
+
+@pytest.fixture(scope="module")
+def head_lock(tmp_path_factory) -> Path:
+    """The stand-in that holds CPython's thread-list lock longer in a background thread's PyThreadState_New."""
+    return _build(tmp_path_factory, "head_lock")
 
 
 def _torchrun(base: Path, shm: Path, *args: str, preload: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -46,7 +57,7 @@ def _torchrun(base: Path, shm: Path, *args: str, preload: Path | None = None) ->
         env["LD_PRELOAD"] = str(preload)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(SCRIPTS / "train.py"), "--dir", str(base / "local"), "--out", str(base / "out.pt"), *args]
-    return run_job(cmd, 180, env)
+    return run_job(cmd, 180, env, retry_fork_hang=False)  # (a hang in os.fork is what these tests look for)
 
 
 @pytest.mark.slow
@@ -58,6 +69,24 @@ def test_loader_workers_forked_during_the_first_snapshots_do_not_hang(tmp_path, 
     ref = _torchrun(tmp_path / "ref", shm / "ref", *ARGS, *extra)
     assert ref.returncode == 0, ref.stderr[-4000:]
     got = _torchrun(tmp_path / "run", shm / "run", *ARGS, *extra, preload=exit_lock)
+    assert got.returncode == 0, got.stderr[-6000:]
+    assert committed_steps(LocalTier(tmp_path / "run" / "local"))[0] == 40
+    for suffix in ("", ".rank1"):
+        assert assert_bitwise_equal(Path(f"{tmp_path / 'ref' / 'out.pt'}{suffix}"),
+                                    Path(f"{tmp_path / 'run' / 'out.pt'}{suffix}")) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="CPython 3.12 resets the thread-list lock in a forked child")
+def test_loader_workers_forked_as_gloo_threads_create_thread_states_do_not_hang(tmp_path, head_lock, shm):
+    """The same job under the stand-in for CPython's thread-list lock: gloo's worker threads create a Python thread
+    state as each collective on Python-made tensors ends (the preemption agreement's every step, the library's and
+    Lightning's collectives), and a worker forked while one holds that lock hung in ``os.fork`` (CPython gh-112275;
+    the CI failures of test_preemption). The library gives gloo's worker threads thread states that they keep
+    (``comm.pin_gloo_thread_states``). Without it: the first run hung, in the workers' ``_PyThreadState_DeleteExcept``."""
+    ref = _torchrun(tmp_path / "ref", shm / "ref", *ARGS)
+    assert ref.returncode == 0, ref.stderr[-4000:]
+    got = _torchrun(tmp_path / "run", shm / "run", *ARGS, preload=head_lock)
     assert got.returncode == 0, got.stderr[-6000:]
     assert committed_steps(LocalTier(tmp_path / "run" / "local"))[0] == 40
     for suffix in ("", ".rank1"):
