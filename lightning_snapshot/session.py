@@ -23,12 +23,11 @@ from lightning_snapshot.comm import (
     StrategyComm,
     agree_on,
     new_gloo_groups,
-    pin_gloo_thread_states,
-    prime_operators,
     wait_as_long_as,
 )
 from lightning_snapshot.config import SnapshotConfig
 from lightning_snapshot.errors import ConfigError, TierUnavailableError
+from lightning_snapshot.forkprep import pin_gloo_thread_states, prime_operators
 from lightning_snapshot.persist import Persister
 from lightning_snapshot.staging.arena import HostArena
 

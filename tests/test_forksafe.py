@@ -83,7 +83,7 @@ def test_loader_workers_forked_as_gloo_threads_create_thread_states_do_not_hang(
     state as each collective on Python-made tensors ends (the preemption agreement's every step, the library's and
     Lightning's collectives), and a worker forked while one holds that lock hung in ``os.fork`` (CPython gh-112275;
     the CI failures of test_preemption). The library gives gloo's worker threads thread states that they keep
-    (``comm.pin_gloo_thread_states``). Without it: the first run hung, in the workers' ``_PyThreadState_DeleteExcept``."""
+    (``forkprep.pin_gloo_thread_states``). Without it: the first run hung, in the workers' ``_PyThreadState_DeleteExcept``."""
     ref = _torchrun(tmp_path / "ref", shm / "ref", *ARGS)
     assert ref.returncode == 0, ref.stderr[-4000:]
     got = _torchrun(tmp_path / "run", shm / "run", *ARGS, preload=head_lock)
