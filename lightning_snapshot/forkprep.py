@@ -33,8 +33,6 @@ def prime_operators() -> None:
     torch.empty(0).resize_(2)
 
 
-#: native ids of the gloo worker threads given a Python thread state for good (:func:`pin_gloo_thread_states`)
-_pinned_gloo_threads: set[int] = set()
 #: the process groups whose worker threads are pinned already (held: an ``id`` alone could be a later group's)
 _pinned_groups: list[Any] = []
 
@@ -70,7 +68,7 @@ def pin_gloo_thread_states(timeout: float = 0.5, rounds: int = 3) -> int:
     if not dist.is_available() or not dist.is_initialized():
         return 0
     world: Any = getattr(c10d, "_world", None)
-    before = len(_pinned_gloo_threads)
+    pinned = 0
     me = threading.get_ident()
     for group in list(getattr(world, "pg_map", {}) or {}):
         if any(group is done for done in _pinned_groups):
@@ -83,17 +81,18 @@ def pin_gloo_thread_states(timeout: float = 0.5, rounds: int = 3) -> int:
         if type(backend).__name__ != "ProcessGroupGloo" or threads < 1:
             continue
         _pinned_groups.append(group)
+        seen: set[int] = set()  # (this group's threads: a thread id of a group that ended may be reused)
         for _ in range(rounds):
             barrier = threading.Barrier(threads, timeout=timeout)
 
-            def pin(_: Any, barrier: threading.Barrier = barrier) -> None:
+            def pin(_: Any, barrier: threading.Barrier = barrier, seen: set[int] = seen) -> None:
                 if threading.get_ident() == me:
                     barrier.abort()  # (ran here: this round cannot reach every worker thread)
                     return
                 native = threading.get_native_id()
-                if native not in _pinned_gloo_threads:
+                if native not in seen:
                     ctypes.pythonapi.PyGILState_Ensure()  # (kept: the thread keeps its thread state)
-                    _pinned_gloo_threads.add(native)
+                    seen.add(native)
                 with contextlib.suppress(threading.BrokenBarrierError):
                     barrier.wait()
 
@@ -104,4 +103,5 @@ def pin_gloo_thread_states(timeout: float = 0.5, rounds: int = 3) -> int:
                 started.append((work.get_future().then(pin), box))
             for future, _box in started:
                 future.wait()
-    return len(_pinned_gloo_threads) - before
+        pinned += len(seen)
+    return pinned
