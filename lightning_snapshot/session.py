@@ -16,15 +16,7 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_snapshot.backends.base import LayoutSettling, NodeAgent, NodeAgentHosting
-from lightning_snapshot.comm import (
-    Comm,
-    GroupComm,
-    LocalComm,
-    StrategyComm,
-    agree_on,
-    new_gloo_groups,
-    wait_as_long_as,
-)
+from lightning_snapshot.comm import Comm, GroupComm, LocalComm, StrategyComm, agree_on, new_gloo_groups, wait_as_long_as
 from lightning_snapshot.config import SnapshotConfig
 from lightning_snapshot.errors import ConfigError, TierUnavailableError
 from lightning_snapshot.forkprep import pin_gloo_thread_states, prime_operators
@@ -70,7 +62,7 @@ class FitSession:
     def open(cls, config: SnapshotConfig, trainer: Any) -> FitSession:
         """Wire a fit (collective). On failure what was started is closed again and the error raised."""
         strategy = trainer.strategy
-        prime_operators()  # (before the first collective of this fit: see forksafe)
+        prime_operators()  # (before the first collective of this fit: see forkprep)
         comm: Comm = StrategyComm(strategy) if strategy.world_size > 1 else LocalComm()
         session = cls(config, comm, str(comm.broadcast(uuid.uuid4().hex[:12])))
         try:

@@ -157,20 +157,24 @@ def job_stacks(launcher: int) -> tuple[str, bool]:
     return "\n".join(dumps), in_fork
 
 
-def _parent(pid: int) -> int:
+def _stat(pid: int) -> list[str]:
+    """The fields of ``/proc/PID/stat`` after the command's name (state first, then the parent's pid); none when the
+    process is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return 0
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def _parent(pid: int) -> int:
+    fields = _stat(pid)
+    return int(fields[1]) if len(fields) > 1 else 0
 
 
 def _state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "X"
+    fields = _stat(pid)
+    return fields[0] if fields else "X"
 
 
 def run_job(cmd: list[str], timeout: float, env: dict[str, str], retry_fork_hang: bool = True

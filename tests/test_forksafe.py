@@ -5,8 +5,10 @@ first time the process calls each operator: a DataLoader worker forked while the
 of the library made such a call hung for ever, and so did the training thread waiting for its batch (seen in CI: a
 2-rank torchrun job, once in a few full runs). The race is a window of nanoseconds; ``fixtures/exit_lock`` keeps
 glibc's behaviour (a lock a forked child inherits locked, around every registration) and widens the window to 50 ms
-for the threads other than a process's main thread, so that the job hangs every time without the fix. The jobs must
-end, bitwise equal to the same job run without the stand-in.
+for the threads other than a process's main thread, so that the job hangs every time without the fix. The second
+hazard is CPython's (before 3.12): ``fixtures/head_lock`` holds its thread-list lock 20 ms when a background thread
+creates its Python thread state, as gloo's threads do after a collective (lightning_snapshot/forkprep.py). The jobs
+must end, bitwise equal to the same job run without the stand-in.
 """
 
 from __future__ import annotations
@@ -60,20 +62,26 @@ def _torchrun(base: Path, shm: Path, *args: str, preload: Path | None = None) ->
     return run_job(cmd, 180, env, retry_fork_hang=False)  # (a hang in os.fork is what these tests look for)
 
 
+def _ends_as_without(preload: Path, tmp_path: Path, shm: Path, extra: tuple[str, ...] = ()) -> None:
+    """The job (``ARGS`` and ``extra``) under the stand-in ``preload`` ends, with every snapshot committed, bitwise
+    equal to the same job without it."""
+    ref = _torchrun(tmp_path / "ref", shm / "ref", *ARGS, *extra)
+    assert ref.returncode == 0, ref.stderr[-4000:]
+    got = _torchrun(tmp_path / "run", shm / "run", *ARGS, *extra, preload=preload)
+    assert got.returncode == 0, got.stderr[-6000:]
+    assert committed_steps(LocalTier(tmp_path / "run" / "local"))[0] == 40
+    for suffix in ("", ".rank1"):
+        assert assert_bitwise_equal(Path(f"{tmp_path / 'ref' / 'out.pt'}{suffix}"),
+                                    Path(f"{tmp_path / 'run' / 'out.pt'}{suffix}")) > 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [(), ("--ram-every", "5")], ids=["local-tier", "ram-and-local-tiers"])
 def test_loader_workers_forked_during_the_first_snapshots_do_not_hang(tmp_path, exit_lock, shm, extra):
     """2 ranks, 2 loader workers each (forked anew each epoch of 8 steps); the first snapshot (step 10) is being
     copied and written while the workers of the epoch at step 16 are forked, and the arena allocates its second
     buffer in the background while the first epoch's are. Without the fix: hung in the first epochs."""
-    ref = _torchrun(tmp_path / "ref", shm / "ref", *ARGS, *extra)
-    assert ref.returncode == 0, ref.stderr[-4000:]
-    got = _torchrun(tmp_path / "run", shm / "run", *ARGS, *extra, preload=exit_lock)
-    assert got.returncode == 0, got.stderr[-6000:]
-    assert committed_steps(LocalTier(tmp_path / "run" / "local"))[0] == 40
-    for suffix in ("", ".rank1"):
-        assert assert_bitwise_equal(Path(f"{tmp_path / 'ref' / 'out.pt'}{suffix}"),
-                                    Path(f"{tmp_path / 'run' / 'out.pt'}{suffix}")) > 0
+    _ends_as_without(preload=exit_lock, tmp_path=tmp_path, shm=shm, extra=extra)
 
 
 @pytest.mark.slow
@@ -84,11 +92,4 @@ def test_loader_workers_forked_as_gloo_threads_create_thread_states_do_not_hang(
     Lightning's collectives), and a worker forked while one holds that lock hung in ``os.fork`` (CPython gh-112275;
     the CI failures of test_preemption). The library gives gloo's worker threads thread states that they keep
     (``forkprep.pin_gloo_thread_states``). Without it: the first run hung, in the workers' ``_PyThreadState_DeleteExcept``."""
-    ref = _torchrun(tmp_path / "ref", shm / "ref", *ARGS)
-    assert ref.returncode == 0, ref.stderr[-4000:]
-    got = _torchrun(tmp_path / "run", shm / "run", *ARGS, preload=head_lock)
-    assert got.returncode == 0, got.stderr[-6000:]
-    assert committed_steps(LocalTier(tmp_path / "run" / "local"))[0] == 40
-    for suffix in ("", ".rank1"):
-        assert assert_bitwise_equal(Path(f"{tmp_path / 'ref' / 'out.pt'}{suffix}"),
-                                    Path(f"{tmp_path / 'run' / 'out.pt'}{suffix}")) > 0
+    _ends_as_without(preload=head_lock, tmp_path=tmp_path, shm=shm)
