@@ -7,7 +7,8 @@ reporting.py, ops.py and export.py, and the RAM tier's agent when it writes the 
 A backend stores opaque objects under '/'-separated keys relative to its root and knows nothing about tensors or
 manifests. The engine asks it what it is (:attr:`Backend.tier`, :attr:`Backend.durable`); it never checks concrete
 classes. A tier keeps its schedule's options as plain data (:attr:`Backend.schedule_options`); the callback's
-configuration builds the schedule from them (:mod:`lightning_snapshot.schedule`), which holds no part of it here. Two
+configuration builds the schedule from them (:mod:`lightning_snapshot.schedule.schedules`), which holds no part of it
+here. Two
 mixins of :class:`Backend` have their own modules: :mod:`~lightning_snapshot.backends.portable` (a tier in another
 process: :meth:`Backend.spec`, pickling) and :mod:`~lightning_snapshot.backends.schedule_options` (the options read
 back: :attr:`Backend.every_n_train_steps` ..., :meth:`Backend.is_due`).
@@ -43,14 +44,13 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
-from lightning_snapshot.comm import agree_on
-from lightning_snapshot.errors import ConfigError, SnapshotError, TierUnavailableError
-from lightning_snapshot.interval import DEFAULT_EVERY_N_TRAIN_STEPS, ScheduleOptions
-
 # (relative: the API page's static analysis, which sees backends/ as ``backends``, follows them to Backend's inherited
 # members)
-from .portable import Portable, spec_class
-from .schedule_options import ScheduleOptionsView
+from lightning_snapshot.backends.portable import Portable, spec_class
+from lightning_snapshot.backends.schedule_options import ScheduleOptionsView
+from lightning_snapshot.dist.comm import agree_on
+from lightning_snapshot.errors import ConfigError, SnapshotError, TierUnavailableError
+from lightning_snapshot.schedule.interval import DEFAULT_EVERY_N_TRAIN_STEPS, ScheduleOptions
 
 if TYPE_CHECKING:
     import threading
@@ -89,7 +89,8 @@ class Backend(Portable, ScheduleOptionsView, abc.ABC):
             ``train_time_interval`` is given, it defaults to ``DEFAULT_EVERY_N_TRAIN_STEPS`` (100). ``"auto"``: the
             callback picks the interval, in steps since the tier's last snapshot, from Young/Daly's
             ``sqrt(2 x cost x MTBF)`` with the tier's measured cost and the callback's ``mtbf``, and re-estimates it
-            as training runs (see :mod:`lightning_snapshot.interval`); the attribute then holds the first interval
+            as training runs (see :mod:`lightning_snapshot.schedule.interval`); the attribute then holds the first
+            interval
             (``FIRST_AUTO_INTERVAL`` = 10 steps, within the bounds) and :attr:`auto_every` is True.
         train_time_interval: also snapshot when this much wall time passed since the last snapshot of the tier
             (a ``datetime.timedelta`` or seconds as a number).
@@ -127,7 +128,8 @@ class Backend(Portable, ScheduleOptionsView, abc.ABC):
     #: restore first makes the objects readable on every node (:meth:`restore`). A tier may settle it at set-up.
     node_local: bool = False
     #: Whether a restore with several ranks reads each byte once in the job and the ranks share it over the tier's
-    #: group (:mod:`lightning_snapshot.read_once`): right where reading costs more than a transfer (object stores,
+    #: group (:mod:`lightning_snapshot.restore.read_once`): right where reading costs more than a transfer (object
+    #: stores,
     #: disks); False where each rank reads a copy in its node's memory faster than gloo would move it (RAM).
     read_once: ClassVar[bool] = True
     #: Seconds before a failed write is retried, doubling up to :attr:`retry_max`, until it succeeds (object
@@ -240,7 +242,7 @@ class Backend(Portable, ScheduleOptionsView, abc.ABC):
     def exists(self, key: str) -> bool:
         """Whether the object ``key`` exists (a prefix with objects under it is not an object). True only once it
         can be read whole (see :meth:`write`)."""
-        from lightning_snapshot.manifest import validate_key  # (lazy: the manifest module imports torch)
+        from lightning_snapshot.format.manifest import validate_key  # (lazy: the manifest module imports torch)
 
         parent, _, name = validate_key(key).rpartition("/")
         return name in self.list(parent) and not self.list(key)  # (an object lists as empty, a prefix does not)
@@ -469,7 +471,7 @@ def node_steps(tier: Backend, comm: Any) -> builtins.list[int]:
     Raises:
         SnapshotError: some node's listing failed.
     """
-    from lightning_snapshot.committed import committed_steps
+    from lightning_snapshot.format.committed import committed_steps
 
     mine: builtins.list[int] = []
     error: str | None = None

@@ -29,7 +29,7 @@ from lightning_snapshot.errors import (
     StorageFullError,
     UnsafePathError,
 )
-from lightning_snapshot.manifest import validate_key
+from lightning_snapshot.format.manifest import validate_key
 
 __all__ = ["LocalFiles", "dir_mode_for", "parse_mode"]
 

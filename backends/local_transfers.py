@@ -69,7 +69,7 @@ class NodeTransfers(LocalLayout):
             SnapshotError: on every rank together, when some object is on no node of the job (a replaced node with
                 an empty disk, or a lost one): naming the nodes that lack the step.
         """
-        from lightning_snapshot.manifest import MANIFEST_NAME, Manifest, step_dirname
+        from lightning_snapshot.format.manifest import MANIFEST_NAME, Manifest, step_dirname
 
         prefix = step_dirname(step)
         world = getattr(comm, "world_size", 1)

@@ -16,7 +16,7 @@ from typing import Any
 from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.backends.object_store_errors import _chain, redact, unavailable_reason
 from lightning_snapshot.errors import SnapshotNotFoundError, SnapshotWriteError, TierUnavailableError
-from lightning_snapshot.manifest import validate_key
+from lightning_snapshot.format.manifest import validate_key
 
 __all__ = ["ObjectStoreAccess"]
 

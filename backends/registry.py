@@ -21,7 +21,7 @@ from typing import Any
 
 from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.errors import ConfigError
-from lightning_snapshot.interval import AUTO
+from lightning_snapshot.schedule.interval import AUTO
 
 __all__ = ["KNOWN_SCHEMES", "parse_tier"]
 

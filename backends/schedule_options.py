@@ -1,14 +1,15 @@
 """A tier's schedule options, read-only: :class:`ScheduleOptionsView` is a mixin of
 :class:`~lightning_snapshot.backends.base.Backend`, which validates the options into
 :attr:`~lightning_snapshot.backends.base.Backend.schedule_options` (plain data). The interval in use is the callback's:
-``SnapshotCallback``'s configuration builds each tier's schedule from these (:mod:`lightning_snapshot.schedule`).
+``SnapshotCallback``'s configuration builds each tier's schedule from these
+(:mod:`lightning_snapshot.schedule.schedules`).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 
-from lightning_snapshot.interval import ScheduleOptions
+from lightning_snapshot.schedule.interval import ScheduleOptions
 
 __all__ = ["ScheduleOptionsView"]
 

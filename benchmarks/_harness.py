@@ -228,8 +228,10 @@ class Noise:
 
 
 def unreliable_line(foreign_cpu_s: float, share: float) -> str:
-    return (f"NOISE: other processes used {foreign_cpu_s:.1f} CPU-s ({share:.0%} of the CPUs) during this run:"
-            " its wall-clock figures are unreliable")
+    return (
+        f"NOISE: other processes used {foreign_cpu_s:.1f} CPU-s ({share:.0%} of the CPUs) during this run:"
+        " its wall-clock figures are unreliable"
+    )
 
 
 class NoiseMeter:
@@ -254,8 +256,9 @@ class NoiseMeter:
         return time.perf_counter(), _busy_seconds(), _own_seconds(pids)
 
     @classmethod
-    def between(cls, a: tuple[float, float, float], b: tuple[float, float, float], cores: int | None = None
-                ) -> tuple[float, float]:
+    def between(
+        cls, a: tuple[float, float, float], b: tuple[float, float, float], cores: int | None = None
+    ) -> tuple[float, float]:
         """(wall seconds, share of the CPUs other processes used) between two :meth:`mark` readings."""
         wall = b[0] - a[0]
         foreign = max(0.0, (b[1] - a[1]) - (b[2] - a[2]))
@@ -289,10 +292,17 @@ def trim_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def run_quietest(name: str, attempt: Callable[[], R], *, retries: int, noise: Callable[[R], float],
-                 failed: Callable[[R], bool], on_error: Callable[[Exception], R],
-                 describe: Callable[[R], str] = lambda r: "",
-                 after: Callable[[], None] | None = trim_memory) -> R:
+def run_quietest(
+    name: str,
+    attempt: Callable[[], R],
+    *,
+    retries: int,
+    noise: Callable[[R], float],
+    failed: Callable[[R], bool],
+    on_error: Callable[[Exception], R],
+    describe: Callable[[R], str] = lambda r: "",
+    after: Callable[[], None] | None = trim_memory,
+) -> R:
     """Run ``attempt`` (one run of method ``name``); again, up to ``retries`` times, while other processes used
     more than :data:`NOISY` of the CPUs during it, keeping the quietest run that did not fail.
 
@@ -311,8 +321,11 @@ def run_quietest(name: str, attempt: Callable[[], R], *, retries: int, noise: Ca
         if after is not None:
             after()
         extra = describe(result)
-        print(f"  {name:<16} {time.perf_counter() - t0:6.1f} s  ({extra + ', ' if extra else ''}other processes"
-              f" {noise(result):.0%} of the CPUs)", flush=True)
+        print(
+            f"  {name:<16} {time.perf_counter() - t0:6.1f} s  ({extra + ', ' if extra else ''}other processes"
+            f" {noise(result):.0%} of the CPUs)",
+            flush=True,
+        )
         if kept is None or (not failed(result) and (failed(kept) or noise(result) < noise(kept))):
             kept = result
         if failed(result) or noise(result) <= NOISY or n == retries:
@@ -351,8 +364,14 @@ class Baselines(Generic[R]):
     def smallest(self, value: Callable[[R], float | None]) -> float | None:
         return min(self.values(value), default=None)
 
-    def describe(self, value: Callable[[R], float | None], spec: str = ".2f", unit: str = "s",
-                 per: float = 1.0, per_unit: str = "") -> str:
+    def describe(
+        self,
+        value: Callable[[R], float | None],
+        spec: str = ".2f",
+        unit: str = "s",
+        per: float = 1.0,
+        per_unit: str = "",
+    ) -> str:
         """``"1.23 s (4% noise), 1.31 s (2% noise); the quieter one is used (spread 0.080 s)"``; ``per`` divides
         the spread (e.g. per snapshot, with ``per_unit=" per snapshot"``)."""
         runs = [(value(r), self._noise(r)) for r in self.runs]
@@ -442,12 +461,14 @@ class Table:
         key: the table's name in the JSON output (default: ``title``); a stable one where the title has figures.
     """
 
-    def __init__(self, title: str, columns: Sequence[Column | str], notes: Sequence[str] = (),
-                 key: str | None = None) -> None:
+    def __init__(
+        self, title: str, columns: Sequence[Column | str], notes: Sequence[str] = (), key: str | None = None
+    ) -> None:
         self.title = title
         self.key = key or title
-        self.columns = [c if isinstance(c, Column) else Column(c, "<" if i == 0 else ">")
-                        for i, c in enumerate(columns)]
+        self.columns = [
+            c if isinstance(c, Column) else Column(c, "<" if i == 0 else ">") for i, c in enumerate(columns)
+        ]
         self.notes = list(notes)
         self.rows: list[_Row] = []
 
@@ -559,13 +580,21 @@ class Targets:
         return "PASS" if self.count("PASS") else "NONE"
 
     def summary(self) -> dict[str, Any]:
-        return {"pass": self.count("PASS"), "fail": self.count("FAIL"), "unjudged": self.count("--"),
-                "warn": self.count("WARN"), "info": self.count("info"), "verdict": self.verdict}
+        return {
+            "pass": self.count("PASS"),
+            "fail": self.count("FAIL"),
+            "unjudged": self.count("--"),
+            "warn": self.count("WARN"),
+            "info": self.count("info"),
+            "verdict": self.verdict,
+        }
 
     def summary_line(self) -> str:
         s = self.summary()
-        return (f"TARGETS pass={s['pass']} fail={s['fail']} unjudged={s['unjudged']} warn={s['warn']}"
-                f" info={s['info']} verdict={s['verdict']}")
+        return (
+            f"TARGETS pass={s['pass']} fail={s['fail']} unjudged={s['unjudged']} warn={s['warn']}"
+            f" info={s['info']} verdict={s['verdict']}"
+        )
 
     def text(self) -> str:
         out = [self.title]
@@ -585,10 +614,20 @@ class Targets:
 def library_version() -> str:
     """The commit the library was imported from, and whether its files had uncommitted changes."""
     try:
-        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=10, check=False).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "lightning_snapshot",
-                                "backends"], capture_output=True, text=True, timeout=10, check=False).stdout.split("\n")
+        head = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--", "lightning_snapshot", "backends"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        ).stdout.split("\n")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     changed = [line[3:] for line in dirty if line.strip()]
@@ -597,9 +636,13 @@ def library_version() -> str:
 
 def machine() -> dict[str, Any]:
     """torch and lightning versions, torch threads, CPUs, library revision, load average, Python, time (UTC)."""
-    info: dict[str, Any] = {"python": sys.version.split()[0], "cpus": os.cpu_count(),
-                            "load_average": round(os.getloadavg()[0], 2), "library": library_version(),
-                            "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    info: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "cpus": os.cpu_count(),
+        "load_average": round(os.getloadavg()[0], 2),
+        "library": library_version(),
+        "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     for package in ("torch", "lightning"):
         try:
             info[package] = importlib.metadata.version(package)  # (without importing it)
@@ -610,16 +653,29 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def add_arguments(parser: argparse.ArgumentParser, *, strict: bool = False, markdown: bool = False,
-                  json_help: str | None = None) -> None:
+def add_arguments(
+    parser: argparse.ArgumentParser, *, strict: bool = False, markdown: bool = False, json_help: str | None = None
+) -> None:
     """The options every benchmark has: ``--json PATH``, ``--markdown/--no-markdown`` and ``--strict/--no-strict``
     (``strict`` and ``markdown``: their defaults)."""
-    parser.add_argument("--json", default=None, metavar="PATH",
-                        help=json_help or "also write the header, every table's rows and the targets here as JSON")
-    parser.add_argument("--markdown", action=argparse.BooleanOptionalAction, default=markdown,
-                        help="print the tables as Markdown, else as aligned text (default: %(default)s)")
-    parser.add_argument("--strict", action=argparse.BooleanOptionalAction, default=strict,
-                        help="exit with status 1 when a target FAILs (default: %(default)s)")
+    parser.add_argument(
+        "--json",
+        default=None,
+        metavar="PATH",
+        help=json_help or "also write the header, every table's rows and the targets here as JSON",
+    )
+    parser.add_argument(
+        "--markdown",
+        action=argparse.BooleanOptionalAction,
+        default=markdown,
+        help="print the tables as Markdown, else as aligned text (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--strict",
+        action=argparse.BooleanOptionalAction,
+        default=strict,
+        help="exit with status 1 when a target FAILs (default: %(default)s)",
+    )
 
 
 def jsonable(obj: Any) -> Any:
@@ -665,8 +721,10 @@ class Report:
         self.settings.update(settings)
         m = self.machine
         threads = f" {m['threads']} threads," if m["threads"] else ""
-        text = (f"lightning-snapshot {self.name} benchmark: torch {m['torch']}, lightning {m['lightning']},{threads}"
-                f" {m['cpus']} CPUs; load average {m['load_average']:.2f}\nlibrary at {m['library']}")
+        text = (
+            f"lightning-snapshot {self.name} benchmark: torch {m['torch']}, lightning {m['lightning']},{threads}"
+            f" {m['cpus']} CPUs; load average {m['load_average']:.2f}\nlibrary at {m['library']}"
+        )
         if settings:
             text += "\n" + "; ".join(f"{k.replace('_', ' ')} {v}" for k, v in settings.items())
         print(text, flush=True)
@@ -693,11 +751,18 @@ class Report:
         noise = self._meter.noise
         if noise is None:  # (set by __exit__)
             raise RuntimeError("the noise meter did not stop")
-        print(f"\n{self.name}: {noise.wall_s:.0f} s in all; load average {noise.load_before:.2f} ->"
-              f" {noise.load_after:.2f}; other processes used {noise.foreign_cpu_s:.0f} CPU-s ({noise.share:.0%} of"
-              " the CPUs)" + (" (NOISE: wall-clock figures unreliable)" if noise.unreliable else ""), flush=True)
-        self.machine.update(load_average_end=round(noise.load_after, 2), noise_share=noise.share,
-                            foreign_cpu_s=noise.foreign_cpu_s, wall_s=noise.wall_s)
+        print(
+            f"\n{self.name}: {noise.wall_s:.0f} s in all; load average {noise.load_before:.2f} ->"
+            f" {noise.load_after:.2f}; other processes used {noise.foreign_cpu_s:.0f} CPU-s ({noise.share:.0%} of"
+            " the CPUs)" + (" (NOISE: wall-clock figures unreliable)" if noise.unreliable else ""),
+            flush=True,
+        )
+        self.machine.update(
+            load_average_end=round(noise.load_after, 2),
+            noise_share=noise.share,
+            foreign_cpu_s=noise.foreign_cpu_s,
+            wall_s=noise.wall_s,
+        )
         if self.json_path:
             Path(self.json_path).write_text(json.dumps(self.document(), indent=1) + "\n")
             print(f"json: {self.json_path}")
@@ -706,17 +771,19 @@ class Report:
     def document(self) -> dict[str, Any]:
         """The JSON document: benchmark, machine, settings, lines, tables (key -> title and rows), targets, summary
         and the benchmark's own data."""
-        return jsonable({
-            **self.fields,
-            "benchmark": self.name,
-            "machine": self.machine,
-            "settings": self.settings,
-            "lines": self.lines,
-            "tables": {t.key: {"title": t.title, "rows": t.records()} for t in self.tables},
-            "targets": self.targets.records(),
-            "summary": self.targets.summary(),
-            "data": self.data,
-        })
+        return jsonable(
+            {
+                **self.fields,
+                "benchmark": self.name,
+                "machine": self.machine,
+                "settings": self.settings,
+                "lines": self.lines,
+                "tables": {t.key: {"title": t.title, "rows": t.records()} for t in self.tables},
+                "targets": self.targets.records(),
+                "summary": self.targets.summary(),
+                "data": self.data,
+            }
+        )
 
 
 # ================================================================================================ small helpers

@@ -19,19 +19,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import _harness as harness
 import torch
+from _harness import timed
+from _stall_models import GB, GPT, MiB, gloo_group, state_bytes, state_tensors
+from _stall_run import Bench, FsyncLater, Row, fill_common, restore_into_fresh, train
 from lightning.pytorch.callbacks import Callback, Checkpoint, ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 from torch import nn
 
 from lightning_snapshot import SnapshotCallback, load_snapshot
 from lightning_snapshot.backends import Backend, LocalTier
-from lightning_snapshot.manifest import MANIFEST_NAME, parse_step_dirname, step_dirname
-
-import _harness as harness
-from _harness import timed
-from _stall_models import GB, GPT, MiB, gloo_group, state_bytes, state_tensors
-from _stall_run import Bench, FsyncLater, Row, fill_common, restore_into_fresh, train
+from lightning_snapshot.format.manifest import MANIFEST_NAME, parse_step_dirname, step_dirname
 
 
 # ================================================================================================ methods
@@ -73,9 +72,11 @@ def pinned_copy(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[fl
         times.append(a.elapsed_time(b) / 1000)
     one = statistics.median(times)
     del src, dst
-    return one, (f"state: {total / GB:.3f} GB ({len(tensors)} tensors: fp32 params + AdamW exp_avg/exp_avg_sq/step)"
-                 f" on {torch.cuda.get_device_name()}\none pinned device-to-host copy_ of the state's bytes:"
-                 f" {one * 1000:.1f} ms ({total / one / GB:.1f} GB/s)")
+    return one, (
+        f"state: {total / GB:.3f} GB ({len(tensors)} tensors: fp32 params + AdamW exp_avg/exp_avg_sq/step)"
+        f" on {torch.cuda.get_device_name()}\none pinned device-to-host copy_ of the state's bytes:"
+        f" {one * 1000:.1f} ms ({total / one / GB:.1f} GB/s)"
+    )
 
 
 def memcpy(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[float, str]:
@@ -92,14 +93,16 @@ def memcpy(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[float, 
         pos = 0
         for t in tensors:
             n = t.numel() * t.element_size()
-            buf[pos:pos + n].copy_(t.reshape(-1).view(torch.uint8))
+            buf[pos : pos + n].copy_(t.reshape(-1).view(torch.uint8))
             pos += n
 
     one = statistics.median(timed(memmove)[1] for _ in range(3))
     threads = statistics.median(timed(torch_copy)[1] for _ in range(3))
-    return one, (f"state: {total / GB:.3f} GB ({len(tensors)} tensors: fp32 params + AdamW exp_avg/exp_avg_sq/step)\n"
-            f"one memcpy of the state into a preallocated buffer: {one:.3f} s (ctypes.memmove, 1 thread,"
-            f" {total / one / GB:.1f} GB/s); torch copy_ with {torch.get_num_threads()} threads: {threads:.3f} s")
+    return one, (
+        f"state: {total / GB:.3f} GB ({len(tensors)} tensors: fp32 params + AdamW exp_avg/exp_avg_sq/step)\n"
+        f"one memcpy of the state into a preallocated buffer: {one:.3f} s (ctypes.memmove, 1 thread,"
+        f" {total / one / GB:.1f} GB/s); torch copy_ with {torch.get_num_threads()} threads: {threads:.3f} s"
+    )
 
 
 def foreach_copy(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[float, str]:
@@ -115,8 +118,10 @@ def foreach_copy(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[f
 
     copy()
     one = min(statistics.median(timed(copy)[1] for _ in range(21)) for _ in range(5))
-    return one, (f"one torch._foreach_copy_ of the state's {len(tensors)} tensors into preallocated buffers:"
-                 f" {one * 1000:.3f} ms (the least of 5 medians of 21)")
+    return one, (
+        f"one torch._foreach_copy_ of the state's {len(tensors)} tensors into preallocated buffers:"
+        f" {one * 1000:.3f} ms (the least of 5 medians of 21)"
+    )
 
 
 class _ForeachAtSnapshots(Callback):
@@ -147,24 +152,27 @@ def foreach_copy_in_fit(bench: Bench) -> tuple[float, str]:
     probe = _ForeachAtSnapshots(bench.schedule)
     train(bench, [probe])
     one = statistics.median(probe.seconds)
-    return one, (f"the same _foreach_copy_ inside a fit, right after the fetch following each snapshot step (where"
-                 f" ours snapshots; caches as a training step leaves them): {one * 1000:.3f} ms (median of"
-                 f" {len(probe.seconds)})")
+    return one, (
+        f"the same _foreach_copy_ inside a fit, right after the fetch following each snapshot step (where"
+        f" ours snapshots; caches as a training step leaves them): {one * 1000:.3f} ms (median of"
+        f" {len(probe.seconds)})"
+    )
 
 
 def replica_check(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[tuple[float, float, int], str]:
-    """The replica check's work on one rank under DDP (lightning_snapshot.replicas: which tensors, their checksums on
+    """The replica check's work on one rank under DDP (lightning_snapshot.fit.replicas: which tensors, their checksums on
     their device, the result on the host), with the default 4 slices (median over 20 checks: 5 rounds of the 4
     slices) and with everything at once (``replica_check=1``, median of 5). Not in the table's stall, whose runs are
     one process; the collective (8 bytes per tensor compared) is not included."""
-    from lightning_snapshot.capture import optimized_key
-    from lightning_snapshot.replicas import ReplicaChecker, checksums
+    from lightning_snapshot.fit.replicas import ReplicaChecker, checksums
+    from lightning_snapshot.state.capture import optimized_key
 
     trained = optimized_key([optimizer])
     token = object()  # (the capture plan holds in these runs: its plan is reused)
     out = []
     for slices, rounds in ((4, 20), (1, 5)):
         checker = ReplicaChecker(slices)
+
         def check(checker: ReplicaChecker = checker) -> None:
             checksums(checker.select(module, [optimizer], set(), trained, token)[1])
 
@@ -288,15 +296,18 @@ class BackgroundCpu(Patches):
     """
 
     def __init__(self) -> None:
-        from lightning_snapshot import persist
+        from lightning_snapshot.persist import threads as persist
         from lightning_snapshot.staging import pool, stager
 
         super().__init__()
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self._lock = threading.Lock()
-        for owner, name, label in ((stager.Stager, "_copy", "copy"), (pool.SlotPool, "_grow", "allocate"),
-                                   (persist._TierWorker, "_persist", "persist")):
+        for owner, name, label in (
+            (stager.Stager, "_copy", "copy"),
+            (pool.SlotPool, "_grow", "allocate"),
+            (persist._TierWorker, "_persist", "persist"),
+        ):
             self.patch(owner, name, lambda original, label=label: self._wrap(original, label))
 
     def _wrap(self, original: Callable[..., Any], label: str) -> Callable[..., Any]:
@@ -333,7 +344,7 @@ def run_ours(bench: Bench, method: str) -> Row:
     callback = SnapshotCallback(tier, resume=False, max_host_bytes=budget)
     committed = record_manifest_commits(tier)
     background = BackgroundCpu()
-    from lightning_snapshot import writer
+    from lightning_snapshot.persist import writer
 
     health = writer.nonfinite_tensors
     if method == "ours-local-nohealth":
@@ -346,28 +357,37 @@ def run_ours(bench: Bench, method: str) -> Row:
         copies.close()
         writer.nonfinite_tensors = health
         if method == "ours-agent":
-            from lightning_snapshot.backends.ram.agent import stop_agent
+            from lightning_snapshot.agent import stop_agent
 
             stop_agent(tier.node_dir)  # type: ignore[attr-defined]
     started = run.probe.save_started
     row.device_copy = copies.copies
     row.to_agent_s = [copies.to_agent[s] - started[s] for s in bench.schedule if s in copies.to_agent and s in started]
     if row.device_copy:
-        row.details.append("device-to-host copy per snapshot (side stream, CUDA events): " + ", ".join(
-            f"{n / GB:.2f} GB in {t * 1000:.0f} ms ({n / t / GB:.1f} GB/s)" for n, t in row.device_copy))
+        row.details.append(
+            "device-to-host copy per snapshot (side stream, CUDA events): "
+            + ", ".join(f"{n / GB:.2f} GB in {t * 1000:.0f} ms ({n / t / GB:.1f} GB/s)" for n, t in row.device_copy)
+        )
     if row.to_agent_s:
-        row.details.append(f"save call -> held by the snapshot agent (crash-safe): "
-                           f"{[round(x * 1000) for x in row.to_agent_s]} ms")
+        row.details.append(
+            f"save call -> held by the snapshot agent (crash-safe): {[round(x * 1000) for x in row.to_agent_s]} ms"
+        )
     row.stall_ms = run.logger.values("snapshot/stall_ms")
     fill_common(bench, row, run, committed if local else None)
     n = len(bench.schedule)
     hooks_cpu = sum(run.hooks.cpu_by_step.get(s, 0.0) for s in bench.schedule)
     row.cpu_per_snapshot = (hooks_cpu + sum(background.seconds.values())) / n
     row.details.append(
-        "CPU per snapshot (thread time, all " + str(n) + " snapshots): "
-        + ", ".join([f"training-thread hooks {hooks_cpu / n * 1000:.1f} ms"]
-                    + [f"{k} thread {v / n:.3f} s ({background.calls.get(k, 0)} calls, {v:.2f} s in all)"
-                       for k, v in sorted(background.seconds.items())])
+        "CPU per snapshot (thread time, all "
+        + str(n)
+        + " snapshots): "
+        + ", ".join(
+            [f"training-thread hooks {hooks_cpu / n * 1000:.1f} ms"]
+            + [
+                f"{k} thread {v / n:.3f} s ({background.calls.get(k, 0)} calls, {v:.2f} s in all)"
+                for k, v in sorted(background.seconds.items())
+            ]
+        )
         + f"; total {row.cpu_per_snapshot:.3f} s"
     )
     if not local and committed:
@@ -385,18 +405,24 @@ def run_ours(bench: Bench, method: str) -> Row:
     if stage:
         row.details.append(f"snapshot/stage_ms median {statistics.median(stage):.0f} (n={len(stage)})")
     if persist:
-        row.details.append(f"snapshot/{tier.tier}/persist_ms median {statistics.median(persist):.0f},"
-                           f" throughput median {statistics.median(mbps):.0f} MB/s (n={len(persist)})")
+        row.details.append(
+            f"snapshot/{tier.tier}/persist_ms median {statistics.median(persist):.0f},"
+            f" throughput median {statistics.median(mbps):.0f} MB/s (n={len(persist)})"
+        )
     n_stall = len(row.stall_ms)
     if n_stall != len(bench.schedule) - row.skipped:
-        row.details.append(f"snapshot/stall_ms logged {n_stall} times for {len(bench.schedule)} scheduled and"
-                           f" {row.skipped} skipped snapshots")
+        row.details.append(
+            f"snapshot/stall_ms logged {n_stall} times for {len(bench.schedule)} scheduled and"
+            f" {row.skipped} skipped snapshots"
+        )
     if row.stall_ms and row.ext_stall_ms:
         taken = [e for e in row.ext_stall_ms if e > 0.5]
         diff = statistics.median(taken or row.ext_stall_ms) - statistics.median(row.stall_ms)
-        row.details.append(f"stall measured around the callback's hooks: median"
-                           f" {statistics.median(taken or row.ext_stall_ms):.2f} ms (metric + {diff:.2f} ms),"
-                           f" per snapshot {[round(x, 1) for x in row.ext_stall_ms]}")
+        row.details.append(
+            f"stall measured around the callback's hooks: median"
+            f" {statistics.median(taken or row.ext_stall_ms):.2f} ms (metric + {diff:.2f} ms),"
+            f" per snapshot {[round(x, 1) for x in row.ext_stall_ms]}"
+        )
     if local and bench.restore:
         reference = run.probe.reference
         del run
@@ -408,8 +434,9 @@ def run_ours(bench: Bench, method: str) -> Row:
                 module.load_state_dict(ckpt["state_dict"])
                 optimizer.load_state_dict(ckpt["optimizer_states"][0])
 
-            row.restore_s, row.consistency = restore_into_fresh(bench, load, path / step_dirname(bench.check_step),
-                                                                reference)
+            row.restore_s, row.consistency = restore_into_fresh(
+                bench, load, path / step_dirname(bench.check_step), reference
+            )
         else:
             row.consistency = "SKIPPED"
             row.details.append(f"step {bench.check_step} (the checked snapshot) is not in the tier")
@@ -556,9 +583,9 @@ class DcpCallback(Checkpoint):
         model_sd, optim_sd = get_state_dict(pl_module, trainer.optimizers[0])
         state, dropped = dcp_stageable({"model": model_sd, "optim": optim_sd})
         self.dropped.update(dropped)
-        response = dcp.async_save(state,
-                                  storage_writer=dcp.FileSystemWriter(str(self.root / f"step-{step}")),
-                                  async_stager=self.stager)
+        response = dcp.async_save(
+            state, storage_writer=dcp.FileSystemWriter(str(self.root / f"step-{step}")), async_stager=self.stager
+        )
         response.staging_completion.add_done_callback(lambda _, s=step: self.staged.__setitem__(s, time.perf_counter()))
         response.upload_completion.add_done_callback(lambda _, s=step: self.done.__setitem__(s, time.perf_counter()))
         self._staging, self._upload = response.staging_completion, response.upload_completion
@@ -584,8 +611,9 @@ def run_dcp(bench: Bench) -> Row:
         # pinned memory and non-blocking copies need CUDA; on CPU the best is async staging into shared memory,
         # with the stager (and so its cached staging storages) reused across saves
         cuda = bench.device == "cuda"  # its pinned-memory stager, non-blocking copies
-        options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=not cuda, use_async_staging=True,
-                                 use_non_blocking_copy=cuda)
+        options = StagingOptions(
+            use_pinned_memory=cuda, use_shared_memory=not cuda, use_async_staging=True, use_non_blocking_copy=cuda
+        )
         row.note = "DefaultStager(pinned, async, non-blocking, reused)" if cuda else "DefaultStager(shm, async, reused)"
         callback = DcpCallback(path, bench.every, lambda: DefaultStager(options))
         try:
@@ -593,16 +621,20 @@ def run_dcp(bench: Bench) -> Row:
         finally:
             callback.stager.close()
         if callback.fresh_stagers:
-            row.details.append(f"a new stager for {callback.fresh_stagers} of the saves: torch {torch.__version__}'s"
-                               " stager closes itself after each staging (pytorch/pytorch#183413)")
+            row.details.append(
+                f"a new stager for {callback.fresh_stagers} of the saves: torch {torch.__version__}'s"
+                " stager closes itself after each staging (pytorch/pytorch#183413)"
+            )
         fill_common(bench, row, run, callback.done)
         if callback.dropped:
-            row.details.append("left out of DCP's state (its stager cannot copy them): "
-                               + ", ".join(sorted(callback.dropped)))
+            row.details.append(
+                "left out of DCP's state (its stager cannot copy them): " + ", ".join(sorted(callback.dropped))
+            )
         staging = [callback.staged[s] - callback.started[s] for s in bench.schedule if s in callback.staged]
         if staging:
-            row.details.append(f"staging (save call -> staging future done) per snapshot:"
-                               f" {[round(x, 3) for x in staging]} s")
+            row.details.append(
+                f"staging (save call -> staging future done) per snapshot: {[round(x, 3) for x in staging]} s"
+            )
         reference = run.probe.reference
         del run, callback
         target = path / f"step-{bench.check_step}"
@@ -648,8 +680,9 @@ class TorchSnapshotCallback(Checkpoint):
         self._last = step
         if self._pending is not None:
             self._pending.wait()
-        self._pending = Snapshot.async_take(str(self.root / f"step-{step}"),
-                                            {"model": pl_module, "optim": trainer.optimizers[0]})
+        self._pending = Snapshot.async_take(
+            str(self.root / f"step-{step}"), {"model": pl_module, "optim": trainer.optimizers[0]}
+        )
         self.later.submit(step, str(self.root / f"step-{step}"), wait=self._pending.wait)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:

@@ -13,13 +13,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import _harness as harness
 import lightning.pytorch as L
 import torch
 import torch.nn.functional as F
 import xxhash
 from torch import nn
-
-import _harness as harness
 
 GB = 1e9
 MiB = 1 << 20
@@ -57,8 +56,9 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2)
-                   for z in self.qkv(self.ln1(x)).split(c, dim=2))
+        q, k, v = (
+            z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in self.qkv(self.ln1(x)).split(c, dim=2)
+        )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
         x = x + self.proj(y)
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
@@ -175,7 +175,7 @@ def rss_bytes() -> int:
 
 def fsync_tree(path: str | Path) -> None:
     path = Path(path)
-    for p in ([path] if path.is_file() else [q for q in path.rglob("*") if q.is_file()]):
+    for p in [path] if path.is_file() else [q for q in path.rglob("*") if q.is_file()]:
         fd = os.open(p, os.O_RDONLY)
         try:
             os.fsync(fd)

@@ -21,17 +21,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import _harness as harness
 import lightning.pytorch as L
 import torch
-from lightning.pytorch.callbacks import Callback, Checkpoint
-
-import _harness as harness
 from _harness import NoiseMeter, evict, timed, trim_memory
 from _stall_models import (
     GB,
     GPT,
-    ModelConfig,
     MiB,
+    ModelConfig,
     RandomTokens,
     compare,
     fingerprint,
@@ -40,6 +38,7 @@ from _stall_models import (
     mutate,
     rss_bytes,
 )
+from lightning.pytorch.callbacks import Callback, Checkpoint
 
 
 # ================================================================================================ measurement
@@ -140,8 +139,9 @@ class HookTimer:
         for hook in HOOKS:
             original = getattr(callback, hook)
 
-            def timed_hook(trainer: Any, *args: Any, _original: Callable[..., Any] = original, _hook: str = hook,
-                           **kwargs: Any) -> Any:
+            def timed_hook(
+                trainer: Any, *args: Any, _original: Callable[..., Any] = original, _hook: str = hook, **kwargs: Any
+            ) -> Any:
                 step = trainer.global_step
                 t0, c0 = time.perf_counter(), time.thread_time()
                 try:
@@ -284,13 +284,24 @@ def train(bench: Bench, method_callbacks: list[Callback], *, plugins: list[Any] 
     tail = Tail(bench.check_step)
     hooks = HookTimer()
     logger = harness.memory_logger()
-    loader = torch.utils.data.DataLoader(RandomTokens(bench.steps * bench.cfg.batch * 2 * bench.accumulate,
-                                                      bench.cfg.seq, bench.cfg.vocab), batch_size=bench.cfg.batch)
+    loader = torch.utils.data.DataLoader(
+        RandomTokens(bench.steps * bench.cfg.batch * 2 * bench.accumulate, bench.cfg.seq, bench.cfg.vocab),
+        batch_size=bench.cfg.batch,
+    )
     trainer = L.Trainer(
-        accelerator="gpu" if bench.device == "cuda" else "cpu", devices=1, max_steps=bench.steps, logger=logger,
-        precision=bench.precision, accumulate_grad_batches=bench.accumulate, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1,
-        callbacks=[probe, *(hooks.wrap(cb) for cb in method_callbacks), tail], plugins=plugins or None,
+        accelerator="gpu" if bench.device == "cuda" else "cpu",
+        devices=1,
+        max_steps=bench.steps,
+        logger=logger,
+        precision=bench.precision,
+        accumulate_grad_batches=bench.accumulate,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        log_every_n_steps=1,
+        callbacks=[probe, *(hooks.wrap(cb) for cb in method_callbacks), tail],
+        plugins=plugins or None,
     )
     with warnings.catch_warnings(record=True) as caught, NoiseMeter() as cpu:
         warnings.simplefilter("always")
@@ -303,8 +314,20 @@ def train(bench: Bench, method_callbacks: list[Callback], *, plugins: list[Any] 
     ours = [str(w.message) for w in caught if "lightning-snapshot" in str(w.message)]
     optimizer = trainer.optimizers[0]
     del trainer
-    return TrainRun(module, optimizer, logger, probe, tail, hooks, wall, rss.peak - pre, ours, cpu.foreign, cpu.wall,
-                    max(0, rss.sampled - pre))
+    return TrainRun(
+        module,
+        optimizer,
+        logger,
+        probe,
+        tail,
+        hooks,
+        wall,
+        rss.peak - pre,
+        ours,
+        cpu.foreign,
+        cpu.wall,
+        max(0, rss.sampled - pre),
+    )
 
 
 def snapshot_periods(bench: Bench, marks: dict[int, tuple[float, float, float]]) -> list[tuple[float, float]]:
@@ -338,8 +361,10 @@ def fill_common(bench: Bench, row: Row, run: TrainRun, done: dict[int, float] | 
         row.details.append("blocking per snapshot by hook, ms median: " + ", ".join(parts))
     others = [v * 1000 for s, v in run.hooks.by_step.items() if s not in bench.schedule]
     if others:
-        row.details.append(f"hook time on steps without a snapshot: median {statistics.median(others):.2f} ms,"
-                           f" max {max(others):.2f} ms")
+        row.details.append(
+            f"hook time on steps without a snapshot: median {statistics.median(others):.2f} ms,"
+            f" max {max(others):.2f} ms"
+        )
     if done is not None:
         started = run.probe.save_started
         row.durable_s = [done[s] - started[s] for s in bench.schedule if s in done and s in started]
@@ -354,12 +379,15 @@ def fill_common(bench: Bench, row: Row, run: TrainRun, done: dict[int, float] | 
     row.foreign_cpu_s = run.foreign_cpu_s
     row.noise = run.foreign_cpu_s / (run.fit_s * (os.cpu_count() or 1))
     if run.rss_growth > run.rss_growth_sampled + 16 * MiB:
-        row.details.append(f"peak RSS growth {run.rss_growth / GB:.3f} GB (kernel VmHWM) vs"
-                           f" {run.rss_growth_sampled / GB:.3f} GB seen by the 10 ms sampler")
+        row.details.append(
+            f"peak RSS growth {run.rss_growth / GB:.3f} GB (kernel VmHWM) vs"
+            f" {run.rss_growth_sampled / GB:.3f} GB seen by the 10 ms sampler"
+        )
 
 
-def restore_into_fresh(bench: Bench, load: Callable[[GPT, torch.optim.Optimizer], None], path: str | Path,
-                       reference: dict[str, str] | None) -> tuple[float, str]:
+def restore_into_fresh(
+    bench: Bench, load: Callable[[GPT, torch.optim.Optimizer], None], path: str | Path, reference: dict[str, str] | None
+) -> tuple[float, str]:
     """Cold-restore into a fresh model + optimizer with ``load``; returns (seconds, consistency verdict)."""
     trim_memory()
     module = fresh_model(bench.cfg)

@@ -52,19 +52,39 @@ import _harness as harness  # noqa: E402
 
 # (no runners: every method runs through ``run_method``, its worker picks the callbacks by name)
 METHODS = harness.Methods()
-METHODS.add("none", None, "no checkpointing: its failure-free run is the ideal wall time (not run with failures: it"
-            " would restart from step 0 until one attempt outlives the whole job)")
-METHODS.add("mc-yd", None, "``ModelCheckpoint`` (synchronous ``torch.save``) every K steps, K = Young/Daly for its own"
-            " save cost, measured in a failure-free calibration run")
-METHODS.add("mc-default", None, "``ModelCheckpoint`` every W/20 steps: the common \"every 1000 steps\" of a 20,000-step"
-            " run, scaled to this run (``--predict``: W/50)")
-METHODS.add("async-io", None, "Lightning ``AsyncCheckpointIO`` + ``ModelCheckpoint``, K = Young/Daly for its calibrated"
-            " cost")
-METHODS.add("dcp", None, "``torch.distributed.checkpoint.async_save`` (as in ``benchmarks/stall.py``), K likewise; the"
-            " restart loads model, optimizer and the step counters")
-METHODS.add("ours-local", None, "lightning-snapshot, ``LocalTier(every=\"auto\")``, ``mtbf=--mtbf`` (``--predict``:"
-            " every W/2 steps)")
-METHODS.add("ours-ram-local", None, "lightning-snapshot, ``RamTier(every=\"auto\")`` + ``LocalTier(every=\"auto\")``")
+METHODS.add(
+    "none",
+    None,
+    "no checkpointing: its failure-free run is the ideal wall time (not run with failures: it"
+    " would restart from step 0 until one attempt outlives the whole job)",
+)
+METHODS.add(
+    "mc-yd",
+    None,
+    "``ModelCheckpoint`` (synchronous ``torch.save``) every K steps, K = Young/Daly for its own"
+    " save cost, measured in a failure-free calibration run",
+)
+METHODS.add(
+    "mc-default",
+    None,
+    '``ModelCheckpoint`` every W/20 steps: the common "every 1000 steps" of a 20,000-step'
+    " run, scaled to this run (``--predict``: W/50)",
+)
+METHODS.add(
+    "async-io", None, "Lightning ``AsyncCheckpointIO`` + ``ModelCheckpoint``, K = Young/Daly for its calibrated cost"
+)
+METHODS.add(
+    "dcp",
+    None,
+    "``torch.distributed.checkpoint.async_save`` (as in ``benchmarks/stall.py``), K likewise; the"
+    " restart loads model, optimizer and the step counters",
+)
+METHODS.add(
+    "ours-local",
+    None,
+    'lightning-snapshot, ``LocalTier(every="auto")``, ``mtbf=--mtbf`` (``--predict``: every W/2 steps)',
+)
+METHODS.add("ours-ram-local", None, 'lightning-snapshot, ``RamTier(every="auto")`` + ``LocalTier(every="auto")``')
 __doc__ = METHODS.document(__doc__)
 OURS = ("ours-local", "ours-ram-local")
 PEERS = ("mc-yd", "mc-default", "async-io", "dcp")
@@ -73,7 +93,7 @@ PREDICT_METHODS = "mc-default,ours-local,ours-ram-local"
 
 
 # ================================================================================================ worker
-def _worker(a: argparse.Namespace) -> None:  # noqa: C901 - one training run per method, kept in one place
+def _worker(a: argparse.Namespace) -> None:
     import lightning.pytorch as L
     import torch
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -83,13 +103,19 @@ def _worker(a: argparse.Namespace) -> None:  # noqa: C901 - one training run per
     class Net(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = nn.Sequential(nn.Linear(256, a.width), nn.ReLU(), nn.Linear(a.width, a.width), nn.ReLU(),
-                                     nn.Linear(a.width, 1))
+            self.net = nn.Sequential(
+                nn.Linear(256, a.width), nn.ReLU(), nn.Linear(a.width, a.width), nn.ReLU(), nn.Linear(a.width, 1)
+            )
             # a frozen table (as a fine-tuned model's frozen embeddings or backbone): state every method saves, at
             # little compute (one row per sample is looked up)
             rows = a.frozen_mb * 2**20 // (256 * 4)
-            self.frozen = nn.Parameter(torch.randn(rows, 256, generator=torch.Generator().manual_seed(1)) * 1e-3,
-                                       requires_grad=False) if rows else None
+            self.frozen = (
+                nn.Parameter(
+                    torch.randn(rows, 256, generator=torch.Generator().manual_seed(1)) * 1e-3, requires_grad=False
+                )
+                if rows
+                else None
+            )
 
         def training_step(self, batch: Any, batch_idx: int) -> Any:
             x, y = batch
@@ -141,13 +167,15 @@ def _worker(a: argparse.Namespace) -> None:  # noqa: C901 - one training run per
             for _, record in logger.records if logger is not None else ():
                 for key, value in record.items():
                     logged.setdefault(key, []).append(value)
-            from lightning_snapshot.metrics import tier_metric_names
+            from lightning_snapshot.fit.metrics import tier_metric_names
 
             costs = [logged.get(f"snapshot/{name}/cost_ms") for name in tier_metric_names(snap.tiers)]
-            stats = {"intervals": [s.every for s in snap.config.schedules],
-                     # the mean of what the callback's cost meter logged (snapshot/<tier>/cost_ms), per tier
-                     "costs_s": [sum(c) / len(c) / 1e3 if c else None for c in costs],
-                     "metrics_mean": {k: sum(v) / len(v) for k, v in logged.items()}}
+            stats = {
+                "intervals": [s.every for s in snap.config.schedules],
+                # the mean of what the callback's cost meter logged (snapshot/<tier>/cost_ms), per tier
+                "costs_s": [sum(c) / len(c) / 1e3 if c else None for c in costs],
+                "metrics_mean": {k: sum(v) / len(v) for k, v in logged.items()},
+            }
             for name in ("ours.json", f"ours-{progress_cb.first}.json"):  # (also by the step the process started
                 (out / "tmp.json").write_text(json.dumps(stats))  # from; replaced whole: a kill may come at any time)
                 os.replace(out / "tmp.json", out / name)
@@ -166,8 +194,9 @@ def _worker(a: argparse.Namespace) -> None:  # noqa: C901 - one training run per
     if a.method in ("mc-yd", "mc-default", "async-io"):
         from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
-        callbacks.append(ModelCheckpoint(dirpath=out / "ckpt", filename="{step}", every_n_train_steps=a.every,
-                                         save_top_k=-1))
+        callbacks.append(
+            ModelCheckpoint(dirpath=out / "ckpt", filename="{step}", every_n_train_steps=a.every, save_top_k=-1)
+        )
         if a.method == "async-io":
             plugins.append(AsyncCheckpointIO())
         ckpt_path = _newest_loadable(out / "ckpt")
@@ -186,14 +215,29 @@ def _worker(a: argparse.Namespace) -> None:  # noqa: C901 - one training run per
             tiers.insert(0, RamTier(keep_last=2, name=f"goodput-{out.name}", idle_timeout=120, **every))
         callbacks.append(SnapshotCallback(tiers, mtbf=a.mtbf))
         logger = harness.memory_logger()  # (the callback's metrics: snapshot/stall_ms, persist_ms, cost_ms)
-    trainer = L.Trainer(accelerator="cpu", max_steps=a.steps, callbacks=callbacks, plugins=plugins or None,
-                        logger=logger or False, enable_progress_bar=False, enable_model_summary=False,
-                        enable_checkpointing=a.method != "none", deterministic=True, num_sanity_val_steps=0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=a.steps,
+        callbacks=callbacks,
+        plugins=plugins or None,
+        logger=logger or False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=a.method != "none",
+        deterministic=True,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(model, loader, ckpt_path=ckpt_path)
     opt = trainer.optimizers[0]
     state = {f"model/{k}": v for k, v in model.state_dict().items()}
-    state.update({f"opt/{pid}/{k}": v for pid, st in opt.state_dict()["state"].items() for k, v in st.items()
-                  if isinstance(v, torch.Tensor)})
+    state.update(
+        {
+            f"opt/{pid}/{k}": v
+            for pid, st in opt.state_dict()["state"].items()
+            for k, v in st.items()
+            if isinstance(v, torch.Tensor)
+        }
+    )
     torch.save(state, out / "final.pt")
     if progress_cb.first is not None and trainer.global_step > progress_cb.first:  # (it trained: its intervals)
         ours_stats(trainer)
@@ -235,15 +279,17 @@ def _dcp_callback(root: Path, every: int, progress: Any) -> Any:
 
     class Dcp(Checkpoint):
         def __init__(self) -> None:
-            self.stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=True,
-                                                       use_async_staging=True, use_non_blocking_copy=False))
+            self.stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=False, use_shared_memory=True, use_async_staging=True, use_non_blocking_copy=False
+                )
+            )
             self.staging: Any = None
             self.upload: Any = None
             self.last = -1
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-            done = sorted((p for p in root.glob("step-*") if (p / ".metadata").exists()),
-                          key=lambda p: int(p.name[5:]))
+            done = sorted((p for p in root.glob("step-*") if (p / ".metadata").exists()), key=lambda p: int(p.name[5:]))
             if not done:
                 return
             model_sd, optim_sd = get_state_dict(pl_module, trainer.optimizers[0])
@@ -265,9 +311,11 @@ def _dcp_callback(root: Path, every: int, progress: Any) -> Any:
             if self.upload is not None:
                 self.upload.result()
             model_sd, optim_sd = get_state_dict(pl_module, trainer.optimizers[0])
-            response = dcp.async_save({"model": model_sd, "optim": optim_sd},
-                                      storage_writer=dcp.FileSystemWriter(str(root / f"step-{step}")),
-                                      async_stager=self.stager)
+            response = dcp.async_save(
+                {"model": model_sd, "optim": optim_sd},
+                storage_writer=dcp.FileSystemWriter(str(root / f"step-{step}")),
+                async_stager=self.stager,
+            )
             self.staging, self.upload = response.staging_completion, response.upload_completion
             for old in sorted((p for p in root.glob("step-*")), key=lambda p: int(p.name[5:]))[:-3]:
                 shutil.rmtree(old, ignore_errors=True)
@@ -316,15 +364,44 @@ def _read_progress(path: Path) -> list[tuple[str, int, float]]:
     return [(p[0], int(p[1]), float(p[2])) for p in map(str.split, lines) if len(p) == 3]
 
 
-def run_method(method: str, *, steps: int, every: int, failure_times: list[float], restart_delay: float,
-               mtbf: float, width: int, workdir: Path, timeout: float, frozen_mb: int = 0,
-               kill_steps: list[int] | None = None) -> tuple[Run, Path]:
+def run_method(
+    method: str,
+    *,
+    steps: int,
+    every: int,
+    failure_times: list[float],
+    restart_delay: float,
+    mtbf: float,
+    width: int,
+    workdir: Path,
+    timeout: float,
+    frozen_mb: int = 0,
+    kill_steps: list[int] | None = None,
+) -> tuple[Run, Path]:
     """Run ``method`` to ``steps`` steps under the given failure times (seconds since its first start), or killed
     when its progress first reaches each of ``kill_steps`` (tests: kills at known steps; the worker waits there)."""
     d = Path(tempfile.mkdtemp(prefix=f"{method}-", dir=workdir))
-    cmd = [sys.executable, str(Path(__file__).resolve()), "worker", "--method", method, "--dir", str(d),
-           "--steps", str(steps), "--every", str(every), "--mtbf", str(mtbf), "--width", str(width),
-           "--frozen-mb", str(frozen_mb), "--hold-at", ",".join(map(str, kill_steps or []))]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "worker",
+        "--method",
+        method,
+        "--dir",
+        str(d),
+        "--steps",
+        str(steps),
+        "--every",
+        str(every),
+        "--mtbf",
+        str(mtbf),
+        "--width",
+        str(width),
+        "--frozen-mb",
+        str(frozen_mb),
+        "--hold-at",
+        ",".join(map(str, kill_steps or [])),
+    ]
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     run = Run(method, every)
     meter = harness.NoiseMeter().__enter__()  # (load average and others' CPU during the run)
@@ -346,7 +423,7 @@ def run_method(method: str, *, steps: int, every: int, failure_times: list[float
                 raise RuntimeError(f"{method}: did not reach {steps} steps within {timeout} s (see {d}/stderr.log)")
             due = bool(pending) and now - t0 >= pending[0]
             if at_steps:  # (only this process's rows: the last row may still be the killed one's, past the step)
-                rows = _read_progress(d / "progress.log")[spawns[-1][1]:]
+                rows = _read_progress(d / "progress.log")[spawns[-1][1] :]
                 due = bool(rows) and rows[-1][0] == "step" and rows[-1][1] >= at_steps[0]
             if due:
                 (at_steps or pending).pop(0)
@@ -381,7 +458,7 @@ def _account(run: Run, d: Path, spawns: list[tuple[float, int]], kills: list[tup
     """Start-ups, training time, steps lost and restart time, from the progress log of every process."""
     rows = _read_progress(d / "progress.log")
     bounds = [index for _, index in spawns] + [len(rows)]
-    segments = [rows[bounds[i]:bounds[i + 1]] for i in range(len(spawns))]
+    segments = [rows[bounds[i] : bounds[i + 1]] for i in range(len(spawns))]
     kill_times = [kill for kill, _ in kills]
     for k, ((spawn, _), seg) in enumerate(zip(spawns, segments)):
         booted = [r for r in seg if r[0] == "boot"]
@@ -400,8 +477,14 @@ def _account(run: Run, d: Path, spawns: list[tuple[float, int]], kills: list[tup
         seg = segments[k]
         reached = max((r[1] for r in seg if r[0] in ("step", "ready")), default=None)
         # (the last "ready" of the next process that got there: DCP's callback writes a second one once loaded)
-        nxt = next(([r for r in later if r[0] == "ready"][-1] for later in segments[k + 1:]
-                    if any(r[0] == "ready" for r in later)), None)
+        nxt = next(
+            (
+                [r for r in later if r[0] == "ready"][-1]
+                for later in segments[k + 1 :]
+                if any(r[0] == "ready" for r in later)
+            ),
+            None,
+        )
         if nxt is not None:
             if reached is not None:
                 run.steps_lost += max(0, reached - nxt[1])
@@ -415,8 +498,12 @@ def _bitwise(a: Path, b: Path) -> str:
     x, y = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
     if x.keys() != y.keys():
         return "FAIL (different tensors)"
-    same = [x[k].dtype == y[k].dtype and x[k].shape == y[k].shape and torch.equal(
-        *(t.view(-1).view(torch.uint8) if t.numel() else t for t in (x[k], y[k]))) for k in x]
+    same = [
+        x[k].dtype == y[k].dtype
+        and x[k].shape == y[k].shape
+        and torch.equal(*(t.view(-1).view(torch.uint8) if t.numel() else t for t in (x[k], y[k])))
+        for k in x
+    ]
     return "PASS" if all(same) else f"FAIL ({same.count(False)} of {len(x)} tensors differ)"
 
 
@@ -462,29 +549,45 @@ def calibrate(method: str, every: int, mtbf: float, common: dict[str, Any]) -> d
     mean ``snapshot/<tier>/cost_ms`` its cost meter logged from step 0, per tier; others: :func:`save_cost`), first
     start-up, a restarted process's start-up (restore included), tail (last step to exit)."""
     cal_every = 0 if method in OURS and not every else CAL_EVERY
-    run, d = run_method(method, every=cal_every, failure_times=[], mtbf=mtbf, kill_steps=[CAL_KILL],
-                        **{**common, "steps": CAL_STEPS})
+    run, d = run_method(
+        method, every=cal_every, failure_times=[], mtbf=mtbf, kill_steps=[CAL_KILL], **{**common, "steps": CAL_STEPS}
+    )
     from_steps = save_cost(d / "progress.log", cal_every) if cal_every else None
     fresh = d / "ours-0.json"
     meter = json.loads(fresh.read_text()) if fresh.exists() else None
     costs = [c if c is not None else from_steps or 0.0 for c in meter["costs_s"]] if meter else [from_steps or 0.0]
     shutil.rmtree(d, ignore_errors=True)
-    return {"every": cal_every or "auto", "costs_s": costs, "cost_s_from_steps": from_steps,
-            "start_s": run.starts[0], "restart_start_s": run.starts[-1], "tail_s": run.tail_s,
-            "kill_to_step_s": run.restart_s, "step_s": run.train_s / max(1, run.steps_trained),
-            "metrics_mean": meter.get("metrics_mean") if meter else None}
+    return {
+        "every": cal_every or "auto",
+        "costs_s": costs,
+        "cost_s_from_steps": from_steps,
+        "start_s": run.starts[0],
+        "restart_start_s": run.starts[-1],
+        "tail_s": run.tail_s,
+        "kill_to_step_s": run.restart_s,
+        "step_s": run.train_s / max(1, run.steps_trained),
+        "metrics_mean": meter.get("metrics_mean") if meter else None,
+    }
 
 
-def predict(inputs: dict[str, Any], run: dict[str, Any], *, interval_scale: float = 1.0, cost_scale: float = 1.0,
-            lost_work: bool = True, tail: bool = True, draws: int | None = None) -> dict[str, float]:
+def predict(
+    inputs: dict[str, Any],
+    run: dict[str, Any],
+    *,
+    interval_scale: float = 1.0,
+    cost_scale: float = 1.0,
+    lost_work: bool = True,
+    tail: bool = True,
+    draws: int | None = None,
+) -> dict[str, float]:
     """The simulator's prediction for ``run`` (a record of the JSON's ``runs``) from ``inputs``, none measured in that
     run: ``none``'s step time and ideal wall, the method's calibration, the interval the run was given (``auto``:
     Young/Daly for the calibrated cost, the callback's rule), the restart delay and the run's failure times (or
     ``draws`` draws of them: the expected goodput). A failure loses the work back to the newest snapshot, then costs
     the delay and a restarted process's start-up. ``interval_scale``, ``cost_scale``, ``lost_work=False`` (snapshots
     continuous, same cost per second), ``tail=False`` (no tail) break it on purpose (tests/unit/test_goodput_sim.py)."""
-    from lightning_snapshot.interval import young_daly_seconds
-    from lightning_snapshot.simulate import TierModel, simulate
+    from lightning_snapshot.schedule.interval import young_daly_seconds
+    from lightning_snapshot.schedule.simulate import TierModel, simulate
 
     cal = inputs["methods"][run["method"]]
     step = inputs["step_s"]
@@ -496,15 +599,26 @@ def predict(inputs: dict[str, Any], run: dict[str, Any], *, interval_scale: floa
             cost, interval = cost / interval * 1e-6, 1e-6
         tiers.append(TierModel(f"{run['method']}/{i}", cost_s=cost, interval_s=interval))
     # (a restart: the delay and a restarted process's start-up, its restore included)
-    out = simulate(tiers, work_s=inputs["steps"] * step, mtbf_s=run["mtbf_s"], start_s=cal["start_s"],
-                   restart_s=inputs["restart_delay_s"] + cal["restart_start_s"], horizon_s=inputs["failure_horizon_s"],
-                   failure_times=None if draws else run["failure_schedule"], runs=draws or 1)
+    out = simulate(
+        tiers,
+        work_s=inputs["steps"] * step,
+        mtbf_s=run["mtbf_s"],
+        start_s=cal["start_s"],
+        restart_s=inputs["restart_delay_s"] + cal["restart_start_s"],
+        horizon_s=inputs["failure_horizon_s"],
+        failure_times=None if draws else run["failure_schedule"],
+        runs=draws or 1,
+    )
     wall = out.wall_s + (cal["tail_s"] if tail else 0.0)  # (the tail: from the last step to the process's exit)
-    return {"goodput": inputs["ideal_wall_s"] / wall, "wall_s": wall, "failures": out.failures,
-            "lost_work_s": out.lost_work_s}
+    return {
+        "goodput": inputs["ideal_wall_s"] / wall,
+        "wall_s": wall,
+        "failures": out.failures,
+        "lost_work_s": out.lost_work_s,
+    }
 
 
-def main(argv: list[str] | None = None) -> int:  # noqa: C901
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("mode", nargs="?", default="bench", choices=["bench", "worker"])
     p.add_argument("--methods", default=None, help="comma-separated (default: all; --predict: " + PREDICT_METHODS + ")")
@@ -512,28 +626,50 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
     p.add_argument("--dir", default=None)
     p.add_argument("--steps", type=int, default=None, help="W, optimizer steps to reach")
     p.add_argument("--every", type=int, default=0)
-    p.add_argument("--intervals", default=None, help="fixed intervals in steps, METHOD=STEPS,... (default: mc-default"
-                   " W/20; with --predict mc-default W/50 and ours-local W/2)")
+    p.add_argument(
+        "--intervals",
+        default=None,
+        help="fixed intervals in steps, METHOD=STEPS,... (default: mc-default"
+        " W/20; with --predict mc-default W/50 and ours-local W/2)",
+    )
     p.add_argument("--mtbf", type=float, default=None, help="mean time between failures (seconds)")
     p.add_argument("--mtbfs", default=None, help="comma-separated MTBFs for the plot (default: mtbf, 2x, 4x)")
-    p.add_argument("--horizon", type=float, default=None, help="failures only in the first HORIZON x the ideal wall"
-                   " time (default 10: all a run meets; 0.9 with --predict)")
+    p.add_argument(
+        "--horizon",
+        type=float,
+        default=None,
+        help="failures only in the first HORIZON x the ideal wall"
+        " time (default 10: all a run meets; 0.9 with --predict)",
+    )
     p.add_argument("--width", type=int, default=None, help="hidden width of the MLP")
     p.add_argument("--frozen-mb", type=int, default=None, help="MiB of frozen (not trained) weights (default 128)")
     p.add_argument("--restart-delay", type=float, default=None, help="seconds from a kill to the restart (2; 1)")
     p.add_argument("--seed", type=int, default=0, help="of the failure times (the first, with --seeds)")
-    p.add_argument("--seeds", type=int, default=None, help="seeds of failure times at the first MTBF (--predict: at"
-                   " each), each a run of every method, in an order rotated each time (3; 1 --quick; 2 --predict)")
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=None,
+        help="seeds of failure times at the first MTBF (--predict: at"
+        " each), each a run of every method, in an order rotated each time (3; 1 --quick; 2 --predict)",
+    )
     p.add_argument("--hold-at", default="", help="worker: wait at these steps to be killed (comma-separated)")
     p.add_argument("--kills", default=None, help="explicit kill times (seconds since start), comma-separated")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--predict", action="store_true", help="the regime of the prediction check (tests/fixtures/"
-                   "goodput_predict.json): W=6000, MTBF 1/3 and 2/3 of the ideal wall time, 2 seeds each, failures in"
-                   " its first 0.9, " + PREDICT_METHODS + ", < 20 min")
+    p.add_argument(
+        "--predict",
+        action="store_true",
+        help="the regime of the prediction check (tests/fixtures/"
+        "goodput_predict.json): W=6000, MTBF 1/3 and 2/3 of the ideal wall time, 2 seeds each, failures in"
+        " its first 0.9, " + PREDICT_METHODS + ", < 20 min",
+    )
     p.add_argument("--plot", default=None, help="PNG of goodput against MTBF (default: goodput.png unless --quick)")
     p.add_argument("--timeout", type=float, default=900.0, help="per run")
-    harness.add_arguments(p, markdown=True, json_help="write the prediction's inputs (top-level key inputs) and each"
-                          " run's measured outcome with its prediction (runs), the header and the tables here")
+    harness.add_arguments(
+        p,
+        markdown=True,
+        json_help="write the prediction's inputs (top-level key inputs) and each"
+        " run's measured outcome with its prediction (runs), the header and the tables here",
+    )
     a = p.parse_args(argv)
     if a.mode == "worker":
         a.mtbf, a.width, a.frozen_mb = a.mtbf or 3600.0, a.width or 512, a.frozen_mb or 0
@@ -546,8 +682,15 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
     delay = a.restart_delay if a.restart_delay is not None else (1.0 if a.predict else 2.0)
     horizon_x = a.horizon if a.horizon is not None else (0.9 if a.predict else 10.0)
     seeds = [a.seed + i for i in range(a.seeds or (2 if a.predict else 1 if a.quick else 3))]
-    mtbfs = ([float(x) for x in a.mtbfs.split(",")] if a.mtbfs else
-             [mtbf, 2 * mtbf] if a.predict and a.mtbf else [mtbf] if a.quick else [mtbf, 2 * mtbf, 4 * mtbf])
+    mtbfs = (
+        [float(x) for x in a.mtbfs.split(",")]
+        if a.mtbfs
+        else [mtbf, 2 * mtbf]
+        if a.predict and a.mtbf
+        else [mtbf]
+        if a.quick
+        else [mtbf, 2 * mtbf, 4 * mtbf]
+    )
     a.methods = a.methods or (PREDICT_METHODS if a.predict else ",".join(METHODS.names))
     methods = [m for m in a.methods.split(",") if m]
     METHODS.select(a.methods, p)  # (unknown names are an error; the order given is kept)
@@ -557,8 +700,9 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
     fixed.update({k: int(v) for k, v in (x.split("=") for x in (a.intervals or "").split(",") if x)})
     workdir = Path(a.dir or tempfile.mkdtemp(prefix="goodput-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    common = dict(steps=steps, restart_delay=delay, width=width, workdir=workdir, timeout=a.timeout,
-                  frozen_mb=frozen_mb)
+    common = dict(
+        steps=steps, restart_delay=delay, width=width, workdir=workdir, timeout=a.timeout, frozen_mb=frozen_mb
+    )
     out = harness.Report("goodput", a)
     # the ideal: no checkpointing, no failures
     ideal, ideal_dir = run_method("none", every=0, failure_times=[], mtbf=mtbf, **common)
@@ -566,9 +710,16 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
     if a.predict and not a.mtbf and not a.mtbfs:  # (in proportion to this machine's speed now)
         mtbfs = [round(ideal.wall_s / 3, 1), round(2 * ideal.wall_s / 3, 1)]
         mtbf = mtbfs[0]
-    out.header(W=f"{steps} steps", MLP_width=width, frozen=f"{frozen_mb} MiB", restart_delay=f"{delay} s",
-               MTBFs=f"{mtbfs} s", seeds=seeds, failures=f"in the first {horizon_x:g} x the ideal wall time",
-               intervals=", ".join(f"{k} {v}" for k, v in fixed.items() if k in methods))
+    out.header(
+        W=f"{steps} steps",
+        MLP_width=width,
+        frozen=f"{frozen_mb} MiB",
+        restart_delay=f"{delay} s",
+        MTBFs=f"{mtbfs} s",
+        seeds=seeds,
+        failures=f"in the first {horizon_x:g} x the ideal wall time",
+        intervals=", ".join(f"{k} {v}" for k, v in fixed.items() if k in methods),
+    )
     print(f"ideal wall {ideal.wall_s:.1f} s (start-up {ideal.starts[0]:.1f} s, {step_s * 1e3:.1f} ms/step)", flush=True)
     # calibration: each method's inputs to the prediction, in a run of its own
     cal = {method: calibrate(method, fixed.get(method, 0), mtbf, common) for method in methods if method != "none"}
@@ -581,7 +732,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
         for i, seed in enumerate(seeds if (m == mtbfs[0] or a.predict) and not a.kills else seeds[:1]):
             kills = [float(x) for x in a.kills.split(",")] if a.kills else failure_times(seed, m, horizon)
             # (rotated each seed: a slow spell of the machine does not fall on the same method every time)
-            for method in chosen[i % len(chosen):] + chosen[:i % len(chosen)]:
+            for method in chosen[i % len(chosen) :] + chosen[: i % len(chosen)]:
                 every = fixed.get(method, 0)
                 if method in ("mc-yd", "async-io", "dcp"):
                     every = young_daly_every(cal[method]["costs_s"][0], m, step_s)
@@ -593,19 +744,32 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
                         run.ours = json.loads((d / "ours.json").read_text())
                 rows.append(run)
                 shutil.rmtree(d, ignore_errors=True)
-                print(f"  MTBF {m:g} s seed {seed} {method:<15} wall {run.wall_s:7.1f} s  failures {run.failures}"
-                      f"  goodput {ideal.wall_s / run.wall_s:.3f}  load {run.noise['load_before']:.1f}", flush=True)
+                print(
+                    f"  MTBF {m:g} s seed {seed} {method:<15} wall {run.wall_s:7.1f} s  failures {run.failures}"
+                    f"  goodput {ideal.wall_s / run.wall_s:.3f}  load {run.noise['load_before']:.1f}",
+                    flush=True,
+                )
     # the ideal again, last: the faster of the two failure-free runs is the ideal (the other one met more noise); the
     # step time of the prediction is their mean
     again, again_dir = run_method("none", every=0, failure_times=[], mtbf=mtbf, **common)
-    print(f"ideal wall again {again.wall_s:.1f} s (start-up {again.starts[0]:.1f} s); the faster one is used: the"
-          f" two differ by {abs(again.wall_s - ideal.wall_s):.1f} s (the machine's run-to-run noise)", flush=True)
+    print(
+        f"ideal wall again {again.wall_s:.1f} s (start-up {again.starts[0]:.1f} s); the faster one is used: the"
+        f" two differ by {abs(again.wall_s - ideal.wall_s):.1f} s (the machine's run-to-run noise)",
+        flush=True,
+    )
     nones, ideal = [ideal, again], min(ideal, again, key=lambda r: r.wall_s)
     shutil.rmtree(again_dir, ignore_errors=True)
     none_steps = [r.train_s / max(1, r.steps_trained) for r in nones]
-    inputs = {"steps": steps, "step_s": _mean(none_steps), "none_step_s": none_steps,
-              "none_wall_s": [r.wall_s for r in nones], "ideal_wall_s": ideal.wall_s, "restart_delay_s": delay,
-              "failure_horizon_s": horizon, "methods": cal}
+    inputs = {
+        "steps": steps,
+        "step_s": _mean(none_steps),
+        "none_step_s": none_steps,
+        "none_wall_s": [r.wall_s for r in nones],
+        "ideal_wall_s": ideal.wall_s,
+        "restart_delay_s": delay,
+        "failure_horizon_s": horizon,
+        "methods": cal,
+    }
     records = run_records(ideal, inputs, results)
     out.table(report(ideal, inputs["step_s"], results, delay, records))
     expected = {(r["mtbf_s"], r["method"]): predict(inputs, r, draws=EXPECTED_RUNS)["goodput"] for r in records}
@@ -632,30 +796,67 @@ def lost_apart_from_restart(run: Run, ideal: Run, delay: float) -> float:
     return run.wall_s - ideal.wall_s - run.failures * delay - (sum(run.boots) - ideal.boots[0])
 
 
-COLUMNS = ["MTBF", "seed", harness.Column("method", "<"), harness.Column("every", "<"), "failures", "goodput",
-           "predicted", "predicted - measured", "steps lost", "restart+restore s", "snapshot overhead s",
-           "lost apart from restart delay and start-up s", "final state", "load (others' CPU)"]
+COLUMNS = [
+    "MTBF",
+    "seed",
+    harness.Column("method", "<"),
+    harness.Column("every", "<"),
+    "failures",
+    "goodput",
+    "predicted",
+    "predicted - measured",
+    "steps lost",
+    "restart+restore s",
+    "snapshot overhead s",
+    "lost apart from restart delay and start-up s",
+    "final state",
+    "load (others' CPU)",
+]
 
 
-def report(ideal: Run, step_s: float, results: dict[float, list[Run]], delay: float,
-           records: list[dict[str, Any]]) -> harness.Table:
+def report(
+    ideal: Run, step_s: float, results: dict[float, list[Run]], delay: float, records: list[dict[str, Any]]
+) -> harness.Table:
     """Every run (``records``: the same runs, with their predictions, in the same order)."""
-    table = harness.Table(f"Goodput to W steps (ideal wall {ideal.wall_s:.1f} s), measured and predicted", COLUMNS,
-                          key="goodput")
+    table = harness.Table(
+        f"Goodput to W steps (ideal wall {ideal.wall_s:.1f} s), measured and predicted", COLUMNS, key="goodput"
+    )
     for r, rec in zip([r for rows in results.values() for r in rows], records, strict=True):
         every = "auto" if r.method in OURS and not r.every else (r.every or "-")
         if r.ours:
             every = f"{every} (" + "/".join(str(i) for i in r.ours["intervals"]) + ")"
         apart = lost_apart_from_restart(r, ideal, delay)
         predicted, n = rec["predicted_goodput"], r.noise
-        table.add(f"{rec['mtbf_s']:g} s", r.seed, r.method, every, r.failures, f"{ideal.wall_s / r.wall_s:.3f}",
-                  f"{predicted:.3f}", f"{predicted - ideal.wall_s / r.wall_s:+.3f}", r.steps_lost,
-                  f"{r.restart_s:.1f}", f"{_overhead(r, step_s):.1f}", f"{apart:.1f}", r.bitwise or "-",
-                  f"{n['load_before']:.1f}-{n['load_after']:.1f} ({n['others_cpu_share']:.0%})",
-                  data={"mtbf_s": rec["mtbf_s"], "seed": r.seed, "method": r.method, "every": every,
-                        "goodput": ideal.wall_s / r.wall_s, "predicted_goodput": predicted, "failures": r.failures,
-                        "steps_lost": r.steps_lost, "restart_s": r.restart_s, "overhead_s": _overhead(r, step_s),
-                        "lost_apart_from_restart_s": apart, "bitwise": r.bitwise})
+        table.add(
+            f"{rec['mtbf_s']:g} s",
+            r.seed,
+            r.method,
+            every,
+            r.failures,
+            f"{ideal.wall_s / r.wall_s:.3f}",
+            f"{predicted:.3f}",
+            f"{predicted - ideal.wall_s / r.wall_s:+.3f}",
+            r.steps_lost,
+            f"{r.restart_s:.1f}",
+            f"{_overhead(r, step_s):.1f}",
+            f"{apart:.1f}",
+            r.bitwise or "-",
+            f"{n['load_before']:.1f}-{n['load_after']:.1f} ({n['others_cpu_share']:.0%})",
+            data={
+                "mtbf_s": rec["mtbf_s"],
+                "seed": r.seed,
+                "method": r.method,
+                "every": every,
+                "goodput": ideal.wall_s / r.wall_s,
+                "predicted_goodput": predicted,
+                "failures": r.failures,
+                "steps_lost": r.steps_lost,
+                "restart_s": r.restart_s,
+                "overhead_s": _overhead(r, step_s),
+                "lost_apart_from_restart_s": apart,
+                "bitwise": r.bitwise,
+            },
+        )
     return table
 
 
@@ -666,15 +867,32 @@ def run_records(ideal: Run, inputs: dict[str, Any], results: dict[float, list[Ru
     for m, rows in results.items():
         for r in rows:
             record: dict[str, Any] = {
-                "mtbf_s": m, "seed": r.seed, "method": r.method, "every": r.every, "failure_schedule": r.schedule,
+                "mtbf_s": m,
+                "seed": r.seed,
+                "method": r.method,
+                "every": r.every,
+                "failure_schedule": r.schedule,
                 # measured (none of it enters the prediction)
-                "wall_s": r.wall_s, "measured_goodput": ideal.wall_s / r.wall_s, "failures": r.failures,
-                "kills_at": r.kills_at, "steps_lost": r.steps_lost, "restart_s": r.restart_s / max(1, r.failures),
-                "starts_s": r.starts, "tail_s": r.tail_s, "train_step_s": r.train_s / max(1, r.steps_trained),
-                "intervals_used": r.ours["intervals"] if r.ours else None, "bitwise": r.bitwise, "noise": r.noise}
+                "wall_s": r.wall_s,
+                "measured_goodput": ideal.wall_s / r.wall_s,
+                "failures": r.failures,
+                "kills_at": r.kills_at,
+                "steps_lost": r.steps_lost,
+                "restart_s": r.restart_s / max(1, r.failures),
+                "starts_s": r.starts,
+                "tail_s": r.tail_s,
+                "train_step_s": r.train_s / max(1, r.steps_trained),
+                "intervals_used": r.ours["intervals"] if r.ours else None,
+                "bitwise": r.bitwise,
+                "noise": r.noise,
+            }
             p = predict(inputs, record)
-            record.update(predicted_goodput=p["goodput"], predicted_wall_s=p["wall_s"],
-                          predicted_failures=p["failures"], predicted_lost_work_s=p["lost_work_s"])
+            record.update(
+                predicted_goodput=p["goodput"],
+                predicted_wall_s=p["wall_s"],
+                predicted_failures=p["failures"],
+                predicted_lost_work_s=p["lost_work_s"],
+            )
             out.append(record)
     return out
 
@@ -699,9 +917,18 @@ def mean_lost(ideal: Run, runs: list[Run], delay: float) -> float:
     return _mean([lost_apart_from_restart(r, ideal, delay) for r in runs])
 
 
-SUMMARY = ["MTBF", harness.Column("method", "<"), "seeds", "goodput (mean)", "goodput (min-max)", "failures (mean)",
-           "steps lost (mean)", "lost apart from restart delay and start-up s (mean)", "expected goodput (simulated)",
-           "final state"]
+SUMMARY = [
+    "MTBF",
+    harness.Column("method", "<"),
+    "seeds",
+    "goodput (mean)",
+    "goodput (min-max)",
+    "failures (mean)",
+    "steps lost (mean)",
+    "lost apart from restart delay and start-up s (mean)",
+    "expected goodput (simulated)",
+    "final state",
+]
 #: failure draws the expected goodput is averaged over
 EXPECTED_RUNS = 2000
 Expected = dict[tuple[float, str], float | None]  # (MTBF, method) -> predict(..., draws=EXPECTED_RUNS)
@@ -718,18 +945,39 @@ def summary(ideal: Run, results: dict[float, list[Run]], delay: float, expected:
             goodputs, lost = [ideal.wall_s / r.wall_s for r in runs], mean_lost(ideal, runs, delay)
             states = {r.bitwise for r in runs if r.bitwise}
             state = "-" if not states else ("PASS" if states == {"PASS"} else "FAIL")
-            table.add(f"{m:g} s", method, len(runs), f"{_mean(goodputs):.3f}",
-                      f"{min(goodputs):.3f}-{max(goodputs):.3f}", f"{_mean([r.failures for r in runs]):.1f}",
-                      f"{_mean([r.steps_lost for r in runs]):.0f}", f"{lost:.1f}",
-                      harness.fmt(expected.get((m, method)), ".3f"), state,
-                      data={"mtbf_s": m, "method": method, "seeds": [r.seed for r in runs], "goodputs": goodputs,
-                            "expected_goodput": expected.get((m, method)), "goodput_mean": _mean(goodputs),
-                            "final_state": state, "lost_apart_from_restart_s_mean": lost})
+            table.add(
+                f"{m:g} s",
+                method,
+                len(runs),
+                f"{_mean(goodputs):.3f}",
+                f"{min(goodputs):.3f}-{max(goodputs):.3f}",
+                f"{_mean([r.failures for r in runs]):.1f}",
+                f"{_mean([r.steps_lost for r in runs]):.0f}",
+                f"{lost:.1f}",
+                harness.fmt(expected.get((m, method)), ".3f"),
+                state,
+                data={
+                    "mtbf_s": m,
+                    "method": method,
+                    "seeds": [r.seed for r in runs],
+                    "goodputs": goodputs,
+                    "expected_goodput": expected.get((m, method)),
+                    "goodput_mean": _mean(goodputs),
+                    "final_state": state,
+                    "lost_apart_from_restart_s_mean": lost,
+                },
+            )
     return table
 
 
-def targets(ideal: Run, results: dict[float, list[Run]], delay: float, mtbf: float, check: harness.Targets,
-            expected: Expected | None = None) -> None:
+def targets(
+    ideal: Run,
+    results: dict[float, list[Run]],
+    delay: float,
+    mtbf: float,
+    check: harness.Targets,
+    expected: Expected | None = None,
+) -> None:
     """The issue's targets at the default MTBF (the first); with several seeds, on each method's means."""
     rows = results.get(mtbf, [])
     methods = by_method(rows)
@@ -737,38 +985,55 @@ def targets(ideal: Run, results: dict[float, list[Run]], delay: float, mtbf: flo
     peers = {k: v for k, v in methods.items() if k in PEERS}
     seeds = max((len(v) for v in methods.values()), default=0)
     mean = f" (means over {seeds} seeds)" if seeds > 1 else ""
-    check.title = (f"targets (MTBF {mtbf:g} s{mean}; failures per method: "
-                   + ", ".join(f"{k} " + "/".join(str(r.failures) for r in v) for k, v in methods.items()) + ")")
+    check.title = (
+        f"targets (MTBF {mtbf:g} s{mean}; failures per method: "
+        + ", ".join(f"{k} " + "/".join(str(r.failures) for r in v) for k, v in methods.items())
+        + ")"
+    )
     if not ours or not peers:
         check.info("needs at least one of ours and one peer")
         return
     best_ours = max(ours, key=lambda k: mean_goodput(ideal, ours[k]))
     best_peer = max(peers, key=lambda k: mean_goodput(ideal, peers[k]))
     g_ours, g_peer = mean_goodput(ideal, ours[best_ours]), mean_goodput(ideal, peers[best_peer])
-    check.check(g_ours > g_peer, f"highest goodput: {best_ours} {g_ours:.3f} vs the best peer {best_peer}"
-                                 f" {g_peer:.3f}", g_ours, g_peer)
+    check.check(
+        g_ours > g_peer,
+        f"highest goodput: {best_ours} {g_ours:.3f} vs the best peer {best_peer} {g_peer:.3f}",
+        g_ours,
+        g_peer,
+    )
     peer_lost = min(mean_lost(ideal, v, delay) for v in peers.values())
     ours_lost = mean_lost(ideal, ours[best_ours], delay)
-    text = (f"lost time apart from the restart (delay + boot): {best_ours} {ours_lost:.1f} s <= 1/3 of the"
-            f" best peer's {peer_lost:.1f} s")
+    text = (
+        f"lost time apart from the restart (delay + boot): {best_ours} {ours_lost:.1f} s <= 1/3 of the"
+        f" best peer's {peer_lost:.1f} s"
+    )
     # a lost time <= 0 is below what this machine's speed varies between runs (the two failure-free runs differ):
     # no ratio of it means anything, so the target is not judged
     in_noise = peer_lost <= 0 or ours_lost < 0
-    check.check(None if in_noise else ours_lost <= peer_lost / 3,
-                text + (" (not judged: a lost time below the run-to-run noise)" if in_noise else ""),
-                ours_lost, peer_lost / 3)
+    check.check(
+        None if in_noise else ours_lost <= peer_lost / 3,
+        text + (" (not judged: a lost time below the run-to-run noise)" if in_noise else ""),
+        ours_lost,
+        peer_lost / 3,
+    )
     if expected is not None:
         expect = {k: expected.get((mtbf, k)) or 0.0 for k in methods}
         mine = max(ours, key=lambda k: expect[k])
         theirs = max(peers, key=lambda k: expect[k])
-        check.info(f"expected goodput (predicted from the calibrated inputs, {EXPECTED_RUNS} draws of failures):"
-                   f" {mine} {expect[mine]:.3f}, the best peer {theirs} {expect[theirs]:.3f}", expect[mine])
+        check.info(
+            f"expected goodput (predicted from the calibrated inputs, {EXPECTED_RUNS} draws of failures):"
+            f" {mine} {expect[mine]:.3f}, the best peer {theirs} {expect[theirs]:.3f}",
+            expect[mine],
+        )
     few = sorted({r.method for r in rows if r.failures < 5})
     (check.warn if few else check.info)(f">= 5 failures per method: {'yes' if not few else 'no: ' + ', '.join(few)}")
     for r in rows:
         if r.method in OURS:
-            check.check(r.bitwise == "PASS", f"{r.method} (seed {r.seed}): final state bitwise equal to the"
-                                             f" failure-free run ({r.bitwise})")
+            check.check(
+                r.bitwise == "PASS",
+                f"{r.method} (seed {r.seed}): final state bitwise equal to the failure-free run ({r.bitwise})",
+            )
 
 
 def write_plot(ideal: Run, results: dict[float, list[Run]], path: str, expected: Expected) -> None:

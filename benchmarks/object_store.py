@@ -39,12 +39,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # the harness and the library
 
 import _harness as harness  # noqa: E402
+
 from lightning_snapshot.backends import ObjectStoreTier, RamTier  # noqa: E402
 from lightning_snapshot.backends.base import Backend  # noqa: E402
-from lightning_snapshot.comm import LocalComm  # noqa: E402
+from lightning_snapshot.dist.comm import LocalComm  # noqa: E402
+from lightning_snapshot.persist.writer import SnapshotJob, write_snapshot  # noqa: E402
 from lightning_snapshot.staging import stage  # noqa: E402
 from lightning_snapshot.staging.arena import HostArena  # noqa: E402
-from lightning_snapshot.writer import SnapshotJob, write_snapshot  # noqa: E402
 
 KEY, SECRET = "bench-key", "bench-secret"
 UPLOAD_TARGET = 0.8  # ours / s3fs, at least
@@ -53,8 +54,11 @@ STALL_TARGET = 1.1  # RAM tier + object store / RAM tier only, at most
 
 def start_server() -> tuple[subprocess.Popen, str]:
     port = harness.free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     endpoint = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -124,9 +128,12 @@ def upload_throughput(endpoint: str, nbytes: int, repeats: int) -> tuple[dict[st
 
 
 UPLOADS = harness.Methods()
-UPLOADS.add("ObjectStoreTier", upload_ours,
-            "lightning-snapshot ``ObjectStoreTier``: ``write_snapshot`` of the arena-staged snapshot (concurrent"
-            " multipart from the staging buffer, manifest last)")
+UPLOADS.add(
+    "ObjectStoreTier",
+    upload_ours,
+    "lightning-snapshot ``ObjectStoreTier``: ``write_snapshot`` of the arena-staged snapshot (concurrent"
+    " multipart from the staging buffer, manifest last)",
+)
 UPLOADS.add("s3fs put_file", upload_s3fs, "plain ``s3fs`` ``put_file`` of the same bytes from a local file")
 
 
@@ -136,19 +143,25 @@ def tiers_ram(endpoint: str, every: int, shm: str) -> list[Backend]:
 
 
 def tiers_ram_s3(endpoint: str, every: int, shm: str) -> list[Backend]:
-    return tiers_ram(endpoint, every, shm) + [ObjectStoreTier("s3://bench-train/run",
-                                                              storage_options=options(endpoint),
-                                                              every_n_train_steps=every, keep_last=1)]
+    return tiers_ram(endpoint, every, shm) + [
+        ObjectStoreTier(
+            "s3://bench-train/run", storage_options=options(endpoint), every_n_train_steps=every, keep_last=1
+        )
+    ]
 
 
 TRAININGS = harness.Methods(baseline="RAM tier only")
 TRAININGS.add("RAM tier only", tiers_ram, "``RamTier`` (node-local copy, with its snapshot agent): the baseline")
-TRAININGS.add("RAM tier + object store", tiers_ram_s3,
-              "the same plus ``ObjectStoreTier`` on moto (the agent uploads, in its own process)")
+TRAININGS.add(
+    "RAM tier + object store",
+    tiers_ram_s3,
+    "the same plus ``ObjectStoreTier`` on moto (the agent uploads, in its own process)",
+)
 
 
-def training_stall(endpoint: str, steps: int, every: int, width: int, server: int
-                   ) -> dict[str, tuple[float, harness.Noise]]:
+def training_stall(
+    endpoint: str, steps: int, every: int, width: int, server: int
+) -> dict[str, tuple[float, harness.Noise]]:
     """Median ``snapshot/stall_ms`` and the noise of a training run with each tier set (the CPU of the ``server``
     process counts as the benchmark's own; that of the RAM tier's agent as another process's)."""
     import lightning as L
@@ -171,7 +184,7 @@ def training_stall(endpoint: str, steps: int, every: int, width: int, server: in
     import s3fs
 
     s3fs.S3FileSystem(**options(endpoint)).call_s3("create_bucket", Bucket="bench-train")
-    from lightning_snapshot.backends.ram.agent import stop_agent
+    from lightning_snapshot.agent import stop_agent
 
     results = {}
     shm = tempfile.mkdtemp(prefix="bench-ram-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
@@ -180,8 +193,15 @@ def training_stall(endpoint: str, steps: int, every: int, width: int, server: in
             tiers = TRAININGS.run(name, endpoint, every, shm)
             rec = harness.memory_logger()
             L.seed_everything(0, verbose=False)
-            trainer = L.Trainer(accelerator="cpu", max_steps=steps, callbacks=[SnapshotCallback(tiers, resume=False)],
-                                logger=rec, log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False)
+            trainer = L.Trainer(
+                accelerator="cpu",
+                max_steps=steps,
+                callbacks=[SnapshotCallback(tiers, resume=False)],
+                logger=rec,
+                log_every_n_steps=1,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+            )
             with harness.NoiseMeter(pids=[server]) as meter:
                 trainer.fit(Model(), DataLoader(TensorDataset(torch.randn(64 * steps, width)), batch_size=64))
             results[name] = (statistics.median(rec.values("snapshot/stall_ms")), meter.noise)
@@ -215,22 +235,41 @@ def main(argv: list[str] | None = None) -> int:
 
     ours, plain = rates["ObjectStoreTier"], rates["s3fs put_file"]
     noise = meter.noise
-    table = harness.Table(f"Upload of a {total / 1e9:.2f} GB snapshot to moto on 127.0.0.1 (median of {repeats};"
-                          f" other processes used {noise.share:.0%} of the CPUs)", ["method", "MB/s", "ratio"],
-                          key="upload", notes=[flag for flag in [noise.flag()] if flag])
-    table.add("lightning-snapshot ObjectStoreTier", f"{ours:.1f}", f"{1.0:.2f}",
-              data={"method": "ObjectStoreTier", "MBps": ours, "ratio": 1.0})
-    table.add("s3fs put_file (same bytes, same server)", f"{plain:.1f}", f"{plain / ours:.2f}",
-              data={"method": "s3fs put_file", "MBps": plain, "ratio": plain / ours})
+    table = harness.Table(
+        f"Upload of a {total / 1e9:.2f} GB snapshot to moto on 127.0.0.1 (median of {repeats};"
+        f" other processes used {noise.share:.0%} of the CPUs)",
+        ["method", "MB/s", "ratio"],
+        key="upload",
+        notes=[flag for flag in [noise.flag()] if flag],
+    )
+    table.add(
+        "lightning-snapshot ObjectStoreTier",
+        f"{ours:.1f}",
+        f"{1.0:.2f}",
+        data={"method": "ObjectStoreTier", "MBps": ours, "ratio": 1.0},
+    )
+    table.add(
+        "s3fs put_file (same bytes, same server)",
+        f"{plain:.1f}",
+        f"{plain / ours:.2f}",
+        data={"method": "s3fs put_file", "MBps": plain, "ratio": plain / ours},
+    )
     out.table(table)
 
     base = stalls[TRAININGS.baseline][0]
-    table = harness.Table("Median blocking stall per snapshot (training thread)",
-                          ["tiers", "stall ms", "x RAM only", "noise"], key="stall")
+    table = harness.Table(
+        "Median blocking stall per snapshot (training thread)",
+        ["tiers", "stall ms", "x RAM only", "noise"],
+        key="stall",
+    )
     for name, (v, n) in stalls.items():
-        table.add(name, f"{v:.2f}", f"{v / base:.2f}x", f"{n.share:.0%}",
-                  data={"tiers": name, "stall_ms": v, "ratio": v / base, "noise": n.share,
-                        "unreliable": n.unreliable})
+        table.add(
+            name,
+            f"{v:.2f}",
+            f"{v / base:.2f}x",
+            f"{n.share:.0%}",
+            data={"tiers": name, "stall_ms": v, "ratio": v / base, "noise": n.share, "unreliable": n.unreliable},
+        )
         if n.flag():
             table.notes.append(f"{name}: {n.flag()}")
     out.table(table)
@@ -238,8 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     up = ours / plain
     out.targets.check(up >= UPLOAD_TARGET, f"ours / s3fs = {up:.2f}x >= {UPLOAD_TARGET}x", up, UPLOAD_TARGET)
     st = stalls["RAM tier + object store"][0] / base
-    out.targets.check(st <= STALL_TARGET, f"object store / RAM tier only = {st:.2f}x <= {STALL_TARGET}x",
-                      st, STALL_TARGET)
+    out.targets.check(
+        st <= STALL_TARGET, f"object store / RAM tier only = {st:.2f}x <= {STALL_TARGET}x", st, STALL_TARGET
+    )
     return out.finish(upload_MBps=rates, stall_ms={k: v for k, (v, _) in stalls.items()})
 
 

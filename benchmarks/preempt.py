@@ -32,15 +32,29 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "tests" / "scripts" / "train.py"
-COMMON = ["--devices", "2", "--max-steps", "40", "--every", "10", "--shuffle", "--dropout", "0.1", "--workers", "2",
-          "--augment"]
+COMMON = [
+    "--devices",
+    "2",
+    "--max-steps",
+    "40",
+    "--every",
+    "10",
+    "--shuffle",
+    "--dropout",
+    "0.1",
+    "--workers",
+    "2",
+    "--augment",
+]
 CASES = [
     ("SIGTERM to torchrun", ["--signal-to", "launcher"]),
     ("SIGTERM to every process", ["--signal-to", "all"]),
     ("SIGTERM to rank 0 only", ["--signal-to", "self", "--signal-rank", "0"]),
     ("SIGTERM to rank 1 only", ["--signal-to", "self", "--signal-rank", "1"]),
-    ("during validation", ["--signal-to", "all", "--signal-during", "validation", "--val-every", "5",
-                           "--val-delay", "0.2"]),
+    (
+        "during validation",
+        ["--signal-to", "all", "--signal-during", "validation", "--val-every", "5", "--val-delay", "0.2"],
+    ),
     ("earlier snapshot on a slow tier", ["--signal-to", "launcher", "--slow-write", "1", "--signal-at", "22"]),
 ]
 
@@ -56,8 +70,8 @@ def _rank(rank: int, port: int, calls: int, out: str, step_us: float) -> None:
     import torch
     import torch.distributed as dist
 
-    from lightning_snapshot.comm import GroupComm, LocalComm
-    from lightning_snapshot.preempt import Preemption
+    from lightning_snapshot.dist.comm import GroupComm, LocalComm
+    from lightning_snapshot.dist.preempt import Preemption
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     group = dist.new_group(backend="gloo")
@@ -74,8 +88,12 @@ def _rank(rank: int, port: int, calls: int, out: str, step_us: float) -> None:
 
     results = {}
     comm = GroupComm(group)
-    for name, fn in (("ours", lambda i: ours.poll(i)), ("ours-sync", lambda i: comm.all_max(0)),
-                     ("lightning", lambda i: lightning()), ("ours-1-process", lambda i: alone.poll(i))):
+    for name, fn in (
+        ("ours", lambda i: ours.poll(i)),
+        ("ours-sync", lambda i: comm.all_max(0)),
+        ("lightning", lambda i: lightning()),
+        ("ours-1-process", lambda i: alone.poll(i)),
+    ):
         for i in range(50):  # warm-up
             fn(-1 - i)
         dist.barrier()
@@ -104,7 +122,7 @@ def agreement(calls: int, step_us: float) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r.txt")
         mp.spawn(_rank, args=(port, calls, out, step_us), nprocs=2)
-        return eval(Path(out).read_text())  # noqa: S307 - our own repr of a dict of floats
+        return eval(Path(out).read_text())
 
 
 def preemption_case(extra: list[str]) -> dict[str, object]:
@@ -113,8 +131,20 @@ def preemption_case(extra: list[str]) -> dict[str, object]:
         args = [*COMMON, "--signal-at", "23", *extra]
         if "--signal-at" in extra:
             args = [*COMMON, *extra]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(TRAIN),
-               "--dir", str(base / "local"), "--out", str(base / "out.pt"), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(TRAIN),
+            "--dir",
+            str(base / "local"),
+            "--out",
+            str(base / "out.pt"),
+            *args,
+        ]
         env = {**os.environ, "PYTHONWARNINGS": "ignore"}
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
         said = proc.stdout + proc.stderr
@@ -144,25 +174,38 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="the per-step agreement only")
     a = p.parse_args()
     cost = agreement(a.calls, a.step_ms * 1000)
-    print(f"\nPer-step preemption check, 2 ranks on gloo over 127.0.0.1, {a.calls} steps of {a.step_ms:g} ms of work:"
-          " time the training thread spends in the check (median; p90)")
+    print(
+        f"\nPer-step preemption check, 2 ranks on gloo over 127.0.0.1, {a.calls} steps of {a.step_ms:g} ms of work:"
+        " time the training thread spends in the check (median; p90)"
+    )
     print("| check | us per step (median) | p90 |\n|---|---|---|")
-    print(f"| lightning-snapshot: Preemption.poll (all-reduce over its own gloo group, started at one step and read"
-          f" at the next) | {cost['ours']:.1f} | {cost['ours-p90']:.1f} |")
-    print(f"| the same all-reduce waited for at once (a synchronous agreement) | {cost['ours-sync']:.1f} | {cost['ours-sync-p90']:.1f} |")
-    print(f"| Lightning 2.6: _broadcast_sigterm_tensor (broadcast + .item(); off while we own SIGTERM) |"
-          f" {cost['lightning']:.1f} | {cost['lightning-p90']:.1f} |")
-    print(f"| lightning-snapshot, one process (no collective) | {cost['ours-1-process']:.2f} | {cost['ours-1-process-p90']:.2f} |")
+    print(
+        f"| lightning-snapshot: Preemption.poll (all-reduce over its own gloo group, started at one step and read"
+        f" at the next) | {cost['ours']:.1f} | {cost['ours-p90']:.1f} |"
+    )
+    print(
+        f"| the same all-reduce waited for at once (a synchronous agreement) | {cost['ours-sync']:.1f} | {cost['ours-sync-p90']:.1f} |"
+    )
+    print(
+        f"| Lightning 2.6: _broadcast_sigterm_tensor (broadcast + .item(); off while we own SIGTERM) |"
+        f" {cost['lightning']:.1f} | {cost['lightning-p90']:.1f} |"
+    )
+    print(
+        f"| lightning-snapshot, one process (no collective) | {cost['ours-1-process']:.2f} | {cost['ours-1-process-p90']:.2f} |"
+    )
     if a.quick:
         return
     print("\nPreemption of a 2-rank torchrun job (SIGTERM after step 23; the step durable, then exit)")
-    print("| case | signal sent after step | durable step | signal sent -> step durable (s) | steps lost |"
-          " exit status |")
+    print(
+        "| case | signal sent after step | durable step | signal sent -> step durable (s) | steps lost | exit status |"
+    )
     print("|---|---|---|---|---|---|")
     for name, extra in CASES:
         r = preemption_case(extra)
-        print(f"| {name} | {r['sent']} | {r['durable step']} | {r['to durable (s)']} | {r['steps lost']} |"
-              f" {r['exit']} |", flush=True)
+        print(
+            f"| {name} | {r['sent']} | {r['durable step']} | {r['to durable (s)']} | {r['steps lost']} | {r['exit']} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -100,13 +100,12 @@ from _harness import Timing  # noqa: E402
 from lightning_snapshot.backends import LocalTier, RamTier
 from lightning_snapshot.backends.ram import erasure as ec
 from lightning_snapshot.backends.ram.tier import allocated_bytes
-
-from lightning_snapshot.staging.arena import HostArena
-from lightning_snapshot.comm import LocalComm
-from lightning_snapshot.loader import read_manifest, read_section
-from lightning_snapshot.manifest import step_dirname
+from lightning_snapshot.dist.comm import LocalComm
+from lightning_snapshot.format.manifest import step_dirname
+from lightning_snapshot.persist.writer import SnapshotJob, write_snapshot
+from lightning_snapshot.restore.loader import read_manifest, read_section
 from lightning_snapshot.staging import stage, tensor_bytes
-from lightning_snapshot.writer import SnapshotJob, write_snapshot
+from lightning_snapshot.staging.arena import HostArena
 
 K, M = 4, 2
 MiB = 1 << 20
@@ -151,8 +150,7 @@ def memcpy_state(state: dict[str, torch.Tensor], dst: torch.Tensor) -> None:
 
 
 # ================================================================================================ raw zfec
-def stripes_of(data: memoryview, lay: ec.ShareLayout, pad: bytearray, which: range | None = None
-               ):  # type: ignore[no-untyped-def]
+def stripes_of(data: memoryview, lay: ec.ShareLayout, pad: bytearray, which: range | None = None):  # type: ignore[no-untyped-def]
     """The k input blocks of every stripe of ``data`` (or of the stripes ``which``; block i of stripe s: the
     object's bytes at ``lay.data_offset(i, s)``; a block past the object's end zero-padded into ``pad``)."""
     k, b, n = lay.k, lay.block, lay.nbytes
@@ -162,12 +160,12 @@ def stripes_of(data: memoryview, lay: ec.ShareLayout, pad: bytearray, which: ran
         for i in range(k):
             lo = lay.data_offset(i, s)
             if lo + b <= n:
-                blocks.append(data[lo: lo + b])
+                blocks.append(data[lo : lo + b])
             else:
                 have = max(0, n - lo)
-                pad[i * b: (i + 1) * b] = bytes(b)
-                pad[i * b: i * b + have] = data[lo: lo + have]
-                blocks.append(pv[i * b: (i + 1) * b])
+                pad[i * b : (i + 1) * b] = bytes(b)
+                pad[i * b : i * b + have] = data[lo : lo + have]
+                blocks.append(pv[i * b : (i + 1) * b])
         yield tuple(blocks)
 
 
@@ -194,7 +192,7 @@ def zfec_decode_raw(shares: dict[int, memoryview], lay: ec.ShareLayout) -> None:
     use = sorted(shares)[: lay.k]
     nums, b = tuple(use), lay.block
     for s in range(lay.stripes):
-        dec.decode(tuple(shares[i][s * b: (s + 1) * b] for i in use), nums)
+        dec.decode(tuple(shares[i][s * b : (s + 1) * b] for i in use), nums)
 
 
 # ================================================================================================ RAM tier
@@ -249,8 +247,16 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(disk_root, ignore_errors=True)
 
 
-def run(args: argparse.Namespace, nbytes: int, repeats: int, cores: int, shm: Path, disk: Path, arena: HostArena,
-        report: harness.Report) -> int:
+def run(
+    args: argparse.Namespace,
+    nbytes: int,
+    repeats: int,
+    cores: int,
+    shm: Path,
+    disk: Path,
+    arena: HostArena,
+    report: harness.Report,
+) -> int:
     t_start = time.perf_counter()
     state = make_state(nbytes)
     total = state_nbytes(state)
@@ -260,8 +266,12 @@ def run(args: argparse.Namespace, nbytes: int, repeats: int, cores: int, shm: Pa
     data = tensor_bytes(obj)
     lay = ec.layout(total, K, M)
     used = ec._threads(lay.stripes, cores)
-    report.header(state=f"{total / GB:.3f} GB in {len(state)} tensors", erasure=f"{K}+{M}, block {lay.block} B,"
-               f" {lay.stripes} stripes", cores=f"{cores} (encode/decode threads used: {used})", repeats=repeats)
+    report.header(
+        state=f"{total / GB:.3f} GB in {len(state)} tensors",
+        erasure=f"{K}+{M}, block {lay.block} B, {lay.stripes} stripes",
+        cores=f"{cores} (encode/decode threads used: {used})",
+        repeats=repeats,
+    )
 
     # ------------------------------------------------------------------------------------- 1. encode
     copy_dst = touched(total)
@@ -282,7 +292,7 @@ def run(args: argparse.Namespace, nbytes: int, repeats: int, cores: int, shm: Pa
         if s % max(1, lay.stripes // 8):
             continue
         for j, blk in enumerate(enc.encode(blocks, (4, 5))):
-            if bytes(shares[K + j][s * b: (s + 1) * b]) != blk:
+            if bytes(shares[K + j][s * b : (s + 1) * b]) != blk:
                 raise AssertionError(f"erasure.encode: parity share {K + j} of stripe {s} differs from zfec's")
     print(f"encode done ({time.perf_counter() - t_start:.0f} s)", flush=True)
 
@@ -321,12 +331,14 @@ def run(args: argparse.Namespace, nbytes: int, repeats: int, cores: int, shm: Pa
         def go() -> None:
             step[0] += 1
             write_snapshot(tier, LocalComm(), SnapshotJob(step[0], 0, staged, empty_rank), RUN_ID)
+
         return go
 
     def drop_old(tier: Any) -> Callable[[], None]:
         def go() -> None:
             if step[0]:
                 tier.delete(step_dirname(step[0]))
+
         return go
 
     write_ec = harness.repeat(write_to(ram_ec), repeats, before=drop_old(ram_ec))
@@ -359,6 +371,7 @@ def run(args: argparse.Namespace, nbytes: int, repeats: int, cores: int, shm: Pa
         def go() -> None:
             got = restore(tier, st, tg)
             holder["last"] = got
+
         holder: dict[str, Any] = {}
 
         def check() -> None:
@@ -367,6 +380,7 @@ def run(args: argparse.Namespace, nbytes: int, repeats: int, cores: int, shm: Pa
             if flat is None:  # nested under the section's prefix
                 flat = {n: _lookup(got, n) for n in state}
             check_equal(flat, state, what)
+
         go.check = check  # type: ignore[attr-defined]
         return go
 
@@ -411,12 +425,18 @@ def run(args: argparse.Namespace, nbytes: int, repeats: int, cores: int, shm: Pa
         """A row of GB/s; ``per_zfec``: the rate it is compared with (zfec raw 1-core x threads), if any."""
         r = rate(t)
         versus = None if per_zfec is None else r / per_zfec
-        table.add(label, f"{r:.2f}", f"{t.spread:.0%}", f"{r / mc:.2f}", harness.fmt(versus, ".2f", ""),
-                  data={"row": label, "GBps": r, "spread": t.spread, "x_memcpy": r / mc,
-                        "x_zfec": versus, "runs_s": t.runs})
+        table.add(
+            label,
+            f"{r:.2f}",
+            f"{t.spread:.0%}",
+            f"{r / mc:.2f}",
+            harness.fmt(versus, ".2f", ""),
+            data={"row": label, "GBps": r, "spread": t.spread, "x_memcpy": r / mc, "x_zfec": versus, "runs_s": t.runs},
+        )
 
-    enc_table = harness.Table(f"Encode {K}+{M} of a {total / GB:.3f} GB object (input GB/s, median of {repeats})",
-                              rate_columns, key="encode")
+    enc_table = harness.Table(
+        f"Encode {K}+{M} of a {total / GB:.3f} GB object (input GB/s, median of {repeats})", rate_columns, key="encode"
+    )
     enc_rows = [
         ("memcpy (ctypes.memmove, 1 thread)", memcpy_obj, None),
         ("zfec raw, 1 core (parity only)", zraw_enc, 1),
@@ -432,24 +452,43 @@ def run(args: argparse.Namespace, nbytes: int, repeats: int, cores: int, shm: Pa
         rate_row(enc_table, label, t, zr1 * thr if thr else None)
     report.table(enc_table)
 
-    dec_table = harness.Table(f"Decode {K}+{M} (output GB/s, median of {repeats})", rate_columns, key="decode",
-                              notes=["n/a: from the data shares zfec only hands its inputs back: no rate to scale by"])
+    dec_table = harness.Table(
+        f"Decode {K}+{M} (output GB/s, median of {repeats})",
+        rate_columns,
+        key="decode",
+        notes=["n/a: from the data shares zfec only hands its inputs back: no rate to scale by"],
+    )
     rate_row(dec_table, "memcpy (ctypes.memmove, 1 thread)", memcpy_obj, None)
     for label, (zr, d1, dn) in dec_rows.items():
         zrr = rate(zr)
-        for name, t, thr in ((f"zfec raw, 1 core, {label}", zr, 1), (f"erasure.decode, 1 thread, {label}", d1, 1),
-                             (f"erasure.decode, {used} threads, {label}", dn, used)):
+        for name, t, thr in (
+            (f"zfec raw, 1 core, {label}", zr, 1),
+            (f"erasure.decode, 1 thread, {label}", d1, 1),
+            (f"erasure.decode, {used} threads, {label}", dn, used),
+        ):
             if "missing" in label:
                 rate_row(dec_table, name, t, zrr * thr)
             else:
                 r = rate(t)
-                dec_table.add(name, f"{r:.2f}", f"{t.spread:.0%}", f"{r / mc:.2f}", "n/a",
-                              data={"row": name, "GBps": r, "spread": t.spread, "x_memcpy": r / mc, "runs_s": t.runs})
+                dec_table.add(
+                    name,
+                    f"{r:.2f}",
+                    f"{t.spread:.0%}",
+                    f"{r / mc:.2f}",
+                    "n/a",
+                    data={"row": name, "GBps": r, "spread": t.spread, "x_memcpy": r / mc, "runs_s": t.runs},
+                )
     report.table(dec_table)
 
-    mem_table = harness.Table("Memory held per snapshot", ["", "GB", "x state"], key="memory", notes=[
-        f"{K}+{M} vs 2x replication: {(K + M) * lay.share_nbytes / (2 * total):.3f}x the memory; layout padding"
-        f" {lay.padding} B; the object written by the tier is {obj_total} B ({obj_lay.padding} B padding)"])
+    mem_table = harness.Table(
+        "Memory held per snapshot",
+        ["", "GB", "x state"],
+        key="memory",
+        notes=[
+            f"{K}+{M} vs 2x replication: {(K + M) * lay.share_nbytes / (2 * total):.3f}x the memory; layout padding"
+            f" {lay.padding} B; the object written by the tier is {obj_total} B ({obj_lay.padding} B padding)"
+        ],
+    )
     mem_rows = [
         ("state (one copy)", total),
         (f"{K}+{M} shares from erasure.layout ((k+m) x share_nbytes)", (K + M) * lay.share_nbytes),
@@ -463,34 +502,62 @@ def run(args: argparse.Namespace, nbytes: int, repeats: int, cores: int, shm: Pa
     report.table(mem_table)
 
     ref = memcpy_st.median
-    res_table = harness.Table(f"Restore of the {total / GB:.3f} GB state (seconds, median of {repeats};"
-                              " x memcpy of the state)", ["", "s", "GB/s", "spread", "x memcpy"], key="restore")
+    res_table = harness.Table(
+        f"Restore of the {total / GB:.3f} GB state (seconds, median of {repeats}; x memcpy of the state)",
+        ["", "s", "GB/s", "spread", "x memcpy"],
+        key="restore",
+    )
     for label, t in [("memcpy of the state (ctypes.memmove, 1 thread)", memcpy_st)] + rows:
-        res_table.add(label, f"{t.median:.3f}", f"{rate(t):.2f}", f"{t.spread:.0%}", f"{t.median / ref:.2f}",
-                      data={"row": label, "s": t.median, "GBps": rate(t), "spread": t.spread,
-                            "x_memcpy": t.median / ref, "runs_s": t.runs})
+        res_table.add(
+            label,
+            f"{t.median:.3f}",
+            f"{rate(t):.2f}",
+            f"{t.spread:.0%}",
+            f"{t.median / ref:.2f}",
+            data={
+                "row": label,
+                "s": t.median,
+                "GBps": rate(t),
+                "spread": t.spread,
+                "x_memcpy": t.median / ref,
+                "runs_s": t.runs,
+            },
+        )
     report.table(res_table)
 
     check = report.targets
     enc_goal = ENCODE_TARGET * zr1 * used
-    check.check(rate(encn) >= enc_goal,
-                f"erasure.encode (parity) with {used} threads >= {ENCODE_TARGET} x {zr1:.2f} GB/s x {used} ="
-                f" {enc_goal:.2f} GB/s: {rate(encn):.2f} GB/s = {rate(encn) / (zr1 * used):.2f}x"
-                f" (best runs: {zraw_enc.best / encn.best / used:.2f}x)", rate(encn), enc_goal)
-    check.info(f"erasure.encode against zfec raw on {used} threads, {rate(zraw_enc_n):.2f} GB/s:"
-               f" {rate(encn) / rate(zraw_enc_n):.2f}x")
+    check.check(
+        rate(encn) >= enc_goal,
+        f"erasure.encode (parity) with {used} threads >= {ENCODE_TARGET} x {zr1:.2f} GB/s x {used} ="
+        f" {enc_goal:.2f} GB/s: {rate(encn):.2f} GB/s = {rate(encn) / (zr1 * used):.2f}x"
+        f" (best runs: {zraw_enc.best / encn.best / used:.2f}x)",
+        rate(encn),
+        enc_goal,
+    )
+    check.info(
+        f"erasure.encode against zfec raw on {used} threads, {rate(zraw_enc_n):.2f} GB/s:"
+        f" {rate(encn) / rate(zraw_enc_n):.2f}x"
+    )
     zc1 = total / (zraw_enc.median + memcpy_obj.median) / GB
-    check.info(f"encode copying the {K} data shares too, {total / GB:.3f} GB, which zfec raw does not: against"
-               f" zfec raw + that memcpy on one core, {zc1:.2f} GB/s x {used}, it is"
-               f" {rate(enc_copy) / (zc1 * used):.2f}x")
+    check.info(
+        f"encode copying the {K} data shares too, {total / GB:.3f} GB, which zfec raw does not: against"
+        f" zfec raw + that memcpy on one core, {zc1:.2f} GB/s x {used}, it is"
+        f" {rate(enc_copy) / (zc1 * used):.2f}x"
+    )
     ram_all = rows[0][1].median
-    check.check(ram_all <= RESTORE_TARGET * ref,
-                f"restore from RAM, all local <= {RESTORE_TARGET} x memcpy ({RESTORE_TARGET * ref:.3f} s):"
-                f" {ram_all:.3f} s = {ram_all / ref:.2f}x (best runs: {rows[0][1].best / memcpy_st.best:.2f}x)",
-                ram_all, RESTORE_TARGET * ref)
+    check.check(
+        ram_all <= RESTORE_TARGET * ref,
+        f"restore from RAM, all local <= {RESTORE_TARGET} x memcpy ({RESTORE_TARGET * ref:.3f} s):"
+        f" {ram_all:.3f} s = {ram_all / ref:.2f}x (best runs: {rows[0][1].best / memcpy_st.best:.2f}x)",
+        ram_all,
+        RESTORE_TARGET * ref,
+    )
     ec_all = rows[2][1].median  # (not ``ram_ec``: that name is the 4+2 tier above)
-    check.info(f"the {K}+{M} tier with all {K + M} shares local: {ec_all:.3f} s = {ec_all / ref:.2f}x ->"
-               f" {'within' if ec_all <= RESTORE_TARGET * ref else 'over'} the same bound")
+    check.info(
+        f"the {K}+{M} tier with all {K + M} shares local: {ec_all:.3f} s = {ec_all / ref:.2f}x ->"
+        f" {'within' if ec_all <= RESTORE_TARGET * ref else 'over'} the same bound"
+    )
     return report.finish()
 
 

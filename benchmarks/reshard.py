@@ -103,9 +103,16 @@ def save(args: argparse.Namespace) -> None:
     data = TensorDataset(torch.randn(64, args.width))
     snapshots = SnapshotCallback(LocalTier(args.snap, every_n_train_steps=STEP), chunk_bytes=args.chunk_bytes)
     strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=STEP,
-                        callbacks=[snapshots, DcpSave()], logger=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=STEP,
+        callbacks=[snapshots, DcpSave()],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(Module(), DataLoader(data, batch_size=4))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
@@ -147,7 +154,7 @@ class Loader:
     """What one rank's loads need: the options, the targets of both methods and the counters of ours."""
 
     def __init__(self, args: argparse.Namespace, ours_t: dict, dcp_sd: dict) -> None:
-        from lightning_snapshot.loader import ReadStats
+        from lightning_snapshot.restore.loader import ReadStats
 
         self.args, self.ours_t, self.dcp_sd = args, ours_t, dcp_sd
         self.stats = ReadStats()
@@ -156,7 +163,7 @@ class Loader:
 
 def load_ours(ctx: Loader) -> None:
     from lightning_snapshot.backends import LocalTier
-    from lightning_snapshot.loader import ReadStats, read_manifest, read_section
+    from lightning_snapshot.restore.loader import ReadStats, read_manifest, read_section
 
     backend = LocalTier(ctx.args.snap)
     manifest = read_manifest(backend, STEP)
@@ -173,9 +180,12 @@ def load_dcp(ctx: Loader) -> None:
 
 
 METHODS = harness.Methods()
-METHODS.add("ours", load_ours,
-            "lightning-snapshot: each rank reads its boxes (``read_manifest`` + ``read_section`` with the DTensors as"
-            " targets, as the callback's restore does, every chunk read verified by its checksum)")
+METHODS.add(
+    "ours",
+    load_ours,
+    "lightning-snapshot: each rank reads its boxes (``read_manifest`` + ``read_section`` with the DTensors as"
+    " targets, as the callback's restore does, every chunk read verified by its checksum)",
+)
 METHODS.add("dcp", load_dcp, "``dcp.load`` on a state dict of the same DTensors")
 __doc__ = METHODS.document(__doc__)
 
@@ -212,7 +222,7 @@ def worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
                 times[f"{name}_{mode}"].append(time.perf_counter() - t0)
     # both filled the same tensors of this layout: bitwise equal?
     same = True
-    for (n, st) in dcp_sd["optim"]["state"].items():
+    for n, st in dcp_sd["optim"]["state"].items():
         for k, v in st.items():
             same &= torch.equal(local(v), local(ours_t[f"optimizer_states/0/state/{n}/{k}"]))
     for k, v in dcp_sd["model"].items():
@@ -245,8 +255,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--width", type=int, default=None)
-    p.add_argument("--chunk-bytes", type=int, default=1 << 20,
-                   help="SnapshotCallback(chunk_bytes=...): checksum chunk, the unit of a partial read (default 1 MiB)")
+    p.add_argument(
+        "--chunk-bytes",
+        type=int,
+        default=1 << 20,
+        help="SnapshotCallback(chunk_bytes=...): checksum chunk, the unit of a partial read (default 1 MiB)",
+    )
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--snap")
     p.add_argument("--dcp")
@@ -273,48 +287,109 @@ def main(argv: list[str] | None = None) -> int:
         tmp.cleanup()
 
 
-LAYOUTS = ((2, "FSDP2(2) -> FSDP2(2), same topology"), (4, "FSDP2(2) -> FSDP2(4), resharded"),
-           (1, "FSDP2(2) -> 1 process, resharded"))
-COLUMNS = ["load", "ours warm", "DCP warm", "ours/DCP", "ours cold", "DCP cold", "ours/DCP",
-           "ours vs same topology (warm, cold)", "read/needed (max rank)", "bitwise equal"]
+LAYOUTS = (
+    (2, "FSDP2(2) -> FSDP2(2), same topology"),
+    (4, "FSDP2(2) -> FSDP2(4), resharded"),
+    (1, "FSDP2(2) -> 1 process, resharded"),
+)
+COLUMNS = [
+    "load",
+    "ours warm",
+    "DCP warm",
+    "ours/DCP",
+    "ours cold",
+    "DCP cold",
+    "ours/DCP",
+    "ours vs same topology (warm, cold)",
+    "read/needed (max rank)",
+    "bitwise equal",
+]
 
 
 def run(args: argparse.Namespace, root: Path) -> int:
     """Save once, load in every layout (fresh processes), print the table and the targets."""
-    common = ["--layers", str(args.layers), "--width", str(args.width), "--chunk-bytes", str(args.chunk_bytes),
-              "--reps", str(args.reps), "--snap", str(root / "snap"), "--dcp", str(root / "dcp")]
+    common = [
+        "--layers",
+        str(args.layers),
+        "--width",
+        str(args.width),
+        "--chunk-bytes",
+        str(args.chunk_bytes),
+        "--reps",
+        str(args.reps),
+        "--snap",
+        str(root / "snap"),
+        "--dcp",
+        str(root / "dcp"),
+    ]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     params = args.layers * (args.width * args.width + args.width)
     out = harness.Report("reshard", args)
-    out.header(model=f"{args.layers} x Linear({args.width}, {args.width}), {params / 1e6:.1f}M parameters,"
-                     f" {params * 12 / 1e6:.0f} MB of weights + AdamW state", chunk=f"{args.chunk_bytes >> 10} KiB",
-               reps=args.reps)
+    out.header(
+        model=f"{args.layers} x Linear({args.width}, {args.width}), {params / 1e6:.1f}M parameters,"
+        f" {params * 12 / 1e6:.0f} MB of weights + AdamW state",
+        chunk=f"{args.chunk_bytes >> 10} KiB",
+        reps=args.reps,
+    )
     t0 = time.monotonic()
-    subprocess.run([sys.executable, os.path.abspath(__file__), "save", *common], check=True, env=env,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "save", *common], check=True, env=env, stdout=subprocess.DEVNULL
+    )
     out.say(f"saved by Lightning ModelParallel(2) (snapshot) and dcp.save in {time.monotonic() - t0:.1f} s")
     rows = {}
     for world, label in LAYOUTS:
         result = root / f"result-{world}.json"
         with harness.NoiseMeter() as meter:
-            subprocess.run([sys.executable, os.path.abspath(__file__), "load", *common, "--world", str(world),
-                            "--result", str(result)], check=True, env=env)
+            subprocess.run(
+                [
+                    sys.executable,
+                    os.path.abspath(__file__),
+                    "load",
+                    *common,
+                    "--world",
+                    str(world),
+                    "--result",
+                    str(result),
+                ],
+                check=True,
+                env=env,
+            )
         rows[world] = (label, json.loads(result.read_text()), meter.noise)
     # every rank measured between the same barriers: rank 0's figures are the slowest rank's
-    med = {world: {k: statistics.median(v) for k, v in ranks[0]["times"].items()}
-           for world, (_, ranks, _) in rows.items()}
+    med = {
+        world: {k: statistics.median(v) for k, v in ranks[0]["times"].items()} for world, (_, ranks, _) in rows.items()
+    }
     table = harness.Table(f"Load (seconds, median of {args.reps})", COLUMNS, key="load")
     for world, (label, ranks, noise) in rows.items():
         m = med[world]
         amp = max(r["read"] / r["needed"] for r in ranks if r["needed"])
-        vs = "1.00x, 1.00x" if world == 2 else (f"{m['ours_warm'] / med[2]['ours_warm']:.2f}x,"
-                                               f" {m['ours_cold'] / med[2]['ours_cold']:.2f}x")
+        vs = (
+            "1.00x, 1.00x"
+            if world == 2
+            else (f"{m['ours_warm'] / med[2]['ours_warm']:.2f}x, {m['ours_cold'] / med[2]['ours_cold']:.2f}x")
+        )
         same = all(r["same"] for r in ranks)
-        table.add(label, f"{m['ours_warm']:.3f} s", f"{m['dcp_warm']:.3f} s", f"{m['ours_warm'] / m['dcp_warm']:.2f}x",
-                  f"{m['ours_cold']:.3f} s", f"{m['dcp_cold']:.3f} s", f"{m['ours_cold'] / m['dcp_cold']:.2f}x", vs,
-                  f"{amp:.3f}", "yes" if same else "NO",
-                  data={"load": label, "world": world, **{f"{k}_s": v for k, v in m.items()}, "read_over_needed": amp,
-                        "bitwise_equal": same, "noise": noise.share, "unreliable": noise.unreliable})
+        table.add(
+            label,
+            f"{m['ours_warm']:.3f} s",
+            f"{m['dcp_warm']:.3f} s",
+            f"{m['ours_warm'] / m['dcp_warm']:.2f}x",
+            f"{m['ours_cold']:.3f} s",
+            f"{m['dcp_cold']:.3f} s",
+            f"{m['ours_cold'] / m['dcp_cold']:.2f}x",
+            vs,
+            f"{amp:.3f}",
+            "yes" if same else "NO",
+            data={
+                "load": label,
+                "world": world,
+                **{f"{k}_s": v for k, v in m.items()},
+                "read_over_needed": amp,
+                "bitwise_equal": same,
+                "noise": noise.share,
+                "unreliable": noise.unreliable,
+            },
+        )
         if noise.flag():
             table.notes.append(f"{label}: {noise.flag()}")
         if world != 2:

@@ -55,8 +55,8 @@ class Loader:
 
 def _ours(ctx: Loader, method: str, shared: bool) -> None:
     from lightning_snapshot.backends import ObjectStoreTier
-    from lightning_snapshot.loader import ReadStats, read_manifest, read_section
-    from lightning_snapshot.read_once import ReadOnce
+    from lightning_snapshot.restore.loader import ReadStats, read_manifest, read_section
+    from lightning_snapshot.restore.read_once import ReadOnce
 
     backend = ObjectStoreTier(f"s3://{PREFIX[method]}", storage_options=options(ctx.args.endpoint))
     manifest = read_manifest(backend, 1)
@@ -86,15 +86,24 @@ def load_dcp(ctx: Loader) -> None:
 
 
 METHODS = harness.Methods(baseline="per-rank")
-METHODS.add("per-rank", load_per_rank,
-            "lightning-snapshot before this release (``LIGHTNING_SNAPSHOT_READ_ONCE=0``): every rank reads and verifies"
-            " the whole replicated state itself")
-METHODS.add("read-once", load_read_once,
-            "lightning-snapshot: each checksum chunk is read and verified by one rank and broadcast to the others over"
-            " the gloo group (``read_once.ReadOnce``)")
-METHODS.add("dcp", load_dcp,
-            "``torch.distributed.checkpoint.load`` with ``FsspecReader`` of a ``dcp.save`` of the same state (every"
-            " rank loads the replicated tensors it needs)")
+METHODS.add(
+    "per-rank",
+    load_per_rank,
+    "lightning-snapshot before this release (``LIGHTNING_SNAPSHOT_READ_ONCE=0``): every rank reads and verifies"
+    " the whole replicated state itself",
+)
+METHODS.add(
+    "read-once",
+    load_read_once,
+    "lightning-snapshot: each checksum chunk is read and verified by one rank and broadcast to the others over"
+    " the gloo group (``read_once.ReadOnce``)",
+)
+METHODS.add(
+    "dcp",
+    load_dcp,
+    "``torch.distributed.checkpoint.load`` with ``FsspecReader`` of a ``dcp.save`` of the same state (every"
+    " rank loads the replicated tensors it needs)",
+)
 __doc__ = METHODS.document(__doc__)
 
 
@@ -104,7 +113,7 @@ __doc__ = METHODS.document(__doc__)
 def worker(rank: int, args: argparse.Namespace, port: int) -> None:
     import torch.distributed as dist
 
-    from lightning_snapshot.comm import GroupComm
+    from lightning_snapshot.dist.comm import GroupComm
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -148,9 +157,9 @@ def save(endpoint: str, nbytes: int) -> int:
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
     from lightning_snapshot.backends import ObjectStoreTier
-    from lightning_snapshot.comm import LocalComm
+    from lightning_snapshot.dist.comm import LocalComm
+    from lightning_snapshot.persist.writer import SnapshotJob, write_snapshot
     from lightning_snapshot.staging import stage
-    from lightning_snapshot.writer import SnapshotJob, write_snapshot
 
     s3fs.S3FileSystem(**options(endpoint)).call_s3("create_bucket", Bucket="bench")
     state = state_of(nbytes)
@@ -160,8 +169,9 @@ def save(endpoint: str, nbytes: int) -> int:
         job = SnapshotJob(1, 0, stage({"state_dict": state}), stage({}, "rank"))
         manifest = write_snapshot(tier, LocalComm(), job, "bench")
         total = sum(o.nbytes for o in manifest.objects)
-    dcp.save({"state_dict": state}, storage_writer=FsspecWriter(f"s3://{PREFIX['dcp']}", **options(endpoint)),
-             no_dist=True)
+    dcp.save(
+        {"state_dict": state}, storage_writer=FsspecWriter(f"s3://{PREFIX['dcp']}", **options(endpoint)), no_dist=True
+    )
     return total
 
 
@@ -198,9 +208,23 @@ def run(args: argparse.Namespace) -> int:
             result = Path(tmp) / "result.json"
             env = {**os.environ, "PYTHONWARNINGS": "ignore"}
             with harness.NoiseMeter() as meter:  # (the server's CPU is this process's: the benchmark's own)
-                subprocess.run([sys.executable, os.path.abspath(__file__), "load", "--bytes", str(args.bytes),
-                                "--repeats", str(args.repeats), "--endpoint", endpoint, "--result", str(result)],
-                               check=True, env=env)
+                subprocess.run(
+                    [
+                        sys.executable,
+                        os.path.abspath(__file__),
+                        "load",
+                        "--bytes",
+                        str(args.bytes),
+                        "--repeats",
+                        str(args.repeats),
+                        "--endpoint",
+                        endpoint,
+                        "--result",
+                        str(result),
+                    ],
+                    check=True,
+                    env=env,
+                )
             ranks = json.loads(result.read_text())
         served = {m: (counter.bytes_served(PREFIX[m] + "/") - saved[m]) / args.repeats for m in METHODS.names}
     finally:
@@ -211,20 +235,37 @@ def run(args: argparse.Namespace) -> int:
     table = harness.Table(
         f"Restore of {total / 1e6:.0f} MB by DDP({WORLD}) from moto on 127.0.0.1 (seconds, median of {args.repeats};"
         f" other processes used {noise.share:.0%} of the CPUs)",
-        ["method", "wall s", "x per-rank", "bucket bytes / job", "x state", "bitwise equal"], key="restore",
-        notes=[flag for flag in [noise.flag()] if flag])
+        ["method", "wall s", "x per-rank", "bucket bytes / job", "x state", "bitwise equal"],
+        key="restore",
+        notes=[flag for flag in [noise.flag()] if flag],
+    )
     for m in METHODS.names:
         same = all(r["same"][m] for r in ranks)
-        table.add(m, f"{med[m]:.2f}", f"{med[m] / base:.2f}x", f"{served[m] / 1e6:.1f} MB", f"{served[m] / total:.2f}x",
-                  "yes" if same else "NO",
-                  data={"method": m, "seconds": med[m], "ratio": med[m] / base, "bucket_bytes": served[m],
-                        "amplification": served[m] / total, "bitwise_equal": same})
+        table.add(
+            m,
+            f"{med[m]:.2f}",
+            f"{med[m] / base:.2f}x",
+            f"{served[m] / 1e6:.1f} MB",
+            f"{served[m] / total:.2f}x",
+            "yes" if same else "NO",
+            data={
+                "method": m,
+                "seconds": med[m],
+                "ratio": med[m] / base,
+                "bucket_bytes": served[m],
+                "amplification": served[m] / total,
+                "bitwise_equal": same,
+            },
+        )
         out.targets.check(same, f"{m}: every rank's tensors bitwise equal to the state")
     out.table(table)
     amp = served["read-once"] / total
-    out.targets.check(amp <= AMPLIFICATION_TARGET,
-                      f"read-once: {amp:.3f}x the state read from the bucket per job <= {AMPLIFICATION_TARGET}x",
-                      amp, AMPLIFICATION_TARGET)
+    out.targets.check(
+        amp <= AMPLIFICATION_TARGET,
+        f"read-once: {amp:.3f}x the state read from the bucket per job <= {AMPLIFICATION_TARGET}x",
+        amp,
+        AMPLIFICATION_TARGET,
+    )
     speed = med["read-once"] / base
     versus_dcp = med["read-once"] / med["dcp"]
     out.targets.info(f"read-once wall time {speed:.2f}x the per-rank path's, {versus_dcp:.2f}x DCP's")

@@ -53,10 +53,22 @@ def worker(args: argparse.Namespace) -> None:
     L.seed_everything(0, verbose=False)
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(4096, 16, generator=g), torch.randn(4096, 1, generator=g))
-    snapshots = SnapshotCallback([RamTier(every_n_train_steps=1, keep_last=2, name=args.name),
-                                  LocalTier(args.dir, every_n_train_steps=1, keep_last=None)])
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=args.steps, callbacks=[snapshots],
-                        logger=False, enable_progress_bar=False, enable_model_summary=False)
+    snapshots = SnapshotCallback(
+        [
+            RamTier(every_n_train_steps=1, keep_last=2, name=args.name),
+            LocalTier(args.dir, every_n_train_steps=1, keep_last=None),
+        ]
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=args.steps,
+        callbacks=[snapshots],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(Model(), DataLoader(data, batch_size=32, shuffle=True))
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
@@ -65,15 +77,28 @@ def worker(args: argparse.Namespace) -> None:
 
 def job(args: argparse.Namespace, root: Path, index: int) -> dict:
     """One torchrun job; returns its figures."""
+    from lightning_snapshot.agent import stop_agent
     from lightning_snapshot.backends import LocalTier
-    from lightning_snapshot.backends.ram.agent import stop_agent
-    from lightning_snapshot.writer import committed_steps
+    from lightning_snapshot.persist.writer import committed_steps
 
     base = root / f"job{index}"
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "LIGHTNING_SNAPSHOT_SHM_DIR": str(base / "shm")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.abspath(__file__), "worker", "--dir", str(base / "local"), "--steps", str(args.steps),
-           "--name", f"soak{index}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        os.path.abspath(__file__),
+        "worker",
+        "--dir",
+        str(base / "local"),
+        "--steps",
+        str(args.steps),
+        "--name",
+        f"soak{index}",
+    ]
     t0 = time.monotonic()
     with open(base.with_suffix(".log"), "w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=args.timeout)
@@ -82,8 +107,15 @@ def job(args: argparse.Namespace, root: Path, index: int) -> dict:
         stop_agent(sock.parent)
     committed = committed_steps(LocalTier(base / "local")) if (base / "local").exists() else []
     tail = base.with_suffix(".log").read_text(errors="replace")[-1500:] if proc.returncode else ""
-    return {"job": index, "rc": proc.returncode, "committed": len(committed), "expected": args.steps,
-            "missing": sorted(set(range(1, args.steps + 1)) - set(committed))[:10], "wall_s": wall, "tail": tail}
+    return {
+        "job": index,
+        "rc": proc.returncode,
+        "committed": len(committed),
+        "expected": args.steps,
+        "missing": sorted(set(range(1, args.steps + 1)) - set(committed))[:10],
+        "wall_s": wall,
+        "tail": tail,
+    }
 
 
 def main() -> int:
@@ -112,13 +144,20 @@ def main() -> int:
                 out.say(r["tail"])
     table = harness.Table("Jobs", ["job", "exit", "committed", "wall"], key="jobs")
     for r in results:
-        table.add(r["job"], r["rc"], f"{r['committed']}/{r['expected']}", f"{r['wall_s']:.0f} s",
-                  data={k: v for k, v in r.items() if k != "tail"})
+        table.add(
+            r["job"],
+            r["rc"],
+            f"{r['committed']}/{r['expected']}",
+            f"{r['wall_s']:.0f} s",
+            data={k: v for k, v in r.items() if k != "tail"},
+        )
     out.table(table)
     total = sum(r["committed"] for r in results)
     failed = [r["job"] for r in results if r["rc"] != 0 or r["committed"] != r["expected"]]
-    out.targets.check(not failed, f"every job exits 0 with every step committed ({total} commits in all;"
-                                  f" failed jobs: {failed or 'none'})")
+    out.targets.check(
+        not failed,
+        f"every job exits 0 with every step committed ({total} commits in all; failed jobs: {failed or 'none'})",
+    )
     return out.finish(results=results)
 
 

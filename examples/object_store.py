@@ -48,9 +48,16 @@ def fit(max_steps: int, tiers: list) -> tuple[Model, SnapshotCallback]:
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(256, 32, generator=g), torch.randn(256, 1, generator=g))
     callback = SnapshotCallback(tiers) if tiers else None
-    trainer = L.Trainer(accelerator="cpu", max_steps=max_steps, callbacks=[callback] if callback else [],
-                        logger=False, enable_progress_bar=False, enable_model_summary=False, deterministic=True,
-                        enable_checkpointing=callback is not None)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        callbacks=[callback] if callback else [],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        deterministic=True,
+        enable_checkpointing=callback is not None,
+    )
     model = Model()
     trainer.fit(model, DataLoader(data, batch_size=16, shuffle=True))
     return model, callback
@@ -67,13 +74,17 @@ def main() -> int:
     server.start()
     endpoint = f"http://127.0.0.1:{server._server.server_port}"
     # credentials come from storage_options (or the environment / provider chain); never from the URL
-    options = {"key": "demo-key", "secret": "demo-secret",
-               "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+    options = {
+        "key": "demo-key",
+        "secret": "demo-secret",
+        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+    }
     import s3fs
 
     s3fs.S3FileSystem(**options).call_s3("create_bucket", Bucket="snapshots-demo")
     local_dir = Path(tempfile.mkdtemp(prefix="lightning-snapshot-demo-"))
     try:
+
         def tiers(with_local: bool) -> list:
             bucket = ObjectStoreTier("s3://snapshots-demo/run-1", storage_options=options, every_n_train_steps=10)
             return ([LocalTier(local_dir, every_n_train_steps=5)] if with_local else []) + [bucket]

@@ -51,23 +51,34 @@ def train(snapshot_dir: str, out: str) -> None:
 
         def configure_optimizers(self):
             opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 10, 0.5),
-                                                       "interval": "step"}}
+            return {
+                "optimizer": opt,
+                "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 10, 0.5), "interval": "step"},
+            }
 
     L.seed_everything(0, verbose=False)
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(256, 32, generator=g), torch.randn(256, 1, generator=g))
     snapshots = SnapshotCallback(LocalTier(snapshot_dir, every_n_train_steps=5, keep_last=2))
-    trainer = L.Trainer(accelerator="cpu", max_steps=MAX_STEPS, callbacks=[snapshots], logger=False,
-                        enable_progress_bar=False, enable_model_summary=False, deterministic=True)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=MAX_STEPS,
+        callbacks=[snapshots],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        deterministic=True,
+    )
     model = Model()
     trainer.fit(model, DataLoader(data, batch_size=16, shuffle=True))
     if snapshots.restored_from is not None:
         url, step, seconds = snapshots.restored_from
         print(f"resumed from step {step} of {url} in {seconds:.2f} s", flush=True)
     opt_state = trainer.optimizers[0].state_dict()["state"]
-    torch.save({"model": model.state_dict(),
-                "optimizer": {f"{i}.{k}": v for i, s in opt_state.items() for k, v in s.items()}}, out)
+    torch.save(
+        {"model": model.state_dict(), "optimizer": {f"{i}.{k}": v for i, s in opt_state.items() for k, v in s.items()}},
+        out,
+    )
 
 
 def run_child(snapshot_dir: Path, out: Path, kill_at: int | None = None) -> int:
@@ -105,25 +116,34 @@ def main() -> int:
     rc = run_child(root / "run", root / "run.pt", kill_at=KILL_AT)
     print(f"  exit code {rc} ({'SIGKILL' if rc == -signal.SIGKILL else 'unexpected'})")
     from lightning_snapshot.backends import LocalTier
-    from lightning_snapshot.writer import committed_steps
+    from lightning_snapshot.persist.writer import committed_steps
 
     committed = committed_steps(LocalTier(str(root / "run")))  # (newest first)
     print(f"  committed snapshots (manifest written): steps {sorted(committed)}")
-    unfinished = sorted(int(p.name.split("-")[1]) for p in (root / "run").glob("step-*")
-                        if not (p / "manifest.json").exists())
+    unfinished = sorted(
+        int(p.name.split("-")[1]) for p in (root / "run").glob("step-*") if not (p / "manifest.json").exists()
+    )
     if unfinished:
-        print(f"  not committed (data only, no manifest yet when the kill came; a resume ignores them): steps "
-              f"{unfinished}")
-    print(f"3/4 restart the same command: it resumes from the newest committed snapshot"
-          f"{f' (step {committed[0]})' if committed else ''}")
+        print(
+            f"  not committed (data only, no manifest yet when the kill came; a resume ignores them): steps "
+            f"{unfinished}"
+        )
+    print(
+        f"3/4 restart the same command: it resumes from the newest committed snapshot"
+        f"{f' (step {committed[0]})' if committed else ''}"
+    )
     if run_child(root / "run", root / "run.pt") != 0:
         print("resumed run failed")
         return 1
     print("4/4 compare final weights and optimizer state bitwise")
     ref = torch.load(root / "reference.pt", weights_only=True)
     res = torch.load(root / "run.pt", weights_only=True)
-    diffs = [f"{sec}/{k}" for sec in ("model", "optimizer") for k in ref[sec]
-             if k not in res[sec] or not torch.equal(ref[sec][k], res[sec][k])]
+    diffs = [
+        f"{sec}/{k}"
+        for sec in ("model", "optimizer")
+        for k in ref[sec]
+        if k not in res[sec] or not torch.equal(ref[sec][k], res[sec][k])
+    ]
     if diffs:
         print(f"MISMATCH: {len(diffs)} tensors differ: {diffs[:5]}")
         return 1

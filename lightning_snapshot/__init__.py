@@ -24,11 +24,11 @@ __all__ = ["SnapshotCallback", "SnapshotError", "__version__", "load_snapshot"]
 
 # Imported on first use (PEP 562), so that ``import lightning_snapshot`` (and ``lightning-snapshot --help``) does not
 # import torch and Lightning.
-_LAZY = {"SnapshotCallback": "lightning_snapshot.callback", "load_snapshot": "lightning_snapshot.loader"}
+_LAZY = {"SnapshotCallback": "lightning_snapshot.callback", "load_snapshot": "lightning_snapshot.restore.loader"}
 
 if TYPE_CHECKING:
     from lightning_snapshot.callback import SnapshotCallback
-    from lightning_snapshot.loader import load_snapshot
+    from lightning_snapshot.restore.loader import load_snapshot
 
 
 def __getattr__(name: str) -> Any:

@@ -1,12 +1,14 @@
 """SnapshotCallback: the Lightning hooks, each a few lines that hand the work to the parts of a snapshot's way.
 
 The parts (``docs/architecture.md`` has the map): :mod:`~lightning_snapshot.config` (the options, validated once),
-:mod:`~lightning_snapshot.session` (a fit's process groups, tiers, agent, arena and persist threads),
-:mod:`~lightning_snapshot.patches` (every write into Lightning's private state, undone from one registry),
-:mod:`~lightning_snapshot.restore` (the resume; :mod:`~lightning_snapshot.resuming` its later phases, over the state
-parts of :mod:`~lightning_snapshot.state_parts`), :mod:`~lightning_snapshot.fit_loaders` (train loader positions),
-:mod:`~lightning_snapshot.schedule` (when each tier is due), :mod:`~lightning_snapshot.pipeline` (stage, finish, fence,
-hand over) and :mod:`~lightning_snapshot.reporting` (metrics, warnings, the ``on_error`` policy).
+:mod:`~lightning_snapshot.fit.session` (a fit's process groups, tiers, agent, arena and persist threads),
+:mod:`~lightning_snapshot.state.patches` (every write into Lightning's private state, undone from one registry),
+:mod:`~lightning_snapshot.restore.restorer` (the resume; :mod:`~lightning_snapshot.restore.later_phases` its later
+phases, over the state
+parts of :mod:`~lightning_snapshot.state.builtin`), :mod:`~lightning_snapshot.fit.loaders` (train loader positions),
+:mod:`~lightning_snapshot.schedule.schedules` (when each tier is due), :mod:`~lightning_snapshot.fit.pipeline` (stage,
+finish, fence,
+hand over) and :mod:`~lightning_snapshot.fit.reporting` (metrics, warnings, the ``on_error`` policy).
 """
 
 from __future__ import annotations
@@ -20,21 +22,21 @@ from typing import Any, TypeVar
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
-from lightning_snapshot import patches as _patches
 from lightning_snapshot.backends.base import Backend
-from lightning_snapshot.capture import check_placements, is_sharded
 from lightning_snapshot.config import SnapshotConfig
-from lightning_snapshot.ddp_layout import DDP_LAYOUT_ENV
+from lightning_snapshot.dist.preempt import Preemption, spawned_rank_preempted, stop_if_preempted
 from lightning_snapshot.errors import ConfigError, Preempted
-from lightning_snapshot.fit_loaders import FitLoaders
-from lightning_snapshot.interval import default_mtbf
-from lightning_snapshot.pipeline import SnapshotPipeline
-from lightning_snapshot.preempt import Preemption, spawned_rank_preempted, stop_if_preempted
-from lightning_snapshot.reporting import Reporter
-from lightning_snapshot.restore import Restorer
-from lightning_snapshot.resuming import Resumption, report_restore
-from lightning_snapshot.schedule import FitSchedule
-from lightning_snapshot.session import FitSession
+from lightning_snapshot.fit.loaders import FitLoaders
+from lightning_snapshot.fit.pipeline import SnapshotPipeline
+from lightning_snapshot.fit.reporting import Reporter
+from lightning_snapshot.fit.session import FitSession
+from lightning_snapshot.restore.later_phases import Resumption, report_restore
+from lightning_snapshot.restore.restorer import Restorer
+from lightning_snapshot.schedule.interval import default_mtbf
+from lightning_snapshot.schedule.schedules import FitSchedule
+from lightning_snapshot.state import patches as _patches
+from lightning_snapshot.state.capture import check_placements, is_sharded
+from lightning_snapshot.state.ddp_layout import DDP_LAYOUT_ENV
 
 __all__ = ["DDP_LAYOUT_ENV", "SnapshotCallback"]
 
@@ -124,12 +126,13 @@ class SnapshotCallback(Checkpoint):
             6000 hours per node divided by the number of nodes (``trainer.num_nodes``), from the failure rate Meta
             reports for Llama 3 (419 interruptions in 54 days on 2,048 nodes). Such a tier snapshots every
             ``sqrt(2 x cost x mtbf)`` of training (Young/Daly), in steps since its last snapshot, with the cost it
-            measures (see :mod:`lightning_snapshot.interval`); rank 0 decides, at snapshot steps, for every rank.
+            measures (see :mod:`lightning_snapshot.schedule.interval`); rank 0 decides, at snapshot steps, for every
+            rank.
         replica_check: under DDP every rank should hold the same parameters and optimizer state; each snapshot
             compares a checksum of a rotating slice of them across the ranks, so that all of them are compared every
             ``replica_check`` snapshots (default 4), and all of them at the first snapshot after the set of trained
             parameters changed (an unfreeze). ``1``: all of them at every snapshot. ``None``: no check. Buffers are
-            not compared (DDP broadcasts them at each forward). See :mod:`lightning_snapshot.replicas`.
+            not compared (DDP broadcasts them at each forward). See :mod:`lightning_snapshot.fit.replicas`.
         on_replica_mismatch: what a snapshot whose replicas disagree does (every rank the same; the warning names
             the tensors and the ranks). ``"warn"`` (default): warn, and commit the snapshot recorded as unhealthy
             ("replicas disagree", shown by ``lightning-snapshot inspect``), so that ``resume=True`` skips it as

@@ -21,16 +21,16 @@ from typing import Any
 
 from lightning_snapshot.backends.base import Backend, NodeAgentHosting
 from lightning_snapshot.backends.registry import parse_tier
+from lightning_snapshot.dist.preempt import DEFAULT_SIGNALS, parse_signals
 from lightning_snapshot.errors import ConfigError
-from lightning_snapshot.interval import parse_duration
-from lightning_snapshot.preempt import DEFAULT_SIGNALS, parse_signals
-from lightning_snapshot.schedule import TierSchedule
+from lightning_snapshot.schedule.interval import parse_duration
+from lightning_snapshot.schedule.schedules import TierSchedule
 
 __all__ = ["ON_ERROR", "ON_REPLICA_MISMATCH", "REQUIRED", "SnapshotConfig", "option"]
 
 #: The values ``on_error`` takes.
 ON_ERROR = ("raise", "warn")
-#: The values ``on_replica_mismatch`` takes (see :mod:`lightning_snapshot.replicas`).
+#: The values ``on_replica_mismatch`` takes (see :mod:`lightning_snapshot.fit.replicas`).
 ON_REPLICA_MISMATCH = ("warn", "raise", "skip")
 #: The default of an option without one (``tiers``).
 REQUIRED: Any = dataclasses.MISSING

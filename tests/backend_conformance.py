@@ -25,20 +25,20 @@ import pytest
 import torch
 
 from lightning_snapshot.backends.base import Backend, Distributing, LayoutSettling
-from lightning_snapshot.comm import LocalComm
+from lightning_snapshot.dist.comm import LocalComm
 from lightning_snapshot.errors import SnapshotNotFoundError, SnapshotWriteError, UnsafePathError
-from lightning_snapshot.loader import load_snapshot
-from lightning_snapshot.manifest import MANIFEST_NAME, step_dirname
-from lightning_snapshot.staging import stage
-from lightning_snapshot.writer import (
+from lightning_snapshot.format.manifest import MANIFEST_NAME, step_dirname
+from lightning_snapshot.persist.writer import (
     SnapshotJob,
     apply_retention,
     committed_steps,
     expired_snapshots,
     write_snapshot,
 )
+from lightning_snapshot.restore.loader import load_snapshot
+from lightning_snapshot.staging import stage
 
-__all__ = ["BackendTests", "UNSAFE_KEYS"]
+__all__ = ["UNSAFE_KEYS", "BackendTests"]
 
 #: Keys that would leave the tier's root or hold characters a key may not hold; each must be refused with
 #: ``UnsafePathError`` by every method that takes a key, before anything is read or written.

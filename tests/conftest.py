@@ -40,8 +40,9 @@ def _zygote() -> Zygote | None:
     return _ZYGOTE[0]
 
 
-def run_script(script: str, *args: str, expect_kill: bool = False, timeout: int = 300, expect_rc: int = 0
-               ) -> subprocess.CompletedProcess[str]:
+def run_script(
+    script: str, *args: str, expect_kill: bool = False, timeout: int = 300, expect_rc: int = 0
+) -> subprocess.CompletedProcess[str]:
     """Run tests/scripts/SCRIPT in a fresh process; SIGKILL (rc -9) is expected when ``expect_kill``, else exit
     status ``expect_rc``."""
     cmd = [sys.executable, str(SCRIPTS / script), *args]
@@ -53,8 +54,7 @@ def run_script(script: str, *args: str, expect_kill: bool = False, timeout: int 
     else:
         if server is not None and os.environ.get("LS_TEST_ZYGOTE_DEBUG") == "1":  # why this run is not forked
             print(f"[fork server] {script}: fresh interpreter; differs: {server.differs(env)}", file=sys.stderr)
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                              start_new_session=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, start_new_session=True)
     if expect_kill:
         assert proc.returncode == -9, f"expected SIGKILL, got rc={proc.returncode}\n{proc.stderr[-3000:]}"
     else:
@@ -100,8 +100,11 @@ def _py_spy() -> str | None:
 
 
 #: a thread stopped inside ``os.fork`` (py-spy's, gdb's or the fault handler's notation)
-IN_FORK = re.compile(r"_launch \(multiprocessing/popen_fork\.py:66\)|^#\d+ (os_fork_impl|PyOS_AfterFork_Child) |"
-                     r"\(most recent call first\):\n\s+File \"[^\"]*popen_fork\.py\", line 66 in _launch", re.M)
+IN_FORK = re.compile(
+    r"_launch \(multiprocessing/popen_fork\.py:66\)|^#\d+ (os_fork_impl|PyOS_AfterFork_Child) |"
+    r"\(most recent call first\):\n\s+File \"[^\"]*popen_fork\.py\", line 66 in _launch",
+    re.M,
+)
 
 
 def job_stacks(launcher: int) -> tuple[str, bool]:
@@ -126,8 +129,9 @@ def job_stacks(launcher: int) -> tuple[str, bool]:
         text = None
         if spy is not None:
             try:
-                got = subprocess.run([spy, "dump", "--native", "--pid", str(pid)], capture_output=True, text=True,
-                                     timeout=60)
+                got = subprocess.run(
+                    [spy, "dump", "--native", "--pid", str(pid)], capture_output=True, text=True, timeout=60
+                )
                 text = got.stdout if got.returncode == 0 else None
                 failed = got.stderr.strip()[-300:]
             except subprocess.TimeoutExpired:
@@ -136,11 +140,17 @@ def job_stacks(launcher: int) -> tuple[str, bool]:
                 dumps.append(f"(py-spy failed on pid {pid}: {failed})")
         if text is None and shutil.which("gdb"):  # (native frames only, 12 per thread)
             with contextlib.suppress(subprocess.TimeoutExpired):
-                got = subprocess.run(["gdb", "-p", str(pid), "-batch", "-nx", "-ex", "thread apply all bt 12"],
-                                     capture_output=True, text=True, timeout=60)
+                got = subprocess.run(
+                    ["gdb", "-p", str(pid), "-batch", "-nx", "-ex", "thread apply all bt 12"],
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                )
                 text = "\n".join(line for line in got.stdout.splitlines() if line.startswith(("Thread ", "#")))
-                text = re.sub(r"(?m)^(#\d+) +(?:0x[0-9a-f]+ in )?(\S+) .*?(?: (?:at|from) (\S+))?$", r"\1 \2 \3",
-                              text) or None  # (the frame's function and file, without its arguments)
+                text = (
+                    re.sub(r"(?m)^(#\d+) +(?:0x[0-9a-f]+ in )?(\S+) .*?(?: (?:at|from) (\S+))?$", r"\1 \2 \3", text)
+                    or None
+                )  # (the frame's function and file, without its arguments)
         if text is not None:
             in_fork = in_fork or bool(IN_FORK.search(text))
             text = condensed_stacks(re.sub(r"(?m)^Python v.*\n", "", text), top=14, bottom=3)
@@ -177,8 +187,9 @@ def _state(pid: int) -> str:
     return fields[0] if fields else "X"
 
 
-def run_job(cmd: list[str], timeout: float, env: dict[str, str], retry_fork_hang: bool = True
-            ) -> subprocess.CompletedProcess[str]:
+def run_job(
+    cmd: list[str], timeout: float, env: dict[str, str], retry_fork_hang: bool = True
+) -> subprocess.CompletedProcess[str]:
     """Run a multi-process job (torchrun) in a session of its own; when it runs past ``timeout``, the failure says
     where each of its processes hangs (``job_stacks``), then they and the launcher are killed, so that nothing is
     left holding the output pipes.
@@ -189,8 +200,14 @@ def run_job(cmd: list[str], timeout: float, env: dict[str, str], retry_fork_hang
     one of another cause would be retried with a warning that carries every process's stacks, so that it shows in
     the run's summary. A second hang fails."""
     for attempt in (1, 2):
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={**env, "PYTHONFAULTHANDLER": "1"}, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**env, "PYTHONFAULTHANDLER": "1"},
+            start_new_session=True,
+        )
         try:
             out, err = proc.communicate(timeout=timeout)
             return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
@@ -203,8 +220,10 @@ def run_job(cmd: list[str], timeout: float, env: dict[str, str], retry_fork_hang
                 os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate(timeout=60)
         in_fork = in_fork or bool(IN_FORK.search(err))
-        said = (f"{' '.join(cmd[:6])}... ran past {timeout:g} s; the stacks of its processes:\n{stacks[:14000]}\n"
-                f"--- stderr ---\n{condensed_stacks(err)[-6000:]}\n--- stdout ---\n{out[-2000:]}")
+        said = (
+            f"{' '.join(cmd[:6])}... ran past {timeout:g} s; the stacks of its processes:\n{stacks[:14000]}\n"
+            f"--- stderr ---\n{condensed_stacks(err)[-6000:]}\n--- stdout ---\n{out[-2000:]}"
+        )
         if attempt == 1 and in_fork and retry_fork_hang:
             warnings.warn(f"a process of the job hung inside os.fork; the job is run again. {said}", stacklevel=2)
             continue
@@ -212,11 +231,13 @@ def run_job(cmd: list[str], timeout: float, env: dict[str, str], retry_fork_hang
     raise AssertionError("unreachable")
 
 
-def run_train(snapshot_dir: Path, out: Path, *args: str, expect_kill: bool = False, timeout: int = 300
-              ) -> subprocess.CompletedProcess[str]:
+def run_train(
+    snapshot_dir: Path, out: Path, *args: str, expect_kill: bool = False, timeout: int = 300
+) -> subprocess.CompletedProcess[str]:
     """Run tests/scripts/train.py in a fresh process; SIGKILL (rc -9) is expected when ``expect_kill``."""
-    return run_script("train.py", "--dir", str(snapshot_dir), "--out", str(out), *args, expect_kill=expect_kill,
-                      timeout=timeout)
+    return run_script(
+        "train.py", "--dir", str(snapshot_dir), "--out", str(out), *args, expect_kill=expect_kill, timeout=timeout
+    )
 
 
 def assert_bitwise_equal(ref_path: Path, got_path: Path, since: int | None = None) -> int:
@@ -257,8 +278,10 @@ def assert_resumed(proc: subprocess.CompletedProcess[str], step: int, tier: str 
     tier at ``tier`` (its URL or local path), and no other restore."""
     got = sorted(restores(proc.stdout))
     want = [(step, str(tier), r) for r in range(ranks)]
-    assert got == want, f"expected a resume from step {step} of {tier} on {ranks} rank(s), got {got}\n" \
-                        f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+    assert got == want, (
+        f"expected a resume from step {step} of {tier} on {ranks} rank(s), got {got}\n"
+        f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+    )
 
 
 def assert_fresh(proc: subprocess.CompletedProcess[str]) -> None:
@@ -332,7 +355,7 @@ def wait_until(predicate, timeout: float = 60.0) -> bool:
 @pytest.fixture
 def shm(tmp_path, monkeypatch):
     """A memory base directory for this test's agents; every agent started under it is stopped at the end."""
-    from lightning_snapshot.backends.ram.agent import stop_agent
+    from lightning_snapshot.agent import stop_agent
 
     base = tmp_path / "shm"
     monkeypatch.setenv("LIGHTNING_SNAPSHOT_SHM_DIR", str(base))
@@ -341,8 +364,9 @@ def shm(tmp_path, monkeypatch):
         stop_agent(sock.parent)
 
 
-def check_flush_after_death(tmp_path: Path, shm: Path, reference_runs, monkeypatch, *extra: str,
-                            before_kill=None, after_kill=None) -> subprocess.CompletedProcess[str]:
+def check_flush_after_death(
+    tmp_path: Path, shm: Path, reference_runs, monkeypatch, *extra: str, before_kill=None, after_kill=None
+) -> subprocess.CompletedProcess[str]:
     """A trainer (train.py ``extra``) with a RAM tier every 2 steps and a local tier every 4 is SIGKILLed at step 9,
     while step 8 is staged and held by the node's agent but not yet in the local tier; the agent must make it
     durable on its own, and a run resumed from the local tier alone must end bitwise equal to an uninterrupted one.
@@ -350,9 +374,9 @@ def check_flush_after_death(tmp_path: Path, shm: Path, reference_runs, monkeypat
     ``before_kill()`` runs after the reference run, before the run that is killed; ``after_kill(killed run)`` right
     after the kill. Returns the killed run.
     """
-    from lightning_snapshot.backends.ram.agent import agent_log_path, stop_agent
+    from lightning_snapshot.agent import agent_log_path, stop_agent
     from lightning_snapshot.backends import LocalTier
-    from lightning_snapshot.writer import committed_steps
+    from lightning_snapshot.persist.writer import committed_steps
 
     args = ("--max-steps", "12", "--every", "4", "--shuffle", *extra)
     ref = reference_runs(*args)
@@ -371,8 +395,12 @@ def check_flush_after_death(tmp_path: Path, shm: Path, reference_runs, monkeypat
     assert wait_until(lambda: 8 in committed_steps(LocalTier(local)), timeout=120), log.read_text()
     # (either the write the trainer had asked for, finished after its death, or the staged snapshot the agent
     # flushed on its own when the trainer's connection dropped before it was even asked)
-    assert wait_until(lambda: "step 8 reached tier 0 after trainer rank 0 was gone" in log.read_text()
-                      or "step 8 committed to tier 0 after rank 0 died" in log.read_text()), log.read_text()
+    assert wait_until(
+        lambda: (
+            "step 8 reached tier 0 after trainer rank 0 was gone" in log.read_text()
+            or "step 8 committed to tier 0 after rank 0 died" in log.read_text()
+        )
+    ), log.read_text()
     assert stop_agent(shm / "test") and not (shm / "test").exists(), "the stopped agent left files in its directory"
     monkeypatch.delenv("LIGHTNING_SNAPSHOT_AGENT_WRITE_DELAY")
     proc = run_train(local, out, *args)  # no RAM tier, no agent: the local tier alone
@@ -431,8 +459,13 @@ class S3Server:
     def create_bucket(self, name: str) -> None:
         import boto3
 
-        boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id="testing-key",
-                     aws_secret_access_key="testing-secret", region_name="us-east-1").create_bucket(Bucket=name)
+        boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id="testing-key",
+            aws_secret_access_key="testing-secret",
+            region_name="us-east-1",
+        ).create_bucket(Bucket=name)
 
 
 @pytest.fixture(scope="session")
@@ -480,8 +513,9 @@ def rendezvous_port() -> int:
     raise RuntimeError(f"no free port on 127.0.0.1 in [{low}, {high})")
 
 
-def launch_nodes(script: str, nodes: int, *args: str, timeout: int = 300, env: dict[str, str] | None = None,
-                 ranks_per_node: int = 1) -> list[subprocess.CompletedProcess[str]]:
+def launch_nodes(
+    script: str, nodes: int, *args: str, timeout: int = 300, env: dict[str, str] | None = None, ranks_per_node: int = 1
+) -> list[subprocess.CompletedProcess[str]]:
     """Run tests/scripts/SCRIPT as ``nodes`` simulated nodes of ``ranks_per_node`` processes each (NODE_RANK,
     LOCAL_RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1, a free MASTER_PORT; the script passes ``--devices``
     ``ranks_per_node`` to its Trainer), with LIGHTNING_SNAPSHOT_SHM_DIR pointing each node at its own memory directory
@@ -490,13 +524,27 @@ def launch_nodes(script: str, nodes: int, *args: str, timeout: int = 300, env: d
     port = rendezvous_port()
     procs = []
     for node, local in ((n, lr) for n in range(nodes) for lr in range(ranks_per_node)):
-        e = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning", "NODE_RANK": str(node),
-             "LOCAL_RANK": str(local), "WORLD_SIZE": str(nodes * ranks_per_node), "MASTER_ADDR": "127.0.0.1",
-             "MASTER_PORT": str(port)}
+        e = {
+            **os.environ,
+            "PYTHONWARNINGS": "ignore::DeprecationWarning",
+            "NODE_RANK": str(node),
+            "LOCAL_RANK": str(local),
+            "WORLD_SIZE": str(nodes * ranks_per_node),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
         for k, v in (env or {}).items():
             e[k] = v.format(node=node)
-        procs.append(subprocess.Popen([sys.executable, str(SCRIPTS / script), *args], env=e, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(SCRIPTS / script), *args],
+                env=e,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
+        )
     out = []
     for p in procs:
         try:

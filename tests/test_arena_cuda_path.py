@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from lightning_snapshot.staging import cuda_host as arena_mod
-from lightning_snapshot.staging.arena import FAKE_REGISTER_ENV, HostArena
-from lightning_snapshot.capture import frozen_predicate
 from lightning_snapshot.staging import stage
+from lightning_snapshot.staging.arena import FAKE_REGISTER_ENV, HostArena
+from lightning_snapshot.state.capture import frozen_predicate
 
 
 @pytest.fixture
@@ -40,8 +40,7 @@ def _trained():
 
 
 def _stage(arena: HostArena, model, opt, step: int):
-    handle = arena.stage_async({"model": model.state_dict(), "opt": opt.state_dict()},
-                               frozen_predicate([opt]), step)
+    handle = arena.stage_async({"model": model.state_dict(), "opt": opt.state_dict()}, frozen_predicate([opt]), step)
     handle.wait()
     return handle
 
@@ -54,7 +53,9 @@ def _assert_staged(handle, expected) -> None:
     assert handle.state.tensors.keys() == expected.keys()
     for name, t in expected.items():
         got = handle.state.tensors[name]
-        assert got.dtype == t.dtype and torch.equal(got.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+        assert got.dtype == t.dtype and torch.equal(
+            got.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)
+        ), name
 
 
 def _arena_mapping_at(ptr: int) -> bool:

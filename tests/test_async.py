@@ -12,21 +12,21 @@ import warnings
 import lightning as L
 import pytest
 import torch
+from conftest import run_script
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 from torch.utils.data import DataLoader
-from conftest import run_script
 from train import Model, Squares
 
 from lightning_snapshot import SnapshotCallback, load_snapshot
-from lightning_snapshot.staging.arena import HostArena
-from lightning_snapshot.capture import frozen_predicate
 from lightning_snapshot.backends import LocalTier
-from lightning_snapshot.comm import LocalComm
+from lightning_snapshot.dist.comm import LocalComm
+from lightning_snapshot.persist.writer import SnapshotJob, committed_steps, write_snapshot
 from lightning_snapshot.staging import stage
+from lightning_snapshot.staging.arena import HostArena
 from lightning_snapshot.staging.pool import SlotPool
-from lightning_snapshot.writer import SnapshotJob, committed_steps, write_snapshot
+from lightning_snapshot.state.capture import frozen_predicate
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -107,8 +107,13 @@ def test_stamp_and_checksums_are_verified_before_commit(tmp_path):
             handle.verify()
         tier = LocalTier(tmp_path)
         with pytest.raises(RuntimeError, match="changed after staging"):
-            write_snapshot(tier, LocalComm(), SnapshotJob(7, 0, handle.state, stage({}, "rank")), "run",
-                           before_commit=handle.verify)
+            write_snapshot(
+                tier,
+                LocalComm(),
+                SnapshotJob(7, 0, handle.state, stage({}, "rank")),
+                "run",
+                before_commit=handle.verify,
+            )
         assert committed_steps(tier) == []  # never committed
         handle.state.packed[100] ^= 0xFF
         handle.slot.step = 8  # the slot now holds another snapshot
@@ -160,8 +165,14 @@ def test_lightning_run_with_slowed_copy_gives_point_in_time_snapshots(tmp_path):
     L.seed_everything(0, verbose=False)
     cb = SnapshotCallback(LocalTier(tmp_path, every_n_train_steps=2, keep_last=None))
     slow = Slow(cb, {2, 4, 6})
-    trainer = L.Trainer(accelerator="cpu", max_steps=6, callbacks=[cb, slow], logger=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=6,
+        callbacks=[cb, slow],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(Model(0.2), DataLoader(Squares(), batch_size=4, shuffle=True))
     for step, expected in slow.expected.items():
         snap = load_snapshot(str(tmp_path), step=step)
@@ -177,8 +188,15 @@ def test_metrics_reach_tensorboard(tmp_path):
         L.seed_everything(0, verbose=False)
         logger = TensorBoardLogger(tmp_path / "logs", name="", version=f"v{max_steps}")
         cb = SnapshotCallback(LocalTier(tmp_path / "snaps", every_n_train_steps=2, keep_last=3))
-        trainer = L.Trainer(accelerator="cpu", max_steps=max_steps, callbacks=[cb], logger=logger,
-                            log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            max_steps=max_steps,
+            callbacks=[cb],
+            logger=logger,
+            log_every_n_steps=1,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
         trainer.fit(Model(0.2), DataLoader(Squares(), batch_size=4, shuffle=True))
         logger.finalize("success")
         acc = EventAccumulator(logger.log_dir)
@@ -186,8 +204,14 @@ def test_metrics_reach_tensorboard(tmp_path):
         return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
     first = run(8)
-    for tag in ("snapshot/stall_ms", "snapshot/stage_ms", "snapshot/bytes", "snapshot/local/persist_ms",
-                "snapshot/local/throughput_MBps", "snapshot/local/lag_steps"):
+    for tag in (
+        "snapshot/stall_ms",
+        "snapshot/stage_ms",
+        "snapshot/bytes",
+        "snapshot/local/persist_ms",
+        "snapshot/local/throughput_MBps",
+        "snapshot/local/lag_steps",
+    ):
         assert tag in first, f"{tag} missing from {sorted(first)}"
     state_bytes = sum(p.numel() * 4 for p in Model(0.2).state_dict().values())
     assert all(v >= state_bytes for v in first["snapshot/bytes"])  # weights + optimizer state
@@ -209,8 +233,14 @@ class Wide(Model):
 def test_local_tier_writes_the_arena_with_o_direct(tmp_path):
     tier = LocalTier(tmp_path / "snaps", every_n_train_steps=2)
     L.seed_everything(0, verbose=False)
-    trainer = L.Trainer(accelerator="cpu", max_steps=4, callbacks=[SnapshotCallback(tier)], logger=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=4,
+        callbacks=[SnapshotCallback(tier)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(Wide(), DataLoader(Squares(), batch_size=4))
     if not tier.direct_io:
         pytest.skip(f"{tmp_path} refuses O_DIRECT")
@@ -241,8 +271,14 @@ def test_budget_below_one_snapshot_skips_with_warning_and_metric(tmp_path):
     rec = Rec()
     L.seed_everything(0, verbose=False)
     cb = SnapshotCallback(LocalTier(tmp_path, every_n_train_steps=2), max_host_bytes=1024)
-    trainer = L.Trainer(accelerator="cpu", max_steps=6, callbacks=[cb], logger=rec, enable_progress_bar=False,
-                        enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=6,
+        callbacks=[cb],
+        logger=rec,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(Model(0.2), DataLoader(Squares(), batch_size=4))
@@ -255,16 +291,23 @@ def test_budget_below_one_snapshot_skips_with_warning_and_metric(tmp_path):
 def test_budget_of_one_buffer_never_holds_two(tmp_path):
     budget = 4 << 20  # one 2 MiB-rounded slot fits, two do not
     L.seed_everything(0, verbose=False)
-    cb = SnapshotCallback(LocalTier(tmp_path, every_n_train_steps=1, keep_last=None), max_host_bytes=budget,
-                          on_error="raise")
+    cb = SnapshotCallback(
+        LocalTier(tmp_path, every_n_train_steps=1, keep_last=None), max_host_bytes=budget, on_error="raise"
+    )
     peak = []
 
     class Watch(L.Callback):
         def on_train_batch_end(self, *a):
             peak.append(cb._arena.allocated_bytes)
 
-    trainer = L.Trainer(accelerator="cpu", max_steps=12, callbacks=[cb, Watch()], logger=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=12,
+        callbacks=[cb, Watch()],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(Model(0.2), DataLoader(Squares(), batch_size=4))
@@ -292,8 +335,14 @@ def test_a_snapshot_waiting_long_for_a_buffer_is_reported_and_none_is_lost(tmp_p
             return super().write(key, buffers)
 
     cb = SnapshotCallback(StuckLocal(tmp_path, every_n_train_steps=1, keep_last=None), on_error="raise")
-    trainer = L.Trainer(accelerator="cpu", max_steps=6, callbacks=[cb], logger=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=6,
+        callbacks=[cb],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     with caplog.at_level(logging.WARNING, logger="lightning_snapshot.staging.slot"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(Model(0.2), DataLoader(Squares(), batch_size=4))
@@ -337,8 +386,14 @@ def test_a_second_buffer_is_asked_for_as_many_steps_ahead_as_allocating_one_take
 
     L.seed_everything(0, verbose=False)
     cb = SnapshotCallback(SlowLocal(tmp_path, every_n_train_steps=30, keep_last=None), on_error="raise")
-    trainer = L.Trainer(accelerator="cpu", max_steps=61, callbacks=[cb], logger=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=61,
+        callbacks=[cb],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(Paced(0.2), DataLoader(Squares(), batch_size=4))
     assert started[0] == 1  # the first buffer, right after the first optimizer step
     assert len(started) == 2, started
@@ -363,8 +418,14 @@ def test_a_slower_tier_uploads_every_step_although_the_local_tier_keeps_one(tmp_
     local = LocalTier(tmp_path / "local", every_n_train_steps=1, keep_last=1)
     remote = SlowRemote(tmp_path / "remote", every_n_train_steps=1, keep_last=None)
     cb = SnapshotCallback([local, remote])
-    trainer = L.Trainer(accelerator="cpu", max_steps=6, callbacks=[cb], logger=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=6,
+        callbacks=[cb],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     with caplog.at_level("WARNING"):
         trainer.fit(Model(0.2), DataLoader(Squares(), batch_size=4, shuffle=True))
     assert committed_steps(remote) == [6, 5, 4, 3, 2, 1]
@@ -373,7 +434,6 @@ def test_a_slower_tier_uploads_every_step_although_the_local_tier_keeps_one(tmp_
     assert "failing" not in caplog.text, caplog.text
     for step in range(1, 7):
         assert load_snapshot(str(tmp_path / "remote"), step=step)["global_step"] == step
-
 
 
 def test_wait_copied_returns_once_the_bytes_are_staged_and_raises_a_failed_copy():
@@ -440,25 +500,32 @@ def test_under_ddp_a_state_only_one_rank_cannot_take_is_agreed_on_by_every_rank(
         # (steps 4, 8, 12: rank 0 warns of its own error, rank 1 of the agreed one, which names rank 0's)
         assert proc.stderr.count("cannot store the value at 'rank/late/rank0_only'") == 6
         for step in (4, 8, 12):
-            assert (f"another rank could not take its state for the snapshot of step {step} (see its log): on rank 0:"
-                    " CaptureError: cannot store the value at 'rank/late/rank0_only'") in proc.stderr
+            assert (
+                f"another rank could not take its state for the snapshot of step {step} (see its log): on rank 0:"
+                " CaptureError: cannot store the value at 'rank/late/rank0_only'"
+            ) in proc.stderr
         assert committed_steps(LocalTier(str(snaps))) == []
     else:
         assert "rank 0: RAISED CaptureError: cannot store the value at 'rank/late/rank0_only'" in proc.stdout
-        assert ("rank 1: RAISED SnapshotError: another rank could not take its state for the snapshot of step 4"
-                in proc.stdout)
+        assert (
+            "rank 1: RAISED SnapshotError: another rank could not take its state for the snapshot of step 4"
+            in proc.stdout
+        )
 
 
 @pytest.mark.parametrize("on_error", ["raise", "warn"])
 def test_under_ddp_a_staging_failure_on_one_rank_is_handled_by_every_rank(tmp_path, on_error):
     """Rank 0 alone cannot stage the weights from step 4: with 'raise' every rank raises (rank 1 the agreed error,
     not the broken connection it met when it skipped, warned and trained on alone), with 'warn' both train on."""
-    proc = run_script("one_rank_fails.py", "--dir", str(tmp_path / "snaps"), "--fail", "stage", "--on-error", on_error,
-                      timeout=180)
+    proc = run_script(
+        "one_rank_fails.py", "--dir", str(tmp_path / "snaps"), "--fail", "stage", "--on-error", on_error, timeout=180
+    )
     if on_error == "raise":
         assert "rank 0: RAISED CaptureError: injected: rank 0 cannot capture its share of the weights" in proc.stdout
-        assert ("rank 1: RAISED SnapshotError: another rank could not stage the snapshot of step 4 (see its log)"
-                in proc.stdout)
+        assert (
+            "rank 1: RAISED SnapshotError: another rank could not stage the snapshot of step 4 (see its log)"
+            in proc.stdout
+        )
     else:
         assert "rank 0: FIT RETURNED step=12 from=None" in proc.stdout
         assert "rank 1: FIT RETURNED step=12 from=None" in proc.stdout
@@ -496,6 +563,7 @@ def test_under_ddp_resuming_from_a_path_every_rank_restores_the_step_rank_0_foun
     old = str(tmp_path / "old")
     first = run_script("one_rank_fails.py", "--dir", old, "--fail", "none", "--max-steps", "8", timeout=180)
     assert "rank 0: FIT RETURNED step=8 from=None" in first.stdout
-    proc = run_script("one_rank_fails.py", "--dir", str(tmp_path / "new"), "--fail", "stale-listing", "--resume", old,
-                      timeout=180)
+    proc = run_script(
+        "one_rank_fails.py", "--dir", str(tmp_path / "new"), "--fail", "stale-listing", "--resume", old, timeout=180
+    )
     assert "rank 0: FIT RETURNED step=12 from=8" in proc.stdout and "rank 1: FIT RETURNED step=12 from=8" in proc.stdout

@@ -49,13 +49,15 @@ class TestObjectStoreTier(BackendTests):
     def new_backend(self, s3_server, conformance_bucket):
         # one bucket for the class, a fresh prefix per backend (creating buckets costs more than the tests)
         return lambda **options: ObjectStoreTier(
-            f"s3://{conformance_bucket}/{uuid.uuid4().hex[:12]}", storage_options=s3_options(s3_server.endpoint),
-            **options)
+            f"s3://{conformance_bucket}/{uuid.uuid4().hex[:12]}",
+            storage_options=s3_options(s3_server.endpoint),
+            **options,
+        )
 
     def raw_names(self, backend):
         backend.fs.invalidate_cache()
         found = backend.fs.find(backend.root, withdirs=False) if backend.fs.exists(backend.root) else []
-        return sorted(name[len(backend.root) + 1:] for name in found)
+        return sorted(name[len(backend.root) + 1 :] for name in found)
 
 
 class TestRamTier(BackendTests):

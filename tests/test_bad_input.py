@@ -26,16 +26,29 @@ from lightning_snapshot.errors import (
     StorageFullError,
     UnsafePathError,
 )
-from lightning_snapshot.writer import committed_steps
+from lightning_snapshot.persist.writer import committed_steps
 
 
-def fit(snaps: Path, max_steps: int, model: L.LightningModule | None = None, loader=None, every: int = 3,
-        keep_last: int | None = 3, **cb_kwargs):
+def fit(
+    snaps: Path,
+    max_steps: int,
+    model: L.LightningModule | None = None,
+    loader=None,
+    every: int = 3,
+    keep_last: int | None = 3,
+    **cb_kwargs,
+):
     L.seed_everything(42, verbose=False)
     model = model or Model(0.2)
     cb = SnapshotCallback(LocalTier(snaps, every_n_train_steps=every, keep_last=keep_last), **cb_kwargs)
-    trainer = L.Trainer(accelerator="cpu", max_steps=max_steps, callbacks=[cb], logger=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        callbacks=[cb],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(model, loader if loader is not None else DataLoader(Squares(), batch_size=4, shuffle=True))
     return trainer, cb, model
 

@@ -15,10 +15,10 @@ import torch
 from test_bad_input import fit
 
 from lightning_snapshot.backends import LocalTier
-from lightning_snapshot.cli import main
-from lightning_snapshot.comm import LocalComm
+from lightning_snapshot.cli.main import main
+from lightning_snapshot.dist.comm import LocalComm
+from lightning_snapshot.persist.writer import SnapshotJob, write_snapshot
 from lightning_snapshot.staging import stage
-from lightning_snapshot.writer import SnapshotJob, write_snapshot
 
 
 def cli(*args: str) -> tuple[int, str, str]:
@@ -88,8 +88,10 @@ def test_a_path_that_does_not_exist_is_an_error_and_creates_nothing(tmp_path, co
     rc, out, err = cli(*args)
     line = one_line_error(err)
     assert rc == 1
-    assert line == (f"lightning-snapshot {command[0]}: error: no snapshot tier at {str(missing)!r}: the directory does"
-                    " not exist. Check the path (a tier root holds step-* directories)")
+    assert line == (
+        f"lightning-snapshot {command[0]}: error: no snapshot tier at {str(missing)!r}: the directory does"
+        " not exist. Check the path (a tier root holds step-* directories)"
+    )
     assert out == "" and tree(tmp_path) == before
 
 
@@ -104,9 +106,10 @@ def test_list_of_an_unknown_ram_tier_creates_no_directory(tmp_path, monkeypatch)
     monkeypatch.setenv("LIGHTNING_SNAPSHOT_SHM_DIR", str(base))
     rc, _, err = cli("list", "ram://run-42")
     assert rc == 1
-    assert (f"error: no RAM tier named 'run-42' on this node ({base / 'run-42'} does not exist); this node holds no"
-            f" RAM tier under {str(base)!r}. Name the run as ram://NAME, or set LIGHTNING_SNAPSHOT_SHM_DIR"
-            ) in one_line_error(err)
+    assert (
+        f"error: no RAM tier named 'run-42' on this node ({base / 'run-42'} does not exist); this node holds no"
+        f" RAM tier under {str(base)!r}. Name the run as ram://NAME, or set LIGHTNING_SNAPSHOT_SHM_DIR"
+    ) in one_line_error(err)
     assert not base.exists(), "a read-only command created the RAM tier's directory"
 
     (base / "run-41" / "store").mkdir(parents=True)  # another run's RAM tier: named in the message
@@ -116,12 +119,15 @@ def test_list_of_an_unknown_ram_tier_creates_no_directory(tmp_path, monkeypatch)
     assert tree(tmp_path) == before
 
 
-@pytest.mark.parametrize("url, fragment", [
-    ("s4://bucket/run-42", "unknown tier URL scheme 's4' in 's4://bucket/run-42'; known: a plain path, abfs://"),
-    ("s3:/bucket/run-42", "ObjectStoreTier needs a URL with a scheme such as s3://bucket/path"),
-    ("ram://run/42", "RAM tier URL 'ram://run/42' has a path; write ram://NAME"),
-    ("/snaps?evry=3", "unknown tier URL option 'evry' in '/snaps?evry=3'; accepted options: every, interval, keep"),
-])
+@pytest.mark.parametrize(
+    "url, fragment",
+    [
+        ("s4://bucket/run-42", "unknown tier URL scheme 's4' in 's4://bucket/run-42'; known: a plain path, abfs://"),
+        ("s3:/bucket/run-42", "ObjectStoreTier needs a URL with a scheme such as s3://bucket/path"),
+        ("ram://run/42", "RAM tier URL 'ram://run/42' has a path; write ram://NAME"),
+        ("/snaps?evry=3", "unknown tier URL option 'evry' in '/snaps?evry=3'; accepted options: every, interval, keep"),
+    ],
+)
 def test_a_mistyped_scheme_or_url_is_a_usage_error(url, fragment):
     rc, _, err = cli("list", url)
     assert rc == 2 and fragment in one_line_error(err)
@@ -130,8 +136,10 @@ def test_a_mistyped_scheme_or_url_is_a_usage_error(url, fragment):
 def test_a_memory_url_with_nothing_under_it_is_an_error():
     rc, _, err = cli("list", "memory://no-such-bucket/run-42")
     assert rc == 1
-    assert "no snapshot tier at 'memory://no-such-bucket/run-42': the bucket (or path) does not exist" in \
-        one_line_error(err)
+    assert (
+        "no snapshot tier at 'memory://no-such-bucket/run-42': the bucket (or path) does not exist"
+        in one_line_error(err)
+    )
 
 
 @pytest.fixture
@@ -155,20 +163,23 @@ def test_a_missing_bucket_is_an_error(s3_server, bucket, s3_environment):
     s3_environment(s3_server.endpoint)
     rc, _, err = cli("list", "s3://no-such-bucket-here/run-42")
     assert rc == 1
-    assert "no snapshot tier at 's3://no-such-bucket-here/run-42': the bucket (or path) does not exist" in \
-        one_line_error(err)
+    assert (
+        "no snapshot tier at 's3://no-such-bucket-here/run-42': the bucket (or path) does not exist"
+        in one_line_error(err)
+    )
     rc, _, err = cli("verify", f"s3://{bucket}/run-42")
     assert rc == 1
-    assert f"no snapshot tier at 's3://{bucket}/run-42': bucket {bucket!r} holds nothing under that prefix" in \
-        one_line_error(err)
+    assert (
+        f"no snapshot tier at 's3://{bucket}/run-42': bucket {bucket!r} holds nothing under that prefix"
+        in one_line_error(err)
+    )
 
 
 def test_a_file_where_a_tier_directory_is_expected_is_a_usage_error(snaps):
     manifest = snaps / "step-000000000006" / "manifest.json"
     rc, _, err = cli("inspect", str(manifest))
     assert rc == 2
-    assert f"LocalTier path {str(manifest)!r} exists and is not a directory: choose another path" in \
-        one_line_error(err)
+    assert f"LocalTier path {str(manifest)!r} exists and is not a directory: choose another path" in one_line_error(err)
 
 
 def test_an_empty_tier_lists_nothing_but_cannot_be_inspected(tmp_path):
@@ -186,9 +197,11 @@ def test_a_step_that_is_not_committed_names_the_committed_ones(snaps, tmp_path, 
     before = tree(tmp_path)
     rc, _, err = cli(command, str(snaps), *extra, "--step", "5")
     assert rc == 1
-    assert one_line_error(err) == (f"lightning-snapshot {command}: error: no committed snapshot of step 5 in"
-                                   f" {str(snaps)!r} (committed: [6, 3]); pick one of those, or see:"
-                                   f" lightning-snapshot list {snaps}")
+    assert one_line_error(err) == (
+        f"lightning-snapshot {command}: error: no committed snapshot of step 5 in"
+        f" {str(snaps)!r} (committed: [6, 3]); pick one of those, or see:"
+        f" lightning-snapshot list {snaps}"
+    )
     assert tree(tmp_path) == before
 
 
@@ -196,8 +209,10 @@ def test_a_step_that_is_not_committed_names_the_committed_ones(snaps, tmp_path, 
 def test_an_invalid_step_is_a_usage_error(snaps, value):
     rc, _, err = cli("inspect", str(snaps), "--step", value)
     assert rc == 2
-    assert one_line_error(err) == (f"lightning-snapshot inspect: error: argument --step: expected a step number (an"
-                                   f" integer >= 0), got {value!r} (see: lightning-snapshot inspect --help)")
+    assert one_line_error(err) == (
+        f"lightning-snapshot inspect: error: argument --step: expected a step number (an"
+        f" integer >= 0), got {value!r} (see: lightning-snapshot inspect --help)"
+    )
 
 
 def test_unknown_commands_options_and_formats_are_one_line_usage_errors(snaps, tmp_path):
@@ -221,8 +236,10 @@ def test_export_to_a_directory_is_a_usage_error_and_leaves_nothing_behind(snaps,
     for fmt in ("safetensors", "torch"):
         rc, out, err = cli("export", str(snaps), str(out_dir), "--format", fmt, "--quiet")
         assert rc == 2 and out == ""
-        assert one_line_error(err) == (f"lightning-snapshot export: error: {str(out_dir)!r} is a directory: give the"
-                                       f" path of the file to write, e.g. {str(out_dir / 'model.safetensors')!r}")
+        assert one_line_error(err) == (
+            f"lightning-snapshot export: error: {str(out_dir)!r} is a directory: give the"
+            f" path of the file to write, e.g. {str(out_dir / 'model.safetensors')!r}"
+        )
         assert tree(tmp_path) == before, "export left a file behind"
 
 
@@ -230,8 +247,9 @@ def test_export_into_a_missing_directory_creates_nothing(snaps, tmp_path):
     target = tmp_path / "no" / "such" / "model.safetensors"
     rc, _, err = cli("export", str(snaps), str(target), "--quiet")
     assert rc == 2
-    assert (f"cannot write {str(target)!r}: the directory {str(target.parent)!r} does not exist. Create it first"
-            ) in one_line_error(err)
+    assert (
+        f"cannot write {str(target)!r}: the directory {str(target.parent)!r} does not exist. Create it first"
+    ) in one_line_error(err)
     assert not (tmp_path / "no").exists()
 
 
@@ -265,8 +283,10 @@ def test_a_corrupted_dtype_names_the_file_the_tensor_and_the_field(snaps):
     rc, _, err = cli("inspect", str(snaps), "--step", "6")
     assert rc == 1
     line = one_line_error(err)
-    assert (f"error: step-000000000006/manifest.json in the local tier {str(snaps)!r}: field tensors[{index}].dtype"
-            f" (tensor {name!r}): unknown dtype 'flaot32'") in line
+    assert (
+        f"error: step-000000000006/manifest.json in the local tier {str(snaps)!r}: field tensors[{index}].dtype"
+        f" (tensor {name!r}): unknown dtype 'flaot32'"
+    ) in line
     assert "otherwise the manifest is corrupted: use another snapshot" in line
     rc, out, _ = cli("list", str(snaps))  # list shows the bad step and goes on
     assert rc == 0 and "unreadable manifest" in out and "           3" in out
@@ -276,12 +296,17 @@ def test_a_corrupted_dtype_names_the_file_the_tensor_and_the_field(snaps):
 def test_agent_with_a_zero_idle_timeout_is_a_usage_error_without_traceback(tmp_path):
     """Through the installed console entry point's code path, in a real process."""
     node = tmp_path / "node"
-    proc = subprocess.run([sys.executable, "-m", "lightning_snapshot.cli", "agent", "--dir", str(node),
-                           "--idle-timeout", "0"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_snapshot.cli.main", "agent", "--dir", str(node), "--idle-timeout", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and proc.stdout == ""
     assert one_line_error(proc.stderr) == (
         "lightning-snapshot agent: error: argument --idle-timeout: expected a number of seconds > 0, got '0'"
-        " (see: lightning-snapshot agent --help)")
+        " (see: lightning-snapshot agent --help)"
+    )
     assert not node.exists()
 
 
@@ -303,14 +328,16 @@ def test_agent_status_without_an_agent_says_how_to_start_one(tmp_path):
     (tmp_path / "node").mkdir()
     rc, _, err = cli("agent", "--dir", str(tmp_path / "node"), "--status")
     assert rc == 1
-    assert f"no agent serves {tmp_path / 'node'} (none is running for it); start one with: lightning-snapshot agent" \
+    assert (
+        f"no agent serves {tmp_path / 'node'} (none is running for it); start one with: lightning-snapshot agent"
         in one_line_error(err)
+    )
 
 
 # ------------------------------------------------------------------------------------------------ --help
 _HELP = """
 import sys
-from lightning_snapshot.cli import main
+from lightning_snapshot.cli.main import main
 try:
     main(sys.argv[1:])
 except SystemExit as e:
@@ -323,8 +350,13 @@ print("HEAVY", heavy)
 @pytest.mark.parametrize("command", ["", "list", "inspect", "verify", "export", "copy", "gc", "agent"])
 def test_help_does_not_import_torch_or_lightning(command):
     args = [command, "--help"] if command else ["--help"]
-    proc = subprocess.run([sys.executable, "-c", _HELP, *args], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    proc = subprocess.run(
+        [sys.executable, "-c", _HELP, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     assert proc.returncode == 0, proc.stderr
     assert "usage: lightning-snapshot" in proc.stdout
     assert proc.stdout.strip().splitlines()[-1] == "HEAVY []"
@@ -351,8 +383,16 @@ def test_help_says_what_the_command_does_and_lists_the_commands_without_internal
         assert f"lightning-snapshot {command} " in out, f"no example of {command}"  # (in the examples)
     assert "exit status: 0 success; 1 the command failed" in out
     assert "Run 'lightning-snapshot COMMAND --help' for the options of a command." in out
-    for internal in (".py", "``", ":func:", ":data:", "console script", "project.scripts", "Nothing in the library",
-                     "pyproject"):
+    for internal in (
+        ".py",
+        "``",
+        ":func:",
+        ":data:",
+        "console script",
+        "project.scripts",
+        "Nothing in the library",
+        "pyproject",
+    ):
         assert internal not in out, f"--help shows {internal!r}:\n{out}"
     text = f"{cli_module.DESCRIPTION}\n{cli_module.EPILOG}"
     assert max(map(len, text.splitlines())) <= 80, "a line of --help wider than a terminal (argparse keeps them)"
@@ -373,8 +413,10 @@ def test_an_endpoint_that_refuses_connections_is_an_error(s3_environment):
     rc, _, err = cli("list", "s3://bucket/run-42")
     assert rc == 1
     line = one_line_error(err)
-    assert line.startswith("lightning-snapshot list: error: the s3 tier 's3://bucket/run-42': endpoint does not"
-                           " answer (looking up 'bucket/run-42': EndpointConnectionError")
+    assert line.startswith(
+        "lightning-snapshot list: error: the s3 tier 's3://bucket/run-42': endpoint does not"
+        " answer (looking up 'bucket/run-42': EndpointConnectionError"
+    )
     assert "testing-secret" not in line
     assert line.endswith("check the endpoint (storage_options client_kwargs endpoint_url) and the network")
 
@@ -385,9 +427,10 @@ def test_output_piped_into_head_ends_quietly(snaps):
     import subprocess
     import sys
 
-    script = "import sys; from lightning_snapshot.cli import main; sys.exit(main())"
-    proc = subprocess.Popen([sys.executable, "-c", script, "inspect", str(snaps)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, bufsize=0)
+    script = "import sys; from lightning_snapshot.cli.main import main; sys.exit(main())"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, "inspect", str(snaps)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0
+    )
     proc.stdout.close()  # the reader is gone before the command writes: every write hits a closed pipe
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 0, err

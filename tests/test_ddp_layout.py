@@ -1,5 +1,5 @@
 """DDP with 3+ ranks resumes bitwise only when the restarted process all-reduces with the rebuilt bucket layout
-(issue 12, item 3): lightning_snapshot.ddp_layout captures it, SnapshotCallback stores it in every rank's state of a
+(issue 12, item 3): lightning_snapshot.state.ddp_layout captures it, SnapshotCallback stores it in every rank's state of a
 snapshot and gives it back in on_fit_start (see ddp_layout's docstring)."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from torch import nn
 
 from lightning_snapshot.backends import LocalTier
 from lightning_snapshot.callback import DDP_LAYOUT_ENV
-from lightning_snapshot.ddp_layout import apply_layout, capture_layout, check_layout
-from lightning_snapshot.loader import read_manifest
-from lightning_snapshot.writer import committed_steps
+from lightning_snapshot.persist.writer import committed_steps
+from lightning_snapshot.restore.loader import read_manifest
+from lightning_snapshot.state.ddp_layout import apply_layout, capture_layout, check_layout
 
 # the module-scoped fixtures below are shared by this file's tests: under pytest-xdist they run in one worker
 pytestmark = pytest.mark.xdist_group("test_ddp_layout")
@@ -101,8 +101,10 @@ def test_ddp4_layout_that_does_not_fit_is_ignored_with_a_warning(ddp4_killed, tm
         section["state"]["ddp_layout"]["numels"][0] += 1
     path.write_text(json.dumps(doc))
     out, proc = _resume(killed, tmp_path)
-    assert ("holds a DDP gradient-bucket layout that is not applied (the DDP bucket layout does not fit this model:"
-            " parameter 0 has 128 elements here, 129 in the layout); the resume goes on without it") in proc.stderr
+    assert (
+        "holds a DDP gradient-bucket layout that is not applied (the DDP bucket layout does not fit this model:"
+        " parameter 0 has 128 elements here, 129 in the layout); the resume goes on without it"
+    ) in proc.stderr
     _assert_all_ranks_equal(ddp4_resumed_without_layout, out, 4)
 
 
@@ -187,7 +189,8 @@ def test_apply_refuses_a_layout_that_does_not_fit(one_rank):
         with pytest.raises(ValueError):
             check_layout(fresh, junk)
     wider = nn.parallel.DistributedDataParallel(
-        nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2)))
+        nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
+    )
     with pytest.raises(ValueError, match="parameter 4 has 32 elements here, 16 in the layout"):
         apply_layout(wider, layout)
     with pytest.raises(ValueError, match="exactly once"):

@@ -22,7 +22,11 @@ def test_the_docs_site_builds_strict_without_warnings(tmp_path):
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     out = proc.stdout + proc.stderr
     warnings = [line for line in out.splitlines() if line.startswith(("WARNING", "ERROR"))]
@@ -30,8 +34,18 @@ def test_the_docs_site_builds_strict_without_warnings(tmp_path):
     site = tmp_path / "site"
     api = (site / "api" / "index.html").read_text()
     # the API reference is generated from the docstrings, not written by hand
-    for name in ("SnapshotCallback", "load_snapshot", "export_snapshot", "LocalTier", "ObjectStoreTier", "RamTier",
-                 "parse_tier", "Backend", "TierUnavailableError", "collective_timeout"):
+    for name in (
+        "SnapshotCallback",
+        "load_snapshot",
+        "export_snapshot",
+        "LocalTier",
+        "ObjectStoreTier",
+        "RamTier",
+        "parse_tier",
+        "Backend",
+        "TierUnavailableError",
+        "collective_timeout",
+    ):
         assert name in api, f"the API reference lacks {name}"
     assert (site / "img" / "tensorboard-scalars.png").stat().st_size > 10_000
     assert 'src="../img/tensorboard-scalars.png"' in (site / "metrics" / "index.html").read_text()
@@ -62,8 +76,9 @@ def test_every_python_block_of_the_docs_runs_as_pasted(tmp_path):
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     env.pop("LIGHTNING_SNAPSHOT_SHM_DIR", None)
     pages = [str(ROOT / "docs" / p) for p in _PAGES]
-    proc = subprocess.run([sys.executable, "-c", _RUNNER, *pages], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", _RUNNER, *pages], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-6000:]
     ran = proc.stdout.count("ran ")
     assert ran >= 9, proc.stdout
@@ -96,8 +111,9 @@ def test_every_changelog_entry_is_under_300_characters():
     message and the docs."""
     entries = changelog_entries((ROOT / "CHANGELOG.md").read_text())
     assert len(entries) > 100
-    long = [f"CHANGELOG.md line {n}: {len(t)} characters: {t[:80]}..."
-            for n, t in entries if len(t) >= CHANGELOG_ENTRY_MAX]
+    long = [
+        f"CHANGELOG.md line {n}: {len(t)} characters: {t[:80]}..." for n, t in entries if len(t) >= CHANGELOG_ENTRY_MAX
+    ]
     assert not long, "entries of 300 characters or more (shorten them to one or two lines):\n" + "\n".join(long)
     # (the parser sees an entry's continuation lines)
     assert changelog_entries("- a\n  b\n\n- c\nd\n  e\n") == [(1, "a b"), (4, "c")]

@@ -25,7 +25,7 @@ from train import Model, Squares, s3_options
 from lightning_snapshot import SnapshotCallback, load_snapshot
 from lightning_snapshot.backends import LocalTier, ObjectStoreTier
 from lightning_snapshot.errors import TierUnavailableError
-from lightning_snapshot.writer import committed_steps
+from lightning_snapshot.persist.writer import committed_steps
 
 SECRET = "testing-secret"  # (train.py's s3_options)
 
@@ -40,8 +40,14 @@ def closed_port() -> int:
 def fit(tiers, max_steps: int = 4, callbacks=(), **kw):
     L.seed_everything(0, verbose=False)
     cb = SnapshotCallback(tiers, **kw)
-    trainer = L.Trainer(accelerator="cpu", max_steps=max_steps, callbacks=[*callbacks, cb], logger=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        callbacks=[*callbacks, cb],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(Model(0.0), DataLoader(Squares(), batch_size=4))
@@ -51,11 +57,25 @@ def fit(tiers, max_steps: int = 4, callbacks=(), **kw):
 # ------------------------------------------------------------------------------------------- at setup
 @pytest.mark.slow
 def test_a_bucket_that_does_not_exist_stops_the_run_before_training(tmp_path, s3_server):
-    proc = run_script("train.py", "--dir", str(tmp_path / "unused"), "--out", str(tmp_path / "out.pt"), "--no-local",
-                      "--s3", "s3://no-such-bucket/run", "--endpoint", s3_server.endpoint, expect_rc=1, timeout=300)
+    proc = run_script(
+        "train.py",
+        "--dir",
+        str(tmp_path / "unused"),
+        "--out",
+        str(tmp_path / "out.pt"),
+        "--no-local",
+        "--s3",
+        "s3://no-such-bucket/run",
+        "--endpoint",
+        s3_server.endpoint,
+        expect_rc=1,
+        timeout=300,
+    )
     assert "TierUnavailableError" in proc.stderr
-    assert ("the s3 tier 's3://no-such-bucket/run': bucket 'no-such-bucket' does not exist" in proc.stderr
-            and "aws s3 mb s3://no-such-bucket" in proc.stderr), proc.stderr[-3000:]
+    assert (
+        "the s3 tier 's3://no-such-bucket/run': bucket 'no-such-bucket' does not exist" in proc.stderr
+        and "aws s3 mb s3://no-such-bucket" in proc.stderr
+    ), proc.stderr[-3000:]
     assert "training does not start" in proc.stderr
     assert not (tmp_path / "out.pt").exists()  # fit raised: no training result
     assert SECRET not in proc.stderr + proc.stdout
@@ -64,8 +84,20 @@ def test_a_bucket_that_does_not_exist_stops_the_run_before_training(tmp_path, s3
 @pytest.mark.slow
 def test_an_endpoint_that_refuses_connections_stops_the_run_before_training(tmp_path):
     port = closed_port()
-    proc = run_script("train.py", "--dir", str(tmp_path / "unused"), "--out", str(tmp_path / "out.pt"), "--no-local",
-                      "--s3", "s3://bucket/run", "--endpoint", f"http://127.0.0.1:{port}", expect_rc=1, timeout=300)
+    proc = run_script(
+        "train.py",
+        "--dir",
+        str(tmp_path / "unused"),
+        "--out",
+        str(tmp_path / "out.pt"),
+        "--no-local",
+        "--s3",
+        "s3://bucket/run",
+        "--endpoint",
+        f"http://127.0.0.1:{port}",
+        expect_rc=1,
+        timeout=300,
+    )
     err = proc.stderr
     assert "TierUnavailableError" in err and "training does not start" in err, err[-3000:]
     assert "the s3 tier 's3://bucket/run': endpoint does not answer" in err
@@ -77,15 +109,30 @@ def test_an_endpoint_that_refuses_connections_stops_the_run_before_training(tmp_
 
 @pytest.mark.slow
 def test_under_ddp_every_rank_stops_with_the_same_error(tmp_path, s3_server):
-    proc = run_script("train.py", "--dir", str(tmp_path / "unused"), "--out", str(tmp_path / "out.pt"), "--no-local",
-                      "--devices", "2", "--s3", "s3://no-such-bucket-ddp/run", "--endpoint", s3_server.endpoint,
-                      expect_rc=1, timeout=300)
+    proc = run_script(
+        "train.py",
+        "--dir",
+        str(tmp_path / "unused"),
+        "--out",
+        str(tmp_path / "out.pt"),
+        "--no-local",
+        "--devices",
+        "2",
+        "--s3",
+        "s3://no-such-bucket-ddp/run",
+        "--endpoint",
+        s3_server.endpoint,
+        expect_rc=1,
+        timeout=300,
+    )
     error = "lightning_snapshot.errors.TierUnavailableError: "
     lines = [line.split("]: ", 1)[-1] for line in proc.stderr.splitlines() if error in line]
     # both ranks raised (rank 1 is a child of rank 0 and shares its stderr), with the same text naming both ranks
     assert len(lines) == 2 and lines[0] == lines[1], proc.stderr[-4000:]
-    assert "on ranks 0, 1: the s3 tier 's3://no-such-bucket-ddp/run': bucket 'no-such-bucket-ddp' does not exist" \
-        in lines[0], lines[0]
+    assert (
+        "on ranks 0, 1: the s3 tier 's3://no-such-bucket-ddp/run': bucket 'no-such-bucket-ddp' does not exist"
+        in lines[0]
+    ), lines[0]
 
 
 def test_a_local_tier_under_a_file_stops_the_run_before_training(tmp_path):
@@ -155,13 +202,25 @@ def test_an_object_store_outage_at_resume_is_an_error_not_a_fresh_start(tmp_path
 def _run_with_outage(tmp_path: Path, server: S3Server, bucket: str, *args: str) -> subprocess.Popen[str]:
     signals = tmp_path / "signals"
     signals.mkdir()
-    cmd = [sys.executable, str(SCRIPTS / "durable_train.py"), "--s3", f"s3://{bucket}/run", "--endpoint",
-           server.endpoint, "--logs", str(tmp_path / "logs"), "--signals", str(signals), *args]
+    cmd = [
+        sys.executable,
+        str(SCRIPTS / "durable_train.py"),
+        "--s3",
+        f"s3://{bucket}/run",
+        "--endpoint",
+        server.endpoint,
+        "--logs",
+        str(tmp_path / "logs"),
+        "--signals",
+        str(signals),
+        *args,
+    ]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
-def _serve(proc: subprocess.Popen[str], signals: Path, server: S3Server, restart: bool, timeout: float = 240
-           ) -> tuple[str, str]:
+def _serve(
+    proc: subprocess.Popen[str], signals: Path, server: S3Server, restart: bool, timeout: float = 240
+) -> tuple[str, str]:
     """Answer the run's requests: stop the server when asked, start it again when asked (``restart``)."""
     deadline = time.monotonic() + timeout
     stopped = started = False
@@ -196,9 +255,23 @@ def test_a_server_stopped_and_restarted_mid_run_is_retried_and_nothing_is_lost(t
         server.create_bucket("restart")
         # the bucket tier copies the local tier's files, so the staging memory is free while uploads wait, and
         # its queue has room for every snapshot of the run: none is skipped
-        proc = _run_with_outage(tmp_path, server, "restart", "--max-steps", "12", "--every", "2",
-                                "--outage-at", "4", "--back-at", "9", "--local", str(tmp_path / "local"),
-                                "--max-pending", "12")
+        proc = _run_with_outage(
+            tmp_path,
+            server,
+            "restart",
+            "--max-steps",
+            "12",
+            "--every",
+            "2",
+            "--outage-at",
+            "4",
+            "--back-at",
+            "9",
+            "--local",
+            str(tmp_path / "local"),
+            "--max-pending",
+            "12",
+        )
         out, err = _serve(proc, tmp_path / "signals", server, restart=True)
         assert proc.returncode == 0, err[-4000:]
         assert "FIT DONE step=12" in out
@@ -222,13 +295,14 @@ def test_a_server_stopped_for_good_ends_the_run_with_an_error(tmp_path):
     server = S3Server()
     try:
         server.create_bucket("gone")
-        proc = _run_with_outage(tmp_path, server, "gone", "--max-steps", "8", "--every", "2", "--outage-at", "4",
-                                "--drain-timeout", "3")
+        proc = _run_with_outage(
+            tmp_path, server, "gone", "--max-steps", "8", "--every", "2", "--outage-at", "4", "--drain-timeout", "3"
+        )
         out, err = _serve(proc, tmp_path / "signals", server, restart=False)
         assert proc.returncode == 1, out + err[-4000:]
         assert "FIT DONE" not in out
         assert "lightning_snapshot.errors.NotDurableError" in err, err[-4000:]
-        msg = err[err.index("lightning_snapshot.errors.NotDurableError"):]
+        msg = err[err.index("lightning_snapshot.errors.NotDurableError") :]
         assert "the last snapshot of this fit (step 8) is not durable: no durable tier holds it" in msg
         assert "the s3 tier 's3://gone/run': " in msg and "endpoint does not answer" in msg, msg
         assert SECRET not in err + out

@@ -12,12 +12,12 @@ from test_bad_input import fit
 
 from lightning_snapshot import load_snapshot
 from lightning_snapshot.backends import LocalTier
-from lightning_snapshot.cli import main
-from lightning_snapshot.comm import LocalComm
+from lightning_snapshot.cli.export import export_snapshot
+from lightning_snapshot.cli.main import main
+from lightning_snapshot.dist.comm import LocalComm
 from lightning_snapshot.errors import ManifestError
-from lightning_snapshot.export import export_snapshot
+from lightning_snapshot.persist.writer import SnapshotJob, write_snapshot
 from lightning_snapshot.staging import stage
-from lightning_snapshot.writer import SnapshotJob, write_snapshot
 
 
 def test_safetensors_and_torch_exports_equal_the_snapshot(tmp_path):
@@ -51,7 +51,7 @@ def test_tied_weights_are_exported_under_both_names(tmp_path):
 
 _PEAK = """
 import resource, sys, torch
-from lightning_snapshot.export import export_snapshot
+from lightning_snapshot.cli.export import export_snapshot
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 export_snapshot(sys.argv[1], sys.argv[2], fmt=sys.argv[3], progress=False)
 print(before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
@@ -65,8 +65,12 @@ def test_export_streams_one_tensor_at_a_time(tmp_path, fmt):
     write_snapshot(LocalTier(tmp_path / "snaps"), LocalComm(), SnapshotJob(1, 0, stage(state), stage({}, "rank")), "r")
     del state
     out = tmp_path / f"out.{fmt}"
-    proc = subprocess.run([sys.executable, "-c", _PEAK, str(tmp_path / "snaps"), str(out), fmt], capture_output=True,
-                          text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", _PEAK, str(tmp_path / "snaps"), str(out), fmt],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     before_kb, peak_kb = map(int, proc.stdout.split())
     grew_mb = (peak_kb - before_kb) / 1024
     # a whole-model export would grow by ~384 MB; streaming stays within a few tensors

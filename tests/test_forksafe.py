@@ -1,4 +1,4 @@
-"""Loader workers forked while the library's threads do their first work do not hang (lightning_snapshot/forksafe.py).
+"""Loader workers forked while the library's threads do their first work do not hang (lightning_snapshot/dist/forksafe.py).
 
 glibc's fork() leaves the exit-handler lock (``__exit_funcs_lock``) as it was in the parent, and torch takes it the
 first time the process calls each operator: a DataLoader worker forked while the copy, allocation or persist thread
@@ -7,7 +7,7 @@ of the library made such a call hung for ever, and so did the training thread wa
 glibc's behaviour (a lock a forked child inherits locked, around every registration) and widens the window to 50 ms
 for the threads other than a process's main thread, so that the job hangs every time without the fix. The second
 hazard is CPython's (before 3.12): ``fixtures/head_lock`` holds its thread-list lock 20 ms when a background thread
-creates its Python thread state, as gloo's threads do after a collective (lightning_snapshot/forkprep.py). The jobs
+creates its Python thread state, as gloo's threads do after a collective (lightning_snapshot/dist/forkprep.py). The jobs
 must end, bitwise equal to the same job run without the stand-in.
 """
 
@@ -23,10 +23,22 @@ import pytest
 from conftest import SCRIPTS, assert_bitwise_equal, run_job
 
 from lightning_snapshot.backends import LocalTier
-from lightning_snapshot.writer import committed_steps
+from lightning_snapshot.persist.writer import committed_steps
 
-ARGS = ("--devices", "2", "--max-steps", "40", "--every", "10", "--shuffle", "--dropout", "0.1", "--workers", "2",
-        "--augment")
+ARGS = (
+    "--devices",
+    "2",
+    "--max-steps",
+    "40",
+    "--every",
+    "10",
+    "--shuffle",
+    "--dropout",
+    "0.1",
+    "--workers",
+    "2",
+    "--augment",
+)
 
 
 def _build(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
@@ -57,8 +69,20 @@ def _torchrun(base: Path, shm: Path, *args: str, preload: Path | None = None) ->
     env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning", "LIGHTNING_SNAPSHOT_SHM_DIR": str(shm)}
     if preload is not None:
         env["LD_PRELOAD"] = str(preload)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(SCRIPTS / "train.py"), "--dir", str(base / "local"), "--out", str(base / "out.pt"), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(SCRIPTS / "train.py"),
+        "--dir",
+        str(base / "local"),
+        "--out",
+        str(base / "out.pt"),
+        *args,
+    ]
     return run_job(cmd, 180, env, retry_fork_hang=False)  # (a hang in os.fork is what these tests look for)
 
 
@@ -71,8 +95,12 @@ def _ends_as_without(preload: Path, tmp_path: Path, shm: Path, extra: tuple[str,
     assert got.returncode == 0, got.stderr[-6000:]
     assert committed_steps(LocalTier(tmp_path / "run" / "local"))[0] == 40
     for suffix in ("", ".rank1"):
-        assert assert_bitwise_equal(Path(f"{tmp_path / 'ref' / 'out.pt'}{suffix}"),
-                                    Path(f"{tmp_path / 'run' / 'out.pt'}{suffix}")) > 0
+        assert (
+            assert_bitwise_equal(
+                Path(f"{tmp_path / 'ref' / 'out.pt'}{suffix}"), Path(f"{tmp_path / 'run' / 'out.pt'}{suffix}")
+            )
+            > 0
+        )
 
 
 @pytest.mark.slow

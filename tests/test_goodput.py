@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-import goodput  # noqa: E402
+import goodput
 
 
 @pytest.mark.slow
@@ -29,7 +29,7 @@ def test_two_kills_resume_bitwise(tmp_path):
     # is a step the killed process passed, never one before the step that process itself had started from.
     rows = goodput._read_progress(d / "progress.log")
     boots = [i for i, r in enumerate(rows) if r[0] == "boot"] + [len(rows)]
-    segments = [rows[boots[i]:boots[i + 1]] for i in range(len(boots) - 1)]
+    segments = [rows[boots[i] : boots[i + 1]] for i in range(len(boots) - 1)]
     assert len(segments) == 3, segments
     starts = [[r[1] for r in seg if r[0] == "ready"][-1] for seg in segments]
     reached = [max(r[1] for r in seg if r[0] in ("step", "ready")) for seg in segments]
@@ -40,8 +40,17 @@ def test_two_kills_resume_bitwise(tmp_path):
 
 
 def _run(method: str, seed: int, wall: float, failures: int, bitwise: str | None = None) -> goodput.Run:
-    run = goodput.Run(method, every=10, seed=seed, wall_s=wall, failures=failures, boots=[1.0] * (failures + 1),
-                      starts=[2.0] * (failures + 1), train_s=wall / 2, steps_trained=1000)
+    run = goodput.Run(
+        method,
+        every=10,
+        seed=seed,
+        wall_s=wall,
+        failures=failures,
+        boots=[1.0] * (failures + 1),
+        starts=[2.0] * (failures + 1),
+        train_s=wall / 2,
+        steps_trained=1000,
+    )
     run.bitwise = bitwise
     return run
 
@@ -50,8 +59,12 @@ def test_targets_are_judged_on_the_means_over_the_seeds():
     """With several seeds, the best method is the one with the best mean goodput, not the best single run: here the
     peer has the best run (seed 1) and ours the best mean."""
     ideal = goodput.Run("none", every=0, wall_s=30.0, boots=[1.0], starts=[2.0], train_s=25.0, steps_trained=1000)
-    rows = [_run("mc-yd", 0, 100.0, 8), _run("ours-ram-local", 0, 50.0, 5, "PASS"),
-            _run("mc-yd", 1, 40.0, 2), _run("ours-ram-local", 1, 45.0, 3, "PASS")]
+    rows = [
+        _run("mc-yd", 0, 100.0, 8),
+        _run("ours-ram-local", 0, 50.0, 5, "PASS"),
+        _run("mc-yd", 1, 40.0, 2),
+        _run("ours-ram-local", 1, 45.0, 3, "PASS"),
+    ]
     check = goodput.harness.Targets()
     goodput.targets(ideal, {12.0: rows}, 2.0, 12.0, check)
     text = check.text()
@@ -66,10 +79,20 @@ def test_targets_are_judged_on_the_means_over_the_seeds():
     # the expected goodput: the prediction from calibrated inputs (here: ours snapshots at a tenth of mc-yd's cost,
     # same start-ups), over draws of failure times, so ours expects more
     cal = {"start_s": 2.0, "restart_start_s": 2.5, "tail_s": 0.5}
-    inputs = {"steps": 1000, "step_s": 0.025, "ideal_wall_s": 30.0, "restart_delay_s": 2.0, "failure_horizon_s": 300.0,
-              "methods": {"mc-yd": {**cal, "costs_s": [0.5]}, "ours-ram-local": {**cal, "costs_s": [0.05, 0.05]}}}
-    expected = {(12.0, m): goodput.predict(inputs, {"method": m, "mtbf_s": 12.0, "every": 10, "failure_schedule": []},
-                                           draws=200)["goodput"] for m in ("mc-yd", "ours-ram-local")}
+    inputs = {
+        "steps": 1000,
+        "step_s": 0.025,
+        "ideal_wall_s": 30.0,
+        "restart_delay_s": 2.0,
+        "failure_horizon_s": 300.0,
+        "methods": {"mc-yd": {**cal, "costs_s": [0.5]}, "ours-ram-local": {**cal, "costs_s": [0.05, 0.05]}},
+    }
+    expected = {
+        (12.0, m): goodput.predict(
+            inputs, {"method": m, "mtbf_s": 12.0, "every": 10, "failure_schedule": []}, draws=200
+        )["goodput"]
+        for m in ("mc-yd", "ours-ram-local")
+    }
     table = goodput.summary(ideal, {12.0: rows}, 2.0, expected)
     assert table is not None
     means = {r["method"]: r for r in table.records()}

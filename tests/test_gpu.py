@@ -11,8 +11,9 @@ import torch
 from conftest import assert_bitwise_equal, assert_resumed, check_flush_after_death, run_train
 from torch import nn
 
+from lightning_snapshot.data.rng import capture_rng, restore_rng
 from lightning_snapshot.staging.arena import HostArena
-from lightning_snapshot.capture import capture_rng, frozen_predicate, restore_rng
+from lightning_snapshot.state.capture import frozen_predicate
 
 pytestmark = pytest.mark.gpu
 
@@ -111,9 +112,11 @@ def test_with_adam_the_fence_orders_the_gpu_instead_of_waiting_for_the_copy_on_t
 
 def test_registered_arena_copies_from_cuda_are_correct_across_reuse():
     g = torch.Generator(device="cuda").manual_seed(1)
-    tensors = {"a": torch.randn(3, 1000, device="cuda", generator=g),
-               "b": torch.randn(777, device="cuda", generator=g).to(torch.bfloat16),
-               "c": torch.arange(5, device="cuda", dtype=torch.int64)}
+    tensors = {
+        "a": torch.randn(3, 1000, device="cuda", generator=g),
+        "b": torch.randn(777, device="cuda", generator=g).to(torch.bfloat16),
+        "c": torch.arange(5, device="cuda", dtype=torch.int64),
+    }
     params = [tensors["a"], tensors["b"]]
     frozen = frozen_predicate([torch.optim.SGD([torch.nn.Parameter(t) for t in params], lr=0.1)])  # (trained)
     arena = HostArena()
@@ -141,8 +144,7 @@ def test_agent_flushes_a_staged_snapshot_after_a_gpu_trainer_died(tmp_path, shm,
     def registered(killed):  # the arena was page-locked for the GPU (no fallback), and the agent mapped it
         assert "could not page-lock" not in killed.stderr, killed.stderr[-3000:]
 
-    check_flush_after_death(tmp_path, shm, reference_runs, monkeypatch, "--accelerator", "gpu",
-                            after_kill=registered)
+    check_flush_after_death(tmp_path, shm, reference_runs, monkeypatch, "--accelerator", "gpu", after_kill=registered)
 
 
 def test_cuda_rng_is_captured_and_restored():
@@ -159,7 +161,7 @@ def test_cuda_rng_is_captured_and_restored():
 @pytest.mark.slow
 def test_single_gpu_sigkill_and_resume_is_bitwise_exact(tmp_path, reference_runs, monkeypatch, crash_rng):
     from lightning_snapshot.backends import LocalTier
-    from lightning_snapshot.writer import committed_steps
+    from lightning_snapshot.persist.writer import committed_steps
 
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8"))
     args = ("--accelerator", "gpu", "--shuffle", "--dropout", "0.2")
@@ -202,10 +204,19 @@ def test_model_parallel_on_one_gpu_sigkill_and_resume_is_bitwise_exact(tmp_path,
     run_script("reshard_train.py", "--dir", str(tmp_path / "ref"), "--out", str(tmp_path / "ref.pt"), *common)
     snaps = tmp_path / "snaps"
     crash_at = crash_rng.randint(5, 11)
-    run_script("reshard_train.py", "--dir", str(snaps), "--out", str(tmp_path / "crashed.pt"), *common,
-               "--crash-at", str(crash_at), expect_kill=True)
+    run_script(
+        "reshard_train.py",
+        "--dir",
+        str(snaps),
+        "--out",
+        str(tmp_path / "crashed.pt"),
+        *common,
+        "--crash-at",
+        str(crash_at),
+        expect_kill=True,
+    )
     from lightning_snapshot.backends import LocalTier
-    from lightning_snapshot.writer import committed_steps
+    from lightning_snapshot.persist.writer import committed_steps
 
     newest = committed_steps(LocalTier(snaps))[0]
     proc = run_script("reshard_train.py", "--dir", str(snaps), "--out", str(tmp_path / "resumed.pt"), *common)

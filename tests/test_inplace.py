@@ -107,19 +107,30 @@ def _fit(model: L.LightningModule, root: Path, steps: int, *callbacks, resume=Tr
     return _fit_run(model, root, steps, *callbacks, resume=resume)[1]
 
 
-def _fit_run(model: L.LightningModule, root: Path, steps: int, *callbacks, resume=True
-             ) -> tuple[dict, list[str], SnapshotCallback]:
+def _fit_run(
+    model: L.LightningModule, root: Path, steps: int, *callbacks, resume=True
+) -> tuple[dict, list[str], SnapshotCallback]:
     """Fit ``model``; returns what it ended with (``fingerprint.capture``), the library's warnings and its
     callback."""
     snapshot = SnapshotCallback(LocalTier(root, every_n_train_steps=1, keep_last=50), resume=resume)
-    trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, enable_checkpointing=True, deterministic=True,
-                        callbacks=[*callbacks, snapshot])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=True,
+        deterministic=True,
+        callbacks=[*callbacks, snapshot],
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(model, _loader())
-    return (capture(trainer, model), [str(w.message) for w in caught if "lightning-snapshot" in str(w.message)],
-            snapshot)
+    return (
+        capture(trainer, model),
+        [str(w.message) for w in caught if "lightning-snapshot" in str(w.message)],
+        snapshot,
+    )
 
 
 def _assert_resumes_exactly(make, root: Path, steps: int, cut_at: int, *callbacks) -> None:
@@ -272,7 +283,8 @@ def _swap_data(root: Path, kind: str) -> str:
 
 
 def test_a_large_trained_parameter_given_new_storage_while_it_is_copied_neither_crashes_nor_is_committed_wrong(
-        tmp_path):
+    tmp_path,
+):
     """``.data = ...`` on a trained 41 MB parameter in training_step, while the snapshot of the step before is still
     being copied from its address: its old storage is freed (unmapped). The copy still reads that step's values from
     it (before: a committed snapshot with other values, or a segmentation fault)."""

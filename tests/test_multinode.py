@@ -9,26 +9,39 @@ from pathlib import Path
 import pytest
 from conftest import assert_bitwise_equal, launch_nodes
 
-from lightning_snapshot.backends.ram.agent import stop_agent
+from lightning_snapshot.agent import stop_agent
 from lightning_snapshot.backends import LocalTier
-from lightning_snapshot.manifest import MANIFEST_NAME, step_dirname
-from lightning_snapshot.writer import committed_steps
+from lightning_snapshot.format.manifest import MANIFEST_NAME, step_dirname
+from lightning_snapshot.persist.writer import committed_steps
 
 # the module-scoped fixtures below are shared by this file's tests: under pytest-xdist they run in one worker
 pytestmark = pytest.mark.xdist_group("test_multinode")
 
 NODES = 3
 # RAM every 4 steps (erasure 2+1 over the 3 nodes), the local tier every 3; killed at step 10: RAM holds 8, local 9
-ARGS = ("--max-steps", "12", "--every", "3", "--shuffle", "--num-nodes", str(NODES), "--ram-every", "4",
-        "--ram-erasure", "2+1")
+ARGS = (
+    "--max-steps",
+    "12",
+    "--every",
+    "3",
+    "--shuffle",
+    "--num-nodes",
+    str(NODES),
+    "--ram-every",
+    "4",
+    "--ram-erasure",
+    "2+1",
+)
 # the directory: each node's own through the {node_rank} placeholder, each node's own through an environment
 # variable that differs per node (the same-looking path on every node: detected with probe files), or one shared
 LAYOUTS = {"node-local": "local/node{node_rank}", "node-local-env": "$NODE_DISK", "shared": "local"}
 
 
 def _env(base: Path) -> dict[str, str]:
-    return {"LIGHTNING_SNAPSHOT_SHM_DIR": str(base / "shm") + "/node{node}",
-            "NODE_DISK": str(base / "local") + "/node{node}"}
+    return {
+        "LIGHTNING_SNAPSHOT_SHM_DIR": str(base / "shm") + "/node{node}",
+        "NODE_DISK": str(base / "local") + "/node{node}",
+    }
 
 
 def _stop_agents(base: Path) -> None:
@@ -38,14 +51,16 @@ def _stop_agents(base: Path) -> None:
 
 def _run(base: Path, layout: str, *extra: str, timeout: int = 600):
     where = LAYOUTS[layout] if LAYOUTS[layout].startswith("$") else str(base / LAYOUTS[layout])
-    return launch_nodes("train.py", NODES, "--dir", where, "--out", str(base / "out.pt"),
-                        *ARGS, *extra, env=_env(base), timeout=timeout)
+    return launch_nodes(
+        "train.py", NODES, "--dir", where, "--out", str(base / "out.pt"), *ARGS, *extra, env=_env(base), timeout=timeout
+    )
 
 
 def _tails(procs) -> str:
     """Every node's exit status and the end of its output, as one message (pytest shortens a list's repr)."""
-    return "\n".join(f"--- node {i}: rc={p.returncode}\n{p.stdout[-1000:]}\n{p.stderr[-4000:]}"
-                     for i, p in enumerate(procs))
+    return "\n".join(
+        f"--- node {i}: rc={p.returncode}\n{p.stdout[-1000:]}\n{p.stderr[-4000:]}" for i, p in enumerate(procs)
+    )
 
 
 def _ok(procs) -> None:
@@ -92,8 +107,9 @@ def test_sigkill_all_trainers_and_resume_bitwise(tmp_path, reference, layout):
                 assert {n[-9:-4] for n in objects} == {f"{r:05d}" for r in range(NODES)}, objects
         procs = _run(tmp_path, layout)
         _ok(procs)
-        assert all(f"RESTORED step=9 from={_local(tmp_path, layout, n).url}" in procs[n].stdout
-                   for n in range(NODES)), [p.stdout for p in procs]
+        assert all(
+            f"RESTORED step=9 from={_local(tmp_path, layout, n).url}" in procs[n].stdout for n in range(NODES)
+        ), [p.stdout for p in procs]
     finally:
         _stop_agents(tmp_path)
     _same_as_reference(reference, tmp_path)
@@ -156,7 +172,8 @@ def test_node_local_tier_restores_on_more_nodes_by_fetching_over_gloo_and_names_
     # 3 nodes now: node 2's disk is empty; every node gets the objects it lacks from the others, over gloo
     procs = _nodes("local-load", 3, tmp_path, "--out", str(tmp_path / "out"))
     assert [p.returncode for p in procs] == [0] * 3 and all("LOADED" in p.stdout for p in procs), [
-        p.stdout + p.stderr[-2000:] for p in procs]
+        p.stdout + p.stderr[-2000:] for p in procs
+    ]
     expected = ram_nodes.state(0, 0.5)["weights"]
     for r in range(3):
         got = torch.load(f"{tmp_path / 'out'}.rank{r}", weights_only=True)
@@ -170,8 +187,11 @@ def test_node_local_tier_restores_on_more_nodes_by_fetching_over_gloo_and_names_
     # node 1 replaced by one with an empty disk: its rank's data is on no node
     shutil.rmtree(tmp_path / "disk1")
     procs = _nodes("local-load", 2, tmp_path, "--out", str(tmp_path / "out2"))
-    assert all("FAILED: node(s) 1 of this job do not hold step 10 of the node-local tier" in p.stdout
-               and "the data of rank(s) 1 is on no node" in p.stdout for p in procs), [p.stdout for p in procs]
+    assert all(
+        "FAILED: node(s) 1 of this job do not hold step 10 of the node-local tier" in p.stdout
+        and "the data of rank(s) 1 is on no node" in p.stdout
+        for p in procs
+    ), [p.stdout for p in procs]
 
 
 @pytest.mark.slow
@@ -180,8 +200,10 @@ def test_a_rank_that_dies_mid_write_fails_the_others_at_once_naming_rank_tier_an
     assert procs[2].returncode == 3
     for r in (0, 1):
         assert procs[r].returncode == 1, procs[r].stdout + procs[r].stderr[-3000:]
-        assert (f"WRITE FAILED: rank {r}: waiting for the other ranks to agree on writing the data of the snapshot of"
-                f" step 10 in the local tier {tmp_path / f'disk{r}'} failed") in procs[r].stdout, procs[r].stdout
+        assert (
+            f"WRITE FAILED: rank {r}: waiting for the other ranks to agree on writing the data of the snapshot of"
+            f" step 10 in the local tier {tmp_path / f'disk{r}'} failed"
+        ) in procs[r].stdout, procs[r].stdout
         assert committed_steps(LocalTier(tmp_path / f"disk{r}")) == []
 
 
@@ -204,10 +226,10 @@ class _StuckDisk(LocalTier):
 def test_shutdown_after_an_exception_waits_at_most_shutdown_timeout_and_names_rank_tier_step(tmp_path, caplog):
     import torch
 
-    from lightning_snapshot.staging.arena import HostArena
-    from lightning_snapshot.comm import LocalComm
-    from lightning_snapshot.persist import PersistJob, Persister
+    from lightning_snapshot.dist.comm import LocalComm
+    from lightning_snapshot.persist.threads import Persister, PersistJob
     from lightning_snapshot.staging import stage
+    from lightning_snapshot.staging.arena import HostArena
 
     tier = _StuckDisk(tmp_path / "stuck")
     arena = HostArena()
@@ -218,8 +240,10 @@ def test_shutdown_after_an_exception_waits_at_most_shutdown_timeout_and_names_ra
             persister.submit(job, [0])
         assert tier.writing.wait(60)
         late = persister.close(timeout=0.5, abort=True)
-        assert late == [f"rank 0: the persist thread of the local tier {tier.url} did not finish step 3 within"
-                        " shutdown_timeout=0.5 s (waiting for the other ranks or the store); left behind"]
+        assert late == [
+            f"rank 0: the persist thread of the local tier {tier.url} did not finish step 3 within"
+            " shutdown_timeout=0.5 s (waiting for the other ranks or the store); left behind"
+        ]
         assert late[0] in caplog.text
     finally:
         tier.release.set()

@@ -18,11 +18,11 @@ from train import Model, Squares, s3_options
 
 from lightning_snapshot import SnapshotCallback, load_snapshot
 from lightning_snapshot.backends import LocalTier, ObjectStoreTier
-from lightning_snapshot.comm import LocalComm
+from lightning_snapshot.dist.comm import LocalComm
 from lightning_snapshot.errors import SnapshotNotFoundError, SnapshotWriteError, TierUnavailableError
+from lightning_snapshot.persist.writer import SnapshotJob, apply_retention, committed_steps, write_snapshot
+from lightning_snapshot.restore.loader import read_manifest
 from lightning_snapshot.staging import stage
-from lightning_snapshot.loader import read_manifest
-from lightning_snapshot.writer import SnapshotJob, apply_retention, committed_steps, write_snapshot
 
 
 def s3_tier(server, bucket, prefix="run", options=None, **kw) -> ObjectStoreTier:
@@ -69,8 +69,16 @@ def fast_failing(server) -> dict:
 
 def test_outage_never_stalls_training_and_uploads_resume(tmp_path, s3_server, bucket):
     local = LocalTier(tmp_path / "local", every_n_train_steps=1, keep_last=None)
-    remote = s3_tier(s3_server, bucket, options=fast_failing(s3_server), every_n_train_steps=1, keep_last=None,
-                     retry_initial=0.05, retry_max=0.2, drain_timeout=60)
+    remote = s3_tier(
+        s3_server,
+        bucket,
+        options=fast_failing(s3_server),
+        every_n_train_steps=1,
+        keep_last=None,
+        retry_initial=0.05,
+        retry_max=0.2,
+        drain_timeout=60,
+    )
 
     class Outage(L.Callback):
         """The server goes away at step 4 and comes back at step 12; a step takes at least 0.1 s."""
@@ -84,8 +92,15 @@ def test_outage_never_stalls_training_and_uploads_resume(tmp_path, s3_server, bu
 
     rec = Recorder()
     L.seed_everything(0, verbose=False)
-    trainer = L.Trainer(accelerator="cpu", max_steps=20, callbacks=[SnapshotCallback([local, remote]), Outage()],
-                        logger=rec, log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=20,
+        callbacks=[SnapshotCallback([local, remote]), Outage()],
+        logger=rec,
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(Model(0.2), DataLoader(Squares(), batch_size=4))
@@ -111,9 +126,9 @@ import os, signal, sys, torch
 sys.path.insert(0, {scripts!r})
 from train import s3_options
 from lightning_snapshot.backends import ObjectStoreTier
-from lightning_snapshot.comm import LocalComm
+from lightning_snapshot.dist.comm import LocalComm
 from lightning_snapshot.staging import stage
-from lightning_snapshot.writer import SnapshotJob, write_snapshot
+from lightning_snapshot.persist.writer import SnapshotJob, write_snapshot
 tier = ObjectStoreTier({url!r}, storage_options=s3_options({endpoint!r}), part_size=5 << 20)
 state = {{"w": torch.arange(4_000_000, dtype=torch.float32)}}  # 16 MB: a multipart upload
 write_snapshot(tier, LocalComm(), SnapshotJob(5, 0, stage(state), stage({{}}, "rank")), "run1")
@@ -142,8 +157,13 @@ def test_crash_between_upload_and_manifest_leaves_the_step_invisible(s3_server, 
 def test_incomplete_multipart_uploads_are_aborted(s3_server, bucket):
     import boto3
 
-    client = boto3.client("s3", endpoint_url=s3_server.endpoint, aws_access_key_id="testing-key",
-                          aws_secret_access_key="testing-secret", region_name="us-east-1")
+    client = boto3.client(
+        "s3",
+        endpoint_url=s3_server.endpoint,
+        aws_access_key_id="testing-key",
+        aws_secret_access_key="testing-secret",
+        region_name="us-east-1",
+    )
     client.create_multipart_upload(Bucket=bucket, Key="run/step-000000000001/x.bin")
     tier = s3_tier(s3_server, bucket)
     assert tier.abort_incomplete_uploads() == 1
@@ -152,20 +172,34 @@ def test_incomplete_multipart_uploads_are_aborted(s3_server, bucket):
 
 def test_a_secret_never_appears_in_logs_or_errors(tmp_path, caplog):
     secret, key_id = "S3cr3t-Value-Never-Shown-123", "AKIAQWERTYSECRETID"
-    dead = {"key": key_id, "secret": secret,
-            "client_kwargs": {"endpoint_url": "http://127.0.0.1:9", "region_name": "us-east-1"},
-            "config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}}}
-    remote = ObjectStoreTier("s3://bucket-x/run", storage_options=dead, every_n_train_steps=2, retry_initial=0.05,
-                             retry_max=0.1, drain_timeout=1)
+    dead = {
+        "key": key_id,
+        "secret": secret,
+        "client_kwargs": {"endpoint_url": "http://127.0.0.1:9", "region_name": "us-east-1"},
+        "config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}},
+    }
+    remote = ObjectStoreTier(
+        "s3://bucket-x/run",
+        storage_options=dead,
+        every_n_train_steps=2,
+        retry_initial=0.05,
+        retry_max=0.1,
+        drain_timeout=1,
+    )
     texts = [repr(remote), remote.url]
     with pytest.raises(SnapshotWriteError) as err:
         remote.write("step-000000000001/x.bin", [b"abc"])
     texts.append(str(err.value))
     caplog.set_level(logging.DEBUG)
     L.seed_everything(0, verbose=False)
-    trainer = L.Trainer(accelerator="cpu", max_steps=4, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False,
-                        callbacks=[SnapshotCallback([LocalTier(tmp_path, every_n_train_steps=2), remote])])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=4,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[SnapshotCallback([LocalTier(tmp_path, every_n_train_steps=2), remote])],
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with pytest.raises(TierUnavailableError) as setup_err:  # checked at setup: training does not start

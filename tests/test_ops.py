@@ -23,11 +23,11 @@ from test_cli import cli, one_line_error, s3_environment, tree  # noqa: F401 - s
 
 from lightning_snapshot.backends import LocalTier
 from lightning_snapshot.backends.object_store import ObjectStoreTier
-from lightning_snapshot.cli import main
-from lightning_snapshot.comm import LocalComm
-from lightning_snapshot.loader import load_snapshot
+from lightning_snapshot.cli.main import main
+from lightning_snapshot.dist.comm import LocalComm
+from lightning_snapshot.persist.writer import SnapshotJob, committed_steps, write_snapshot
+from lightning_snapshot.restore.loader import load_snapshot
 from lightning_snapshot.staging import stage
-from lightning_snapshot.writer import SnapshotJob, committed_steps, write_snapshot
 
 SCRIPTS = Path(__file__).parent / "scripts"
 HOUR = 3600
@@ -89,10 +89,18 @@ def test_gc_local_retention_leftovers_dry_run_and_the_newest_valid_snapshot(tmp_
     assert rc == 0 and err == ""
     assert plan["dry_run"] is True and plan["tier"] == str(root)
     assert plan["protected"] == 12 and plan["kept"] == [12, 9, 6]
-    assert plan["snapshots"] == [{"step": 3, "reason": "keep-last", "bytes": pytest.approx(16896, rel=0.1),
-                                  "age_s": pytest.approx(8 * 86400, abs=60)}]
+    assert plan["snapshots"] == [
+        {
+            "step": 3,
+            "reason": "keep-last",
+            "bytes": pytest.approx(16896, rel=0.1),
+            "age_s": pytest.approx(8 * 86400, abs=60),
+        }
+    ]
     assert sorted((e["key"], e["reason"]) for e in plan["leftovers"]) == [
-        ("step-000000000012/old-shared-00000.bin", "unreferenced"), ("step-000000000015", "uncommitted")]
+        ("step-000000000012/old-shared-00000.bin", "unreferenced"),
+        ("step-000000000015", "uncommitted"),
+    ]
     assert all(e["age_s"] == pytest.approx(2 * HOUR, abs=60) for e in plan["leftovers"])
     assert [e["key"] for e in plan["in_progress"]] == ["step-000000000018"] and plan["uploads"] == []
     assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == before, "--dry-run changed the tier"
@@ -108,8 +116,9 @@ def test_gc_local_retention_leftovers_dry_run_and_the_newest_valid_snapshot(tmp_
     rc, plan, _ = run("gc", str(root), "--keep-last", "2")
     assert rc == 0 and plan["dry_run"] is False and [e["step"] for e in plan["snapshots"]] == [6, 3]
     assert committed_steps(LocalTier(root)) == [12, 9]
-    assert sorted(p.name for p in root.iterdir()) == ["step-000000000009", "step-000000000012",
-                                                     "step-000000000018"], "the write in progress must stay"
+    assert sorted(p.name for p in root.iterdir()) == ["step-000000000009", "step-000000000012", "step-000000000018"], (
+        "the write in progress must stay"
+    )
     assert not (root / "step-000000000012" / "old-shared-00000.bin").exists()
     assert (root / "step-000000000012" / "restores.json").exists()
     assert_state(str(root), 12)
@@ -126,15 +135,26 @@ def test_gc_local_retention_leftovers_dry_run_and_the_newest_valid_snapshot(tmp_
 
 # ------------------------------------------------------------------------------------------------ S3
 def s3_tier(s3_server, bucket: str, prefix: str = "run") -> ObjectStoreTier:
-    return ObjectStoreTier(f"s3://{bucket}/{prefix}", storage_options={
-        "key": "testing-key", "secret": "testing-secret", "client_kwargs": {"endpoint_url": s3_server.endpoint}})
+    return ObjectStoreTier(
+        f"s3://{bucket}/{prefix}",
+        storage_options={
+            "key": "testing-key",
+            "secret": "testing-secret",
+            "client_kwargs": {"endpoint_url": s3_server.endpoint},
+        },
+    )
 
 
 def s3_client(s3_server):
     import boto3
 
-    return boto3.client("s3", endpoint_url=s3_server.endpoint, aws_access_key_id="testing-key",
-                        aws_secret_access_key="testing-secret", region_name="us-east-1")
+    return boto3.client(
+        "s3",
+        endpoint_url=s3_server.endpoint,
+        aws_access_key_id="testing-key",
+        aws_secret_access_key="testing-secret",
+        region_name="us-east-1",
+    )
 
 
 def test_gc_s3_aborts_stale_uploads_removes_leftovers_and_keeps_the_newest(s3_server, bucket, s3_environment):
@@ -146,8 +166,13 @@ def test_gc_s3_aborts_stale_uploads_removes_leftovers_and_keeps_the_newest(s3_se
     tier.write("step-000000000006/old-rank-00000.bin", [b"an older write of step 6"])
     client = s3_client(s3_server)
     upload = client.create_multipart_upload(Bucket=bucket, Key="run/step-000000000008/r8-shared-00000.bin")
-    client.upload_part(Bucket=bucket, Key="run/step-000000000008/r8-shared-00000.bin", PartNumber=1,
-                       UploadId=upload["UploadId"], Body=b"p" * 1024)
+    client.upload_part(
+        Bucket=bucket,
+        Key="run/step-000000000008/r8-shared-00000.bin",
+        PartNumber=1,
+        UploadId=upload["UploadId"],
+        Body=b"p" * 1024,
+    )
     url = f"s3://{bucket}/run"
 
     # everything is younger than the default grace (1 h): a write in progress, left alone
@@ -155,18 +180,23 @@ def test_gc_s3_aborts_stale_uploads_removes_leftovers_and_keeps_the_newest(s3_se
     assert rc == 0 and err == "", err
     assert [e["step"] for e in plan["snapshots"]] == [2] and plan["kept"] == [6, 4] and plan["protected"] == 6
     assert plan["uploads"] == [] and plan["leftovers"] == []
-    assert sorted(e["key"] for e in plan["in_progress"]) == ["step-000000000006/old-rank-00000.bin",
-                                                            "step-000000000008",
-                                                            "step-000000000008/r8-shared-00000.bin"]
+    assert sorted(e["key"] for e in plan["in_progress"]) == [
+        "step-000000000006/old-rank-00000.bin",
+        "step-000000000008",
+        "step-000000000008/r8-shared-00000.bin",
+    ]
     assert len(client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])) == 1
     assert committed_steps(tier) == [6, 4] and tier.list("step-000000000008") == ["r8-rank-00000.bin"]
 
     rc, plan, _ = run("gc", url, "--grace", "0s", "--older-than", "0s", "--dry-run")
     assert rc == 0 and [e["step"] for e in plan["snapshots"]] == [4] and plan["protected"] == 6
     assert [(e["key"], e["upload_id"]) for e in plan["uploads"]] == [
-        ("step-000000000008/r8-shared-00000.bin", upload["UploadId"])]
+        ("step-000000000008/r8-shared-00000.bin", upload["UploadId"])
+    ]
     assert [(e["key"], e["reason"]) for e in plan["leftovers"]] == [
-        ("step-000000000006/old-rank-00000.bin", "unreferenced"), ("step-000000000008", "uncommitted")]
+        ("step-000000000006/old-rank-00000.bin", "unreferenced"),
+        ("step-000000000008", "uncommitted"),
+    ]
     assert len(client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])) == 1, "--dry-run aborted"
     assert committed_steps(tier) == [6, 4]
 
@@ -180,8 +210,9 @@ def test_gc_s3_aborts_stale_uploads_removes_leftovers_and_keeps_the_newest(s3_se
 
 
 # ------------------------------------------------------------------------------------------------ copy
-def test_copy_between_local_and_s3_verified_and_never_over_a_committed_step(tmp_path, s3_server, bucket,
-                                                                             s3_environment):
+def test_copy_between_local_and_s3_verified_and_never_over_a_committed_step(
+    tmp_path, s3_server, bucket, s3_environment
+):
     s3_environment(s3_server.endpoint)
     local = tmp_path / "local"
     for step in (5, 10):
@@ -190,13 +221,25 @@ def test_copy_between_local_and_s3_verified_and_never_over_a_committed_step(tmp_
 
     rc, doc, err = run("copy", str(local), url)  # default: the newest step
     assert rc == 0 and err == "", err
-    assert doc == {"source": str(local), "destination": url, "step": 10, "bytes": doc["bytes"], "objects": 2,
-                   "seconds": doc["seconds"]}
-    assert doc["bytes"] == json.loads((local / "step-000000000010" / "manifest.json").read_text())["objects"][0][
-        "nbytes"] + json.loads((local / "step-000000000010" / "manifest.json").read_text())["objects"][1]["nbytes"]
+    assert doc == {
+        "source": str(local),
+        "destination": url,
+        "step": 10,
+        "bytes": doc["bytes"],
+        "objects": 2,
+        "seconds": doc["seconds"],
+    }
+    assert (
+        doc["bytes"]
+        == json.loads((local / "step-000000000010" / "manifest.json").read_text())["objects"][0]["nbytes"]
+        + json.loads((local / "step-000000000010" / "manifest.json").read_text())["objects"][1]["nbytes"]
+    )
     rc, out, _ = cli("copy", str(local / "step-000000000005"), url)  # a step directory as the source
-    assert rc == 0 and re.fullmatch(rf"copied step 5 \(1[0-9.]* KiB, 2 objects, verified\) from {local} to {url}"
-                                    r" in [0-9.]+ s\n", out), out
+    assert rc == 0 and re.fullmatch(
+        rf"copied step 5 \(1[0-9.]* KiB, 2 objects, verified\) from {local} to {url}"
+        r" in [0-9.]+ s\n",
+        out,
+    ), out
     tier = s3_tier(s3_server, bucket, "promoted")
     assert tier.read("step-000000000010/manifest.json") == (local / "step-000000000010" / "manifest.json").read_bytes()
     rc, doc, _ = run("verify", url, "--all")
@@ -215,7 +258,8 @@ def test_copy_between_local_and_s3_verified_and_never_over_a_committed_step(tmp_
     assert rc == 1 and out == ""
     assert one_line_error(err) == (
         f"lightning-snapshot copy: error: the local tier {str(back)!r} already holds a committed snapshot of step 5;"
-        " a committed snapshot is never overwritten: copy another --step, or remove it first (lightning-snapshot gc)")
+        " a committed snapshot is never overwritten: copy another --step, or remove it first (lightning-snapshot gc)"
+    )
     assert tree(back) == before
 
 
@@ -236,24 +280,44 @@ def test_a_corrupted_source_is_not_copied_and_leaves_nothing_behind(tmp_path):
     assert not (tmp_path / "new").exists(), "a failed copy left its destination behind"
 
 
-@pytest.mark.parametrize("args, rc, message", [
-    (["copy", "{tmp}/missing", "{tmp}/dst"], 1, "no snapshot tier at '{tmp}/missing': the directory does not exist"),
-    (["copy", "{src}", "s4://bucket/x"], 2, "unknown tier URL scheme 's4' in 's4://bucket/x'"),
-    (["copy", "{src}", "{tmp}/dst?evry=2"], 2, "unknown tier URL option 'evry'"),
-    (["copy", "{src}", "{tmp}/dst/step-000000000004"], 2, "the destination '{tmp}/dst/step-000000000004' is a"
-                                                           " snapshot directory: give the tier's root"),
-    (["copy", "{src}", "{src}"], 2, "the source and the destination are the same tier '{src}'"),
-    (["copy", "{src}", "{tmp}/dst", "--step", "7"], 1, "no committed snapshot of step 7 in '{src}' (committed: [4])"),
-    (["gc", "{src}/step-000000000004"], 2, "gc takes a tier, not one snapshot directory"),
-    (["gc", "{src}", "--older-than", "7days"], 2, "argument --older-than: expected a duration such as 90s, 30m,"
-                                                 " 12h or 7d, got '7days'"),
-    (["gc", "{src}", "--older-than", "3"], 2, "argument --older-than: a duration needs a unit, got '3': write 3s,"
-                                              " 3m, 3h, 3d or 3w"),
-    (["gc", "{src}", "--keep-last", "0"], 2, "argument --keep-last: expected an integer >= 1, got '0'"),
-    (["gc", "{tmp}/missing"], 1, "no snapshot tier at '{tmp}/missing'"),
-    (["copy", "{src}", "ram://run-1"], 2, "copy writes to a durable tier; the ram tier"),
-    (["gc", "ram://run-1"], 2, "gc prunes durable tiers; the ram tier"),
-])
+@pytest.mark.parametrize(
+    "args, rc, message",
+    [
+        (
+            ["copy", "{tmp}/missing", "{tmp}/dst"],
+            1,
+            "no snapshot tier at '{tmp}/missing': the directory does not exist",
+        ),
+        (["copy", "{src}", "s4://bucket/x"], 2, "unknown tier URL scheme 's4' in 's4://bucket/x'"),
+        (["copy", "{src}", "{tmp}/dst?evry=2"], 2, "unknown tier URL option 'evry'"),
+        (
+            ["copy", "{src}", "{tmp}/dst/step-000000000004"],
+            2,
+            "the destination '{tmp}/dst/step-000000000004' is a snapshot directory: give the tier's root",
+        ),
+        (["copy", "{src}", "{src}"], 2, "the source and the destination are the same tier '{src}'"),
+        (
+            ["copy", "{src}", "{tmp}/dst", "--step", "7"],
+            1,
+            "no committed snapshot of step 7 in '{src}' (committed: [4])",
+        ),
+        (["gc", "{src}/step-000000000004"], 2, "gc takes a tier, not one snapshot directory"),
+        (
+            ["gc", "{src}", "--older-than", "7days"],
+            2,
+            "argument --older-than: expected a duration such as 90s, 30m, 12h or 7d, got '7days'",
+        ),
+        (
+            ["gc", "{src}", "--older-than", "3"],
+            2,
+            "argument --older-than: a duration needs a unit, got '3': write 3s, 3m, 3h, 3d or 3w",
+        ),
+        (["gc", "{src}", "--keep-last", "0"], 2, "argument --keep-last: expected an integer >= 1, got '0'"),
+        (["gc", "{tmp}/missing"], 1, "no snapshot tier at '{tmp}/missing'"),
+        (["copy", "{src}", "ram://run-1"], 2, "copy writes to a durable tier; the ram tier"),
+        (["gc", "ram://run-1"], 2, "gc prunes durable tiers; the ram tier"),
+    ],
+)
 def test_bad_input_is_one_line_and_creates_nothing(tmp_path, monkeypatch, args, rc, message):
     (tmp_path / "shm" / "run-1" / "store").mkdir(parents=True)  # this node's RAM tier of run-1
     monkeypatch.setenv("LIGHTNING_SNAPSHOT_SHM_DIR", str(tmp_path / "shm"))
@@ -281,15 +345,21 @@ def test_copy_sigkilled_between_data_and_manifest_shows_no_snapshot_and_gc_clean
     else:
         url = str(tmp_path / "dst")
         dst = LocalTier(url)
-    proc = subprocess.Popen([sys.executable, str(SCRIPTS / "slow_copy.py"), "copy", str(src), url],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "slow_copy.py"), "copy", str(src), url],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     try:
         ready, _, _ = select.select([proc.stderr], [], [], 120)
         line = proc.stderr.readline() if ready else ""
         assert line.startswith("DATA WRITTEN, committing step-000000000007/manifest.json"), line
         assert sorted(dst.list("step-000000000007")) == sorted(
-            o["key"] for o in json.loads((src / "step-000000000007" / "manifest.json").read_text())["objects"])
+            o["key"] for o in json.loads((src / "step-000000000007" / "manifest.json").read_text())["objects"]
+        )
         os.kill(proc.pid, signal.SIGKILL)
         assert proc.wait(timeout=60) == -signal.SIGKILL
     finally:
@@ -321,9 +391,17 @@ def test_list_inspect_verify_json_and_human_units(tmp_path):
     assert rc == 0 and err == "" and doc["tier"] == str(root)
     rows = doc["snapshots"]
     assert [r["step"] for r in rows] == [2, 1]
-    assert rows[0] == {"step": 2, "epoch": 0, "world_size": 1, "bytes": size2, "objects": 2,
-                       "created_unix": m2["created_unix"], "age_s": rows[0]["age_s"], "health": "healthy",
-                       "error": None}
+    assert rows[0] == {
+        "step": 2,
+        "epoch": 0,
+        "world_size": 1,
+        "bytes": size2,
+        "objects": 2,
+        "created_unix": m2["created_unix"],
+        "age_s": rows[0]["age_s"],
+        "health": "healthy",
+        "error": None,
+    }
     assert rows[0]["age_s"] < 600 and rows[1]["age_s"] == pytest.approx(3 * HOUR + 60, abs=60)
     rc, out, _ = cli("list", str(root))
     assert re.search(r"^ +2 +0 +1 +1[0-9.]* KiB +healthy +\d{4}-\d\d-\d\d \d\d:\d\d:\d\d +\d+s$", out, re.M), out
@@ -333,9 +411,12 @@ def test_list_inspect_verify_json_and_human_units(tmp_path):
     assert rc == 0 and doc["step"] == 2 and doc["bytes"] == size2 and doc["format_version"] == 1
     assert doc["health"] == "healthy" and doc["health_groups"] == {"state_dict": None}
     assert {t["name"]: (t["dtype"], t["shape"], t["alias_of"]) for t in doc["tensors"]} == {
-        "state_dict/net.weight": ("float32", [64, 64], None), "state_dict/net.bias": ("float32", [64], None)}
+        "state_dict/net.weight": ("float32", [64, 64], None),
+        "state_dict/net.bias": ("float32", [64], None),
+    }
     assert [(o["key"], o["bytes"], o["rank"]) for o in doc["objects"]] == [
-        (o["key"], o["nbytes"], o["rank"]) for o in m2["objects"]]
+        (o["key"], o["nbytes"], o["rank"]) for o in m2["objects"]
+    ]
     rc, out, _ = cli("inspect", str(root))
     assert re.search(r"2 objects, 1[0-9.]* KiB; 2 shared tensors", out) and " ago" in out, out
 
@@ -375,9 +456,13 @@ def test_a_progress_bar_on_a_real_terminal(tmp_path):
     """``verify`` in a real process whose stderr is a pseudo-terminal draws a tqdm bar; stdout keeps the result."""
     root = tmp_path / "snaps"
     write(LocalTier(root), 1)
-    proc = subprocess.run([sys.executable, "-c", _TTY, sys.executable, "-m", "lightning_snapshot.cli", "verify",
-                           str(root)], capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    proc = subprocess.run(
+        [sys.executable, "-c", _TTY, sys.executable, "-m", "lightning_snapshot.cli.main", "verify", str(root)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     got = json.loads(proc.stdout)
     assert got["rc"] == 0, proc.stdout + proc.stderr
     assert "verify step 1" in got["stderr"] and "|" in got["stderr"], got
@@ -393,8 +478,11 @@ def test_progress_bars_on_a_terminal_never_with_json_nor_in_a_pipe(tmp_path, mon
     root = tmp_path / "snaps"
     for step in (1, 2):
         write(LocalTier(root), step)
-    args = {"verify": ["verify", str(root)], "copy": ["copy", str(root), str(tmp_path / "c{}")],
-            "gc": ["gc", str(root), "--keep-last", "1{}"]}[command]
+    args = {
+        "verify": ["verify", str(root)],
+        "copy": ["copy", str(root), str(tmp_path / "c{}")],
+        "gc": ["gc", str(root), "--keep-last", "1{}"],
+    }[command]
     outputs = []
     for i, (stderr, json_flag) in enumerate([(_Terminal(), []), (_Terminal(), ["--json"]), (io.StringIO(), [])]):
         monkeypatch.setattr(sys, "stderr", stderr)
@@ -411,7 +499,7 @@ def test_progress_bars_on_a_terminal_never_with_json_nor_in_a_pipe(tmp_path, mon
 
 def test_a_step_committed_while_gc_runs_is_kept(tmp_path):
     """gc plans first and removes after: an uncommitted step that gets its manifest meanwhile is not removed."""
-    from lightning_snapshot.ops import plan_gc, run_gc
+    from lightning_snapshot.cli.ops import plan_gc, run_gc
 
     root = tmp_path / "snaps"
     for step in (1, 2):

@@ -59,8 +59,9 @@ def _leftovers(trainer) -> list[tuple[str, str]]:
 def _fit(tmp_path, model, max_steps=6, resume=True):
     spy = _Spy()
     cb = SnapshotCallback(LocalTier(tmp_path, every_n_train_steps=2), resume=resume)
-    trainer = L.Trainer(max_steps=max_steps, callbacks=[spy, cb], logger=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+    trainer = L.Trainer(
+        max_steps=max_steps, callbacks=[spy, cb], logger=False, enable_progress_bar=False, enable_model_summary=False
+    )
     data = DataLoader(TensorDataset(torch.randn(32, 4), torch.randn(32, 1)), batch_size=4)
     return trainer, spy, cb, data
 

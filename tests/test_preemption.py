@@ -17,21 +17,44 @@ import pytest
 from conftest import SCRIPTS, assert_bitwise_equal, restores, run_job, run_script
 
 from lightning_snapshot.backends import LocalTier
-from lightning_snapshot.writer import committed_steps
+from lightning_snapshot.persist.writer import committed_steps
 
 pytestmark = pytest.mark.xdist_group("preemption")
 
-COMMON = ("--devices", "2", "--max-steps", "40", "--every", "10", "--shuffle", "--dropout", "0.1", "--workers", "2",
-          "--augment")
+COMMON = (
+    "--devices",
+    "2",
+    "--max-steps",
+    "40",
+    "--every",
+    "10",
+    "--shuffle",
+    "--dropout",
+    "0.1",
+    "--workers",
+    "2",
+    "--augment",
+)
 VALIDATION = ("--val-every", "5")
 HELD = re.compile(r"lightning-snapshot: (SIG\w+): step (\d+) is held by (.+?) \(([\d.]+) s after ")
 
 
-def _torchrun(base: Path, *args: str, timeout: int = 240, script: str = "train.py"
-              ) -> subprocess.CompletedProcess[str]:
+def _torchrun(base: Path, *args: str, timeout: int = 240, script: str = "train.py") -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(SCRIPTS / script), "--dir", str(base / "local"), "--out", str(base / "out.pt"), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(SCRIPTS / script),
+        "--dir",
+        str(base / "local"),
+        "--out",
+        str(base / "out.pt"),
+        *args,
+    ]
     return run_job(cmd, timeout, env)
 
 
@@ -51,13 +74,21 @@ def _lightning_ddp(base: Path, *args: str, timeout: int = 240) -> subprocess.Com
     """The same job launched by Lightning itself (``python train.py``, strategy "ddp": rank 0 starts rank 1), as a
     container's main process often is."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning"}
-    cmd = [sys.executable, str(SCRIPTS / "train.py"), "--dir", str(base / "local"), "--out", str(base / "out.pt"),
-           *args]
+    cmd = [
+        sys.executable,
+        str(SCRIPTS / "train.py"),
+        "--dir",
+        str(base / "local"),
+        "--out",
+        str(base / "out.pt"),
+        *args,
+    ]
     return run_job(cmd, timeout, env)
 
 
-def _preempt_and_requeue(tmp_path: Path, ref: Path, extra: tuple[str, ...], signal_args: tuple[str, ...],
-                         signalled_at: int, launch=_torchrun) -> int:
+def _preempt_and_requeue(
+    tmp_path: Path, ref: Path, extra: tuple[str, ...], signal_args: tuple[str, ...], signalled_at: int, launch=_torchrun
+) -> int:
     """Run the job with the signal, check it stopped at the step the signal found with that step durable, requeue it
     and check the requeued job resumed there and ended bitwise equal to ``ref``. Returns the step."""
     run = tmp_path / "run"
@@ -85,8 +116,9 @@ def _preempt_and_requeue(tmp_path: Path, ref: Path, extra: tuple[str, ...], sign
     got = sorted(restores(requeued.stdout))
     assert got == [(step, str(run / "local"), 0), (step, str(run / "local"), 1)], got
     for suffix in ("", ".rank1"):
-        assert assert_bitwise_equal(Path(f"{ref / 'out.pt'}{suffix}"), Path(f"{run / 'out.pt'}{suffix}"),
-                                    since=step) > 0
+        assert (
+            assert_bitwise_equal(Path(f"{ref / 'out.pt'}{suffix}"), Path(f"{run / 'out.pt'}{suffix}"), since=step) > 0
+        )
     return step
 
 
@@ -97,16 +129,18 @@ def _preempt_and_requeue(tmp_path: Path, ref: Path, extra: tuple[str, ...], sign
     ids=["to-torchrun", "to-every-process", "to-rank0-only", "to-rank1-only"],
 )
 def test_sigterm_stops_every_rank_at_the_step_it_found_and_the_requeue_resumes_there(tmp_path, references, to, rank):
-    _preempt_and_requeue(tmp_path, references["plain"], (),
-                         ("--signal-at", "23", "--signal-to", to, "--signal-rank", str(rank)), 23)
+    _preempt_and_requeue(
+        tmp_path, references["plain"], (), ("--signal-at", "23", "--signal-to", to, "--signal-rank", str(rank)), 23
+    )
 
 
 @pytest.mark.slow
 def test_sigterm_to_the_main_process_of_a_job_lightning_launched(tmp_path, references):
     """``python train.py`` with strategy "ddp" on 2 devices (Lightning starts rank 1 from rank 0): SIGTERM to the
     main process only, as Kubernetes sends it; both ranks stop at the same step, exit 143, and the rerun resumes."""
-    _preempt_and_requeue(tmp_path, references["plain"], (), ("--signal-at", "23", "--signal-to", "self"), 23,
-                         launch=_lightning_ddp)
+    _preempt_and_requeue(
+        tmp_path, references["plain"], (), ("--signal-at", "23", "--signal-to", "self"), 23, launch=_lightning_ddp
+    )
 
 
 @pytest.mark.slow
@@ -114,9 +148,13 @@ def test_sigterm_during_validation(tmp_path, references):
     """Validation runs after the 5th batch of each epoch (8 per rank): after steps 21, 29 and 37. The signal comes
     during the first batch of the validation after step 29, to every process (its loader workers included): the
     ranks finish validation and stop at the next step boundary; the requeue does not validate step 29 again."""
-    step = _preempt_and_requeue(tmp_path, references["validation"], VALIDATION,
-                                ("--signal-at", "23", "--signal-during", "validation", "--signal-to", "all",
-                                 "--val-delay", "0.2"), 23)
+    step = _preempt_and_requeue(
+        tmp_path,
+        references["validation"],
+        VALIDATION,
+        ("--signal-at", "23", "--signal-during", "validation", "--signal-to", "all", "--val-delay", "0.2"),
+        23,
+    )
     assert 29 <= step <= 31, step  # (the step after the one the signal reached the ranks in)
 
 
@@ -124,8 +162,9 @@ def test_sigterm_during_validation(tmp_path, references):
 def test_sigterm_while_an_earlier_snapshot_is_written_to_a_slow_tier(tmp_path, references):
     """The local tier takes 1 s more per write (about 3 s a snapshot): the snapshot of step 20 is still being written
     when the signal comes at step 22; the preemption's snapshot waits for it and is durable within the grace."""
-    step = _preempt_and_requeue(tmp_path, references["plain"], ("--slow-write", "1"),
-                                ("--signal-at", "22", "--signal-to", "launcher"), 22)
+    step = _preempt_and_requeue(
+        tmp_path, references["plain"], ("--slow-write", "1"), ("--signal-at", "22", "--signal-to", "launcher"), 22
+    )
     # (torchrun forwards the signal some milliseconds later, and the ranks stop a step after it reached them)
     assert 22 < step <= 26, step
 
@@ -140,8 +179,14 @@ def one_process_reference(tmp_path_factory) -> Path:
     return base
 
 
-def _one(tmp_path: Path, ref: Path, *signal_args: str, rc: int = 143, env: dict[str, str] | None = None,
-         expect_step: int | None = None) -> tuple[int, subprocess.CompletedProcess[str]]:
+def _one(
+    tmp_path: Path,
+    ref: Path,
+    *signal_args: str,
+    rc: int = 143,
+    env: dict[str, str] | None = None,
+    expect_step: int | None = None,
+) -> tuple[int, subprocess.CompletedProcess[str]]:
     """One process with 2 loader workers: preempted by ``signal_args``, exits with ``rc``, its step durable; the
     rerun resumes there and ends bitwise equal to ``ref``."""
     run = tmp_path / "run"
@@ -180,8 +225,19 @@ def test_one_process_with_loader_workers_sigterm_to_every_process(tmp_path, one_
 def test_a_second_sigterm_during_the_snapshot_does_not_break_its_commit(tmp_path, one_process_reference):
     """The local tier writes slowly (0.3 s a write): a second SIGTERM comes 0.4 s later, in the middle of the
     preemption's snapshot; the commit completes and the process still exits 143."""
-    _one(tmp_path, one_process_reference, "--signal-at", "13", "--signal-to", "tree", "--signal-again", "0.4",
-         "--slow-write", "0.3", expect_step=13)
+    _one(
+        tmp_path,
+        one_process_reference,
+        "--signal-at",
+        "13",
+        "--signal-to",
+        "tree",
+        "--signal-again",
+        "0.4",
+        "--slow-write",
+        "0.3",
+        expect_step=13,
+    )
 
 
 @pytest.mark.slow
@@ -200,11 +256,32 @@ def test_slurm_auto_requeue_signal_snapshots_requeues_and_exits_138(tmp_path, on
     record = tmp_path / "scontrol.args"
     (bindir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {record}\n')
     (bindir / "scontrol").chmod(0o755)
-    env = {"PATH": f"{bindir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "1",
-           "SLURM_NTASKS_PER_NODE": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
-           "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "127.0.0.1", "LS_TEST_ZYGOTE": "0"}
-    _one(tmp_path, one_process_reference, "--signal-at", "13", "--signal-to", "self", "--signal", "SIGUSR1",
-         "--slurm-requeue", rc=128 + signal.SIGUSR1, env=env, expect_step=13)
+    env = {
+        "PATH": f"{bindir}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_NTASKS": "1",
+        "SLURM_NTASKS_PER_NODE": "1",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+        "SLURM_JOB_NAME": "train",
+        "SLURM_NODELIST": "127.0.0.1",
+        "LS_TEST_ZYGOTE": "0",
+    }
+    _one(
+        tmp_path,
+        one_process_reference,
+        "--signal-at",
+        "13",
+        "--signal-to",
+        "self",
+        "--signal",
+        "SIGUSR1",
+        "--slurm-requeue",
+        rc=128 + signal.SIGUSR1,
+        env=env,
+        expect_step=13,
+    )
     assert record.read_text().split() == ["requeue", "4242"]
 
 
@@ -213,13 +290,14 @@ def test_with_the_ram_tier_the_requeue_restores_from_node_memory(tmp_path, refer
     """RAM tier every step (its agents outlive the job), local tier every 10: SIGTERM to torchrun at step 23. The
     step the signal found, already due in the RAM tier, is captured once (on each rank) for every tier; the requeue
     on the same node restores it from the RAM tier, on both ranks, and ends bitwise equal."""
-    from lightning_snapshot.backends.ram.agent import stop_agent
+    from lightning_snapshot.agent import stop_agent
 
     run = tmp_path / "run"
     os.environ["LIGHTNING_SNAPSHOT_SHM_DIR"] = str(tmp_path / "shm")
     try:
-        proc = _torchrun(run, *COMMON, "--ram-every", "1", "--signal-at", "23", "--signal-to", "launcher",
-                         "--print-captures")
+        proc = _torchrun(
+            run, *COMMON, "--ram-every", "1", "--signal-at", "23", "--signal-to", "launcher", "--print-captures"
+        )
         said = proc.stdout + proc.stderr
         assert proc.returncode != 0, said[-6000:]
         held = HELD.findall(said)
@@ -238,8 +316,12 @@ def test_with_the_ram_tier_the_requeue_restores_from_node_memory(tmp_path, refer
     got = sorted(restores(requeued.stdout))
     assert got == [(step, "ram://test?erasure=none", 0), (step, "ram://test?erasure=none", 1)], got
     for suffix in ("", ".rank1"):
-        assert assert_bitwise_equal(Path(f"{references['plain'] / 'out.pt'}{suffix}"),
-                                    Path(f"{run / 'out.pt'}{suffix}"), since=step) > 0
+        assert (
+            assert_bitwise_equal(
+                Path(f"{references['plain'] / 'out.pt'}{suffix}"), Path(f"{run / 'out.pt'}{suffix}"), since=step
+            )
+            > 0
+        )
 
 
 @pytest.mark.slow
@@ -251,8 +333,7 @@ def test_a_signal_mid_step_snapshots_the_last_whole_optimizer_step(tmp_path, dur
     accumulate = ("--accumulate", "3") if during == "accumulating" else ()
     ref = tmp_path / "ref"
     run_script("train.py", "--dir", str(ref / "local"), "--out", str(ref / "out.pt"), *ONE, *accumulate)
-    step, proc = _one(tmp_path, ref, *accumulate, "--signal-at", "5", "--signal-to", "self", "--signal-during",
-                      during)
+    step, proc = _one(tmp_path, ref, *accumulate, "--signal-at", "5", "--signal-to", "self", "--signal-during", during)
     # (sent during the step after step S, whose optimizer step then completes: that step is the one snapshotted)
     sent = int(re.search(r"SIGNAL-SENT step=(\d+) ", proc.stdout).group(1))
     assert sent >= 5 and step == sent + 1, (step, proc.stdout[-2000:])
@@ -279,12 +360,24 @@ def test_ddp_spawn_preempted_rank_stops_both_and_the_launcher_exits_143(tmp_path
 def test_preemption_with_a_local_and_an_object_store_tier(tmp_path, s3_server, bucket, one_process_reference):
     """A local tier and an object store (moto on 127.0.0.1), both every 10 steps: SIGTERM at step 13 makes step 13
     durable in both (the bytes in the bucket are the step's), and the rerun resumes it bitwise."""
-    from lightning_snapshot.backends import ObjectStoreTier
     from train import s3_options
 
+    from lightning_snapshot.backends import ObjectStoreTier
+
     url = f"s3://{bucket}/run"
-    step, proc = _one(tmp_path, one_process_reference, "--signal-at", "13", "--signal-to", "tree", "--s3", url,
-                      "--endpoint", s3_server.endpoint, expect_step=13)
+    step, proc = _one(
+        tmp_path,
+        one_process_reference,
+        "--signal-at",
+        "13",
+        "--signal-to",
+        "tree",
+        "--s3",
+        url,
+        "--endpoint",
+        s3_server.endpoint,
+        expect_step=13,
+    )
     store = ObjectStoreTier(url, storage_options=s3_options(s3_server.endpoint))
     assert committed_steps(store)[0] == 13
     assert f"step 13 is held by {tmp_path / 'run' / 'local'}, {url}" in proc.stdout + proc.stderr
@@ -327,8 +420,19 @@ def test_a_rank_late_at_a_step_boundary_by_more_than_collective_timeout_does_not
     the next step's collectives; collective_timeout is 3 s. The per-step preemption agreement waits as long as the
     trainer's own collectives do (Lightning's 30 min), not collective_timeout: the job trains to the end and its
     snapshots commit (it failed with gloo's 'Timed out waiting 3000ms' when the agreement used collective_timeout)."""
-    proc = _torchrun(tmp_path, "--devices", "2", "--max-steps", "12", "--every", "2", "--collective-timeout", "3",
-                     "--rank0-delay", "5:8")
+    proc = _torchrun(
+        tmp_path,
+        "--devices",
+        "2",
+        "--max-steps",
+        "12",
+        "--every",
+        "2",
+        "--collective-timeout",
+        "3",
+        "--rank0-delay",
+        "5:8",
+    )
     said = proc.stdout + proc.stderr
     assert proc.returncode == 0, said[-6000:]
     assert "Timed out" not in said, said[-6000:]

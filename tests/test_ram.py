@@ -14,11 +14,11 @@ import torch
 from conftest import SCRIPTS, assert_bitwise_equal, check_flush_after_death, launch_nodes, run_script, run_train
 from conftest import wait_until as _wait
 
-from lightning_snapshot.backends.ram.agent import agent_log_path, agent_status, ensure_agent, stop_agent
-from lightning_snapshot.staging.arena import FAKE_REGISTER_ENV
+from lightning_snapshot.agent import agent_log_path, agent_status, ensure_agent, stop_agent
 from lightning_snapshot.backends import LocalTier
-from lightning_snapshot.loader import read_manifest
-from lightning_snapshot.writer import committed_steps
+from lightning_snapshot.persist.writer import committed_steps
+from lightning_snapshot.restore.loader import read_manifest
+from lightning_snapshot.staging.arena import FAKE_REGISTER_ENV
 
 
 # ------------------------------------------------------------------------------------------------ the agent
@@ -30,8 +30,12 @@ def test_one_agent_per_node_and_run_in_its_own_session_owner_only(shm):
     assert stat.S_IMODE(os.stat(node).st_mode) == 0o700
     assert stat.S_IMODE(os.stat(node / "agent.sock").st_mode) == 0o600
     # a second agent for the same directory refuses to start and says who serves it
-    proc = subprocess.run([sys.executable, "-m", "lightning_snapshot.cli", "agent", "--dir", str(node)],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_snapshot.cli.main", "agent", "--dir", str(node)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 3 and f"another agent (pid {pid}) already serves" in proc.stderr
     (node / "store").mkdir()
     (node / "store" / "x").write_bytes(b"held")
@@ -65,14 +69,13 @@ def test_an_agent_whose_directory_another_job_replaced_exits_and_deletes_nothing
     for name in ("agent.lock", "agent.sock", "store/x"):
         (node / name).write_text("not the agent's")
     assert _wait(lambda: not os.path.exists(f"/proc/{pid}"), timeout=30), "the agent did not notice"
-    assert sorted(str(p.relative_to(node)) for p in node.rglob("*")) == ["agent.lock", "agent.sock", "store",
-                                                                         "store/x"]
+    assert sorted(str(p.relative_to(node)) for p in node.rglob("*")) == ["agent.lock", "agent.sock", "store", "store/x"]
     assert sorted(p.name for p in (shm / "moved").iterdir()) == ["agent.lock", "agent.sock"]
     assert "was removed or taken over: exiting without touching it" in agent_log_path(node).read_text()
 
 
 def test_the_lock_refuses_a_second_agent_and_follows_a_replaced_lock_file(tmp_path, capsys):
-    from lightning_snapshot.backends.ram.agent.protocol import _lock
+    from lightning_snapshot.backends.ram.agent_protocol import _lock
 
     first = _lock(tmp_path, tmp_path / "first.log")
     assert first is not None and (tmp_path / "agent.lock").read_text() == f"{os.getpid()}\n{tmp_path / 'first.log'}\n"
@@ -93,7 +96,7 @@ def _cli(*args: str) -> tuple[int, str, str]:
     import contextlib
     import io
 
-    from lightning_snapshot.cli import main
+    from lightning_snapshot.cli.main import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -104,7 +107,7 @@ def _cli(*args: str) -> tuple[int, str, str]:
 def test_agent_status_readable_and_json_then_stop_leaves_nothing_in_shared_memory(tmp_path, shm):
     import json
 
-    from lightning_snapshot.backends.ram.agent import AgentClient
+    from lightning_snapshot.agent import AgentClient
 
     node = shm / "run-s"
     pid = ensure_agent(node, idle_timeout=300)
@@ -117,9 +120,23 @@ def test_agent_status_readable_and_json_then_stop_leaves_nothing_in_shared_memor
         rc, out, err = _cli("agent", "--dir", str(node), "--status", "--json")
         assert rc == 0 and err == ""
         st = json.loads(out)
-        assert sorted(st) == ["attached", "dir", "exits_in_s", "flushing", "held_bytes", "idle_s", "idle_timeout_s",
-                              "log", "pending", "pid", "snapshots", "started_unix", "trainers", "uptime_s",
-                              "version"]
+        assert sorted(st) == [
+            "attached",
+            "dir",
+            "exits_in_s",
+            "flushing",
+            "held_bytes",
+            "idle_s",
+            "idle_timeout_s",
+            "log",
+            "pending",
+            "pid",
+            "snapshots",
+            "started_unix",
+            "trainers",
+            "uptime_s",
+            "version",
+        ]
         assert st["version"] == 1 and st["pid"] == pid and st["dir"] == str(node) and st["attached"] == 1
         assert st["trainers"] == [{"rank": 0, "pid": os.getpid(), "world_size": 1, "run_id": "run-s-id"}]
         assert [e["step"] for e in st["snapshots"]] == [8, 4] and st["snapshots"][0]["bytes"] >= 8192
@@ -135,8 +152,9 @@ def test_agent_status_readable_and_json_then_stop_leaves_nothing_in_shared_memor
         assert lines[2] == f"  trainers attached: 1 (rank 0 pid {os.getpid()})"
         assert lines[3].startswith("  memory held: ") and lines[3].endswith(" KiB in 2 snapshots")
         assert lines[4].startswith("    step 8: ") and lines[5].startswith("    step 4: ")
-        assert lines[6] == "  idle timeout: 5 min 00 s (counts once no trainer is attached and nothing is being" \
-                           " written)"
+        assert (
+            lines[6] == "  idle timeout: 5 min 00 s (counts once no trainer is attached and nothing is being written)"
+        )
         assert lines[7] == f"  log: {agent_log_path(node)}" and len(lines) == 8
     finally:
         client.close()
@@ -159,9 +177,16 @@ def test_agent_status_readable_and_json_then_stop_leaves_nothing_in_shared_memor
         assert err.rstrip().endswith("an agent that stopped removed it")
     node.mkdir(parents=True)
     rc, out, err = _cli("agent", "--dir", str(node), "--status", "--json")
-    assert rc == 1 and out == "" and err == (f"lightning-snapshot agent: error: no agent serves {node} (none is"
-                                             f" running for it); start one with: lightning-snapshot agent --dir"
-                                             f" {node}\n")
+    assert (
+        rc == 1
+        and out == ""
+        and err
+        == (
+            f"lightning-snapshot agent: error: no agent serves {node} (none is"
+            f" running for it); start one with: lightning-snapshot agent --dir"
+            f" {node}\n"
+        )
+    )
 
 
 # ------------------------------------------------------------------------------------------------ crash + restart
@@ -180,20 +205,36 @@ def test_sigkilled_trainer_restores_from_ram_bitwise(tmp_path, shm, reference_ru
 
 @pytest.mark.slow
 def test_ddp_agents_commit_every_snapshot_while_each_file_stays_empty_for_a_while_after_it_is_created(
-        tmp_path, shm, monkeypatch):
+    tmp_path, shm, monkeypatch
+):
     """The window of the agent-part race made wide on purpose: in every process (the trainers and the node's
     snapshot agent), the local tier pauses 0.3 s between creating a file and writing its bytes. Rank 0's agent polls
     for rank 1's manifest part all that time; it must never read it before it is whole. DDP on 2 ranks, the RAM tier
     and a local tier every step, nothing killed: every step is committed to the local tier, by the agent (with the
     replica check's outcome in its manifest)."""
     pauses = tmp_path / "pauses.log"
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        [str(Path(__file__).parent / "fixtures" / "pause_write"), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv(
+        "PYTHONPATH",
+        os.pathsep.join([str(Path(__file__).parent / "fixtures" / "pause_write"), os.environ.get("PYTHONPATH", "")]),
+    )
     monkeypatch.setenv("LS_TEST_PAUSE_AFTER_CREATE", "0.3")
     monkeypatch.setenv("LS_TEST_PAUSE_LOG", str(pauses))
     steps = 10
-    proc = run_train(tmp_path / "local", tmp_path / "out.pt", "--devices", "2", "--max-steps", str(steps),
-                     "--ram-every", "1", "--every", "1", "--keep-last", "0", timeout=240)
+    proc = run_train(
+        tmp_path / "local",
+        tmp_path / "out.pt",
+        "--devices",
+        "2",
+        "--max-steps",
+        str(steps),
+        "--ram-every",
+        "1",
+        "--every",
+        "1",
+        "--keep-last",
+        "0",
+        timeout=240,
+    )
     assert "failed" not in proc.stderr.lower(), proc.stderr[-3000:]
     assert committed_steps(LocalTier(tmp_path / "local")) == list(range(steps, 0, -1))
     # the replica check's outcome travels through the agent into the manifest it commits
@@ -210,8 +251,7 @@ def test_ddp_agents_commit_every_snapshot_while_each_file_stays_empty_for_a_whil
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cuda_path", [False, True], ids=["cpu", "cuda-registration-noop"])
-def test_agent_flushes_a_staged_snapshot_after_the_trainer_died(tmp_path, shm, reference_runs, monkeypatch,
-                                                                 cuda_path):
+def test_agent_flushes_a_staged_snapshot_after_the_trainer_died(tmp_path, shm, reference_runs, monkeypatch, cuda_path):
     """cuda-registration-noop: the CUDA arena path (every slot registered for CUDA, here through the recording
     no-op of FAKE_REGISTER_ENV; the same code otherwise), so CI guards flush-after-death on GPUs without one."""
     record = tmp_path / "register.log"
@@ -222,9 +262,14 @@ def test_agent_flushes_a_staged_snapshot_after_the_trainer_died(tmp_path, shm, r
         monkeypatch.delenv(FAKE_REGISTER_ENV)
         assert "could not page-lock" not in killed.stderr
 
-    check_flush_after_death(tmp_path, shm, reference_runs, monkeypatch,
-                            before_kill=(lambda: monkeypatch.setenv(FAKE_REGISTER_ENV, str(record))) if cuda_path
-                            else None, after_kill=killed_run_registered if cuda_path else None)
+    check_flush_after_death(
+        tmp_path,
+        shm,
+        reference_runs,
+        monkeypatch,
+        before_kill=(lambda: monkeypatch.setenv(FAKE_REGISTER_ENV, str(record))) if cuda_path else None,
+        after_kill=killed_run_registered if cuda_path else None,
+    )
     if cuda_path:
         # the killed trainer took the CUDA path: it registered its slots (for device 0), and, killed, never
         # unregistered them; the agent flushed from that very memory
@@ -244,17 +289,44 @@ def test_a_stuck_or_dead_agent_stops_training_with_an_error_naming_it(tmp_path, 
     import signal
     import time
 
-    env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning",
-           "LIGHTNING_SNAPSHOT_AGENT_WRITE_DELAY": "3"}  # (the agent has a snapshot to write when it is stopped)
-    proc = subprocess.Popen([sys.executable, str(SCRIPTS / "train.py"), "--dir", str(tmp_path / "local"), "--out",
-                             str(tmp_path / "out.pt"), "--max-steps", "400", "--every", "4", "--ram-every", "2",
-                             "--collective-timeout", "5"], env=env, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True)
+    env = {
+        **os.environ,
+        "PYTHONWARNINGS": "ignore::DeprecationWarning",
+        "LIGHTNING_SNAPSHOT_AGENT_WRITE_DELAY": "3",
+    }  # (the agent has a snapshot to write when it is stopped)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(SCRIPTS / "train.py"),
+            "--dir",
+            str(tmp_path / "local"),
+            "--out",
+            str(tmp_path / "out.pt"),
+            "--max-steps",
+            "400",
+            "--every",
+            "4",
+            "--ram-every",
+            "2",
+            "--collective-timeout",
+            "5",
+        ],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     pid = None
     try:
-        assert _wait(lambda: any("attached" in agent_log_path(p.parent).read_text()
-                                 for p in shm.glob("**/agent.lock") if agent_log_path(p.parent).exists()),
-                     timeout=120), "the trainer never attached to its agent"
+        assert _wait(
+            lambda: any(
+                "attached" in agent_log_path(p.parent).read_text()
+                for p in shm.glob("**/agent.lock")
+                if agent_log_path(p.parent).exists()
+            ),
+            timeout=120,
+        ), "the trainer never attached to its agent"
         # the agent committed a first snapshot; 1.5 s later it is in the 3 s it waits before writing the next one
         assert _wait(lambda: committed_steps(LocalTier(tmp_path / "local")), timeout=120)
         time.sleep(1.5)
@@ -270,8 +342,11 @@ def test_a_stuck_or_dead_agent_stops_training_with_an_error_naming_it(tmp_path, 
     assert proc.returncode == 1, err[-3000:]
     assert "AgentError" in err and f"snapshot agent (pid {pid}) of {lock.parent}" in err, err[-3000:]
     assert f"(its log: {agent_log_path(lock.parent)})" in err, err[-3000:]
-    assert ("sent nothing for 5 s: it is stopped or hung" if how == "SIGSTOP" else
-            "closed the connection (it exited or was killed)") in err, err[-3000:]
+    assert (
+        "sent nothing for 5 s: it is stopped or hung"
+        if how == "SIGSTOP"
+        else "closed the connection (it exited or was killed)"
+    ) in err, err[-3000:]
 
 
 # ------------------------------------------------------------------------------------------------ erasure
@@ -303,9 +378,17 @@ def test_erasure_2_plus_1_survives_every_single_node_loss_and_repairs_a_flipped_
     mb = 3.0
     _nodes(["save", "--erasure", "2+1", "--mb", str(mb)], 3, saved)
     # memory: (k + m) / k = 1.5 x the state, measured on the share files of all nodes
-    data = sum(o.nbytes for o in __import__("lightning_snapshot.loader", fromlist=["x"]).read_manifest(
-        __import__("lightning_snapshot.backends.local", fromlist=["x"]).LocalTier(saved / "node0" / "run" / "store"),
-        10).objects)
+    data = sum(
+        o.nbytes
+        for o in __import__("lightning_snapshot.restore.loader", fromlist=["x"])
+        .read_manifest(
+            __import__("lightning_snapshot.backends.local", fromlist=["x"]).LocalTier(
+                saved / "node0" / "run" / "store"
+            ),
+            10,
+        )
+        .objects
+    )
     assert _share_bytes(saved) <= 1.5 * data + 64 * 2 * 3 * 8, (_share_bytes(saved), data)
     for lost in range(3):
         base = tmp_path / f"lost{lost}"
@@ -355,8 +438,19 @@ def test_too_many_lost_shares_fall_back_to_the_local_tier_with_one_log_line(tmp_
     args = ("--max-steps", "12", "--every", "3", "--shuffle")
     base = tmp_path / "shm"
     env = {"LIGHTNING_SNAPSHOT_SHM_DIR": str(base) + "/node{node}"}
-    common = ("--dir", str(tmp_path / "local"), "--out", str(tmp_path / "out.pt"), *args, "--num-nodes", "2",
-              "--ram-every", "2", "--ram-erasure", "1+1")
+    common = (
+        "--dir",
+        str(tmp_path / "local"),
+        "--out",
+        str(tmp_path / "out.pt"),
+        *args,
+        "--num-nodes",
+        "2",
+        "--ram-every",
+        "2",
+        "--ram-erasure",
+        "1+1",
+    )
     try:
         procs = launch_nodes("train.py", 2, *common, "--crash-at", "8", env=env)
         assert [p.returncode for p in procs] == [-9, -9], [p.stderr[-2000:] for p in procs]
@@ -371,14 +465,16 @@ def test_too_many_lost_shares_fall_back_to_the_local_tier_with_one_log_line(tmp_
         assert [p.returncode for p in procs] == [0, 0], [p.stderr[-3000:] for p in procs]
         log = procs[0].stderr
         assert "cannot restore the snapshot of step 8 in the ram tier" in log and "good share(s)" in log, (
-            procs[0].stdout + log[-3000:])
+            procs[0].stdout + log[-3000:]
+        )
         assert "RESTORED step=6 from=" + str(tmp_path / "local") in procs[0].stdout
     finally:
         for sock in list(base.glob("**/agent.sock")):  # (listed first: a stopped agent removes its directory)
             stop_agent(sock.parent)
     ref = tmp_path / "ref"
-    procs = launch_nodes("train.py", 2, "--dir", str(ref / "local"), "--out", str(ref / "out.pt"), *args,
-                         "--num-nodes", "2", env=env)
+    procs = launch_nodes(
+        "train.py", 2, "--dir", str(ref / "local"), "--out", str(ref / "out.pt"), *args, "--num-nodes", "2", env=env
+    )
     assert [p.returncode for p in procs] == [0, 0]
     for suffix in ("", ".rank1"):
         assert_bitwise_equal(Path(f"{ref / 'out.pt'}{suffix}"), Path(f"{tmp_path / 'out.pt'}{suffix}"))
@@ -397,8 +493,13 @@ def test_agent_flushes_a_snapshot_handed_over_before_its_checksums_were_taken(tm
     from lightning_snapshot import load_snapshot
 
     node, local = shm / "handoff", tmp_path / "local"
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "agent_handoff.py"), "--node-dir", str(node), "--local",
-                           str(local)], capture_output=True, text=True, timeout=120, start_new_session=True)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "agent_handoff.py"), "--node-dir", str(node), "--local", str(local)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        start_new_session=True,
+    )
     assert proc.returncode == -9 and "STAGED" in proc.stdout, proc.stderr[-3000:]
     assert _wait(lambda: STEP in committed_steps(LocalTier(local)), timeout=60), agent_log_path(node).read_text()
     assert f"step {STEP} committed to tier 0 after rank 0 died" in agent_log_path(node).read_text()

@@ -13,9 +13,9 @@ import pytest
 from conftest import assert_bitwise_equal, launch_nodes, run_script
 
 from lightning_snapshot.backends import LocalTier, ObjectStoreTier
-from lightning_snapshot.loader import read_manifest
-from lightning_snapshot.manifest import step_dirname
-from lightning_snapshot.writer import committed_steps
+from lightning_snapshot.format.manifest import step_dirname
+from lightning_snapshot.persist.writer import committed_steps
+from lightning_snapshot.restore.loader import read_manifest
 
 pytestmark = pytest.mark.xdist_group("test_read_once")
 
@@ -23,27 +23,41 @@ NODES, PER_NODE = 2, 2
 WORLD = NODES * PER_NODE
 #: a model of about 0.7 MB of weights and optimizer state (the ranks' own state, RNG and data position, is small
 #: beside it); snapshots at steps 4 and 8, killed at 10
-ARGS = ("--max-steps", "12", "--every", "4", "--shuffle", "--num-nodes", str(NODES), "--devices", str(PER_NODE),
-        "--hidden", "4096")
+ARGS = (
+    "--max-steps",
+    "12",
+    "--every",
+    "4",
+    "--shuffle",
+    "--num-nodes",
+    str(NODES),
+    "--devices",
+    str(PER_NODE),
+    "--hidden",
+    "4096",
+)
 MAX_AMPLIFICATION = 1.05
 STATS = re.compile(r"RESTORE_STATS rank=(\d+) needed=(\d+) read=(\d+) received=(\d+) tier=(\S+) job=(\d+)")
 
 
 def _options(endpoint: str) -> dict:
-    return {"key": "testing-key", "secret": "testing-secret",
-            "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+    return {
+        "key": "testing-key",
+        "secret": "testing-secret",
+        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+    }
 
 
 def _run(base: Path, *extra: str, kill: bool = False, nodes: int = NODES, per_node: int = PER_NODE):
-    procs = launch_nodes("train.py", nodes, "--out", str(base / "out.pt"), *extra, timeout=600,
-                         ranks_per_node=per_node)
+    procs = launch_nodes("train.py", nodes, "--out", str(base / "out.pt"), *extra, timeout=600, ranks_per_node=per_node)
     assert [p.returncode for p in procs] == [-9 if kill else 0] * len(procs), _tails(procs)
     return procs
 
 
 def _tails(procs) -> str:
-    return "\n".join(f"--- rank {i}: rc={p.returncode}\n{p.stdout[-1500:]}\n{p.stderr[-3000:]}"
-                     for i, p in enumerate(procs))
+    return "\n".join(
+        f"--- rank {i}: rc={p.returncode}\n{p.stdout[-1500:]}\n{p.stderr[-3000:]}" for i, p in enumerate(procs)
+    )
 
 
 def _stats(procs) -> dict[int, dict[str, int]]:
@@ -55,8 +69,10 @@ def _stats(procs) -> dict[int, dict[str, int]]:
 
 
 def _restored(procs) -> set[tuple[int, int]]:
-    return {(int(s), int(r)) for s, r in re.findall(r"RESTORED step=(\d+) from=\S+ rank=(\d+)",
-                                                     "".join(p.stdout for p in procs))}
+    return {
+        (int(s), int(r))
+        for s, r in re.findall(r"RESTORED step=(\d+) from=\S+ rank=(\d+)", "".join(p.stdout for p in procs))
+    }
 
 
 def _object_bytes(backend, step: int) -> int:
@@ -101,8 +117,10 @@ def test_ddp_restore_from_the_object_store_reads_the_state_once(tmp_path, refere
     served = s3_server.counter.bytes_served(f"{bucket}/run/{step_dirname(step)}/", ".bin")
     assert _restored(procs) == {(step, r) for r in range(WORLD)}, _tails(procs)
     _same_as_reference(reference, tmp_path)
-    print(f"bucket bytes served for the restore: {served} for a snapshot of {state} bytes"
-          f" ({served / state:.3f}x; before the restore {before} bytes of data objects were served)")
+    print(
+        f"bucket bytes served for the restore: {served} for a snapshot of {state} bytes"
+        f" ({served / state:.3f}x; before the restore {before} bytes of data objects were served)"
+    )
     assert before == 0  # (the bytes counted are the restore's)
     assert served <= MAX_AMPLIFICATION * state, f"the job read {served / state:.2f}x the snapshot from the bucket"
     _assert_read_once(procs, WORLD)
@@ -141,17 +159,42 @@ def saved_2x2(tmp_path_factory, s3_server) -> dict:
     s3_server.create_bucket(RESHARD_BUCKET)
     url = f"s3://{RESHARD_BUCKET}/run"
     (base / "dumps").mkdir()
-    procs = launch_nodes("reshard_train.py", NODES, "--dir", str(base / "local"), "--out", str(base / "out.pt"),
-                         *RESHARD_ARGS, "--s3", url, "--endpoint", s3_server.endpoint, "--also-dir",
-                         "--num-nodes", str(NODES), "--devices", str(PER_NODE), "--max-steps", "9",
-                         "--dump-steps", "9", "--dump-dir", str(base / "dumps"), timeout=600,
-                         ranks_per_node=PER_NODE)
+    procs = launch_nodes(
+        "reshard_train.py",
+        NODES,
+        "--dir",
+        str(base / "local"),
+        "--out",
+        str(base / "out.pt"),
+        *RESHARD_ARGS,
+        "--s3",
+        url,
+        "--endpoint",
+        s3_server.endpoint,
+        "--also-dir",
+        "--num-nodes",
+        str(NODES),
+        "--devices",
+        str(PER_NODE),
+        "--max-steps",
+        "9",
+        "--dump-steps",
+        "9",
+        "--dump-dir",
+        str(base / "dumps"),
+        timeout=600,
+        ranks_per_node=PER_NODE,
+    )
     assert [p.returncode for p in procs] == [0] * WORLD, _tails(procs)
     bucket_tier = ObjectStoreTier(url, storage_options=_options(s3_server.endpoint))
     local_tier = LocalTier(base / "local")
     assert 9 in committed_steps(bucket_tier) and 9 in committed_steps(local_tier), _tails(procs)
-    return {"url": url, "local": base / "local", "dump": base / "dumps" / "step-9.pt",
-            "state": {"bucket": _object_bytes(bucket_tier, 9), "local-dir": _object_bytes(local_tier, 9)}}
+    return {
+        "url": url,
+        "local": base / "local",
+        "dump": base / "dumps" / "step-9.pt",
+        "state": {"bucket": _object_bytes(bucket_tier, 9), "local-dir": _object_bytes(local_tier, 9)},
+    }
 
 
 @pytest.mark.slow
@@ -167,9 +210,22 @@ def test_ddp_restore_resharded_to_two_ranks_reads_the_state_once(tmp_path, s3_se
         before = s3_server.counter.bytes_served(prefix, ".bin")
     else:
         tier = ("--dir", str(saved_2x2["local"]), "--count-reads", str(tmp_path / "reads"))
-    proc = run_script("reshard_train.py", "--out", str(tmp_path / "out.pt"), *tier, *RESHARD_ARGS, "--devices", "2",
-                      "--max-steps", "10", "--resume", "9", "--dump-at-start", str(tmp_path / "start.pt"),
-                      timeout=600)
+    proc = run_script(
+        "reshard_train.py",
+        "--out",
+        str(tmp_path / "out.pt"),
+        *tier,
+        *RESHARD_ARGS,
+        "--devices",
+        "2",
+        "--max-steps",
+        "10",
+        "--resume",
+        "9",
+        "--dump-at-start",
+        str(tmp_path / "start.pt"),
+        timeout=600,
+    )
     if source == "bucket":
         read = s3_server.counter.bytes_served(prefix, ".bin") - before
     else:
@@ -180,8 +236,10 @@ def test_ddp_restore_resharded_to_two_ranks_reads_the_state_once(tmp_path, s3_se
 
     assert assert_state_equal(saved_2x2["dump"], tmp_path / "start.pt") > 0
     state = saved_2x2["state"][source]
-    print(f"DDP({NODES}x{PER_NODE}) -> DDP(2), {source}: {read} bytes read for a snapshot of {state} bytes"
-          f" ({read / state:.3f}x)")
+    print(
+        f"DDP({NODES}x{PER_NODE}) -> DDP(2), {source}: {read} bytes read for a snapshot of {state} bytes"
+        f" ({read / state:.3f}x)"
+    )
     assert read <= MAX_AMPLIFICATION * state, f"the job read {read / state:.2f}x the snapshot from the {source}"
     stats = restore_stats(proc)
     assert sorted(stats) == [0, 1], proc.stdout

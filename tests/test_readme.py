@@ -42,8 +42,9 @@ def test_every_python_block_of_the_readme_runs_as_pasted(tmp_path):
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     env.pop("LIGHTNING_SNAPSHOT_SHM_DIR", None)
     for line, code in readme_blocks():
-        proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=600)
+        proc = subprocess.run(
+            [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        )
         assert proc.returncode == 0, f"README.md line {line}: the block fails:\n{code}\n{proc.stderr[-4000:]}"
     assert (tmp_path / "snapshots" / "run-42" / "step-000000000300" / "manifest.json").is_file()
 
@@ -68,7 +69,7 @@ def test_the_install_section_installs_from_the_repository_not_the_package_index(
     assert installs and all(len(a) == 1 for a in installs), installs
     targets = [a[0].strip('"') for a in installs]
     assert "." in targets and ".[s3]" in targets, targets
-    assert all(t in (".", ".[s3]") or t.startswith("dist/") and t.endswith(".whl") for t in targets), targets
+    assert all(t in (".", ".[s3]") or (t.startswith("dist/") and t.endswith(".whl")) for t in targets), targets
     assert any(c.startswith("pip wheel") for b in blocks for c in _commands(b))
     guide = ROOT / "docs" / "getting-started.md"
     assert install_blocks(guide)[: len(blocks)] == blocks, "docs/getting-started.md's Install differs from the README's"
@@ -77,8 +78,17 @@ def test_the_install_section_installs_from_the_repository_not_the_package_index(
 def _clone(dest: Path) -> Path:
     """A copy of the files a clone of this checkout holds (tracked, and new files git does not ignore)."""
     try:
-        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                                capture_output=True, check=True, timeout=60).stdout.decode().split("\0")
+        listed = (
+            subprocess.run(
+                ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                cwd=ROOT,
+                capture_output=True,
+                check=True,
+                timeout=60,
+            )
+            .stdout.decode()
+            .split("\0")
+        )
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("not a git checkout: no way to tell which files a clone holds")
     for name in filter(None, listed):
@@ -95,16 +105,25 @@ def _fresh_environment(where: Path, deps: Path) -> dict[str, str]:
     are this environment's, seen through ``deps``; pip reads no configuration file and no index."""
     venv.create(where, with_pip=False)
     python = where / "bin" / "python"
-    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             capture_output=True, text=True, check=True).stdout.strip()
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     Path(purelib, "_deps.pth").write_text(f"{deps}\n")
     pip = where / "bin" / "pip"
     pip.write_text(f'#!/bin/sh\nexec "{python}" -m pip "$@"\n')
     pip.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "PYTHON", "VIRTUAL_ENV"))}
-    env.update(PATH=f"{where / 'bin'}{os.pathsep}{env.get('PATH', '')}", VIRTUAL_ENV=str(where),
-               PIP_CONFIG_FILE=os.devnull, PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1",
-               PIP_NO_BUILD_ISOLATION="0")  # (pip's inverted spelling: build with the installed setuptools)
+    env.update(
+        PATH=f"{where / 'bin'}{os.pathsep}{env.get('PATH', '')}",
+        VIRTUAL_ENV=str(where),
+        PIP_CONFIG_FILE=os.devnull,
+        PIP_NO_INDEX="1",
+        PIP_DISABLE_PIP_VERSION_CHECK="1",
+        PIP_NO_BUILD_ISOLATION="0",
+    )  # (pip's inverted spelling: build with the installed setuptools)
     return env
 
 
@@ -126,21 +145,36 @@ def test_the_install_blocks_install_the_package_in_a_fresh_environment(tmp_path)
     for i, block in enumerate(install_blocks()):
         where = tmp_path / f"env{i}"
         env = _fresh_environment(where, deps)
-        proc = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=clone, env=env, capture_output=True,
-                              text=True, timeout=300)
+        proc = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", block], cwd=clone, env=env, capture_output=True, text=True, timeout=300
+        )
         out = proc.stdout + proc.stderr
         assert proc.returncode == 0, f"the Install block fails:\n{block}\n{out[-4000:]}"
         assert "does not provide the extra" not in out, out[-4000:]
-        probe = ("import importlib.metadata as m, lightning_snapshot, lightning_snapshot.backends as b;"
-                 " d = m.distribution('lightning-snapshot');"
-                 " print(lightning_snapshot.__file__, b.__file__, d.version, *d.requires, sep='\\n')")
-        got = subprocess.run([str(where / "bin" / "python"), "-c", probe], cwd=tmp_path, env=env,
-                             capture_output=True, text=True, timeout=120)
+        probe = (
+            "import importlib.metadata as m, lightning_snapshot, lightning_snapshot.backends as b;"
+            " d = m.distribution('lightning-snapshot');"
+            " print(lightning_snapshot.__file__, b.__file__, d.version, *d.requires, sep='\\n')"
+        )
+        got = subprocess.run(
+            [str(where / "bin" / "python"), "-c", probe],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert got.returncode == 0, got.stderr[-3000:]
         package, backends, *requires = got.stdout.splitlines()
         assert Path(package).is_relative_to(where) and Path(backends).is_relative_to(where), (package, backends)
         assert any(r.startswith("s3fs") and 'extra == "s3"' in r for r in requires), requires
-        cli = subprocess.run([str(where / "bin" / "lightning-snapshot"), "--help"], cwd=tmp_path, env=env,
-                             capture_output=True, text=True, timeout=120)
+        cli = subprocess.run(
+            [str(where / "bin" / "lightning-snapshot"), "--help"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert cli.returncode == 0 and cli.stdout.startswith("usage: lightning-snapshot"), cli.stderr[-2000:]
     assert len(list((clone / "dist").glob("lightning_snapshot-*-py3-none-any.whl"))) == 1

@@ -17,9 +17,9 @@ import pytest
 from conftest import assert_fresh, assert_resumed, run_script
 
 from lightning_snapshot.backends import LocalTier
-from lightning_snapshot.cli import main
-from lightning_snapshot.loader import read_manifest
-from lightning_snapshot.writer import committed_steps
+from lightning_snapshot.cli.main import main
+from lightning_snapshot.persist.writer import committed_steps
+from lightning_snapshot.restore.loader import read_manifest
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_replicas")]
 
@@ -28,8 +28,19 @@ CAUGHT = re.compile(r"the replicas of the model disagree at step (\d+): (\d+) of
 
 
 def _run(d: Path, setup: str, *args: str, expect_rc: int = 0):
-    return run_script("setups.py", "--dir", str(d), "--out", str(d / "out.pt"), "--setup", setup, *DDP, *args,
-                      expect_rc=expect_rc, timeout=600)
+    return run_script(
+        "setups.py",
+        "--dir",
+        str(d),
+        "--out",
+        str(d / "out.pt"),
+        "--setup",
+        setup,
+        *DDP,
+        *args,
+        expect_rc=expect_rc,
+        timeout=600,
+    )
 
 
 def _caught(proc) -> list[int]:
@@ -112,8 +123,18 @@ def test_one_ulp_in_the_last_value_of_megabyte_parameters_is_caught_and_named(tm
     value of each by one ulp after step 6: the snapshot of step 6 names both, with rank 1, and nothing else; the
     snapshot of step 4 agrees. (A checksum that ignored the last word, or the bytes past it, would miss one.)"""
     d = tmp_path / "big"
-    proc = _run(d, "big", "--perturb", "6:1:net.2.weight,net.4.weight:last", "--every", "2", "--max-steps", "6",
-                "--snapshot", "replica_check=1")
+    proc = _run(
+        d,
+        "big",
+        "--perturb",
+        "6:1:net.2.weight,net.4.weight:last",
+        "--every",
+        "2",
+        "--max-steps",
+        "6",
+        "--snapshot",
+        "replica_check=1",
+    )
     assert _caught(proc) == [6], proc.stderr[-3000:]
     assert "2 of " in proc.stderr, proc.stderr[-3000:]
     assert "'net.2.weight' (rank 1)" in proc.stderr and "'net.4.weight' (rank 1)" in proc.stderr, proc.stderr[-3000:]

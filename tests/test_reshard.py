@@ -23,14 +23,14 @@ from conftest import assert_bitwise_equal, run_script
 
 from lightning_snapshot import load_snapshot
 from lightning_snapshot.backends import LocalTier
-from lightning_snapshot.comm import LocalComm
+from lightning_snapshot.dist.comm import LocalComm
 from lightning_snapshot.errors import CaptureError, ManifestError, SnapshotWriteError
-from lightning_snapshot.loader import ReadStats, ShardTarget, read_manifest, read_section
-from lightning_snapshot.manifest import MANIFEST_NAME, Manifest, step_dirname
-from lightning_snapshot.planner import Box, shard_boxes
+from lightning_snapshot.format.manifest import MANIFEST_NAME, Manifest, step_dirname
+from lightning_snapshot.persist.commit import _merge_tensors, merge_parts
+from lightning_snapshot.persist.writer import SnapshotJob, committed_steps, write_part, write_snapshot
+from lightning_snapshot.plan.planner import Box, shard_boxes
+from lightning_snapshot.restore.loader import ReadStats, ShardTarget, read_manifest, read_section
 from lightning_snapshot.staging import dtensor_box, stage
-from lightning_snapshot.commit import _merge_tensors, merge_parts
-from lightning_snapshot.writer import SnapshotJob, committed_steps, write_part, write_snapshot
 
 # the module-scoped fixtures below are shared by this file's tests: under pytest-xdist they run in one worker
 pytestmark = pytest.mark.xdist_group("test_reshard")
@@ -53,8 +53,9 @@ def assert_state_equal(ref_path: Path, got_path: Path) -> int:
         for k, v in ref[section].items():
             g = got[section][k]
             assert v.dtype == g.dtype and v.shape == g.shape, k
-            assert torch.equal(v.view(torch.uint8) if v.dim() else v, g.view(torch.uint8) if g.dim() else g), \
+            assert torch.equal(v.view(torch.uint8) if v.dim() else v, g.view(torch.uint8) if g.dim() else g), (
                 f"{section}/{k} differs from the consolidated state of the saving run"
+            )
             n += 1
     assert torch.equal(ref["lr"], got["lr"])
     return n
@@ -62,15 +63,17 @@ def assert_state_equal(ref_path: Path, got_path: Path) -> int:
 
 def restore_stats(proc: subprocess.CompletedProcess[str]) -> dict[int, dict[str, int]]:
     stats = {}
-    for m in re.finditer(r"RESTORE_STATS rank=(\d+) needed=(\d+) planned=(\d+) tier=(\d+) resharded=(\d+)",
-                         proc.stdout):
+    for m in re.finditer(
+        r"RESTORE_STATS rank=(\d+) needed=(\d+) planned=(\d+) tier=(\d+) resharded=(\d+)", proc.stdout
+    ):
         rank, needed, planned, tier, resharded = map(int, m.groups())
         stats[rank] = {"needed": needed, "planned": planned, "tier": tier, "resharded": resharded}
     return stats
 
 
-def assert_reads_only_its_shards(proc: subprocess.CompletedProcess[str], world: int, sharded: bool = True
-                                 ) -> list[float]:
+def assert_reads_only_its_shards(
+    proc: subprocess.CompletedProcess[str], world: int, sharded: bool = True
+) -> list[float]:
     """Every rank read (as the tier counted) at most 1.05x the bytes it needed; ``sharded``: by box reads (a DDP or
     single-process target needs whole tensors, the whole of each is then what it needs)."""
     stats = restore_stats(proc)
@@ -80,8 +83,9 @@ def assert_reads_only_its_shards(proc: subprocess.CompletedProcess[str], world: 
         assert s["resharded"] > 0 or not sharded, f"rank {rank} read no tensor by its shard"
         assert s["tier"] == s["planned"], f"rank {rank}: the tier counted {s['tier']}, the plan {s['planned']}"
         ratios.append(s["tier"] / s["needed"])
-        assert s["tier"] <= MAX_AMPLIFICATION * s["needed"], \
+        assert s["tier"] <= MAX_AMPLIFICATION * s["needed"], (
             f"rank {rank} read {s['tier']} bytes for {s['needed']} needed ({s['tier'] / s['needed']:.3f}x)"
+        )
     return ratios
 
 
@@ -91,8 +95,20 @@ def mp_run(tmp_path_factory):
     steps 9 and 12, and the final state."""
     d = tmp_path_factory.mktemp("mp-save")
     (d / "dumps").mkdir()
-    run("--dir", str(d / "snaps"), "--out", str(d / "out.pt"), "--strategy", "mp", "--max-steps", "12",
-        "--dump-steps", "9,12", "--dump-dir", str(d / "dumps"))
+    run(
+        "--dir",
+        str(d / "snaps"),
+        "--out",
+        str(d / "out.pt"),
+        "--strategy",
+        "mp",
+        "--max-steps",
+        "12",
+        "--dump-steps",
+        "9,12",
+        "--dump-dir",
+        str(d / "dumps"),
+    )
     return d
 
 
@@ -106,8 +122,11 @@ def test_model_parallel_snapshot_is_sharded_not_gathered(mp_run):
     manifest = read_manifest(tier, 9)
     assert manifest.world_size == 2
     by_name = {t.name: t for t in manifest.tensors}
-    for name in ("state_dict/net.0.weight", "state_dict/net.5.weight",
-                 "optimizer_states/0/state/net.3.weight/exp_avg_sq"):
+    for name in (
+        "state_dict/net.0.weight",
+        "state_dict/net.5.weight",
+        "optimizer_states/0/state/net.3.weight/exp_avg_sq",
+    ):
         entry = by_name[name]
         objects = {f.object for f in entry.fragments}
         assert len(entry.fragments) == 2 and len(objects) == 2, entry  # one shard per rank, each in its own object
@@ -161,7 +180,7 @@ def test_model_parallel_snapshot_loads_in_one_process_as_full_tensors(mp_run):
 @pytest.fixture(scope="module")
 def ram_base(tmp_path_factory):
     """The node memory of the RAM-tier runs of this module; their agents are stopped at the end."""
-    from lightning_snapshot.backends.ram.agent import stop_agent
+    from lightning_snapshot.agent import stop_agent
 
     base = tmp_path_factory.mktemp("shm")
     old = os.environ.get("LIGHTNING_SNAPSHOT_SHM_DIR")
@@ -179,8 +198,13 @@ def ram_base(tmp_path_factory):
 def saved_runs(tmp_path_factory, mp_run):
     """Saving runs of 9 steps (snapshot and consolidated state at step 9), cached per strategy, world size and tier:
     a function returning (tier arguments for reshard_train.py, the tier, the consolidated state at step 9)."""
-    cache = {("mp", 2, "local"): (("--dir", str(mp_run / "snaps")), LocalTier(mp_run / "snaps"),
-                                  mp_run / "dumps" / "step-9.pt")}
+    cache = {
+        ("mp", 2, "local"): (
+            ("--dir", str(mp_run / "snaps")),
+            LocalTier(mp_run / "snaps"),
+            mp_run / "dumps" / "step-9.pt",
+        )
+    }
 
     def get(strategy: str, world: int, tier: str, s3=None, ram=None) -> tuple[tuple[str, ...], object, Path]:
         key = (strategy, world, tier)
@@ -191,8 +215,9 @@ def saved_runs(tmp_path_factory, mp_run):
                 s3_server, bucket = s3
                 url = f"s3://{bucket}/{strategy}{world}"
                 args = ("--dir", str(d / "unused"), "--s3", url, "--endpoint", s3_server.endpoint)
-                from lightning_snapshot.backends import ObjectStoreTier
                 from train import s3_options
+
+                from lightning_snapshot.backends import ObjectStoreTier
 
                 backend = ObjectStoreTier(url, storage_options=s3_options(s3_server.endpoint))
             elif tier == "ram":
@@ -203,8 +228,21 @@ def saved_runs(tmp_path_factory, mp_run):
             else:
                 args = ("--dir", str(d / "snaps"))
                 backend = LocalTier(d / "snaps")
-            run(*args, "--out", str(d / "out.pt"), "--strategy", strategy, "--devices", str(world),
-                "--max-steps", "9", "--dump-steps", "9", "--dump-dir", str(d / "dumps"))
+            run(
+                *args,
+                "--out",
+                str(d / "out.pt"),
+                "--strategy",
+                strategy,
+                "--devices",
+                str(world),
+                "--max-steps",
+                "9",
+                "--dump-steps",
+                "9",
+                "--dump-dir",
+                str(d / "dumps"),
+            )
             cache[key] = (args, backend, d / "dumps" / "step-9.pt")
         return cache[key]
 
@@ -240,10 +278,24 @@ def test_load_into_another_strategy_or_world_size(tmp_path, saved_runs, request,
         assert len(w0.fragments) == saved[1]  # one shard per rank
     strategy, world = load
     # the loading run resumes from step 9 of the saving run's tier (and snapshots to it from step 10 on)
-    resume = tier_args + ("--resume", "9") if saved[2] in ("s3", "ram") else (
-        "--dir", str(tmp_path / "snaps"), "--resume", str(Path(tier_args[1]) / step_dirname(9)))
-    proc = run(*resume, "--out", str(tmp_path / "out.pt"), "--strategy", strategy, "--devices", str(world),
-               "--max-steps", "10", "--dump-at-start", str(tmp_path / "start.pt"))
+    resume = (
+        tier_args + ("--resume", "9")
+        if saved[2] in ("s3", "ram")
+        else ("--dir", str(tmp_path / "snaps"), "--resume", str(Path(tier_args[1]) / step_dirname(9)))
+    )
+    proc = run(
+        *resume,
+        "--out",
+        str(tmp_path / "out.pt"),
+        "--strategy",
+        strategy,
+        "--devices",
+        str(world),
+        "--max-steps",
+        "10",
+        "--dump-at-start",
+        str(tmp_path / "start.pt"),
+    )
     assert proc.stdout.count("RESTORED step=9") == world, proc.stdout
     if world != saved[1]:
         assert f"was taken with {saved[1]} process(es), this run has {world}" in proc.stderr
@@ -257,16 +309,43 @@ def test_tensor_parallel_to_fsdp(tmp_path):
     """Tensor parallel (Shard(0) column-wise, Shard(1) row-wise, Replicate biases) saved; FSDP2 (Shard(0)) loaded."""
     save = tmp_path / "tp"
     (save / "dumps").mkdir(parents=True)
-    run("--dir", str(save / "snaps"), "--out", str(save / "out.pt"), "--strategy", "mp", "--tp", "2",
-        "--max-steps", "9", "--dump-steps", "9", "--dump-dir", str(save / "dumps"))
+    run(
+        "--dir",
+        str(save / "snaps"),
+        "--out",
+        str(save / "out.pt"),
+        "--strategy",
+        "mp",
+        "--tp",
+        "2",
+        "--max-steps",
+        "9",
+        "--dump-steps",
+        "9",
+        "--dump-dir",
+        str(save / "dumps"),
+    )
     by_name = {t.name: t for t in read_manifest(LocalTier(save / "snaps"), 9).tensors}
     row_wise = by_name["state_dict/net.3.weight"]
     assert sorted((f.global_offsets, f.local_shape) for f in row_wise.fragments) == [
-        ((0, 0), (256, 128)), ((0, 128), (256, 128))]
+        ((0, 0), (256, 128)),
+        ((0, 128), (256, 128)),
+    ]
     assert len(by_name["state_dict/net.3.bias"].fragments) == 1  # replicated: written once
-    proc = run("--dir", str(tmp_path / "snaps"), "--out", str(tmp_path / "out.pt"), "--strategy", "mp",
-               "--max-steps", "10", "--resume", str(save / "snaps" / step_dirname(9)),
-               "--dump-at-start", str(tmp_path / "start.pt"))
+    proc = run(
+        "--dir",
+        str(tmp_path / "snaps"),
+        "--out",
+        str(tmp_path / "out.pt"),
+        "--strategy",
+        "mp",
+        "--max-steps",
+        "10",
+        "--resume",
+        str(save / "snaps" / step_dirname(9)),
+        "--dump-at-start",
+        str(tmp_path / "start.pt"),
+    )
     assert proc.stdout.count("RESTORED step=9") == 2, proc.stdout
     assert_state_equal(save / "dumps" / "step-9.pt", tmp_path / "start.pt")
     print("TP(2) -> FSDP(2) bytes read / needed per rank:", assert_reads_only_its_shards(proc, 2))
@@ -277,11 +356,18 @@ def _assert_full_tensors_equal(snapshots: Path, step: int, reference: Path) -> i
     ref = torch.load(reference, weights_only=True)
     state = load_snapshot(str(snapshots), step)
     assert state["global_step"] == step
-    got = {**{f"model/{k}": v for k, v in state["state_dict"].items()},
-           **{f"optimizer/{name}/{k}": v for name, st in state["optimizer_states"][0]["state"].items()
-              for k, v in st.items()}}
-    want = {**{f"model/{k}": v for k, v in ref["model"].items()},
-            **{f"optimizer/{k}": v for k, v in ref["optimizer"].items()}}
+    got = {
+        **{f"model/{k}": v for k, v in state["state_dict"].items()},
+        **{
+            f"optimizer/{name}/{k}": v
+            for name, st in state["optimizer_states"][0]["state"].items()
+            for k, v in st.items()
+        },
+    }
+    want = {
+        **{f"model/{k}": v for k, v in ref["model"].items()},
+        **{f"optimizer/{k}": v for k, v in ref["optimizer"].items()},
+    }
     assert got.keys() == want.keys()
     for k, v in want.items():
         assert v.dtype == got[k].dtype and v.shape == got[k].shape, k
@@ -298,8 +384,24 @@ def test_fsdp2_x_tensor_parallel_2d_mesh_saves_boxes_and_loads_into_1d(tmp_path)
     one process as full tensors and into ModelParallel(2) (1-D FSDP2), bitwise equal to the consolidated state."""
     save = tmp_path / "2d"
     (save / "dumps").mkdir(parents=True)
-    run("--dir", str(save / "snaps"), "--out", str(save / "out.pt"), "--strategy", "mp", "--devices", "4",
-        "--tp", "2", "--max-steps", "9", "--dump-steps", "9", "--dump-dir", str(save / "dumps"))
+    run(
+        "--dir",
+        str(save / "snaps"),
+        "--out",
+        str(save / "out.pt"),
+        "--strategy",
+        "mp",
+        "--devices",
+        "4",
+        "--tp",
+        "2",
+        "--max-steps",
+        "9",
+        "--dump-steps",
+        "9",
+        "--dump-dir",
+        str(save / "dumps"),
+    )
     manifest = read_manifest(LocalTier(save / "snaps"), 9)
     assert manifest.world_size == 4
     by_name = {t.name: t for t in manifest.tensors}
@@ -318,9 +420,22 @@ def test_fsdp2_x_tensor_parallel_2d_mesh_saves_boxes_and_loads_into_1d(tmp_path)
     # (a) one process, full tensors
     assert _assert_full_tensors_equal(save / "snaps", 9, save / "dumps" / "step-9.pt") == 6 + 6 * 3
     # (b) into ModelParallel(2), a 1-D FSDP2 mesh, through the callback
-    proc = run("--dir", str(tmp_path / "snaps"), "--out", str(tmp_path / "out.pt"), "--strategy", "mp",
-               "--devices", "2", "--max-steps", "10", "--resume", str(save / "snaps" / step_dirname(9)),
-               "--dump-at-start", str(tmp_path / "start.pt"))
+    proc = run(
+        "--dir",
+        str(tmp_path / "snaps"),
+        "--out",
+        str(tmp_path / "out.pt"),
+        "--strategy",
+        "mp",
+        "--devices",
+        "2",
+        "--max-steps",
+        "10",
+        "--resume",
+        str(save / "snaps" / step_dirname(9)),
+        "--dump-at-start",
+        str(tmp_path / "start.pt"),
+    )
     assert proc.stdout.count("RESTORED step=9") == 2, proc.stdout
     assert "was taken with 4 process(es), this run has 2" in proc.stderr
     assert assert_state_equal(save / "dumps" / "step-9.pt", tmp_path / "start.pt") == 6 + 6 * 3
@@ -334,11 +449,42 @@ def test_fsdp2_to_fsdp2_x_tensor_parallel_2d_mesh(tmp_path):
     the bytes it needs (512-byte checksum chunks: a row-wise target takes half of each saved row, 512 bytes)."""
     save = tmp_path / "1d"
     (save / "dumps").mkdir(parents=True)
-    run("--dir", str(save / "snaps"), "--out", str(save / "out.pt"), "--strategy", "mp", "--devices", "2",
-        "--max-steps", "9", "--dump-steps", "9", "--dump-dir", str(save / "dumps"), "--chunk-bytes", "512")
-    proc = run("--dir", str(tmp_path / "snaps"), "--out", str(tmp_path / "out.pt"), "--strategy", "mp",
-               "--devices", "4", "--tp", "2", "--max-steps", "10", "--resume", str(save / "snaps" / step_dirname(9)),
-               "--dump-at-start", str(tmp_path / "start.pt"))
+    run(
+        "--dir",
+        str(save / "snaps"),
+        "--out",
+        str(save / "out.pt"),
+        "--strategy",
+        "mp",
+        "--devices",
+        "2",
+        "--max-steps",
+        "9",
+        "--dump-steps",
+        "9",
+        "--dump-dir",
+        str(save / "dumps"),
+        "--chunk-bytes",
+        "512",
+    )
+    proc = run(
+        "--dir",
+        str(tmp_path / "snaps"),
+        "--out",
+        str(tmp_path / "out.pt"),
+        "--strategy",
+        "mp",
+        "--devices",
+        "4",
+        "--tp",
+        "2",
+        "--max-steps",
+        "10",
+        "--resume",
+        str(save / "snaps" / step_dirname(9)),
+        "--dump-at-start",
+        str(tmp_path / "start.pt"),
+    )
     assert proc.stdout.count("RESTORED step=9") == 4, proc.stdout
     assert assert_state_equal(save / "dumps" / "step-9.pt", tmp_path / "start.pt") == 6 + 6 * 3
     print("FSDP2(2) -> FSDP2xTP(2x2) bytes read / needed per rank:", assert_reads_only_its_shards(proc, 4))
@@ -346,9 +492,20 @@ def test_fsdp2_to_fsdp2_x_tensor_parallel_2d_mesh(tmp_path):
 
 @pytest.mark.slow
 def test_model_parallel_to_one_process_through_the_callback(tmp_path, mp_run):
-    proc = run("--dir", str(tmp_path / "snaps"), "--out", str(tmp_path / "out.pt"), "--strategy", "single",
-               "--max-steps", "10", "--resume", str(mp_run / "snaps" / step_dirname(9)),
-               "--dump-at-start", str(tmp_path / "start.pt"))
+    proc = run(
+        "--dir",
+        str(tmp_path / "snaps"),
+        "--out",
+        str(tmp_path / "out.pt"),
+        "--strategy",
+        "single",
+        "--max-steps",
+        "10",
+        "--resume",
+        str(mp_run / "snaps" / step_dirname(9)),
+        "--dump-at-start",
+        str(tmp_path / "start.pt"),
+    )
     assert "RESTORED step=9" in proc.stdout
     assert "was taken with 2 process(es), this run has 1" in proc.stderr
     assert_state_equal(mp_run / "dumps" / "step-9.pt", tmp_path / "start.pt")
@@ -357,8 +514,14 @@ def test_model_parallel_to_one_process_through_the_callback(tmp_path, mp_run):
 # ---------------------------------------------------------------------------------------------------- in process
 
 
-def _sharded_snapshot(root: Path, tensors: dict[str, torch.Tensor], world: int, chunk_bytes: int,
-                      mesh: tuple[int, ...] | None = None, placements: tuple = (("shard", 0),)) -> Manifest:
+def _sharded_snapshot(
+    root: Path,
+    tensors: dict[str, torch.Tensor],
+    world: int,
+    chunk_bytes: int,
+    mesh: tuple[int, ...] | None = None,
+    placements: tuple = (("shard", 0),),
+) -> Manifest:
     """Write a snapshot as ``world`` ranks of a mesh would, each staging its box of every tensor (a DTensor shard),
     and commit the merged manifest: the writer's own part and merge code, without processes."""
     backend = LocalTier(root)
@@ -387,8 +550,12 @@ def _sharded_snapshot(root: Path, tensors: dict[str, torch.Tensor], world: int, 
 def test_box_reads_from_sharded_snapshot_read_only_what_each_rank_needs(tmp_path, src_world, dst_world):
     chunk = 4096
     g = torch.Generator().manual_seed(src_world * 10 + dst_world)
-    tensors = {"big": torch.randn(1000, 300, generator=g), "wide": torch.randn(64, 2048, generator=g).double(),
-               "bias": torch.randn(37, generator=g), "ints": torch.randint(0, 1 << 40, (501, 7), generator=g)}
+    tensors = {
+        "big": torch.randn(1000, 300, generator=g),
+        "wide": torch.randn(64, 2048, generator=g).double(),
+        "bias": torch.randn(37, generator=g),
+        "ints": torch.randint(0, 1 << 40, (501, 7), generator=g),
+    }
     manifest = _sharded_snapshot(tmp_path, tensors, src_world, chunk)
     backend = LocalTier(tmp_path)
     entries = [t for t in manifest.tensors if t.name.startswith("state_dict/")]
@@ -444,8 +611,13 @@ def test_box_reads_cast_into_targets_of_another_dtype(tmp_path):
     t = torch.randn(40, 8, dtype=torch.float64)
     manifest = _sharded_snapshot(tmp_path, {"w": t}, 3, 256)
     out = torch.empty(13, 8, dtype=torch.float32)
-    state = read_section(LocalTier(tmp_path), manifest, manifest.tensors, manifest.state,
-                         targets={"state_dict/w": ShardTarget(Box((14, 0), (13, 8)), out)})
+    state = read_section(
+        LocalTier(tmp_path),
+        manifest,
+        manifest.tensors,
+        manifest.state,
+        targets={"state_dict/w": ShardTarget(Box((14, 0), (13, 8)), out)},
+    )
     assert state["state_dict"]["w"] is out and torch.equal(out, t[14:27].float())
 
 
@@ -465,11 +637,23 @@ def test_whole_tensor_load_assembles_the_shards_of_every_rank(tmp_path):
 
 def test_merge_refuses_overlapping_or_disagreeing_shards(tmp_path):
     def part(rank: int, offsets, shape, dtype="float32", global_shape=(4, 2)):
-        frag = {"object": f"o{rank}", "offset": 0, "nbytes": 4 * shape[0] * shape[1], "global_offsets": list(offsets),
-                "local_shape": list(shape), "checksums": ["0" * 16]}
-        return {"rank": rank, "objects": [], "tensors": [{"type": "tensor", "name": "w", "dtype": dtype,
-                                                          "global_shape": list(global_shape), "fragments": [frag]}],
-                "state": {"w": {"$tensor": "w"}} if rank == 0 else None, "rank_section": {}}
+        frag = {
+            "object": f"o{rank}",
+            "offset": 0,
+            "nbytes": 4 * shape[0] * shape[1],
+            "global_offsets": list(offsets),
+            "local_shape": list(shape),
+            "checksums": ["0" * 16],
+        }
+        return {
+            "rank": rank,
+            "objects": [],
+            "tensors": [
+                {"type": "tensor", "name": "w", "dtype": dtype, "global_shape": list(global_shape), "fragments": [frag]}
+            ],
+            "state": {"w": {"$tensor": "w"}} if rank == 0 else None,
+            "rank_section": {},
+        }
 
     merged = _merge_tensors([part(0, (0, 0), (2, 2)), part(1, (2, 0), (2, 2))])
     assert len(merged) == 1 and len(merged[0]["fragments"]) == 2
@@ -509,8 +693,9 @@ def _fake_dtensor(global_shape, mesh_shape, coord, placements):
         index = index * m + c
     box = shard_boxes(global_shape, mesh_shape, placements)[index]
     local = torch.zeros(box.shape)
-    return SimpleNamespace(device_mesh=mesh, placements=placements, shape=torch.Size(global_shape),
-                           to_local=lambda: local)
+    return SimpleNamespace(
+        device_mesh=mesh, placements=placements, shape=torch.Size(global_shape), to_local=lambda: local
+    )
 
 
 def test_dtensor_box_writers_and_refused_placements():
@@ -526,25 +711,41 @@ def test_dtensor_box_writers_and_refused_placements():
     assert [k for k, (_, w) in writers.items() if w] == [(0, 0), (1, 0)]
     assert writers[(1, 1)][0] == Box((3, 0), (3, 4))
     # 2-D Shard(0) x Shard(1): every rank writes its own block
-    assert all(dtensor_box(_fake_dtensor((6, 4), (2, 2), (a, b), (Shard(0), Shard(1))))[1]
-               for a in range(2) for b in range(2))
+    assert all(
+        dtensor_box(_fake_dtensor((6, 4), (2, 2), (a, b), (Shard(0), Shard(1))))[1] for a in range(2) for b in range(2)
+    )
     # an empty shard writes nothing (5 rows over 4 ranks: 2, 2, 1, 0)
     assert dtensor_box(_fake_dtensor((5, 2), (4,), (3,), (Shard(0),))) == (Box((5, 0), (0, 2)), False)
     # 2-D FSDP2 x TP (dp=2, tp=2), 5 rows: every rank writes its own box (tp chunk 0:3 | 3:5, dp chunk inside)
     fsdp_tp = (_StridedShard(0, split_factor=2), Shard(0))
     got = {(a, b): dtensor_box(_fake_dtensor((5, 4), (2, 2), (a, b), fsdp_tp)) for a in range(2) for b in range(2)}
-    assert got == {(0, 0): (Box((0, 0), (2, 4)), True), (0, 1): (Box((3, 0), (1, 4)), True),
-                   (1, 0): (Box((2, 0), (1, 4)), True), (1, 1): (Box((4, 0), (1, 4)), True)}
+    assert got == {
+        (0, 0): (Box((0, 0), (2, 4)), True),
+        (0, 1): (Box((3, 0), (1, 4)), True),
+        (1, 0): (Box((2, 0), (1, 4)), True),
+        (1, 1): (Box((4, 0), (1, 4)), True),
+    }
     # a local shard of another shape than the geometry gives is refused
-    wrong = SimpleNamespace(device_mesh=_FakeMesh((2, 2), (1, 1)), placements=fsdp_tp, shape=torch.Size((5, 4)),
-                            to_local=lambda: torch.zeros(2, 4))
+    wrong = SimpleNamespace(
+        device_mesh=_FakeMesh((2, 2), (1, 1)),
+        placements=fsdp_tp,
+        shape=torch.Size((5, 4)),
+        to_local=lambda: torch.zeros(2, 4),
+    )
     with pytest.raises(CaptureError, match=r"local shard has shape \(2, 4\).*gives \(1, 4\)"):
         dtensor_box(wrong, "net.5.weight")
     # torch's strided semantics on a 1-D mesh: rank 0 holds rows 0, 1, 3, 4 of 6: not a box, refused by name
-    strided = SimpleNamespace(device_mesh=_FakeMesh((2,), (0,)), placements=(_StridedShard(0, split_factor=2),),
-                              shape=torch.Size((6, 4)), to_local=lambda: torch.zeros(4, 4))
-    with pytest.raises(CaptureError, match=r"tensor 'w' is a DTensor with placements \(_StridedShard\(dim=0, sf=2\),\)"
-                                           r".*not one box.*redistribute"):
+    strided = SimpleNamespace(
+        device_mesh=_FakeMesh((2,), (0,)),
+        placements=(_StridedShard(0, split_factor=2),),
+        shape=torch.Size((6, 4)),
+        to_local=lambda: torch.zeros(4, 4),
+    )
+    with pytest.raises(
+        CaptureError,
+        match=r"tensor 'w' is a DTensor with placements \(_StridedShard\(dim=0, sf=2\),\)"
+        r".*not one box.*redistribute",
+    ):
         dtensor_box(strided, "w")
 
 
@@ -554,8 +755,13 @@ def test_write_snapshot_records_the_arena_chunk_size(tmp_path):
     arena = HostArena(chunk_bytes=256)
     try:
         staged = arena.stage_async({"w": torch.randn(100, 10)}, lambda t: True, step=1)
-        manifest = write_snapshot(LocalTier(tmp_path), LocalComm(), SnapshotJob(1, 0, staged.state, stage({}, "rank")),
-                                  "run", prepare=staged.wait)
+        manifest = write_snapshot(
+            LocalTier(tmp_path),
+            LocalComm(),
+            SnapshotJob(1, 0, staged.state, stage({}, "rank")),
+            "run",
+            prepare=staged.wait,
+        )
         assert manifest.chunk_bytes == 256
         assert len(manifest.tensors[0].fragments[0].checksums) == 4000 // 256 + 1
         assert torch.equal(load_snapshot(str(tmp_path), 1)["w"], staged.state.tensors["w"])
@@ -575,8 +781,20 @@ def ddp_90(tmp_path_factory):
     """DDP(2) over 90 samples, batch 4: 45 samples and 12 batches per rank and epoch; stopped at step 6 (mid-epoch,
     48 samples of the epoch consumed by the two ranks together), snapshots at 3 and 6."""
     d = tmp_path_factory.mktemp("ddp-90")
-    run("--dir", str(d / "snaps"), "--out", str(d / "out.pt"), "--strategy", "ddp", "--max-steps", "6",
-        "--samples", "90", "--record", str(d / "batches"))
+    run(
+        "--dir",
+        str(d / "snaps"),
+        "--out",
+        str(d / "out.pt"),
+        "--strategy",
+        "ddp",
+        "--max-steps",
+        "6",
+        "--samples",
+        "90",
+        "--record",
+        str(d / "batches"),
+    )
     return d
 
 
@@ -591,12 +809,27 @@ def test_world_size_change_continues_from_the_saved_global_sample(tmp_path, ddp_
         assert [i for b in saved[rank] for i in b[3]] == order[rank:48:2]
     left = order[48:]  # 42 samples
     per_rank = math.ceil(len(left) / world)  # a remainder that does not divide is padded with the first samples left
-    padded = left + left[:per_rank * world - len(left)]
+    padded = left + left[: per_rank * world - len(left)]
     epoch_batches = math.ceil(per_rank / batch)
     max_steps = 6 + epoch_batches + 1  # the rest of epoch 0, and the first batch of epoch 1
-    proc = run("--dir", str(tmp_path / "snaps"), "--out", str(tmp_path / "out.pt"), "--strategy", strategy,
-               "--devices", str(world), "--max-steps", str(max_steps), "--samples", str(n),
-               "--resume", str(ddp_90 / "snaps" / step_dirname(6)), "--record", str(tmp_path / "batches"))
+    proc = run(
+        "--dir",
+        str(tmp_path / "snaps"),
+        "--out",
+        str(tmp_path / "out.pt"),
+        "--strategy",
+        strategy,
+        "--devices",
+        str(world),
+        "--max-steps",
+        str(max_steps),
+        "--samples",
+        str(n),
+        "--resume",
+        str(ddp_90 / "snaps" / step_dirname(6)),
+        "--record",
+        str(tmp_path / "batches"),
+    )
     assert proc.stdout.count("RESTORED step=6") == world, proc.stdout
     assert "the data continues from the saved global sample" in proc.stderr
     loader_len = math.ceil(math.ceil(n / world) / batch)  # batches per rank and epoch at the new world size
@@ -605,9 +838,11 @@ def test_world_size_change_continues_from_the_saved_global_sample(tmp_path, ddp_
         epoch0 = [b for b in batches if b[0] == 0]
         want = padded[rank::world]
         assert [i for b in epoch0 for i in b[3]] == want, f"rank {rank} did not continue the global order"
-        assert [len(b[3]) for b in epoch0] == [len(want[i:i + batch]) for i in range(0, len(want), batch)]
+        assert [len(b[3]) for b in epoch0] == [len(want[i : i + batch]) for i in range(0, len(want), batch)]
         assert [b[1] for b in epoch0] == list(range(6, 6 + epoch_batches)), "global steps"
         # the epoch ends at the loader's length, and the next one starts at batch 0 of epoch 1
-        assert epoch0[-1][2] == loader_len - 1 and [b[:3] for b in batches[len(epoch0):]] == [[1, 6 + epoch_batches, 0]]
+        assert epoch0[-1][2] == loader_len - 1 and [b[:3] for b in batches[len(epoch0) :]] == [
+            [1, 6 + epoch_batches, 0]
+        ]
         seen += want
     assert set(seen) == set(left), "every sample left in the epoch is trained on, and no consumed one again"

@@ -6,16 +6,19 @@ import pytest
 from conftest import assert_bitwise_equal, assert_fresh, assert_resumed, run_train
 
 from lightning_snapshot.backends import LocalTier
-from lightning_snapshot.loader import read_manifest
-from lightning_snapshot.writer import committed_steps
+from lightning_snapshot.persist.writer import committed_steps
+from lightning_snapshot.restore.loader import read_manifest
 
 # (id, train.py arguments, range of the crash step)
 CASES = [
     ("shuffle-dropout-mid-epoch", ("--shuffle", "--dropout", "0.2"), (5, 15)),
     ("no-shuffle", (), (5, 19)),
     ("epoch-boundary", ("--shuffle", "--dropout", "0.2", "--every", "4"), (17, 19)),
-    ("grad-accumulation", ("--shuffle", "--dropout", "0.2", "--accumulate", "2", "--every", "2",
-                           "--max-steps", "12"), (5, 11)),
+    (
+        "grad-accumulation",
+        ("--shuffle", "--dropout", "0.2", "--accumulate", "2", "--every", "2", "--max-steps", "12"),
+        (5, 11),
+    ),
     ("stateful-dataloader", ("--loader", "stateful", "--shuffle", "--dropout", "0.2"), (5, 19)),
     ("loader-workers", ("--shuffle", "--workers", "2"), (5, 19)),
 ]
@@ -63,8 +66,19 @@ def test_ddp_two_ranks_augmenting_in_persistent_loader_workers_resume_bitwise(tm
     whose dataset draws from torch, numpy and python ``random``; each rank has its own workers. Killed at step 9 and
     resumed from step 8, the first batch of epoch 1 (8 batches a rank and epoch): every worker carries its RNG from
     epoch 0."""
-    args = ("--devices", "2", "--shuffle", "--workers", "2", "--persistent", "--augment", "--max-steps", "12",
-            "--every", "2")
+    args = (
+        "--devices",
+        "2",
+        "--shuffle",
+        "--workers",
+        "2",
+        "--persistent",
+        "--augment",
+        "--max-steps",
+        "12",
+        "--every",
+        "2",
+    )
     ref = reference_runs(*args)
     snaps = tmp_path / "snaps"
     run_train(snaps, tmp_path / "crashed.pt", *args, "--crash-at", "9", "--crash-after-newest", expect_kill=True)

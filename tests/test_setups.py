@@ -18,19 +18,20 @@ from conftest import assert_bitwise_equal, assert_fresh, assert_resumed, run_scr
 from fingerprint import assert_same_run
 
 from lightning_snapshot.backends import LocalTier
-from lightning_snapshot.writer import committed_steps
+from lightning_snapshot.persist.writer import committed_steps
 
 
 def run_setup(tmp: Path, name: str, *args: str, expect_kill: bool = False):
-    return run_script("setups.py", "--dir", str(tmp), "--out", str(tmp / "out.pt"), "--setup", name, *args,
-                      expect_kill=expect_kill)
+    return run_script(
+        "setups.py", "--dir", str(tmp), "--out", str(tmp / "out.pt"), "--setup", name, *args, expect_kill=expect_kill
+    )
 
 
 # (setup, extra arguments, crash steps). Snapshots every 4 steps; an epoch is 16 steps; validation setups validate
 # at every epoch end (val-epoch, plateau-epoch) or every 4 batches (val-interval, plateau-step).
 CASES = [
-    ("val-epoch", (), (17, 34)),           # right after the epoch-end snapshot + validation; mid-epoch later
-    ("val-interval", (), (5, 14)),         # right after a snapshot step that is also a validation step
+    ("val-epoch", (), (17, 34)),  # right after the epoch-end snapshot + validation; mid-epoch later
+    ("val-interval", (), (5, 14)),  # right after a snapshot step that is also a validation step
     ("plateau-epoch", ("--every", "3"), (20,)),  # mid-epoch: the epoch-end plateau step must still happen
     ("plateau-step", (), (5, 13)),
     ("aug-main", ("--every", "3"), (8, 17)),
@@ -44,20 +45,20 @@ CASES = [
     ("manual-two-optimizers", (), (10, 30)),
     ("bf16-mixed", ("--every", "3"), (8,)),
     # Lightning's callbacks that change the training during fit (snapshots every 4 steps, epochs of 16 steps):
-    ("finetune", (), (18, 22)),            # snapshot at 16 (epoch 1 has begun: backbone unfrozen), then mid-epoch
-    ("swa", (), (22, 48)),                 # inside its first averaging epoch; at its BatchNorm-update epoch (one step)
-    ("lr-monitor", (), (10,)),             # OneCycleLR per step, every learning rate logged
-    ("grad-accum", (), (22, 30)),          # within epoch 1 (2 batches per step) and epoch 3 (4 per step)
-    ("early-stop-train", (), (22,)),       # within epoch 1: its epoch mean must include steps 17-20
-    ("ckpt-steps", (), (10,)),             # ModelCheckpoint wrote step 9 after the snapshot of step 8
+    ("finetune", (), (18, 22)),  # snapshot at 16 (epoch 1 has begun: backbone unfrozen), then mid-epoch
+    ("swa", (), (22, 48)),  # inside its first averaging epoch; at its BatchNorm-update epoch (one step)
+    ("lr-monitor", (), (10,)),  # OneCycleLR per step, every learning rate logged
+    ("grad-accum", (), (22, 30)),  # within epoch 1 (2 batches per step) and epoch 3 (4 per step)
+    ("early-stop-train", (), (22,)),  # within epoch 1: its epoch mean must include steps 17-20
+    ("ckpt-steps", (), (10,)),  # ModelCheckpoint wrote step 9 after the snapshot of step 8
     # EMAWeightAveraging: the averaged weights travel in on_save_checkpoint, are swapped in for each validation
     # (every 4 steps: right after the snapshot of step 8) and copied into the model at on_train_end
     ("ema", (), (9, 21)),
-    ("user-hooks", (), (10,)),             # a user callback's state in on_save_checkpoint/on_load_checkpoint
+    ("user-hooks", (), (10,)),  # a user callback's state in on_save_checkpoint/on_load_checkpoint
     # an epoch-interval scheduler, validation twice an epoch (val_check_interval=0.5), ModelCheckpoint(save_last)
     # whose current_score is only set by a top-k save: resumed after the validation of step 24
     ("epoch-sched", (), (26,)),
-    ("metric-obj", (), (10, 23)),          # a torchmetrics Metric logged per epoch, monitored by EarlyStopping
+    ("metric-obj", (), (10, 23)),  # a torchmetrics Metric logged per epoch, monitored by EarlyStopping
     # ModelPruning prunes (renaming weight to weight_orig + weight_mask) and resets the weights (lottery ticket) at
     # each epoch end, after the last batch's on_train_batch_end: resumed from the snapshots of steps 16 and 32
     ("pruning", (), (17, 35)),
@@ -180,8 +181,13 @@ def test_resuming_a_stateful_loader_with_workers_mid_epoch_warns_about_their_rng
 
     def fit(steps: int) -> list[str]:
         loader = StatefulDataLoader(RandomDataset(32, 64), batch_size=4, num_workers=1)
-        trainer = L.Trainer(max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                            callbacks=[SnapshotCallback(LocalTier(tmp_path / "snaps", every_n_train_steps=2))])
+        trainer = L.Trainer(
+            max_steps=steps,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[SnapshotCallback(LocalTier(tmp_path / "snaps", every_n_train_steps=2))],
+        )
         with pytest.warns() as record:
             trainer.fit(BoringModel(), loader)
         return [str(w.message) for w in record]
@@ -215,8 +221,19 @@ def test_sigterm_snapshots_the_current_step_and_the_rerun_continues_exactly(tmp_
     args = ("--every", "100", "--max-steps", "24")
     run_setup(tmp_path / "ref", "val-interval", *args)
     d = tmp_path / "preempted"
-    proc = run_script("setups.py", "--dir", str(d), "--out", str(d / "out.pt"), "--setup", "val-interval", *args,
-                      "--sigterm-at", "9", expect_rc=143)
+    proc = run_script(
+        "setups.py",
+        "--dir",
+        str(d),
+        "--out",
+        str(d / "out.pt"),
+        "--setup",
+        "val-interval",
+        *args,
+        "--sigterm-at",
+        "9",
+        expect_rc=143,
+    )
     steps = committed_steps(LocalTier(d / "snaps"))
     assert steps and 9 <= steps[0] <= 10, f"no snapshot of the preempted step: {steps}\n{proc.stderr[-2000:]}"
     assert f"SIGTERM: step {steps[0]} is held by" in proc.stderr + proc.stdout

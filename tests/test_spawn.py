@@ -19,14 +19,21 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_snapshot import SnapshotCallback
 from lightning_snapshot.backends import LocalTier, ObjectStoreTier, RamTier
-from lightning_snapshot.writer import committed_steps
+from lightning_snapshot.persist.writer import committed_steps
 
 
-def _run(script: str, *args: str, env: dict[str, str] | None = None, timeout: int = 300
-         ) -> subprocess.CompletedProcess[str]:
+def _run(
+    script: str, *args: str, env: dict[str, str] | None = None, timeout: int = 300
+) -> subprocess.CompletedProcess[str]:
     e = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning", **(env or {})}
-    return subprocess.run([sys.executable, str(SCRIPTS / script), *args], capture_output=True, text=True,
-                          timeout=timeout, env=e, start_new_session=True)
+    return subprocess.run(
+        [sys.executable, str(SCRIPTS / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=e,
+        start_new_session=True,
+    )
 
 
 def _ok(proc: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
@@ -38,9 +45,17 @@ def _ok(proc: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[s
 def test_callback_and_tiers_pickle_before_setup_and_work_after(tmp_path):
     secret = "s3cr3t-value-for-the-test"
     local = LocalTier(tmp_path / "local", every_n_train_steps=2, keep_last=2)
-    s3 = ObjectStoreTier("s3://bucket/run-1", storage_options={
-        "key": "test-key-id", "secret": secret, "client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}},
-        every_n_train_steps=5, keep_last=None, max_pending=2)
+    s3 = ObjectStoreTier(
+        "s3://bucket/run-1",
+        storage_options={
+            "key": "test-key-id",
+            "secret": secret,
+            "client_kwargs": {"endpoint_url": "http://127.0.0.1:9"},
+        },
+        every_n_train_steps=5,
+        keep_last=None,
+        max_pending=2,
+    )
     ram = RamTier(every_n_train_steps=3, name="spawn-test", shm_dir=str(tmp_path / "shm"))
     cb = SnapshotCallback([ram, local, s3], resume=False, on_error="warn")
     local.write("warm/a.bin", [b"x"])  # the tiers were used in this process: counters, a RAM store
@@ -53,8 +68,12 @@ def test_callback_and_tiers_pickle_before_setup_and_work_after(tmp_path):
     ram2, local2, s3b = cb2.tiers
     assert [type(t) for t in cb2.tiers] == [RamTier, LocalTier, ObjectStoreTier]
     for a, b in zip(cb.tiers, cb2.tiers):
-        assert (b.url, b.every_n_train_steps, b.keep_last, b.spec()) == (a.url, a.every_n_train_steps, a.keep_last,
-                                                                          a.spec())
+        assert (b.url, b.every_n_train_steps, b.keep_last, b.spec()) == (
+            a.url,
+            a.every_n_train_steps,
+            a.keep_last,
+            a.spec(),
+        )
     # the local tier: a lock and counters of its own, and it writes and reads
     assert local2._count_lock is not local._count_lock and local2.bytes_read == 0
     local2.write("step-000000000001/x.bin", [b"hello ", b"world"])
@@ -115,8 +134,15 @@ def test_callback_in_use_refuses_pickling_with_a_clear_error(tmp_path):
                 except TypeError as e:
                     errors.append(e)
 
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, callbacks=[snapshots, TryPickle()], logger=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        callbacks=[snapshots, TryPickle()],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(_Tiny(), DataLoader(TensorDataset(torch.randn(16, 4)), batch_size=4))
     assert len(errors) == 1 and "in use by a running fit" in str(errors[0])
     again = pickle.loads(pickle.dumps(snapshots))  # after fit: configuration only again
@@ -125,8 +151,20 @@ def test_callback_in_use_refuses_pickling_with_a_clear_error(tmp_path):
 
 # ------------------------------------------------------------------------------------------- real runs
 def _spawn_run(snaps: Path, out: Path, strategy: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return _run("spawn_train.py", "--dir", str(snaps), "--out", str(out), "--strategy", strategy,
-                "--max-steps", "10", "--every", "2", *args)
+    return _run(
+        "spawn_train.py",
+        "--dir",
+        str(snaps),
+        "--out",
+        str(out),
+        "--strategy",
+        strategy,
+        "--max-steps",
+        "10",
+        "--every",
+        "2",
+        *args,
+    )
 
 
 def _load(out: Path, rank: int) -> dict:

@@ -8,7 +8,7 @@ import torch
 from conftest import assert_fresh, assert_resumed, run_script
 
 from lightning_snapshot.backends import LocalTier
-from lightning_snapshot.writer import committed_steps
+from lightning_snapshot.persist.writer import committed_steps
 
 
 @pytest.mark.slow
@@ -17,8 +17,18 @@ def test_a_registered_state_part_resumes_bitwise_after_sigkill(tmp_path, phase):
     ref, got = tmp_path / "ref.pt", tmp_path / "resumed.pt"
     run_script("state_part.py", "--dir", str(tmp_path / "ref"), "--out", str(ref), "--phase", phase)
     snaps = tmp_path / "snaps"
-    proc = run_script("state_part.py", "--dir", str(snaps), "--out", str(tmp_path / "x.pt"), "--phase", phase,
-                      "--crash-at", "9", expect_kill=True)
+    proc = run_script(
+        "state_part.py",
+        "--dir",
+        str(snaps),
+        "--out",
+        str(tmp_path / "x.pt"),
+        "--phase",
+        phase,
+        "--crash-at",
+        "9",
+        expect_kill=True,
+    )
     assert_fresh(proc)
     committed = committed_steps(LocalTier(snaps))
     assert committed, "the killed run committed no snapshot"

@@ -38,8 +38,14 @@ def test_a_run_is_forked_with_its_arguments_environment_and_exit_status(monkeypa
     monkeypatch.setenv("LS_TEST_PROBE", "seen")
     seen, err = probe("a", "b c", "--exit", "3", "--stderr", "to stderr", expect_rc=3)
     assert seen.pop("differs") == [], seen
-    assert seen == {"preloaded": True, "args": ["a", "b c"], "cwd": os.getcwd(), "main": "__main__",
-                    "probe": "seen", "path0": str(SCRIPTS)}
+    assert seen == {
+        "preloaded": True,
+        "args": ["a", "b c"],
+        "cwd": os.getcwd(),
+        "main": "__main__",
+        "probe": "seen",
+        "path0": str(SCRIPTS),
+    }
     assert err.strip() == "to stderr"
 
 

@@ -32,9 +32,22 @@ from typing import Any
 #: Lightning set PYTORCH_NVML_BASED_CUDA_CHECK and TORCHINDUCTOR_CACHE_DIR in the test process once a test has run
 #: Lightning in it, as they did in the server when it imported them, and seed_everything sets PL_GLOBAL_SEED and
 #: PL_SEED_WORKERS, read when seeding)
-ALLOWED_PREFIXES = ("LIGHTNING_SNAPSHOT_", "LS_TEST_", "SETUPS_", "RESHARD_", "PYTEST_", "PYTHONWARNINGS",
-                    "XDG_STATE_HOME", "NODE_RANK", "AWS_", "CUBLAS_WORKSPACE_CONFIG", "PYTORCH_NVML_BASED_CUDA_CHECK",
-                    "TORCHINDUCTOR_", "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+ALLOWED_PREFIXES = (
+    "LIGHTNING_SNAPSHOT_",
+    "LS_TEST_",
+    "SETUPS_",
+    "RESHARD_",
+    "PYTEST_",
+    "PYTHONWARNINGS",
+    "XDG_STATE_HOME",
+    "NODE_RANK",
+    "AWS_",
+    "CUBLAS_WORKSPACE_CONFIG",
+    "PYTORCH_NVML_BASED_CUDA_CHECK",
+    "TORCHINDUCTOR_",
+    "PL_GLOBAL_SEED",
+    "PL_SEED_WORKERS",
+)
 DISABLE_ENV = "LS_TEST_ZYGOTE"
 
 
@@ -88,8 +101,8 @@ def serve() -> None:
     import numpy  # noqa: F401
     import torch  # noqa: F401
 
-    import lightning_snapshot  # noqa: F401
-    import lightning_snapshot.backends  # noqa: F401
+    import lightning_snapshot
+    import lightning_snapshot.backends
     import lightning_snapshot.callback  # noqa: F401
 
     try:
@@ -153,8 +166,14 @@ class Zygote:
     def run(self, cmd: list[str], env: dict[str, str], timeout: float, tmp: Path) -> subprocess.CompletedProcess[str]:
         """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)``, forked."""
         out, err = tmp / "stdout", tmp / "stderr"
-        request = {"script": cmd[1], "args": cmd[2:], "env": env, "cwd": os.getcwd(), "stdout": str(out),
-                   "stderr": str(err)}
+        request = {
+            "script": cmd[1],
+            "args": cmd[2:],
+            "env": env,
+            "cwd": os.getcwd(),
+            "stdout": str(out),
+            "stderr": str(err),
+        }
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()

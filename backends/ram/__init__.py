@@ -14,7 +14,7 @@ re-exports for users).
   name, for the tier, the agent and the callback.
 - :mod:`~lightning_snapshot.backends.ram.erasure`: zfec erasure coding of a data object into ``k + m`` shares that
   live on different nodes, and rebuilding lost or corrupted shares.
-- :mod:`~lightning_snapshot.backends.ram.agent`: the node's snapshot agent, a process that owns the shared-memory
+- :mod:`~lightning_snapshot.agent`: the node's snapshot agent, a process that owns the shared-memory
   directory, outlives the trainer (a killed trainer's staged snapshot is still written) and frees it when idle.
 """
 

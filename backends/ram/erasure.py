@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 import zfec
 
+from lightning_snapshot.dist.forksafe import Executor
 from lightning_snapshot.errors import ChecksumError, ConfigError
-from lightning_snapshot.forksafe import Executor
 
 __all__ = ["DEFAULT_BLOCK", "ShareLayout", "check_params", "decode", "encode", "layout", "rebuild"]
 
@@ -114,7 +114,7 @@ class _Native:
 def _load_native() -> _Native | None:
     """Bind zfec's C functions and check them against zfec's Python API on a small object; None if that fails."""
     try:
-        from zfec import _fec
+        from zfec import _fec  # noqa: PLC2701
 
         nat = _Native(ctypes.CDLL(_fec.__file__))
         k, n, b = 3, 5, 256

@@ -2,7 +2,7 @@
 files hold, and the run name derived from the script, the working directory, the tiers and the launcher's job id.
 
 No tier and no I/O beyond the environment and a directory walk: :class:`~lightning_snapshot.backends.ram.tier.RamTier`
-(its node directory), the node's snapshot agent (:mod:`~lightning_snapshot.backends.ram.agent`: where its memory is,
+(its node directory), the node's snapshot agent (:mod:`~lightning_snapshot.agent`: where its memory is,
 how much it holds) and the callback (the default run name) call it.
 """
 

@@ -1,7 +1,7 @@
 """A node's RAM-tier store: the files of the node's memory directory (tmpfs: no O_DIRECT, owner-only), which the
 tier reads and writes on its node and where the node's snapshot agent keeps a step for trainers that died.
 
-Below both :mod:`~lightning_snapshot.backends.ram.tier` and the agent (:mod:`~lightning_snapshot.backends.ram.agent`),
+Below both :mod:`~lightning_snapshot.backends.ram.tier` and the agent (:mod:`~lightning_snapshot.agent`),
 which open the same store.
 """
 

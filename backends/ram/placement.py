@@ -75,15 +75,15 @@ class RamPlacement(Backend):
 
     def start_agent(self) -> None:
         """Start the node's snapshot agent unless one answers (the node's first rank, at set-up)."""
-        from lightning_snapshot.backends.ram.agent.client import ensure_agent
+        from lightning_snapshot.backends.ram.agent_client import ensure_agent
 
         ensure_agent(self.node_dir, idle_timeout=self.idle_timeout)
 
     def connect_agent(
         self, *, rank: int, world_size: int, run_id: str, tiers: Sequence[Backend], part_wait: float
     ) -> NodeAgent:
-        """This rank's link to its node's agent (:class:`~lightning_snapshot.backends.ram.agent.AgentClient`)."""
-        from lightning_snapshot.backends.ram.agent.client import AgentClient
+        """This rank's link to its node's agent (:class:`~lightning_snapshot.agent.AgentClient`)."""
+        from lightning_snapshot.backends.ram.agent_client import AgentClient
 
         return AgentClient(
             self.node_dir, rank=rank, world_size=world_size, run_id=run_id, tiers=list(tiers), part_wait=part_wait

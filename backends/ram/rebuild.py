@@ -21,9 +21,9 @@ from lightning_snapshot.backends.mapped_files import close_map, exchange, map_ex
 from lightning_snapshot.backends.ram import erasure as _ec
 from lightning_snapshot.backends.ram.node_store import PROPOSED
 from lightning_snapshot.backends.ram.shares import EC, LAYOUT_FILE, READING_FILE, parse_layout, share_ok, view_of
-from lightning_snapshot.comm import agree_on
+from lightning_snapshot.dist.comm import agree_on
+from lightning_snapshot.dist.forksafe import Executor
 from lightning_snapshot.errors import SnapshotError
-from lightning_snapshot.forksafe import Executor
 
 __all__ = ["PROPOSED", "commit_kept", "fetch_and_rebuild", "inventory"]
 
@@ -34,7 +34,7 @@ def inventory(store: LocalTier, prefix: str, *, leader: bool, verify: bool, thre
     """What this node's ``store`` holds of ``prefix``: the manifest text, whole objects and its shares of the right
     size (``verify``: only those whose xxh3 matches the layout's, hashed on up to ``threads`` threads). Only the
     node's ``leader`` rank looks (the others return an empty inventory)."""
-    from lightning_snapshot.manifest import MANIFEST_NAME
+    from lightning_snapshot.format.manifest import MANIFEST_NAME
 
     inv: dict[str, Any] = {"manifest": None, "whole": {}, "shares": {}, "bad": [], "broken": {}}
     if not leader:
@@ -94,7 +94,7 @@ def fetch_and_rebuild(
     object) over ``comm`` and rebuild every erasure-coded object of ``layouts`` in ``store`` from ``k`` good shares:
     its own that :func:`inventory` listed (``verified``), the others checked here (``verify``: hashed), on up to
     ``threads`` threads. Writes each object's ``reading.json``; received shares it did not use are removed."""
-    from lightning_snapshot.manifest import Manifest
+    from lightning_snapshot.format.manifest import Manifest
 
     sizes = {o.key: o.nbytes for o in Manifest.from_json(manifest, where=f"RAM tier manifest of {prefix}").objects}
     sends: list[tuple[Any, int]] = []
@@ -178,7 +178,7 @@ def _proposed(store: LocalTier) -> tuple[dict[int, tuple[str, str]], list[int]]:
     """What ``store`` (a node's) holds: the steps not committed there that hold a manifest its agent proposed
     (:data:`PROPOSED`), ``{step: (its name in the step's directory, its text)}``, and the steps committed there. What
     cannot be listed or read counts as not there (logged): every rank goes on to the collective that follows."""
-    from lightning_snapshot.manifest import MANIFEST_NAME, parse_step_dirname
+    from lightning_snapshot.format.manifest import MANIFEST_NAME, parse_step_dirname
 
     found: dict[int, tuple[str, str]] = {}
     committed: list[int] = []
@@ -218,7 +218,7 @@ def _holdings(store: LocalTier, prefix: str, threads: int | None) -> dict[str, A
 def _missing_objects(text: str, prefix: str, held: list[dict[str, Any]]) -> list[str]:
     """The objects of the manifest ``text`` of the step ``prefix`` that none of the nodes' :func:`_holdings` ``held``
     holds whole (of their size) or as ``k`` good shares; a manifest that does not parse misses everything. Pure."""
-    from lightning_snapshot.manifest import Manifest
+    from lightning_snapshot.format.manifest import Manifest
 
     try:
         manifest = Manifest.from_json(text, where=f"manifest proposed for {prefix} in the RAM tier")
@@ -253,7 +253,7 @@ def commit_kept(store: LocalTier, comm: Any, *, leader: bool, url: str, threads:
     committed on some node is left as it is. Raises nothing a single rank could raise alone: every rank takes the
     same decisions, from what the leaders gathered.
     """
-    from lightning_snapshot.manifest import MANIFEST_NAME, step_dirname
+    from lightning_snapshot.format.manifest import MANIFEST_NAME, step_dirname
 
     mine, committed = _proposed(store) if leader else ({}, [])
     everyone = agree_on(comm, f"the steps kept in the RAM tier {url}", lambda: (mine, committed), gather=True).values

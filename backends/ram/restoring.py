@@ -17,7 +17,7 @@ from lightning_snapshot.backends.base import node_steps
 from lightning_snapshot.backends.ram.rebuild import commit_kept, fetch_and_rebuild, inventory
 from lightning_snapshot.backends.ram.shares import EC, READING_FILE, SHARE_FILE
 from lightning_snapshot.backends.ram.store import RamStore
-from lightning_snapshot.comm import agree_on
+from lightning_snapshot.dist.comm import agree_on
 from lightning_snapshot.errors import SnapshotError, SnapshotNotFoundError
 
 __all__ = ["RamRestore"]
@@ -41,7 +41,7 @@ class RamRestore(RamStore):
         """Restore ``step`` from this tier (collective): :meth:`prepare_restore`, ``read()``, :meth:`finish_restore`.
 
         ``read`` reads what this rank needs and verifies every chunk against the manifest's checksums (the
-        loader's :func:`~lightning_snapshot.loader.read_section` does). Shares are trusted at first, so that an
+        loader's :func:`~lightning_snapshot.restore.loader.read_section` does). Shares are trusted at first, so that an
         intact snapshot costs one verified read of its bytes and no hashing of shares; if a chunk fails its
         checksum on any rank (a corrupted share), every node hashes its shares, corrupted ones are treated as
         missing and rebuilt from the good ones, and the ranks whose read failed read again.
@@ -98,7 +98,7 @@ class RamRestore(RamStore):
         Raises:
             SnapshotError: some object has fewer than ``k`` good shares left on all nodes together (naming it).
         """
-        from lightning_snapshot.manifest import MANIFEST_NAME, step_dirname
+        from lightning_snapshot.format.manifest import MANIFEST_NAME, step_dirname
 
         prefix = step_dirname(step)
         world = getattr(comm, "world_size", 1)
@@ -172,7 +172,7 @@ class RamRestore(RamStore):
     def finish_restore(self, step: int) -> None:
         """Free what :meth:`prepare_restore` added: received and rebuilt shares, whole objects it got from peers
         (the node's own shares stay). Every rank calls it."""
-        from lightning_snapshot.manifest import step_dirname
+        from lightning_snapshot.format.manifest import step_dirname
 
         self._readings.clear()
         self._paths.clear()

@@ -19,8 +19,8 @@ import xxhash
 
 from lightning_snapshot.backends.mapped_files import pread_all
 from lightning_snapshot.backends.ram import erasure as _ec
+from lightning_snapshot.dist.forksafe import Executor
 from lightning_snapshot.errors import SnapshotError
-from lightning_snapshot.forksafe import Executor
 from lightning_snapshot.staging import digest
 
 __all__ = [

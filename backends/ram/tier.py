@@ -6,7 +6,7 @@ the agent), and the engine drives it through the Backend interface (writer.py an
 commit, restore.py restores). The agent also uses this module's memory helpers.
 
 Storage: every node has a directory in shared memory (``/dev/shm/lightning-snapshot-<uid>/<run>``, mode 0700, files
-0600) that the node's snapshot agent (:mod:`lightning_snapshot.backends.ram.agent`) owns: it outlives the trainer and
+0600) that the node's snapshot agent (:mod:`lightning_snapshot.agent`) owns: it outlives the trainer and
 frees it after an idle time. The snapshot format is the one of every tier (``step-<n>/manifest.json`` + data
 objects); with ``erasure=(k, m)`` a data object is stored as ``<object>.ec/<i>`` shares instead, share ``i`` of an
 object written by a rank on node ``n`` living on node ``(n + i) % num_nodes``, with ``<object>.ec/layout.json``
@@ -14,7 +14,7 @@ object written by a rank on node ``n`` living on node ``(n + i) % num_nodes``, w
 has shares of.
 
 Commit rule: the manifest is committed on every node only after every rank's shares were placed (the collective
-agreement of :func:`~lightning_snapshot.writer.write_snapshot`), so a committed step has all ``k + m`` shares of
+agreement of :func:`~lightning_snapshot.persist.writer.write_snapshot`), so a committed step has all ``k + m`` shares of
 every object; it is restorable while at least ``k`` good shares of each are held anywhere.
 
 Restore (:meth:`RamTier.restore`, collective): the nodes exchange what they hold, and every node makes each object

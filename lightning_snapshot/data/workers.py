@@ -35,7 +35,7 @@ def _rng_now() -> tuple[bytes, Any, Any]:
 
 
 def _rng_dict(compact: tuple[bytes, Any, Any]) -> dict[str, Any]:
-    """:func:`_rng_now` output in the form of :func:`lightning_snapshot.capture.capture_rng`."""
+    """:func:`_rng_now` output in the form of :func:`lightning_snapshot.data.rng.capture_rng`."""
     torch_state, python, numpy = compact
     return {"torch": torch.frombuffer(bytearray(torch_state), dtype=torch.uint8), "python": python, "numpy": numpy}
 
@@ -50,7 +50,7 @@ class _Batch:
 
     def pin_memory(self, device: Any = None) -> _Batch:
         """What torch's pin-memory thread calls: pin the batch, keep the rest."""
-        from torch.utils.data._utils.pin_memory import pin_memory
+        from torch.utils.data._utils.pin_memory import pin_memory  # noqa: PLC2701
 
         return _Batch(pin_memory(self.data, device), self.worker, self.rng)
 
@@ -86,7 +86,7 @@ class _WorkerInit:
             self.inner(worker_id)
         state = self.states[worker_id] if self.states is not None else None
         if state is not None:
-            from lightning_snapshot.capture import restore_rng
+            from lightning_snapshot.data.rng import restore_rng
 
             restore_rng(state)
 
@@ -94,7 +94,7 @@ class _WorkerInit:
 def _reseed_worker(worker_id: int, base_seed: int) -> None:
     """Seed this worker as torch seeds a worker of base seed ``base_seed`` (torch's ``_worker_loop``), including
     what ``get_worker_info().seed`` and ``torch.initial_seed()`` say; nothing when it already is."""
-    from torch.utils.data._utils import worker as _worker
+    from torch.utils.data._utils import worker as _worker  # noqa: PLC2701
 
     info = get_worker_info()
     seed = base_seed + worker_id

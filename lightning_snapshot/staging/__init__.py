@@ -30,10 +30,10 @@ import numpy as np
 import torch
 import xxhash
 
-from lightning_snapshot import tree as _tree
 from lightning_snapshot.errors import CaptureError
-from lightning_snapshot.manifest import DTYPES, dtype_name
-from lightning_snapshot.planner import Box, chunk_ranges, shard_boxes
+from lightning_snapshot.format import tree as _tree
+from lightning_snapshot.format.manifest import DTYPES, dtype_name
+from lightning_snapshot.plan.planner import Box, chunk_ranges, shard_boxes
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -123,7 +123,8 @@ def dtensor_box(t: Any, name: str = "<tensor>") -> tuple[Box, bool]:
     """The box of the global tensor that this rank's shard of DTensor ``t`` covers, and whether this rank writes it.
 
     The box follows DTensor's ``Shard``/``_StridedShard``/``Replicate`` geometry
-    (:func:`~lightning_snapshot.planner.shard_boxes`, indexed by this rank's mesh coordinate); the 2-D FSDP2 x tensor
+    (:func:`~lightning_snapshot.plan.planner.shard_boxes`, indexed by this rank's mesh coordinate); the 2-D FSDP2 x
+    tensor
     parallel layout (``_StridedShard`` on the data-parallel dim) is one box per rank: the data-parallel chunk of the
     tensor-parallel chunk. Of the ranks holding the same box (replicated mesh dimensions, or copies on sibling
     sub-meshes of the world mesh) only the one at coordinate 0 on those dimensions writes it; nobody writes an empty
@@ -204,7 +205,7 @@ def _identity(t: torch.Tensor) -> tuple[Any, ...]:
 def prepare_tensors(
     tensors: dict[str, torch.Tensor],
 ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, str], dict[str, tuple[tuple[int, ...], tuple[int, ...]]]]:
-    """The tensors of an encoding (:func:`~lightning_snapshot.tree.encode`) as they are staged.
+    """The tensors of an encoding (:func:`~lightning_snapshot.format.tree.encode`) as they are staged.
 
     Returns ([(name, tensor to copy)], aliases, shards), with tied views found and every tensor checked. DTensors
     become their local shard, listed in ``shards`` as (global shape, global offsets); shards this rank does not
@@ -332,7 +333,8 @@ _NUMPY_DTYPES = {torch.float64: np.float64, torch.float32: np.float32, torch.flo
 
 def nonfinite_tensors(staged: StagedState) -> list[str]:
     """The staged (host) tensors of ``staged`` that hold a NaN or an infinity: the first of each health group
-    (:func:`~lightning_snapshot.manifest.health_group`), in staging order. Integer and bool tensors are always finite.
+    (:func:`~lightning_snapshot.format.manifest.health_group`), in staging order. Integer and bool tensors are always
+    finite.
 
     One pass over the staged floating-point bytes, off the training thread: the persist thread or the snapshot agent
     calls it while it writes. Not in the arena's copy thread, although its blocks are in the cache there: the
@@ -342,7 +344,7 @@ def nonfinite_tensors(staged: StagedState) -> list[str]:
     """
     if staged.nonfinite is not None:
         return staged.nonfinite
-    from lightning_snapshot.manifest import health_group
+    from lightning_snapshot.format.manifest import health_group
 
     finite = _finite_runs(staged)
     bad: dict[str, str] = {}

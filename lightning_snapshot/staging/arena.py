@@ -260,7 +260,8 @@ class HostArena:
         """Stage ``obj`` into a slot. Tensors for which ``frozen(t)`` holds are copied in the background.
 
         With ``world_size`` > 1, ``obj`` is replicated on every rank (DDP) and this rank stages only its share of the
-        frozen tensors, as :func:`~lightning_snapshot.planner.assign_writers` decides (the same on every rank); rank
+        frozen tensors, as :func:`~lightning_snapshot.plan.planner.assign_writers` decides (the same on every rank);
+        rank
         0 keeps the rest, the tree and the aliases. DTensors (ModelParallel) are staged as this rank's local shard,
         with its box of the global tensor (``StagedState.shards``); a shard held by several ranks is staged by one.
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_snapshot.forksafe import Executor
+from lightning_snapshot.dist.forksafe import Executor
 
 if TYPE_CHECKING:
     from lightning_snapshot.staging.slot import ArenaSlot

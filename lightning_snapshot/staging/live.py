@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from lightning_snapshot import tree as _tree
+from lightning_snapshot.format import tree as _tree
 from lightning_snapshot.staging.meta import dict_version, metadata_check
 
 __all__ = ["Encoded", "LiveCapture"]
@@ -75,7 +75,7 @@ _Optimizer = torch.optim.Optimizer
 
 @dataclass
 class Encoded:
-    """A state already encoded (:func:`~lightning_snapshot.tree.encode`'s result, as lists): its tree, its tensor
+    """A state already encoded (:func:`~lightning_snapshot.format.tree.encode`'s result, as lists): its tree, its tensor
     names and tensors in encoding order. ``token`` is the capture plan's (the same object while the plan holds: the
     tensors are then the very ones of the previous snapshot, at the same addresses and shapes), or None."""
 

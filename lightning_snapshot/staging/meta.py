@@ -3,7 +3,7 @@ and a dict's version (:func:`dict_version`), which tells that a dict's keys and 
 
 The capture plan (:mod:`~lightning_snapshot.staging.live`) checks at every snapshot that each of its tensors still
 has the shape, dtype and strides it was planned with (a ``.data`` swap or a ``resize_`` changes them without moving
-any version counter). Read from Python, that is a ``torch.Size`` and a tuple made per tensor: about 1 µs each, 1-2
+any version counter). Read from Python, that is a ``torch.Size`` and a tuple made per tensor: about 1 us each, 1-2
 ms for 1,560 tensors inside a fit. torch has one C++ check of exactly this, the per-tensor check of the
 ``TENSOR_MATCH`` guards that ``torch.compile`` evaluates before every call of a compiled function;
 :func:`metadata_check` builds one ``TensorGuards`` object holding that check for every tensor of the plan: about

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from lightning_snapshot import tree as _tree
-from lightning_snapshot.planner import assign_writers, plan_layout
+from lightning_snapshot.format import tree as _tree
+from lightning_snapshot.plan.planner import assign_writers, plan_layout
 from lightning_snapshot.staging import SMALL_HASH as _SMALL
 from lightning_snapshot.staging import local_tensor, prepare_tensors
 from lightning_snapshot.staging.gather import Gather

@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from lightning_snapshot.forksafe import Executor
-from lightning_snapshot.planner import align_up
+from lightning_snapshot.dist.forksafe import Executor
+from lightning_snapshot.plan.planner import align_up
 from lightning_snapshot.staging.cuda_host import HostRegistration
 from lightning_snapshot.staging.slot import PAGE, ArenaSlot, _memfd_ok, _populate, wait_for_slot
 

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import xxhash
 
-from lightning_snapshot.forksafe import Executor, waiting
-from lightning_snapshot.planner import chunk_ranges
+from lightning_snapshot.dist.forksafe import Executor, waiting
+from lightning_snapshot.plan.planner import chunk_ranges
 from lightning_snapshot.staging import StagedState, chunk_digests
 from lightning_snapshot.staging import digest as digest_of
 from lightning_snapshot.staging.plan import _addresses, _Plan, _split, _versions

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 import xxhash
 
+from lightning_snapshot.dist.forksafe import first_use, waiting
 from lightning_snapshot.errors import TornSnapshotError
-from lightning_snapshot.forksafe import first_use, waiting
-from lightning_snapshot.planner import chunk_ranges
+from lightning_snapshot.plan.planner import chunk_ranges
 from lightning_snapshot.staging import SMALL_HASH as _SMALL
 from lightning_snapshot.staging import StagedState, chunk_digests
 from lightning_snapshot.staging.plan import _addresses, _versions

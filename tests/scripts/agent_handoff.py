@@ -16,9 +16,9 @@ import signal
 
 import torch
 
+from lightning_snapshot.agent import AgentClient, ensure_agent
 from lightning_snapshot.backends import LocalTier
-from lightning_snapshot.backends.ram.agent import AgentClient, ensure_agent
-from lightning_snapshot.persist import PersistJob
+from lightning_snapshot.persist.threads import PersistJob
 from lightning_snapshot.staging import stage
 from lightning_snapshot.staging.arena import HostArena
 

@@ -33,12 +33,26 @@ class LoseTheAgent(Callback):
             self.snapshots._session.agent._lose("injected: rank 1 lost the link to its snapshot agent")
 
 
-snapshots = SnapshotCallback([RamTier(every_n_train_steps=4, name="agent-lost", idle_timeout=30),
-                              LocalTier(a.dir, every_n_train_steps=4, keep_last=None)],
-                             on_error="warn", collective_timeout=10, shutdown_timeout=5)
-trainer = L.Trainer(max_steps=12, callbacks=[snapshots, LoseTheAgent(snapshots)], logger=False,
-                    enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, accelerator="cpu",
-                    devices=2, strategy="ddp")
+snapshots = SnapshotCallback(
+    [
+        RamTier(every_n_train_steps=4, name="agent-lost", idle_timeout=30),
+        LocalTier(a.dir, every_n_train_steps=4, keep_last=None),
+    ],
+    on_error="warn",
+    collective_timeout=10,
+    shutdown_timeout=5,
+)
+trainer = L.Trainer(
+    max_steps=12,
+    callbacks=[snapshots, LoseTheAgent(snapshots)],
+    logger=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    limit_val_batches=0,
+    accelerator="cpu",
+    devices=2,
+    strategy="ddp",
+)
 try:
     trainer.fit(BoringModel())
     print(f"rank {trainer.global_rank}: FIT RETURNED step={trainer.global_step}", flush=True)

@@ -23,7 +23,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_snapshot import SnapshotCallback
 from lightning_snapshot.backends import LocalTier
-from lightning_snapshot.comm import LocalComm
+from lightning_snapshot.dist.comm import LocalComm
 
 original = LocalComm.all_true_each
 
@@ -52,9 +52,16 @@ if __name__ == "__main__":
     callbacks = [SnapshotCallback(LocalTier(a.dir or tempfile.mkdtemp(), every_n_train_steps=4))]
     if a.other_on_exception_raises:
         callbacks.append(FailingOnException())
-    trainer = L.Trainer(max_steps=8, callbacks=callbacks, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, accelerator="cpu", devices=1,
-                        strategy="ddp_spawn" if a.spawn else "auto")
+    trainer = L.Trainer(
+        max_steps=8,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        strategy="ddp_spawn" if a.spawn else "auto",
+    )
     try:
         trainer.fit(BoringModel())
     except BaseException as e:  # noqa: BLE001 - (the spawn launcher re-raises the worker's failure as its own)

@@ -35,8 +35,7 @@ class Model(L.LightningModule):
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(0)
-        return DataLoader(TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g)),
-                          batch_size=4)
+        return DataLoader(TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g)), batch_size=4)
 
 
 class KillAfterSnapshot(L.Callback):
@@ -49,7 +48,7 @@ class KillAfterSnapshot(L.Callback):
         if trainer.global_step != self.at:
             return
         from lightning_snapshot import SnapshotCallback
-        from lightning_snapshot.writer import committed_steps
+        from lightning_snapshot.persist.writer import committed_steps
 
         tiers = [t for cb in trainer.callbacks if isinstance(cb, SnapshotCallback) for t in cb.tiers]
         deadline = time.monotonic() + 30

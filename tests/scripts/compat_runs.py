@@ -1,5 +1,5 @@
 """Lightning runs with built-in callbacks that change the optimizer or the schedulers during fit, for the
-optimizer/scheduler compatibility check (lightning_snapshot.compat).
+optimizer/scheduler compatibility check (lightning_snapshot.state.compat).
 
 Usage: python compat_runs.py --setup SETUP --dir DIR --out RESULT.pt [--resume-setup SETUP] [--resume-epoch E]
 
@@ -38,9 +38,8 @@ from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint, Sto
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_snapshot import compat
 from lightning_snapshot.errors import StateMismatchError
-
+from lightning_snapshot.state import compat
 
 SETUPS = ("swa", "finetune", "plain", "sgd")
 
@@ -96,8 +95,9 @@ class Recorder(L.Callback):
             except StateMismatchError as e:
                 self.out["check"] = str(e)
             self.out["check_without_description"] = _try(trainer, None, ckpt)
-            self.out["pairs"] = [type(cfg.scheduler).__name__
-                                 for cfg, _ in compat.schedulers_to_load(trainer, ckpt["lr_schedulers"])]
+            self.out["pairs"] = [
+                type(cfg.scheduler).__name__ for cfg, _ in compat.schedulers_to_load(trainer, ckpt["lr_schedulers"])
+            ]
 
     def on_train_start(self, trainer, pl_module):
         if self.reinstate:
@@ -107,13 +107,15 @@ class Recorder(L.Callback):
         self.out["lrs"].append([g["lr"] for opt in trainer.optimizers for g in opt.param_groups])
 
     def on_train_epoch_end(self, trainer, pl_module):
-        self.out["records"].append({
-            "epoch": trainer.current_epoch,
-            "step": trainer.global_step,
-            "optimizer_states": [opt.state_dict() for opt in trainer.optimizers],
-            "lr_schedulers": [cfg.scheduler.state_dict() for cfg in trainer.lr_scheduler_configs],
-            "description": compat.describe(trainer),
-        })
+        self.out["records"].append(
+            {
+                "epoch": trainer.current_epoch,
+                "step": trainer.global_step,
+                "optimizer_states": [opt.state_dict() for opt in trainer.optimizers],
+                "lr_schedulers": [cfg.scheduler.state_dict() for cfg in trainer.lr_scheduler_configs],
+                "description": compat.describe(trainer),
+            }
+        )
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
         # what the snapshot callback stores: the description next to the states
@@ -128,8 +130,9 @@ def _try(trainer, saved, ckpt) -> str:
         return str(e)
 
 
-def fit(setup: str, dirpath: str, max_epochs: int, ckpt_path: str | None = None, mid_step: int = 0,
-        reinstate: bool = False) -> dict:
+def fit(
+    setup: str, dirpath: str, max_epochs: int, ckpt_path: str | None = None, mid_step: int = 0, reinstate: bool = False
+) -> dict:
     torch.manual_seed(0)
     model = Model(setup)
     out: dict = {}
@@ -141,10 +144,19 @@ def fit(setup: str, dirpath: str, max_epochs: int, ckpt_path: str | None = None,
     callbacks.append(Recorder(out, reinstate))
     callbacks.append(ModelCheckpoint(dirpath=dirpath, filename="{epoch}", every_n_epochs=1, save_top_k=-1))
     if mid_step:
-        callbacks.append(ModelCheckpoint(dirpath=dirpath, filename="{step}", every_n_train_steps=mid_step,
-                                         save_top_k=-1))
-    trainer = L.Trainer(max_epochs=max_epochs, callbacks=callbacks, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, accelerator="cpu", devices=1, deterministic=True)
+        callbacks.append(
+            ModelCheckpoint(dirpath=dirpath, filename="{step}", every_n_train_steps=mid_step, save_top_k=-1)
+        )
+    trainer = L.Trainer(
+        max_epochs=max_epochs,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        deterministic=True,
+    )
     try:
         trainer.fit(model, ckpt_path=ckpt_path)
     except Exception as e:  # noqa: BLE001 - what Lightning itself does with a changed setup is part of the result
@@ -161,22 +173,38 @@ def main() -> None:
     ap.add_argument("--dir", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--max-epochs", type=int, default=4)
-    ap.add_argument("--mid-step", type=int, default=0,
-                    help="also save a checkpoint at this step and resume from it (within an epoch), calling"
-                         " compat.reinstate_epoch_start_schedulers at on_train_start: result 'mid'")
+    ap.add_argument(
+        "--mid-step",
+        type=int,
+        default=0,
+        help="also save a checkpoint at this step and resume from it (within an epoch), calling"
+        " compat.reinstate_epoch_start_schedulers at on_train_start: result 'mid'",
+    )
     args = ap.parse_args()
 
     first = fit(args.setup, str(Path(args.dir) / "first"), args.max_epochs, mid_step=args.mid_step)
     ckpt_path = Path(args.dir) / "first" / f"epoch={args.resume_epoch}.ckpt"
     resumed = fit(args.resume_setup or args.setup, str(Path(args.dir) / "resumed"), args.max_epochs, str(ckpt_path))
     ckpt = torch.load(ckpt_path, weights_only=False)
-    out = {"first": first, "resumed": resumed, "ckpt": {k: ckpt[k] for k in (
-        "optimizer_states", "lr_schedulers", "callbacks", "compat_description")}}
+    out = {
+        "first": first,
+        "resumed": resumed,
+        "ckpt": {k: ckpt[k] for k in ("optimizer_states", "lr_schedulers", "callbacks", "compat_description")},
+    }
     if args.mid_step:
-        out["mid"] = fit(args.setup, str(Path(args.dir) / "mid"), args.max_epochs,
-                         str(Path(args.dir) / "first" / f"step={args.mid_step}.ckpt"), reinstate=True)
-        out["mid_plain"] = fit(args.setup, str(Path(args.dir) / "mid_plain"), args.max_epochs,
-                               str(Path(args.dir) / "first" / f"step={args.mid_step}.ckpt"))
+        out["mid"] = fit(
+            args.setup,
+            str(Path(args.dir) / "mid"),
+            args.max_epochs,
+            str(Path(args.dir) / "first" / f"step={args.mid_step}.ckpt"),
+            reinstate=True,
+        )
+        out["mid_plain"] = fit(
+            args.setup,
+            str(Path(args.dir) / "mid_plain"),
+            args.max_epochs,
+            str(Path(args.dir) / "first" / f"step={args.mid_step}.ckpt"),
+        )
     torch.save(out, args.out)
     print(json.dumps({"check": resumed.get("check"), "fit_error": resumed.get("fit_error")}))
 

@@ -88,18 +88,33 @@ def main() -> None:
     options = s3_options(a.endpoint)
     # fail each attempt fast while the server is down (the tier's own backoff does the retrying)
     options["config_kwargs"] = {"connect_timeout": 1, "read_timeout": 5, "retries": {"max_attempts": 1}}
-    tiers = [ObjectStoreTier(a.s3, storage_options=options, every_n_train_steps=a.every, keep_last=None,
-                             max_pending=a.max_pending, retry_initial=0.05, retry_max=0.5,
-                             drain_timeout=a.drain_timeout)]
+    tiers = [
+        ObjectStoreTier(
+            a.s3,
+            storage_options=options,
+            every_n_train_steps=a.every,
+            keep_last=None,
+            max_pending=a.max_pending,
+            retry_initial=0.05,
+            retry_max=0.5,
+            drain_timeout=a.drain_timeout,
+        )
+    ]
     if a.local:
         tiers.insert(0, LocalTier(a.local, every_n_train_steps=a.every, keep_last=None))
     callbacks: list[L.Callback] = [SnapshotCallback(tiers)]
     if a.outage_at >= 0:
         callbacks.append(Outage(Path(a.signals), a.outage_at, a.back_at, seen))
     L.seed_everything(42, verbose=False)
-    trainer = L.Trainer(accelerator="cpu", max_steps=a.max_steps, callbacks=callbacks,
-                        logger=CSVLogger(a.logs, name="", version=""),
-                        log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=a.max_steps,
+        callbacks=callbacks,
+        logger=CSVLogger(a.logs, name="", version=""),
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(Model(0.0), DataLoader(Squares(), batch_size=4))
     print(f"FIT DONE step={trainer.global_step}", flush=True)
 

@@ -19,8 +19,17 @@ import numpy as np
 import torch
 from lightning.pytorch.loggers.logger import Logger
 
-__all__ = ["MemoryLogger", "ReportRestore", "assert_same", "assert_same_logged", "assert_same_run", "capture",
-           "checkpoint_files", "plain", "rng_states"]
+__all__ = [
+    "MemoryLogger",
+    "ReportRestore",
+    "assert_same",
+    "assert_same_logged",
+    "assert_same_run",
+    "capture",
+    "checkpoint_files",
+    "plain",
+    "rng_states",
+]
 
 
 def plain(obj: Any, root: str = "") -> Any:
@@ -46,8 +55,13 @@ def rng_states() -> dict[str, Any]:
     return {
         "torch": torch.get_rng_state(),
         "cuda": [t.clone() for t in torch.cuda.get_rng_state_all()] if torch.cuda.is_initialized() else [],
-        "numpy": {"kind": kind, "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached": float(cached)},
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        },
         "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss_next},
     }
 
@@ -71,8 +85,11 @@ def capture(trainer: Any, model: Any, root: str = "", logger: MemoryLogger | Non
         "optimizers": [plain(o.state_dict(), root) for o in trainer.optimizers],
         "schedulers": [plain(c.scheduler.state_dict(), root) for c in trainer.lr_scheduler_configs],
         "loops": plain(trainer.fit_loop.state_dict(), root),
-        "callbacks": {str(cb.state_key): plain(cb.state_dict(), root) for cb in trainer.callbacks
-                      if not _harness(cb) and cb.state_dict()},
+        "callbacks": {
+            str(cb.state_key): plain(cb.state_dict(), root)
+            for cb in trainer.callbacks
+            if not _harness(cb) and cb.state_dict()
+        },
         "precision": plain(trainer.precision_plugin.state_dict(), root),
         "rng": rng_states(),
         "logged": dict(logger.values) if logger is not None else {},
@@ -93,8 +110,7 @@ def checkpoint_files(directory: str, root: str = "") -> dict[str, Any]:
     out = {}
     for name in sorted(os.listdir(directory)):
         ckpt = torch.load(os.path.join(directory, name), map_location="cpu", weights_only=True)
-        ckpt["callbacks"] = {k: v for k, v in ckpt.get("callbacks", {}).items()
-                             if not str(k).startswith(_HARNESS_KEYS)}
+        ckpt["callbacks"] = {k: v for k, v in ckpt.get("callbacks", {}).items() if not str(k).startswith(_HARNESS_KEYS)}
         out[name] = plain(ckpt, root)
     return out
 
@@ -118,10 +134,14 @@ class ReportRestore(L.Callback):
             sys.stdout.flush()
             st = self.cb.restore_stats or {}
             os.write(sys.stdout.fileno(), f"RESTORED step={step} from={url} rank={trainer.global_rank}\n".encode())
-            os.write(sys.stdout.fileno(), (
-                f"RESTORE_STATS rank={trainer.global_rank} needed={st.get('bytes_needed')} read={st.get('bytes_read')}"
-                f" received={st.get('bytes_received')} tier={st.get('tier_bytes_read')} job={st.get('job_bytes_read')}"
-                "\n").encode())
+            os.write(
+                sys.stdout.fileno(),
+                (
+                    f"RESTORE_STATS rank={trainer.global_rank} needed={st.get('bytes_needed')} read={st.get('bytes_read')}"
+                    f" received={st.get('bytes_received')} tier={st.get('tier_bytes_read')} job={st.get('job_bytes_read')}"
+                    "\n"
+                ).encode(),
+            )
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self.report(trainer)
@@ -163,8 +183,9 @@ def assert_same(ref: Any, got: Any, path: str = "result") -> None:
         same = torch.equal(ref.reshape(-1).view(torch.uint8), got.reshape(-1).view(torch.uint8))
         assert same, f"{path} differs: {ref.flatten()[:4].tolist()} vs {got.flatten()[:4].tolist()}"
     elif isinstance(ref, dict):
-        assert isinstance(got, dict) and ref.keys() == got.keys(), \
+        assert isinstance(got, dict) and ref.keys() == got.keys(), (
             f"{path}: keys {sorted(map(str, ref))} vs {sorted(map(str, got)) if isinstance(got, dict) else got!r}"
+        )
         for k in ref:
             assert_same(ref[k], got[k], f"{path}/{k}")
     elif isinstance(ref, list):

@@ -28,8 +28,8 @@ import os
 import lightning as L
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-import lightning_snapshot.commit as commit
-import lightning_snapshot.stager as stager
+import lightning_snapshot.fit.stager as stager
+import lightning_snapshot.persist.commit as commit
 from lightning_snapshot import SnapshotCallback
 from lightning_snapshot.backends import LocalTier
 from lightning_snapshot.errors import CaptureError
@@ -64,7 +64,7 @@ elif a.fail == "list":
 
     LocalTier.list = list_once_failing
 elif a.fail == "stale-listing":
-    import lightning_snapshot.restore as restore
+    import lightning_snapshot.restore.restorer as restore
 
     newest_first = restore.committed_steps
 
@@ -89,10 +89,20 @@ tier = LocalTier(a.dir, every_n_train_steps=4, keep_last=None, node_local=a.fail
 tier_url = tier.url
 if a.fail == "cleanup":
     tier.retry_initial, tier.retry_max = 0.2, 0.4  # (retries failed writes, as an object store does)
-snapshots = SnapshotCallback(tier, on_error=a.on_error, collective_timeout=20, shutdown_timeout=10,
-                             resume=a.resume if a.resume else True)
-trainer = L.Trainer(max_steps=a.max_steps, callbacks=[snapshots], logger=False, enable_progress_bar=False,
-                    enable_model_summary=False, limit_val_batches=0, accelerator="cpu", devices=2, strategy="ddp")
+snapshots = SnapshotCallback(
+    tier, on_error=a.on_error, collective_timeout=20, shutdown_timeout=10, resume=a.resume if a.resume else True
+)
+trainer = L.Trainer(
+    max_steps=a.max_steps,
+    callbacks=[snapshots],
+    logger=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    limit_val_batches=0,
+    accelerator="cpu",
+    devices=2,
+    strategy="ddp",
+)
 try:
     trainer.fit(BoringModel())
     restored = snapshots.restored_from[1] if snapshots.restored_from else None

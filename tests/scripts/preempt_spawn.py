@@ -35,8 +35,16 @@ def main() -> None:
     callbacks = [SnapshotCallback(LocalTier(a.dir, every_n_train_steps=100))]
     if not a.no_signal:
         callbacks.append(Sig(a.rank))
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=12, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        max_steps=12,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
     trainer.fit(BoringModel())
     print("FIT RETURNED", flush=True)
 

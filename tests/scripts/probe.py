@@ -15,8 +15,19 @@ p.add_argument("--kill", action="store_true")
 p.add_argument("--stderr", default="")
 p.add_argument("rest", nargs="*")
 a = p.parse_args()
-print(json.dumps({"preloaded": preloaded, "args": a.rest, "cwd": os.getcwd(), "main": __name__,
-                  "probe": os.environ.get("LS_TEST_PROBE"), "path0": sys.path[0]}), flush=True)
+print(
+    json.dumps(
+        {
+            "preloaded": preloaded,
+            "args": a.rest,
+            "cwd": os.getcwd(),
+            "main": __name__,
+            "probe": os.environ.get("LS_TEST_PROBE"),
+            "path0": sys.path[0],
+        }
+    ),
+    flush=True,
+)
 print(a.stderr, file=sys.stderr, flush=True)
 if a.kill:
     os.kill(os.getpid(), signal.SIGKILL)

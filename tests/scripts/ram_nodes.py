@@ -22,30 +22,39 @@ import torch
 import torch.distributed as dist
 
 from lightning_snapshot.backends import LocalTier, RamTier
-from lightning_snapshot.comm import GroupComm
+from lightning_snapshot.dist.comm import GroupComm
 from lightning_snapshot.errors import SnapshotError
-from lightning_snapshot.loader import read_manifest, read_section
+from lightning_snapshot.persist.writer import SnapshotJob, write_snapshot
+from lightning_snapshot.restore.loader import read_manifest, read_section
 from lightning_snapshot.staging import stage
-from lightning_snapshot.writer import SnapshotJob, write_snapshot
 
 
 def state(rank: int, mb: float) -> dict:
     g = torch.Generator().manual_seed(1234)
     n = int(mb * (1 << 20) / 4)
-    return {"weights": {"a": torch.randn(n // 2, generator=g), "b": torch.randn(3, 5, generator=g).to(torch.bfloat16),
-                        "big": torch.randn(n // 2, generator=g)},
-            "step": 7, "rank_note": f"rank {rank}"}
+    return {
+        "weights": {
+            "a": torch.randn(n // 2, generator=g),
+            "b": torch.randn(3, 5, generator=g).to(torch.bfloat16),
+            "big": torch.randn(n // 2, generator=g),
+        },
+        "step": 7,
+        "rank_note": f"rank {rank}",
+    }
 
 
 def restore(tier, comm: GroupComm, step: int, out: str, section: int) -> None:
     """Restore ``step`` through the tier's collective ``restore``; save the shared state and rank ``section``'s
     tensor to ``out``; print LOADED or FAILED: <why>."""
     try:
+
         def read():
             manifest = read_manifest(tier, step)
             mine = manifest.rank_section(section)
-            return (read_section(tier, manifest, manifest.tensors, manifest.state),
-                    read_section(tier, manifest, mine.tensors, mine.state))
+            return (
+                read_section(tier, manifest, manifest.tensors, manifest.state),
+                read_section(tier, manifest, mine.tensors, mine.state),
+            )
 
         shared, mine = tier.restore(comm, step, read)
         torch.save({"shared": shared, "rank": mine["t"]}, out)

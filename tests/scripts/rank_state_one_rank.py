@@ -29,8 +29,17 @@ p.add_argument("--dir", required=True)
 p.add_argument("--on-error", choices=["warn", "raise"], required=True)
 a = p.parse_args()
 snapshots = SnapshotCallback(LocalTier(a.dir, every_n_train_steps=4), on_error=a.on_error, collective_timeout=30)
-trainer = L.Trainer(max_steps=12, callbacks=[snapshots], logger=False, enable_progress_bar=False,
-                    enable_model_summary=False, limit_val_batches=0, accelerator="cpu", devices=2, strategy="ddp")
+trainer = L.Trainer(
+    max_steps=12,
+    callbacks=[snapshots],
+    logger=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    limit_val_batches=0,
+    accelerator="cpu",
+    devices=2,
+    strategy="ddp",
+)
 try:
     trainer.fit(Model())
     print(f"rank {trainer.global_rank}: FIT RETURNED step={trainer.global_step}", flush=True)

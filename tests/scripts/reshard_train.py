@@ -28,10 +28,10 @@ import lightning as L
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+from train import Crash, SendSignal  # (tests/scripts is the script's directory: on sys.path)
 
 from lightning_snapshot import SnapshotCallback
 from lightning_snapshot.backends import LocalTier, ObjectStoreTier
-from train import Crash, SendSignal  # (tests/scripts is the script's directory: on sys.path)
 
 IN, HIDDEN, OUT = 32, 256, 5  # OUT=5 rows over 2 ranks: an uneven shard (3 + 2)
 
@@ -52,8 +52,14 @@ class Data(Dataset):
 class MLP(L.LightningModule):
     def __init__(self, dropout: float) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(IN, HIDDEN), nn.ReLU(), nn.Dropout(dropout), nn.Linear(HIDDEN, HIDDEN),
-                                 nn.ReLU(), nn.Linear(HIDDEN, OUT))
+        self.net = nn.Sequential(
+            nn.Linear(IN, HIDDEN),
+            nn.ReLU(),
+            nn.Dropout(dropout),
+            nn.Linear(HIDDEN, HIDDEN),
+            nn.ReLU(),
+            nn.Linear(HIDDEN, OUT),
+        )
 
     def configure_model(self) -> None:
         mesh = self.device_mesh
@@ -68,8 +74,11 @@ class MLP(L.LightningModule):
 
             # (net.5 is sharded too: a plain parameter replicated over tensor-parallel ranks is not bitwise the same on
             # every rank after a few steps with gloo, so "replicated" copies would differ)
-            parallelize_module(self.net, tp, {"0": ColwiseParallel(), "3": RowwiseParallel(),
-                                              "5": ColwiseParallel(output_layouts=Replicate())})
+            parallelize_module(
+                self.net,
+                tp,
+                {"0": ColwiseParallel(), "3": RowwiseParallel(), "5": ColwiseParallel(output_layouts=Replicate())},
+            )
         dp = mesh["data_parallel"]
         if dp.size() > 1 or os.environ.get("RESHARD_FULLY_SHARD") == "1":  # (1: FSDP2 on a mesh of one, DTensors)
             for layer in self.net:
@@ -173,9 +182,12 @@ def main() -> None:
     p.add_argument("--endpoint", default=None)
     p.add_argument("--also-dir", action="store_true", help="with --s3: also snapshot to a local tier at --dir")
     p.add_argument("--num-nodes", type=int, default=1, help="nodes (each launched outside, --devices ranks each)")
-    p.add_argument("--count-reads", default=None,
-                   help="count the bytes read from the data objects under --dir at the OS interface (io_count.py)"
-                        " and write them to this path + .rank<global rank>")
+    p.add_argument(
+        "--count-reads",
+        default=None,
+        help="count the bytes read from the data objects under --dir at the OS interface (io_count.py)"
+        " and write them to this path + .rank<global rank>",
+    )
     p.add_argument("--signal-at", type=int, default=-1, help="SIGTERM at this global step (train.py's SendSignal)")
     p.add_argument("--signal-to", choices=["self", "launcher", "all"], default="launcher")
     p.add_argument("--signal-rank", type=int, default=0)
@@ -191,8 +203,11 @@ def main() -> None:
     model = MLP(a.dropout)
     loader = DataLoader(Data(a.samples), batch_size=4, shuffle=True)
     if a.s3:
-        options = {"key": "testing-key", "secret": "testing-secret",
-                   "client_kwargs": {"endpoint_url": a.endpoint, "region_name": "us-east-1"}}
+        options = {
+            "key": "testing-key",
+            "secret": "testing-secret",
+            "client_kwargs": {"endpoint_url": a.endpoint, "region_name": "us-east-1"},
+        }
         tiers = [LocalTier(a.dir, every_n_train_steps=a.every, keep_last=2)] if a.also_dir else []
         tiers.append(ObjectStoreTier(a.s3, storage_options=options, every_n_train_steps=a.every, keep_last=2))
     elif a.ram:
@@ -241,9 +256,12 @@ def main() -> None:
     if snapshots.restored_from is not None:
         st = snapshots.restore_stats or {}
         print(f"RESTORED step={snapshots.restored_from[1]} rank={trainer.global_rank}", flush=True)
-        print(f"RESTORE_STATS rank={trainer.global_rank} needed={st.get('bytes_needed')}"
-              f" planned={st.get('bytes_read')} tier={st.get('tier_bytes_read')}"
-              f" resharded={st.get('tensors_resharded')}", flush=True)
+        print(
+            f"RESTORE_STATS rank={trainer.global_rank} needed={st.get('bytes_needed')}"
+            f" planned={st.get('bytes_read')} tier={st.get('tier_bytes_read')}"
+            f" resharded={st.get('tensors_resharded')}",
+            flush=True,
+        )
     if write_reads is not None:
         write_reads()
     if torch.distributed.is_initialized():

@@ -45,6 +45,7 @@ import time
 import lightning as L
 import numpy as np
 import torch
+from fingerprint import MemoryLogger, ReportRestore, capture, checkpoint_files
 from lightning.pytorch.callbacks import (
     BackboneFinetuning,
     EarlyStopping,
@@ -58,16 +59,43 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from fingerprint import MemoryLogger, ReportRestore, capture, checkpoint_files
 from lightning_snapshot import SnapshotCallback
 from lightning_snapshot.backends import LocalTier
-from lightning_snapshot.writer import committed_steps
+from lightning_snapshot.persist.writer import committed_steps
 
-SETUPS = ("val-epoch", "val-interval", "plateau-epoch", "plateau-step", "aug-main", "aug-workers",
-          "aug-workers-persistent", "aug-workers-plain", "stateful-iterable", "manual-two-optimizers", "bf16-mixed", "finetune", "swa",
-          "lr-monitor", "grad-accum", "early-stop-train", "ckpt-steps", "ema", "user-hooks", "epoch-sched",
-          "metric-obj", "stateful-shuffle", "pruning", "lr-finder", "bs-finder", "curriculum", "combined",
-          "bucket", "bucket-main", "own-generator", "big")
+SETUPS = (
+    "val-epoch",
+    "val-interval",
+    "plateau-epoch",
+    "plateau-step",
+    "aug-main",
+    "aug-workers",
+    "aug-workers-persistent",
+    "aug-workers-plain",
+    "stateful-iterable",
+    "manual-two-optimizers",
+    "bf16-mixed",
+    "finetune",
+    "swa",
+    "lr-monitor",
+    "grad-accum",
+    "early-stop-train",
+    "ckpt-steps",
+    "ema",
+    "user-hooks",
+    "epoch-sched",
+    "metric-obj",
+    "stateful-shuffle",
+    "pruning",
+    "lr-finder",
+    "bs-finder",
+    "curriculum",
+    "combined",
+    "bucket",
+    "bucket-main",
+    "own-generator",
+    "big",
+)
 #: Setups that log through a CSVLogger (the values logged are compared).
 LOGGED = ("lr-monitor", "early-stop-train", "metric-obj")
 
@@ -120,11 +148,17 @@ class Model(L.LightningModule):
             self.backbone = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU())
             self.top = nn.Sequential(nn.Dropout(0.2), nn.Linear(16, 1))
         elif setup == "big":  # net.2.weight: 261,632 float32 (1,046,528 B); net.4.weight: 262,143 (1,048,572 B)
-            self.net = nn.Sequential(nn.Linear(8, 512), nn.ReLU(), nn.Linear(512, 511), nn.ReLU(), nn.Linear(511, 513),
-                                     nn.ReLU(), nn.Linear(513, 1))
+            self.net = nn.Sequential(
+                nn.Linear(8, 512),
+                nn.ReLU(),
+                nn.Linear(512, 511),
+                nn.ReLU(),
+                nn.Linear(511, 513),
+                nn.ReLU(),
+                nn.Linear(513, 1),
+            )
         else:
-            self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2),
-                                     nn.Linear(16, 1))
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
         if setup == "metric-obj":  # a torchmetrics Metric logged per epoch (its state lives in the module)
             from torchmetrics import MeanSquaredError
 
@@ -188,8 +222,10 @@ class Model(L.LightningModule):
 
     def configure_optimizers(self):
         if self.setup_name == "manual-two-optimizers":
-            return [torch.optim.AdamW(self.net.parameters(), lr=1e-2), torch.optim.SGD(self.head.parameters(), lr=0.1,
-                                                                                       momentum=0.9)]
+            return [
+                torch.optim.AdamW(self.net.parameters(), lr=1e-2),
+                torch.optim.SGD(self.head.parameters(), lr=0.1, momentum=0.9),
+            ]
         if self.setup_name == "finetune":
             # the backbone is frozen (BackboneFinetuning.freeze_before_training) until the callback adds it
             return torch.optim.AdamW(filter(lambda p: p.requires_grad, self.parameters()), lr=5e-2)
@@ -205,8 +241,16 @@ class Model(L.LightningModule):
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "monitor": "val_loss", "interval": "epoch"}}
         if self.setup_name == "plateau-step":
             sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=1, factor=0.7, threshold=10.0)
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "monitor": "val_loss", "interval": "step",
-                                                       "frequency": 2, "strict": False}}
+            return {
+                "optimizer": opt,
+                "lr_scheduler": {
+                    "scheduler": sched,
+                    "monitor": "val_loss",
+                    "interval": "step",
+                    "frequency": 2,
+                    "strict": False,
+                },
+            }
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.9)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
@@ -302,8 +346,8 @@ class Buckets(torch.utils.data.Sampler):
         order = torch.randperm(self.n).tolist()
         span = 4 * self.batch_size
         for start in range(0, self.n, span):
-            bucket = sorted(order[start:start + span], key=lambda i: self.lengths[i])
-            batches = [bucket[i:i + self.batch_size] for i in range(0, len(bucket), self.batch_size)]
+            bucket = sorted(order[start : start + span], key=lambda i: self.lengths[i])
+            batches = [bucket[i : i + self.batch_size] for i in range(0, len(bucket), self.batch_size)]
             for b in torch.randperm(len(batches)).tolist():
                 yield batches[b]
 
@@ -347,16 +391,33 @@ def main() -> None:
     p.add_argument("--crash-at", type=int, default=-1)
     p.add_argument("--sigterm-at", type=int, default=-1)
     p.add_argument("--workers", type=int, default=-1, help="train loader workers (default: the setup's)")
-    p.add_argument("--trainer", action="append", default=[], metavar="KEY=JSON",
-                   help="another Trainer argument (e.g. check_val_every_n_epoch=2), over the setup's own")
-    p.add_argument("--snapshot", action="append", default=[], metavar="KEY=JSON",
-                   help="a SnapshotCallback argument (e.g. replica_check=1)")
-    p.add_argument("--perturb", default="", metavar="STEP[+]:RANK:PARAM[,PARAM...][:last]",
-                   help="move the first value (:last: the last) of each PARAM by one ulp on RANK after the optimizer"
-                        " step of STEP (the snapshot of STEP sees it); STEP+: and after every later step")
-    p.add_argument("--neutrality", action="store_true",
-                   help="first run the same fit without lightning-snapshot (in DIR/nolib, result OUT.nolib), in this"
-                        " process, then the fit with it")
+    p.add_argument(
+        "--trainer",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="another Trainer argument (e.g. check_val_every_n_epoch=2), over the setup's own",
+    )
+    p.add_argument(
+        "--snapshot",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="a SnapshotCallback argument (e.g. replica_check=1)",
+    )
+    p.add_argument(
+        "--perturb",
+        default="",
+        metavar="STEP[+]:RANK:PARAM[,PARAM...][:last]",
+        help="move the first value (:last: the last) of each PARAM by one ulp on RANK after the optimizer"
+        " step of STEP (the snapshot of STEP sees it); STEP+: and after every later step",
+    )
+    p.add_argument(
+        "--neutrality",
+        action="store_true",
+        help="first run the same fit without lightning-snapshot (in DIR/nolib, result OUT.nolib), in this"
+        " process, then the fit with it",
+    )
     a = p.parse_args()
     if a.neutrality:
         fit(a, os.path.join(a.dir, "nolib"), f"{a.out}.nolib", library=False)
@@ -385,13 +446,22 @@ def fit(a: argparse.Namespace, root: str, out: str, library: bool) -> None:
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         train = StatefulDataLoader(Points(augment=True), batch_size=4, shuffle=True, num_workers=workers)
-    elif setup.startswith("bucket"):  # a batch sampler of the user's own; augmentation in 2 workers or in the main process
-        train = DataLoader(Points(augment=True), batch_sampler=Buckets(64, 4),
-                           num_workers=2 if setup == "bucket" and a.workers < 0 else workers)
+    elif setup.startswith(
+        "bucket"
+    ):  # a batch sampler of the user's own; augmentation in 2 workers or in the main process
+        train = DataLoader(
+            Points(augment=True),
+            batch_sampler=Buckets(64, 4),
+            num_workers=2 if setup == "bucket" and a.workers < 0 else workers,
+        )
     else:
-        train = DataLoader(Points(augment=setup.startswith("aug-")), batch_size=4,
-                           shuffle=os.environ.get("SETUPS_SHUFFLE", "1") == "1", num_workers=workers,
-                           persistent_workers=setup == "aug-workers-persistent")
+        train = DataLoader(
+            Points(augment=setup.startswith("aug-")),
+            batch_size=4,
+            shuffle=os.environ.get("SETUPS_SHUFFLE", "1") == "1",
+            num_workers=workers,
+            persistent_workers=setup == "aug-workers-persistent",
+        )
     val = DataLoader(Points(16, seed=1), batch_size=8)
     ckpt_dir = os.path.join(ROOT, "ckpts")
     callbacks: list[L.Callback] = []
@@ -469,8 +539,9 @@ def fit(a: argparse.Namespace, root: str, out: str, library: bool) -> None:
         snapshot = SnapshotCallback([tier], **{k: json.loads(v) for k, _, v in (o.partition("=") for o in a.snapshot)})
         if a.perturb:  # (before the snapshot callback: its hooks run first)
             at, rank, names, *where = a.perturb.split(":")
-            callbacks.append(Perturb(int(at.rstrip("+")), int(rank), names.split(","), at.endswith("+"),
-                                     last=where == ["last"]))
+            callbacks.append(
+                Perturb(int(at.rstrip("+")), int(rank), names.split(","), at.endswith("+"), last=where == ["last"])
+            )
         callbacks += [snapshot, ReportRestore(snapshot)]
         if a.crash_at >= 0:
             callbacks.append(Crash(a.crash_at, tier))
@@ -478,13 +549,25 @@ def fit(a: argparse.Namespace, root: str, out: str, library: bool) -> None:
             callbacks.append(Preempt(a.sigterm_at))
     elif not any(isinstance(cb, ModelCheckpoint) for cb in callbacks):
         trainer_kw["enable_checkpointing"] = False
-    trainer = L.Trainer(**{"accelerator": "cpu", "devices": 1, "max_steps": max_steps, "max_epochs": max_epochs,
-                           "callbacks": callbacks, "enable_progress_bar": False, "enable_model_summary": False,
-                           "deterministic": True, "num_sanity_val_steps": 0, "default_root_dir": ROOT,
-                           **trainer_kw})
+    trainer = L.Trainer(
+        **{
+            "accelerator": "cpu",
+            "devices": 1,
+            "max_steps": max_steps,
+            "max_epochs": max_epochs,
+            "callbacks": callbacks,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "deterministic": True,
+            "num_sanity_val_steps": 0,
+            "default_root_dir": ROOT,
+            **trainer_kw,
+        }
+    )
     if setup == "bs-finder":  # the loaders come from a datamodule whose batch_size the finder scales
-        dm = L.LightningDataModule.from_datasets(train_dataset=Points(augment=True), val_dataset=Points(16, seed=1),
-                                                 batch_size=4)
+        dm = L.LightningDataModule.from_datasets(
+            train_dataset=Points(augment=True), val_dataset=Points(16, seed=1), batch_size=4
+        )
         dm.batch_size = 4
         dm.train_dataloader = lambda: DataLoader(Points(augment=True), batch_size=dm.batch_size, shuffle=True)
         trainer.fit(model, datamodule=dm)
@@ -498,20 +581,28 @@ def fit(a: argparse.Namespace, root: str, out: str, library: bool) -> None:
     else:
         trainer.fit(model, train, val)
     result = capture(trainer, model, ROOT, memory)
-    result.update({
-        "checkpoint_files": checkpoint_files(ckpt_dir, ROOT),
-        "val_steps": list(model.val_steps),
-        "lrs": list(model.lrs),
-        "last_batch": plain(model.last_batch),
-        "own_generator": model.net.mask_gen.get_state() if a.setup == "own-generator" else torch.zeros(0),
-        "trainable": {n: p.requires_grad for n, p in model.named_parameters()},
-        "accumulate_grad_batches": trainer.accumulate_grad_batches,
-        # what callbacks keep outside their state_dict (EMAWeightAveraging's averaged model, a user callback's
-        # on_save_checkpoint state)
-        "extra": {type(cb).__name__: plain(cb._average_model.state_dict() if isinstance(cb, EMAWeightAveraging)
-                                           else {"loss_sum": cb.loss_sum, "validations": cb.validations})
-                  for cb in trainer.callbacks if isinstance(cb, (EMAWeightAveraging, Tally))},
-    })
+    result.update(
+        {
+            "checkpoint_files": checkpoint_files(ckpt_dir, ROOT),
+            "val_steps": list(model.val_steps),
+            "lrs": list(model.lrs),
+            "last_batch": plain(model.last_batch),
+            "own_generator": model.net.mask_gen.get_state() if a.setup == "own-generator" else torch.zeros(0),
+            "trainable": {n: p.requires_grad for n, p in model.named_parameters()},
+            "accumulate_grad_batches": trainer.accumulate_grad_batches,
+            # what callbacks keep outside their state_dict (EMAWeightAveraging's averaged model, a user callback's
+            # on_save_checkpoint state)
+            "extra": {
+                type(cb).__name__: plain(
+                    cb._average_model.state_dict()
+                    if isinstance(cb, EMAWeightAveraging)
+                    else {"loss_sum": cb.loss_sum, "validations": cb.validations}
+                )
+                for cb in trainer.callbacks
+                if isinstance(cb, (EMAWeightAveraging, Tally))
+            },
+        }
+    )
     if trainer.global_rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         torch.save(result, out)

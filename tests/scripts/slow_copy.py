@@ -8,7 +8,7 @@ import time
 
 from lightning_snapshot.backends.local import LocalTier
 from lightning_snapshot.backends.object_store import ObjectStoreTier
-from lightning_snapshot.cli import main
+from lightning_snapshot.cli.main import main
 
 
 def slow(commit):

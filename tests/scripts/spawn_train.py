@@ -19,10 +19,10 @@ import time
 
 import lightning as L
 import torch
+from fingerprint import capture
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from fingerprint import capture
 from lightning_snapshot import SnapshotCallback
 from lightning_snapshot.backends import LocalTier
 
@@ -64,7 +64,7 @@ class KillRank0(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == self.at and trainer.global_rank == 0:
-            from lightning_snapshot.writer import committed_steps
+            from lightning_snapshot.persist.writer import committed_steps
 
             deadline = time.monotonic() + 30
             while not committed_steps(self.tier) and time.monotonic() < deadline:
@@ -82,8 +82,11 @@ class SaveResult(L.Callback):
 
     def on_train_end(self, trainer, pl_module):
         restored = self.snapshots.restored_from
-        result = {**capture(trainer, pl_module), "restored_step": -1 if restored is None else restored[1],
-                  "pid": os.getpid()}
+        result = {
+            **capture(trainer, pl_module),
+            "restored_step": -1 if restored is None else restored[1],
+            "pid": os.getpid(),
+        }
         torch.save(result, f"{self.out}.rank{trainer.global_rank}")
         if restored is not None:
             print(f"RESTORED step={restored[1]} rank={trainer.global_rank}", flush=True)

@@ -13,14 +13,14 @@ import os
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, TensorDataset
-
 from fingerprint import ReportRestore
+from torch.utils.data import DataLoader, TensorDataset
+from train import Crash
+
 from lightning_snapshot import SnapshotCallback
 from lightning_snapshot.backends import LocalTier
-from lightning_snapshot.parts import Part, Phase
-from lightning_snapshot.state_parts import register
-from train import Crash
+from lightning_snapshot.state.builtin import register
+from lightning_snapshot.state.parts import Part, Phase
 
 
 class Tally:
@@ -80,8 +80,14 @@ def main() -> None:
     if args.crash_at >= 0:
         callbacks.append(Crash(args.crash_at, [tier]))
     trainer = L.Trainer(
-        max_steps=args.max_steps, accelerator="cpu", devices=1, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, deterministic=True,
+        max_steps=args.max_steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        deterministic=True,
     )
     model = Model()
     trainer.fit(model)

@@ -49,8 +49,16 @@ class Model(BoringModel):
         self.layer = torch.nn.Sequential(torch.nn.Linear(32, 512), torch.nn.Linear(512, 2))
 
 
-trainer = L.Trainer(max_steps=100, accumulate_grad_batches=2, limit_val_batches=0, logger=False,
-                    callbacks=[SnapshotCallback(LocalTier(a.dir, every_n_train_steps=2)), StopAfterAccumulating()],
-                    enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1)
+trainer = L.Trainer(
+    max_steps=100,
+    accumulate_grad_batches=2,
+    limit_val_batches=0,
+    logger=False,
+    callbacks=[SnapshotCallback(LocalTier(a.dir, every_n_train_steps=2)), StopAfterAccumulating()],
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    accelerator="cpu",
+    devices=1,
+)
 trainer.fit(Model())
 print(f"FIT RETURNED step={trainer.global_step}", flush=True)

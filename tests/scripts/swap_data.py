@@ -62,9 +62,14 @@ def main(root: str, kind: str) -> None:
     model = Swapping(kind)
     width = model.net[0].in_features
     data = DataLoader(TensorDataset(torch.randn(48, width, generator=torch.Generator().manual_seed(0))), batch_size=8)
-    trainer = L.Trainer(accelerator="cpu", max_steps=5, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False,
-                        callbacks=[SnapshotCallback(LocalTier(root, every_n_train_steps=1, keep_last=10))])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=5,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[SnapshotCallback(LocalTier(root, every_n_train_steps=1, keep_last=10))],
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(model, data)

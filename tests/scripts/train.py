@@ -16,16 +16,16 @@ import sys
 import time
 
 import lightning as L
-from lightning.pytorch.callbacks import Checkpoint
 import numpy as np
 import torch
+from fingerprint import ReportRestore, capture
+from lightning.pytorch.callbacks import Checkpoint
+from processes import job_processes
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from fingerprint import ReportRestore, capture
 from lightning_snapshot import SnapshotCallback
 from lightning_snapshot.backends import LocalTier
-from processes import job_processes
 
 
 class Squares(Dataset):
@@ -60,8 +60,9 @@ class Model(L.LightningModule):
         if tiny:  # one parameter: DDP's gradient buckets are the same before and after their rebuild (3+ ranks)
             self.net = nn.Sequential(nn.Linear(8, 1, bias=False))
         else:
-            self.net = nn.Sequential(nn.Linear(8, hidden), nn.BatchNorm1d(hidden), nn.ReLU(), nn.Dropout(dropout),
-                                     nn.Linear(hidden, 1))
+            self.net = nn.Sequential(
+                nn.Linear(8, hidden), nn.BatchNorm1d(hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, 1)
+            )
         self.seen = []
         self.val_delay = 0.0
 
@@ -82,8 +83,11 @@ class Model(L.LightningModule):
 
 
 def s3_options(endpoint: str) -> dict:
-    return {"key": "testing-key", "secret": "testing-secret",
-            "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+    return {
+        "key": "testing-key",
+        "secret": "testing-secret",
+        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+    }
 
 
 class CrashBeforeManifest(LocalTier):
@@ -142,7 +146,7 @@ class Crash(Checkpoint):
         self.newest = newest  # wait until every tier holds the newest step due in it (not just any)
 
     def _ready(self, tier) -> bool:
-        from lightning_snapshot.writer import committed_steps
+        from lightning_snapshot.persist.writer import committed_steps
 
         steps = committed_steps(tier)
         if not self.newest:
@@ -170,7 +174,7 @@ def _ram_kill_plan(plan: str) -> int | None:
 
 
 def _agent_holds(node_dir, step: int, rank: int) -> bool:
-    from lightning_snapshot.backends.ram.agent import agent_status
+    from lightning_snapshot.agent import agent_status
 
     st = agent_status(node_dir) or {}
     return any(p["step"] == step and p["rank"] == rank for p in st.get("pending") or ())
@@ -215,7 +219,7 @@ class Hold(Checkpoint):
 def wait_for_agent_idle(node_dir, timeout: float = 120.0) -> None:
     """Wait until the node's agent has no trainer attached and writes nothing (the trainers of the attempt before
     are gone and it flushed what they left it), or no agent answers."""
-    from lightning_snapshot.backends.ram.agent import agent_status
+    from lightning_snapshot.agent import agent_status
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -272,7 +276,9 @@ class SendSignal(L.Callback):
             return
         self.sent = True
         sys.stdout.flush()
-        os.write(sys.stdout.fileno(), f"SIGNAL-SENT step={trainer.global_step} to={self.to} at={time.time():.3f}\n".encode())
+        os.write(
+            sys.stdout.fileno(), f"SIGNAL-SENT step={trainer.global_step} to={self.to} at={time.time():.3f}\n".encode()
+        )
         if self.again:  # a second signal while the preemption's snapshot is being written
             import threading
 
@@ -320,7 +326,7 @@ class Rank0Delay(L.Callback):
 
 def _print_captures() -> None:
     """Print a line each time this rank stages the model and optimizer state (a capture), with its step."""
-    from lightning_snapshot.stager import Stager
+    from lightning_snapshot.fit.stager import Stager
 
     original = Stager.stage_shared
 
@@ -348,8 +354,11 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--persistent", action="store_true", help="persistent loader workers")
     p.add_argument("--augment", action="store_true", help="random augmentation in the dataset")
-    p.add_argument("--crash-after-newest", action="store_true",
-                   help="with --crash-at: wait until the newest step due is committed (not just any)")
+    p.add_argument(
+        "--crash-after-newest",
+        action="store_true",
+        help="with --crash-at: wait until the newest step due is committed (not just any)",
+    )
     p.add_argument("--no-resume", action="store_true")
     p.add_argument("--kill-before-commit", type=int, default=-1)
     p.add_argument("--s3", default=None, help="also snapshot to this s3:// URL (with --endpoint)")
@@ -364,34 +373,54 @@ def main() -> None:
     p.add_argument("--static-graph", action="store_true", help="DDP(static_graph=True)")
     p.add_argument("--tiny", action="store_true", help="a one-parameter model")
     p.add_argument("--hidden", type=int, default=16, help="the model's hidden width")
-    p.add_argument("--count-reads", default=None,
-                   help="count the bytes read from the local tier's data objects at the OS interface (io_count.py)"
-                        " and write them to this path + .rank<global rank>")
-    p.add_argument("--node-local", choices=["auto", "true", "false"], default="auto",
-                   help="the local tier's node_local option")
+    p.add_argument(
+        "--count-reads",
+        default=None,
+        help="count the bytes read from the local tier's data objects at the OS interface (io_count.py)"
+        " and write them to this path + .rank<global rank>",
+    )
+    p.add_argument(
+        "--node-local", choices=["auto", "true", "false"], default="auto", help="the local tier's node_local option"
+    )
     p.add_argument("--keep-last", type=int, default=2, help="the local tier's keep_last (0: keep every snapshot)")
     p.add_argument("--slow-write", type=float, default=0.0, help="seconds added to each local-tier data write")
     p.add_argument("--collective-timeout", type=float, default=300.0, help="SnapshotCallback(collective_timeout=)")
     p.add_argument("--raise-at", type=int, default=-1, help="raise in the training thread at this step...")
     p.add_argument("--raise-rank", type=int, default=1, help="...on this rank")
-    p.add_argument("--nan-at", type=int, default=-1,
-                   help="a NaN into the gradient of the optimizer step after this global step")
+    p.add_argument(
+        "--nan-at", type=int, default=-1, help="a NaN into the gradient of the optimizer step after this global step"
+    )
     p.add_argument("--crash-after-restore", action="store_true", help="SIGKILL right after a restore")
     p.add_argument("--max-restores", type=int, default=3, help="SnapshotCallback(max_restores=)")
-    p.add_argument("--kill-plan", default="",
-                   help="under torchrun: ATTEMPT:RANK:STEP,... SIGKILL that rank at that step of that attempt"
-                        " (TORCHELASTIC_RESTART_COUNT), once the RAM tier (if any) holds the newest step due in it")
-    p.add_argument("--kill-at", type=int, default=-1,
-                   help="SIGKILL at this global step, waiting only for the RAM tier (if any) to hold the newest step"
-                        " due in it (its agent has it then), not for any durable tier")
-    p.add_argument("--kill-in-ram-write", default="",
-                   help="under torchrun: ATTEMPT:RANK:STEP: that rank of that attempt is SIGKILLed as it starts writing"
-                        " step STEP to the RAM tier, once its agent holds it; its training thread waits at STEP + 1")
-    p.add_argument("--wait-agent-idle", action="store_true",
-                   help="under torchrun, from the second attempt on: before training, wait until the RAM tier's agent"
-                        " flushed what the attempt before left it")
+    p.add_argument(
+        "--kill-plan",
+        default="",
+        help="under torchrun: ATTEMPT:RANK:STEP,... SIGKILL that rank at that step of that attempt"
+        " (TORCHELASTIC_RESTART_COUNT), once the RAM tier (if any) holds the newest step due in it",
+    )
+    p.add_argument(
+        "--kill-at",
+        type=int,
+        default=-1,
+        help="SIGKILL at this global step, waiting only for the RAM tier (if any) to hold the newest step"
+        " due in it (its agent has it then), not for any durable tier",
+    )
+    p.add_argument(
+        "--kill-in-ram-write",
+        default="",
+        help="under torchrun: ATTEMPT:RANK:STEP: that rank of that attempt is SIGKILLed as it starts writing"
+        " step STEP to the RAM tier, once its agent holds it; its training thread waits at STEP + 1",
+    )
+    p.add_argument(
+        "--wait-agent-idle",
+        action="store_true",
+        help="under torchrun, from the second attempt on: before training, wait until the RAM tier's agent"
+        " flushed what the attempt before left it",
+    )
     p.add_argument("--signal-at", type=int, default=-1, help="send a preemption signal at this global step...")
-    p.add_argument("--signal-to", choices=["self", "launcher", "all", "tree"], default="self", help="...to these processes")
+    p.add_argument(
+        "--signal-to", choices=["self", "launcher", "all", "tree"], default="self", help="...to these processes"
+    )
     p.add_argument("--signal-rank", type=int, default=0, help="...from (or, with 'self', to) this rank")
     p.add_argument("--signal-during", choices=["train", "validation", "backward", "accumulating"], default="train")
     p.add_argument("--signal", default="SIGTERM", help="the signal sent (and the one the callback owns)")
@@ -400,10 +429,16 @@ def main() -> None:
     p.add_argument("--sigterm-grace", type=float, default=25.0)
     p.add_argument("--signal-again", type=float, default=0.0, help="send the signal again this many seconds later")
     p.add_argument("--rank0-delay", default="", help="STEP:SECONDS: rank 0 alone sleeps after that step's batch")
-    p.add_argument("--print-captures", action="store_true",
-                   help="print CAPTURE step=S rank=R each time the model and optimizer state is staged")
-    p.add_argument("--slurm-requeue", action="store_true",
-                   help="SLURMEnvironment(auto_requeue=True) (the SLURM_* variables come from the test)")
+    p.add_argument(
+        "--print-captures",
+        action="store_true",
+        help="print CAPTURE step=S rank=R each time the model and optimizer state is staged",
+    )
+    p.add_argument(
+        "--slurm-requeue",
+        action="store_true",
+        help="SLURMEnvironment(auto_requeue=True) (the SLURM_* variables come from the test)",
+    )
     a = p.parse_args()
     a.dir = os.path.expandvars(a.dir)  # (a path from an environment variable: each simulated node its own)
 
@@ -415,8 +450,13 @@ def main() -> None:
         rank = int(os.environ.get("NODE_RANK", "0")) * a.devices + int(os.environ.get("LOCAL_RANK", "0"))
         io_count.install(a.dir.replace("{node_rank}", os.environ.get("NODE_RANK", "0")), f"{a.count_reads}.rank{rank}")
     if a.loader == "plain":
-        loader = DataLoader(Squares(a.samples, a.augment), batch_size=a.batch_size, shuffle=a.shuffle,
-                            num_workers=a.workers, persistent_workers=a.persistent)
+        loader = DataLoader(
+            Squares(a.samples, a.augment),
+            batch_size=a.batch_size,
+            shuffle=a.shuffle,
+            num_workers=a.workers,
+            persistent_workers=a.persistent,
+        )
     elif a.loader == "stateful":
         from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -426,26 +466,55 @@ def main() -> None:
     if a.kill_before_commit >= 0:
         tier = CrashBeforeManifest(a.dir, a.kill_before_commit, every_n_train_steps=a.every, keep_last=2)
     elif a.slow_write:
-        tier = SlowLocalTier(a.dir, a.slow_write, every_n_train_steps=a.every, keep_last=2,
-                             node_local={"auto": None, "true": True, "false": False}[a.node_local])
+        tier = SlowLocalTier(
+            a.dir,
+            a.slow_write,
+            every_n_train_steps=a.every,
+            keep_last=2,
+            node_local={"auto": None, "true": True, "false": False}[a.node_local],
+        )
     else:
-        tier = LocalTier(a.dir, every_n_train_steps=a.every, keep_last=a.keep_last or None,
-                         node_local={"auto": None, "true": True, "false": False}[a.node_local])
+        tier = LocalTier(
+            a.dir,
+            every_n_train_steps=a.every,
+            keep_last=a.keep_last or None,
+            node_local={"auto": None, "true": True, "false": False}[a.node_local],
+        )
     tiers = [] if a.no_local else [tier]
     if a.ram_every:
-        ram = make_ram_tier(_ram_kill_plan(a.kill_in_ram_write), every_n_train_steps=a.ram_every, keep_last=2,
-                            erasure=a.ram_erasure, name="test", idle_timeout=120)
+        ram = make_ram_tier(
+            _ram_kill_plan(a.kill_in_ram_write),
+            every_n_train_steps=a.ram_every,
+            keep_last=2,
+            erasure=a.ram_erasure,
+            name="test",
+            idle_timeout=120,
+        )
         tiers.insert(0, ram)
         if a.wait_agent_idle and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
             wait_for_agent_idle(ram.node_dir)
     if a.s3:
         from lightning_snapshot.backends import ObjectStoreTier
 
-        tiers.append(ObjectStoreTier(a.s3, storage_options=s3_options(a.endpoint),
-                                     every_n_train_steps=a.s3_every or a.every, keep_last=2, retry_initial=0.1))
-    callbacks = [SnapshotCallback(tiers, resume=not a.no_resume, collective_timeout=a.collective_timeout,
-                                  max_restores=a.max_restores, sigterm_grace=a.sigterm_grace,
-                                  preemption_signals=("SIGTERM",) if a.slurm_requeue else [a.signal])]
+        tiers.append(
+            ObjectStoreTier(
+                a.s3,
+                storage_options=s3_options(a.endpoint),
+                every_n_train_steps=a.s3_every or a.every,
+                keep_last=2,
+                retry_initial=0.1,
+            )
+        )
+    callbacks = [
+        SnapshotCallback(
+            tiers,
+            resume=not a.no_resume,
+            collective_timeout=a.collective_timeout,
+            max_restores=a.max_restores,
+            sigterm_grace=a.sigterm_grace,
+            preemption_signals=("SIGTERM",) if a.slurm_requeue else [a.signal],
+        )
+    ]
     callbacks.append(ReportRestore(callbacks[0]))  # (before CrashAfterRestore: the restore is reported first)
     if a.nan_at >= 0:
         callbacks.append(NanGradient(a.nan_at))
@@ -460,8 +529,11 @@ def main() -> None:
     if a.print_captures:
         _print_captures()
     if a.signal_at >= 0:
-        callbacks.append(SendSignal(a.signal_at, a.signal_to, a.signal_rank, a.signal_during,
-                                    int(getattr(signal, a.signal)), a.signal_again))
+        callbacks.append(
+            SendSignal(
+                a.signal_at, a.signal_to, a.signal_rank, a.signal_during, int(getattr(signal, a.signal)), a.signal_again
+            )
+        )
     if a.kill_at >= 0:
         callbacks.append(Crash(a.kill_at, tiers[:1] if a.ram_every else [], newest=True))
     if _ram_kill_plan(a.kill_in_ram_write) is not None:

@@ -14,13 +14,21 @@ from lightning_snapshot import SnapshotCallback
 from lightning_snapshot.backends import LocalTier, ObjectStoreTier, RamTier
 from lightning_snapshot.backends.base import Backend, NodeAgentHosting
 from lightning_snapshot.errors import ConfigError
-from lightning_snapshot.persist import PersistJob
+from lightning_snapshot.persist.threads import PersistJob
 from lightning_snapshot.staging import stage
 from lightning_snapshot.staging.arena import HostArena
 
 ROOT = Path(__file__).resolve().parents[2]
 #: the engine's modules that wire and drive the tiers
-ENGINE = ("config.py", "session.py", "persist.py", "pipeline.py", "writer.py", "restore.py", "reporting.py")
+ENGINE = (
+    "config.py",
+    "fit/session.py",
+    "persist/threads.py",
+    "fit/pipeline.py",
+    "persist/writer.py",
+    "restore/restorer.py",
+    "fit/reporting.py",
+)
 
 
 def test_tiers_declare_whether_they_host_a_node_agent(tmp_path):
@@ -47,8 +55,10 @@ def test_the_engine_names_no_concrete_agent_nor_tier():
 
 def test_the_agent_client_reads_a_job_through_its_protocol_only():
     """AgentClient reads the job through AgentJob's typed members, never probes it with getattr."""
-    source = (ROOT / "backends" / "ram" / "agent" / "client.py").read_text()
-    calls = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "getattr"]
+    source = (ROOT / "backends" / "ram" / "agent_client.py").read_text()
+    calls = [
+        n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "getattr"
+    ]
     assert all(not (isinstance(c.args[0], ast.Attribute | ast.Name) and "job" in ast.unparse(c.args[0])) for c in calls)
 
 
@@ -118,7 +128,7 @@ def test_the_session_sets_up_any_tier_that_hosts_a_node_agent(tmp_path):
     from types import SimpleNamespace
 
     from lightning_snapshot.config import SnapshotConfig
-    from lightning_snapshot.session import FitSession
+    from lightning_snapshot.fit.session import FitSession
 
     host = _Host("memory://host/run")
     assert isinstance(host, NodeAgentHosting) and isinstance(host, Backend)

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from lightning_snapshot.backends import LocalTier
-from lightning_snapshot.commit import _gather_parts
 from lightning_snapshot.errors import SnapshotError
+from lightning_snapshot.persist.commit import _gather_parts
 
 PREFIX, RUN = "step-000000000007", "run1"
 PART = {"objects": [{"type": "object", "key": "x", "nbytes": 1, "rank": 1}], "rank_section": {"rank": 1}}
@@ -24,8 +24,9 @@ def _raw(tier: LocalTier, name: str, data: bytes) -> None:
     path.write_bytes(data)
 
 
-@pytest.mark.parametrize("early", [b"", b'{"objects": [{"ty', b"\xff\xfe", b"[1, 2]"],
-                         ids=["empty", "cut-short", "not-utf8", "not-a-part"])
+@pytest.mark.parametrize(
+    "early", [b"", b'{"objects": [{"ty', b"\xff\xfe", b"[1, 2]"], ids=["empty", "cut-short", "not-utf8", "not-a-part"]
+)
 def test_a_part_seen_before_it_is_readable_is_waited_for(tmp_path, early):
     tier = LocalTier(tmp_path / "tier")
     _raw(tier, f"{RUN}-part-00001.json", early)
@@ -42,8 +43,11 @@ def test_a_part_still_unreadable_at_the_deadline_names_rank_step_and_what_was_wr
     tier = LocalTier(tmp_path / "tier")
     _raw(tier, f"{RUN}-part-00001.json", b'{"objects": [')
     t0 = time.monotonic()
-    with pytest.raises(SnapshotError, match=r"rank 1's part of step-000000000007 .* still unreadable after 1 s"
-                                            r" .*JSONDecodeError.*Give each run its own"):
+    with pytest.raises(
+        SnapshotError,
+        match=r"rank 1's part of step-000000000007 .* still unreadable after 1 s"
+        r" .*JSONDecodeError.*Give each run its own",
+    ):
         _gather_parts(tier, PREFIX, RUN, 2, {"objects": []}, time.monotonic() + 1)
     assert time.monotonic() - t0 < 10
 

@@ -8,10 +8,10 @@ import time
 from collections.abc import Callable
 
 import pytest
-
-from lightning_snapshot.comm import Agreed, LocalComm, agree_on
-from lightning_snapshot.errors import ConfigError, SnapshotError, SnapshotWriteError
 from thread_comm import ThreadComm, run_ranks
+
+from lightning_snapshot.dist.comm import Agreed, LocalComm, agree_on
+from lightning_snapshot.errors import ConfigError, SnapshotError, SnapshotWriteError
 
 
 class Counting(ThreadComm):
@@ -139,8 +139,11 @@ def test_a_failing_collective_is_named_when_translated_and_kept_as_it_is_otherwi
         def all_true_each(self, flags: list[bool]) -> list[bool]:
             raise RuntimeError("Connection closed by peer")
 
-    with pytest.raises(SnapshotWriteError, match="rank 0: waiting for the other ranks to agree on committing step 3"
-                                                 " failed .RuntimeError: Connection closed by peer"):
+    with pytest.raises(
+        SnapshotWriteError,
+        match="rank 0: waiting for the other ranks to agree on committing step 3"
+        " failed .RuntimeError: Connection closed by peer",
+    ):
         agree_on(Broken(), "committing step 3", failed=SnapshotWriteError, translate=True)
     with pytest.raises(RuntimeError, match="Connection closed by peer"):
         agree_on(Broken(), "committing step 3")
@@ -157,7 +160,14 @@ def test_one_process_says_the_problem_without_a_rank():
 @pytest.mark.parametrize("world_size", [2, 5])
 def test_thread_comm_collectives_agree(world_size):
     """(The fake itself: its collectives give what the Comm protocol promises.)"""
-    out = run_ranks(world_size, lambda c: (c.broadcast(c.rank + 10), c.all_true(c.rank != 1),
-                                           c.all_true_each([True, c.rank != 0]), c.gather(c.rank)))
+    out = run_ranks(
+        world_size,
+        lambda c: (
+            c.broadcast(c.rank + 10),
+            c.all_true(c.rank != 1),
+            c.all_true_each([True, c.rank != 0]),
+            c.gather(c.rank),
+        ),
+    )
     assert all(o[0] == 10 and o[1] is False and o[2] == [True, False] for o in out)
     assert out[0][3] == list(range(world_size)) and all(o[3] is None for o in out[1:])

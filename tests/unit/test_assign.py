@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_snapshot.planner import assign_writers
+from lightning_snapshot.plan.planner import assign_writers
 
 
 @settings(max_examples=200, deadline=None)

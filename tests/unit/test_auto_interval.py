@@ -18,7 +18,7 @@ from lightning_snapshot.backends.local import LocalTier
 from lightning_snapshot.backends.ram.tier import RamTier
 from lightning_snapshot.backends.registry import parse_tier
 from lightning_snapshot.errors import ConfigError
-from lightning_snapshot.interval import (
+from lightning_snapshot.schedule.interval import (
     DEFAULT_NODE_MTBF_S,
     CostMeter,
     default_mtbf,
@@ -48,16 +48,30 @@ def test_default_mtbf_is_per_node_mtbf_over_nodes():
     assert default_mtbf(2048) == pytest.approx(DEFAULT_NODE_MTBF_S / 2048)  # ~2.9 h, as Llama 3's job saw
 
 
-@pytest.mark.parametrize("value, seconds", [(90, 90.0), (1.5, 1.5), ("90", 90.0), ("90s", 90.0), ("30m", 1800.0),
-                                            ("4h", 14400.0), ("2d", 172800.0), ("0.5h", 1800.0)])
+@pytest.mark.parametrize(
+    "value, seconds",
+    [
+        (90, 90.0),
+        (1.5, 1.5),
+        ("90", 90.0),
+        ("90s", 90.0),
+        ("30m", 1800.0),
+        ("4h", 14400.0),
+        ("2d", 172800.0),
+        ("0.5h", 1800.0),
+    ],
+)
 def test_parse_duration(value, seconds):
     assert parse_duration(value, "mtbf") == seconds
 
 
 @pytest.mark.parametrize("value", [0, -5, "0h", "4 hours", "h", "", float("nan"), float("inf"), True, None, [4]])
 def test_parse_duration_rejects(value):
-    with pytest.raises(ConfigError, match=r"mtbf must be a positive duration: seconds \(14400\) or a number with s,"
-                                          r" m, h or d"):
+    with pytest.raises(
+        ConfigError,
+        match=r"mtbf must be a positive duration: seconds \(14400\) or a number with s,"
+        r" m, h or d",
+    ):
         parse_duration(value, "mtbf")
 
 
@@ -148,16 +162,22 @@ def test_every_auto_url_and_bounds(tmp_path):
     assert type(ram).from_spec(ram.spec()).auto_every
 
 
-@pytest.mark.parametrize("query, message", [
-    ("every=often", "tier URL option every='often' must be a number of steps or auto"),
-    ("every=auto&min_every=x", "tier URL option min_every='x' must be an integer"),
-    ("every=auto&min_every=0", "min_every must be an integer >= 1 (steps) or None, got 0"),
-    ("every=auto&max_every=-3", "max_every must be an integer >= 1 (steps) or None, got -3"),
-    ("every=auto&min_every=50&max_every=5", "min_every (50) must not be larger than max_every (5)"),
-    ("every=10&max_every=50", "max_every bounds the interval of every_n_train_steps='auto' (URL every=auto); set"
-                              " every_n_train_steps='auto' or drop it"),
-    ("every=auto&every=auto", "tier URL option 'every' is given twice"),
-])
+@pytest.mark.parametrize(
+    "query, message",
+    [
+        ("every=often", "tier URL option every='often' must be a number of steps or auto"),
+        ("every=auto&min_every=x", "tier URL option min_every='x' must be an integer"),
+        ("every=auto&min_every=0", "min_every must be an integer >= 1 (steps) or None, got 0"),
+        ("every=auto&max_every=-3", "max_every must be an integer >= 1 (steps) or None, got -3"),
+        ("every=auto&min_every=50&max_every=5", "min_every (50) must not be larger than max_every (5)"),
+        (
+            "every=10&max_every=50",
+            "max_every bounds the interval of every_n_train_steps='auto' (URL every=auto); set"
+            " every_n_train_steps='auto' or drop it",
+        ),
+        ("every=auto&every=auto", "tier URL option 'every' is given twice"),
+    ],
+)
 def test_every_auto_bad_input(tmp_path, query, message):
     with pytest.raises(ConfigError) as e:
         parse_tier(f"{tmp_path}?{query}")
@@ -255,8 +275,9 @@ def _fit(tmp_path, name: str, busy: float) -> tuple[LocalTier, RecordingCallback
     tier = BusyTier(tmp_path / name, busy, every_n_train_steps="auto", min_every=2, max_every=2000, keep_last=1)
     cb = RecordingCallback(tier, mtbf=2.0, resume=False)
     data = TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
-    trainer = L.Trainer(max_steps=150, callbacks=[cb], logger=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+    trainer = L.Trainer(
+        max_steps=150, callbacks=[cb], logger=False, enable_progress_bar=False, enable_model_summary=False
+    )
     trainer.fit(_Net(), DataLoader(data, batch_size=4))
     return tier, cb
 
@@ -269,8 +290,10 @@ def test_interval_reacts_to_a_slowed_tier(tmp_path, caplog):
     slow, slow_cb = _fit(tmp_path, "slow", 1.5)
     fast_cost, slow_cost = fast_cb._meter.cost(0), slow_cb._meter.cost(0)
     fast_every, slow_every = fast_cb.config.schedules[0].every, slow_cb.config.schedules[0].every
-    print(f"fast: cost {fast_cost * 1e3:.1f} ms interval {fast_every}; slow: cost"
-          f" {slow_cost * 1e3:.1f} ms interval {slow_every}")
+    print(
+        f"fast: cost {fast_cost * 1e3:.1f} ms interval {fast_every}; slow: cost"
+        f" {slow_cost * 1e3:.1f} ms interval {slow_every}"
+    )
     # (margins for a loaded machine: other processes add noise to the fast tier's few-ms cost)
     assert slow_cost > 3 * fast_cost
     # Young/Daly: the time between snapshots grows with the sqrt of the cost ratio. Compared in seconds of training
@@ -278,5 +301,6 @@ def test_interval_reacts_to_a_slowed_tier(tmp_path, caplog):
     # the two runs' step times differ, so their intervals in steps need not.
     (fast_steps, fast_step_s), (slow_steps, slow_step_s) = fast_cb.decisions[-1], slow_cb.decisions[-1]
     assert slow_steps * slow_step_s > 1.5 * fast_steps * fast_step_s, (fast_cb.decisions, slow_cb.decisions)
-    assert any("now snapshots every" in r.getMessage() and str(tmp_path / "slow") in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "now snapshots every" in r.getMessage() and str(tmp_path / "slow") in r.getMessage() for r in caplog.records
+    )

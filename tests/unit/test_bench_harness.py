@@ -32,8 +32,11 @@ def test_methods_registry_docstring_selection_and_schedule():
     doc = methods.document("Methods:\n\n{methods}\n\nMore.")
     lines = doc.splitlines()
     assert lines[2].startswith("=") and lines[2] == lines[-3]  # a simple table's top and bottom rules
-    assert [line.split()[0] for line in lines[3:-3] if line.startswith("``")] == ["``none``", "``ours-local``",
-                                                                                 "``dcp``"]
+    assert [line.split()[0] for line in lines[3:-3] if line.startswith("``")] == [
+        "``none``",
+        "``ours-local``",
+        "``dcp``",
+    ]
     assert max(len(line) for line in lines) <= 115 and "word word" in lines[5]  # wrapped under its column
     with pytest.raises(ValueError, match="placeholder"):
         methods.document("no table here")
@@ -56,8 +59,9 @@ def test_noise_bookkeeping_flags_unreliable_runs():
     noisy = harness.Noise(wall_s=10.0, foreign_cpu_s=5.0, cores=2, load_before=1.0, load_after=3.0)
     assert quiet.share == pytest.approx(0.05) and not quiet.unreliable and quiet.flag() is None
     assert noisy.share == pytest.approx(0.25) and noisy.unreliable
-    assert noisy.flag() == ("NOISE: other processes used 5.0 CPU-s (25% of the CPUs) during this run: its wall-clock"
-                            " figures are unreliable")
+    assert noisy.flag() == (
+        "NOISE: other processes used 5.0 CPU-s (25% of the CPUs) during this run: its wall-clock figures are unreliable"
+    )
 
     # the median over the quiet periods only, or over all where fewer than 3 are quiet
     assert harness.quiet_median([(1.0, 0.0), (2.0, 0.0), (3.0, 0.05), (100.0, 0.9)]) == (2.0, 3)
@@ -83,16 +87,30 @@ def test_run_quietest_retries_noisy_runs_and_keeps_the_quietest(capsys):
         calls.append(1)
         return {"noise": next(noises), "error": None}
 
-    kept = harness.run_quietest("m", attempt, retries=2, noise=lambda r: r["noise"], failed=lambda r: r["error"],
-                                on_error=lambda e: {"noise": 0.0, "error": str(e)}, after=None)
+    kept = harness.run_quietest(
+        "m",
+        attempt,
+        retries=2,
+        noise=lambda r: r["noise"],
+        failed=lambda r: r["error"],
+        on_error=lambda e: {"noise": 0.0, "error": str(e)},
+        after=None,
+    )
     assert len(calls) == 3 and kept["noise"] == 0.3
     assert capsys.readouterr().out.count("disturbed by other processes: running it again") == 2
 
     def boom():
         raise RuntimeError("disk full")
 
-    failed = harness.run_quietest("m", boom, retries=3, noise=lambda r: r["noise"], failed=lambda r: r["error"],
-                                  on_error=lambda e: {"noise": 0.0, "error": f"ERROR {e}"}, after=None)
+    failed = harness.run_quietest(
+        "m",
+        boom,
+        retries=3,
+        noise=lambda r: r["noise"],
+        failed=lambda r: r["error"],
+        on_error=lambda e: {"noise": 0.0, "error": f"ERROR {e}"},
+        after=None,
+    )
     assert failed == {"noise": 0.0, "error": "ERROR disk full"}  # a failure is not retried
 
 
@@ -103,7 +121,8 @@ def test_baselines_use_the_quieter_run_and_report_the_spread():
     assert base.spread(lambda r: r["wall"]) == pytest.approx(0.6)
     assert base.smallest(lambda r: r["wall"]) == 10.0
     assert base.describe(lambda r: r["wall"], per=3, per_unit=" per snapshot") == (
-        "10.00 s (20% noise), 10.60 s (2% noise); the quieter one is used (spread 0.200 s per snapshot)")
+        "10.00 s (20% noise), 10.60 s (2% noise); the quieter one is used (spread 0.200 s per snapshot)"
+    )
     empty = harness.Baselines([], noise=lambda r: 0.0)
     assert empty.quieter is None and empty.spread(lambda r: 1.0) == 0.0
 
@@ -132,9 +151,11 @@ def test_table_text_markdown_and_records():
         "",
         "+: fsynced by us",
     ]
-    assert table.records() == [{"method": "ours-local", "stall_ms": 2.9},
-                               {"method": "torch-save", "stall ms": "1234.5", "note": ""},
-                               {"method": "torchsnapshot", "note": "ERROR ImportError: no module"}]
+    assert table.records() == [
+        {"method": "ours-local", "stall_ms": 2.9},
+        {"method": "torch-save", "stall ms": "1234.5", "note": ""},
+        {"method": "torchsnapshot", "note": "ERROR ImportError: no module"},
+    ]
     assert harness.ratio(1.0, 4.0) == "0.25x" and harness.ratio(30.0, 2.0) == "15.0x"
     assert harness.ratio(1.0, 0.01, floor=0.05) == "ref~0" and harness.ratio(None, 1.0) == "-"
     assert harness.fmt(None, ".1f") == "-" and harness.fmt(2.345, ".2f") == "2.35"

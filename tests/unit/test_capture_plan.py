@@ -15,11 +15,11 @@ from torch import nn
 
 from lightning_snapshot import SnapshotCallback, load_snapshot
 from lightning_snapshot.backends import LocalTier
-from lightning_snapshot.capture import frozen_predicate, optimized_key
-from lightning_snapshot.staging.arena import HostArena
+from lightning_snapshot.format.tree import decode, encode
 from lightning_snapshot.staging import live
+from lightning_snapshot.staging.arena import HostArena
 from lightning_snapshot.staging.live import Encoded
-from lightning_snapshot.tree import decode, encode
+from lightning_snapshot.state.capture import frozen_predicate, optimized_key
 
 
 @pytest.fixture(autouse=True, params=["torch-guard", "python"])
@@ -215,8 +215,18 @@ def _hook(module, state_dict, prefix, local_metadata):
         lambda m, o: o.add_param_group({"params": [nn.Parameter(torch.ones(3))], "lr": 0.5}),  # a group, no state
         lambda m, o: o.param_groups[0]["params"].reverse(),  # the parameters reordered (the state's indices move)
     ],
-    ids=["parameter", "buffer", "optimizer-state", "state-removed", "non-persistent", "state-dict-hook", "module",
-         "class", "group-added", "group-reordered"],
+    ids=[
+        "parameter",
+        "buffer",
+        "optimizer-state",
+        "state-removed",
+        "non-persistent",
+        "state-dict-hook",
+        "module",
+        "class",
+        "group-added",
+        "group-reordered",
+    ],
 )
 def test_a_change_made_in_a_modules_or_an_optimizers_dicts_directly_is_in_the_next_snapshot(change):
     """Changes that no ``__setattr__`` or ``register_*`` call makes (a dict written directly), after the plan held

@@ -1,4 +1,4 @@
-"""lightning_snapshot.collector: the persist threads' windows without the cyclic garbage collector leave it as the
+"""lightning_snapshot.format.collector: the persist threads' windows without the cyclic garbage collector leave it as the
 program had it, however they nest across threads and whatever happens inside them."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from lightning_snapshot.collector import deferred_collection
+from lightning_snapshot.format.collector import deferred_collection
 
 
 @pytest.fixture(autouse=True)
@@ -38,6 +38,7 @@ def test_windows_of_two_threads_keep_it_disabled_until_the_last_one_ends():
             second_in.set()
             first_out.wait()
             seen.append(gc.isenabled())  # (the first window has ended; this one is still open)
+
     t = threading.Thread(target=second)
     t.start()
     with deferred_collection():
@@ -51,9 +52,8 @@ def test_windows_of_two_threads_keep_it_disabled_until_the_last_one_ends():
 
 def test_a_program_that_disabled_the_collector_keeps_it_disabled():
     gc.disable()
-    with deferred_collection():
-        with deferred_collection():
-            pass
+    with deferred_collection(), deferred_collection():
+        pass
     assert not gc.isenabled()
 
 
@@ -78,8 +78,9 @@ def test_a_fit_with_snapshots_leaves_the_collector_enabled(tmp_path):
 
     data = DataLoader(TensorDataset(torch.randn(64, 4)), batch_size=4)
     callback = SnapshotCallback(LocalTier(tmp_path / "snap", every_n_train_steps=1), resume=False)
-    L.Trainer(max_steps=12, logger=False, enable_progress_bar=False, enable_model_summary=False,
-              callbacks=[callback]).fit(Model(), data)
+    L.Trainer(
+        max_steps=12, logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[callback]
+    ).fit(Model(), data)
     assert gc.isenabled()
 
 

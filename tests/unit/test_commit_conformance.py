@@ -1,4 +1,4 @@
-"""The commit rule (lightning_snapshot.commit), once per transport: the trainer's collectives and the snapshot
+"""The commit rule (lightning_snapshot.persist.commit), once per transport: the trainer's collectives and the snapshot
 agents' marker files. Two ranks as threads writing a real local tier; what is committed is read back by the loader.
 
 Each transport must: make a normal commit readable; leave no committed step when a rank fails, or rank 0 is aborted,
@@ -15,15 +15,15 @@ from typing import Any
 
 import pytest
 import torch
+from thread_comm import ThreadComm
 
 from lightning_snapshot.backends.local import LocalTier
-from lightning_snapshot.commit import CollectiveTransport, MarkerTransport, Transport
 from lightning_snapshot.errors import SnapshotError, SnapshotWriteError
-from lightning_snapshot.loader import load_snapshot
-from lightning_snapshot.manifest import MANIFEST_NAME, step_dirname
+from lightning_snapshot.format.manifest import MANIFEST_NAME, step_dirname
+from lightning_snapshot.persist.commit import CollectiveTransport, MarkerTransport, Transport
+from lightning_snapshot.persist.writer import SnapshotJob, commit_job, committed_steps
+from lightning_snapshot.restore.loader import load_snapshot
 from lightning_snapshot.staging import stage
-from lightning_snapshot.writer import SnapshotJob, commit_job, committed_steps
-from thread_comm import ThreadComm
 
 WORLD = 2
 TRANSPORTS = ["collective", "markers"]

@@ -1,4 +1,4 @@
-"""The optimizer/scheduler compatibility check (lightning_snapshot.compat): a changed setup is refused before anything
+"""The optimizer/scheduler compatibility check (lightning_snapshot.state.compat): a changed setup is refused before anything
 is applied, with the classes, the keys and the fix; what Lightning's built-in callbacks change during fit is accepted.
 
 The first part uses real torch optimizers and schedulers in a stand-in trainer (what the check reads of a trainer:
@@ -23,8 +23,8 @@ from lightning.pytorch.core.optimizer import LRSchedulerConfig
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from lightning_snapshot import compat
 from lightning_snapshot.errors import StateMismatchError
+from lightning_snapshot.state import compat
 
 # the module-scoped fixtures below are shared by this file's tests: under pytest-xdist they run in one worker
 pytestmark = pytest.mark.xdist_group("test_compat")
@@ -39,10 +39,11 @@ def _net() -> nn.Module:
 
 
 def _trainer(optimizers, schedulers=(), callbacks=()):
-    return SimpleNamespace(optimizers=list(optimizers),
-                           lr_scheduler_configs=[s if isinstance(s, LRSchedulerConfig) else LRSchedulerConfig(s)
-                                                 for s in schedulers],
-                           callbacks=list(callbacks))
+    return SimpleNamespace(
+        optimizers=list(optimizers),
+        lr_scheduler_configs=[s if isinstance(s, LRSchedulerConfig) else LRSchedulerConfig(s) for s in schedulers],
+        callbacks=list(callbacks),
+    )
 
 
 def _train(net: nn.Module, opt: torch.optim.Optimizer, steps: int = 2) -> None:
@@ -54,9 +55,11 @@ def _train(net: nn.Module, opt: torch.optim.Optimizer, steps: int = 2) -> None:
 
 def _saved(trainer):
     """What a snapshot of ``trainer`` holds: the description and the two state lists."""
-    return (json.loads(json.dumps(compat.describe(trainer))),  # stored as JSON: it must survive that
-            [o.state_dict() for o in trainer.optimizers],
-            [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs])
+    return (
+        json.loads(json.dumps(compat.describe(trainer))),  # stored as JSON: it must survive that
+        [o.state_dict() for o in trainer.optimizers],
+        [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
+    )
 
 
 def _adamw_steplr(steps: int = 2):
@@ -83,13 +86,23 @@ def test_describe_is_plain_json():
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
     d = compat.describe(_trainer([opt], [LRSchedulerConfig(plateau, monitor="val", interval="epoch")]))
     assert json.loads(json.dumps(d)) == d
-    assert d["optimizers"] == [{
-        "class": "torch.optim.adamw.AdamW",
-        "param_groups": [{"keys": sorted(k for k in opt.param_groups[0] if k != "params"), "params": 2}] * 2,
-    }]
-    assert d["schedulers"] == [{"class": "torch.optim.lr_scheduler.ReduceLROnPlateau", "plateau": True,
-                                "optimizer": 0, "interval": "epoch", "frequency": 1, "monitor": "val",
-                                "name": None}]
+    assert d["optimizers"] == [
+        {
+            "class": "torch.optim.adamw.AdamW",
+            "param_groups": [{"keys": sorted(k for k in opt.param_groups[0] if k != "params"), "params": 2}] * 2,
+        }
+    ]
+    assert d["schedulers"] == [
+        {
+            "class": "torch.optim.lr_scheduler.ReduceLROnPlateau",
+            "plateau": True,
+            "optimizer": 0,
+            "interval": "epoch",
+            "frequency": 1,
+            "monitor": "val",
+            "name": None,
+        }
+    ]
 
 
 # ------------------------------------------------------------------------------------------------- accepted
@@ -99,19 +112,21 @@ def test_identical_setup_is_accepted(with_description, steps):
     saved, opts, scheds = _saved(_adamw_steplr(steps))
     live = _adamw_steplr(0)
     compat.check(live, saved if with_description else None, opts, scheds, WHERE)
-    assert [c.scheduler for c, _ in compat.schedulers_to_load(live, scheds)] == [live.lr_scheduler_configs[0]
-                                                                                   .scheduler]
+    assert [c.scheduler for c, _ in compat.schedulers_to_load(live, scheds)] == [live.lr_scheduler_configs[0].scheduler]
 
 
-@pytest.mark.parametrize("cls, kwargs", [
-    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True}),
-    (torch.optim.Adam, {"amsgrad": True}),
-    (torch.optim.RMSprop, {"momentum": 0.5, "centered": True}),
-    (torch.optim.NAdam, {}),
-    (torch.optim.Adagrad, {}),
-    (torch.optim.Adafactor, {}),  # per-parameter state depends on the parameter's dimensionality
-    (torch.optim.LBFGS, {}),  # its step needs a closure: no dry run, the rest of the check still applies
-])
+@pytest.mark.parametrize(
+    "cls, kwargs",
+    [
+        (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True}),
+        (torch.optim.Adam, {"amsgrad": True}),
+        (torch.optim.RMSprop, {"momentum": 0.5, "centered": True}),
+        (torch.optim.NAdam, {}),
+        (torch.optim.Adagrad, {}),
+        (torch.optim.Adafactor, {}),  # per-parameter state depends on the parameter's dimensionality
+        (torch.optim.LBFGS, {}),  # its step needs a closure: no dry run, the rest of the check still applies
+    ],
+)
 def test_same_optimizer_class_is_accepted(cls, kwargs):
     net = _net()
     opt = cls(net.parameters(), **kwargs)
@@ -168,8 +183,13 @@ def test_check_changes_nothing():
         rng = torch.get_rng_state()
         compat.check(live, saved, opts, scheds, WHERE)
         with pytest.raises(StateMismatchError):
-            compat.check(_trainer([torch.optim.SGD(_net().parameters(), lr=0.1, momentum=0.9)],
-                                  live.lr_scheduler_configs), saved, opts, scheds, WHERE)
+            compat.check(
+                _trainer([torch.optim.SGD(_net().parameters(), lr=0.1, momentum=0.9)], live.lr_scheduler_configs),
+                saved,
+                opts,
+                scheds,
+                WHERE,
+            )
         assert torch.equal(torch.get_rng_state(), rng)
     finally:
         handle.remove()
@@ -317,8 +337,13 @@ def test_missing_state_dict_is_refused():
 def _run(tmp: Path, *args: str) -> dict:
     out = tmp / "result.pt"
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "compat_runs.py"), "--dir", str(tmp), "--out", str(out),
-                           *args], capture_output=True, text=True, timeout=600, env=env)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "compat_runs.py"), "--dir", str(tmp), "--out", str(out), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-5000:]
     return torch.load(out, weights_only=False)
 
@@ -390,8 +415,12 @@ def test_swa_states_against_the_resumed_trainer(runs):
         compat.check(live, record["description"], record["optimizer_states"], record["lr_schedulers"], WHERE)
     # without SWA, the same checkpoint is refused
     fresh = _model("swa").configure_optimizers()
-    msg = _refused(_trainer([fresh["optimizer"]], [fresh["lr_scheduler"]]), ckpt["compat_description"],
-                   ckpt["optimizer_states"], ckpt["lr_schedulers"])
+    msg = _refused(
+        _trainer([fresh["optimizer"]], [fresh["lr_scheduler"]]),
+        ckpt["compat_description"],
+        ckpt["optimizer_states"],
+        ckpt["lr_schedulers"],
+    )
     assert "torch.optim.swa_utils.SWALR" in msg and "StochasticWeightAveraging" in msg
 
 
@@ -417,13 +446,16 @@ def test_finetune_states_against_the_resumed_trainer(runs):
     assert compat.describe(trainer) == run["resumed"]["fit_start"]["description"]
     for saved in (ckpt["compat_description"], None):
         compat.check(trainer, saved, ckpt["optimizer_states"], ckpt["lr_schedulers"], WHERE)
-    msg = _refused(live(load_state=False), ckpt["compat_description"], ckpt["optimizer_states"],
-                   ckpt["lr_schedulers"])
+    msg = _refused(live(load_state=False), ckpt["compat_description"], ckpt["optimizer_states"], ckpt["lr_schedulers"])
     assert "2 parameter group(s) of [2, 2] parameters, the optimizer 1 of [2]" in msg
     assert "BackboneFinetuning adds parameter groups during fit" in msg
     # the epoch-end states of the first run: one group at epoch 0, two after
-    assert [[len(g["params"]) for g in r["optimizer_states"][0]["param_groups"]] for r in run["first"]["records"]] \
-        == [[2], [2, 2], [2, 2], [2, 2]]
+    assert [[len(g["params"]) for g in r["optimizer_states"][0]["param_groups"]] for r in run["first"]["records"]] == [
+        [2],
+        [2, 2],
+        [2, 2],
+        [2, 2],
+    ]
 
 
 @pytest.mark.slow
@@ -443,5 +475,6 @@ def test_swa_within_epoch_resume_reinstates_swalr(runs):
 
 
 def test_reinstate_does_nothing_without_swa_state():
-    assert compat.reinstate_epoch_start_schedulers(_trainer([], callbacks=[StochasticWeightAveraging(0.01)]),
-                                                   None) == []
+    assert (
+        compat.reinstate_epoch_start_schedulers(_trainer([], callbacks=[StochasticWeightAveraging(0.01)]), None) == []
+    )

@@ -47,8 +47,9 @@ def test_file_url_localhost_and_percent_escapes(tmp_path):
     assert tier.every_n_train_steps == 5
 
 
-@pytest.mark.parametrize("value, seconds", [("600", 600), ("600s", 600), ("10m", 600), ("2h", 7200),
-                                            ("1.5h", 5400), ("0.5", 0.5)])
+@pytest.mark.parametrize(
+    "value, seconds", [("600", 600), ("600s", 600), ("10m", 600), ("2h", 7200), ("1.5h", 5400), ("0.5", 0.5)]
+)
 def test_interval_units(tmp_path, value, seconds):
     tier = parse_tier(f"{tmp_path}?interval={value}")
     assert tier.train_time_interval.total_seconds() == pytest.approx(seconds)
@@ -60,8 +61,7 @@ def test_keep_all_keeps_every_snapshot(tmp_path):
 
 def test_every_and_interval_together(tmp_path):
     tier = parse_tier(f"{tmp_path}?every=50&interval=30s&keep=1")
-    assert (tier.every_n_train_steps, tier.train_time_interval, tier.keep_last) == (
-        50, dt.timedelta(seconds=30), 1)
+    assert (tier.every_n_train_steps, tier.train_time_interval, tier.keep_last) == (50, dt.timedelta(seconds=30), 1)
 
 
 def test_backend_passes_through_unchanged(tmp_path):
@@ -78,12 +78,25 @@ def test_unknown_option_is_named_and_accepted_options_listed(tmp_path):
         assert accepted in msg
 
 
-@pytest.mark.parametrize("query, option", [
-    ("every=0", "every"), ("every=-5", "every"), ("every=abc", "every"), ("every=1.5", "every"), ("every=", "every"),
-    ("keep=0", "keep"), ("keep=-1", "keep"), ("keep=many", "keep"), ("keep=", "keep"),
-    ("interval=-1", "interval"), ("interval=0", "interval"), ("interval=10d", "interval"), ("interval=abc", "interval"),
-    ("interval=", "interval"),
-])
+@pytest.mark.parametrize(
+    "query, option",
+    [
+        ("every=0", "every"),
+        ("every=-5", "every"),
+        ("every=abc", "every"),
+        ("every=1.5", "every"),
+        ("every=", "every"),
+        ("keep=0", "keep"),
+        ("keep=-1", "keep"),
+        ("keep=many", "keep"),
+        ("keep=", "keep"),
+        ("interval=-1", "interval"),
+        ("interval=0", "interval"),
+        ("interval=10d", "interval"),
+        ("interval=abc", "interval"),
+        ("interval=", "interval"),
+    ],
+)
 def test_invalid_option_values_name_the_option(tmp_path, query, option):
     with pytest.raises(ConfigError) as info:
         parse_tier(f"{tmp_path}?{query}")
@@ -109,19 +122,28 @@ def test_unknown_scheme(url):
 def test_ram_tier_url():
     t = parse_tier("ram://run-42?every=10&keep=2&erasure=4+2&idle=5m")
     assert (t.tier, t.name, t.every_n_train_steps, t.keep_last, t.erasure, t.idle_timeout) == (
-        "ram", "run-42", 10, 2, (4, 2), 300.0)
+        "ram",
+        "run-42",
+        10,
+        2,
+        (4, 2),
+        300.0,
+    )
     assert parse_tier("ram://?every=3").erasure is None
 
 
-@pytest.mark.parametrize("url,message", [
-    ("ram://x?erasure=4-2", "write it as k\\+m"),
-    ("ram://x?erasure=0+1", "erasure k must be an integer >= 1"),
-    ("ram://x?erasure=200+100", "at most 256"),
-    ("ram://x/path?every=1", "has a path"),
-    ("ram://bad name?every=1", "RamTier name"),
-    ("ram://x?idle=soon", "idle='soon'"),
-    ("ram://x?size=3", "unknown tier URL option 'size'"),
-])
+@pytest.mark.parametrize(
+    "url,message",
+    [
+        ("ram://x?erasure=4-2", "write it as k\\+m"),
+        ("ram://x?erasure=0+1", "erasure k must be an integer >= 1"),
+        ("ram://x?erasure=200+100", "at most 256"),
+        ("ram://x/path?every=1", "has a path"),
+        ("ram://bad name?every=1", "RamTier name"),
+        ("ram://x?idle=soon", "idle='soon'"),
+        ("ram://x?size=3", "unknown tier URL option 'size'"),
+    ],
+)
 def test_bad_ram_tier_urls_name_the_problem(url, message):
     with pytest.raises(ConfigError, match=message):
         parse_tier(url)
@@ -194,21 +216,24 @@ def test_local_tier_expands_home(monkeypatch, tmp_path):
     assert LocalTier("~/snaps").root == tmp_path / "snaps"
 
 
-@pytest.mark.parametrize("kwargs, option", [
-    ({"every_n_train_steps": 0}, "every_n_train_steps"),
-    ({"every_n_train_steps": -1}, "every_n_train_steps"),
-    ({"every_n_train_steps": True}, "every_n_train_steps"),
-    ({"every_n_train_steps": 2.0}, "every_n_train_steps"),
-    ({"every_n_train_steps": "10"}, "every_n_train_steps"),
-    ({"keep_last": 0}, "keep_last"),
-    ({"keep_last": False}, "keep_last"),
-    ({"keep_last": 1.5}, "keep_last"),
-    ({"train_time_interval": 0}, "train_time_interval"),
-    ({"train_time_interval": -3}, "train_time_interval"),
-    ({"train_time_interval": dt.timedelta(0)}, "train_time_interval"),
-    ({"train_time_interval": True}, "train_time_interval"),
-    ({"train_time_interval": "10m"}, "train_time_interval"),
-])
+@pytest.mark.parametrize(
+    "kwargs, option",
+    [
+        ({"every_n_train_steps": 0}, "every_n_train_steps"),
+        ({"every_n_train_steps": -1}, "every_n_train_steps"),
+        ({"every_n_train_steps": True}, "every_n_train_steps"),
+        ({"every_n_train_steps": 2.0}, "every_n_train_steps"),
+        ({"every_n_train_steps": "10"}, "every_n_train_steps"),
+        ({"keep_last": 0}, "keep_last"),
+        ({"keep_last": False}, "keep_last"),
+        ({"keep_last": 1.5}, "keep_last"),
+        ({"train_time_interval": 0}, "train_time_interval"),
+        ({"train_time_interval": -3}, "train_time_interval"),
+        ({"train_time_interval": dt.timedelta(0)}, "train_time_interval"),
+        ({"train_time_interval": True}, "train_time_interval"),
+        ({"train_time_interval": "10m"}, "train_time_interval"),
+    ],
+)
 def test_local_tier_option_validation(tmp_path, kwargs, option):
     with pytest.raises(ConfigError, match=option):
         LocalTier(tmp_path, **kwargs)

@@ -11,15 +11,25 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sequ
 from lightning_snapshot import data
 
 
-def _loader(n: int, batch_size: int, replicas: int | None, rank: int = 0, *, drop_last: bool = False,
-            sampler_drop_last: bool = False, epoch: int = 0, seed: int = 42) -> DataLoader:
+def _loader(
+    n: int,
+    batch_size: int,
+    replicas: int | None,
+    rank: int = 0,
+    *,
+    drop_last: bool = False,
+    sampler_drop_last: bool = False,
+    epoch: int = 0,
+    seed: int = 42,
+) -> DataLoader:
     """A loader over range(n) as Lightning builds it: a DistributedSampler under DDP, a RandomSampler on one process."""
     ds = list(range(n))
     if replicas is None:
         sampler = RandomSampler(ds)
     else:
-        sampler = DistributedSampler(ds, num_replicas=replicas, rank=rank, shuffle=True, seed=seed,
-                                     drop_last=sampler_drop_last)
+        sampler = DistributedSampler(
+            ds, num_replicas=replicas, rank=rank, shuffle=True, seed=seed, drop_last=sampler_drop_last
+        )
         sampler.set_epoch(epoch)
     loader = DataLoader(ds, batch_size=batch_size, sampler=sampler, drop_last=drop_last)
     assert data.install(loader) is not None
@@ -31,8 +41,9 @@ def _consume(loader: DataLoader, batches: int) -> list[list[int]]:
     return [next(it).tolist() for _ in range(batches)]
 
 
-@pytest.mark.parametrize("n,replicas,drop_last", [(96, 2, False), (90, 4, False), (90, 4, True), (7, 3, False),
-                                                  (2, 5, False)])
+@pytest.mark.parametrize(
+    "n,replicas,drop_last", [(96, 2, False), (90, 4, False), (90, 4, True), (7, 3, False), (2, 5, False)]
+)
 def test_split_is_distributed_samplers_own(n, replicas, drop_last):
     for epoch in (0, 3):
         order = data.global_order({"kind": "distributed", "n": n, "shuffle": True, "seed": 7, "epoch": epoch})
@@ -50,7 +61,7 @@ def test_two_ranks_resumed_on_another_number_continue_the_global_order(new_repli
     for rank in range(2):
         loader = _loader(n, batch, 2, rank)
         seen = _consume(loader, consumed)
-        assert [i for b in seen for i in b] == order[rank:2 * consumed * batch:2]
+        assert [i for b in seen for i in b] == order[rank : 2 * consumed * batch : 2]
         saved.append(data.position(loader, 0, consumed))
     g = saved[0]["global"]
     assert g["samples"] == 2 * consumed * batch == 48 and g["replicas"] == 2

@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_snapshot import data
-from lightning_snapshot import tree as _tree
+from lightning_snapshot.format import tree as _tree
 from lightning_snapshot.staging import stage
 
 N, BATCH, EPOCHS = 11, 2, 3  # 6 batches an epoch, the last one of a single sample
@@ -34,8 +34,10 @@ class Augmented(Dataset):
         return N
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.tensor([float(i), torch.rand((), dtype=torch.float64).item(), random.random(),
-                             float(np.random.rand())], dtype=torch.float64)
+        return torch.tensor(
+            [float(i), torch.rand((), dtype=torch.float64).item(), random.random(), float(np.random.rand())],
+            dtype=torch.float64,
+        )
 
 
 def _pl_init():
@@ -61,15 +63,23 @@ def _reseed_numpy(worker_id: int) -> None:
     np.random.seed(torch.initial_seed() % 2**32)
 
 
-def _make(workers: int = 0, persistent: bool = False, init="pl", generator: int | None = None,
-          context: str | None = None):
+def _make(
+    workers: int = 0, persistent: bool = False, init="pl", generator: int | None = None, context: str | None = None
+):
     init = _pl_init() if init == "pl" else init
 
     def make() -> DataLoader:
-        return DataLoader(Augmented(), batch_size=BATCH, shuffle=True, num_workers=workers,
-                          persistent_workers=persistent, worker_init_fn=init if workers else None,
-                          generator=torch.Generator().manual_seed(generator) if generator is not None else None,
-                          multiprocessing_context=context if workers else None)
+        return DataLoader(
+            Augmented(),
+            batch_size=BATCH,
+            shuffle=True,
+            num_workers=workers,
+            persistent_workers=persistent,
+            worker_init_fn=init if workers else None,
+            generator=torch.Generator().manual_seed(generator) if generator is not None else None,
+            multiprocessing_context=context if workers else None,
+        )
+
     return make
 
 
@@ -160,6 +170,7 @@ def _differs(full, cut, got) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ no workers
+
 
 @pytest.mark.parametrize("generator", [None, 7])
 def test_main_process_augmentation_resumes_bitwise_at_every_batch(generator):
@@ -305,9 +316,9 @@ def test_spawned_persistent_workers_resume_bitwise():
 def test_position_survives_a_real_snapshot(tmp_path):
     """Written to a local tier and loaded back, the position resumes the same batches."""
     from lightning_snapshot.backends.local import LocalTier
-    from lightning_snapshot.comm import LocalComm
-    from lightning_snapshot.loader import load_snapshot
-    from lightning_snapshot.writer import SnapshotJob, write_snapshot
+    from lightning_snapshot.dist.comm import LocalComm
+    from lightning_snapshot.persist.writer import SnapshotJob, write_snapshot
+    from lightning_snapshot.restore.loader import load_snapshot
 
     make = _make(workers=2, persistent=True)
     full, cuts = _uninterrupted(make, epochs=2)
@@ -350,9 +361,15 @@ def test_position_before_the_epochs_iterator_exists_replays_nothing(workers):
 
 def test_unpicklable_user_functions_still_work_with_fork():
     """The wrappers only hold the user's functions: what worked before (lambdas under fork) still works."""
-    loader = DataLoader(Augmented(), batch_size=BATCH, shuffle=True, num_workers=2,
-                        collate_fn=lambda samples: torch.stack(samples) * 1, worker_init_fn=lambda w: None,
-                        multiprocessing_context="fork")
+    loader = DataLoader(
+        Augmented(),
+        batch_size=BATCH,
+        shuffle=True,
+        num_workers=2,
+        collate_fn=lambda samples: torch.stack(samples) * 1,
+        worker_init_fn=lambda w: None,
+        multiprocessing_context="fork",
+    )
     data.install(loader)
     assert [b.shape[0] for b in loader] == [2, 2, 2, 2, 2, 1]
     assert data.position(loader, 0, 6)["workers"]["num_workers"] == 2
@@ -365,8 +382,14 @@ def test_distributed_sampler_resumed_with_workers_before_set_epoch():
 
     def make() -> DataLoader:
         ds = Augmented()
-        return DataLoader(ds, batch_size=BATCH, sampler=DistributedSampler(ds, num_replicas=2, rank=1, seed=3),
-                          num_workers=2, persistent_workers=True, worker_init_fn=_pl_init())
+        return DataLoader(
+            ds,
+            batch_size=BATCH,
+            sampler=DistributedSampler(ds, num_replicas=2, rank=1, seed=3),
+            num_workers=2,
+            persistent_workers=True,
+            worker_init_fn=_pl_init(),
+        )
 
     _seed(0)
     loader = make()

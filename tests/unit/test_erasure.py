@@ -33,8 +33,15 @@ def test_fewer_than_k_shares_is_an_error_naming_the_count():
         ec.decode({0: shares[0], 1: shares[1], 5: shares[5]}, lay, memoryview(bytearray(1000)))
 
 
-@pytest.mark.parametrize("k,m,message", [(0, 1, "k must be an integer >= 1"), (2, -1, "m must be an integer >= 0"),
-                                         (200, 100, "at most 256"), ("4", 2, "k must be an integer")])
+@pytest.mark.parametrize(
+    "k,m,message",
+    [
+        (0, 1, "k must be an integer >= 1"),
+        (2, -1, "m must be an integer >= 0"),
+        (200, 100, "at most 256"),
+        ("4", 2, "k must be an integer"),
+    ],
+)
 def test_bad_parameters(k, m, message):
     with pytest.raises(ConfigError, match=message):
         ec.check_params(k, m)
@@ -94,7 +101,7 @@ def test_data_shares_are_contiguous_slices_of_the_object_and_need_no_copy(monkey
     ec.encode(memoryview(data), lay, full, threads=2)
     size = lay.share_nbytes
     for i in range(k):
-        part = data[i * size: (i + 1) * size]
+        part = data[i * size : (i + 1) * size]
         assert bytes(full[i]) == part + bytes(size - len(part)), i
     parity = [memoryview(bytearray(lay.share_nbytes)) for _ in range(m)]
     ec.encode(memoryview(data), lay, [None] * k + parity, threads=2)

@@ -1,4 +1,4 @@
-"""lightning_snapshot.fit_state: the late parameter groups replace the early ones (a group added by a callback after
+"""lightning_snapshot.state.fit_state: the late parameter groups replace the early ones (a group added by a callback after
 ``on_train_batch_end`` included), and the merged state loads into the optimizer as the callback left it."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_snapshot import fit_state
 from lightning_snapshot.errors import StateMismatchError
+from lightning_snapshot.state import fit_state
 
 
 def _late(groups: list[tuple[dict, list[str]]]) -> dict:
@@ -24,8 +24,10 @@ def test_a_group_added_after_the_early_capture_is_in_the_merged_state():
     opt.param_groups[0]["lr"] = 0.05
     opt.add_param_group({"params": list(backbone.parameters()), "lr": 0.01})
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-    ckpt = {"optimizer_states": [early], **_late([(hyper[0], ["head.weight", "head.bias"]),
-                                                   (hyper[1], ["backbone.weight", "backbone.bias"])])}
+    ckpt = {
+        "optimizer_states": [early],
+        **_late([(hyper[0], ["head.weight", "head.bias"]), (hyper[1], ["backbone.weight", "backbone.bias"])]),
+    }
     fit_state.merge_param_groups(ckpt, "test")
     merged = ckpt["optimizer_states"][0]
     assert [g["params"] for g in merged["param_groups"]] == [[0, 1], [2, 3]]
@@ -43,8 +45,7 @@ def test_name_keyed_state_keeps_its_names_and_names_the_added_parameters():
     early = {"state": {"a": {}}, "param_groups": [{"lr": 1.0, "params": ["a"]}]}
     ckpt = {"optimizer_states": [early], **_late([({"lr": 0.5}, ["a"]), ({"lr": 0.1}, ["b"])])}
     fit_state.merge_param_groups(ckpt, "test")
-    assert ckpt["optimizer_states"][0]["param_groups"] == [{"lr": 0.5, "params": ["a"]},
-                                                           {"lr": 0.1, "params": ["b"]}]
+    assert ckpt["optimizer_states"][0]["param_groups"] == [{"lr": 0.5, "params": ["a"]}, {"lr": 0.1, "params": ["b"]}]
 
 
 def test_older_snapshots_without_late_groups_are_left_as_they_are():
@@ -55,8 +56,7 @@ def test_older_snapshots_without_late_groups_are_left_as_they_are():
 
 
 def test_malformed_late_groups_are_refused_with_the_optimizer_named():
-    ckpt = {"optimizer_states": [{"state": {}, "param_groups": [{"params": [0]}]}],
-            **_late([({"lr": 1.0}, ["a"])])}
+    ckpt = {"optimizer_states": [{"state": {}, "param_groups": [{"params": [0]}]}], **_late([({"lr": 1.0}, ["a"])])}
     ckpt["lightning_snapshot"]["fit_state"]["param_groups"][0][0]["names"] = "a"
     with pytest.raises(StateMismatchError, match="parameter groups of optimizer 0 are malformed"):
         fit_state.merge_param_groups(ckpt, "test")
@@ -99,8 +99,13 @@ def test_a_generator_that_cannot_be_restored_is_named_in_a_warning():
 
 
 def _names_and_ids(walk: fit_state.Walk) -> tuple:
-    return ([(n, id(m)) for n, m in walk.modules], walk.param_names, list(map(id, walk.params)),
-            [(n, id(m)) for n, m in walk.batchnorms], [(n, id(m)) for n, m in walk.metrics])
+    return (
+        [(n, id(m)) for n, m in walk.modules],
+        walk.param_names,
+        list(map(id, walk.params)),
+        [(n, id(m)) for n, m in walk.batchnorms],
+        [(n, id(m)) for n, m in walk.metrics],
+    )
 
 
 def test_the_late_capture_walk_is_kept_while_the_plan_token_holds_and_keeps_nothing_alive():
@@ -137,7 +142,7 @@ def test_the_late_capture_walk_is_kept_while_the_plan_token_holds_and_keeps_noth
 def test_generators_appearing_changing_and_going_between_snapshots_are_each_snapshots_own(monkeypatch, versions):
     """The generator scan looks again only at modules whose attributes changed (by their dict's version): a
     generator given to a module, replaced, moved to another module or deleted is seen at the next capture."""
-    import torch._dynamo.guards  # noqa: F401  (imported as Lightning's fit imports it)
+    import torch._dynamo.guards
 
     if not versions:
         monkeypatch.setattr(fit_state, "dict_version", lambda: None)

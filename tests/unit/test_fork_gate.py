@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from lightning_snapshot import forksafe
+from lightning_snapshot.dist import forksafe
 
 
 def _fork_seconds() -> float:
@@ -96,7 +96,7 @@ def test_a_fork_waits_at_most_wait_s_and_says_what_for(monkeypatch, caplog):
             release.wait(10)
 
     thread, _ = _in_thread(body)
-    with caplog.at_level(logging.WARNING, logger="lightning_snapshot.forksafe"):
+    with caplog.at_level(logging.WARNING, logger="lightning_snapshot.dist.forksafe"):
         took = _fork_seconds()
     release.set()
     thread.join()

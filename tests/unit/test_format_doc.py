@@ -24,9 +24,21 @@ STEP_DIR = re.compile(r"^step-(\d{12})$")
 KEY_PART = re.compile(r"^[A-Za-z0-9._-]+$")
 HEX16 = re.compile(r"^[0-9a-f]{16}$")
 NUMPY_DTYPES = {  # name -> (numpy dtype of the stored bytes, little-endian)
-    "float64": "<f8", "float32": "<f4", "float16": "<f2", "bfloat16": "<u2", "complex64": "<c8",
-    "complex128": "<c16", "int64": "<i8", "int32": "<i4", "int16": "<i2", "int8": "i1", "uint8": "u1",
-    "uint16": "<u2", "uint32": "<u4", "uint64": "<u8", "bool": "?",
+    "float64": "<f8",
+    "float32": "<f4",
+    "float16": "<f2",
+    "bfloat16": "<u2",
+    "complex64": "<c8",
+    "complex128": "<c16",
+    "int64": "<i8",
+    "int32": "<i4",
+    "int16": "<i2",
+    "int8": "i1",
+    "uint8": "u1",
+    "uint16": "<u2",
+    "uint32": "<u4",
+    "uint64": "<u8",
+    "bool": "?",
 }
 
 
@@ -72,8 +84,10 @@ def read_tensor(step_dir: Path, manifest: dict, entries: list[dict], name: str) 
     entry = by_name[name]
     if entry["type"] == "alias":
         target = by_name[entry["alias_of"]]
-        if target["type"] != "tensor" or (target["dtype"], target["global_shape"]) != (entry["dtype"],
-                                                                                      entry["global_shape"]):
+        if target["type"] != "tensor" or (target["dtype"], target["global_shape"]) != (
+            entry["dtype"],
+            entry["global_shape"],
+        ):
             raise FormatError(f"bad alias {name}")
         entry = target
     dtype = np.dtype(NUMPY_DTYPES[entry["dtype"]])
@@ -93,7 +107,7 @@ def read_tensor(step_dir: Path, manifest: dict, entries: list[dict], name: str) 
         with open(step_dir / key, "rb") as f:
             f.seek(offset)
             data = f.read(nbytes)
-        chunks = [data[i:i + cb] for i in range(0, nbytes, cb)] or [b""]
+        chunks = [data[i : i + cb] for i in range(0, nbytes, cb)] or [b""]
         sums = frag["checksums"]
         if len(sums) != max(1, -(-nbytes // cb)) or not all(HEX16.match(s) for s in sums):
             raise FormatError("wrong number of checksums")
@@ -144,11 +158,11 @@ def decode(tree, read):
 def trained(tmp_path_factory):
     import lightning as L
     import torch
-    from lightning_snapshot.backends import LocalTier
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_snapshot import SnapshotCallback
+    from lightning_snapshot.backends import LocalTier
 
     class Tiny(L.LightningModule):
         def __init__(self):
@@ -172,9 +186,15 @@ def trained(tmp_path_factory):
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(24, 4, generator=g), torch.randn(24, 4, generator=g))
     model = Tiny()
-    trainer = L.Trainer(max_steps=4, callbacks=[SnapshotCallback(LocalTier(str(root), every_n_train_steps=2))],
-                        logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        enable_checkpointing=True, num_sanity_val_steps=0)
+    trainer = L.Trainer(
+        max_steps=4,
+        callbacks=[SnapshotCallback(LocalTier(str(root), every_n_train_steps=2))],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=True,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(model, DataLoader(data, batch_size=8, shuffle=True))
     return root, model, trainer.optimizers[0]
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_snapshot.capture import frozen_predicate, optimized_key
-from lightning_snapshot.planner import plan_layout
+from lightning_snapshot.plan.planner import plan_layout
 from lightning_snapshot.staging.arena import HostArena
 from lightning_snapshot.staging.gather import Gather
+from lightning_snapshot.state.capture import frozen_predicate, optimized_key
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_snapshot.simulate import TierModel, simulate
+from lightning_snapshot.schedule.simulate import TierModel, simulate
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -104,8 +104,10 @@ def test_the_recorded_predictions_are_as_accurate_as_the_recording_supports():
     fig = _load()
     errors = _errors(fig)
     for run, error in errors:
-        print(f"{run['method']:<15} MTBF {run['mtbf_s']:g} seed {run['seed']} failures {run['failures']}"
-              f" measured {run['measured_goodput']:.3f} predicted {run['measured_goodput'] + error:.3f}")
+        print(
+            f"{run['method']:<15} MTBF {run['mtbf_s']:g} seed {run['seed']} failures {run['failures']}"
+            f" measured {run['measured_goodput']:.3f} predicted {run['measured_goodput'] + error:.3f}"
+        )
         assert run["measured_goodput"] + error == pytest.approx(run["predicted_goodput"], abs=1e-9), run
     assert len(errors) == len(fig["runs"]) == 12
     assert not _inaccuracies(errors), _inaccuracies(errors)
@@ -163,6 +165,7 @@ def test_the_simulator_accounts_for_lost_work_snapshot_cost_and_restarts():
     again = simulate([tier], work_s=30.0, mtbf_s=100.0, restart_s=5.0, start_s=2.0, failure_times=[20.0, 23.0])
     assert again.wall_s == pytest.approx(50.0) and again.failures == 2
     # a failure after the horizon is not met
-    late = simulate([tier], work_s=30.0, mtbf_s=100.0, restart_s=5.0, start_s=2.0, failure_times=[20.0, 40.0],
-                    horizon_s=30.0)
+    late = simulate(
+        [tier], work_s=30.0, mtbf_s=100.0, restart_s=5.0, start_s=2.0, failure_times=[20.0, 40.0], horizon_s=30.0
+    )
     assert late.wall_s == pytest.approx(47.0) and late.failures == 1

@@ -24,7 +24,7 @@ def packed(specs: list[tuple[str, torch.dtype, int]], align: int = 64, fill: flo
     raw = region.view(torch.uint8)
     tensors = {}
     for (name, dtype, n), (_, at, nbytes) in zip(specs, layout, strict=True):
-        t = raw[at:at + nbytes].view(dtype)
+        t = raw[at : at + nbytes].view(dtype)
         t.fill_(1)
         tensors[name] = t
     return StagedState(tree={}, tensors=tensors, packed=memoryview(raw.numpy()), layout=layout)
@@ -65,9 +65,14 @@ def test_garbage_in_the_padding_is_never_reported():
 
 def test_other_dtypes_in_between_are_checked_on_their_own():
     nan_bits = np.array([np.nan], dtype=np.float32).view(np.int32)[0]
-    specs = [("state_dict/a", torch.float32, 10), ("state_dict/steps", torch.int32, 10),
-             ("state_dict/b", torch.float32, 10), ("state_dict/c", torch.bfloat16, 10),
-             ("state_dict/d", torch.float16, 10), ("optimizer_states/0/x", torch.float64, 10)]
+    specs = [
+        ("state_dict/a", torch.float32, 10),
+        ("state_dict/steps", torch.int32, 10),
+        ("state_dict/b", torch.float32, 10),
+        ("state_dict/c", torch.bfloat16, 10),
+        ("state_dict/d", torch.float16, 10),
+        ("optimizer_states/0/x", torch.float64, 10),
+    ]
     staged = packed(specs, align=4)
     staged.tensors["state_dict/steps"].fill_(int(nan_bits))  # (an int whose bytes read as float32 are a NaN)
     assert nonfinite_tensors(staged) == []

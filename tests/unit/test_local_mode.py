@@ -13,12 +13,12 @@ import torch
 from lightning_snapshot.backends import LocalTier, parse_tier
 from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.backends.mapped_files import map_new
-from lightning_snapshot.comm import LocalComm
+from lightning_snapshot.dist.comm import LocalComm
 from lightning_snapshot.errors import ConfigError
-from lightning_snapshot.loader import load_snapshot
-from lightning_snapshot.manifest import step_dirname
+from lightning_snapshot.format.manifest import step_dirname
+from lightning_snapshot.persist.writer import SnapshotJob, write_snapshot
+from lightning_snapshot.restore.loader import load_snapshot
 from lightning_snapshot.staging import stage
-from lightning_snapshot.writer import SnapshotJob, write_snapshot
 
 STATE = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(3)}
 
@@ -94,14 +94,18 @@ def test_bad_mode_in_a_url_names_the_option_and_the_accepted_form(tmp_path, valu
         parse_tier(f"{tmp_path}?mode={value}")
     assert str(e.value) == (
         "tier URL option mode must be file permissions in octal that give the owner read and write, from 0o600 to"
-        " 0o777, e.g. mode=0o600 (URL: ?mode=0600) for files only the owner can read; got " + repr(value))
+        " 0o777, e.g. mode=0o600 (URL: ?mode=0600) for files only the owner can read; got " + repr(value)
+    )
     assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("value", [0o400, 0o1600, -1, True, 600.0, "seven"])
 def test_bad_mode_argument_is_refused(tmp_path, value):
-    with pytest.raises(ConfigError, match=r"^LocalTier mode must be file permissions in octal that give the owner"
-                                          r" read and write, from 0o600 to 0o777, e\.g\. mode=0o600 .* got "):
+    with pytest.raises(
+        ConfigError,
+        match=r"^LocalTier mode must be file permissions in octal that give the owner"
+        r" read and write, from 0o600 to 0o777, e\.g\. mode=0o600 .* got ",
+    ):
         LocalTier(tmp_path, mode=value)
 
 

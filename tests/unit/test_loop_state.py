@@ -1,4 +1,4 @@
-"""lightning_snapshot.capture.loop_state_dict: the fit loop's state dict, as Lightning's ``state_dict()`` makes it,
+"""lightning_snapshot.state.capture.loop_state_dict: the fit loop's state dict, as Lightning's ``state_dict()`` makes it,
 at every point of a fit where a snapshot can be taken; progress it cannot read field by field goes through
 ``dataclasses.asdict`` (a copy, never the live object), and an overridden ``state_dict`` is called."""
 
@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loops.progress import _BaseProgress, _Progress
 
-from lightning_snapshot.capture import loop_state_dict
+from lightning_snapshot.state.capture import loop_state_dict
 
 
 class _Compare(L.Callback):

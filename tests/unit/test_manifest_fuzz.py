@@ -15,12 +15,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_snapshot.backends.local import LocalTier
-from lightning_snapshot.comm import LocalComm
+from lightning_snapshot.dist.comm import LocalComm
 from lightning_snapshot.errors import FormatVersionError, ManifestError, SnapshotError, UnsafePathError
-from lightning_snapshot.loader import load_snapshot, read_manifest
-from lightning_snapshot.manifest import Manifest, step_dirname
+from lightning_snapshot.format.manifest import Manifest, step_dirname
+from lightning_snapshot.persist.writer import SnapshotJob, write_snapshot
+from lightning_snapshot.restore.loader import load_snapshot, read_manifest
 from lightning_snapshot.staging import stage
-from lightning_snapshot.writer import SnapshotJob, write_snapshot
 
 # the module-scoped fixtures below are shared by this file's tests: under pytest-xdist they run in one worker
 pytestmark = pytest.mark.xdist_group("test_manifest_fuzz")
@@ -35,8 +35,13 @@ def _write_real_snapshot(root) -> Manifest:
     w = torch.randn(4, 3)
     shared = {
         # head is the same object as enc (one name); dec is another tensor over the same memory (an alias entry)
-        "state_dict": {"enc.weight": w, "dec.weight": w.detach(), "head.weight": w,
-                       "bias": torch.zeros(3, dtype=torch.bfloat16), "empty": torch.empty(0, 2)},
+        "state_dict": {
+            "enc.weight": w,
+            "dec.weight": w.detach(),
+            "head.weight": w,
+            "bias": torch.zeros(3, dtype=torch.bfloat16),
+            "empty": torch.empty(0, 2),
+        },
         "optimizer_states": [{"state": {0: {"step": torch.tensor(5.0)}}, "param_groups": [{"lr": 0.1}]}],
         "loops": {"fit_loop": {"epoch": 1}},
         "extra": (1, float("nan"), b"xy", np.arange(3, dtype=np.uint32), torch.float16),
@@ -71,13 +76,33 @@ def assert_reparses_identically(m: Manifest) -> None:
 
 # ---------------------------------------------------------------------------------------------------- strategies
 
-_edge_ints = st.sampled_from([0, 1, -1, 63, 64, 65, 2**31, 2**62, 2**62 + 1, 2**63 - 1, 2**63, 2**64, -(2**63),
-                              10**12 - 1, 10**12, 10**400])
+_edge_ints = st.sampled_from(
+    [0, 1, -1, 63, 64, 65, 2**31, 2**62, 2**62 + 1, 2**63 - 1, 2**63, 2**64, -(2**63), 10**12 - 1, 10**12, 10**400]
+)
 json_leaves = (
-    st.none() | st.booleans() | st.integers() | _edge_ints
-    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20)
-    | st.sampled_from(["tensor", "alias", "object", "float32", "xxh3_64", "$tensor", "../x", "/abs", "", "a" * 16,
-                       "0123456789abcdef", "abc-shared-00000.bin", "manifest.json"])
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | _edge_ints
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20)
+    | st.sampled_from(
+        [
+            "tensor",
+            "alias",
+            "object",
+            "float32",
+            "xxh3_64",
+            "$tensor",
+            "../x",
+            "/abs",
+            "",
+            "a" * 16,
+            "0123456789abcdef",
+            "abc-shared-00000.bin",
+            "manifest.json",
+        ]
+    )
 )
 json_values = st.recursive(
     json_leaves,
@@ -132,8 +157,21 @@ def test_arbitrary_json_values_never_crash(value):
         assert_reparses_identically(m)
 
 
-_TOP_KEYS = ["format_version", "step", "epoch", "world_size", "created_unix", "library_version", "checksum",
-             "chunk_bytes", "alignment", "objects", "tensors", "state", "ranks"]
+_TOP_KEYS = [
+    "format_version",
+    "step",
+    "epoch",
+    "world_size",
+    "created_unix",
+    "library_version",
+    "checksum",
+    "chunk_bytes",
+    "alignment",
+    "objects",
+    "tensors",
+    "state",
+    "ranks",
+]
 
 
 @FUZZ
@@ -347,24 +385,27 @@ def test_loader_reports_a_tampered_manifest_as_manifest_error(real, tmp_path):
         load_snapshot(str(tmp_path))
 
 
-
-@pytest.mark.parametrize("tagged", [
-    {"$float": "NaN"},
-    {"$bytes": "!!"},
-    {"$device": "nonsense"},
-    {"$dict": [[[1], 2]]},
-    {"$tuple": 3},
-    {"$unknown": 1},
-    {"$tensor": "state_dict/bias", "extra": 1},
-    {"$ndarray": [["x"], "float32"]},
-    {"$ndarray": ["state_dict/bias", "complex256"]},
-    {"$dtype": "float99"},
-    # regressions: these used to escape tree.decode as TypeError/ValueError
-    {"$dtype": []},
-    {"$dtype": {"a": 1}},
-    {"$ndarray": ["state_dict/bias", "float32"]},  # numpy has no bfloat16
-    {"$ndarray": ["optimizer_states/0/state/0/step", "uint64"]},  # 4 bytes cannot be one uint64
-], ids=lambda v: json.dumps(v)[:40])
+@pytest.mark.parametrize(
+    "tagged",
+    [
+        {"$float": "NaN"},
+        {"$bytes": "!!"},
+        {"$device": "nonsense"},
+        {"$dict": [[[1], 2]]},
+        {"$tuple": 3},
+        {"$unknown": 1},
+        {"$tensor": "state_dict/bias", "extra": 1},
+        {"$ndarray": [["x"], "float32"]},
+        {"$ndarray": ["state_dict/bias", "complex256"]},
+        {"$dtype": "float99"},
+        # regressions: these used to escape tree.decode as TypeError/ValueError
+        {"$dtype": []},
+        {"$dtype": {"a": 1}},
+        {"$ndarray": ["state_dict/bias", "float32"]},  # numpy has no bfloat16
+        {"$ndarray": ["optimizer_states/0/state/0/step", "uint64"]},  # 4 bytes cannot be one uint64
+    ],
+    ids=lambda v: json.dumps(v)[:40],
+)
 def test_tampered_tagged_values_in_state_fail_loading_with_manifest_error(tmp_path, tagged):
     # Manifest.from_json checks only $tensor refs in the state; every other malformed tag must still fail the load
     # with ManifestError (the callback falls back to an earlier snapshot only on SnapshotError/OSError)
@@ -386,7 +427,7 @@ def _set(entry, field, value):
     node, _, last = (entry, None, field)
     if "." in field:
         head, last = field.split(".", 1)
-        node = entry["fragments"][int(head[len("fragments["):-1])]
+        node = entry["fragments"][int(head[len("fragments[") : -1])]
     if value is _DELETE:
         del node[last]
     else:
@@ -397,29 +438,35 @@ _DELETE = object()
 
 
 @pytest.mark.parametrize("section", ["tensors", "ranks[0].tensors"])
-@pytest.mark.parametrize("field, value, field_path, problem", [
-    ("dtype", "flaot32", "dtype", "unknown dtype 'flaot32'"),
-    ("dtype", 32, "dtype", "expected a string, got int"),
-    ("global_shape", [-3], "global_shape[-1]", "-3 is outside"),  # (the last dim; path set below)
-    ("global_shape", "4x3", "global_shape", "expected a list, got str"),
-    ("fragments", {}, "fragments", "expected a list, got dict"),
-    ("fragments[0].object", "other.bin", "fragments[0].object", "does not list"),
-    ("fragments[0].object", "../x", "fragments[0].object", "would escape the tier root"),
-    ("fragments[0].offset", 3, "fragments[0]", "is not aligned"),
-    ("fragments[0].offset", "0", "fragments[0].offset", "expected an integer"),
-    ("fragments[0].nbytes", 7, "fragments[0]", "does not match local_shape"),
-    ("fragments[0].global_offsets", [9], "fragments[0]", "lies outside global_shape"),
-    ("fragments[0].local_shape", [1, 1, 1, 1], "fragments[0]", "do not have the rank of global_shape"),
-    ("fragments[0].checksums", ["xyz"], "fragments[0].checksums", "16-digit hex"),
-    ("fragments[0].extra", 1, "fragments[0]", "unknown field(s) ['extra']"),
-    ("fragments[0].nbytes", _DELETE, "fragments[0]", "missing field(s) ['nbytes']"),
-])
+@pytest.mark.parametrize(
+    "field, value, field_path, problem",
+    [
+        ("dtype", "flaot32", "dtype", "unknown dtype 'flaot32'"),
+        ("dtype", 32, "dtype", "expected a string, got int"),
+        ("global_shape", [-3], "global_shape[-1]", "-3 is outside"),  # (the last dim; path set below)
+        ("global_shape", "4x3", "global_shape", "expected a list, got str"),
+        ("fragments", {}, "fragments", "expected a list, got dict"),
+        ("fragments[0].object", "other.bin", "fragments[0].object", "does not list"),
+        ("fragments[0].object", "../x", "fragments[0].object", "would escape the tier root"),
+        ("fragments[0].offset", 3, "fragments[0]", "is not aligned"),
+        ("fragments[0].offset", "0", "fragments[0].offset", "expected an integer"),
+        ("fragments[0].nbytes", 7, "fragments[0]", "does not match local_shape"),
+        ("fragments[0].global_offsets", [9], "fragments[0]", "lies outside global_shape"),
+        ("fragments[0].local_shape", [1, 1, 1, 1], "fragments[0]", "do not have the rank of global_shape"),
+        ("fragments[0].checksums", ["xyz"], "fragments[0].checksums", "16-digit hex"),
+        ("fragments[0].extra", 1, "fragments[0]", "unknown field(s) ['extra']"),
+        ("fragments[0].nbytes", _DELETE, "fragments[0]", "missing field(s) ['nbytes']"),
+    ],
+)
 def test_a_bad_tensor_field_names_the_file_the_tensor_and_the_field(real, section, field, value, field_path, problem):
     _, _, text = real
     raw = json.loads(text)
     entries = raw["tensors"] if section == "tensors" else raw["ranks"][0]["tensors"]
-    index, entry = next((i, t) for i, t in enumerate(entries)
-                        if t["type"] == "tensor" and t["fragments"] and t["fragments"][0]["nbytes"] > 0)
+    index, entry = next(
+        (i, t)
+        for i, t in enumerate(entries)
+        if t["type"] == "tensor" and t["fragments"] and t["fragments"][0]["nbytes"] > 0
+    )
     ndim = len(entry["global_shape"])
     if field == "fragments[0].global_offsets":
         value = [9] * ndim
@@ -429,8 +476,10 @@ def test_a_bad_tensor_field_names_the_file_the_tensor_and_the_field(real, sectio
     with pytest.raises((ManifestError, UnsafePathError)) as info:
         Manifest.from_json(json.dumps(raw), where="step-000000000042/manifest.json in the local tier '/t'")
     msg = str(info.value)
-    assert msg.startswith(f"step-000000000042/manifest.json in the local tier '/t': field {section}[{index}]."
-                          f"{field_path} (tensor {entry['name']!r}): "), msg
+    assert msg.startswith(
+        f"step-000000000042/manifest.json in the local tier '/t': field {section}[{index}]."
+        f"{field_path} (tensor {entry['name']!r}): "
+    ), msg
     assert problem in msg
 
 
@@ -456,12 +505,11 @@ def test_the_fast_path_of_whole_tensors_accepts_and_refuses_exactly_what_the_ful
     result, or fails with the same message, as with that check turned off."""
     _, _, text = real
     raw = json.loads(text)
-    entries = [p for p in _paths(raw) if len(p) > 1 and p[-2] == "tensors" or "fragments" in p]
+    entries = [p for p in _paths(raw) if (len(p) > 1 and p[-2] == "tensors") or "fragments" in p]
     path = data.draw(st.sampled_from(entries), label="path")
     target = _get(raw, path)
     if isinstance(target, (dict, list)) and target:
-        key = data.draw(st.sampled_from(list(target) if isinstance(target, dict) else range(len(target))),
-                        label="key")
+        key = data.draw(st.sampled_from(list(target) if isinstance(target, dict) else range(len(target))), label="key")
         target[key] = data.draw(st.one_of(_LOOKALIKES, json_values), label="value")
     mutated = json.dumps(raw)
     assert _outcome(mutated) == _entry_by_entry(mutated)
@@ -469,7 +517,7 @@ def test_the_fast_path_of_whole_tensors_accepts_and_refuses_exactly_what_the_ful
 
 def _entry_by_entry(text: str) -> object:
     """:func:`_outcome` with the column check of whole tensors turned off (every entry parsed one by one)."""
-    from lightning_snapshot import manifest_decode as manifest_module
+    from lightning_snapshot.format import decode as manifest_module
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(manifest_module, "whole_tensor_columns", lambda *args: None)
@@ -483,8 +531,11 @@ def _entry_by_entry(text: str) -> object:
 def many(tmp_path_factory):
     """A manifest whose sections are whole tensors only (no alias): the case the column check takes."""
     root = tmp_path_factory.mktemp("many")
-    shared = {"state_dict": {f"layer{i}.weight": torch.full((2, i % 3 + 1), float(i)) for i in range(12)},
-              "scalars": [torch.tensor(float(i)) for i in range(3)], "empty": torch.empty(0, 4)}
+    shared = {
+        "state_dict": {f"layer{i}.weight": torch.full((2, i % 3 + 1), float(i)) for i in range(12)},
+        "scalars": [torch.tensor(float(i)) for i in range(3)],
+        "empty": torch.empty(0, 4),
+    }
     job = SnapshotJob(7, 0, shared=stage(shared), private=stage({"rng": torch.arange(5)}, "rank"))
     write_snapshot(LocalTier(root), LocalComm(), job, run_id="abc", chunk_bytes=16)
     return json.loads((root / step_dirname(7) / "manifest.json").read_text())
@@ -529,7 +580,7 @@ def test_the_column_check_accepts_and_refuses_exactly_what_the_entry_by_entry_pa
     elif mutation is not None:
         _MUTATIONS[mutation](victim, victim["fragments"][0])
     text = json.dumps(raw)
-    from lightning_snapshot import manifest_decode as manifest_module
+    from lightning_snapshot.format import decode as manifest_module
 
     taken = []
     real_check = manifest_module.whole_tensor_columns

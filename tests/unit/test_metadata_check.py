@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch._dynamo.guards  # noqa: F401  (imported as Lightning's fit imports it)
+import torch._dynamo.guards
 from torch import nn
 
 from lightning_snapshot.staging import meta

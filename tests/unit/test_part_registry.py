@@ -5,12 +5,22 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_snapshot.parts import CaptureContext, Part, Phase, Registry, RestoreContext
-from lightning_snapshot.state_parts import REGISTRY
+from lightning_snapshot.state.builtin import REGISTRY
+from lightning_snapshot.state.parts import CaptureContext, Part, Phase, Registry, RestoreContext
 
 FIT_STATE_KEYS = [
-    "param_groups", "trainable", "track_running_stats", "accumulate_grad_batches", "train_results",
-    "logger_connector", "checkpoint_files", "checkpoint_saves", "grads", "metrics", "train_dl_epoch", "stopped",
+    "param_groups",
+    "trainable",
+    "track_running_stats",
+    "accumulate_grad_batches",
+    "train_results",
+    "logger_connector",
+    "checkpoint_files",
+    "checkpoint_saves",
+    "grads",
+    "metrics",
+    "train_dl_epoch",
+    "stopped",
     "generators",
 ]
 

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from lightning_snapshot.cli import main
-from lightning_snapshot.plan import Figures, figures_from_events, memory_bytes, restore_seconds, setups
-from lightning_snapshot.simulate import TierModel, simulate
+from lightning_snapshot.cli.main import main
+from lightning_snapshot.cli.plan import Figures, figures_from_events, memory_bytes, restore_seconds, setups
+from lightning_snapshot.schedule.simulate import TierModel, simulate
 
 
 def test_no_failures_costs_only_the_snapshots():
@@ -57,8 +57,13 @@ def test_young_daly_intervals_and_seeded_runs():
     assert 15 < a.failures < 40  # ~24 h / 1 h, plus failures during restarts
     # Young/Daly beats intervals 4x shorter or longer, on the same failures
     for factor in (0.25, 4.0):
-        other = simulate([TierModel("local", cost_s=2.0, interval_s=120.0 * factor)], work_s=86400.0,
-                         mtbf_s=3600.0, restart_s=60.0, seed=3)
+        other = simulate(
+            [TierModel("local", cost_s=2.0, interval_s=120.0 * factor)],
+            work_s=86400.0,
+            mtbf_s=3600.0,
+            restart_s=60.0,
+            seed=3,
+        )
         assert a.goodput > other.goodput
     # a cheap tier that survives every failure lets the costlier one behind it snapshot rarely
     ram = TierModel("ram", cost_s=0.1)
@@ -103,15 +108,18 @@ def test_restore_model_arithmetic():
     assert restore_seconds(16384, 1, 4e9, f, read_once=True) == pytest.approx(0.04 + 0.4 * 16383 / 16384)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--nodes", "0"], "node counts must be 1 to 16384"),
-    (["--nodes", "20000"], "node counts must be 1 to 16384"),
-    (["--node-mtbf", "soon"], "must be a positive duration"),
-    (["--state-bytes", "lots"], "expected bytes such as 2e9, 16GiB or 500MB"),
-    (["--erasure", "4"], "expected k+m such as 4+2"),
-    (["--node-loss", "1.5"], "--node-loss must be a probability from 0 to 1"),
-    (["--local-gbps", "0"], "bandwidths must be positive"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--nodes", "0"], "node counts must be 1 to 16384"),
+        (["--nodes", "20000"], "node counts must be 1 to 16384"),
+        (["--node-mtbf", "soon"], "must be a positive duration"),
+        (["--state-bytes", "lots"], "expected bytes such as 2e9, 16GiB or 500MB"),
+        (["--erasure", "4"], "expected k+m such as 4+2"),
+        (["--node-loss", "1.5"], "--node-loss must be a probability from 0 to 1"),
+        (["--local-gbps", "0"], "bandwidths must be positive"),
+    ],
+)
 def test_plan_bad_input(capsys, args, message):
     try:
         status = main(["plan", *args])
@@ -127,8 +135,15 @@ def test_plan_from_tensorboard_metrics(tmp_path, capsys):
 
     logger = TensorBoardLogger(tmp_path, name="", version="run")
     for step in range(1, 4):
-        logger.log_metrics({"snapshot/bytes": 1e9, "snapshot/stall_ms": 100.0, "snapshot/local/persist_ms": 500.0,
-                            "snapshot/local/cost_ms": 150.0}, step=step)
+        logger.log_metrics(
+            {
+                "snapshot/bytes": 1e9,
+                "snapshot/stall_ms": 100.0,
+                "snapshot/local/persist_ms": 500.0,
+                "snapshot/local/cost_ms": 150.0,
+            },
+            step=step,
+        )
     logger.log_metrics({"restore/ms": 250.0}, step=4)
     logger.finalize("success")
     figures = figures_from_events(tmp_path)

@@ -16,8 +16,8 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_snapshot.manifest import Fragment, Manifest, ObjectEntry, TensorEntry
-from lightning_snapshot.planner import (
+from lightning_snapshot.format.manifest import Fragment, Manifest, ObjectEntry, TensorEntry
+from lightning_snapshot.plan.planner import (
     Box,
     ReadItem,
     bytes_needed,
@@ -56,8 +56,9 @@ def make_global(shape: tuple[int, ...], dtype: str, seed: int) -> np.ndarray:
     return values
 
 
-def save(tensors: dict[str, np.ndarray], boxes: list[Box], chunk_bytes: int, *, dedupe: bool = True,
-         seed: int = 0) -> tuple[dict[str, bytes], dict[str, TensorEntry]]:
+def save(
+    tensors: dict[str, np.ndarray], boxes: list[Box], chunk_bytes: int, *, dedupe: bool = True, seed: int = 0
+) -> tuple[dict[str, bytes], dict[str, TensorEntry]]:
     """Simulate each source rank saving its own shard of every tensor into one data object.
 
     With ``dedupe`` only the first rank holding a box writes it (as the writer does for replicated shards).
@@ -78,12 +79,13 @@ def save(tensors: dict[str, np.ndarray], boxes: list[Box], chunk_bytes: int, *, 
         placed, size = plan_layout([(name, len(b)) for name, b in blobs], ALIGNMENT)
         buf = bytearray(rng.integers(0, 256, size=size + 17, dtype=np.uint8).tobytes())
         for (name, blob), (_, offset) in zip(blobs, placed):
-            buf[offset:offset + len(blob)] = blob
+            buf[offset : offset + len(blob)] = blob
             sums = tuple(xxhash.xxh3_64_hexdigest(blob[s:e]) for s, e in chunk_ranges(len(blob), chunk_bytes))
             fragments[name].append(Fragment(key, offset, len(blob), box.offsets, box.shape, sums))
         objects[key] = bytes(buf)
-    entries = {name: TensorEntry(name, dtype_of(arr), arr.shape, tuple(fragments[name]))
-               for name, arr in tensors.items()}
+    entries = {
+        name: TensorEntry(name, dtype_of(arr), arr.shape, tuple(fragments[name])) for name, arr in tensors.items()
+    }
     return objects, entries
 
 
@@ -91,8 +93,9 @@ def dtype_of(arr: np.ndarray) -> str:
     return {np.dtype(np.float32): "float32", np.dtype(np.uint16): "bfloat16", np.dtype(np.int64): "int64"}[arr.dtype]
 
 
-def execute(items: list[ReadItem], objects: dict[str, bytes], entry: TensorEntry, target: Box,
-            np_dtype: np.dtype) -> tuple[np.ndarray, int]:
+def execute(
+    items: list[ReadItem], objects: dict[str, bytes], entry: TensorEntry, target: Box, np_dtype: np.dtype
+) -> tuple[np.ndarray, int]:
     """Apply a plan to in-memory objects: read only the planned ranges, verify their chunks, copy the overlaps.
 
     Returns the target shard and the number of bytes read.
@@ -111,7 +114,7 @@ def execute(items: list[ReadItem], objects: dict[str, bytes], entry: TensorEntry
         mask = np.zeros(item.nbytes, dtype=bool)
         for start, end in item.read_ranges:
             assert 0 <= start < end <= item.nbytes
-            buf[start:end] = data[item.offset + start:item.offset + end]
+            buf[start:end] = data[item.offset + start : item.offset + end]
             mask[start:end] = True
             read += end - start
         # the ranges are exactly the listed checksum chunks, and every chunk verifies
@@ -133,8 +136,9 @@ def execute(items: list[ReadItem], objects: dict[str, bytes], entry: TensorEntry
     return out, read
 
 
-def brute_force_ranges(shape: tuple[int, ...], src: Box, itemsize: int, chunk_bytes: int,
-                       nbytes: int) -> tuple[list[tuple[int, int]], int]:
+def brute_force_ranges(
+    shape: tuple[int, ...], src: Box, itemsize: int, chunk_bytes: int, nbytes: int
+) -> tuple[list[tuple[int, int]], int]:
     """Reference: enumerate the overlap's elements, split into contiguous runs, expand to chunks, merge.
 
     Returns (merged ranges, number of runs).
@@ -156,8 +160,9 @@ def brute_force_ranges(shape: tuple[int, ...], src: Box, itemsize: int, chunk_by
     return [(a, b) for a, b in merged], len(starts)
 
 
-def reshard(shape: tuple[int, ...], src_mesh, src_pl, tgt_mesh, tgt_pl, chunk_bytes: int, seed: int = 0,
-            dtypes=tuple(DTYPES)) -> list[tuple[Box, list[ReadItem], int, int]]:
+def reshard(
+    shape: tuple[int, ...], src_mesh, src_pl, tgt_mesh, tgt_pl, chunk_bytes: int, seed: int = 0, dtypes=tuple(DTYPES)
+) -> list[tuple[Box, list[ReadItem], int, int]]:
     """Save ``shape``-d tensors of every dtype under one layout, load them under another, check every shard.
 
     Returns per (tensor, target rank): (target box, items, bytes needed, bytes read).
@@ -174,8 +179,7 @@ def reshard(shape: tuple[int, ...], src_mesh, src_pl, tgt_mesh, tgt_pl, chunk_by
             assert read == bytes_planned(items)
             assert all(item.tensor == name for item in items)
             for item in items:
-                ref, _ = brute_force_ranges(item.fragment_shape, item.src_box, arr.itemsize, chunk_bytes,
-                                            item.nbytes)
+                ref, _ = brute_force_ranges(item.fragment_shape, item.src_box, arr.itemsize, chunk_bytes, item.nbytes)
                 assert list(item.read_ranges) == ref
             results.append((target, items, bytes_needed(target, arr.itemsize), read))
     return results
@@ -280,10 +284,13 @@ def test_shard_boxes_match_dtensor(data, shape):
 def test_shard_boxes_2d_mesh():
     # 2x2 mesh, Shard(0) x Shard(1), ranks row-major over the mesh
     assert shard_boxes((4, 6), (2, 2), [S0, S1]) == [
-        Box((0, 0), (2, 3)), Box((0, 3), (2, 3)), Box((2, 0), (2, 3)), Box((2, 3), (2, 3))]
+        Box((0, 0), (2, 3)),
+        Box((0, 3), (2, 3)),
+        Box((2, 0), (2, 3)),
+        Box((2, 3), (2, 3)),
+    ]
     # the same dim sharded by both mesh dims: split again inside the first split (5 -> 3, 2 -> 2, 1, 1, 1)
-    assert shard_boxes((5,), (2, 2), [S0, S0]) == [Box((0,), (2,)), Box((2,), (1,)), Box((3,), (1,)),
-                                                   Box((4,), (1,))]
+    assert shard_boxes((5,), (2, 2), [S0, S0]) == [Box((0,), (2,)), Box((2,), (1,)), Box((3,), (1,)), Box((4,), (1,))]
     # replicate x shard: both rows of the mesh hold the same boxes
     assert shard_boxes((4,), (2, 2), [R, S0]) == [Box((0,), (2,)), Box((2,), (2,))] * 2
     assert shard_boxes((), (3,), [R]) == [Box((), ())] * 3
@@ -321,19 +328,29 @@ def test_strided_shard_fsdp2_x_tp_boxes_by_hand():
     data-parallel chunk inside it (torch.chunk both times); ranks row-major (dp, tp)."""
     # 8 rows: tp chunks 0:4, 4:8; dp inside: 0:2, 2:4 | 4:6, 6:8
     assert shard_boxes((8, 3), (2, 2), [SS2, S0]) == [
-        Box((0, 0), (2, 3)), Box((4, 0), (2, 3)), Box((2, 0), (2, 3)), Box((6, 0), (2, 3))]
+        Box((0, 0), (2, 3)),
+        Box((4, 0), (2, 3)),
+        Box((2, 0), (2, 3)),
+        Box((6, 0), (2, 3)),
+    ]
     # 5 rows: tp chunks 0:3, 3:5; dp inside: 0:2, 2:3 | 3:4, 4:5
-    assert shard_boxes((5,), (2, 2), [SS2, S0]) == [Box((0,), (2,)), Box((3,), (1,)), Box((2,), (1,)),
-                                                    Box((4,), (1,))]
+    assert shard_boxes((5,), (2, 2), [SS2, S0]) == [Box((0,), (2,)), Box((3,), (1,)), Box((2,), (1,)), Box((4,), (1,))]
     # 7 rows: tp chunks 0:4, 4:7; dp inside: 0:2, 2:4 | 4:6, 6:7
     assert shard_boxes((7, 2), (2, 2), [SS2, S0]) == [
-        Box((0, 0), (2, 2)), Box((4, 0), (2, 2)), Box((2, 0), (2, 2)), Box((6, 0), (1, 2))]
+        Box((0, 0), (2, 2)),
+        Box((4, 0), (2, 2)),
+        Box((2, 0), (2, 2)),
+        Box((6, 0), (1, 2)),
+    ]
     # 3 rows: tp chunks 0:2, 2:3; dp inside: 0:1, 1:2 | 2:3, empty (at the end of the dim, like torch)
-    assert shard_boxes((3,), (2, 2), [SS2, S0]) == [Box((0,), (1,)), Box((2,), (1,)), Box((1,), (1,)),
-                                                    Box((3,), (0,))]
+    assert shard_boxes((3,), (2, 2), [SS2, S0]) == [Box((0,), (1,)), Box((2,), (1,)), Box((1,), (1,)), Box((3,), (0,))]
     # row-wise TP (Shard(1) on tp) under FSDP2 is plain (Shard(0), Shard(1)); a strided dim next to a sharded one
     assert shard_boxes((5, 4), (2, 2), [("strided", 1, 2), S1]) == [
-        Box((0, 0), (5, 1)), Box((0, 2), (5, 1)), Box((0, 1), (5, 1)), Box((0, 3), (5, 1))]
+        Box((0, 0), (5, 1)),
+        Box((0, 2), (5, 1)),
+        Box((0, 1), (5, 1)),
+        Box((0, 3), (5, 1)),
+    ]
     # 3-D mesh (HSDP x TP): replicate, strided shard, shard
     boxes = shard_boxes((7,), (2, 2, 2), [R, SS2, S0])
     assert boxes[:4] == boxes[4:] == [Box((0,), (2,)), Box((4,), (2,)), Box((2,), (2,)), Box((6,), (1,))]
@@ -406,11 +423,16 @@ def test_other_strided_shards_follow_torch_or_are_refused(n, mesh, data):
     when some rank's indices are not contiguous, shard_boxes refuses the layout."""
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    placements = [data.draw(st.sampled_from([Replicate(), Shard(0), _StridedShard(0, split_factor=data.draw(
-        st.integers(1, 4)))])) for _ in mesh]
-    fsdp2_like = all(p.split_factor == math.prod(mesh[j] for j in range(i + 1, len(mesh))
-                                                 if type(placements[j]).__name__ != "Replicate")
-                     for i, p in enumerate(placements) if type(p).__name__ == "_StridedShard")
+    placements = [
+        data.draw(st.sampled_from([Replicate(), Shard(0), _StridedShard(0, split_factor=data.draw(st.integers(1, 4)))]))
+        for _ in mesh
+    ]
+    fsdp2_like = all(
+        p.split_factor
+        == math.prod(mesh[j] for j in range(i + 1, len(mesh)) if type(placements[j]).__name__ != "Replicate")
+        for i, p in enumerate(placements)
+        if type(p).__name__ == "_StridedShard"
+    )
     coords = list(np.ndindex(*mesh))
     expected = [_torch_split_indices(n, mesh, c, placements) for c in coords]
     contiguous = all(idx == list(range(idx[0], idx[0] + len(idx))) for idx in expected if idx)
@@ -466,18 +488,22 @@ def test_reshard_end_to_end(case, chunk_bytes):
 
 
 @HYP
-@given(data=st.data(), shape=st.lists(st.integers(0, 8), min_size=0, max_size=3).map(tuple),
-       chunk_bytes=st.sampled_from([1, 5, 16, 64, 256]), dtype=st.sampled_from(list(DTYPES)),
-       seed=st.integers(0, 2**16))
+@given(
+    data=st.data(),
+    shape=st.lists(st.integers(0, 8), min_size=0, max_size=3).map(tuple),
+    chunk_bytes=st.sampled_from([1, 5, 16, 64, 256]),
+    dtype=st.sampled_from(list(DTYPES)),
+    seed=st.integers(0, 2**16),
+)
 def test_reshard_random(data, shape, chunk_bytes, dtype, seed):
     src_mesh, src_pl = data.draw(layouts(len(shape)), label="source")
     tgt_mesh, tgt_pl = data.draw(layouts(len(shape)), label="target")
-    for _target, items, needed, read in reshard(shape, src_mesh, src_pl, tgt_mesh, tgt_pl, chunk_bytes, seed,
-                                                dtypes=(dtype,)):
+    for _target, items, needed, read in reshard(
+        shape, src_mesh, src_pl, tgt_mesh, tgt_pl, chunk_bytes, seed, dtypes=(dtype,)
+    ):
         # the general bound: every run grows by less than a chunk at each end, and no fragment is over-read
         for item in items:
-            _, n_runs = brute_force_ranges(item.fragment_shape, item.src_box, DTYPES[dtype], chunk_bytes,
-                                           item.nbytes)
+            _, n_runs = brute_force_ranges(item.fragment_shape, item.src_box, DTYPES[dtype], chunk_bytes, item.nbytes)
             need = item.src_box.numel * DTYPES[dtype]
             assert need <= item.bytes_planned <= min(item.nbytes, need + 2 * (chunk_bytes - 1) * n_runs)
         assert needed <= read
@@ -507,8 +533,14 @@ def test_read_volume_within_5_percent(case):
 
 
 @settings(max_examples=100, deadline=None)
-@given(n_rows=st.integers(1, 300), row=st.integers(1, 40), itemsize=st.sampled_from([1, 2, 4, 8]),
-       src=st.integers(1, 9), tgt=st.integers(1, 9), chunk_bytes=st.integers(1, 300))
+@given(
+    n_rows=st.integers(1, 300),
+    row=st.integers(1, 40),
+    itemsize=st.sampled_from([1, 2, 4, 8]),
+    src=st.integers(1, 9),
+    tgt=st.integers(1, 9),
+    chunk_bytes=st.integers(1, 300),
+)
 def test_overhead_at_most_two_chunks_per_pair_for_row_shards(n_rows, row, itemsize, src, tgt, chunk_bytes):
     """When each overlap is one row-major run (Shard(0) -> Shard(0), or anything -> whole), a (fragment, target)
     pair reads fewer than 2 chunks more than it needs: one partial chunk at each end."""
@@ -611,9 +643,18 @@ def test_plan_from_parsed_manifest():
     tensors = {"a": make_global(shape, "bfloat16", 1), "b": make_global(shape, "int64", 2)}
     objects, entries = save(tensors, shard_boxes(shape, (2, 2), [S0, S1]), 64)
     manifest = Manifest(
-        step=1, epoch=0, world_size=4, created_unix=0.0, library_version="test",
+        step=1,
+        epoch=0,
+        world_size=4,
+        created_unix=0.0,
+        library_version="test",
         objects=tuple(ObjectEntry(k, len(v), int(k.split("-")[1].split(".")[0])) for k, v in objects.items()),
-        tensors=tuple(entries.values()), state={}, ranks=(), chunk_bytes=64, alignment=ALIGNMENT)
+        tensors=tuple(entries.values()),
+        state={},
+        ranks=(),
+        chunk_bytes=64,
+        alignment=ALIGNMENT,
+    )
     parsed = Manifest.from_json(manifest.to_json())
     assert parsed == manifest
     for entry in parsed.tensors:
@@ -627,9 +668,19 @@ def test_plan_from_parsed_manifest():
 def test_read_item_is_frozen_and_self_describing():
     frag = fake_fragment(Box.whole((8, 8)), 4, 64, obj="rank-0.data", offset=128)
     (item,) = plan_tensor_reads([frag], (8, 8), 4, Box((2, 0), (3, 8)), 64, name="w")
-    assert item == ReadItem(tensor="w", object="rank-0.data", offset=128, fragment_index=0, fragment_shape=(8, 8),
-                            nbytes=256, chunk_bytes=64, read_ranges=((64, 192),), chunk_indices=(1, 2),
-                            src_box=Box((2, 0), (3, 8)), dst_box=Box((0, 0), (3, 8)))
+    assert item == ReadItem(
+        tensor="w",
+        object="rank-0.data",
+        offset=128,
+        fragment_index=0,
+        fragment_shape=(8, 8),
+        nbytes=256,
+        chunk_bytes=64,
+        read_ranges=((64, 192),),
+        chunk_indices=(1, 2),
+        src_box=Box((2, 0), (3, 8)),
+        dst_box=Box((0, 0), (3, 8)),
+    )
     assert item.object_ranges() == ((192, 320),) and item.bytes_planned == 128
     assert bytes_needed(Box((2, 0), (3, 8)), 4) == 96
     with pytest.raises(AttributeError):

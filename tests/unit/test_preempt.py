@@ -11,11 +11,11 @@ import time
 
 import pytest
 from thread_comm import ThreadComm, run_ranks
-from torch.utils.data import DataLoader, dataloader
+from torch.utils.data import dataloader
 
-from lightning_snapshot.comm import LocalComm
+from lightning_snapshot.dist.comm import LocalComm
+from lightning_snapshot.dist.preempt import Preemption, parse_signals
 from lightning_snapshot.errors import ConfigError, Preempted
-from lightning_snapshot.preempt import Preemption, parse_signals
 
 
 def test_signals_option_takes_names_numbers_and_lists_and_refuses_the_rest():
@@ -92,8 +92,8 @@ _WORKERS_SCRIPT = r"""
 import os, signal, subprocess, sys, time
 from torch.utils.data import DataLoader
 from torch.utils.data._utils.signal_handling import _remove_worker_pids
-from lightning_snapshot.comm import LocalComm
-from lightning_snapshot.preempt import Preemption
+from lightning_snapshot.dist.comm import LocalComm
+from lightning_snapshot.dist.preempt import Preemption
 
 if __name__ == "__main__":
     p = Preemption([signal.SIGTERM], LocalComm())

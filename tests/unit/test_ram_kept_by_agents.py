@@ -9,12 +9,12 @@ import logging
 import torch
 from thread_comm import run_ranks
 
+from lightning_snapshot.agent import Agent, describe_staged
 from lightning_snapshot.backends import LocalTier, RamTier
-from lightning_snapshot.backends.ram.agent import Agent, describe_staged
-from lightning_snapshot.manifest import MANIFEST_NAME, step_dirname
+from lightning_snapshot.format.manifest import MANIFEST_NAME, step_dirname
+from lightning_snapshot.persist.writer import SnapshotJob, committed_steps, write_snapshot
+from lightning_snapshot.restore.loader import read_manifest
 from lightning_snapshot.staging import stage
-from lightning_snapshot.loader import read_manifest
-from lightning_snapshot.writer import SnapshotJob, committed_steps, write_snapshot
 
 STEP, RUN = 5, "run"
 
@@ -22,8 +22,13 @@ STEP, RUN = 5, "run"
 def _states() -> list[tuple]:
     g = torch.Generator().manual_seed(0)
     # (each rank writes its share of the replicated state, and its own state)
-    return [(stage({f"w{r}": torch.randn(1000 + r, generator=g)}, "shared"),
-             stage({"rng": torch.randint(0, 1 << 30, (7,), generator=g)}, "rank")) for r in range(2)]
+    return [
+        (
+            stage({f"w{r}": torch.randn(1000 + r, generator=g)}, "shared"),
+            stage({"rng": torch.randint(0, 1 << 30, (7,), generator=g)}, "rank"),
+        )
+        for r in range(2)
+    ]
 
 
 def _ram(tmp_path, node: int) -> RamTier:
@@ -36,8 +41,14 @@ def _keep(ram: RamTier, durable: LocalTier, rank: int, states) -> None:
     """What the agent of ``rank``'s node does once it wrote ``STEP`` to ``durable`` after that trainer died."""
     shared, private = states[rank]
     hello = {"rank": rank, "world_size": 2, "run_id": RUN, "tiers": [durable.spec()]}
-    entry = {"step": STEP, "epoch": 0, "ram": True, "tiers": [0],
-             "shared": describe_staged(shared, inline=True), "private": describe_staged(private, inline=True)}
+    entry = {
+        "step": STEP,
+        "epoch": 0,
+        "ram": True,
+        "tiers": [0],
+        "shared": describe_staged(shared, inline=True),
+        "private": describe_staged(private, inline=True),
+    }
     Agent(ram.node_dir, idle_timeout=1.0)._keep_in_ram(hello, entry, None, 0)
 
 
@@ -52,12 +63,17 @@ def test_kept_step_is_committed_on_every_node_only_once_every_rank_s_objects_are
 
     # rank 1's agent has not kept its part (yet): the step is committed nowhere
     _keep(rams[0], durable, 0, states)
-    assert (rams[0].store.list(prefix)) == [f"{RUN}-proposed-manifest.json", f"{RUN}-rank-00000.bin",
-                                            f"{RUN}-shared-00000.bin"]
+    assert (rams[0].store.list(prefix)) == [
+        f"{RUN}-proposed-manifest.json",
+        f"{RUN}-rank-00000.bin",
+        f"{RUN}-shared-00000.bin",
+    ]
     with caplog.at_level(logging.WARNING):
         assert run_ranks(2, lambda comm: rams[comm.rank].collective_steps(comm)) == [[], []]
-    assert f"step {STEP}, kept by the snapshot agents for trainers that died, stays uncommitted: {RUN}-rank-00001.bin" \
-           in caplog.text
+    assert (
+        f"step {STEP}, kept by the snapshot agents for trainers that died, stays uncommitted: {RUN}-rank-00001.bin"
+        in caplog.text
+    )
     assert all(committed_steps(ram) == [] for ram in rams)
 
     # once it has, the next listing commits it on both nodes, with the durable manifest's very bytes

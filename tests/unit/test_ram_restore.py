@@ -11,12 +11,12 @@ import torch
 
 from lightning_snapshot.backends import RamTier
 from lightning_snapshot.backends.ram import shares as ram_shares
+from lightning_snapshot.dist.comm import LocalComm
 from lightning_snapshot.errors import SnapshotError
-from lightning_snapshot.comm import LocalComm
-from lightning_snapshot.loader import read_manifest, read_section
-from lightning_snapshot.manifest import step_dirname
+from lightning_snapshot.format.manifest import step_dirname
+from lightning_snapshot.persist.writer import SnapshotJob, write_snapshot
+from lightning_snapshot.restore.loader import read_manifest, read_section
 from lightning_snapshot.staging import stage
-from lightning_snapshot.writer import SnapshotJob, write_snapshot
 
 K, M = 4, 2
 
@@ -42,8 +42,11 @@ def _restore(ram: RamTier, targets=None):
 def saved(tmp_path):
     g = torch.Generator().manual_seed(0)
     # odd sizes: the object does not fill its last stripe
-    state = {"w": torch.randn(3 << 18, generator=g), "b": torch.randn(1001, generator=g),
-             "i": torch.arange(77, dtype=torch.int64)}
+    state = {
+        "w": torch.randn(3 << 18, generator=g),
+        "b": torch.randn(1001, generator=g),
+        "i": torch.arange(77, dtype=torch.int64),
+    }
     ram = _tier(tmp_path)
     write_snapshot(ram, LocalComm(), SnapshotJob(1, 0, stage(state, "shared"), stage({}, "rank")), "run")
     ec_dir = ram.store._path(f"{step_dirname(1)}/run-shared-00000.bin.ec")
@@ -85,8 +88,11 @@ def test_a_flipped_byte_in_a_data_share_is_detected_and_rebuilt(saved, caplog):
     raw = bytearray((ec_dir / "1").read_bytes())
     raw[1234] ^= 0x40
     (ec_dir / "1").write_bytes(bytes(raw))
-    targets = {e.name: torch.zeros(e.global_shape, dtype=torch.float32)
-               for e in read_manifest(ram, 1).tensors if e.dtype == "float32"}
+    targets = {
+        e.name: torch.zeros(e.global_shape, dtype=torch.float32)
+        for e in read_manifest(ram, 1).tensors
+        if e.dtype == "float32"
+    }
     with caplog.at_level("WARNING"):
         _check(_restore(ram, targets), state)
     assert "failed its checksum; verifying every share" in caplog.text

@@ -1,4 +1,4 @@
-"""Read once, share (lightning_snapshot/read_once.py and planner.plan_shared_reads): ranks are threads
+"""Read once, share (lightning_snapshot/restore/read_once.py and planner.plan_shared_reads): ranks are threads
 (``thread_comm.ThreadComm``) restoring a DDP-like snapshot written by the writer itself, each with its own tier
 instance, whose byte counter (``LocalTier.bytes_read``, counted in ``read_into``) says what it read."""
 
@@ -8,26 +8,30 @@ import json
 
 import pytest
 import torch
+from thread_comm import ThreadComm, run_ranks
 
 from lightning_snapshot.backends import LocalTier
 from lightning_snapshot.errors import SnapshotError
-from lightning_snapshot.loader import ReadStats, ShardTarget, read_manifest, read_section
-from lightning_snapshot.commit import merge_parts
-from lightning_snapshot.manifest import MANIFEST_NAME, step_dirname
-from lightning_snapshot.planner import assign_writers, plan_shared_reads, shard_boxes
-from lightning_snapshot.read_once import ReadOnce
+from lightning_snapshot.format.manifest import MANIFEST_NAME, step_dirname
+from lightning_snapshot.persist.commit import merge_parts
+from lightning_snapshot.persist.writer import SnapshotJob, write_part
+from lightning_snapshot.plan.planner import assign_writers, plan_shared_reads, shard_boxes
+from lightning_snapshot.restore.loader import ReadStats, ShardTarget, read_manifest, read_section
+from lightning_snapshot.restore.read_once import ReadOnce
 from lightning_snapshot.staging import stage
-from lightning_snapshot.writer import SnapshotJob, write_part
-from thread_comm import ThreadComm, run_ranks
 
 CHUNK = 4096
 
 
 def _state() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(7)
-    return {"w": torch.randn(300, 257, generator=g), "b": torch.randn(33, generator=g),
-            "h": torch.randn(64, 100, generator=g).half(), "i": torch.randint(0, 1 << 40, (129,), generator=g),
-            "e": torch.empty(0)}
+    return {
+        "w": torch.randn(300, 257, generator=g),
+        "b": torch.randn(33, generator=g),
+        "h": torch.randn(64, 100, generator=g).half(),
+        "i": torch.randint(0, 1 << 40, (129,), generator=g),
+        "e": torch.empty(0),
+    }
 
 
 def _write(root, world: int) -> dict[str, torch.Tensor]:
@@ -58,8 +62,9 @@ def _read(root, world: int, targets_of=None, tier=LocalTier):
         reader.start(None)
         stats = ReadStats()
         targets = targets_of(comm.rank) if targets_of is not None else None
-        state = read_section(backend, manifest, manifest.tensors, manifest.state, targets=targets, stats=stats,
-                             shared=reader)
+        state = read_section(
+            backend, manifest, manifest.tensors, manifest.state, targets=targets, stats=stats, shared=reader
+        )
         return state, stats, backend.bytes_read, reader, comm.bytes_sent
 
     return run_ranks(world, body)
@@ -138,8 +143,10 @@ def test_a_bug_on_one_rank_is_raised_there_and_the_others_do_not_wait(tmp_path):
 
     out = _read(tmp_path, 4, tier=Buggy)
     assert isinstance(out[1], RuntimeError), out
-    assert all(isinstance(e, SnapshotError) and "on rank 1: RuntimeError: a bug in the tier" in str(e)
-               for e in out[:1] + out[2:]), out
+    assert all(
+        isinstance(e, SnapshotError) and "on rank 1: RuntimeError: a bug in the tier" in str(e)
+        for e in out[:1] + out[2:]
+    ), out
 
 
 def test_a_rank_that_could_not_prepare_fails_every_rank(tmp_path):

@@ -18,9 +18,9 @@ import torch
 
 from lightning_snapshot.config import SnapshotConfig
 from lightning_snapshot.errors import ConfigError, ManifestError
-from lightning_snapshot.manifest import Manifest, ReplicaRecord
-from lightning_snapshot.replicas import MAX_NAMED, ReplicaChecker, checksums, verdict
-from lightning_snapshot.resume_policy import Candidate, plan_resume
+from lightning_snapshot.fit.replicas import MAX_NAMED, ReplicaChecker, checksums, verdict
+from lightning_snapshot.format.manifest import Manifest, ReplicaRecord
+from lightning_snapshot.restore.policy import Candidate, plan_resume
 
 
 def _one_ulp(t: torch.Tensor, index: int = 0) -> torch.Tensor:
@@ -69,21 +69,29 @@ def test_checksums_of_complex_empty_and_strided_tensors():
 def test_a_batched_checksum_is_each_tensor_own_and_sees_one_ulp_in_any_batch(monkeypatch, batch_bytes):
     """Tensors checksummed in batches (as on a GPU, where tensors up to BATCH_BYTES are) each get their own value,
     whatever batch they fall in and however many empty tensors sit among them; one ulp changes that tensor's alone."""
-    import lightning_snapshot.replicas as replicas
+    import lightning_snapshot.fit.replicas as replicas
 
     monkeypatch.setattr(replicas, "SMALL_BYTES", 1 << 20)
     monkeypatch.setattr(replicas, "BATCH_BYTES", batch_bytes)
     g = torch.Generator().manual_seed(1)
     tensors = [torch.zeros(0), torch.zeros(0, dtype=torch.int64)] + [
         (torch.randn(n, generator=g) * 1e3).to(dtype)
-        for n, dtype in [(3, torch.float32), (0, torch.float32), (40, torch.float32), (9, torch.bfloat16),
-                         (17, torch.int8), (5, torch.float64), (33, torch.float32), (1, torch.float32)]
+        for n, dtype in [
+            (3, torch.float32),
+            (0, torch.float32),
+            (40, torch.float32),
+            (9, torch.bfloat16),
+            (17, torch.int8),
+            (5, torch.float64),
+            (33, torch.float32),
+            (1, torch.float32),
+        ]
     ]
     own = [checksums([t])[0] for t in tensors]  # each alone: a batch of one
     assert checksums(tensors) == own
     for k, t in enumerate(tensors):
         if t.numel():
-            changed = checksums(tensors[:k] + [_one_ulp(t, t.numel() - 1)] + tensors[k + 1:])
+            changed = checksums(tensors[:k] + [_one_ulp(t, t.numel() - 1)] + tensors[k + 1 :])
             assert [i for i, (a, b) in enumerate(zip(own, changed)) if a != b] == [k]
 
 
@@ -114,7 +122,7 @@ class _Model(torch.nn.Module):
 
 
 def _trained(opt) -> tuple:
-    from lightning_snapshot.capture import optimized_key
+    from lightning_snapshot.state.capture import optimized_key
 
     return optimized_key([opt])
 
@@ -212,9 +220,20 @@ def test_the_plan_is_reused_while_the_capture_plan_holds_and_made_again_after():
 
 def _manifest_json(replicas) -> str:
     d = {
-        "format_version": 1, "step": 4, "epoch": 0, "world_size": 2, "created_unix": 1.0, "library_version": "x",
-        "checksum": "xxh3_64", "chunk_bytes": 64, "alignment": 64, "objects": [], "tensors": [], "state": {},
-        "ranks": [{"rank": 0, "state": {}, "tensors": []}], "health": {},
+        "format_version": 1,
+        "step": 4,
+        "epoch": 0,
+        "world_size": 2,
+        "created_unix": 1.0,
+        "library_version": "x",
+        "checksum": "xxh3_64",
+        "chunk_bytes": 64,
+        "alignment": 64,
+        "objects": [],
+        "tensors": [],
+        "state": {},
+        "ranks": [{"rank": 0, "state": {}, "tensors": []}],
+        "health": {},
     }
     if replicas is not None:
         d["replicas"] = replicas
@@ -240,12 +259,12 @@ def test_the_manifest_records_the_outcome_and_round_trips():
         ({"checked": 1, "disagree_count": 0}, "replicas"),
         ({"checked": -1, "disagree_count": 0, "disagree": []}, "replicas.checked"),
         ({"checked": 1, "disagree_count": 2, "disagree": []}, "replicas.disagree_count"),
-        ({"checked": 2, "disagree_count": 1, "disagree": [{"tensor": "a", "ranks": [2]}]},
-         "replicas.disagree[0].ranks[0]"),
-        ({"checked": 2, "disagree_count": 1, "disagree": [{"tensor": 3, "ranks": [1]}]},
-         "replicas.disagree[0].tensor"),
-        ({"checked": 2, "disagree_count": 1, "disagree": [{"tensor": "a", "ranks": []}]},
-         "replicas.disagree[0].ranks"),
+        (
+            {"checked": 2, "disagree_count": 1, "disagree": [{"tensor": "a", "ranks": [2]}]},
+            "replicas.disagree[0].ranks[0]",
+        ),
+        ({"checked": 2, "disagree_count": 1, "disagree": [{"tensor": 3, "ranks": [1]}]}, "replicas.disagree[0].tensor"),
+        ({"checked": 2, "disagree_count": 1, "disagree": [{"tensor": "a", "ranks": []}]}, "replicas.disagree[0].ranks"),
         ({"checked": 2, "disagree_count": 0, "disagree": [{"tensor": "a", "ranks": [1]}]}, "replicas.disagree"),
     ],
 )
@@ -276,8 +295,16 @@ def test_a_resume_skips_a_snapshot_whose_replicas_disagreed_and_says_why():
 )
 def test_bad_replica_options_name_the_option(tmp_path, options, message):
     base = dict(
-        resume=True, on_error="raise", max_host_bytes=None, chunk_bytes=1 << 20, sigterm_grace=25.0,
-        collective_timeout=300.0, shutdown_timeout=30.0, resume_unhealthy=False, max_restores=3, mtbf=None,
+        resume=True,
+        on_error="raise",
+        max_host_bytes=None,
+        chunk_bytes=1 << 20,
+        sigterm_grace=25.0,
+        collective_timeout=300.0,
+        shutdown_timeout=30.0,
+        resume_unhealthy=False,
+        max_restores=3,
+        mtbf=None,
     )
     with pytest.raises(ConfigError, match=message):
         SnapshotConfig.create(str(tmp_path), **base, **options)
@@ -303,7 +330,7 @@ def test_a_slice_without_tensors_calls_no_collective():
 def test_a_batch_of_one_byte_values_keeps_its_running_sum_within_batch_bytes(monkeypatch):
     """A batch's running sum holds one 64-bit integer per element whatever the dtype: batches of int8 or bool values
     are cut by elements, not bytes (else a 32 MiB batch of bytes needs 544 MiB of temporaries, on a GPU too)."""
-    import lightning_snapshot.replicas as replicas
+    import lightning_snapshot.fit.replicas as replicas
 
     monkeypatch.setattr(replicas, "BATCH_BYTES", 1 << 16)
     made: list[int] = []

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_snapshot import replicas
-from lightning_snapshot.replicas import BATCH_BYTES, SMALL_BYTES, checksums
+from lightning_snapshot.fit import replicas
+from lightning_snapshot.fit.replicas import BATCH_BYTES, SMALL_BYTES, checksums
 
 MB = 1 << 20
 
@@ -96,7 +96,7 @@ def _wrap(value: int) -> int:
 
 
 def _reference(t: torch.Tensor) -> int:
-    """The checksum :func:`~lightning_snapshot.replicas.checksums` gives ``t`` by its definition, computed with numpy
+    """The checksum :func:`~lightning_snapshot.fit.replicas.checksums` gives ``t`` by its definition, computed with numpy
     from ``t``'s bytes: over ``SMALL_BYTES`` on a CPU, or ``BATCH_BYTES / 8`` scalars on another device, the wrapping
     sum of the little-endian 64-bit words plus the bytes past the last whole word as integers of the scalar's width;
     else the wrapping sum of the scalars as integers of their width."""

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from lightning_snapshot.backends.local import LocalTier
-from lightning_snapshot.comm import LocalComm
+from lightning_snapshot.dist.comm import LocalComm
 from lightning_snapshot.errors import SnapshotError, SnapshotWriteError, UnsafePathError
-from lightning_snapshot.loader import load_snapshot
-from lightning_snapshot.manifest import step_dirname
+from lightning_snapshot.format.manifest import step_dirname
+from lightning_snapshot.persist.writer import SnapshotJob, committed_steps, write_snapshot
+from lightning_snapshot.restore.loader import load_snapshot
 from lightning_snapshot.staging import stage
-from lightning_snapshot.writer import SnapshotJob, committed_steps, write_snapshot
 
 
 def write(tier, step, *, run_id="run1", value=None):

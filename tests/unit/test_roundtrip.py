@@ -12,13 +12,12 @@ import torch
 from torch import nn
 
 from lightning_snapshot.backends.local import LocalTier
-from lightning_snapshot.comm import LocalComm
+from lightning_snapshot.dist.comm import LocalComm
 from lightning_snapshot.errors import CaptureError, ChecksumError
-from lightning_snapshot.loader import load_snapshot
-from lightning_snapshot.manifest import DTYPES, step_dirname
+from lightning_snapshot.format.manifest import DTYPES, step_dirname
+from lightning_snapshot.persist.writer import SnapshotJob, write_snapshot
+from lightning_snapshot.restore.loader import load_snapshot
 from lightning_snapshot.staging import stage
-from lightning_snapshot.writer import SnapshotJob, write_snapshot
-
 
 # ---------------------------------------------------------------------------------------------------- helpers
 
@@ -87,8 +86,23 @@ def test_every_dtype_roundtrips_bitwise(tmp_path, name):
 
 def test_dtypes_cover_the_advertised_set():
     # the format must store every plain dtype of this torch build that it advertises
-    for name in ["float32", "float16", "float64", "bfloat16", "complex64", "complex128", "int8", "int16", "int32",
-                 "int64", "uint8", "uint16", "uint32", "uint64", "bool"]:
+    for name in [
+        "float32",
+        "float16",
+        "float64",
+        "bfloat16",
+        "complex64",
+        "complex128",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "bool",
+    ]:
         assert DTYPES[name] is getattr(torch, name)
     for name in ["float8_e4m3fn", "float8_e5m2"]:
         if hasattr(torch, name):
@@ -97,8 +111,9 @@ def test_dtypes_cover_the_advertised_set():
 
 def test_float_special_bit_patterns_survive(tmp_path):
     # NaNs with payloads and both signs, signed zero, subnormals: bitwise means bitwise
-    bits = torch.tensor([0x7FC00001, 0xFFC00000, 0x7F800001, 0x80000000, 0x00000001, 0x7F800000, 0xFF800000],
-                        dtype=torch.int64).to(torch.int32)
+    bits = torch.tensor(
+        [0x7FC00001, 0xFFC00000, 0x7F800001, 0x80000000, 0x00000001, 0x7F800000, 0xFF800000], dtype=torch.int64
+    ).to(torch.int32)
     t = bits.view(torch.float32)
     out = roundtrip(tmp_path, {"t": t, "t_strided": t[::2]})
     assert_same_tensor(out["t"], t)
@@ -229,8 +244,12 @@ def nested_state():
     t = torch.randn(3)
     return {
         "tuple": (1, 2.5, "x", (None, True, False), []),
-        "optimizer_states": [{"state": {0: {"step": torch.tensor(3.0), "exp_avg": t}, 1: {}},
-                              "param_groups": [{"lr": 0.1, "params": [0, 1]}]}],
+        "optimizer_states": [
+            {
+                "state": {0: {"step": torch.tensor(3.0), "exp_avg": t}, 1: {}},
+                "param_groups": [{"lr": 0.1, "params": [0, 1]}],
+            }
+        ],
         "dollar_keys": {"$tensor": "not a reference", "$x": 1, "plain": {"$dict": [[1, 2]]}},
         "tensor_as_string_key": {"$tensor": "x"},
         # (the keys are looked at joined by NULs first: a NUL and "$" inside a key, a "$" key after plain ones)
@@ -254,7 +273,7 @@ def nested_state():
         "devices": [torch.device("cpu"), torch.device("cuda", 1), torch.device("meta")],
         "big_int": 2**70,
         "neg_int": -(2**63),
-        "unicode": "héllo ✓ \u0000 \"quoted\"",
+        "unicode": 'héllo ✓ \u0000 "quoted"',
         "tuple_key": {(1, "a"): "v", 2.5: "float key", None: "none key"},
         "mixed_keys": {"a": 1, 2: "b"},
         "deep": [[[[{"x": [1, (2, {"y": None})]}]]]],
@@ -295,8 +314,9 @@ def test_dtype_values_outside_the_tensor_dtypes_roundtrip_or_are_refused_at_capt
     except CaptureError as e:
         assert "cfg/dtype" in str(e)
         return
-    write_snapshot(LocalTier(tmp_path), LocalComm(), SnapshotJob(1, 0, shared=staged, private=stage({}, "rank")),
-                   run_id="abc")
+    write_snapshot(
+        LocalTier(tmp_path), LocalComm(), SnapshotJob(1, 0, shared=staged, private=stage({}, "rank")), run_id="abc"
+    )
     assert load_snapshot(str(tmp_path))["cfg"]["dtype"] is dtype
 
 
@@ -329,7 +349,7 @@ def test_corrupted_chunk_is_detected_on_load(tmp_path):
 
 @pytest.mark.parametrize("corrupt", [False, True], ids=["intact", "corrupted"])
 def test_parallel_reads_fill_every_tensor_and_verify_every_chunk(tmp_path, monkeypatch, corrupt):
-    from lightning_snapshot import loader
+    from lightning_snapshot.restore import loader
 
     monkeypatch.setattr(loader, "_PARALLEL_MIN_BYTES", 0)  # small snapshot, parallel path
     state = {f"t{i}": random_tensor(torch.float32, (1000 + 37 * i,), seed=i) for i in range(12)}
@@ -350,11 +370,22 @@ def test_parallel_reads_fill_every_tensor_and_verify_every_chunk(tmp_path, monke
 
 
 def test_fragment_offsets_are_aligned_and_hold_the_tensor_bytes(tmp_path):
-    state = {f"t{i}": random_tensor(dtype, shape, seed=i) for i, (dtype, shape) in enumerate([
-        (torch.uint8, (3,)), (torch.float16, (5,)), (torch.float64, (7, 3)), (torch.bool, (1,)),
-        (torch.int32, ()), (torch.complex64, (0,)), (torch.bfloat16, (33,)), (torch.uint8, (64,)),
-        (torch.int64, (2, 2)),
-    ])}
+    state = {
+        f"t{i}": random_tensor(dtype, shape, seed=i)
+        for i, (dtype, shape) in enumerate(
+            [
+                (torch.uint8, (3,)),
+                (torch.float16, (5,)),
+                (torch.float64, (7, 3)),
+                (torch.bool, (1,)),
+                (torch.int32, ()),
+                (torch.complex64, (0,)),
+                (torch.bfloat16, (33,)),
+                (torch.uint8, (64,)),
+                (torch.int64, (2, 2)),
+            ]
+        )
+    }
     manifest = write(tmp_path, state, {"r1": torch.arange(3, dtype=torch.uint8), "r2": torch.ones(5)})
     assert manifest.alignment == 64
     entries = list(manifest.tensors) + [t for r in manifest.ranks for t in r.tensors]
@@ -365,7 +396,7 @@ def test_fragment_offsets_are_aligned_and_hold_the_tensor_bytes(tmp_path):
             blob = (tmp_path / step_dirname(1) / frag.object).read_bytes()
             assert frag.offset + frag.nbytes <= len(blob)
             if entry.name in state:
-                assert blob[frag.offset:frag.offset + frag.nbytes] == raw_bytes(state[entry.name]), entry.name
+                assert blob[frag.offset : frag.offset + frag.nbytes] == raw_bytes(state[entry.name]), entry.name
     # data objects live in the step directory next to the manifest, and nothing else does
     assert sorted(os.listdir(tmp_path / step_dirname(1))) == sorted(
         [o.key for o in manifest.objects] + ["manifest.json"]
@@ -375,8 +406,9 @@ def test_fragment_offsets_are_aligned_and_hold_the_tensor_bytes(tmp_path):
 def test_load_picks_the_newest_step_and_a_named_step(tmp_path):
     tier = LocalTier(tmp_path, keep_last=None)
     for step in (3, 10, 7):
-        job = SnapshotJob(step, step // 5, shared=stage({"step": step, "w": torch.full((2,), float(step))}),
-                          private=stage({}, "rank"))
+        job = SnapshotJob(
+            step, step // 5, shared=stage({"step": step, "w": torch.full((2,), float(step))}), private=stage({}, "rank")
+        )
         write_snapshot(tier, LocalComm(), job, run_id="abc")
     assert load_snapshot(str(tmp_path))["step"] == 10
     assert load_snapshot(str(tmp_path), step=3)["step"] == 3
@@ -386,8 +418,9 @@ def test_load_picks_the_newest_step_and_a_named_step(tmp_path):
 # ---------------------------------------------------------------------------------------------------- capture errors
 
 
-@pytest.mark.parametrize("bad", [object(), lambda x: x, {1, 2}, 1 + 2j, slice(1, 2)], ids=[
-    "object", "lambda", "set", "complex", "slice"])
+@pytest.mark.parametrize(
+    "bad", [object(), lambda x: x, {1, 2}, 1 + 2j, slice(1, 2)], ids=["object", "lambda", "set", "complex", "slice"]
+)
 def test_unsupported_value_raises_capture_error_naming_its_path(bad):
     with pytest.raises(CaptureError, match="callbacks/x"):
         stage({"callbacks": {"x": bad}, "fine": 1})

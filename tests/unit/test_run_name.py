@@ -55,4 +55,6 @@ def test_torchrun_default_run_id_names_no_job(no_job, value):
 
 def test_job_ids_reads_a_given_environment():
     assert job_ids({"TORCHELASTIC_RUN_ID": "abc", "SLURM_JOB_ID": "9", "JOB_COMPLETION_INDEX": "3"}) == [
-        "TORCHELASTIC_RUN_ID=abc", "SLURM_JOB_ID=9"]
+        "TORCHELASTIC_RUN_ID=abc",
+        "SLURM_JOB_ID=9",
+    ]

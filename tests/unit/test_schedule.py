@@ -7,8 +7,8 @@ import datetime as dt
 import pytest
 
 from lightning_snapshot.errors import ConfigError
-from lightning_snapshot.interval import FIRST_AUTO_INTERVAL, young_daly_steps
-from lightning_snapshot.schedule import DEFAULT_EVERY_N_TRAIN_STEPS, FitSchedule, TierSchedule
+from lightning_snapshot.schedule.interval import FIRST_AUTO_INTERVAL, young_daly_steps
+from lightning_snapshot.schedule.schedules import DEFAULT_EVERY_N_TRAIN_STEPS, FitSchedule, TierSchedule
 
 
 class _Tier:
@@ -65,8 +65,15 @@ def test_auto_starts_at_the_first_interval_within_bounds_and_counts_from_the_las
     assert s.steps_to_due(30, last_snapshot_step=5) == 0
 
 
-@pytest.mark.parametrize("cost,mtbf,step_s,bounds", [(0.5, 3600.0, 0.1, (1, None)), (0.5, 3600.0, 0.1, (1, 100)),
-                                                     (0.001, 10.0, 1.0, (5, 50)), (2.0, 1e6, 0.01, (1, 10_000))])
+@pytest.mark.parametrize(
+    "cost,mtbf,step_s,bounds",
+    [
+        (0.5, 3600.0, 0.1, (1, None)),
+        (0.5, 3600.0, 0.1, (1, 100)),
+        (0.001, 10.0, 1.0, (5, 50)),
+        (2.0, 1e6, 0.01, (1, 10_000)),
+    ],
+)
 def test_auto_retunes_by_young_daly_within_its_bounds(cost, mtbf, step_s, bounds):
     s = TierSchedule(every_n_train_steps="auto", min_every=bounds[0], max_every=bounds[1])
     steps = s.retuned(cost, mtbf, step_s)
@@ -76,15 +83,18 @@ def test_auto_retunes_by_young_daly_within_its_bounds(cost, mtbf, step_s, bounds
     assert s.retuned(cost, mtbf, None) == s.every
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"every_n_train_steps": 0}, "every_n_train_steps must be an integer >= 1, 'auto' or None"),
-    ({"every_n_train_steps": True}, "every_n_train_steps must be"),
-    ({"every_n_train_steps": "often"}, "every_n_train_steps must be"),
-    ({"train_time_interval": -1}, "train_time_interval must be a positive"),
-    ({"every_n_train_steps": 5, "min_every": 2}, "min_every bounds the interval of every_n_train_steps='auto'"),
-    ({"every_n_train_steps": "auto", "max_every": 0}, "max_every must be an integer >= 1"),
-    ({"every_n_train_steps": "auto", "min_every": 9, "max_every": 3}, "min_every (9) must not be larger"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"every_n_train_steps": 0}, "every_n_train_steps must be an integer >= 1, 'auto' or None"),
+        ({"every_n_train_steps": True}, "every_n_train_steps must be"),
+        ({"every_n_train_steps": "often"}, "every_n_train_steps must be"),
+        ({"train_time_interval": -1}, "train_time_interval must be a positive"),
+        ({"every_n_train_steps": 5, "min_every": 2}, "min_every bounds the interval of every_n_train_steps='auto'"),
+        ({"every_n_train_steps": "auto", "max_every": 0}, "max_every must be an integer >= 1"),
+        ({"every_n_train_steps": "auto", "min_every": 9, "max_every": 3}, "min_every (9) must not be larger"),
+    ],
+)
 def test_bad_configuration_names_the_option(kwargs, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         TierSchedule(**kwargs)

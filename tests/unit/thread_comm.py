@@ -1,7 +1,7 @@
-"""A fake communicator for unit tests: the :class:`~lightning_snapshot.comm.Comm` protocol for ranks that are threads
+"""A fake communicator for unit tests: the :class:`~lightning_snapshot.dist.comm.Comm` protocol for ranks that are threads
 of one process. Every collective writes to a shared table and meets at two barriers (all have written; all have
 read); a barrier with a timeout stands in for a process group's timeout (a rank that is gone breaks it). Tensors
-move as :class:`~lightning_snapshot.comm.TensorComm` moves them (broadcast, send and receive), as copies."""
+move as :class:`~lightning_snapshot.dist.comm.TensorComm` moves them (broadcast, send and receive), as copies."""
 
 from __future__ import annotations
 
@@ -14,8 +14,14 @@ import torch
 
 
 class ThreadComm:
-    def __init__(self, rank: int, world_size: int, table: list[Any], barrier: threading.Barrier,
-                 mailboxes: dict[tuple[int, int], queue.Queue] | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        table: list[Any],
+        barrier: threading.Barrier,
+        mailboxes: dict[tuple[int, int], queue.Queue] | None = None,
+    ) -> None:
         self.rank, self.world_size, self._table, self._barrier = rank, world_size, table, barrier
         self._mailboxes = mailboxes if mailboxes is not None else {}
         #: bytes this rank sent (broadcast or point to point), for tests of the traffic
@@ -44,7 +50,7 @@ class ThreadComm:
         return max(self._exchange(int(value)))
 
     def all_max_start(self, value: int):
-        from lightning_snapshot.comm import _Ready
+        from lightning_snapshot.dist.comm import _Ready
 
         return _Ready(self.all_max(value))
 

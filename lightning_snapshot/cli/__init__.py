@@ -1,0 +1,5 @@
+"""cli."""
+
+from lightning_snapshot.cli.main import main
+
+__all__ = ["main"]
