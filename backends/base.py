@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, runtime_chec
 # members)
 from lightning_snapshot.backends.portable import Portable, spec_class
 from lightning_snapshot.backends.schedule_options import ScheduleOptionsView
-from lightning_snapshot.dist.comm import agree_on
+from lightning_snapshot.dist.agree import agree_on
 from lightning_snapshot.errors import ConfigError, SnapshotError, TierUnavailableError
 from lightning_snapshot.schedule.interval import DEFAULT_EVERY_N_TRAIN_STEPS, ScheduleOptions
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_snapshot.backends.local_files import LocalFiles
-from lightning_snapshot.dist.comm import agree_on
+from lightning_snapshot.dist.agree import agree_on
 from lightning_snapshot.errors import ConfigError
 
 __all__ = ["NODE_RANK_PLACEHOLDER", "LocalLayout"]

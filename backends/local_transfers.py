@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from lightning_snapshot.backends.base import node_steps
 from lightning_snapshot.backends.local_layout import LocalLayout
 from lightning_snapshot.backends.mapped_files import close_map, exchange, map_existing, map_new
+from lightning_snapshot.dist import agree
 from lightning_snapshot.errors import SnapshotError, SnapshotNotFoundError
 
 __all__ = ["NodeTransfers"]
@@ -73,21 +74,46 @@ class NodeTransfers(LocalLayout):
 
         prefix = step_dirname(step)
         world = getattr(comm, "world_size", 1)
-        inv: dict[str, Any] | None = None
-        if self.node_leader:
-            inv = {"node": self.node_rank, "manifest": self.exists(f"{prefix}/{MANIFEST_NAME}"), "objects": {}}
-            for name in self.list(prefix):
-                if name.endswith(".bin"):
-                    inv["objects"][name] = self._path(f"{prefix}/{name}").stat().st_size
-        gathered: list[dict[str, Any] | None] = comm.all_gather(inv) if world > 1 else [inv]
+        where_ = f"step {step} of the node-local tier {self.url}"
+
+        def inventory() -> dict[str, Any] | None:
+            """(A node's first rank) what its node holds of the step: the manifest, and each object's size."""
+            if not self.node_leader:
+                return None
+            try:
+                held: dict[str, Any] = {
+                    "node": self.node_rank,
+                    "manifest": self.exists(f"{prefix}/{MANIFEST_NAME}"),
+                    "objects": {},
+                }
+                for name in self.list(prefix):
+                    if name.endswith(".bin"):
+                        held["objects"][name] = self._path(f"{prefix}/{name}").stat().st_size
+            except OSError as e:
+                raise SnapshotError(
+                    f"rank {comm.rank} (node {self.node_rank}) cannot list {where_}: {type(e).__name__}: {e}."
+                    " Check that node's disk, or resume from another tier"
+                ) from e
+            return held
+
+        # every rank takes part even where a node's disk fails: that failure is every rank's error, at once
+        gathered = agree.all_gather(comm, f"listing what each node holds of {where_}", inventory)
         invs = {r: i for r, i in enumerate(gathered) if i is not None}  # the node leaders' inventories
         leaders = list(invs)
         holders = [r for r in leaders if invs[r]["manifest"]]
         if not holders:
             raise SnapshotNotFoundError(f"no node holds the manifest of step {step} in the local tier {self.url}")
-        text = self._broadcast_from(
-            comm, holders[0], self.read(f"{prefix}/{MANIFEST_NAME}").decode() if comm.rank == holders[0] else None
-        )
+
+        def manifest_text() -> str:
+            try:
+                return self.read(f"{prefix}/{MANIFEST_NAME}").decode()
+            except (OSError, UnicodeDecodeError) as e:
+                raise SnapshotError(
+                    f"rank {comm.rank} (node {self.node_rank}) cannot read the manifest of {where_}:"
+                    f" {type(e).__name__}: {e}. Check that node's disk, or resume from another tier"
+                ) from e
+
+        text = agree.broadcast(comm, f"reading the manifest of {where_}", manifest_text, src=holders[0])
         manifest = Manifest.from_json(text, where=f"manifest of {prefix} in the local tier {self.url}")
         needed = _needed_objects(manifest, world)
         where: dict[str, list[int]] = {}
@@ -110,11 +136,35 @@ class NodeTransfers(LocalLayout):
             if o.key in needed and dst not in where[o.key]
         ]
         self._fetched = []
-        if comm.rank in leaders:
-            self._transfer(comm, [t for t in transfers if comm.rank in t[:2]], prefix)
-            if not invs[comm.rank]["manifest"]:
-                self.commit(f"{prefix}/{MANIFEST_NAME}", text.encode())
-                self._fetched.append(self._path(f"{prefix}/{MANIFEST_NAME}"))
+        mine = [t for t in transfers if comm.rank in t[:2]] if comm.rank in leaders else []
+        # each rank opens its side of the transfers (a failure: every rank's error before anything is sent), sends
+        # and receives, then puts what it received in place (a failure there too: every rank's error, at once)
+        opened = agree.agree_on(
+            comm, f"opening the files to fetch {where_}", lambda: self._open_transfers(comm, mine, prefix)
+        )
+        sends, receives, received = opened.value or ([], [], [])
+        if not opened.ok:
+            for mm, _peer in sends + receives:
+                close_map(mm)
+            opened.result()
+        if mine:
+            exchange(comm.group, sends, receives)
+
+        def place() -> None:
+            try:
+                for tmp, path in received:
+                    os.replace(tmp, path)
+                    self._fetched.append(path)
+                if comm.rank in leaders and not invs[comm.rank]["manifest"]:
+                    self.commit(f"{prefix}/{MANIFEST_NAME}", text.encode())
+                    self._fetched.append(self._path(f"{prefix}/{MANIFEST_NAME}"))
+            except OSError as e:
+                raise SnapshotError(
+                    f"rank {comm.rank} (node {self.node_rank}) cannot store what it fetched of {where_}:"
+                    f" {type(e).__name__}: {e}. Check that node's disk, or resume from another tier"
+                ) from e
+
+        agree.agree_on(comm, f"storing what each node fetched of {where_}", place).result()
         if transfers:
             log.info(
                 "lightning-snapshot: local tier %s: fetched %d object(s) of step %d from other nodes",
@@ -122,27 +172,20 @@ class NodeTransfers(LocalLayout):
                 len([t for t in transfers if t[1] == comm.rank]),
                 step,
             )
-        if world > 1:
-            comm.barrier()
 
-    @staticmethod
-    def _broadcast_from(comm: Any, src: int, obj: Any) -> Any:
-        if getattr(comm, "world_size", 1) == 1:
-            return obj
-        import torch.distributed as dist
-
-        box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(comm.group, src), group=comm.group)
-        return box[0]
-
-    def _transfer(self, comm: Any, transfers: list[tuple[int, int, str, int]], prefix: str) -> None:
-        """Send and receive this rank's part of ``transfers`` ((src, dst, object key, bytes)) over gloo; a received
-        object lands under a temporary name and is renamed into place once complete."""
+    def _open_transfers(
+        self, comm: Any, transfers: list[tuple[int, int, str, int]], prefix: str
+    ) -> tuple[list[tuple[Any, int]], list[tuple[Any, int]], list[tuple[Path, Path]]]:
+        """This rank's side of ``transfers`` ((src, dst, object key, bytes)): the files it sends, mapped; the files
+        it receives, mapped under a temporary name (renamed into place once complete). Every map is closed again
+        when one cannot be opened."""
         if not transfers:
-            return
+            return [], [], []
         import torch.distributed as dist
 
-        sends, receives, received = [], [], []
+        sends: list[tuple[Any, int]] = []
+        receives: list[tuple[Any, int]] = []
+        received: list[tuple[Path, Path]] = []
         try:
             for src, dst, key, nbytes in transfers:
                 path = self._path(f"{prefix}/{key}")
@@ -159,10 +202,7 @@ class NodeTransfers(LocalLayout):
             for mm, _peer in sends + receives:
                 close_map(mm)
             raise
-        exchange(comm.group, sends, receives)
-        for tmp, path in received:
-            os.replace(tmp, path)
-            self._fetched.append(path)
+        return sends, receives, received
 
     def finish_restore(self) -> None:
         """Delete what :meth:`prepare_restore` fetched: each node keeps only its own ranks' objects."""

@@ -46,8 +46,8 @@ for f in sorted([*pathlib.Path("lightning_snapshot").rglob("*.py"), *pathlib.Pat
             for alias in node.names:
                 if alias.name.startswith("_") and not alias.name.startswith("__"):
                     bad.append(f"{f}:{node.lineno}: imports {alias.name} from {node.module}")
-        mods = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in getattr(node, "names", [])]
         if isinstance(node, ast.ImportFrom | ast.Import):
+            mods = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
             for mod in mods:
                 if mod.startswith("lightning_snapshot") and any(p.startswith("_") for p in mod.split(".")):
                     bad.append(f"{f}:{node.lineno}: imports the private module {mod}")
@@ -56,13 +56,13 @@ if bad:
           *bad, sep="\n  ", file=sys.stderr)
     sys.exit(1)
 PY
-# the ranks agree on an outcome in one place (comm.agree_on): no flag collective, raise-together or gather of
+# the ranks agree on an outcome in one place (agree.agree_on): no flag collective, raise-together or gather of
 # errors written by hand elsewhere (docs/architecture.md, "Agreement")
 echo "[lint] agreement" >&2
 raw=$(grep -rnE --include='*.py' '\.all_true(_each)?\(|raise_together\(|\.all_gather\(\(.*(error|problem)' \
-  lightning_snapshot backends | grep -v '^lightning_snapshot/dist/comm.py:' || true)
+  lightning_snapshot backends | grep -v '^lightning_snapshot/dist/\(agree\|comm\).py:' || true)
 if [ -n "$raw" ]; then
-  echo "a flag collective written by hand (use comm.agree_on):" >&2
+  echo "a flag collective written by hand (use agree.agree_on):" >&2
   echo "$raw" >&2
   status=1
 fi

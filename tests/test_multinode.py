@@ -195,6 +195,39 @@ def test_node_local_tier_restores_on_more_nodes_by_fetching_over_gloo_and_names_
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("broken", ["listing", "manifest", "storing"])
+def test_a_node_whose_disk_fails_in_a_node_local_restore_fails_every_rank_at_once_naming_it(tmp_path, broken):
+    """The node leaders' inventories and the manifest holder's read go through the ranks' agreement: a disk error on
+    one node is every rank's error, naming that rank, at once (the group's timeout is 30 min: a rank left waiting
+    would run into the test's timeout instead)."""
+    procs = _nodes("local-save", 2, tmp_path)
+    assert [p.returncode for p in procs] == [0, 0], [p.stderr[-3000:] for p in procs]
+    prefix = step_dirname(10)
+    if broken == "listing":  # node 1: an object that cannot be stat'ed (a link to a file that is gone)
+        victim = next(n for n in LocalTier(tmp_path / "disk1").list(prefix) if n.endswith(".bin"))
+        path = tmp_path / "disk1" / prefix / victim
+        path.unlink()
+        path.symlink_to("gone.bin")
+        expected = f"rank 1 (node 1) cannot list step 10 of the node-local tier {tmp_path / 'disk1'}"
+    elif broken == "manifest":  # node 0 (the first node holding the manifest): its manifest's bytes are garbage
+        (tmp_path / "disk0" / prefix / MANIFEST_NAME).write_bytes(b"\xff\xfe" * 64)
+        expected = f"rank 0 (node 0) cannot read the manifest of step 10 of the node-local tier {tmp_path / 'disk0'}"
+    else:  # node 0 lacks the manifest and cannot store the copy it fetches (a directory in its place)
+        path = tmp_path / "disk0" / prefix / MANIFEST_NAME
+        path.unlink()
+        path.mkdir()
+        expected = f"rank 0 (node 0) cannot store what it fetched of step 10 of the node-local tier {tmp_path / 'disk0'}"
+    procs = launch_nodes(
+        "ram_nodes.py", 2, "local-load", "--base", str(tmp_path), "--out", str(tmp_path / "out"), timeout=120
+    )
+    for rank, p in enumerate(procs):
+        assert "FAILED: " in p.stdout and expected in p.stdout, (rank, p.stdout, p.stderr[-2000:])
+        culprit = 1 if broken == "listing" else 0
+        if rank != culprit:  # the other rank says where it failed
+            assert f"on rank {culprit}" in p.stdout, p.stdout
+
+
+@pytest.mark.slow
 def test_a_rank_that_dies_mid_write_fails_the_others_at_once_naming_rank_tier_and_wait(tmp_path):
     procs = _nodes("local-die", 3, tmp_path)
     assert procs[2].returncode == 3

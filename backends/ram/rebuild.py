@@ -21,7 +21,7 @@ from lightning_snapshot.backends.mapped_files import close_map, exchange, map_ex
 from lightning_snapshot.backends.ram import erasure as _ec
 from lightning_snapshot.backends.ram.node_store import PROPOSED
 from lightning_snapshot.backends.ram.shares import EC, LAYOUT_FILE, READING_FILE, parse_layout, share_ok, view_of
-from lightning_snapshot.dist.comm import agree_on
+from lightning_snapshot.dist.agree import agree_on
 from lightning_snapshot.dist.forksafe import Executor
 from lightning_snapshot.errors import SnapshotError
 

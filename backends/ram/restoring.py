@@ -17,7 +17,7 @@ from lightning_snapshot.backends.base import node_steps
 from lightning_snapshot.backends.ram.rebuild import commit_kept, fetch_and_rebuild, inventory
 from lightning_snapshot.backends.ram.shares import EC, READING_FILE, SHARE_FILE
 from lightning_snapshot.backends.ram.store import RamStore
-from lightning_snapshot.dist.comm import agree_on
+from lightning_snapshot.dist.agree import agree_on
 from lightning_snapshot.errors import SnapshotError, SnapshotNotFoundError
 
 __all__ = ["RamRestore"]

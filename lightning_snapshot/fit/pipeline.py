@@ -31,7 +31,8 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_snapshot.config import SnapshotConfig
-from lightning_snapshot.dist.comm import Comm, agree_on
+from lightning_snapshot.dist.agree import agree_on
+from lightning_snapshot.dist.comm import Comm
 from lightning_snapshot.errors import ReplicaMismatchError, SnapshotError
 from lightning_snapshot.fit.reporting import Reporter
 from lightning_snapshot.fit.stager import Stager

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_snapshot.backends.base import Backend
-from lightning_snapshot.dist.comm import Comm, agree_on
+from lightning_snapshot.dist.agree import agree_on
+from lightning_snapshot.dist.comm import Comm
 from lightning_snapshot.errors import NotDurableError, TornSnapshotError
 from lightning_snapshot.fit.metrics import MetricsSink, tier_metric_names
 from lightning_snapshot.schedule.schedules import FitSchedule

@@ -17,16 +17,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_snapshot.backends.base import LayoutSettling, NodeAgent, NodeAgentHosting
 from lightning_snapshot.config import SnapshotConfig
-from lightning_snapshot.dist.comm import (
-    Comm,
-    GroupComm,
-    LocalComm,
-    StrategyComm,
-    agree_on,
-    new_gloo_groups,
-    wait_as_long_as,
-)
+from lightning_snapshot.dist.agree import agree_on
+from lightning_snapshot.dist.comm import Comm, GroupComm, LocalComm, StrategyComm
 from lightning_snapshot.dist.forkprep import pin_gloo_thread_states, prime_operators
+from lightning_snapshot.dist.groups import new_gloo_groups, wait_as_long_as
 from lightning_snapshot.errors import ConfigError, TierUnavailableError
 from lightning_snapshot.persist.threads import Persister
 from lightning_snapshot.staging.arena import HostArena

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_snapshot.config import SnapshotConfig
-from lightning_snapshot.dist.comm import Comm, agree_on
+from lightning_snapshot.dist.agree import agree_on
+from lightning_snapshot.dist.comm import Comm
 from lightning_snapshot.errors import SnapshotError
 from lightning_snapshot.fit.replicas import ReplicaChecker, Verdict
 from lightning_snapshot.fit.reporting import Reporter

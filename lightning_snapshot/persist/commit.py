@@ -25,7 +25,8 @@ from typing import Any, cast
 
 import lightning_snapshot
 from lightning_snapshot.backends.base import Backend, Distributing
-from lightning_snapshot.dist.comm import PROBLEM_CHARS, Comm, agree_on, problem_text, waiting_failed
+from lightning_snapshot.dist.agree import PROBLEM_CHARS, agree_on, problem_text, waiting_failed
+from lightning_snapshot.dist.comm import Comm
 from lightning_snapshot.errors import SnapshotError, SnapshotWriteError
 from lightning_snapshot.format.committed import committed_steps
 from lightning_snapshot.format.manifest import (

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import tenacity
 
 from lightning_snapshot.backends.base import Backend, NodeAgent
-from lightning_snapshot.dist.comm import Comm, agree_on
+from lightning_snapshot.dist.agree import agree_on
+from lightning_snapshot.dist.comm import Comm
 from lightning_snapshot.dist.forksafe import first_use
 from lightning_snapshot.errors import SnapshotError, SnapshotWriteError
 from lightning_snapshot.format.manifest import Manifest

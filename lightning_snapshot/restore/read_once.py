@@ -31,7 +31,8 @@ from collections.abc import Sequence
 import torch
 
 from lightning_snapshot.backends.base import Backend
-from lightning_snapshot.dist.comm import TensorComm, agree_on
+from lightning_snapshot.dist.agree import agree_on
+from lightning_snapshot.dist.comm import TensorComm
 from lightning_snapshot.errors import SnapshotError
 from lightning_snapshot.format.manifest import Manifest
 from lightning_snapshot.plan.planner import Chunk, SharedBatch, chunk_ranges, plan_shared_reads

@@ -20,7 +20,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.config import SnapshotConfig
-from lightning_snapshot.dist.comm import Comm, LocalComm, agree_on
+from lightning_snapshot.dist import agree
+from lightning_snapshot.dist.agree import agree_on
+from lightning_snapshot.dist.comm import Comm, LocalComm
 from lightning_snapshot.errors import (
     FormatVersionError,
     SnapshotError,
@@ -114,23 +116,20 @@ class Restorer:
                 return [(backend, step)]
             # rank 0 lists it, for every rank: a listing per rank could find different newest steps (a commit
             # racing it, a node's own disk) and the ranks would restore different snapshots
-            newest_of: tuple[list[int], str] | None = None
-            if self.comm.rank == 0:
+
+            def list_newest() -> tuple[list[int], str]:
                 try:
-                    newest_of = (committed_steps(backend)[:1], "")
+                    return committed_steps(backend)[:1], ""
                 except Exception as e:  # noqa: BLE001 - raised below, on every rank
-                    newest_of = ([], f"{type(e).__name__}: {backend.redact(str(e))}")
-            newest, problem = self.comm.broadcast(newest_of)
+                    return [], f"{type(e).__name__}: {backend.redact(str(e))}"
+
+            newest, problem = agree.broadcast(self.comm, f"listing {resume!r} to resume from it", list_newest)
             if problem:
                 raise TierUnavailableError(
                     f"lightning-snapshot: cannot list {resume!r} to resume from it ({problem}). Fix access to it and"
                     " run again, or name one snapshot directory in resume"
                 )
             return [(backend, s) for s in newest]
-        found: list[tuple[int, int]] = []
-        unlisted: list[str] = []
-        messages: list[str] = []
-        skipped_all: str | None = None
         collective: dict[int, list[int] | SnapshotError] = {}
         for i, tier in enumerate(self.tiers):
             if tier.node_local:  # a node-local tier: what any node holds
@@ -141,7 +140,12 @@ class Restorer:
                     continue
                 if held is not None:
                     collective[i] = held
-        if self.comm.rank == 0:
+
+        def decide() -> tuple[list[tuple[int, int]], str, list[str], str | None]:
+            """(Rank 0) Every tier's committed steps, newest first, through the resume policy; the tiers that could
+            not be listed; the warnings to give; why no snapshot is left (or None)."""
+            found: list[tuple[int, int]] = []
+            unlisted: list[str] = []
             for i, tier in enumerate(self.tiers):
                 try:
                     listed = collective[i] if i in collective else committed_steps(tier)
@@ -154,10 +158,14 @@ class Restorer:
             found.sort(key=lambda x: (-x[0], x[1]))
             if not isinstance(resume, bool):
                 found = [f for f in found if f[0] == resume][:1]
-            if not unlisted:
-                found, messages, skipped_all = self._apply_resume_policy(found)
-        found, problem, messages, skipped_all = self.comm.broadcast(
-            (found, "; ".join(unlisted), messages, skipped_all) if self.comm.rank == 0 else None
+            if unlisted:
+                return found, "; ".join(unlisted), [], None
+            kept, messages, skipped_all = self._apply_resume_policy(found)
+            return kept, "", messages, skipped_all
+
+        # rank 0 decides for every rank (a failure there, reading a candidate's manifest, is every rank's error)
+        found, problem, messages, skipped_all = agree.broadcast(
+            self.comm, "choosing the snapshot to resume from", decide
         )
         if problem:
             # it may hold the newest snapshot: starting from an older one or fresh could overwrite its history

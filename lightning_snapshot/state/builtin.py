@@ -23,7 +23,7 @@ from typing import Any
 
 from lightning_snapshot import data as _data
 from lightning_snapshot.data.rng import capture_rng, restore_rng
-from lightning_snapshot.dist.comm import agree_on
+from lightning_snapshot.dist.agree import agree_on
 from lightning_snapshot.errors import SnapshotError
 from lightning_snapshot.state import fit_checkpoints as _ckpts
 from lightning_snapshot.state import fit_metrics as _metrics

@@ -29,7 +29,7 @@ original = LocalComm.all_true_each
 
 
 def all_true_each(self: LocalComm, flags: list[bool]) -> list[bool]:
-    # (the agreement right after staging: comm.agree_on, called by the stager's stage_shared)
+    # (the agreement right after staging: agree.agree_on, called by the stager's stage_shared)
     if sys._getframe(2).f_code.co_name == "stage_shared":
         raise RuntimeError("injected: the other ranks did not answer within the collective timeout")
     return original(self, flags)

@@ -8,7 +8,7 @@ import sys
 
 import torch.distributed as dist
 
-from lightning_snapshot.dist.comm import new_gloo_groups
+from lightning_snapshot.dist.groups import new_gloo_groups
 from lightning_snapshot.errors import SnapshotError
 
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))

@@ -1,4 +1,4 @@
-"""comm.agree_on, the one way ranks agree on an outcome, over a fake communicator: ranks are threads that meet at a
+"""agree.agree_on, the one way ranks agree on an outcome, over a fake communicator: ranks are threads that meet at a
 barrier (``thread_comm.ThreadComm``) whose timeout stands in for a process group's."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from collections.abc import Callable
 import pytest
 from thread_comm import ThreadComm, run_ranks
 
-from lightning_snapshot.dist.comm import Agreed, LocalComm, agree_on
+from lightning_snapshot.dist.agree import Agreed, agree_on
+from lightning_snapshot.dist.comm import LocalComm
 from lightning_snapshot.errors import ConfigError, SnapshotError, SnapshotWriteError
 
 
@@ -171,3 +172,66 @@ def test_thread_comm_collectives_agree(world_size):
     )
     assert all(o[0] == 10 and o[1] is False and o[2] == [True, False] for o in out)
     assert out[0][3] == list(range(world_size)) and all(o[3] is None for o in out[1:])
+
+
+def test_broadcast_gives_every_rank_the_source_value_and_a_source_failure_is_every_rank_error():
+    from lightning_snapshot.dist import agree
+
+    got = run_ranks(3, lambda comm: agree.broadcast(comm, "reading the manifest", lambda: f"from {comm.rank}", src=1))
+    assert got == ["from 1"] * 3
+
+    def failing(comm: ThreadComm) -> object:
+        def read() -> str:
+            raise OSError("EIO reading manifest.json")
+
+        return agree.broadcast(comm, "reading the manifest of step 7", read, src=2)
+
+    raised = run_ranks(3, failing)
+    assert isinstance(raised[2], OSError) and "EIO" in str(raised[2])
+    for e in raised[:2]:  # the others at once, naming the source rank and its problem (no barrier timeout)
+        assert isinstance(e, SnapshotError), e
+        assert str(e) == "reading the manifest of step 7 failed on rank 2: OSError: EIO reading manifest.json"
+
+
+def test_all_gather_gives_every_value_in_rank_order_and_names_the_ranks_that_failed():
+    from lightning_snapshot.dist import agree
+
+    assert run_ranks(3, lambda comm: agree.all_gather(comm, "listing", lambda: comm.rank * 2)) == [[0, 2, 4]] * 3
+
+    def failing(comm: ThreadComm) -> object:
+        def listing() -> int:
+            if comm.rank == 1:
+                raise PermissionError("cannot list /nvme/snap")
+            return comm.rank
+
+        return agree.all_gather(comm, "listing what each node holds", listing)
+
+    raised = run_ranks(3, failing)
+    assert isinstance(raised[1], PermissionError)
+    for r in (0, 2):
+        assert isinstance(raised[r], SnapshotError) and "on rank 1: PermissionError: cannot list /nvme/snap" in str(
+            raised[r]
+        ), raised[r]
+
+
+def test_a_failure_of_rank_0_choosing_the_snapshot_to_resume_from_is_every_rank_error(tmp_path, monkeypatch):
+    """The restore's choice is rank 0's, broadcast to every rank: when rank 0 fails making it (here reading a
+    candidate's facts), every rank raises at once, naming rank 0, instead of waiting for a broadcast that never
+    comes."""
+    from lightning_snapshot import SnapshotCallback
+    from lightning_snapshot.backends import LocalTier
+    from lightning_snapshot.restore import restorer
+
+    config = SnapshotCallback([LocalTier(tmp_path, every_n_train_steps=1)]).config
+    monkeypatch.setattr(restorer, "committed_steps", lambda tier: [12, 8])
+
+    def unreadable(*args: object) -> object:
+        raise OSError(5, "Input/output error", "step-000000000012/restores.json")
+
+    monkeypatch.setattr(restorer, "read_candidate", unreadable)
+    raised = run_ranks(2, lambda comm: restorer.Restorer(config, comm, [], None).candidates())
+    assert isinstance(raised[0], OSError)
+    assert isinstance(raised[1], SnapshotError), raised[1]
+    assert "choosing the snapshot to resume from failed on rank 0: OSError: [Errno 5] Input/output error" in str(
+        raised[1]
+    )

@@ -1,4 +1,5 @@
-"""A fake communicator for unit tests: the :class:`~lightning_snapshot.dist.comm.Comm` protocol for ranks that are threads
+"""A fake communicator for unit tests: the :class:`~lightning_snapshot.dist.comm.Comm` protocol for ranks that are
+threads
 of one process. Every collective writes to a shared table and meets at two barriers (all have written; all have
 read); a barrier with a timeout stands in for a process group's timeout (a rank that is gone breaks it). Tensors
 move as :class:`~lightning_snapshot.dist.comm.TensorComm` moves them (broadcast, send and receive), as copies."""
@@ -37,8 +38,8 @@ class ThreadComm:
     def barrier(self) -> None:
         self._barrier.wait()
 
-    def broadcast(self, obj: Any) -> Any:
-        return self._exchange(obj)[0]
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return self._exchange(obj)[src]
 
     def all_true(self, flag: bool) -> bool:
         return all(self._exchange(bool(flag)))
@@ -50,9 +51,9 @@ class ThreadComm:
         return max(self._exchange(int(value)))
 
     def all_max_start(self, value: int):
-        from lightning_snapshot.dist.comm import _Ready
+        from lightning_snapshot.dist.comm import Ready
 
-        return _Ready(self.all_max(value))
+        return Ready(self.all_max(value))
 
     def gather(self, obj: Any) -> list[Any] | None:
         seen = self._exchange(obj)
