@@ -1,10 +1,14 @@
 """The per-node snapshot agent: a process that outlives the trainer and owns the node's RAM-tier memory.
 
-- :mod:`.protocol`: the wire format, the lock file and the constants both sides share;
 - :mod:`.server`: the agent process (run by ``lightning-snapshot agent``, which calls :func:`run_agent`);
-- :mod:`.client`: the trainer's side (:func:`ensure_agent`, :class:`AgentClient`, status and stop).
+- :mod:`.writes`: what it writes: a staged snapshot to a durable tier under the commit rule, a flush after the
+  trainers died, a step kept in the node's RAM store.
 
-This package re-exports the names the rest of the library, the CLI and the tests use.
+The RAM tier is its client: the trainer's side (:func:`ensure_agent`, :class:`AgentClient`, status and stop) and the
+protocol both sides speak live with the tier, in :mod:`lightning_snapshot.backends.ram.agent_client` and
+:mod:`lightning_snapshot.backends.ram.agent_protocol`. This package re-exports the names the CLI and the tests use.
+
+May import: persist (the writer's public functions and the commit rule), backends, staging, format, dist, errors.
 """
 
 from __future__ import annotations

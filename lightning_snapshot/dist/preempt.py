@@ -33,6 +33,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from lightning_snapshot.dist.comm import Comm
 from lightning_snapshot.errors import ConfigError, Preempted
 
 __all__ = [
@@ -118,7 +119,7 @@ class Preemption:
             local one). Called only from the training thread, at points every rank reaches together.
     """
 
-    def __init__(self, signals: Sequence[int], comm: Any) -> None:
+    def __init__(self, signals: Sequence[int], comm: Comm) -> None:
         self.signals = tuple(signals)
         self.comm = comm
         self._previous: dict[int, Any] = {}

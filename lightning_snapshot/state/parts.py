@@ -31,6 +31,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_snapshot.dist.comm import Comm
+
 __all__ = ["CaptureContext", "Part", "Phase", "Registry", "RestoreContext"]
 
 #: keys of a rank's section the engine itself uses (no part may use them)
@@ -119,7 +121,7 @@ class RestoreContext:
     pl_module: Any
     step: int
     where: str
-    comm: Any = None
+    comm: Comm | None = None
     shared: Any = None
     exact: bool = True
     resumed: str | None = None
