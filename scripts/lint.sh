@@ -46,8 +46,8 @@ for f in sorted([*pathlib.Path("lightning_snapshot").rglob("*.py"), *pathlib.Pat
             for alias in node.names:
                 if alias.name.startswith("_") and not alias.name.startswith("__"):
                     bad.append(f"{f}:{node.lineno}: imports {alias.name} from {node.module}")
-        mods = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in getattr(node, "names", [])]
         if isinstance(node, ast.ImportFrom | ast.Import):
+            mods = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
             for mod in mods:
                 if mod.startswith("lightning_snapshot") and any(p.startswith("_") for p in mod.split(".")):
                     bad.append(f"{f}:{node.lineno}: imports the private module {mod}")
