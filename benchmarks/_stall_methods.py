@@ -258,7 +258,7 @@ class DeviceCopies(Patches):
     and when the snapshot agent was told a snapshot is staged (then it survives the trainer)."""
 
     def __init__(self) -> None:
-        from lightning_snapshot.backends.ram import agent
+        from lightning_snapshot.backends.ram import agent_client
         from lightning_snapshot.staging import copier
 
         super().__init__()
@@ -282,7 +282,7 @@ class DeviceCopies(Patches):
             return wrapped
 
         self.patch(copier.SlotCopier, "_copy", timed_copy)
-        self.patch(agent.AgentClient, "staged", timed_staged)
+        self.patch(agent_client.AgentClient, "staged", timed_staged)
 
 
 class BackgroundCpu(Patches):
