@@ -258,8 +258,8 @@ class DeviceCopies(Patches):
     and when the snapshot agent was told a snapshot is staged (then it survives the trainer)."""
 
     def __init__(self) -> None:
-        from lightning_snapshot.backends.ram import agent
-        from lightning_snapshot.staging import stager
+        from lightning_snapshot.backends.ram import agent_client
+        from lightning_snapshot.staging import copier
 
         super().__init__()
         self.copies: list[tuple[int, float]] = []
@@ -281,8 +281,8 @@ class DeviceCopies(Patches):
 
             return wrapped
 
-        self.patch(stager.Stager, "_copy", timed_copy)
-        self.patch(agent.AgentClient, "staged", timed_staged)
+        self.patch(copier.SlotCopier, "_copy", timed_copy)
+        self.patch(agent_client.AgentClient, "staged", timed_staged)
 
 
 class BackgroundCpu(Patches):
@@ -290,21 +290,21 @@ class BackgroundCpu(Patches):
 
     Wall-clock overheads are at the mercy of other processes on a shared machine; CPU time is not. On 2 cores,
     where training keeps both busy, CPU time of the background threads is compute training loses. Wraps, for the
-    duration of a run, the functions each thread runs: the copy (``Stager._copy``: memmove + staging checksums),
+    duration of a run, the functions each thread runs: the copy (``SlotCopier._copy``: memmove + staging checksums),
     the allocation of arena buffers (``SlotPool._grow``), and the persist thread's work per snapshot and tier
     (``_TierWorker._persist``: re-verifying the staged bytes, writing, committing, retention).
     """
 
     def __init__(self) -> None:
         from lightning_snapshot.persist import threads as persist
-        from lightning_snapshot.staging import pool, stager
+        from lightning_snapshot.staging import copier, pool
 
         super().__init__()
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self._lock = threading.Lock()
         for owner, name, label in (
-            (stager.Stager, "_copy", "copy"),
+            (copier.SlotCopier, "_copy", "copy"),
             (pool.SlotPool, "_grow", "allocate"),
             (persist._TierWorker, "_persist", "persist"),
         ):

@@ -365,10 +365,10 @@ def test_help_does_not_import_torch_or_lightning(command):
 def test_help_says_what_the_command_does_and_lists_the_commands_without_internals():
     """``lightning-snapshot --help`` is for users: what the command does, every sub-command with its one-line help,
     examples, what a tier is, the exit statuses and where each command's options are; nothing of the code (module
-    names, console-script wiring, reST markup), which stays in cli.py's docstring for developers."""
+    names, console-script wiring, reST markup), which stays in cli/main.py's docstring for developers."""
     import argparse
 
-    from lightning_snapshot import cli as cli_module
+    from lightning_snapshot.cli import main as cli_module
 
     rc, out, err = cli("--help")
     assert rc == 0 and not err

@@ -26,19 +26,19 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_snapshot import SnapshotCallback, load_snapshot
 from lightning_snapshot.backends import LocalTier
-from lightning_snapshot.staging.stager import Stager
+from lightning_snapshot.staging.copier import SlotCopier
 
 
 @pytest.fixture
 def slow_copy(monkeypatch):
     """The background copy starts 0.2 s late: the next step's training_step always runs while it is pending."""
-    copy = Stager._copy
+    copy = SlotCopier._copy
 
     def late(self, *args, **kwargs):
         time.sleep(0.2)
         return copy(self, *args, **kwargs)
 
-    monkeypatch.setattr(Stager, "_copy", late)
+    monkeypatch.setattr(SlotCopier, "_copy", late)
 
 
 class Teacher(L.LightningModule):

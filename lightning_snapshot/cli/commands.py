@@ -1,10 +1,9 @@
-"""The sub-commands of ``lightning-snapshot`` (:mod:`~lightning_snapshot.cli.main`): what each one does, and the
-argument
-types and parsers they share.
+"""The sub-commands of ``lightning-snapshot`` (:mod:`~lightning_snapshot.cli.main`): each one's options (its
+``--help``, built by :func:`add_commands`), the argument types they share, and what each one does.
 
 One job: the work of each command (list, inspect, verify, export, gc, copy, plan, agent), done through loader.py,
-ops.py, export.py, plan.py and the RAM tier's agent; :mod:`~lightning_snapshot.cli.main` builds the parser, runs a
-command and turns its errors into one line and an exit status.
+ops.py, export.py, plan.py and the RAM tier's agent; :mod:`~lightning_snapshot.cli.main` builds the top-level parser,
+runs a command and turns its errors into one line (:func:`one_line`) and an exit status.
 """
 
 from __future__ import annotations
@@ -24,12 +23,13 @@ from typing import Any
 # what they need when they run.
 from lightning_snapshot.errors import ConfigError, SnapshotError, SnapshotNotFoundError
 
-__all__ = ["PROG"]
+__all__ = ["PROG", "add_commands", "one_line"]
 
 PROG = "lightning-snapshot"
 
 
-def _one_line(text: str) -> str:
+def one_line(text: str) -> str:
+    """``text`` on one line: its lines stripped and joined by spaces (an error message on stderr)."""
     return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
 
 
@@ -153,7 +153,7 @@ def _list_rows(backend: Any) -> list[dict[str, Any]]:
                     "created_unix": None,
                     "age_s": None,
                     "health": None,
-                    "error": _one_line(str(e)),
+                    "error": one_line(str(e)),
                 }
             )
             continue
@@ -286,7 +286,7 @@ def _verify_step(backend: Any, step: int, bar: Any) -> dict[str, Any]:
             read_section(backend, m, tensors, state)
             bar.update(sum(f.nbytes for t in tensors for f in t.fragments))
     except SnapshotError as e:
-        row["error"] = _one_line(str(e))
+        row["error"] = one_line(str(e))
     else:
         row["ok"] = True
     row["seconds"] = time.monotonic() - t0
@@ -409,6 +409,92 @@ def _cmd_copy(args: argparse.Namespace) -> int:
             f" from {src.url} to {dst.url} in {seconds:.2f} s"
         )
     return 0
+
+
+def add_commands(sub: Any) -> None:
+    """Every sub-command, in the order ``--help`` lists them, on ``sub`` (the parser's ``add_subparsers``); each
+    one's function is its ``fn`` default."""
+    _add_read_commands(sub)
+    _add_operator_commands(sub)
+    _add_agent(sub)
+    _add_plan(sub)
+
+
+def _add_read_commands(sub: Any) -> None:
+    """The ``list``, ``inspect``, ``verify`` and ``export`` sub-commands."""
+    p = sub.add_parser("list", help="committed snapshots of a tier")
+    p.add_argument("source", help="tier path or URL")
+    _add_json(p)
+    p.set_defaults(fn=_cmd_list)
+    p = sub.add_parser("inspect", help="the manifest of one snapshot")
+    p.add_argument("source", help="tier path/URL, or a step-* directory")
+    p.add_argument("--step", type=_step_arg, default=None, help="step to inspect (default: newest)")
+    _add_json(p)
+    p.set_defaults(fn=_cmd_inspect)
+    p = sub.add_parser("verify", help="read back every chunk and check its checksum")
+    p.add_argument("source", help="tier path/URL, or a step-* directory")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--step", type=_step_arg, default=None, help="step to verify (default: newest)")
+    which.add_argument("--all", action="store_true", help="verify every committed snapshot")
+    _add_json(p)
+    p.set_defaults(fn=_cmd_verify)
+    p = sub.add_parser("export", help="one consolidated file: safetensors (weights) or torch (full state)")
+    p.add_argument("source", help="tier path/URL, or a step-* directory")
+    p.add_argument("out", help="file to write (its directory must exist; replaced atomically)")
+    p.add_argument(
+        "--format",
+        choices=["safetensors", "torch"],
+        default="safetensors",
+        help="safetensors: model weights; torch: the full training state for torch.load(weights_only=True)",
+    )
+    p.add_argument("--step", type=_step_arg, default=None, help="step to export (default: newest)")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.set_defaults(fn=_cmd_export)
+
+
+def _add_agent(sub: Any) -> None:
+    """The ``agent`` sub-command."""
+    p = sub.add_parser(
+        "agent",
+        help="run, stop or query a node's snapshot agent",
+        description="Run the snapshot agent of one node and run (it holds the RAM tier's memory),"
+        " or stop or query the one that runs.",
+    )
+    p.add_argument("--dir", required=True, help="the node's memory directory for this run (RamTier.node_dir)")
+    p.add_argument(
+        "--idle-timeout",
+        type=_seconds_arg,
+        default=600.0,
+        help="seconds without an attached trainer after which the agent exits and frees the memory",
+    )
+    p.add_argument(
+        "--nice",
+        type=int,
+        default=10,
+        help="CPU niceness added to the agent (default 10): its uploads and writes yield to training",
+    )
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--stop", action="store_true", help="stop the agent serving --dir (frees its memory)")
+    what.add_argument(
+        "--status",
+        action="store_true",
+        help="print the agent's pid, uptime, attached trainers, memory held per snapshot, idle timeout"
+        " and log (exit status 1 when no agent serves --dir)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="with --status: the same as one JSON object (stable fields, documented in docs/operations.md)",
+    )
+    p.add_argument(
+        "--log",
+        default=None,
+        metavar="FILE",
+        help="where the agent logs (appended; '-': stderr). Default:"
+        " $XDG_STATE_HOME/lightning-snapshot/agent-<run>-<hash>.log (~/.local/state/...), outside"
+        " /dev/shm, kept after the agent exits",
+    )
+    p.set_defaults(fn=_cmd_agent)
 
 
 def _add_operator_commands(sub: Any) -> None:

@@ -2,9 +2,10 @@
 snapshot agent; plan tiers and intervals.
 
 Nothing in the library calls it: :func:`main` is the ``lightning-snapshot`` console script (``[project.scripts]`` in
-pyproject.toml), also entered by the RAM tier's agent process (``main`` of backends/ram/agent.py). The work is done
-by loader.py, ops.py, export.py and plan.py, called by the sub-commands of :mod:`~lightning_snapshot.cli.commands`;
-this module is the parser, :func:`main` and the errors' exit statuses.
+pyproject.toml), also entered by the RAM tier's agent process (started by ``ensure_agent`` of
+backends/ram/agent_client.py). The work is done by loader.py, ops.py, export.py and plan.py, called by the
+sub-commands of :mod:`~lightning_snapshot.cli.commands`; this module is the top-level parser (the sub-commands' come
+from :func:`~lightning_snapshot.cli.commands.add_commands`), :func:`main` and the errors' exit statuses.
 
 What a user reads, ``--help``: :data:`DESCRIPTION` (what the command does; argparse lists the sub-commands after it)
 and :data:`EPILOG` (examples, what a tier is, the exit statuses). Each sub-command's ``--help`` has its options.
@@ -27,20 +28,7 @@ from typing import NoReturn
 
 # Only light modules at import time: ``--help`` must answer without importing torch or Lightning. The commands import
 # what they need when they run.
-from lightning_snapshot.cli.commands import (
-    PROG,
-    _add_json,
-    _add_operator_commands,
-    _add_plan,
-    _cmd_agent,
-    _cmd_export,
-    _cmd_inspect,
-    _cmd_list,
-    _cmd_verify,
-    _one_line,
-    _seconds_arg,
-    _step_arg,
-)
+from lightning_snapshot.cli.commands import PROG, add_commands, one_line
 from lightning_snapshot.errors import ConfigError, SnapshotError
 
 __all__ = ["main"]
@@ -90,77 +78,7 @@ def _parser() -> _Parser:
         prog=PROG, description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    p = sub.add_parser("list", help="committed snapshots of a tier")
-    p.add_argument("source", help="tier path or URL")
-    _add_json(p)
-    p.set_defaults(fn=_cmd_list)
-    p = sub.add_parser("inspect", help="the manifest of one snapshot")
-    p.add_argument("source", help="tier path/URL, or a step-* directory")
-    p.add_argument("--step", type=_step_arg, default=None, help="step to inspect (default: newest)")
-    _add_json(p)
-    p.set_defaults(fn=_cmd_inspect)
-    p = sub.add_parser("verify", help="read back every chunk and check its checksum")
-    p.add_argument("source", help="tier path/URL, or a step-* directory")
-    which = p.add_mutually_exclusive_group()
-    which.add_argument("--step", type=_step_arg, default=None, help="step to verify (default: newest)")
-    which.add_argument("--all", action="store_true", help="verify every committed snapshot")
-    _add_json(p)
-    p.set_defaults(fn=_cmd_verify)
-    p = sub.add_parser("export", help="one consolidated file: safetensors (weights) or torch (full state)")
-    p.add_argument("source", help="tier path/URL, or a step-* directory")
-    p.add_argument("out", help="file to write (its directory must exist; replaced atomically)")
-    p.add_argument(
-        "--format",
-        choices=["safetensors", "torch"],
-        default="safetensors",
-        help="safetensors: model weights; torch: the full training state for torch.load(weights_only=True)",
-    )
-    p.add_argument("--step", type=_step_arg, default=None, help="step to export (default: newest)")
-    p.add_argument("--quiet", action="store_true", help="no progress output")
-    p.set_defaults(fn=_cmd_export)
-    _add_operator_commands(sub)
-    p = sub.add_parser(
-        "agent",
-        help="run, stop or query a node's snapshot agent",
-        description="Run the snapshot agent of one node and run (it holds the RAM tier's memory),"
-        " or stop or query the one that runs.",
-    )
-    p.add_argument("--dir", required=True, help="the node's memory directory for this run (RamTier.node_dir)")
-    p.add_argument(
-        "--idle-timeout",
-        type=_seconds_arg,
-        default=600.0,
-        help="seconds without an attached trainer after which the agent exits and frees the memory",
-    )
-    p.add_argument(
-        "--nice",
-        type=int,
-        default=10,
-        help="CPU niceness added to the agent (default 10): its uploads and writes yield to training",
-    )
-    what = p.add_mutually_exclusive_group()
-    what.add_argument("--stop", action="store_true", help="stop the agent serving --dir (frees its memory)")
-    what.add_argument(
-        "--status",
-        action="store_true",
-        help="print the agent's pid, uptime, attached trainers, memory held per snapshot, idle timeout"
-        " and log (exit status 1 when no agent serves --dir)",
-    )
-    p.add_argument(
-        "--json",
-        action="store_true",
-        help="with --status: the same as one JSON object (stable fields, documented in docs/operations.md)",
-    )
-    p.add_argument(
-        "--log",
-        default=None,
-        metavar="FILE",
-        help="where the agent logs (appended; '-': stderr). Default:"
-        " $XDG_STATE_HOME/lightning-snapshot/agent-<run>-<hash>.log (~/.local/state/...), outside"
-        " /dev/shm, kept after the agent exits",
-    )
-    p.set_defaults(fn=_cmd_agent)
-    _add_plan(sub)
+    add_commands(sub)
     return parser
 
 
@@ -169,10 +87,10 @@ def _run(fn: Callable[[argparse.Namespace], int], args: argparse.Namespace, prog
     try:
         return int(fn(args))
     except ConfigError as e:
-        print(f"{prog}: error: {_one_line(str(e))}", file=sys.stderr)
+        print(f"{prog}: error: {one_line(str(e))}", file=sys.stderr)
         return 2
     except SnapshotError as e:
-        print(f"{prog}: error: {_one_line(str(e))}", file=sys.stderr)
+        print(f"{prog}: error: {one_line(str(e))}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # the reader went away (``| head``): stop quietly, as other command-line tools do
         with contextlib.suppress(OSError):
@@ -189,7 +107,7 @@ def _run(fn: Callable[[argparse.Namespace], int], args: argparse.Namespace, prog
         if os.environ.get(DEBUG_ENV) == "1":
             raise
         print(
-            f"{prog}: error: unexpected {type(e).__name__}: {_one_line(str(e))}. This is a bug: rerun with"
+            f"{prog}: error: unexpected {type(e).__name__}: {one_line(str(e))}. This is a bug: rerun with"
             f" {DEBUG_ENV}=1 for the traceback and report it",
             file=sys.stderr,
         )

@@ -1,7 +1,7 @@
 """Data position for plain ``DataLoader``s: record it, and fast-forward the sampler on resume.
 
-This package re-exports what the callback, the tests and users import from ``lightning_snapshot.data``; the
-parts, one job each:
+This package re-exports what the callback and users import from ``lightning_snapshot.data`` (the tests import the
+parts from the module that defines them); the parts, one job each:
 
 * :mod:`~lightning_snapshot.data.order`: the order arithmetic (pure: no I/O, no process group);
 * :mod:`~lightning_snapshot.data.samplers`: :class:`ResumableSampler` and :class:`DrawRecorder`;
@@ -24,7 +24,7 @@ and epoch of a ``DistributedSampler``, the RNG a ``RandomSampler`` drew from). A
 data-parallel ranks continues the same order from that sample, split over its own ranks the way
 ``DistributedSampler`` splits an epoch (:func:`split`).
 
-What random augmentation draws is restored too (:class:`_IteratorTracker`, installed with the sampler):
+What random augmentation draws is restored too (:class:`IteratorTracker`, installed with the sampler):
 
 * the RNG each iterator is created from (``iter_rng``): creating a ``DataLoader`` iterator draws the workers' base
   seed from the global torch RNG (or ``loader.generator``), and with workers the sampler's order too. A resumed run
@@ -59,13 +59,6 @@ from lightning_snapshot.data.loaders import (
 from lightning_snapshot.data.loaders import own_batches as own_batches
 from lightning_snapshot.data.order import describe_order, global_order, split
 from lightning_snapshot.data.samplers import DrawRecorder, ResumableSampler
-from lightning_snapshot.data.samplers import _index_wrapper as _index_wrapper
-from lightning_snapshot.data.samplers import _resumable as _resumable
-from lightning_snapshot.data.workers import _Batch as _Batch
-from lightning_snapshot.data.workers import _Collate as _Collate
-from lightning_snapshot.data.workers import _IteratorTracker as _IteratorTracker
-from lightning_snapshot.data.workers import _tracker as _tracker
-from lightning_snapshot.data.workers import _WorkerInit as _WorkerInit
 
 __all__ = [
     "DrawRecorder",

@@ -21,9 +21,9 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, SequentialSampler
 
-from lightning_snapshot.data.order import _replicas, describe_order, global_order, split
-from lightning_snapshot.data.samplers import DrawRecorder, ResumableSampler, _index_wrapper, _resumable
-from lightning_snapshot.data.workers import _IteratorTracker, _tracker
+from lightning_snapshot.data.order import describe_order, global_order, replicas_of, split
+from lightning_snapshot.data.samplers import DrawRecorder, ResumableSampler, index_wrapper_of, resumable_of
+from lightning_snapshot.data.workers import IteratorTracker, tracker_of
 
 __all__ = [
     "dataset_generators",
@@ -50,7 +50,7 @@ def plan_resume(sampler: ResumableSampler, loader: Any, pending: dict[str, Any],
     workers' RNG states and round robin); persistent workers left from an earlier ``fit`` are shut down first.
     Call before that iterator is created.
     """
-    tracker = _tracker(loader)
+    tracker = tracker_of(loader)
     _drop_persistent_iterator(loader)
     consumed = int(pending.get("consumed_batches") or 0)
     # (a position of an older version has no "drawn": it was taken after the draw)
@@ -61,7 +61,7 @@ def plan_resume(sampler: ResumableSampler, loader: Any, pending: dict[str, Any],
             tracker.plan = {"iter_rng": pending.get("iter_rng"), "workers": pending.get("workers"), "start": consumed}
         return None
     saved = pending.get("global")
-    replicas, rank, drop_last = _replicas(sampler.inner)
+    replicas, rank, drop_last = replicas_of(sampler.inner)
     current = describe_order(sampler.inner, torch.get_rng_state(), None)
     same_split = (
         saved is not None
@@ -189,7 +189,7 @@ def unsupported_reason(loader: Any) -> str | None:
 
 
 def install(loader: Any) -> ResumableSampler | None:
-    """Wrap the index sampler of a plain map-style ``DataLoader`` and follow its iterators (:class:`_IteratorTracker`)
+    """Wrap the index sampler of a plain map-style ``DataLoader`` and follow its iterators (:class:`IteratorTracker`)
     (idempotent); None when not applicable. The loader's own attributes (``collate_fn``, ``worker_init_fn``) are left
     as they are: the wrappers are given to each iterator's workers only. The stateless index sampler of a loader
     Lightning restores itself gets a :class:`DrawRecorder` (None is returned)."""
@@ -214,15 +214,15 @@ def install(loader: Any) -> ResumableSampler | None:
         object.__setattr__(loader, "batch_sampler", ResumableSampler(batch_sampler, batches=True))
     elif isinstance(batch_sampler, BatchSampler) and not isinstance(batch_sampler.sampler, ResumableSampler):
         batch_sampler.sampler = ResumableSampler(batch_sampler.sampler, chunk=batch_sampler.batch_size)
-    if _tracker(loader) is None:
-        loader._get_iterator = _IteratorTracker(loader).get_iterator
+    if tracker_of(loader) is None:
+        loader._get_iterator = IteratorTracker(loader).get_iterator
         if loader.num_workers > 0 and getattr(loader, "in_order", True) is False:
             warnings.warn(
                 "lightning-snapshot: a train loader with in_order=False hands batches to whichever worker"
                 " is free: random augmentation in its workers cannot be resumed exactly",
                 stacklevel=2,
             )
-    return _resumable(loader)
+    return resumable_of(loader)
 
 
 def own_batches(loader: Any, consumed_batches: int) -> int:
@@ -230,7 +230,7 @@ def own_batches(loader: Any, consumed_batches: int) -> int:
     consumed ``consumed_batches``: in a ``CombinedLoader`` a shorter loader runs out and starts again within the
     epoch (``max_size_cycle``), or stops (``max_size``), so its current iterator is not at the loop's count.
     The loop's count for a loader that is not followed (or before its first iterator)."""
-    tracker = _tracker(loader)
+    tracker = tracker_of(loader)
     if tracker is None or not tracker.started:
         return consumed_batches
     return tracker.offset + tracker.yielded
@@ -244,18 +244,18 @@ def position(loader: Any, epoch: int, consumed_batches: int, *, ended: bool = Fa
     already (without workers it is drawn at the first fetch, from the RNG the resumed run restores right before it);
     ``rng``/``gen``: the RNG the order was drawn from (this rank's exact position); ``global``: the global sample
     count with what rebuilds the order (None before the draw); ``iter_rng``: what the epoch's iterator was started
-    from (:class:`_IteratorTracker`); ``workers``: the loader workers' RNG states before that batch, or None.
+    from (:class:`IteratorTracker`); ``workers``: the loader workers' RNG states before that batch, or None.
 
     ``ended``: the loader's last epoch has ended and ``epoch`` is the next one, whose iterator does not exist yet
     (a snapshot at the end of training); only persistent workers carry something (their RNG) into it.
     """
-    sampler = _index_wrapper(loader)
+    sampler = index_wrapper_of(loader)
     if isinstance(sampler, DrawRecorder):  # (Lightning keeps the rest of this loader's position)
         draw = sampler.draw_rng if not ended and sampler.draws else None
         return {"epoch": epoch, "consumed_batches": consumed_batches, "draw_rng": draw} if draw is not None else None
     if not isinstance(sampler, ResumableSampler):
         return None
-    tracker = _tracker(loader)
+    tracker = tracker_of(loader)
     started = tracker is not None and tracker.started
     if not started and sampler.epoch_state is None and sampler.order is None:
         return None

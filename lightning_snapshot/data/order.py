@@ -15,10 +15,11 @@ from typing import Any
 import torch
 from torch.utils.data import DistributedSampler, RandomSampler, SequentialSampler
 
-__all__ = ["describe_order", "global_order", "split"]
+__all__ = ["describe_order", "epoch_of", "global_order", "replicas_of", "split"]
 
 
-def _epoch_of(sampler: Any) -> int | None:
+def epoch_of(sampler: Any) -> int | None:
+    """The epoch an index sampler says it is in (a ``DistributedSampler``'s ``epoch``), or None when it has none."""
     epoch = getattr(sampler, "epoch", None)
     return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None
 
@@ -27,7 +28,7 @@ def _is_plain_distributed(sampler: Any) -> bool:
     return isinstance(sampler, DistributedSampler) and type(sampler).__iter__ is DistributedSampler.__iter__
 
 
-def _replicas(sampler: Any) -> tuple[int, int, bool]:
+def replicas_of(sampler: Any) -> tuple[int, int, bool]:
     """(data-parallel ranks, this rank, drop_last) of an index sampler: a DistributedSampler's, else (1, 0, False)."""
     if isinstance(sampler, DistributedSampler):
         return int(sampler.num_replicas), int(sampler.rank), bool(sampler.drop_last)

@@ -28,9 +28,9 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-from lightning_snapshot.data.order import _epoch_of, _replicas, describe_order
+from lightning_snapshot.data.order import describe_order, epoch_of, replicas_of
 
-__all__ = ["DrawRecorder", "ResumableSampler"]
+__all__ = ["DrawRecorder", "ResumableSampler", "index_wrapper_of", "resumable_of"]
 
 
 class _Wrapper(Sampler[int]):
@@ -104,7 +104,7 @@ class ResumableSampler(_Wrapper):
         #: How many times an epoch was started (tells :func:`position` whether the current iterator drew its order).
         self.draws = 0
         #: While True, an iteration yields nothing and draws nothing (a resumed iterator's creation, see
-        #: :meth:`_IteratorTracker.get_iterator`).
+        #: :meth:`IteratorTracker.get_iterator`).
         self.hold = False
         #: The wrapped sampler's ``epoch`` (``set_epoch``) when the current order was drawn, or None.
         self.sampler_epoch: int | None = None
@@ -123,12 +123,12 @@ class ResumableSampler(_Wrapper):
             yield from stream
             return
         self.base = self.offset = self.start_batches = 0
-        self.replicas = _replicas(self.inner)[0]
+        self.replicas = replicas_of(self.inner)[0]
         gen = self._generator()
         if pending is None:
             self.epoch_state = (torch.get_rng_state(), gen.get_state() if gen is not None else None)
             self.order = describe_order(self.inner, *self.epoch_state)
-            self.sampler_epoch = _epoch_of(self.inner)
+            self.sampler_epoch = epoch_of(self.inner)
             if not self.watch:
                 yield from self.inner
                 return
@@ -214,7 +214,7 @@ class ResumableSampler(_Wrapper):
             epoch = order.get("epoch")
         if epoch is not None and callable(getattr(self.inner, "set_epoch", None)):
             self.inner.set_epoch(int(epoch))
-        self.sampler_epoch = _epoch_of(self.inner)
+        self.sampler_epoch = epoch_of(self.inner)
 
     def global_position(self, consumed_batches: int, batch_size: int) -> dict[str, Any] | None:
         """The global position after this rank consumed ``consumed_batches`` batches of the epoch (loop count)."""
@@ -295,13 +295,13 @@ def _lazy_records(value: Any) -> dict[int, torch.Tensor]:
     return records
 
 
-def _resumable(loader: DataLoader) -> ResumableSampler:
+def resumable_of(loader: DataLoader) -> ResumableSampler:
     """The :class:`ResumableSampler` of a loader :func:`install` wrapped: in its torch ``BatchSampler``, or its
     batch sampler of the user's own, wrapped whole (torch types ``batch_sampler`` as any iterable of batches)."""
-    return cast(ResumableSampler, _index_wrapper(loader))
+    return cast(ResumableSampler, index_wrapper_of(loader))
 
 
-def _index_wrapper(loader: Any) -> Any:
+def index_wrapper_of(loader: Any) -> Any:
     """What :func:`install` put in ``loader``: the whole batch sampler when it wrapped one of the user's own, else the
     index sampler inside its batch sampler (None when there is none)."""
     batch_sampler = getattr(loader, "batch_sampler", None)

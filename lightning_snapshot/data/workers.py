@@ -1,6 +1,6 @@
 """A loader's iterators and the RNG of its workers: start a resumed iterator as the interrupted one started.
 
-One job: :class:`_IteratorTracker`, installed as a loader's ``_get_iterator``, follows each iterator (the RNG it was
+One job: :class:`IteratorTracker`, installed as a loader's ``_get_iterator``, follows each iterator (the RNG it was
 created from, how many batches it gave) and, with ``num_workers > 0``, the torch/python/numpy RNG states each worker
 sent with each batch (:class:`_Collate` wraps the batch in the worker, the tracker unwraps it in the main process);
 a resumed iterator is created from the recorded RNG, its round robin rotated, and its workers' RNG set by
@@ -24,7 +24,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, get_worker_info
 
-from lightning_snapshot.data.samplers import _resumable
+from lightning_snapshot.data.samplers import resumable_of
+
+__all__ = ["IteratorTracker", "tracker_of"]
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +108,7 @@ def _reseed_worker(worker_id: int, base_seed: int) -> None:
     _worker._worker_info = _worker.WorkerInfo(id=info.id, num_workers=info.num_workers, seed=seed, dataset=info.dataset)
 
 
-class _IteratorTracker:
+class IteratorTracker:
     """Follows the iterators of one loader (installed as the loader's ``_get_iterator``) and the RNG states its
     workers had after each batch; starts a resumed iterator where the interrupted one was (see the module doc).
 
@@ -144,7 +146,7 @@ class _IteratorTracker:
         self._deferred: Any = None
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return _IteratorTracker, (self._loader(),)
+        return IteratorTracker, (self._loader(),)
 
     # -------------------------------------------------------------------------------------- iterator start
     def get_iterator(self) -> Any:
@@ -169,14 +171,14 @@ class _IteratorTracker:
         hold = workers > 0 and wplan is not None
         if replay is not None:
             _set_rng_of(gen, replay)
-        draws = _resumable(loader).draws
+        draws = resumable_of(loader).draws
         it = self._create(loader, wplan, hold)
         if hold:
             if replay is None:
                 _set_rng_of(gen, live)  # (undo the base seed draw: the workers are reseeded to the saved one)
             elif not replay.get("created", True):
                 _set_rng_of(gen, replay)  # persistent workers were only reset then: no base seed was drawn
-            if _resumable(loader).pending is not None:
+            if resumable_of(loader).pending is not None:
                 self._prime(it, int(plan.get("start") or 0) % workers)
             else:
                 # the epoch's order is not drawn yet (a snapshot at the end of an epoch): it is drawn when the first
@@ -195,7 +197,7 @@ class _IteratorTracker:
     @staticmethod
     def _create(loader: DataLoader, wplan: dict[str, Any] | None, hold: bool) -> Any:
         """The loader's own iterator, its workers given the wrappers (the loader's attributes are put back)."""
-        sampler = _resumable(loader)
+        sampler = resumable_of(loader)
         collate, init = loader.collate_fn, loader.worker_init_fn
         try:
             if loader.num_workers > 0:
@@ -238,7 +240,7 @@ class _IteratorTracker:
 
     def _reset(self, it: Any, original: Any, loader: Any, first_iter: bool = False) -> None:
         """A persistent iterator started for another epoch: its workers carry their RNG into it."""
-        sampler = _resumable(loader)
+        sampler = resumable_of(loader)
         gen = loader.generator if isinstance(loader.generator, torch.Generator) else None
         start_rng = dict(_rng_of(gen), created=False)
         draws = sampler.draws
@@ -352,8 +354,8 @@ def _hook(it: Any, name: str, wrapper: Any) -> None:
     setattr(it, name, hooked)
 
 
-def _tracker(loader: Any) -> _IteratorTracker | None:
+def tracker_of(loader: Any) -> IteratorTracker | None:
     """The tracker :func:`install` put on ``loader``, or None."""
     hook = getattr(loader, "__dict__", {}).get("_get_iterator")
     owner = getattr(hook, "__self__", None)
-    return owner if isinstance(owner, _IteratorTracker) else None
+    return owner if isinstance(owner, IteratorTracker) else None

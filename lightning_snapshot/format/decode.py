@@ -22,20 +22,18 @@ from lightning_snapshot.format.columns import HEX_RE as _HEX_RE
 from lightning_snapshot.format.columns import TENSOR_FIELDS as _TENSOR_FIELDS
 from lightning_snapshot.format.columns import whole_tensor_columns
 from lightning_snapshot.format.dtypes import ITEMSIZE, dtype_from_name
-from lightning_snapshot.format.entries import (
-    _GROUP_RE,
-    _MAX_DIMS,
-    _MAX_GROUPS,
-    _MAX_NAMED_REPLICAS,
-    _STR,
-    Fragment,
-    ReplicaRecord,
-    TensorEntry,
-    validate_key,
-)
+from lightning_snapshot.format.entries import GROUP_RE, Fragment, ReplicaRecord, TensorEntry, validate_key
 from lightning_snapshot.plan.planner import missing_region, overlapping_boxes
 
 __all__ = ["Reader", "check_refs", "parse_health", "parse_replicas", "parse_tensors"]
+
+_STR = frozenset({str})
+#: The most dimensions of a tensor (and of a fragment's offsets and sizes)
+_MAX_DIMS = 64
+#: The most groups of a health record
+_MAX_GROUPS = 4096
+#: The most tensors a manifest's replica check names (lightning_snapshot.fit.replicas.MAX_NAMED writes 16).
+_MAX_NAMED_REPLICAS = 1024
 
 
 class Reader:
@@ -342,7 +340,7 @@ def parse_health(r: Reader, value: Any, names: set[str]) -> dict[str, str | None
         raise r.fail("health", f"{len(value)} groups is more than {_MAX_GROUPS}")
     out: dict[str, str | None] = {}
     for group, first in value.items():
-        if not _GROUP_RE.match(group):
+        if not GROUP_RE.match(group):
             raise r.fail(
                 "health",
                 f"group name {group!r} is not a tensor group (like 'state_dict' or"

@@ -20,6 +20,7 @@ from lightning_snapshot.errors import UnsafePathError
 __all__ = [
     "CHECKSUM_ALGORITHM",
     "FORMAT_VERSION",
+    "GROUP_RE",
     "MANIFEST_NAME",
     "RESTORES_NAME",
     "Fragment",
@@ -43,12 +44,8 @@ RESTORES_NAME = "restores.json"
 
 _STEP_RE = re.compile(r"^step-(\d{12})$")
 _KEY_PART_RE = re.compile(r"^[A-Za-z0-9._-]+$")
-_STR = frozenset({str})
-_MAX_DIMS = 64
-_GROUP_RE = re.compile(r"^[A-Za-z0-9._-]{1,100}(/[0-9]{1,6})?$")
-_MAX_GROUPS = 4096
-#: The most tensors a manifest's replica check names (lightning_snapshot.fit.replicas.MAX_NAMED writes 16).
-_MAX_NAMED_REPLICAS = 1024
+#: A health group's name (:func:`health_group`), as the health record's keys must be
+GROUP_RE = re.compile(r"^[A-Za-z0-9._-]{1,100}(/[0-9]{1,6})?$")
 
 
 def health_group(name: str) -> str:
@@ -59,7 +56,7 @@ def health_group(name: str) -> str:
         index = rest.partition("/")[0]
         if index.isdigit() and len(index) <= 6:
             return f"{head}/{index}"
-    return head if _GROUP_RE.match(head) else "other"
+    return head if GROUP_RE.match(head) else "other"
 
 
 def step_dirname(step: int) -> str:

@@ -12,8 +12,10 @@ Two parts, one unit:
 - :mod:`~lightning_snapshot.staging.arena`: the host arena (reused, page-aligned shared-memory slots, CUDA-registered
   when the state is on a GPU) and the asynchronous copy into it that training overlaps with; it produces the same
   :class:`StagedState`. Its parts: :mod:`~lightning_snapshot.staging.cuda_host` (``cudaHostRegister``),
-  :mod:`~lightning_snapshot.staging.slot`, :mod:`~lightning_snapshot.staging.plan` and
-  :mod:`~lightning_snapshot.staging.transfer` (the copy in flight).
+  :mod:`~lightning_snapshot.staging.pool` and :mod:`~lightning_snapshot.staging.slot` (the memory),
+  :mod:`~lightning_snapshot.staging.layout` (where each tensor goes in a slot),
+  :mod:`~lightning_snapshot.staging.copier` (the copy scheduling) and :mod:`~lightning_snapshot.staging.transfer` (the
+  copy in flight).
 
 Sharded tensors (``DTensor``, as ``ModelParallelStrategy``/FSDP2 hold them) are never gathered: each rank stages its
 local shard only, recorded with the box of the global tensor it covers (:func:`dtensor_box`). A shard that several

@@ -7,10 +7,10 @@ This module is :class:`HostArena`, a facade over its parts (the plan kept betwee
 re-exports the arena's names as imported before the split; the parts, one job each:
 :mod:`~lightning_snapshot.staging.pool` (the slots within a memory budget, allocated ahead of time),
 :mod:`~lightning_snapshot.staging.cuda_host` (``cudaHostRegister``, and the arena's registrar),
-:mod:`~lightning_snapshot.staging.slot` (one shared-memory buffer), :mod:`~lightning_snapshot.staging.plan` (where
-each tensor goes and how it is copied, and how a plan is made), :mod:`~lightning_snapshot.staging.stager` (the copy
-scheduling: now, on the CUDA side stream, by the copy thread) and :mod:`~lightning_snapshot.staging.transfer` (the
-copy in flight and its handle).
+:mod:`~lightning_snapshot.staging.slot` (one shared-memory buffer), :mod:`~lightning_snapshot.staging.layout` (the
+layout of a state in a slot: where each tensor goes and how it is copied, and how a layout is made),
+:mod:`~lightning_snapshot.staging.copier` (the copy scheduling: now, on the CUDA side stream, by the copy thread) and
+:mod:`~lightning_snapshot.staging.transfer` (the copy in flight and its handle).
 
 The arena is a few *slots*, each one page-aligned host buffer allocated once and reused across snapshots: shared
 memory (an anonymous ``memfd_create`` file, which never has a name, so a killed trainer leaves nothing behind; where
@@ -32,8 +32,9 @@ than watching each for in-place changes until the fence). Before
 the next ``optimizer.step`` the training thread waits for whatever is left.
 
 What stays off the training thread: allocating and pre-faulting slots (:meth:`HostArena.reserve`, a background
-thread), and, from the second snapshot on, planning. The *plan* of a snapshot (which tensors, where in the slot,
-which are copied in the background, tied weights, the views into the slot) is kept and reused as long as the state
+thread), and, from the second snapshot on, planning. The *plan* of a snapshot (its
+:class:`~lightning_snapshot.staging.layout.SlotLayout`: which tensors, where in the slot, which are copied in the
+background, tied weights; and the views into the slot) is kept and reused as long as the state
 holds the same tensors (same names, addresses, shapes, strides and dtypes), which is checked at every snapshot.
 """
 
@@ -46,7 +47,9 @@ from typing import Any
 
 import torch
 
+from lightning_snapshot.format import tree as _tree
 from lightning_snapshot.staging import StagedState
+from lightning_snapshot.staging.copier import SlotCopier
 from lightning_snapshot.staging.cuda_host import (
     FAKE_REGISTER_ENV,
     HostRegisterError,
@@ -55,11 +58,10 @@ from lightning_snapshot.staging.cuda_host import (
     noop_host_register,
     noop_host_unregister,
 )
-from lightning_snapshot.staging.live import LiveCapture
-from lightning_snapshot.staging.plan import _ALIGN, _encoded, _Plan, _storage, build_plan
+from lightning_snapshot.staging.layout import ALIGN, SlotLayout, build_layout, storage_address
+from lightning_snapshot.staging.live import Encoded, LiveCapture
 from lightning_snapshot.staging.pool import SlotPool
 from lightning_snapshot.staging.slot import PAGE, ArenaSlot
-from lightning_snapshot.staging.stager import Stager
 from lightning_snapshot.staging.transfer import AsyncStaged
 
 __all__ = [
@@ -82,6 +84,15 @@ def reserve_lead(alloc_seconds: float | None, step_seconds: float | None) -> int
     if not alloc_seconds or not step_seconds or step_seconds <= 0:
         return 2
     return max(2, math.ceil(1.25 * alloc_seconds / step_seconds) + 1)
+
+
+def _encoded(obj: Any) -> tuple[Any, list[str], list[torch.Tensor], object | None]:
+    """(tree, tensor names, tensors, capture plan token) of ``obj``: as given when it is already
+    :class:`~lightning_snapshot.staging.live.Encoded`, else encoded now."""
+    if isinstance(obj, Encoded):
+        return obj.tree, obj.names, obj.tensors, obj.token
+    tree, tensors = _tree.encode(obj, "")
+    return tree, list(tensors), list(tensors.values()), None
 
 
 class HostArena:
@@ -108,7 +119,7 @@ class HostArena:
     thread; a lock guards slot state (:class:`~lightning_snapshot.staging.pool.SlotPool`).
 
     A facade: the slots are :attr:`pool`'s, the copy scheduling a
-    :class:`~lightning_snapshot.staging.stager.Stager`'s; this class keeps the plan between snapshots.
+    :class:`~lightning_snapshot.staging.copier.SlotCopier`'s; this class keeps the plan between snapshots.
     """
 
     def __init__(
@@ -122,8 +133,8 @@ class HostArena:
         self.chunk_bytes = chunk_bytes
         #: The slots, their budget, allocation ahead of time and CUDA registration.
         self.pool = SlotPool(max_host_bytes=max_host_bytes, slots=slots, shm_dir=shm_dir)
-        self._stager = Stager(chunk_bytes)
-        self._plan: _Plan | None = None
+        self._copier = SlotCopier(chunk_bytes)
+        self._plan: SlotLayout | None = None
         #: The capture plan of the state staged here (see :mod:`~lightning_snapshot.staging.live`).
         self.live = LiveCapture()
         #: Storage addresses of tensors that were changed in place while being copied in the background (a torn
@@ -186,7 +197,7 @@ class HostArena:
         """Stop the copy and allocation threads and free every slot (unregistered from CUDA first, then unmapped;
         their shared-memory files closed). A copy still held back (staged with ``hold``, never let go) runs first."""
         self.pool.mark_closed()
-        self._stager.close()
+        self._copier.close()
         self.pool.close()
         with self.pool.lock:
             self._plan = None
@@ -210,7 +221,7 @@ class HostArena:
         _, names, values, token = _encoded(obj)
         plan = self._plan
         if plan is None or not plan.matches(names, values, frozen_key):
-            plan, _ = self._build_plan(dict(zip(names, values, strict=True)), frozen, rank, world_size, frozen_key)
+            plan, _ = self._build_layout(dict(zip(names, values, strict=True)), frozen, rank, world_size, frozen_key)
             self._plan = plan if plan.cacheable else None
         plan.token = token
         self.reserve(plan.size)
@@ -219,20 +230,20 @@ class HostArena:
     def copy_at_once(self, tensors: list[torch.Tensor]) -> None:
         """Copy these tensors on the training thread from the next snapshot on (they were changed in place while
         a background copy ran: :attr:`AsyncStaged.torn`); the next snapshot makes a new plan."""
-        self._at_once.update(_storage(t) for t in tensors)
+        self._at_once.update(storage_address(t) for t in tensors)
         self._plan = None
 
-    def _build_plan(
+    def _build_layout(
         self,
         tensors: dict[str, torch.Tensor],
         frozen: Callable[[torch.Tensor], bool],
         rank: int,
         world_size: int,
         frozen_key: Any = None,
-    ) -> tuple[_Plan, list[torch.Tensor]]:
-        """A new plan for ``tensors`` (:func:`~lightning_snapshot.staging.plan.build_plan`), and the tensors to copy;
-        slots reserved from now on are registered for its CUDA device."""
-        plan, sources = build_plan(
+    ) -> tuple[SlotLayout, list[torch.Tensor]]:
+        """A new plan for ``tensors`` (:func:`~lightning_snapshot.staging.layout.build_layout`), and the tensors to
+        copy; slots reserved from now on are registered for its CUDA device."""
+        plan, sources = build_layout(
             tensors,
             frozen,
             rank,
@@ -288,7 +299,7 @@ class HostArena:
             or plan.matches(names, values, frozen_key)
         ):
             tensors = dict(zip(names, values, strict=True))
-            plan, sources = self._build_plan(tensors, frozen, rank, world_size, frozen_key)
+            plan, sources = self._build_layout(tensors, frozen, rank, world_size, frozen_key)
             self._plan = plan if plan.cacheable else None
         plan.token = token
         if sources is None:
@@ -304,13 +315,13 @@ class HostArena:
             tree,
             aliases=plan.aliases,
             packed=slot.region(size),
-            alignment=_ALIGN,
+            alignment=ALIGN,
             chunk_bytes=self.chunk_bytes,
             shards=plan.shards,
             layout=plan.layout,
             total_bytes=plan.nbytes,
         )
         if slot.plan is not plan:
-            self._stager.views(slot, plan, sources)
+            self._copier.views(slot, plan, sources)
         state.tensors = slot.tensors
-        return self._stager.start(state, slot, plan, sources, values, step, started, frozen_key, copy_hook, hold)
+        return self._copier.start(state, slot, plan, sources, values, step, started, frozen_key, copy_hook, hold)

@@ -1,35 +1,78 @@
 """The arena's slots: page-aligned shared-memory buffers within a memory budget, allocated ahead of time.
 
 One job: the memory of :class:`~lightning_snapshot.staging.arena.HostArena`. :class:`SlotPool` allocates slots
-(an anonymous ``memfd_create`` file; where that is missing, a ``/dev/shm`` file readable by the owning user only,
-unlinked at once; else anonymous memory), pre-faults them, registers them with CUDA where the state is on a GPU
-(:class:`~lightning_snapshot.staging.cuda_host.HostRegistration`), hands a free one to each snapshot (waiting, or
-skipping within ``max_host_bytes``), grows in a background thread when asked ahead of time (:meth:`SlotPool.reserve`)
-and frees every slot (unregistered first, then unmapped) when closed.
+(an anonymous ``memfd_create`` file where one can back it, :func:`_memfd_ok`; where that is missing, a ``/dev/shm``
+file readable by the owning user only, unlinked at once; else anonymous memory), pre-faults them (:func:`_populate`),
+registers them with CUDA where the state is on a GPU (:class:`~lightning_snapshot.staging.cuda_host.HostRegistration`),
+hands a free one to each snapshot (waiting, or skipping within ``max_host_bytes``), grows in a background thread when
+asked ahead of time (:meth:`SlotPool.reserve`) and frees every slot (unregistered first, then unmapped) when closed.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import ctypes
 import errno
 import itertools
 import logging
 import os
 import threading
 import time
+from typing import Any
 
 import torch
 
 from lightning_snapshot.dist.forksafe import Executor
 from lightning_snapshot.plan.planner import align_up
 from lightning_snapshot.staging.cuda_host import HostRegistration
-from lightning_snapshot.staging.slot import PAGE, ArenaSlot, _memfd_ok, _populate, wait_for_slot
+from lightning_snapshot.staging.slot import PAGE, ArenaSlot, wait_for_slot
 
 __all__ = ["SlotPool"]
 
 log = logging.getLogger(__name__)
 
 _counter = itertools.count()
+
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+
+_libc: Any = None
+_memfd: bool | None = None
+
+
+def _memfd_ok() -> bool:
+    """Whether anonymous memory files (``memfd_create``, Linux >= 3.17) can back the arena here."""
+    global _memfd
+    if _memfd is None:
+        _memfd = False
+        if hasattr(os, "memfd_create") and os.environ.get("LIGHTNING_SNAPSHOT_ARENA_MEMFD", "1") != "0":
+            try:
+                fd = os.memfd_create("lightning-snapshot-probe", os.MFD_CLOEXEC)
+            except OSError:
+                return False
+            try:
+                _memfd = os.path.exists(f"/proc/self/fd/{fd}")
+            finally:
+                os.close(fd)
+    return _memfd
+
+
+def _populate(buf: torch.Tensor) -> None:
+    """Fault every page of ``buf`` in now (one ``madvise(MADV_POPULATE_WRITE)``; else touching each page)."""
+    global _libc
+    n = buf.numel()
+    if n == 0:
+        return
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+        addr = buf.data_ptr()
+        start = addr & ~(PAGE - 1)
+        if _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(addr + n - start), _MADV_POPULATE_WRITE) == 0:
+            return
+    except (OSError, AttributeError):
+        pass
+    for a in range(0, n, 64 << 20):  # older kernels: write every page (memset releases the GIL)
+        ctypes.memset(buf.data_ptr() + a, 0, min(64 << 20, n - a))
 
 
 class SlotPool:
@@ -117,8 +160,7 @@ class SlotPool:
             os.close(slot.fd)
             slot.fd = -1
         slot.buffer = torch.empty(0, dtype=torch.uint8)
-        slot.plan, slot.views, slot.tensors, slot.bulk, slot._bytes = None, [], {}, [], None
-        slot.bulk_bytes, slot.gathered = [], None
+        slot.forget_views()
 
     def _fits(self, size: int) -> bool:
         budget = self.max_host_bytes

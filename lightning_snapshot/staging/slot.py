@@ -1,72 +1,29 @@
 """One arena slot: a page-aligned, pre-faulted shared-memory buffer reused across snapshots.
 
-One job: the host memory primitives of the arena: whether anonymous memory files (``memfd_create``) can back it
-(:func:`_memfd_ok`), faulting a buffer's pages in ahead of use (:func:`_populate`), :class:`ArenaSlot`, the
-buffer with the views the current plan made into it, and waiting for one to be free (:func:`wait_for_slot`). Called
-by :class:`~lightning_snapshot.staging.arena.HostArena` (which allocates, registers and frees slots) and
-:mod:`~lightning_snapshot.staging.transfer` (the copy into one).
+One job: :class:`ArenaSlot`, the buffer with the views the current layout made into it, and waiting for one to be
+free (:func:`wait_for_slot`). Called by :class:`~lightning_snapshot.staging.pool.SlotPool` (which allocates,
+registers and frees slots), :class:`~lightning_snapshot.staging.arena.HostArena` and
+:mod:`~lightning_snapshot.staging.copier` (the copy into one).
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from lightning_snapshot.staging import tensor_bytes
 
 if TYPE_CHECKING:
-    from lightning_snapshot.staging.plan import _Plan
+    from lightning_snapshot.staging.layout import SlotLayout
 
 __all__ = ["PAGE", "ArenaSlot"]
 
 PAGE = 4096
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
-
-_libc: Any = None
-_memfd: bool | None = None
-
-
-def _memfd_ok() -> bool:
-    """Whether anonymous memory files (``memfd_create``, Linux >= 3.17) can back the arena here."""
-    global _memfd
-    if _memfd is None:
-        _memfd = False
-        if hasattr(os, "memfd_create") and os.environ.get("LIGHTNING_SNAPSHOT_ARENA_MEMFD", "1") != "0":
-            try:
-                fd = os.memfd_create("lightning-snapshot-probe", os.MFD_CLOEXEC)
-            except OSError:
-                return False
-            try:
-                _memfd = os.path.exists(f"/proc/self/fd/{fd}")
-            finally:
-                os.close(fd)
-    return _memfd
-
-
-def _populate(buf: torch.Tensor) -> None:
-    """Fault every page of ``buf`` in now (one ``madvise(MADV_POPULATE_WRITE)``; else touching each page)."""
-    global _libc
-    n = buf.numel()
-    if n == 0:
-        return
-    try:
-        if _libc is None:
-            _libc = ctypes.CDLL(None, use_errno=True)
-        addr = buf.data_ptr()
-        start = addr & ~(PAGE - 1)
-        if _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(addr + n - start), _MADV_POPULATE_WRITE) == 0:
-            return
-    except (OSError, AttributeError):
-        pass
-    for a in range(0, n, 64 << 20):  # older kernels: write every page (memset releases the GIL)
-        ctypes.memset(buf.data_ptr() + a, 0, min(64 << 20, n - a))
 
 
 @dataclass
@@ -82,7 +39,7 @@ class ArenaSlot:
     #: The CUDA device ``buffer`` is registered (page-locked) for, or None when it is not registered.
     device: int | None = None
     #: The plan whose views into this slot ``views`` are (reused while the plan is).
-    plan: _Plan | None = None
+    plan: SlotLayout | None = None
     views: list[torch.Tensor] = field(default_factory=list)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     #: The views of the plan's ``bulk`` entries, in that order.
@@ -91,6 +48,11 @@ class ArenaSlot:
     #: The region the plan's gather copies into (the plan's bulk, placed first), as its words.
     gathered: torch.Tensor | None = None
     _bytes: memoryview | None = None
+
+    def forget_views(self) -> None:
+        """Drop the layout and every view into the buffer (the slot is being freed)."""
+        self.plan, self.views, self.tensors, self.bulk, self._bytes = None, [], {}, [], None
+        self.bulk_bytes, self.gathered = [], None
 
     def region(self, nbytes: int) -> memoryview:
         """The first ``nbytes`` of the buffer, as bytes (the buffer's byte view is made once)."""

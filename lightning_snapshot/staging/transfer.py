@@ -1,18 +1,15 @@
-"""The copy of a snapshot into its slot while training goes on: its handle, the CUDA launch, the CPU copy-and-hash.
+"""The copy of a snapshot into its slot while training goes on: its handle and the thread that runs the copies.
 
-One job: what runs and is waited for once a plan is made. :class:`AsyncStaged` is the handle of one staged snapshot
-(wait for the bytes, fence training before the next optimizer step, tell whether it is torn, re-verify the slot);
-:class:`CopyThread` runs the copies, one after the other;
-:class:`_CudaLaunch` queues the device-to-host copies of frozen CUDA tensors on the side stream, group by group;
-:func:`_copy_digests` copies host memory block by block, hashing each block while it is in the cache. Called by
-:class:`~lightning_snapshot.staging.arena.HostArena` (``stage_async`` and its copy thread) and, through the
-handle, by the callback and the persist threads.
+One job: what runs and is waited for once a copy is started. :class:`AsyncStaged` is the handle of one staged
+snapshot (wait for the bytes, fence training before the next optimizer step, tell whether it is torn, re-verify the
+slot); :class:`CopyThread` runs the copies, one after the other. Made by
+:class:`~lightning_snapshot.staging.copier.SlotCopier` (which starts each copy); the handle is used by
+:class:`~lightning_snapshot.staging.arena.HostArena` (``stage_async``), the callback and the persist threads.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import ctypes
 import queue
 import threading
 from collections.abc import Callable
@@ -20,14 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import xxhash
 
 from lightning_snapshot.dist.forksafe import first_use, waiting
 from lightning_snapshot.errors import TornSnapshotError
-from lightning_snapshot.plan.planner import chunk_ranges
-from lightning_snapshot.staging import SMALL_HASH as _SMALL
 from lightning_snapshot.staging import StagedState, chunk_digests
-from lightning_snapshot.staging.plan import _addresses, _versions
+from lightning_snapshot.staging.layout import data_addresses, version_counters
 from lightning_snapshot.staging.slot import ArenaSlot
 
 __all__ = ["AsyncStaged", "CopyThread"]
@@ -77,33 +71,6 @@ class CopyThread:
         self._calls.put(None)
         if wait:
             self._thread.join()
-
-
-#: Copy-and-hash block: small enough that the block is still in the (L2) cache when it is hashed.
-_FUSE_BLOCK = 1 << 20
-
-
-def _copy_digests(dst: memoryview, dst_addr: int, src_addr: int, chunk_bytes: int) -> list[str]:
-    """Copy ``dst.nbytes`` bytes from ``src_addr`` to ``dst`` (at ``dst_addr``); return the digests of its chunks.
-
-    Each block is hashed right after it is copied, from the destination, while it is still in the cache: the
-    digests are those of the staged bytes, as :func:`chunk_digests` of ``dst`` would give, for about the memory
-    traffic of the copy alone. ``memmove`` and the streaming hash both release the GIL.
-    """
-    memmove = ctypes.memmove
-    sums = []
-    for a, b in chunk_ranges(dst.nbytes, chunk_bytes):
-        if b - a < _SMALL:
-            memmove(dst_addr + a, src_addr + a, b - a)
-            sums.append(xxhash.xxh3_64_hexdigest(dst[a:b]))
-            continue
-        h = xxhash.xxh3_64()
-        for x in range(a, b, _FUSE_BLOCK):
-            y = min(x + _FUSE_BLOCK, b)
-            memmove(dst_addr + x, src_addr + x, y - x)
-            h.update(dst[x:y])
-        sums.append(h.hexdigest())
-    return sums
 
 
 def _open() -> threading.Event:
@@ -188,8 +155,8 @@ class AsyncStaged:
         if self.watched is None:
             return []
         names, tensors, versions, moved, ptrs = self.watched
-        now = _versions(tensors)
-        addresses = _addresses(list(map(tensors.__getitem__, moved))) if moved else ptrs
+        now = version_counters(tensors)
+        addresses = data_addresses(list(map(tensors.__getitem__, moved))) if moved else ptrs
         if now == versions and addresses == ptrs:  # (C-level comparisons; the loops below only when something moved)
             return []
         renewed = {i for i, a, p in zip(moved, addresses, ptrs, strict=True) if a != p}  # (new storage: ``.data =``)
@@ -230,51 +197,10 @@ class AsyncStaged:
         if self.slot.step != self.step:
             raise RuntimeError(f"arena slot was reused by step {self.slot.step} while step {self.step} was persisted")
         assert self.state.checksums is not None and self.state.packed is not None
-        packed, sums, chunk = self.state.packed, self.state.checksums, self._chunk_bytes
+        packed, sums, chunk = self.state.packed, self.state.checksums, self.chunk_bytes
         for name, offset, nbytes in self.state.layout or ():
             if chunk_digests(packed[offset : offset + nbytes], chunk) != sums[name]:
                 raise RuntimeError(f"staged bytes of {name!r} changed after staging (step {self.step}); not committed")
 
-    _chunk_bytes: int = 8 << 20
-
-
-class _CudaLaunch:
-    """The device-to-host copies of a snapshot's frozen CUDA tensors, queued on the side stream by the copy thread
-    (the training thread only records ``ready`` on its stream and creates the events): group by group (the plan's
-    ``split.side``, indices into its entries), each followed by an event. ``done[-1]`` is what the next
-    ``optimizer.step`` waits for (``fence_training``)."""
-
-    def __init__(
-        self,
-        stream: Any,
-        device: int,
-        entries: list[tuple[str, int, int, int, int]],
-        groups: list[list[int]],
-        views: list[torch.Tensor],
-        sources: list[torch.Tensor],
-    ) -> None:
-        self.stream, self.device = stream, device
-        self.entries, self.groups, self.views, self.sources = entries, groups, views, sources
-        self.ready = torch.cuda.Event()
-        self.start = torch.cuda.Event(enable_timing=True)
-        self.launched = threading.Event()
-        self.done = [torch.cuda.Event(enable_timing=i == len(groups) - 1) for i in range(len(groups))]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes copied on the side stream (read by the copy thread, not on the training thread)."""
-        return sum(self.entries[i][3] for group in self.groups for i in group)
-
-    def run(self) -> None:
-        """Queue the copies (on the copy thread): the side stream waits for ``ready``, then copies group by group."""
-        views, sources = self.views, self.sources
-        with torch.cuda.device(self.device), torch.no_grad():
-            self.stream.wait_event(self.ready)
-            with torch.cuda.stream(self.stream):
-                self.start.record(self.stream)
-                for group, done in zip(self.groups, self.done, strict=True):
-                    for i in group:
-                        src = sources[i]
-                        views[i].copy_(src, non_blocking=True)
-                        src.record_stream(self.stream)
-                    done.record(self.stream)
+    #: The checksum chunk size the copy hashed with (the arena's; set by the copier), which :meth:`verify` uses.
+    chunk_bytes: int = 8 << 20

@@ -10,7 +10,7 @@ from typing import Any, cast
 
 import torch
 
-from lightning_snapshot.state.fit_state import _metric_classes
+from lightning_snapshot.state.fit_state import metric_classes
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def restore_metrics(pl_module: Any, saved: dict[str, Any] | None) -> None:
     """Put the captured state back into the module's ``torchmetrics.Metric`` objects (see :func:`metric_states`),
     on each metric's device; a metric the snapshot does not name is left as it is."""
     metrics = saved.get("metrics") if isinstance(saved, dict) else None
-    classes = _metric_classes()
+    classes = metric_classes()
     if not isinstance(metrics, dict) or not metrics or not classes:
         return
     for name, module in pl_module.named_modules():

@@ -75,6 +75,7 @@ __all__ = [
     "Structure",
     "Walk",
     "merge_param_groups",
+    "metric_classes",
     "module_generators",
     "optimizer_groups",
     "realias_lottery_tickets",
@@ -108,7 +109,9 @@ class Walk(NamedTuple):
     metrics: list[tuple[str, Any]]  # the torchmetrics modules, by name
 
 
-def _metric_classes() -> tuple[type, ...]:
+def metric_classes() -> tuple[type, ...]:
+    """The metric classes whose modules' state is captured: ``(torchmetrics.Metric,)``, or ``()`` without
+    torchmetrics."""
     try:
         from torchmetrics import Metric
     except ImportError:  # (a dependency of Lightning's; absent only in unusual installs)
@@ -120,7 +123,7 @@ def _walk(pl_module: Any) -> Walk:
     modules = list(pl_module.named_modules())
     names, params = _named_parameters(modules)
     norms = [(n, m) for n, m in modules if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
-    classes = _metric_classes()
+    classes = metric_classes()
     metrics = [(n, m) for n, m in modules if isinstance(m, classes)] if classes else []
     return Walk(modules, names, params, norms, metrics)
 

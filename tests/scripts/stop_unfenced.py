@@ -19,13 +19,13 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_snapshot import SnapshotCallback
 from lightning_snapshot.backends import LocalTier
-from lightning_snapshot.staging.stager import Stager
+from lightning_snapshot.staging.copier import SlotCopier
 
 p = argparse.ArgumentParser()
 p.add_argument("--dir", required=True)
 a = p.parse_args()
 
-copy = Stager._copy
+copy = SlotCopier._copy
 
 
 def slow_copy(self, handle, *args, **kwargs):  # (a copy that outlasts the next batch, as a large model's does)
@@ -34,7 +34,7 @@ def slow_copy(self, handle, *args, **kwargs):  # (a copy that outlasts the next 
     return copy(self, handle, *args, **kwargs)
 
 
-Stager._copy = slow_copy  # type: ignore[method-assign]
+SlotCopier._copy = slow_copy  # type: ignore[method-assign]
 
 
 class StopAfterAccumulating(Callback):

@@ -21,9 +21,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_snapshot import SnapshotCallback, load_snapshot
 from lightning_snapshot.backends import LocalTier
-from lightning_snapshot.staging.stager import Stager
+from lightning_snapshot.staging.copier import SlotCopier
 
-copy = Stager._copy
+copy = SlotCopier._copy
 
 
 def late(self, *args, **kwargs):
@@ -31,7 +31,7 @@ def late(self, *args, **kwargs):
     return copy(self, *args, **kwargs)
 
 
-Stager._copy = late
+SlotCopier._copy = late
 
 
 class Swapping(L.LightningModule):

@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_snapshot import data
+from lightning_snapshot.data import workers as data_workers
 from lightning_snapshot.format import tree as _tree
 from lightning_snapshot.staging import stage
 
@@ -298,9 +299,9 @@ def test_pin_memory_thread_keeps_the_wrapper(monkeypatch):
     from torch.utils.data._utils.pin_memory import pin_memory
 
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self + 1)
-    wrapped = data._Batch({"x": torch.zeros(2)}, 1, ("rng",))
+    wrapped = data_workers._Batch({"x": torch.zeros(2)}, 1, ("rng",))
     out = pin_memory(wrapped, "cuda")
-    assert type(out) is data._Batch and out.worker == 1 and out.rng == ("rng",)
+    assert type(out) is data_workers._Batch and out.worker == 1 and out.rng == ("rng",)
     assert torch.equal(out.data["x"], torch.ones(2))
 
 
@@ -355,7 +356,7 @@ def test_position_before_the_epochs_iterator_exists_replays_nothing(workers):
     assert pos["drawn"] is False and pos["rng"] is None and pos["iter_rng"] is None and pos["workers"] is None
     fresh = make()
     assert data.plan_resume(data.install(fresh), fresh, pos, exact=True, epoch=1) is None
-    assert fresh.batch_sampler.sampler.pending is None and data._tracker(fresh).plan["iter_rng"] is None
+    assert fresh.batch_sampler.sampler.pending is None and data_workers.tracker_of(fresh).plan["iter_rng"] is None
     del it, sampler
 
 

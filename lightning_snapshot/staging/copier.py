@@ -1,16 +1,19 @@
-"""The copy of a planned snapshot into its slot: what is copied now, on the CUDA side stream, and by the copy thread.
+"""The copy of a snapshot into its slot by its layout: what is copied now, on the CUDA side stream, and by the copy
+thread.
 
-One job: the copy scheduling of :class:`~lightning_snapshot.staging.arena.HostArena`. :class:`Stager` owns the copy
-thread, the CUDA side stream and the hashing threads; given a slot, a plan and its source tensors, :meth:`Stager.start`
-copies on the training thread what changes before the next step (buffers; the small tensors when they are few bytes),
-queues frozen CUDA tensors on the side stream, records the version counters of the tensors copied while training goes
-on, and submits the rest to the copy thread (:meth:`Stager._copy`: memmove and checksums), returning the
-:class:`~lightning_snapshot.staging.transfer.AsyncStaged` handle.
+One job: the copy scheduling of :class:`~lightning_snapshot.staging.arena.HostArena`. :class:`SlotCopier` owns the
+copy thread, the CUDA side stream and the hashing threads; given a slot, a layout
+(:class:`~lightning_snapshot.staging.layout.SlotLayout`) and its source tensors, :meth:`SlotCopier.start` copies on
+the training thread what changes before the next step (buffers; the small tensors when they are few bytes), queues
+frozen CUDA tensors on the side stream (:class:`_CudaLaunch`), records the version counters of the tensors copied
+while training goes on, and submits the rest to the copy thread (:meth:`SlotCopier._copy`: memmove and checksums,
+:func:`_copy_digests`), returning the :class:`~lightning_snapshot.staging.transfer.AsyncStaged` handle.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import ctypes
 import os
 import threading
 import time
@@ -23,23 +26,51 @@ import xxhash
 
 from lightning_snapshot.dist.forksafe import Executor, waiting
 from lightning_snapshot.plan.planner import chunk_ranges
+from lightning_snapshot.staging import SMALL_HASH as _SMALL
 from lightning_snapshot.staging import StagedState, chunk_digests
 from lightning_snapshot.staging import digest as digest_of
-from lightning_snapshot.staging.plan import _addresses, _Plan, _split, _versions
+from lightning_snapshot.staging.layout import SlotLayout, data_addresses, split_copies, version_counters
 from lightning_snapshot.staging.slot import ArenaSlot
-from lightning_snapshot.staging.transfer import AsyncStaged, CopyThread, _copy_digests, _CudaLaunch
+from lightning_snapshot.staging.transfer import AsyncStaged, CopyThread
 
-__all__ = ["Stager"]
+__all__ = ["SlotCopier"]
 
 _STORAGE = torch.Tensor.untyped_storage
 
 
-class Stager:
+#: Copy-and-hash block: small enough that the block is still in the (L2) cache when it is hashed.
+_FUSE_BLOCK = 1 << 20
+
+
+def _copy_digests(dst: memoryview, dst_addr: int, src_addr: int, chunk_bytes: int) -> list[str]:
+    """Copy ``dst.nbytes`` bytes from ``src_addr`` to ``dst`` (at ``dst_addr``); return the digests of its chunks.
+
+    Each block is hashed right after it is copied, from the destination, while it is still in the cache: the
+    digests are those of the staged bytes, as :func:`chunk_digests` of ``dst`` would give, for about the memory
+    traffic of the copy alone. ``memmove`` and the streaming hash both release the GIL.
+    """
+    memmove = ctypes.memmove
+    sums = []
+    for a, b in chunk_ranges(dst.nbytes, chunk_bytes):
+        if b - a < _SMALL:
+            memmove(dst_addr + a, src_addr + a, b - a)
+            sums.append(xxhash.xxh3_64_hexdigest(dst[a:b]))
+            continue
+        h = xxhash.xxh3_64()
+        for x in range(a, b, _FUSE_BLOCK):
+            y = min(x + _FUSE_BLOCK, b)
+            memmove(dst_addr + x, src_addr + x, y - x)
+            h.update(dst[x:y])
+        sums.append(h.hexdigest())
+    return sums
+
+
+class SlotCopier:
     """Starts the copy of each staged snapshot and runs its background part on one copy thread (see the module)."""
 
     def __init__(self, chunk_bytes: int) -> None:
         self.chunk_bytes = chunk_bytes
-        self._copier: CopyThread | None = None
+        self._thread: CopyThread | None = None
         self._hasher: cf.ThreadPoolExecutor | None = None
         self._stream: Any = None
         #: The ``go`` of copies staged with ``hold`` (weakly), set by :meth:`close`: a copy never let go (an error
@@ -47,7 +78,7 @@ class Stager:
         self._holds: weakref.WeakSet[threading.Event] = weakref.WeakSet()
 
     @staticmethod
-    def views(slot: ArenaSlot, plan: _Plan, sources: list[torch.Tensor]) -> None:
+    def views(slot: ArenaSlot, plan: SlotLayout, sources: list[torch.Tensor]) -> None:
         """Make the plan's tensors as views into ``slot`` (kept with the slot while the plan is used)."""
         region = slot.buffer
         slot.views = [
@@ -66,7 +97,7 @@ class Stager:
         self,
         state: StagedState,
         slot: ArenaSlot,
-        plan: _Plan,
+        plan: SlotLayout,
         sources: list[torch.Tensor],
         values: list[torch.Tensor],
         step: int,
@@ -83,7 +114,7 @@ class Stager:
         pending_now: list[tuple[torch.Tensor, torch.Tensor]] = []  # CUDA buffers: on the current stream
         if plan.mixed:  # buffers now, CUDA tensors on the side stream; the copy thread hashes them
             if plan.split is None:
-                plan.split = _split(plan.entries)
+                plan.split = split_copies(plan.entries)
             views = slot.views
             for i in plan.split.now:
                 views[i].copy_(sources[i].detach())
@@ -104,8 +135,8 @@ class Stager:
             mutable_done = torch.cuda.Event()
             mutable_done.record(current)
             events = [mutable_done]
-        if self._copier is None:
-            self._copier = CopyThread("lightning-snapshot-copy")
+        if self._thread is None:
+            self._thread = CopyThread("lightning-snapshot-copy")
         handle = AsyncStaged(state, slot, step, cf.Future(), started=started, frozen_key=frozen_key)
         if hold:
             handle.go.clear()
@@ -113,9 +144,13 @@ class Stager:
         if plan.watch:  # (version counters now, on the training thread: compared at the fence)
             watched = list(map(values.__getitem__, plan.watch))
             moved = plan.watch_moved
-            ptrs = plan.watch_ptrs if plan.watch_ptrs is not None else _addresses(list(map(watched.__getitem__, moved)))
-            handle.watched = (plan.watch_names, watched, _versions(watched), moved, ptrs)
-        handle._chunk_bytes = self.chunk_bytes
+            ptrs = (
+                plan.watch_ptrs
+                if plan.watch_ptrs is not None
+                else data_addresses(list(map(watched.__getitem__, moved)))
+            )
+            handle.watched = (plan.watch_names, watched, version_counters(watched), moved, ptrs)
+        handle.chunk_bytes = self.chunk_bytes
         if launch is not None:
             handle.cuda_event = launch.done[-1]
             handle.launched = launch.launched
@@ -140,7 +175,7 @@ class Stager:
         # copied from their addresses: one given new storage in the next training_step (``.data = ...``) would free
         # the old one while it is read; held, the copy reads the values staged
         keep = (sources, list(map(_STORAGE, map(sources.__getitem__, plan.held))))
-        handle.future = self._copier.submit(
+        handle.future = self._thread.submit(
             self._copy,
             handle,
             slot.buffer.data_ptr(),
@@ -159,9 +194,9 @@ class Stager:
         """Let every held-back copy go, then stop the copy and hashing threads (a copy still queued runs first)."""
         for go in list(self._holds):
             go.set()
-        if self._copier is not None:
-            self._copier.shutdown(wait=True)
-            self._copier = None
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None
         if self._hasher is not None:
             self._hasher.shutdown(wait=True)
             self._hasher = None
@@ -229,3 +264,45 @@ class Stager:
             handle.device_copy_bytes = launch.nbytes
         handle.copy_seconds = time.monotonic() - handle.started
         return sums
+
+
+class _CudaLaunch:
+    """The device-to-host copies of a snapshot's frozen CUDA tensors, queued on the side stream by the copy thread
+    (the training thread only records ``ready`` on its stream and creates the events): group by group (the plan's
+    ``split.side``, indices into its entries), each followed by an event. ``done[-1]`` is what the next
+    ``optimizer.step`` waits for (``fence_training``)."""
+
+    def __init__(
+        self,
+        stream: Any,
+        device: int,
+        entries: list[tuple[str, int, int, int, int]],
+        groups: list[list[int]],
+        views: list[torch.Tensor],
+        sources: list[torch.Tensor],
+    ) -> None:
+        self.stream, self.device = stream, device
+        self.entries, self.groups, self.views, self.sources = entries, groups, views, sources
+        self.ready = torch.cuda.Event()
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.launched = threading.Event()
+        self.done = [torch.cuda.Event(enable_timing=i == len(groups) - 1) for i in range(len(groups))]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes copied on the side stream (read by the copy thread, not on the training thread)."""
+        return sum(self.entries[i][3] for group in self.groups for i in group)
+
+    def run(self) -> None:
+        """Queue the copies (on the copy thread): the side stream waits for ``ready``, then copies group by group."""
+        views, sources = self.views, self.sources
+        with torch.cuda.device(self.device), torch.no_grad():
+            self.stream.wait_event(self.ready)
+            with torch.cuda.stream(self.stream):
+                self.start.record(self.stream)
+                for group, done in zip(self.groups, self.done, strict=True):
+                    for i in group:
+                        src = sources[i]
+                        views[i].copy_(src, non_blocking=True)
+                        src.record_stream(self.stream)
+                    done.record(self.stream)

@@ -1,12 +1,13 @@
-"""The staging plan of a state: where each tensor goes in a slot and how it is copied; pure, no memory touched.
+"""The layout of a state in a slot: where each tensor goes and how it is copied; pure, no memory touched.
 
-One job: describe a snapshot's copy so it can be reused while the state holds the same tensors (:class:`_Plan`,
-checked with :func:`_key` and :meth:`_Plan.matches`), the copy kinds (background thread, training thread now, CUDA
-side stream, CUDA current stream), their grouping for a mixed plan (:func:`_split`), and the version counters that
-tell whether a tensor copied while training went on was changed in place (:func:`_versions`); and how a plan is
-made (:func:`build_plan`: this rank's share, the layout, which tensors are watched, copied in bulk or gathered).
-Called by :class:`~lightning_snapshot.staging.arena.HostArena` (which builds plans) and
-:mod:`~lightning_snapshot.staging.transfer` (the fence reads the version counters).
+One job: describe a snapshot's copy so it can be reused while the state holds the same tensors (:class:`SlotLayout`,
+checked with :func:`_key` and :meth:`SlotLayout.matches`), the copy kinds (background thread, training thread now,
+CUDA side stream, CUDA current stream), their grouping for a mixed layout (:func:`split_copies`), and the version
+counters and addresses that tell whether a tensor copied while training went on was changed in place or given new
+storage (:func:`version_counters`, :func:`data_addresses`); and how a layout is made (:func:`build_layout`: this
+rank's share, the offsets, which tensors are watched, copied in bulk or gathered). Called by
+:class:`~lightning_snapshot.staging.arena.HostArena` (which builds layouts), :mod:`~lightning_snapshot.staging.copier`
+(which copies by them) and :mod:`~lightning_snapshot.staging.transfer` (the fence reads the version counters).
 """
 
 from __future__ import annotations
@@ -19,12 +20,21 @@ from typing import Any
 
 import torch
 
-from lightning_snapshot.format import tree as _tree
 from lightning_snapshot.plan.planner import assign_writers, plan_layout
 from lightning_snapshot.staging import SMALL_HASH as _SMALL
 from lightning_snapshot.staging import local_tensor, prepare_tensors
 from lightning_snapshot.staging.gather import Gather
-from lightning_snapshot.staging.live import Encoded
+
+__all__ = [
+    "ALIGN",
+    "SlotLayout",
+    "build_layout",
+    "data_addresses",
+    "register_device",
+    "split_copies",
+    "storage_address",
+    "version_counters",
+]
 
 #: Tensors copied while training goes on that are smaller than this are copied together (one ``_foreach_copy_``,
 #: which does not hold the GIL) and hashed afterwards; larger ones are copied and hashed block by block.
@@ -41,11 +51,11 @@ _BULK_NOW_BYTES = 4 << 20
 _BACKGROUND, _NOW, _CUDA_FROZEN, _CUDA_NOW = 0, 1, 2, 3
 
 #: The alignment of each tensor inside a slot (the slot itself starts on a page).
-_ALIGN = 64
+ALIGN = 64
 
 
 @dataclass
-class _Plan:
+class SlotLayout:
     """Where each tensor of a state goes in a slot, and how it is copied; reused while the state's tensors are the
     same ones (:meth:`sources`).
 
@@ -53,7 +63,7 @@ class _Plan:
         names: every tensor name the encoding found, in order; keys: what identifies each of those tensors.
         entries: per staged tensor (name, index in ``names``, offset in the slot, bytes, how it is copied).
         cacheable: False when a tensor was transformed to be staged (a DTensor's local shard, a conjugate view):
-            then the plan is rebuilt at every snapshot.
+            then the layout is rebuilt at every snapshot.
     """
 
     names: list[str]
@@ -66,11 +76,11 @@ class _Plan:
     device: int | None
     cacheable: bool
     layout: list[tuple[str, int, int]] = field(default_factory=list)
-    #: (name, offset, source address, bytes) of the tensors the copy thread copies (valid while the plan matches)
+    #: (name, offset, source address, bytes) of the tensors the copy thread copies (valid while the layout matches)
     background: list[tuple[str, int, int, int]] = field(default_factory=list)
     #: Whether any tensor is copied on the training thread or the CUDA stream (then ``background`` is not all).
     mixed: bool = False
-    #: For a mixed plan, made at its first use (:func:`_split`): which entries are copied how.
+    #: For a mixed layout, made at its first use (:func:`split_copies`): which entries are copied how.
     split: _Split | None = None
     #: Indices (into ``names``) of the tensors copied while training goes on, on any rank: their version counters
     #: are checked at the fence (:meth:`AsyncStaged.fence_training`), the same on every rank.
@@ -78,7 +88,7 @@ class _Plan:
     #: The names of ``watch``'s tensors.
     watch_names: list[str] = field(default_factory=list)
     #: Positions in ``watch`` of the tensors copied through the tensor object (on the CUDA side stream, or small ones
-    #: by the copy thread), and their addresses when the plan was made (None: read at each staging). One given new
+    #: by the copy thread), and their addresses when the layout was made (None: read at each staging). One given new
     #: storage before the fence (``.data = ...``) would be copied from that: the snapshot is then torn too.
     watch_moved: list[int] = field(default_factory=list)
     watch_ptrs: list[int] | None = None
@@ -88,7 +98,7 @@ class _Plan:
     #: What the ``frozen`` predicate it was made with depended on (see ``stage_async``).
     frozen_key: Any = None
     #: The capture plan's token (:class:`~lightning_snapshot.staging.live.Encoded`) the tensors came with when this
-    #: plan last matched them: the same token again vouches for the same tensors, without checking each.
+    #: layout last matched them: the same token again vouches for the same tensors, without checking each.
     token: object | None = None
     #: Indices (into ``entries``) of the tensors the copy thread copies in one ``torch._foreach_copy_`` (small ones;
     #: the large ones are copied and hashed block by block, see ``background``), and the rest of ``background``.
@@ -109,7 +119,7 @@ class _Plan:
         return sum(map(_THIRD, self.layout))  # (one C-level pass: this is read at every snapshot)
 
     def matches(self, names: list[str], values: list[torch.Tensor], frozen_key: Any = None) -> bool:
-        """Whether ``values`` (an encoding's tensors, named ``names``) are the very tensors this plan was made for,
+        """Whether ``values`` (an encoding's tensors, named ``names``) are the very tensors this layout was made for,
         under the same ``frozen_key``."""
         if len(values) != len(self.names) or frozen_key != self.frozen_key:
             return False
@@ -132,7 +142,7 @@ def _version(t: torch.Tensor) -> int:
         return -1
 
 
-def _versions(tensors: list[torch.Tensor]) -> list[int]:
+def version_counters(tensors: list[torch.Tensor]) -> list[int]:
     """The version counters of ``tensors`` (training thread, per snapshot): read in one C-level pass while every
     tensor keeps one, as trained parameters and optimizer state do; one by one through :func:`_version` otherwise."""
     try:
@@ -145,7 +155,7 @@ _VERSION = operator.attrgetter("_version")
 _PTR = torch.Tensor.data_ptr
 
 
-def _addresses(tensors: list[torch.Tensor]) -> list[int]:
+def data_addresses(tensors: list[torch.Tensor]) -> list[int]:
     """The data addresses of ``tensors`` (a DTensor's: its local shard's), in one C-level pass where they are plain."""
     try:
         return list(map(_PTR, tensors))
@@ -156,7 +166,8 @@ def _addresses(tensors: list[torch.Tensor]) -> list[int]:
 _THIRD = operator.itemgetter(2)
 
 
-def _storage(t: torch.Tensor) -> int:
+def storage_address(t: torch.Tensor) -> int:
+    """The address of ``t``'s storage (what tells the tensors sharing one, as :func:`build_layout`'s ``at_once``)."""
     return int(t.untyped_storage().data_ptr())
 
 
@@ -166,15 +177,6 @@ def _key(t: torch.Tensor) -> tuple[Any, ...]:
     return (type(t), t.data_ptr(), t.shape, t.stride(), t.dtype)
 
 
-def _encoded(obj: Any) -> tuple[Any, list[str], list[torch.Tensor], object | None]:
-    """(tree, tensor names, tensors, capture plan token) of ``obj``: as given when it is already
-    :class:`~lightning_snapshot.staging.live.Encoded`, else encoded now."""
-    if isinstance(obj, Encoded):
-        return obj.tree, obj.names, obj.tensors, obj.token
-    tree, tensors = _tree.encode(obj, "")
-    return tree, list(tensors), list(tensors.values()), None
-
-
 #: Bytes of frozen CUDA tensors per group of side-stream copies (an event each): the copy thread hashes a group as
 #: soon as it has arrived, while the stream copies the next.
 _GROUP_BYTES = 128 << 20
@@ -182,7 +184,7 @@ _GROUP_BYTES = 128 << 20
 
 @dataclass
 class _Split:
-    """How a mixed plan's entries are copied (indices into its entries): on the training thread now (CPU tensors
+    """How a mixed layout's entries are copied (indices into its entries): on the training thread now (CPU tensors
     that change before the next step, or are not contiguous), on the current CUDA stream (CUDA buffers), on the side
     stream in groups of about :data:`_GROUP_BYTES` (frozen CUDA tensors); and the (name, offset, bytes) of the first
     two kinds, which the copy thread hashes once the current stream is past them."""
@@ -193,7 +195,8 @@ class _Split:
     hashed: list[tuple[str, int, int]]
 
 
-def _split(entries: list[tuple[str, int, int, int, int]]) -> _Split:
+def split_copies(entries: list[tuple[str, int, int, int, int]]) -> _Split:
+    """Which of a mixed layout's ``entries`` are copied how (made at its first use: :attr:`SlotLayout.split`)."""
     out = _Split([], [], [], [])
     size = _GROUP_BYTES
     for i, (name, _, offset, nbytes, how) in enumerate(entries):
@@ -211,7 +214,7 @@ def _split(entries: list[tuple[str, int, int, int, int]]) -> _Split:
     return out
 
 
-def build_plan(
+def build_layout(
     tensors: dict[str, torch.Tensor],
     frozen: Callable[[torch.Tensor], bool],
     rank: int,
@@ -221,8 +224,8 @@ def build_plan(
     at_once: set[int],
     chunk_bytes: int,
     fake_register: bool,
-) -> tuple[_Plan, list[torch.Tensor]]:
-    """A new plan for ``tensors``, and the tensors to copy (in the order of its entries).
+) -> tuple[SlotLayout, list[torch.Tensor]]:
+    """A new layout for ``tensors``, and the tensors to copy (in the order of its entries).
 
     ``at_once``: storage addresses of tensors copied on the training thread whatever ``frozen`` says (they were
     changed in place while copied in the background); ``chunk_bytes``: the checksum chunk size; ``fake_register``:
@@ -232,7 +235,7 @@ def build_plan(
         given = frozen
 
         def frozen(t: torch.Tensor) -> bool:
-            return given(t) and _storage(t) not in at_once
+            return given(t) and storage_address(t) not in at_once
 
     items, aliases, shards = prepare_tensors(tensors)
     names = list(tensors)
@@ -279,7 +282,7 @@ def build_plan(
     sizes = [(name, nbytes_of[name]) for name, _ in items]
     # tensors 64-byte aligned inside the slot; the slot itself is page-aligned, so the whole region can be
     # written with O_DIRECT in one go
-    placed, size = plan_layout(sizes, _ALIGN)
+    placed, size = plan_layout(sizes, ALIGN)
     entries = []
     for (name, t), (_, offset), (_, nbytes) in zip(items, placed, sizes, strict=True):
         if t.is_cuda:
@@ -294,7 +297,7 @@ def build_plan(
     # (the same on every rank: which watched tensors are copied through the tensor object, if this rank copies them)
     by_object = {name for name, t in trained if t.is_cuda or name in tiny}
     watch_moved = [k for k, i in enumerate(watch) if names[i] in by_object]
-    plan = _Plan(
+    out = SlotLayout(
         names,
         keys,
         entries,
@@ -319,19 +322,19 @@ def build_plan(
         bulk=[i for i, (name, *_) in enumerate(entries) if name in tiny],
         bulk_now=bulk_now,
     )
-    plan.bulk_hashed = [(plan.entries[i][0], plan.entries[i][2], plan.entries[i][3]) for i in plan.bulk]
-    plan.bulk_names = [plan.entries[i][0] for i in plan.bulk]
-    plan.sources = [i for _, i, _, _, _ in entries]
-    if gathered and plan.bulk:
-        bulk = [(sources[i], entries[i]) for i in plan.bulk]
+    out.bulk_hashed = [(out.entries[i][0], out.entries[i][2], out.entries[i][3]) for i in out.bulk]
+    out.bulk_names = [out.entries[i][0] for i in out.bulk]
+    out.sources = [i for _, i, _, _, _ in entries]
+    if gathered and out.bulk:
+        bulk = [(sources[i], entries[i]) for i in out.bulk]
         with contextlib.suppress(ValueError):  # (then the per-tensor copy)
-            plan.gather = Gather(
+            out.gather = Gather(
                 [t.data_ptr() for t, _ in bulk],
                 [e[3] for _, e in bulk],
                 [e[2] for _, e in bulk],
                 max(e[2] + e[3] for _, e in bulk),
             )
-    return plan, sources
+    return out, sources
 
 
 def register_device(sources: list[torch.Tensor], fake_register: bool) -> int | None:
