@@ -4,7 +4,7 @@ One job, below the commit rule and the backends: :func:`committed_steps` reads a
 :class:`~lightning_snapshot.backends.base.Backend` interface alone, so that the backends
 (:func:`~lightning_snapshot.backends.base.node_steps`) and everything above them (commit.py, which re-exports it,
 the writer, the loader, the restorer, the command) share one definition without the backends importing the commit
-rule. A snapshot without a manifest does not exist (DESIGN.md §4).
+rule. A snapshot without a manifest does not exist (``docs/format.md``, "The commit rule").
 """
 
 from __future__ import annotations

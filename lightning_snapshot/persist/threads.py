@@ -8,7 +8,8 @@ One thread per tier and rank, so a slow or unreachable tier (an object store dur
 others. Under DDP the ranks agree on each commit through a gloo process group per tier, created for this purpose
 (never the trainer's main group from a background thread). A tier that snapshots the same step as a local tier
 uploads the local tier's committed files, byte for byte, so the staging buffer is free as soon as the local tier is
-done (DESIGN.md §4: promotion is a byte copy). Results go to a queue the training thread reads at its next step.
+done (promotion is a byte copy: ``docs/format.md``, one format in every tier). Results go to a queue the training
+thread reads at its next step.
 """
 
 from __future__ import annotations

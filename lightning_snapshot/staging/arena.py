@@ -22,7 +22,8 @@ trainer on CUDA as on CPU. Where registration fails (no CUDA, a memory limit), t
 warning naming the reason. Each tensor of a snapshot gets a 64-byte aligned place in a slot, so the slot is, byte for
 byte, the data object the writer puts on disk (``O_DIRECT`` straight from it, since the slot starts on a page).
 
-Copy contract (see DESIGN.md §1.2): when a snapshot is staged (right before the next batch is fetched) the training
+Copy contract (``docs/architecture.md``, "How a snapshot is taken without stopping training"): when a snapshot is
+staged (right before the next batch is fetched) the training
 thread copies what the next forward changes (buffers, anything that is not a parameter or optimizer state)
 synchronously, and hands parameters and optimizer state to a copy thread (CPU: ``memmove`` in cache-sized blocks,
 each block hashed right after it is copied, while it is still in the cache; one thread, GIL released for both; CUDA:

@@ -6,7 +6,8 @@ where they are. The callback does all of that through this module (``SnapshotCal
 ``on_train_start`` call it): the methods it overrides on Lightning's objects are installed through one
 :class:`Patches` registry per fit, which undoes every one of them at ``teardown`` and after an exception (so no
 patched attribute outlives the fit), and the counters and flags it sets are set here, next to why.
-``../shared/notes/lightning-internals.md`` records what each relies on.
+Each entry says, next to the write, which behaviour of Lightning it relies on; ``tests/test_patches.py`` checks that
+no overridden method outlives a fit, whether it ended normally or raised.
 """
 
 from __future__ import annotations
