@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lightning_snapshot.backends.base import DEFAULT_KEEP_LAST
-from lightning_snapshot.backends.object_store_errors import _secret_values, redact, unavailable_reason
+from lightning_snapshot.backends.object_store_errors import redact, secret_values, unavailable_reason
 from lightning_snapshot.backends.object_store_uploads import ObjectStoreUploads
 from lightning_snapshot.errors import ConfigError
 
@@ -119,7 +119,7 @@ class ObjectStoreTier(ObjectStoreUploads):
             raise ConfigError("retry_initial and retry_max must be numbers with 0 < retry_initial <= retry_max")
         self.scheme = url.split("://", 1)[0].lower()
         self._options = dict(storage_options or {})
-        self._secrets = _secret_values(self._options)
+        self._secrets = secret_values(self._options)
         parsed = urllib.parse.urlsplit(url)
         if parsed.username or parsed.password or parsed.query:
             raise ConfigError(

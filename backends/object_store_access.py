@@ -14,11 +14,11 @@ import uuid
 from typing import Any
 
 from lightning_snapshot.backends.base import Backend
-from lightning_snapshot.backends.object_store_errors import _chain, redact, unavailable_reason
+from lightning_snapshot.backends.object_store_errors import exception_chain, redact, unavailable_reason
 from lightning_snapshot.errors import SnapshotNotFoundError, SnapshotWriteError, TierUnavailableError
 from lightning_snapshot.format.manifest import validate_key
 
-__all__ = ["ObjectStoreAccess"]
+__all__ = ["ObjectStoreAccess", "unix_time"]
 
 
 class ObjectStoreAccess(Backend):
@@ -104,7 +104,7 @@ class ObjectStoreAccess(Backend):
         and the tier) or a range that starts past the object's end (``EOFError``); others unchanged."""
         if isinstance(e, FileNotFoundError) and unavailable_reason(e) != "bucket":
             return FileNotFoundError(errno.ENOENT, f"no object {key!r} in the {self.scheme} tier {self.url!r}")
-        if any("InvalidRange" in str(x) or "not satisfiable" in str(x) for x in _chain(e)):  # HTTP 416
+        if any("InvalidRange" in str(x) or "not satisfiable" in str(x) for x in exception_chain(e)):  # HTTP 416
             return EOFError(f"{key!r} in {self.url!r} ends before the range asked for ({what})")
         return self._unavailable(f"{what} {key!r}", e) or e
 
@@ -199,7 +199,7 @@ class ObjectStoreAccess(Backend):
             return None
         except Exception as e:  # translated at the boundary
             raise self._error("looking up", key, e) from e
-        times = [_unix_time(info.get("LastModified", info.get("mtime"))) for info in infos.values()]
+        times = [unix_time(info.get("LastModified", info.get("mtime"))) for info in infos.values()]
         known = [t for t in times if t is not None]
         return max(known) if known and len(known) == len(times) else None
 
@@ -222,7 +222,7 @@ class ObjectStoreAccess(Backend):
         )
 
 
-def _unix_time(value: Any) -> float | None:
+def unix_time(value: Any) -> float | None:
     """A timestamp from a listing (a datetime, or a number of seconds) as Unix time; None when there is none."""
     if isinstance(value, _dt.datetime):
         if value.tzinfo is None:

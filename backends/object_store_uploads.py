@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from lightning_snapshot.backends.object_store_access import ObjectStoreAccess, _unix_time
+from lightning_snapshot.backends.object_store_access import ObjectStoreAccess, unix_time
 from lightning_snapshot.errors import SnapshotWriteError
 
 __all__ = ["ObjectStoreUploads"]
@@ -111,10 +111,10 @@ class ObjectStoreUploads(ObjectStoreAccess):
         while True:
             listing = call("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **markers)
             for upload in listing.get("Uploads", []):
-                modified = _unix_time(upload.get("Initiated")) or 0.0
+                modified = unix_time(upload.get("Initiated")) or 0.0
                 parts = call("list_parts", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
                 for part in parts.get("Parts", []):
-                    modified = max(modified, _unix_time(part.get("LastModified")) or 0.0)
+                    modified = max(modified, unix_time(part.get("LastModified")) or 0.0)
                 uploads.append(
                     {"key": upload["Key"][len(prefix) :], "upload_id": upload["UploadId"], "modified": modified}
                 )
