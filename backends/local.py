@@ -165,7 +165,7 @@ class LocalTier(Backend):
     @property
     def node_leader(self) -> bool:
         """Whether this rank writes what its node holds once (the manifest copy, retention): node-local only."""
-        return self.layout.node_local and self.layout.local_rank == 0
+        return self.layout.node_leader
 
     # ------------------------------------------------------------------------------------------- bytes
     def write(self, key: str, buffers: Iterable[bytes | bytearray | memoryview]) -> int:

@@ -79,7 +79,7 @@ class NodeTransfers:
 
         def inventory() -> dict[str, Any] | None:
             """(A node's first rank) what its node holds of the step: the manifest, and each object's size."""
-            if not (layout.node_local and layout.local_rank == 0):
+            if not layout.node_leader:
                 return None
             try:
                 held: dict[str, Any] = {
@@ -107,8 +107,10 @@ class NodeTransfers:
 
         def manifest_bytes() -> bytes:
             try:
-                return files.read(f"{prefix}/{MANIFEST_NAME}")
-            except OSError as e:
+                data = files.read(f"{prefix}/{MANIFEST_NAME}")
+                data.decode()  # (a manifest is text: bytes that are not fail here, on the rank that read them)
+                return data
+            except (OSError, UnicodeDecodeError) as e:
                 raise SnapshotError(
                     f"rank {comm.rank} (node {layout.node_rank}) cannot read the manifest of {where_}:"
                     f" {type(e).__name__}: {e}. Check that node's disk, or resume from another tier"
