@@ -5,13 +5,17 @@ session.py (checks, set-up), writer.py and persist.py (write, commit, retention)
 reporting.py, ops.py and export.py, and the RAM tier's agent when it writes the durable tiers.
 
 A backend stores opaque objects under '/'-separated keys relative to its root and knows nothing about tensors or
-manifests. The engine asks it what it is (:attr:`Backend.tier`, :attr:`Backend.durable`); it never checks concrete
-classes. A tier keeps its schedule's options as plain data (:attr:`Backend.schedule_options`); the callback's
-configuration builds the schedule from them (:mod:`lightning_snapshot.schedule.schedules`), which holds no part of it
-here. Two
-mixins of :class:`Backend` have their own modules: :mod:`~lightning_snapshot.backends.portable` (a tier in another
-process: :meth:`Backend.spec`, pickling) and :mod:`~lightning_snapshot.backends.schedule_options` (the options read
-back: :attr:`Backend.every_n_train_steps` ..., :meth:`Backend.is_due`).
+manifests: where a tier needs to know which objects a step's restore reads (a node-local tier fetching what a node
+lacks), the engine tells it, as a :data:`NeededObjects` function of the manifest's bytes returning :class:`StepObject`
+entries (key, size, writer rank). The collectives a tier takes part in run over a
+:class:`~lightning_snapshot.dist.comm.Comm` (a tier's own group). The engine asks a tier what it is
+(:attr:`Backend.tier`, :attr:`Backend.durable`); it never checks concrete classes.
+
+A tier's schedule options are declared once, here: :meth:`Backend.__init__` validates them into
+:attr:`Backend.schedule_options` (plain data, read back as :attr:`Backend.every_n_train_steps` ... and
+:meth:`Backend.is_due`); the callback's configuration builds the schedule from them
+(:mod:`lightning_snapshot.schedule.schedules`), which holds no part of it here. A tier in another process
+(:meth:`Backend.spec`, pickling) is the mixin :class:`~lightning_snapshot.backends.portable.Portable`.
 
 Capabilities are declared, never probed with ``getattr``. Every optional feature a tier may have is declared here
 with a documented default that means "this tier does not do it", so the engine uses it directly:
@@ -37,24 +41,24 @@ from __future__ import annotations
 
 import abc
 import builtins
+import dataclasses
 import datetime as _dt
 import os
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 # (relative: the API page's static analysis, which sees backends/ as ``backends``, follows them to Backend's inherited
 # members)
 from lightning_snapshot.backends.portable import Portable, spec_class
-from lightning_snapshot.backends.schedule_options import ScheduleOptionsView
 from lightning_snapshot.dist.agree import agree_on
+from lightning_snapshot.dist.comm import Comm
 from lightning_snapshot.errors import ConfigError, SnapshotError, TierUnavailableError
 from lightning_snapshot.schedule.interval import DEFAULT_EVERY_N_TRAIN_STEPS, ScheduleOptions
 
 if TYPE_CHECKING:
     import threading
-    from collections.abc import Sequence
 
     from lightning_snapshot.staging import StagedState
 
@@ -65,9 +69,11 @@ __all__ = [
     "Backend",
     "Distributing",
     "LayoutSettling",
+    "NeededObjects",
     "NodeAgent",
     "NodeAgentHosting",
     "SharedSlot",
+    "StepObject",
 ]
 
 DEFAULT_KEEP_LAST = 3
@@ -76,7 +82,28 @@ Buffer = "bytes | bytearray | memoryview"
 _T = TypeVar("_T")
 
 
-class Backend(Portable, ScheduleOptionsView, abc.ABC):
+@dataclasses.dataclass(frozen=True)
+class StepObject:
+    """An object a restore of a step reads, as the engine tells a tier of it (the tier knows no manifest).
+
+    Attributes:
+        key: its name under the step's directory (``<run>-<rank>.bin``).
+        nbytes: its size.
+        writer: the rank that wrote it (named when it is lost).
+    """
+
+    key: str
+    nbytes: int
+    writer: int
+
+
+#: What a restore of a step reads, from the bytes of the step's manifest (the engine's function: it reads its own
+#: format). A node-local tier fetches these to the nodes that lack them before the engine reads
+#: (:meth:`Backend.restore`).
+NeededObjects = Callable[[bytes], Sequence[StepObject]]
+
+
+class Backend(Portable, abc.ABC):
     """A storage tier: where snapshots go, how often, and how many are kept.
 
     Keys are '/'-separated and relative to the tier's root; every method that takes one refuses a key that could
@@ -172,6 +199,43 @@ class Backend(Portable, ScheduleOptionsView, abc.ABC):
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise ConfigError(f"keep_last must be an integer >= 1, or None to keep every snapshot, got {keep_last!r}")
         self.keep_last = keep_last
+
+    # ------------------------------------------------------------------------------------------- schedule options
+    @property
+    def every_n_train_steps(self) -> int | None:
+        """The step interval the tier starts with (with ``"auto"``: the first one, which the callback's schedule then
+        re-estimates), or None (by time only)."""
+        return self.schedule_options.every
+
+    @property
+    def auto_every(self) -> bool:
+        """Whether ``every_n_train_steps="auto"`` was asked for."""
+        return self.schedule_options.auto
+
+    @property
+    def train_time_interval(self) -> _dt.timedelta | None:
+        return self.schedule_options.time_interval
+
+    @property
+    def min_every(self) -> int:
+        return self.schedule_options.min_every
+
+    @property
+    def max_every(self) -> int | None:
+        return self.schedule_options.max_every
+
+    def is_due(self, step: int, seconds_since_last: float | None, steps_since_last: int | None = None) -> bool:
+        """Whether a snapshot of ``step`` is due in this tier, by its options (with ``"auto"``: at the first interval;
+        a fit decides with its own schedule of the tier, which holds the interval in use).
+
+        Args:
+            step: the trainer's ``global_step`` after the optimizer step that just finished.
+            seconds_since_last: wall time since this tier's last snapshot (or since training started).
+            steps_since_last: optimizer steps since this tier's last snapshot in this fit (or since it started);
+                with ``every_n_train_steps="auto"`` the snapshot is due when it reaches the interval.
+        """
+        options = self.schedule_options
+        return options.is_due(step, seconds_since_last, steps_since_last, options.every)
 
     # ------------------------------------------------------------------------------------------- identity
     @property
@@ -298,21 +362,25 @@ class Backend(Portable, ScheduleOptionsView, abc.ABC):
         """``text`` (an error message) with this tier's credentials removed; the default returns it unchanged."""
         return text
 
-    def publish(self, comm: Any, key: str, data: bytes) -> None:
+    def publish(self, comm: Comm, key: str, data: bytes) -> None:
         """Commit the manifest ``key`` on this node (collective over ``comm``, :attr:`node_local` tiers only: the
         writer commits a shared tier's manifest once, with :meth:`commit`). The default: the node's
         :attr:`node_leader` commits the node's copy."""
         if self.node_leader:
             self.commit(key, data)
 
-    def collective_steps(self, comm: Any) -> builtins.list[int] | None:  # (``list`` here is the method above)
+    def collective_steps(self, comm: Comm) -> builtins.list[int] | None:  # (``list`` here is the method above)
         """Steps committed on any node, newest first (collective: every rank calls it; :attr:`node_local` tiers,
         whose nodes each hold their own). The default, None: the tier is listed by one rank, as a shared one."""
         return None
 
-    def restore(self, comm: Any, step: int, read: Callable[[], _T]) -> _T:
+    def restore(self, comm: Comm, step: int, read: Callable[[], _T], needed: NeededObjects | None = None) -> _T:
         """Restore ``step`` through ``read()`` (collective over ``comm`` for :attr:`node_local` tiers: each node
         first makes every object of the step readable, and what that added is freed after). The default: ``read()``.
+
+        ``needed`` is the engine's answer to which objects the read needs, from the manifest's bytes (a tier moves
+        bytes and knows no manifest); a node-local tier that fetches objects between nodes fetches those. None: every
+        object of the step that some node holds.
 
         Raises:
             SnapshotError: the step's objects cannot be made readable (and whatever ``read`` raises).
@@ -342,7 +410,7 @@ class Distributing(Protocol):
     anything is committed (the erasure-coded RAM tier): the writer calls :meth:`distribute` on every rank and then
     agrees on the result over the process group, a collective step other tiers do not take."""
 
-    def distribute(self, comm: Any, prefix: str, run_id: str | None) -> None:
+    def distribute(self, comm: Comm, prefix: str, run_id: str | None) -> None:
         """Send this rank's new objects under ``prefix`` (of ``run_id``) where they belong (collective)."""
 
 
@@ -355,7 +423,7 @@ class LayoutSettling(Protocol):
     def bind(self, *, node_rank: int, num_nodes: int, local_rank: int, ranks_per_node: int) -> None:
         """Place the tier in the job (every rank, at set-up)."""
 
-    def settle_layout(self, comm: Any, run_id: str) -> str:
+    def settle_layout(self, comm: Comm, run_id: str) -> str:
         """Decide whether the directory is shared or node-local (collective); returns how it was settled."""
 
 
@@ -462,7 +530,7 @@ class NodeAgentHosting(Protocol):
         """Link this rank to its node's agent, which will write ``tiers`` (durable, shared ones) for it."""
 
 
-def node_steps(tier: Backend, comm: Any) -> builtins.list[int]:
+def node_steps(tier: Backend, comm: Comm) -> builtins.list[int]:
     """:meth:`Backend.collective_steps` of a :attr:`~Backend.node_local` tier: the steps committed on any node, newest
     first (collective: every rank calls it; each node's first rank lists its node). A listing that fails on some node
     fails on every rank, with the same error naming the rank, so that the ranks stay in step (the ranks that listed

@@ -1,9 +1,9 @@
 """The local tier's files: paths under the root (no symlink out of it), writes (``O_DIRECT`` where it can, a hidden
-temporary file renamed into place), ranged reads, listing, deletion; the permissions of what it creates.
+temporary file renamed into place, fsynced), ranged reads, listing, deletion; the permissions of what it creates.
 
-:class:`LocalFiles` is the file I/O of :class:`~lightning_snapshot.backends.local.LocalTier` (its base class), which
-adds the tier's place in a multi-node job (:mod:`~lightning_snapshot.backends.local_layout`,
-:mod:`~lightning_snapshot.backends.local_transfers`) and its options.
+:class:`LocalFiles` is a part that :class:`~lightning_snapshot.backends.local.LocalTier` holds (its ``files``) and
+delegates its bytes to; the RAM tier reaches its node's files through its node store's ``files`` too. It knows no job
+(that is :mod:`~lightning_snapshot.backends.local_layout`) and no snapshot format beyond the keys' rules.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
-from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.backends.mapped_files import create_file, pread_all, pwrite_all
 from lightning_snapshot.errors import (
     ConfigError,
@@ -72,21 +71,64 @@ def dir_mode_for(mode: int) -> int:
     return mode | (mode & 0o444) >> 2
 
 
-class LocalFiles(Backend):
-    """Snapshots as files under :attr:`root` (see :class:`~lightning_snapshot.backends.local.LocalTier`, which sets
-    the attributes below)."""
+class LocalFiles:
+    """The files under :attr:`root`: every path checked to stay in it, the bytes written whole and durably.
 
-    root: Path
-    bytes_read: int
-    #: Exact permissions of the files the tier creates (None: ``file_mode`` less the umask).
-    mode: int | None
-    file_mode: int
-    direct_io: bool
-    direct_bytes: int
-    _count_lock: threading.Lock
+    Thread-safe where :class:`~lightning_snapshot.backends.base.Backend` says its methods are (``read_into`` from
+    several threads: :meth:`count_read` counts under a lock).
+
+    Args:
+        root: the directory (the layout moves it when the job places the tier: :meth:`move_to`).
+        mode: exact permissions of the files created (None: ``file_mode`` less the umask).
+        file_mode: permissions of the files created, less the umask, when ``mode`` is None.
+        direct_io: write page-aligned buffers with ``O_DIRECT`` (turned off by itself where the filesystem refuses).
+        where: how errors name the tier ("the local tier").
+    """
+
+    def __init__(
+        self, root: Path, *, mode: int | None, file_mode: int, direct_io: bool, where: str = "the local tier"
+    ) -> None:
+        self.root = root
+        #: Exact permissions of the files created (None: ``file_mode`` less the umask).
+        self.mode = mode
+        self.file_mode = file_mode
+        #: Write page-aligned buffers with O_DIRECT (turned off by itself where the filesystem refuses it).
+        self.direct_io = direct_io
+        self.where = where
+        self.init_process_state()
+
+    # ------------------------------------------------------------------------------------------- process state
+    def init_process_state(self) -> None:
+        """This process's counters and lock (made again where the files were unpickled)."""
+        #: Bytes written with O_DIRECT so far in this process (a counter for tests and benchmarks).
+        self.direct_bytes = 0
+        #: Bytes read with ranged reads in this process (``read_into``; a counter: resharding reads only what each
+        #: rank needs).
+        self.bytes_read = 0
+        #: Guards :attr:`bytes_read` (``read_into`` runs on several threads).
+        self.count_lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, object]:
+        state = dict(self.__dict__)
+        for name in ("direct_bytes", "bytes_read", "count_lock"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self.init_process_state()
+
+    def move_to(self, root: Path) -> None:
+        """Use ``root`` from now on (the layout placed the tier on its node)."""
+        self.root = root
+
+    def count_read(self, nbytes: int) -> None:
+        """Add ``nbytes`` to :attr:`bytes_read` (thread-safe; also for reads made by the RAM tier from its shares)."""
+        with self.count_lock:
+            self.bytes_read += nbytes
 
     # ------------------------------------------------------------------------------------------- paths
-    def _path(self, key: str, *, allow_root: bool = False) -> Path:
+    def path(self, key: str, *, allow_root: bool = False) -> Path:
         if allow_root and key == "":
             return self.root
         validate_key(key)
@@ -101,17 +143,17 @@ class LocalFiles(Backend):
             )
         return path
 
-    def _fail(self, key: str, e: OSError, nbytes: int | None = None) -> SnapshotWriteError:
+    def fail(self, key: str, e: OSError, nbytes: int | None = None) -> SnapshotWriteError:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             need = f" (after {nbytes} bytes)" if nbytes is not None else ""
             return StorageFullError(
                 e.errno,
-                f"no space left on device while writing {key!r}{need} to the local tier {str(self.root)!r}:"
+                f"no space left on device while writing {key!r}{need} to {self.where} {str(self.root)!r}:"
                 " free disk space, lower keep_last or snapshot less often. Earlier snapshots are intact",
             )
-        return SnapshotWriteError(e.errno, f"writing {key!r} to the local tier {str(self.root)!r} failed: {e}")
+        return SnapshotWriteError(e.errno, f"writing {key!r} to {self.where} {str(self.root)!r} failed: {e}")
 
-    def _mkdirs(self, path: Path) -> None:
+    def mkdirs(self, path: Path) -> None:
         """Create ``path`` and its missing parents: with ``mode``'s directory permissions exactly when given, else
         under the umask. Directories that exist are left as they are."""
         if self.mode is None:
@@ -134,7 +176,7 @@ class LocalFiles(Backend):
             os.chmod(d, dmode)  # (exactly, whatever the umask)
 
     @staticmethod
-    def _fsync_dir(path: Path) -> None:
+    def fsync_dir(path: Path) -> None:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
         try:
             os.fsync(fd)
@@ -151,11 +193,11 @@ class LocalFiles(Backend):
         CPU copy into it; the unaligned tail, other buffers, and filesystems that refuse ``O_DIRECT`` (tmpfs) use
         ordinary writes.
         """
-        path = self._path(key)
+        path = self.path(key)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
         total = 0
         try:
-            self._mkdirs(path.parent)
+            self.mkdirs(path.parent)
             fd = create_file(tmp, os.O_WRONLY | os.O_TRUNC, self.mode, self.file_mode)
             direct_fd = -1
             try:
@@ -183,11 +225,11 @@ class LocalFiles(Backend):
                 if direct_fd >= 0:
                     os.close(direct_fd)
             os.replace(tmp, path)
-            self._fsync_dir(path.parent)
+            self.fsync_dir(path.parent)
         except OSError as e:
             with contextlib.suppress(OSError):
                 tmp.unlink()
-            raise self._fail(key, e, total) from e
+            raise self.fail(key, e, total) from e
         return total
 
     def _open_direct(self, path: Path) -> int:
@@ -206,11 +248,11 @@ class LocalFiles(Backend):
         self.write(key, [data])
 
     def read(self, key: str) -> bytes:
-        return self._path(key).read_bytes()
+        return self.path(key).read_bytes()
 
     def read_view(self, key: str) -> memoryview:
         """The object mapped read-only into memory (no copy; pages come from the page cache or the disk)."""
-        with open(self._path(key), "rb") as f:
+        with open(self.path(key), "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size == 0:
                 return memoryview(b"")
@@ -220,19 +262,18 @@ class LocalFiles(Backend):
         """Thread-safe; ``preadv`` straight into ``out`` (the GIL is released while the kernel copies)."""
         view = memoryview(out).cast("B")
         total = view.nbytes
-        fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(self.path(key), os.O_RDONLY | os.O_CLOEXEC)
         try:
             if pread_all(fd, view, offset) < total:
                 raise EOFError(f"{key!r} in {str(self.root)!r} ends before byte {offset + total}")
         finally:
             os.close(fd)
-        with self._count_lock:
-            self.bytes_read += total
+        self.count_read(total)
 
     def list(self, prefix: str = "") -> list[str]:
         """Raises ``OSError`` when the tier's root exists and cannot be listed (not a directory, no permission);
         a root or prefix that does not exist lists as empty."""
-        path = self._path(prefix, allow_root=True)
+        path = self.path(prefix, allow_root=True)
         try:
             return sorted(p.name for p in path.iterdir() if not p.name.startswith("."))
         except FileNotFoundError:
@@ -243,7 +284,7 @@ class LocalFiles(Backend):
             return []
 
     def delete(self, key: str) -> None:
-        path = self._path(key)
+        path = self.path(key)
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
         else:
@@ -251,12 +292,12 @@ class LocalFiles(Backend):
                 path.unlink()
 
     def exists(self, key: str) -> bool:
-        return self._path(key).is_file()
+        return self.path(key).is_file()
 
     def modified(self, key: str) -> float | None:
         """The newest ``st_mtime`` of ``key`` and of every file and directory under it (hidden ones included: a
         manifest being committed is a hidden temporary file); a file being written changes it with every write."""
-        path = self._path(key)
+        path = self.path(key)
         newest: float | None = None
         try:
             newest = path.lstat().st_mtime

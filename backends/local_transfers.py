@@ -1,6 +1,10 @@
-"""A node-local local tier across nodes: the steps any node holds, and a restore that first fetches the objects a
-node lacks from the nodes that hold them over the process group (gloo), then frees them (:class:`NodeTransfers`, a
-base class of :class:`~lightning_snapshot.backends.local.LocalTier`).
+"""A node-local local tier across nodes: a restore that first fetches the objects a node lacks from the nodes that
+hold them over the process group (gloo), then frees them.
+
+:class:`NodeTransfers` is a part that :class:`~lightning_snapshot.backends.local.LocalTier` holds (its ``transfers``)
+and its :meth:`~lightning_snapshot.backends.local.LocalTier.restore` delegates to. It moves bytes and agrees on each
+step with the other ranks; which objects a step needs is the engine's to say (a :data:`~lightning_snapshot.backends.
+base.NeededObjects` function of the manifest's bytes): nothing here reads a manifest.
 """
 
 from __future__ import annotations
@@ -8,139 +12,140 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, cast
 
-from lightning_snapshot.backends.base import node_steps
+from lightning_snapshot.backends.base import NeededObjects, StepObject
+from lightning_snapshot.backends.local_files import LocalFiles
 from lightning_snapshot.backends.local_layout import LocalLayout
-from lightning_snapshot.backends.mapped_files import close_map, exchange, map_existing, map_new
+from lightning_snapshot.backends.mapped_files import close_map, exchange, group_of, map_existing, map_new
 from lightning_snapshot.dist import agree
+from lightning_snapshot.dist.comm import Comm, TensorComm
 from lightning_snapshot.errors import SnapshotError, SnapshotNotFoundError
+from lightning_snapshot.format.manifest import MANIFEST_NAME, step_dirname
 
 __all__ = ["NodeTransfers"]
 
 log = logging.getLogger(__name__)
 
-_T = TypeVar("_T")
 
+class NodeTransfers:
+    """The node-to-node restore of a node-local directory: :meth:`prepare_restore` and :meth:`finish_restore`.
 
-def _needed_objects(manifest: Any, world_size: int) -> set[str]:
-    """The objects a restore into ``world_size`` ranks reads: those of the shared tensors, and those of the rank
-    sections it restores (every rank's at the same world size; at another, rank 0's, for the data position)."""
-    ranks = range(world_size) if manifest.world_size == world_size else [0]
-    entries = list(manifest.tensors)
-    for r in ranks:
-        section = manifest.rank_section(r)
-        if section is not None:
-            entries += section.tensors
-    return {f.object for t in entries for f in t.fragments}
+    Args:
+        files: the tier's files on this node.
+        layout: this rank's place in the job (which ranks are the nodes' first ranks).
+    """
 
+    def __init__(self, files: LocalFiles, layout: LocalLayout) -> None:
+        self.files = files
+        self.layout = layout
+        self.init_process_state()
 
-class NodeTransfers(LocalLayout):
-    """The collective steps of a node-local directory: :meth:`collective_steps` and :meth:`restore`."""
+    def init_process_state(self) -> None:
+        """This process's list of fetched files (made again where the part was unpickled)."""
+        #: Files a node-local restore fetched from other nodes (deleted by :meth:`finish_restore`).
+        self.fetched: list[Path] = []
 
-    #: Files a node-local restore fetched from other nodes (deleted by :meth:`finish_restore`).
-    _fetched: list[Path]
+    def __getstate__(self) -> dict[str, object]:
+        state = dict(self.__dict__)
+        state.pop("fetched", None)
+        return state
 
-    def collective_steps(self, comm: Any) -> list[int]:
-        """Steps whose manifest any node holds, newest first (collective; node-local tiers: see
-        :func:`~lightning_snapshot.backends.base.node_steps`)."""
-        return node_steps(self, comm)
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self.init_process_state()
 
-    def restore(self, comm: Any, step: int, read: Callable[[], _T]) -> _T:
-        """Restore ``step`` (collective): node-local, first make every object of it readable on this node
-        (:meth:`prepare_restore`), then ``read()``, then free what was fetched. Shared: ``read()``."""
-        if not self.node_local:
-            return read()
-        try:
-            self.prepare_restore(comm, step)
-            return read()
-        finally:
-            self.finish_restore()
-
-    def prepare_restore(self, comm: Any, step: int) -> None:
+    def prepare_restore(self, comm: Comm, step: int, needed: NeededObjects | None) -> None:
         """Make every object of ``step`` readable on this node (collective; node-local tiers).
 
         The first rank of each node says what its node holds; objects a node lacks (the other nodes' ranks' data,
         needed because every rank writes a share of the replicated state, and after a change of world size) are sent
         to it over ``comm`` (gloo) from the lowest node that holds them, and the manifest too where it lacks one.
 
+        Args:
+            comm: the tier's group (every rank of the job calls this).
+            step: the step to restore.
+            needed: the objects a restore of the step reads, from the manifest's bytes (the engine's reading of its
+                own format: each object's key, size and writer rank); None: every object some node holds.
+
         Raises:
             SnapshotError: on every rank together, when some object is on no node of the job (a replaced node with
                 an empty disk, or a lost one): naming the nodes that lack the step.
         """
-        from lightning_snapshot.format.manifest import MANIFEST_NAME, Manifest, step_dirname
-
+        files, layout, url = self.files, self.layout, self.layout.url
         prefix = step_dirname(step)
-        world = getattr(comm, "world_size", 1)
-        where_ = f"step {step} of the node-local tier {self.url}"
+        where_ = f"step {step} of the node-local tier {url}"
 
         def inventory() -> dict[str, Any] | None:
             """(A node's first rank) what its node holds of the step: the manifest, and each object's size."""
-            if not self.node_leader:
+            if not layout.node_leader:
                 return None
             try:
                 held: dict[str, Any] = {
-                    "node": self.node_rank,
-                    "manifest": self.exists(f"{prefix}/{MANIFEST_NAME}"),
+                    "node": layout.node_rank,
+                    "manifest": files.exists(f"{prefix}/{MANIFEST_NAME}"),
                     "objects": {},
                 }
-                for name in self.list(prefix):
+                for name in files.list(prefix):
                     if name.endswith(".bin"):
-                        held["objects"][name] = self._path(f"{prefix}/{name}").stat().st_size
+                        held["objects"][name] = files.path(f"{prefix}/{name}").stat().st_size
             except OSError as e:
                 raise SnapshotError(
-                    f"rank {comm.rank} (node {self.node_rank}) cannot list {where_}: {type(e).__name__}: {e}."
+                    f"rank {comm.rank} (node {layout.node_rank}) cannot list {where_}: {type(e).__name__}: {e}."
                     " Check that node's disk, or resume from another tier"
                 ) from e
             return held
 
         # every rank takes part even where a node's disk fails: that failure is every rank's error, at once
-        gathered = agree.all_gather(comm, f"listing what each node holds of {where_}", inventory)
+        gathered = agree.all_gather(cast("TensorComm", comm), f"listing what each node holds of {where_}", inventory)
         invs = {r: i for r, i in enumerate(gathered) if i is not None}  # the node leaders' inventories
         leaders = list(invs)
         holders = [r for r in leaders if invs[r]["manifest"]]
         if not holders:
-            raise SnapshotNotFoundError(f"no node holds the manifest of step {step} in the local tier {self.url}")
+            raise SnapshotNotFoundError(f"no node holds the manifest of step {step} in the local tier {url}")
 
-        def manifest_text() -> str:
+        def manifest_bytes() -> bytes:
             try:
-                return self.read(f"{prefix}/{MANIFEST_NAME}").decode()
+                data = files.read(f"{prefix}/{MANIFEST_NAME}")
+                data.decode()  # (a manifest is text: bytes that are not fail here, on the rank that read them)
+                return data
             except (OSError, UnicodeDecodeError) as e:
                 raise SnapshotError(
-                    f"rank {comm.rank} (node {self.node_rank}) cannot read the manifest of {where_}:"
+                    f"rank {comm.rank} (node {layout.node_rank}) cannot read the manifest of {where_}:"
                     f" {type(e).__name__}: {e}. Check that node's disk, or resume from another tier"
                 ) from e
 
-        text = agree.broadcast(comm, f"reading the manifest of {where_}", manifest_text, src=holders[0])
-        manifest = Manifest.from_json(text, where=f"manifest of {prefix} in the local tier {self.url}")
-        needed = _needed_objects(manifest, world)
-        where: dict[str, list[int]] = {}
-        for o in manifest.objects:
-            where[o.key] = [r for r in leaders if invs[r]["objects"].get(o.key) == o.nbytes]
-        lost = sorted({o.rank for o in manifest.objects if o.key in needed and not where[o.key]})
+        data = agree.broadcast(comm, f"reading the manifest of {where_}", manifest_bytes, src=holders[0])
+        if needed is not None:
+            objects: list[StepObject] = list(needed(data))
+        else:  # (every object held somewhere, at the size its lowest holder has)
+            sizes: dict[str, int] = {}
+            for r in reversed(leaders):
+                sizes.update(invs[r]["objects"])
+            objects = [StepObject(key, nbytes, -1) for key, nbytes in sorted(sizes.items())]
+        where: dict[str, list[int]] = {
+            o.key: [r for r in leaders if invs[r]["objects"].get(o.key) == o.nbytes] for o in objects
+        }
+        lost = sorted({o.writer for o in objects if not where[o.key]})
         if lost:
             lacking = sorted(invs[r]["node"] for r in leaders if not invs[r]["manifest"]) or sorted(
                 invs[r]["node"] for r in leaders
             )
             raise SnapshotError(
                 f"node(s) {', '.join(map(str, lacking))} of this job do not hold step {step} of the node-local tier"
-                f" {self.url}, and the data of rank(s) {', '.join(map(str, lost))} is on no node (a replaced node with"
+                f" {url}, and the data of rank(s) {', '.join(map(str, lost))} is on no node (a replaced node with"
                 " an empty disk, or a lost one)"
             )
         transfers = [
-            (where[o.key][0], dst, o.key, o.nbytes)
-            for dst in leaders
-            for o in manifest.objects
-            if o.key in needed and dst not in where[o.key]
+            (where[o.key][0], dst, o.key, o.nbytes) for dst in leaders for o in objects if dst not in where[o.key]
         ]
-        self._fetched = []
+        self.fetched = []
         mine = [t for t in transfers if comm.rank in t[:2]] if comm.rank in leaders else []
         # each rank opens its side of the transfers (a failure: every rank's error before anything is sent), sends
         # and receives, then puts what it received in place (a failure there too: every rank's error, at once)
         opened = agree.agree_on(
-            comm, f"opening the files to fetch {where_}", lambda: self._open_transfers(comm, mine, prefix)
+            comm, f"opening the files to fetch {where_}", lambda: self.open_transfers(comm, mine, prefix)
         )
         sends, receives, received = opened.value or ([], [], [])
         if not opened.ok:
@@ -148,19 +153,19 @@ class NodeTransfers(LocalLayout):
                 close_map(mm)
             opened.result()
         if mine:
-            exchange(comm.group, sends, receives)
+            exchange(group_of(comm), sends, receives)
 
         def place() -> None:
             try:
                 for tmp, path in received:
                     os.replace(tmp, path)
-                    self._fetched.append(path)
+                    self.fetched.append(path)
                 if comm.rank in leaders and not invs[comm.rank]["manifest"]:
-                    self.commit(f"{prefix}/{MANIFEST_NAME}", text.encode())
-                    self._fetched.append(self._path(f"{prefix}/{MANIFEST_NAME}"))
+                    files.commit(f"{prefix}/{MANIFEST_NAME}", data)
+                    self.fetched.append(files.path(f"{prefix}/{MANIFEST_NAME}"))
             except OSError as e:
                 raise SnapshotError(
-                    f"rank {comm.rank} (node {self.node_rank}) cannot store what it fetched of {where_}:"
+                    f"rank {comm.rank} (node {layout.node_rank}) cannot store what it fetched of {where_}:"
                     f" {type(e).__name__}: {e}. Check that node's disk, or resume from another tier"
                 ) from e
 
@@ -168,13 +173,13 @@ class NodeTransfers(LocalLayout):
         if transfers:
             log.info(
                 "lightning-snapshot: local tier %s: fetched %d object(s) of step %d from other nodes",
-                self.url,
+                url,
                 len([t for t in transfers if t[1] == comm.rank]),
                 step,
             )
 
-    def _open_transfers(
-        self, comm: Any, transfers: list[tuple[int, int, str, int]], prefix: str
+    def open_transfers(
+        self, comm: Comm, transfers: list[tuple[int, int, str, int]], prefix: str
     ) -> tuple[list[tuple[Any, int]], list[tuple[Any, int]], list[tuple[Path, Path]]]:
         """This rank's side of ``transfers`` ((src, dst, object key, bytes)): the files it sends, mapped; the files
         it receives, mapped under a temporary name (renamed into place once complete). Every map is closed again
@@ -188,16 +193,15 @@ class NodeTransfers(LocalLayout):
         received: list[tuple[Path, Path]] = []
         try:
             for src, dst, key, nbytes in transfers:
-                path = self._path(f"{prefix}/{key}")
+                path = self.files.path(f"{prefix}/{key}")
                 if comm.rank == src:
-                    sends.append((map_existing(path, write=False), dist.get_global_rank(comm.group, dst)))
+                    sends.append((map_existing(path, write=False), dist.get_global_rank(group_of(comm), dst)))
                 else:
                     tmp = path.with_name(f".{path.name}.fetch-{os.getpid()}")
-                    self._mkdirs(path.parent)
+                    self.files.mkdirs(path.parent)
                     received.append((tmp, path))
-                    receives.append(
-                        (map_new(tmp, nbytes, self.mode, self.file_mode), dist.get_global_rank(comm.group, src))
-                    )
+                    mapped = map_new(tmp, nbytes, self.files.mode, self.files.file_mode)
+                    receives.append((mapped, dist.get_global_rank(group_of(comm), src)))
         except BaseException:
             for mm, _peer in sends + receives:
                 close_map(mm)
@@ -206,7 +210,7 @@ class NodeTransfers(LocalLayout):
 
     def finish_restore(self) -> None:
         """Delete what :meth:`prepare_restore` fetched: each node keeps only its own ranks' objects."""
-        fetched, self._fetched = self._fetched, []
+        fetched, self.fetched = self.fetched, []
         for path in fetched:
             with contextlib.suppress(OSError):
                 path.unlink()

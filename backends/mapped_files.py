@@ -20,6 +20,7 @@ __all__ = [
     "close_map",
     "create_file",
     "exchange",
+    "group_of",
     "map_existing",
     "map_new",
     "pread_all",
@@ -91,6 +92,12 @@ def close_map(mm: mmap.mmap | None) -> None:
         return
     with contextlib.suppress(BufferError):  # a tensor still views it: the mapping goes with the last reference
         mm.close()
+
+
+def group_of(comm: object) -> Any:
+    """The torch.distributed group a tier's comm runs on (a :class:`~lightning_snapshot.dist.comm.GroupComm`'s
+    ``group``), for the point-to-point transfers of whole files; None (the default group) for any other."""
+    return getattr(comm, "group", None)
 
 
 def exchange(

@@ -9,22 +9,26 @@ Commit rule for a store with no rename: data objects first, the manifest last, w
 manifest is invisible to the loader, and retention removes it. Large objects go up as concurrent multipart uploads
 (aborted on failure) read straight from the staging buffer.
 
-The tier is written in parts, each a base class of :class:`ObjectStoreTier`: the access to the store (its fsspec
-filesystem, failures translated, reads and listing: :mod:`~lightning_snapshot.backends.object_store_access`, with
-:mod:`~lightning_snapshot.backends.object_store_errors`) and the writes (uploads, the conditional commit, incomplete
-multipart uploads: :mod:`~lightning_snapshot.backends.object_store_uploads`). This module holds its options.
+The tier is one class that holds two parts and delegates to them: its access to the store (``access``: its fsspec
+filesystem, keys, failures translated and credentials redacted, reads and listing:
+:class:`~lightning_snapshot.backends.object_store_access.StoreAccess`, with
+:mod:`~lightning_snapshot.backends.object_store_errors`) and its writes (``uploads``: uploads, the conditional commit,
+incomplete multipart uploads: :class:`~lightning_snapshot.backends.object_store_uploads.Uploads`). This module holds
+its options and the delegation.
 """
 
 from __future__ import annotations
 
+import builtins
 import datetime as _dt
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from lightning_snapshot.backends.base import DEFAULT_KEEP_LAST
-from lightning_snapshot.backends.object_store_errors import _secret_values, redact, unavailable_reason
-from lightning_snapshot.backends.object_store_uploads import ObjectStoreUploads
+from lightning_snapshot.backends.base import DEFAULT_KEEP_LAST, Backend
+from lightning_snapshot.backends.object_store_access import StoreAccess
+from lightning_snapshot.backends.object_store_errors import redact, secret_values, unavailable_reason
+from lightning_snapshot.backends.object_store_uploads import Uploads
 from lightning_snapshot.errors import ConfigError
 
 __all__ = ["ObjectStoreTier", "redact", "unavailable_reason"]
@@ -42,7 +46,7 @@ _INSTALL_HINTS = {
 #: exception class names (botocore, aiohttp, fsspec) of a store that does not answer
 
 
-class ObjectStoreTier(ObjectStoreUploads):
+class ObjectStoreTier(Backend):
     """Snapshots in an object store or any other fsspec filesystem.
 
     Args:
@@ -68,8 +72,6 @@ class ObjectStoreTier(ObjectStoreUploads):
 
     tier = "object"
     durable = True
-    root: str  # (the declared capabilities this tier always has, with their types here)
-    bytes_read: int
     max_pending: int
     retry_initial: float
     retry_max: float
@@ -117,9 +119,9 @@ class ObjectStoreTier(ObjectStoreUploads):
             and 0 < retry_initial <= retry_max
         ):
             raise ConfigError("retry_initial and retry_max must be numbers with 0 < retry_initial <= retry_max")
-        self.scheme = url.split("://", 1)[0].lower()
-        self._options = dict(storage_options or {})
-        self._secrets = _secret_values(self._options)
+        scheme = url.split("://", 1)[0].lower()
+        options = dict(storage_options or {})
+        secrets = secret_values(options)
         parsed = urllib.parse.urlsplit(url)
         if parsed.username or parsed.password or parsed.query:
             raise ConfigError(
@@ -127,22 +129,19 @@ class ObjectStoreTier(ObjectStoreUploads):
                 " (URL options every/interval/keep are only for tier URL strings)"
             )
         try:
-            fs, root = fsspec.core.url_to_fs(url, **self._options)
+            fs, root = fsspec.core.url_to_fs(url, **options)
         except ImportError as e:
-            hint = _INSTALL_HINTS.get(self.scheme, f"install the fsspec implementation for {self.scheme}://")
-            raise ConfigError(f"{self.scheme}:// needs a package that is not installed: {hint}") from e
+            hint = _INSTALL_HINTS.get(scheme, f"install the fsspec implementation for {scheme}://")
+            raise ConfigError(f"{scheme}:// needs a package that is not installed: {hint}") from e
         except (ValueError, TypeError) as e:
-            raise ConfigError(f"cannot open {redact(url, self._secrets)}: {redact(str(e), self._secrets)}") from None
-        if self.scheme in ("file", "local"):
+            raise ConfigError(f"cannot open {redact(url, secrets)}: {redact(str(e), secrets)}") from None
+        if scheme in ("file", "local"):
             raise ConfigError("use LocalTier (or a plain path) for local files, not ObjectStoreTier")
-        self.tier = self.scheme
-        self._fs_url = url  # (for this process's filesystem object; never logged: ``url`` is the redacted form)
-        self._init_process_state()
-        self._set_fs(fs)
-        self.root = root.rstrip("/")
-        self._url = redact(url, self._secrets)
-        self.part_size = part_size
-        self.max_concurrency = max_concurrency
+        self.tier = scheme
+        #: The store: this process's filesystem, keys, reads, listing, failures translated.
+        self.access = StoreAccess(url, options, fs, root.rstrip("/"))
+        #: The writes: uploads, the conditional commit, incomplete multipart uploads.
+        self.uploads = Uploads(self.access, part_size, max_concurrency)
         self.max_pending = max_pending
         self.retry_initial = float(retry_initial)
         self.retry_max = float(retry_max)
@@ -150,14 +149,90 @@ class ObjectStoreTier(ObjectStoreUploads):
             raise ConfigError(f"drain_timeout must be a number of seconds >= 0 or None, got {drain_timeout!r}")
         self.drain_timeout = drain_timeout
 
-    # ------------------------------------------------------------------------------------------- process state
-    _process_local = ("_fs", "_fs_pid", "_pipe_params", "bytes_read")
+    # ------------------------------------------------------------------------------------------- identity, parts
+    @property
+    def url(self) -> str:
+        return self.access.url
 
-    def _init_process_state(self) -> None:
-        super()._init_process_state()
-        self._fs = None
-        self._fs_pid = -1
-        self._pipe_params = set()
-        #: bytes read with ranged reads in this process (a counter: resharding asserts each rank reads only what it
-        #: needs)
-        self.bytes_read = 0
+    @property
+    def scheme(self) -> str:
+        """The URL's scheme (``s3``...)."""
+        return self.access.scheme
+
+    @property
+    def root(self) -> str:  # type: ignore[override]  # (``bucket/prefix``, the access's)
+        return self.access.root
+
+    @property
+    def bytes_read(self) -> int:  # type: ignore[override]  # (counted by the access)
+        return self.access.bytes_read
+
+    @property
+    def fs(self) -> Any:
+        """This process's fsspec filesystem (see :attr:`StoreAccess.fs
+        <lightning_snapshot.backends.object_store_access.StoreAccess.fs>`)."""
+        return self.access.fs
+
+    @property
+    def part_size(self) -> int:
+        """Multipart upload part size in bytes."""
+        return self.uploads.part_size
+
+    @property
+    def max_concurrency(self) -> int:
+        """Parts uploaded at once."""
+        return self.uploads.max_concurrency
+
+    def redact(self, text: str) -> str:
+        """``text`` with this tier's credentials removed."""
+        return self.access.redact(text)
+
+    # ------------------------------------------------------------------------------------------- bytes
+    def write(self, key: str, buffers: Iterable[bytes | bytearray | memoryview]) -> int:
+        return self.uploads.write(key, buffers)
+
+    def commit(self, key: str, data: bytes) -> None:
+        """Create ``key`` with a conditional put; a committed object is never overwritten (see
+        :meth:`Uploads.commit <lightning_snapshot.backends.object_store_uploads.Uploads.commit>`)."""
+        self.uploads.commit(key, data)
+
+    def read(self, key: str) -> bytes:
+        return self.access.read(key)
+
+    def read_into(self, key: str, offset: int, out: memoryview) -> None:
+        self.access.read_into(key, offset, out)
+
+    def list(self, prefix: str = "") -> builtins.list[str]:
+        """A prefix that does not exist lists as empty; a missing bucket, refused credentials or an unreachable
+        store raise :class:`~lightning_snapshot.errors.TierUnavailableError`."""
+        return self.access.list(prefix)
+
+    def delete(self, key: str) -> None:
+        self.access.delete(key)
+
+    def exists(self, key: str) -> bool:
+        """Whether the object ``key`` exists (a prefix with objects under it is not an object)."""
+        return self.access.exists(key)
+
+    def modified(self, key: str) -> float | None:
+        """The newest ``LastModified`` (or ``mtime``) of the object ``key`` or of the objects under the prefix."""
+        return self.access.modified(key)
+
+    def require_exists(self) -> None:
+        self.access.require_exists()
+
+    def check(self) -> None:
+        """Write and delete a probe object (bucket exists, credentials accepted, endpoint answers); see
+        :meth:`Backend.check`."""
+        self.access.check()
+
+    # ------------------------------------------------------------------------------------------- uploads
+    def incomplete_uploads(self) -> builtins.list[dict[str, Any]]:
+        """Multipart uploads under the tier root started and neither completed nor aborted (S3 only)."""
+        return self.uploads.incomplete_uploads()
+
+    def abort_upload(self, upload: dict[str, Any]) -> None:
+        self.uploads.abort_upload(upload)
+
+    def abort_incomplete_uploads(self, older_than: float | None = None) -> int:
+        return self.uploads.abort_incomplete_uploads(older_than)

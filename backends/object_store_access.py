@@ -1,7 +1,9 @@
 """The object-store tier's access to its store: this process's fsspec filesystem, keys as paths under the root,
-failures translated at the boundary, and everything that reads (``read``, ``read_into``, ``list``, ``exists``,
-``modified``) or deletes (:class:`ObjectStoreAccess`, a base class of
-:class:`~lightning_snapshot.backends.object_store.ObjectStoreTier`).
+failures translated at the boundary (credentials redacted), and everything that reads (``read``, ``read_into``,
+``list``, ``exists``, ``modified``) or deletes.
+
+:class:`StoreAccess` is a part that :class:`~lightning_snapshot.backends.object_store.ObjectStoreTier` holds (its
+``access``) and delegates to; its uploads (:mod:`~lightning_snapshot.backends.object_store_uploads`) write through it.
 """
 
 from __future__ import annotations
@@ -13,33 +15,60 @@ import os
 import uuid
 from typing import Any
 
-from lightning_snapshot.backends.base import Backend
-from lightning_snapshot.backends.object_store_errors import _chain, redact, unavailable_reason
+from lightning_snapshot.backends.object_store_errors import exception_chain, redact, secret_values, unavailable_reason
 from lightning_snapshot.errors import SnapshotNotFoundError, SnapshotWriteError, TierUnavailableError
 from lightning_snapshot.format.manifest import validate_key
 
-__all__ = ["ObjectStoreAccess"]
+__all__ = ["StoreAccess", "unix_time"]
 
 
-class ObjectStoreAccess(Backend):
-    """Reads, listing and deletion in an fsspec filesystem (see
-    :class:`~lightning_snapshot.backends.object_store.ObjectStoreTier`, which sets the attributes below)."""
+class StoreAccess:
+    """Reads, listing and deletion in an fsspec filesystem, and the translation of its failures.
 
-    root: str
-    bytes_read: int
-    #: The URL's scheme (``s3``...).
-    scheme: str
-    _options: dict[str, Any]
-    _secrets: list[str]
-    _fs_url: str
-    _url: str
-    _fs: Any
-    _fs_pid: int
-    _pipe_params: set[str]
+    Args:
+        url: the tier's URL (for this process's filesystem object; never logged: :attr:`url` is the redacted form).
+        options: the fsspec ``storage_options`` (credentials: never logged).
+        fs: the filesystem made from them in this process.
+        root: ``bucket/prefix`` under which the keys are.
+    """
 
-    def _set_fs(self, fs: Any) -> None:
-        self._fs, self._fs_pid = fs, os.getpid()
-        self._pipe_params = set(inspect.signature(fs.pipe_file).parameters) | set(
+    def __init__(self, url: str, options: dict[str, Any], fs: Any, root: str) -> None:
+        #: The URL's scheme (``s3``...).
+        self.scheme = url.split("://", 1)[0].lower()
+        self.options = options
+        self.secrets = secret_values(options)
+        self.fs_url = url
+        #: The URL, credentials redacted: safe to log.
+        self.url = redact(url, self.secrets)
+        self.root = root
+        self.init_process_state()
+        self.set_fs(fs)
+
+    # ------------------------------------------------------------------------------------------- process state
+    def init_process_state(self) -> None:
+        """This process's filesystem (made on first use) and read counter (made again where unpickled)."""
+        self.fs_obj: Any = None
+        self.fs_pid = -1
+        #: The parameters of the filesystem's ``pipe_file`` (whether it takes ``mode``, ``chunksize``...).
+        self.pipe_params: set[str] = set()
+        #: bytes read with ranged reads in this process (a counter: resharding asserts each rank reads only what it
+        #: needs)
+        self.bytes_read = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        for name in ("fs_obj", "fs_pid", "pipe_params", "bytes_read"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.init_process_state()
+
+    def set_fs(self, fs: Any) -> None:
+        """Use ``fs`` in this process."""
+        self.fs_obj, self.fs_pid = fs, os.getpid()
+        self.pipe_params = set(inspect.signature(fs.pipe_file).parameters) | set(
             inspect.signature(getattr(fs, "_pipe_file", fs.pipe_file)).parameters
         )
 
@@ -47,36 +76,32 @@ class ObjectStoreAccess(Backend):
     def fs(self) -> Any:
         """This process's fsspec filesystem: made again in a process that unpickled the tier (``ddp_spawn``) or
         was forked from the one that made it (``ddp_fork``; async clients such as s3fs are not fork-safe)."""
-        if self._fs is None or self._fs_pid != os.getpid():
+        if self.fs_obj is None or self.fs_pid != os.getpid():
             import fsspec
 
-            self._set_fs(fsspec.core.url_to_fs(self._fs_url, **self._options)[0])
-        return self._fs
-
-    @property
-    def url(self) -> str:
-        return self._url
+            self.set_fs(fsspec.core.url_to_fs(self.fs_url, **self.options)[0])
+        return self.fs_obj
 
     def redact(self, text: str) -> str:
         """``text`` with this tier's credentials removed."""
-        return redact(text, self._secrets)
+        return redact(text, self.secrets)
 
-    def _path(self, key: str, *, allow_root: bool = False) -> str:
+    def path(self, key: str, *, allow_root: bool = False) -> str:
         if allow_root and key == "":
             return self.root
         return f"{self.root}/{validate_key(key)}"
 
-    def _error(self, what: str, key: str, e: BaseException) -> SnapshotWriteError:
+    def error(self, what: str, key: str, e: BaseException) -> SnapshotWriteError:
         """``e`` translated: a :class:`TierUnavailableError` naming the fix when the store is missing, refuses the
         credentials or does not answer, else a :class:`SnapshotWriteError`. Credentials are redacted."""
-        unavailable = self._unavailable(f"{what} {key!r}", e)
+        unavailable = self.unavailable(f"{what} {key!r}", e)
         if unavailable is not None:
             return unavailable
         return SnapshotWriteError(
             f"{what} {key!r} in the {self.scheme} tier {self.url!r} failed: {type(e).__name__}: {self.redact(str(e))}"
         )
 
-    def _unavailable(self, what: str, e: BaseException) -> TierUnavailableError | None:
+    def unavailable(self, what: str, e: BaseException) -> TierUnavailableError | None:
         reason = unavailable_reason(e)
         if reason is None:
             return None
@@ -99,18 +124,18 @@ class ObjectStoreAccess(Backend):
         detail = self.redact(f"{type(e).__name__}: {e}")
         return TierUnavailableError(f"the {self.scheme} tier {self.url!r}: {problem} ({what}: {detail}); {fix}")
 
-    def _read_error(self, what: str, key: str, e: BaseException) -> BaseException:
+    def read_error(self, what: str, key: str, e: BaseException) -> BaseException:
         """A read failure translated: the store unavailable, a missing object (a ``FileNotFoundError`` naming the key
         and the tier) or a range that starts past the object's end (``EOFError``); others unchanged."""
         if isinstance(e, FileNotFoundError) and unavailable_reason(e) != "bucket":
             return FileNotFoundError(errno.ENOENT, f"no object {key!r} in the {self.scheme} tier {self.url!r}")
-        if any("InvalidRange" in str(x) or "not satisfiable" in str(x) for x in _chain(e)):  # HTTP 416
+        if any("InvalidRange" in str(x) or "not satisfiable" in str(x) for x in exception_chain(e)):  # HTTP 416
             return EOFError(f"{key!r} in {self.url!r} ends before the range asked for ({what})")
-        return self._unavailable(f"{what} {key!r}", e) or e
+        return self.unavailable(f"{what} {key!r}", e) or e
 
     def check(self) -> None:
         """Write and delete a probe object (bucket exists, credentials accepted, endpoint answers); see
-        :meth:`Backend.check`."""
+        :meth:`~lightning_snapshot.backends.base.Backend.check`."""
         key = f".lightning-snapshot-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         path = f"{self.root}/{key}"
         try:
@@ -118,7 +143,7 @@ class ObjectStoreAccess(Backend):
             self.fs.rm(path)
         except Exception as e:  # translated: the tier is not usable
             raise (
-                self._unavailable("writing a probe object", e)
+                self.unavailable("writing a probe object", e)
                 or TierUnavailableError(
                     f"the {self.scheme} tier {self.url!r} cannot be written (probe object {key!r}):"
                     f" {self.redact(f'{type(e).__name__}: {e}')}; check the URL and storage_options"
@@ -126,23 +151,23 @@ class ObjectStoreAccess(Backend):
             ) from e
 
     def read(self, key: str) -> bytes:
-        path = self._path(key)
+        path = self.path(key)
         try:
             data = self.fs.cat_file(path)
         except Exception as e:  # translated at the boundary
-            raise self._read_error("reading", key, e) from e
+            raise self.read_error("reading", key, e) from e
         self.bytes_read += len(data)
         return data
 
     def read_into(self, key: str, offset: int, out: memoryview) -> None:
         view = memoryview(out).cast("B")
-        path = self._path(key)
+        path = self.path(key)
         if not view.nbytes:
             return  # (nothing to fill; a request for no bytes is refused by S3 as an unsatisfiable range)
         try:
             data = self.fs.cat_file(path, start=offset, end=offset + view.nbytes)
         except Exception as e:  # translated at the boundary
-            raise self._read_error("reading", key, e) from e
+            raise self.read_error("reading", key, e) from e
         self.bytes_read += len(data)
         if len(data) != view.nbytes:
             raise EOFError(f"{key!r} in {self.url!r} ends before byte {offset + view.nbytes}")
@@ -151,55 +176,55 @@ class ObjectStoreAccess(Backend):
     def list(self, prefix: str = "") -> list[str]:
         """A prefix that does not exist lists as empty; a missing bucket, refused credentials or an unreachable
         store raise :class:`TierUnavailableError`."""
-        path = self._path(prefix, allow_root=True)
+        path = self.path(prefix, allow_root=True)
         try:
             self.fs.invalidate_cache(path)
             entries = self.fs.ls(path, detail=False)
         except (FileNotFoundError, NotADirectoryError) as e:
             if unavailable_reason(e) == "bucket":
-                raise self._error("listing", prefix, e) from e
+                raise self.error("listing", prefix, e) from e
             return []
         except Exception as e:  # translated at the boundary
-            raise self._error("listing", prefix, e) from e
+            raise self.error("listing", prefix, e) from e
         # (an object lists as itself: it has no children)
         names = sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != path.rstrip("/")})
         return [n for n in names if n and not n.startswith(".")]
 
     def delete(self, key: str) -> None:
-        path = self._path(key)
+        path = self.path(key)
         try:
             self.fs.rm(path, recursive=True)
         except FileNotFoundError as e:
             if unavailable_reason(e) == "bucket":
-                raise self._error("deleting", key, e) from e
+                raise self.error("deleting", key, e) from e
         except Exception as e:  # translated at the boundary
-            raise self._error("deleting", key, e) from e
+            raise self.error("deleting", key, e) from e
         self.fs.invalidate_cache(path)
 
     def exists(self, key: str) -> bool:
         """Whether the object ``key`` exists (a prefix with objects under it is not an object)."""
-        path = self._path(key)
+        path = self.path(key)
         try:
             self.fs.invalidate_cache(path)
             return self.fs.info(path)["type"] == "file"
         except FileNotFoundError as e:
             if unavailable_reason(e) == "bucket":
-                raise self._error("looking up", key, e) from e
+                raise self.error("looking up", key, e) from e
             return False
         except Exception as e:  # translated at the boundary
-            raise self._error("looking up", key, e) from e
+            raise self.error("looking up", key, e) from e
 
     def modified(self, key: str) -> float | None:
         """The newest ``LastModified`` (or ``mtime``) of the object ``key`` or of the objects under the prefix."""
-        path = self._path(key)
+        path = self.path(key)
         try:
             self.fs.invalidate_cache(path)
             infos = self.fs.find(path, detail=True, withdirs=False)
         except FileNotFoundError:
             return None
         except Exception as e:  # translated at the boundary
-            raise self._error("looking up", key, e) from e
-        times = [_unix_time(info.get("LastModified", info.get("mtime"))) for info in infos.values()]
+            raise self.error("looking up", key, e) from e
+        times = [unix_time(info.get("LastModified", info.get("mtime"))) for info in infos.values()]
         known = [t for t in times if t is not None]
         return max(known) if known and len(known) == len(times) else None
 
@@ -211,7 +236,7 @@ class ObjectStoreAccess(Backend):
             bucket, sep, _ = self.root.strip("/").partition("/")
             bucket_exists = bool(sep and bucket and self.fs.exists(bucket))
         except Exception as e:  # noqa: BLE001 - translated at the boundary (missing bucket, credentials, endpoint)
-            raise self._error("looking up", self.root, e) from None
+            raise self.error("looking up", self.root, e) from None
         if bucket_exists:
             raise SnapshotNotFoundError(
                 f"no snapshot tier at {self.url!r}: bucket {bucket!r} holds nothing under that prefix. Check the path"
@@ -222,7 +247,7 @@ class ObjectStoreAccess(Backend):
         )
 
 
-def _unix_time(value: Any) -> float | None:
+def unix_time(value: Any) -> float | None:
     """A timestamp from a listing (a datetime, or a number of seconds) as Unix time; None when there is none."""
     if isinstance(value, _dt.datetime):
         if value.tzinfo is None:

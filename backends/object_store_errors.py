@@ -11,7 +11,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["redact", "unavailable_reason"]
+__all__ = ["exception_chain", "redact", "secret_values", "unavailable_reason"]
 
 #: exception class names (botocore, aiohttp, fsspec) of a store that does not answer
 _UNREACHABLE = {
@@ -38,12 +38,12 @@ _REFUSED_CODES = (
 _SECRET_NAMES = re.compile(r"(secret|password|passwd|token|credential|key|signature|sas)", re.IGNORECASE)
 
 
-def _secret_values(options: Mapping[str, Any]) -> list[str]:
+def secret_values(options: Mapping[str, Any]) -> list[str]:
     """Values in ``storage_options`` (nested too) whose names look like credentials."""
     found: list[str] = []
     for name, value in options.items():
         if isinstance(value, Mapping):
-            found += _secret_values(value)
+            found += secret_values(value)
         elif isinstance(value, str) and _SECRET_NAMES.search(str(name)) and len(value) >= 4:
             found.append(value)
     return found
@@ -60,7 +60,7 @@ def redact(text: str, secrets: Iterable[str] = ()) -> str:
     return text
 
 
-def _chain(e: BaseException) -> list[BaseException]:
+def exception_chain(e: BaseException) -> list[BaseException]:
     """``e`` and the exceptions it was raised from or during (s3fs re-raises botocore's as builtins)."""
     out: list[BaseException] = []
     while e is not None and e not in out and len(out) < 8:
@@ -72,7 +72,7 @@ def _chain(e: BaseException) -> list[BaseException]:
 def unavailable_reason(e: BaseException) -> str | None:
     """Why a store call failed, when it is the store's side: ``"bucket"`` (it does not exist), ``"credentials"``
     (missing or refused), ``"unreachable"`` (no answer); None for any other failure."""
-    chain = _chain(e)
+    chain = exception_chain(e)
     names = {k.__name__ for x in chain for k in type(x).__mro__}
     text = " ".join(str(x) for x in chain)
     if "NoSuchBucket" in names or "NoSuchBucket" in text or "bucket does not exist" in text.lower():

@@ -1,5 +1,6 @@
 """A tier in another process: how a tier is rebuilt from its constructor's arguments (:meth:`Portable.spec`, for the
-snapshot agent) and what travels when it is pickled (``ddp_spawn``).
+snapshot agent). What travels when a tier is pickled (``ddp_spawn``) is each part's to say: the parts a tier holds
+leave their process's state (locks, open handles, clients, counters) out of their pickled state and make it again.
 
 :class:`Portable` is a mixin of :class:`~lightning_snapshot.backends.base.Backend` (every tier has these methods
 through it); :func:`spec_class` is the checked half of :meth:`~lightning_snapshot.backends.base.Backend.from_spec`.
@@ -10,7 +11,7 @@ from __future__ import annotations
 import datetime as _dt
 import functools
 import importlib
-from typing import Any, ClassVar
+from typing import Any
 
 from lightning_snapshot.errors import ConfigError
 
@@ -18,8 +19,7 @@ __all__ = ["Portable", "spec_class"]
 
 
 class Portable:
-    """Records the outermost library constructor's arguments of a tier (:meth:`spec`) and leaves the attributes
-    that belong to one process out of its pickled state (:attr:`_process_local`)."""
+    """Records the outermost library constructor's arguments of a tier (:meth:`spec`)."""
 
     #: (cls, args, kwargs) of the outermost library constructor, set by ``__init_subclass__``'s wrapper
     _spec_args: tuple[type[Portable], tuple[Any, ...], dict[str, Any]]
@@ -67,28 +67,6 @@ class Portable:
             "args": plain(list(args)),
             "kwargs": plain(dict(kw)),
         }
-
-    # ------------------------------------------------------------------------------------------- pickling
-    #: Attributes that belong to one process (locks, open handles, clients, counters): left out when the tier is
-    #: pickled (``ddp_spawn`` pickles the trainer and its callbacks to start its processes) and made again by
-    #: :meth:`_init_process_state` in the process that unpickles it. Each class lists its own; they add up.
-    _process_local: ClassVar[tuple[str, ...]] = ()
-
-    def _init_process_state(self) -> None:
-        """Create this process's runtime state (the attributes of ``_process_local``); called after unpickling.
-        Subclasses that have some call it from ``__init__`` too and call ``super()._init_process_state()``."""
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Only the configuration travels; what belongs to this process is made again on the other side."""
-        state = dict(self.__dict__)
-        for klass in type(self).__mro__:
-            for name in vars(klass).get("_process_local", ()):
-                state.pop(name, None)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._init_process_state()
 
 
 def spec_class(spec: Any) -> Any:

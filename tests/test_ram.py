@@ -75,18 +75,18 @@ def test_an_agent_whose_directory_another_job_replaced_exits_and_deletes_nothing
 
 
 def test_the_lock_refuses_a_second_agent_and_follows_a_replaced_lock_file(tmp_path, capsys):
-    from lightning_snapshot.backends.ram.agent_protocol import _lock
+    from lightning_snapshot.backends.ram.agent_protocol import take_lock
 
-    first = _lock(tmp_path, tmp_path / "first.log")
+    first = take_lock(tmp_path, tmp_path / "first.log")
     assert first is not None and (tmp_path / "agent.lock").read_text() == f"{os.getpid()}\n{tmp_path / 'first.log'}\n"
-    assert _lock(tmp_path, None) is None  # (a second open file description: refused like another process)
+    assert take_lock(tmp_path, None) is None  # (a second open file description: refused like another process)
     assert f"another agent (pid {os.getpid()}) already serves {tmp_path}" in capsys.readouterr().err
     # the first agent exits: it deletes the lock file while holding it; the next agent locks a new file, not the
     # deleted one (which would let a third one in beside it)
     os.unlink(tmp_path / "agent.lock")
-    second = _lock(tmp_path, None)
+    second = take_lock(tmp_path, None)
     assert second is not None and os.fstat(second).st_ino == os.stat(tmp_path / "agent.lock").st_ino
-    assert _lock(tmp_path, None) is None
+    assert take_lock(tmp_path, None) is None
     os.close(first)
     os.close(second)
 

@@ -75,20 +75,20 @@ def test_callback_and_tiers_pickle_before_setup_and_work_after(tmp_path):
             a.spec(),
         )
     # the local tier: a lock and counters of its own, and it writes and reads
-    assert local2._count_lock is not local._count_lock and local2.bytes_read == 0
+    assert local2.files.count_lock is not local.files.count_lock and local2.bytes_read == 0
     local2.write("step-000000000001/x.bin", [b"hello ", b"world"])
     assert local2.read("step-000000000001/x.bin") == b"hello world"
     out = bytearray(5)
     local2.read_into("step-000000000001/x.bin", 6, memoryview(out))
     assert bytes(out) == b"world" and local2.bytes_read == 5
     # the object-store tier: not connected by unpickling; its filesystem is made on first use, with the options
-    assert s3b._fs is None and s3b.max_pending == 2 and s3b.root == "bucket/run-1"
+    assert s3b.access.fs_obj is None and s3b.max_pending == 2 and s3b.root == "bucket/run-1"
     assert secret not in s3b.url and secret not in repr(s3b)
     fs = s3b.fs
     assert type(fs).__name__ == "S3FileSystem" and fs.storage_options["secret"] == secret
-    assert s3b._pipe_params  # what its pipe_file accepts, for this filesystem
+    assert s3b.access.pipe_params  # what its pipe_file accepts, for this filesystem
     # the RAM tier: its node store is made again (and finds what was written)
-    assert ram2._store is None and ram2.name == "spawn-test" and ram2.erasure is None
+    assert ram2.placement._store is None and ram2.name == "spawn-test" and ram2.erasure is None
     ram2.write("step-000000000003/c.bin", [b"ram bytes"])
     assert ram2.read("step-000000000003/c.bin") == b"ram bytes" and ram2.read("warm/b.bin") == b"y"
 
@@ -98,11 +98,11 @@ def test_object_store_tier_makes_its_filesystem_again_after_fork(tmp_path):
     tier.write("a.bin", [b"parent"])
     tier2 = pickle.loads(pickle.dumps(tier))
     tier2.write("b.bin", [b"unpickled"])
-    assert tier2.read("b.bin") == b"unpickled" and tier2._fs_pid == os.getpid()
+    assert tier2.read("b.bin") == b"unpickled" and tier2.access.fs_pid == os.getpid()
     parent_fs = tier.fs
     pid = os.fork()
     if pid == 0:  # the child: a filesystem object of its own (async clients such as s3fs are not fork-safe)
-        ok = tier.fs is not parent_fs and tier._fs_pid == os.getpid()
+        ok = tier.fs is not parent_fs and tier.access.fs_pid == os.getpid()
         tier.write("c.bin", [b"child"])
         os._exit(0 if ok and tier.read("c.bin") == b"child" else 1)
     _, status = os.waitpid(pid, 0)

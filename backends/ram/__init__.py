@@ -4,10 +4,10 @@ Re-exports :class:`RamTier`, which registry.py loads for ``ram://NAME`` URLs (an
 re-exports for users).
 
 - :mod:`~lightning_snapshot.backends.ram.tier`: :class:`RamTier`, the tier a trainer uses (write, commit, restore
-  across nodes, retention): its options; its base classes :mod:`~lightning_snapshot.backends.ram.placement` (the
-  node, its store and agent), :mod:`~lightning_snapshot.backends.ram.store` (bytes),
-  :mod:`~lightning_snapshot.backends.ram.distribution` (shares to their nodes) and
-  :mod:`~lightning_snapshot.backends.ram.restoring` (the collective restore).
+  across nodes, retention): its options; the parts it holds and delegates to,
+  :mod:`~lightning_snapshot.backends.ram.placement` (the node, its store and agent),
+  :mod:`~lightning_snapshot.backends.ram.store` (bytes), :mod:`~lightning_snapshot.backends.ram.distribution` (shares
+  to their nodes) and :mod:`~lightning_snapshot.backends.ram.restoring` (the collective restore).
 - :mod:`~lightning_snapshot.backends.ram.shares`: the share files of an erasure-coded object (their layout file,
   which bytes each data share holds, hashing and reading them), for the tier.
 - :mod:`~lightning_snapshot.backends.ram.node`: where a node keeps the tier's memory, how much it holds, and the run

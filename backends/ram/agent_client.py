@@ -26,13 +26,13 @@ from lightning_snapshot.backends.ram.agent_protocol import (
     PART_WAIT_S,
     SILENCE_S,
     SOCK,
-    _alive,
-    _open_log,
-    _read_lock,
-    _Reader,
-    _send,
+    MessageReader,
     agent_log_path,
     describe_staged,
+    open_log,
+    pid_alive,
+    read_lock_file,
+    send_message,
 )
 from lightning_snapshot.errors import SnapshotError
 
@@ -62,8 +62,8 @@ def _request(node_dir: Path, op: str) -> dict[str, Any] | None:
     except OSError:
         return None
     try:
-        _send(s, {"op": op})
-        return _Reader(s).next()
+        send_message(s, {"op": op})
+        return MessageReader(s).next()
     except (OSError, ValueError):
         return None
     finally:
@@ -143,7 +143,7 @@ def stop_agent(node_dir: str | os.PathLike[str], timeout: float = 30.0) -> bool:
         return False
     pid = int(answer.get("pid", 0))
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and (_alive(pid) if pid > 0 else (node_dir / SOCK).exists()):
+    while time.monotonic() < deadline and (pid_alive(pid) if pid > 0 else (node_dir / SOCK).exists()):
         time.sleep(0.05)
     return True
 
@@ -164,7 +164,7 @@ def ensure_agent(node_dir: str | os.PathLike[str], *, idle_timeout: float = 600.
         env.pop(var, None)  # the agent is no rank of the job
     log_path = agent_log_path(node_dir)
     try:
-        logfd = _open_log(log_path)
+        logfd = open_log(log_path)
     except OSError as e:  # (a read-only home: the temporary directory, still outside shared memory)
         fallback = Path(tempfile.gettempdir()) / f"lightning-snapshot-{os.getuid()}-logs" / log_path.name
         log.warning(
@@ -175,7 +175,7 @@ def ensure_agent(node_dir: str | os.PathLike[str], *, idle_timeout: float = 600.
             fallback,
         )
         try:
-            logfd = _open_log(fallback)
+            logfd = open_log(fallback)
         except OSError as e2:
             raise SnapshotError(
                 f"could not start the snapshot agent for {node_dir}: cannot write its log {log_path} ({e}) nor"
@@ -281,7 +281,7 @@ class AgentClient:
         self._reader.start()
 
     def _agent_name(self) -> str:
-        pid, logged = _read_lock(self.node_dir)
+        pid, logged = read_lock_file(self.node_dir)
         where = logged or agent_log_path(self.node_dir)
         return f"the snapshot agent{f' (pid {pid})' if pid else ''} of {self.node_dir} (its log: {where})"
 
@@ -295,7 +295,7 @@ class AgentClient:
             )
 
     def _read_replies(self, sock: socket.socket) -> None:
-        reader = _Reader(sock)
+        reader = MessageReader(sock)
         while True:
             try:
                 msg = reader.next()
@@ -380,7 +380,7 @@ class AgentClient:
             if self._sock is None:
                 return
             try:
-                _send(self._sock, msg, fds)
+                send_message(self._sock, msg, fds)
             except TimeoutError:
                 self._lose(f"{self._agent_name()} took no message for {self._limit:g} s: it is stopped or hung")
                 self._sock.close()

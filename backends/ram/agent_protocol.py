@@ -27,9 +27,15 @@ __all__ = [
     "SILENCE_S",
     "SOCK",
     "STATUS_VERSION",
+    "MessageReader",
     "agent_log_path",
     "describe_staged",
+    "open_log",
+    "pid_alive",
+    "read_lock_file",
     "rebuild_staged",
+    "send_message",
+    "take_lock",
 ]
 
 log = logging.getLogger("lightning_snapshot.agent")
@@ -67,13 +73,13 @@ def agent_log_path(node_dir: str | os.PathLike[str]) -> Path:
     return Path(state) / "lightning-snapshot" / f"agent-{node_dir.name}-{digest}.log"
 
 
-def _open_log(path: Path) -> int:
+def open_log(path: Path) -> int:
     """A file descriptor appending to ``path`` (its directory made, owner-only, if missing)."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
 
 
-def _read_lock(node_dir: Path) -> tuple[str, str]:
+def read_lock_file(node_dir: Path) -> tuple[str, str]:
     """(pid, log path) as the agent of ``node_dir`` wrote them in its lock file; empty strings where unknown."""
     try:
         text = (node_dir / LOCK).read_text(errors="replace")
@@ -85,7 +91,7 @@ def _read_lock(node_dir: Path) -> tuple[str, str]:
     return (lines[0].strip()[:20] if lines else ""), (lines[1].strip() if len(lines) > 1 else "")
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
     try:
         os.kill(pid, 0)
@@ -100,7 +106,7 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _lock(node_dir: Path, log_path: Path | None) -> int | None:
+def take_lock(node_dir: Path, log_path: Path | None) -> int | None:
     """Take the directory's lock (writing this pid and the log path into it); None when another agent holds it.
 
     The lock file is deleted by the agent that exits: an agent that opened it just before and locks it just after
@@ -134,7 +140,7 @@ def _lock(node_dir: Path, log_path: Path | None) -> int | None:
 
 
 # ----------------------------------------------------------------------------------------------- framing
-def _send(sock: socket.socket, msg: dict[str, Any], fds: list[int] | None = None) -> None:
+def send_message(sock: socket.socket, msg: dict[str, Any], fds: list[int] | None = None) -> None:
     data = json.dumps(msg, separators=(",", ":")).encode()
     frame = _HEADER.pack(len(data)) + data
     if fds:
@@ -145,7 +151,7 @@ def _send(sock: socket.socket, msg: dict[str, Any], fds: list[int] | None = None
         sock.sendall(frame)
 
 
-class _Reader:
+class MessageReader:
     def __init__(self, sock: socket.socket) -> None:
         self.sock, self.buf = sock, bytearray()
         self.fds: list[int] = []

@@ -1,9 +1,13 @@
-"""The RAM tier's place in the job: this rank's node (:meth:`RamPlacement.bind`), where the node keeps the run's memory
-and its store, which node holds which share (``(n + i) % num_nodes``), and the node's snapshot agent it hosts
+"""The RAM tier's place in the job: its options of place (erasure ``(k, m)``, the run's name, the memory's base
+directory, the agent's idle time, threads), this rank's node (:meth:`RamPlacement.bind`), where the node keeps the
+run's memory and its store (a :class:`~lightning_snapshot.backends.ram.node_store.NodeStore`), which node holds which
+share (``(n + i) % num_nodes``), and the node's snapshot agent it hosts
 (:class:`~lightning_snapshot.backends.base.NodeAgentHosting`: start it, link this rank to it).
 
-:class:`RamPlacement` is the lowest base class of :class:`~lightning_snapshot.backends.ram.tier.RamTier`, which sets
-the attributes it declares.
+:class:`RamPlacement` is a part that :class:`~lightning_snapshot.backends.ram.tier.RamTier` holds (its
+``placement``); the tier's other parts (:mod:`~lightning_snapshot.backends.ram.store`,
+:mod:`~lightning_snapshot.backends.ram.distribution`, :mod:`~lightning_snapshot.backends.ram.restoring`) reach the
+node's store through it.
 """
 
 from __future__ import annotations
@@ -16,11 +20,12 @@ from typing import Any
 from lightning_snapshot.backends.base import Backend, NodeAgent
 from lightning_snapshot.backends.ram import erasure as _ec
 from lightning_snapshot.backends.ram.node import allocated_bytes, default_run_name, default_shm_base
-from lightning_snapshot.backends.ram.node_store import NodeStore as _Store
-from lightning_snapshot.backends.ram.node_store import node_store
+from lightning_snapshot.backends.ram.node_store import NodeStore, node_store
 from lightning_snapshot.errors import ConfigError
 
 __all__ = ["RamPlacement", "parse_erasure"]
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 def parse_erasure(value: Any) -> tuple[int, int] | None:
@@ -37,21 +42,42 @@ def parse_erasure(value: Any) -> tuple[int, int] | None:
     return _ec.check_params(value[0], value[1])
 
 
-class RamPlacement(Backend):
-    """Where this rank is, its node's memory directory and store, and the node's agent."""
+class RamPlacement:
+    """Where this rank is, its node's memory directory and store, and the node's agent.
 
-    #: ``(k, m)``, or None (a node-local copy of each rank's data)
-    erasure: tuple[int, int] | None
-    #: the run's name (None until :meth:`bind` gives the default)
-    name: str | None
-    shm_base: str | None
-    idle_timeout: float
-    threads: int | None
-    node_rank: int
-    num_nodes: int
-    local_rank: int
-    ranks_per_node: int
-    _store: _Store | None
+    Args: ``erasure``, ``name``, ``shm_dir``, ``idle_timeout``, ``threads``: see
+    :class:`~lightning_snapshot.backends.ram.tier.RamTier` (validated here).
+    """
+
+    def __init__(
+        self,
+        erasure: tuple[int, int] | str | None,
+        name: str | None,
+        shm_dir: str | None,
+        idle_timeout: float,
+        threads: int | None,
+    ) -> None:
+        #: ``(k, m)``, or None (a node-local copy of each rank's data)
+        self.erasure = parse_erasure(erasure)
+        if name is not None and (not isinstance(name, str) or not _NAME.match(name)):
+            raise ConfigError(f"RamTier name must be 1-128 letters, digits, '.', '_' or '-', got {name!r}")
+        if isinstance(idle_timeout, bool) or not isinstance(idle_timeout, (int, float)) or idle_timeout <= 0:
+            raise ConfigError(f"idle_timeout must be a positive number of seconds, got {idle_timeout!r}")
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ConfigError(f"threads must be an integer >= 1 or None, got {threads!r}")
+        #: the run's name (None until :meth:`bind` gives the default)
+        self.name = name
+        self.shm_base = shm_dir
+        self.idle_timeout = float(idle_timeout)
+        self.threads = threads
+        # topology (bind): single node until the callback says otherwise
+        self.node_rank, self.num_nodes, self.local_rank, self.ranks_per_node = 0, 1, 0, 1
+        self._store: NodeStore | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_store"] = None  # (opened again in the process that uses it)
+        return state
 
     # ------------------------------------------------------------------------------------------- set-up
     def bind(self, *, node_rank: int, num_nodes: int, local_rank: int, ranks_per_node: int, default_name: str) -> None:
@@ -95,7 +121,8 @@ class RamPlacement(Backend):
         return Path(self.shm_base or default_shm_base()) / (self.name or "default")
 
     @property
-    def store(self) -> _Store:
+    def store(self) -> NodeStore:
+        """The node's store (opened on first use, after :meth:`bind`)."""
         if self._store is None:
             self._store = node_store(self.node_dir)
         return self._store
@@ -110,10 +137,12 @@ class RamPlacement(Backend):
         return f"ram://{self.name or ''}?erasure={ec}"
 
     # ------------------------------------------------------------------------------------------- placement
-    def _rank_of(self, node: int, local: int) -> int:
+    def rank_of(self, node: int, local: int) -> int:
+        """The rank of local rank ``local`` on node ``node``."""
         return node * self.ranks_per_node + local
 
-    def _node_of(self, rank: int) -> int:
+    def node_of(self, rank: int) -> int:
+        """The node of ``rank``."""
         return rank // self.ranks_per_node
 
     def held_bytes(self) -> int:

@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from lightning_snapshot.backends.local import LocalTier
-from lightning_snapshot.backends.mapped_files import close_map, exchange, map_existing, map_new
+from lightning_snapshot.backends.mapped_files import close_map, exchange, group_of, map_existing, map_new
 from lightning_snapshot.backends.ram import erasure as _ec
 from lightning_snapshot.backends.ram.node_store import PROPOSED
 from lightning_snapshot.backends.ram.shares import EC, LAYOUT_FILE, READING_FILE, parse_layout, share_ok, view_of
 from lightning_snapshot.dist.agree import agree_on
+from lightning_snapshot.dist.comm import Comm
 from lightning_snapshot.dist.forksafe import Executor
 from lightning_snapshot.errors import SnapshotError
 
@@ -31,9 +32,9 @@ log = logging.getLogger(__name__)
 
 
 def inventory(store: LocalTier, prefix: str, *, leader: bool, verify: bool, threads: int | None) -> dict[str, Any]:
-    """What this node's ``store`` holds of ``prefix``: the manifest text, whole objects and its shares of the right
-    size (``verify``: only those whose xxh3 matches the layout's, hashed on up to ``threads`` threads). Only the
-    node's ``leader`` rank looks (the others return an empty inventory)."""
+    """What this node's ``store`` holds of ``prefix``: the manifest text, whole objects (key: size) and its shares of
+    the right size (``verify``: only those whose xxh3 matches the layout's, hashed on up to ``threads`` threads).
+    Only the node's ``leader`` rank looks (the others return an empty inventory)."""
     from lightning_snapshot.format.manifest import MANIFEST_NAME
 
     inv: dict[str, Any] = {"manifest": None, "whole": {}, "shares": {}, "bad": [], "broken": {}}
@@ -56,11 +57,12 @@ def inventory(store: LocalTier, prefix: str, *, leader: bool, verify: bool, thre
                 if entry.isdigit() and int(entry) < len(layout["checksums"]):
                     checks.append((key, int(entry), f"{prefix}/{name}/{entry}", layout))
         elif name.endswith(".bin"):
-            inv["whole"][f"{prefix}/{name}"] = True
+            with contextlib.suppress(OSError):  # (gone meanwhile: not held)
+                inv["whole"][f"{prefix}/{name}"] = store.files.path(f"{prefix}/{name}").stat().st_size
 
     def check(item: tuple[str, int, str, dict[str, Any]]) -> bool:
         _key, i, share, layout = item
-        return share_ok(store._path(share), layout["stripes"] * layout["block"], layout["checksums"][i], verify)
+        return share_ok(store.files.path(share), layout["stripes"] * layout["block"], layout["checksums"][i], verify)
 
     # every share hashed once, on as many threads as the tier codes with (xxh3 releases the GIL)
     workers = min(len(checks), threads or min(8, os.cpu_count() or 1)) if verify else 1
@@ -80,36 +82,34 @@ def inventory(store: LocalTier, prefix: str, *, leader: bool, verify: bool, thre
 
 def fetch_and_rebuild(
     store: LocalTier,
-    comm: Any,
+    comm: Comm,
     transfers: list[tuple[int, int, str, int]],
     layouts: dict[str, dict[str, Any]],
     me: int,
     prefix: str,
-    manifest: str,
+    sizes: dict[str, int],
     verified: dict[str, set[int]],
     verify: bool,
     threads: int | None,
 ) -> None:
     """Run this node leader's (rank ``me``) part of the ``transfers`` (src, dst, key, share index; -1: the whole
-    object) over ``comm`` and rebuild every erasure-coded object of ``layouts`` in ``store`` from ``k`` good shares:
-    its own that :func:`inventory` listed (``verified``), the others checked here (``verify``: hashed), on up to
-    ``threads`` threads. Writes each object's ``reading.json``; received shares it did not use are removed."""
-    from lightning_snapshot.format.manifest import Manifest
-
-    sizes = {o.key: o.nbytes for o in Manifest.from_json(manifest, where=f"RAM tier manifest of {prefix}").objects}
+    object, of ``sizes[key]`` bytes) over ``comm`` and rebuild every erasure-coded object of ``layouts`` in ``store``
+    from ``k`` good shares: its own that :func:`inventory` listed (``verified``), the others checked here
+    (``verify``: hashed), on up to ``threads`` threads. Writes each object's ``reading.json``; received shares it did
+    not use are removed."""
     sends: list[tuple[Any, int]] = []
     receives: list[tuple[Any, int]] = []
     received: dict[str, dict[int, Any]] = {}
     try:
-        if transfers and getattr(comm, "world_size", 1) > 1:
+        if transfers and comm.world_size > 1:
             for src, dst, key, i in transfers:
                 if src == dst or me not in (src, dst):
                     continue
                 if i < 0:
-                    path = store._path(key)
-                    size = sizes[key.rsplit("/", 1)[1]]
+                    path = store.files.path(key)
+                    size = sizes[key]
                 else:
-                    path = store._path(f"{key}{EC}/{i}")
+                    path = store.files.path(f"{key}{EC}/{i}")
                     size = layouts[key]["stripes"] * layouts[key]["block"]
                 if me == src:
                     sends.append((map_existing(path), dst))
@@ -123,14 +123,14 @@ def fetch_and_rebuild(
         for mm, _peer in sends + receives:
             close_map(mm)
         raise
-    exchange(getattr(comm, "group", None), sends, receives)
+    exchange(group_of(comm), sends, receives)
     # make every erasure-coded object readable from its data shares, rebuilding the lost ones from parity
     for key, layout in layouts.items():
         if store.exists(key):
             continue
         lay = _ec.ShareLayout(layout["k"], layout["m"], layout["nbytes"], layout["block"], layout["stripes"])
         paths: dict[int, Path] = dict(received.get(key, {}))
-        inv_dir = store._path(key + EC)
+        inv_dir = store.files.path(key + EC)
         for entry in sorted(os.listdir(inv_dir)) if inv_dir.is_dir() else []:
             if entry.isdigit() and int(entry) not in paths and int(entry) < lay.k + lay.m:
                 paths[int(entry)] = inv_dir / entry
@@ -206,9 +206,7 @@ def _holdings(store: LocalTier, prefix: str, threads: int | None) -> dict[str, A
     shares: dict[str, list[Any]] = {}
     try:
         inv = inventory(store, prefix, leader=True, verify=True, threads=threads)
-        for key in inv["whole"]:
-            with contextlib.suppress(OSError):
-                whole[key] = store._path(key).stat().st_size
+        whole = dict(inv["whole"])
         shares = {key: [e["layout"]["k"], e["good"]] for key, e in inv["shares"].items()}
     except Exception as e:  # noqa: BLE001 - a leader that raised here would leave the other ranks in the collective
         log.warning("lightning-snapshot: cannot list %s in %s: %s", prefix, store.root, e)
@@ -239,7 +237,7 @@ def _missing_objects(text: str, prefix: str, held: list[dict[str, Any]]) -> list
     return missing
 
 
-def commit_kept(store: LocalTier, comm: Any, *, leader: bool, url: str, threads: int | None) -> None:
+def commit_kept(store: LocalTier, comm: Comm, *, leader: bool, url: str, threads: int | None) -> None:
     """Commit on every node the steps the nodes' snapshot agents kept in the RAM tier ``url`` for trainers that died
     before the trainers committed them there, but after the agents had committed them to a durable tier (collective:
     every rank of the tier's group calls it, before the tier is listed; ``leader``: this rank is its node's first,
@@ -269,7 +267,7 @@ def commit_kept(store: LocalTier, comm: Any, *, leader: bool, url: str, threads:
     here = {s: _holdings(store, step_dirname(s), threads) for s in texts} if leader else {}
     held = agree_on(comm, f"what the nodes hold of the kept steps in {url}", lambda: here, gather=True).values
     assert held is not None
-    first = getattr(comm, "rank", 0) == 0
+    first = comm.rank == 0
     for step, text in sorted(texts.items()):
         prefix = step_dirname(step)
         missing = _missing_objects(text, prefix, [h[step] for h in held if step in h])

@@ -1,23 +1,27 @@
 """The RAM tier's restore (collective): the nodes exchange what they hold, every node makes each object of the step
 readable from ``k`` shares (fetching and rebuilding what it lacks), a chunk that fails its checksum has every node
-verify its shares and rebuild the corrupted ones, and what the restore added is freed after (:class:`RamRestore`, a
-base class of :class:`~lightning_snapshot.backends.ram.tier.RamTier`).
+verify its shares and rebuild the corrupted ones, and what the restore added is freed after.
+
+:class:`RamRestore` is a part that :class:`~lightning_snapshot.backends.ram.tier.RamTier` holds (its ``restoring``)
+and its ``restore`` delegates to; a node's inventory and rebuild are functions of the node's store
+(:mod:`~lightning_snapshot.backends.ram.rebuild`).
 """
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import logging
 import os
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
-from lightning_snapshot.backends.base import node_steps
-from lightning_snapshot.backends.ram.rebuild import commit_kept, fetch_and_rebuild, inventory
+from lightning_snapshot.backends.ram.node_store import NodeStore
+from lightning_snapshot.backends.ram.placement import RamPlacement
+from lightning_snapshot.backends.ram.rebuild import fetch_and_rebuild, inventory
 from lightning_snapshot.backends.ram.shares import EC, READING_FILE, SHARE_FILE
 from lightning_snapshot.backends.ram.store import RamStore
 from lightning_snapshot.dist.agree import agree_on
+from lightning_snapshot.dist.comm import Comm, TensorComm
 from lightning_snapshot.errors import SnapshotError, SnapshotNotFoundError
 
 __all__ = ["RamRestore"]
@@ -26,18 +30,23 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
-class RamRestore(RamStore):
-    """:meth:`collective_steps`, :meth:`restore`, :meth:`prepare_restore` and :meth:`finish_restore`."""
+class RamRestore:
+    """:meth:`restore`, :meth:`prepare_restore` and :meth:`finish_restore` (collective)."""
 
-    def collective_steps(self, comm: Any) -> builtins.list[int]:  # (``list`` here is the method above)
-        """Steps committed on any node, newest first (collective: every rank calls it; see
-        :func:`~lightning_snapshot.backends.base.node_steps`). The steps the nodes' agents kept here for trainers
-        that died are committed first, where every rank's objects are held
-        (:func:`~lightning_snapshot.backends.ram.rebuild.commit_kept`)."""
-        commit_kept(self.store, comm, leader=self.node_leader, url=self.url, threads=self.threads)
-        return node_steps(self, comm)
+    def __init__(self, placement: RamPlacement, objects: RamStore) -> None:
+        self.placement = placement
+        self.objects = objects
 
-    def restore(self, comm: Any, step: int, read: Callable[[], _T]) -> _T:
+    @property
+    def store(self) -> NodeStore:
+        """The node's store (the placement's)."""
+        return self.placement.store
+
+    @property
+    def url(self) -> str:
+        return self.placement.url
+
+    def restore(self, comm: Comm, step: int, read: Callable[[], _T]) -> _T:
         """Restore ``step`` from this tier (collective): :meth:`prepare_restore`, ``read()``, :meth:`finish_restore`.
 
         ``read`` reads what this rank needs and verifies every chunk against the manifest's checksums (the
@@ -52,7 +61,7 @@ class RamRestore(RamStore):
         """
         from lightning_snapshot.errors import ChecksumError
 
-        world = getattr(comm, "world_size", 1)
+        world = comm.world_size
         self.prepare_restore(comm, step)
         try:
             error: Exception | None = None
@@ -64,8 +73,8 @@ class RamRestore(RamStore):
             corrupt = isinstance(error, ChecksumError)
             if world > 1:
                 corrupt = not agree_on(comm, f"reading step {step} from the RAM tier", flags=[not corrupt]).flags[0]
-            if corrupt and self.erasure is not None:
-                if getattr(comm, "rank", 0) == 0:
+            if corrupt and self.placement.erasure is not None:
+                if comm.rank == 0:
                     log.warning(
                         "lightning-snapshot: RAM tier %s: a chunk of step %d failed its checksum; verifying"
                         " every share and rebuilding the corrupted ones from the others (%s)",
@@ -89,7 +98,7 @@ class RamRestore(RamStore):
         finally:
             self.finish_restore(step)
 
-    def prepare_restore(self, comm: Any, step: int, *, verify: bool = False) -> None:
+    def prepare_restore(self, comm: Comm, step: int, *, verify: bool = False) -> None:
         """Make every object of ``step`` readable on this node, rebuilding erasure-coded ones (collective).
 
         ``verify=False`` trusts every share of the right size (the loader verifies each chunk it reads: see
@@ -101,14 +110,19 @@ class RamRestore(RamStore):
         from lightning_snapshot.format.manifest import MANIFEST_NAME, step_dirname
 
         prefix = step_dirname(step)
-        world = getattr(comm, "world_size", 1)
-        self._readings.clear()
-        self._paths.clear()
-        inv = inventory(self.store, prefix, leader=self.node_leader, verify=verify, threads=self.threads)
+        world = comm.world_size
+        self.objects.forget_readings()
+        inv = inventory(
+            self.store,
+            prefix,
+            leader=self.placement.node_leader,
+            verify=verify,
+            threads=self.placement.threads,
+        )
         for bad in inv["bad"]:
-            log.warning("lightning-snapshot: RAM tier %s, node %d: %s", self.url, self.node_rank, bad)
-        invs = comm.all_gather(inv) if world > 1 else [inv]
-        leaders = [r for r in range(world) if r % self.ranks_per_node == 0]
+            log.warning("lightning-snapshot: RAM tier %s, node %d: %s", self.url, self.placement.node_rank, bad)
+        invs = cast("TensorComm", comm).all_gather(inv) if world > 1 else [inv]
+        leaders = [r for r in range(world) if r % self.placement.ranks_per_node == 0]
         manifest = next((invs[r]["manifest"] for r in leaders if invs[r]["manifest"]), None)
         if manifest is None:
             raise SnapshotNotFoundError(f"no node holds the manifest of step {step} in the RAM tier {self.url}")
@@ -156,11 +170,21 @@ class RamRestore(RamStore):
                     if i not in own:
                         transfers.append((holders[key][i][0], dst, key, i))
                         need -= 1
-        me = getattr(comm, "rank", 0)
+        me = comm.rank
         if me in leaders:
             verified = {key: set(e["good"]) for key, e in invs[me]["shares"].items()}
+            sizes = {key: invs[at[0]]["whole"][key] for key, at in whole_at.items()}  # (as its holder has it)
             fetch_and_rebuild(
-                self.store, comm, transfers, layouts, me, prefix, manifest, verified, verify, self.threads
+                self.store,
+                comm,
+                transfers,
+                layouts,
+                me,
+                prefix,
+                sizes,
+                verified,
+                verify,
+                self.placement.threads,
             )
         if world > 1:
             comm.barrier()
@@ -174,15 +198,14 @@ class RamRestore(RamStore):
         (the node's own shares stay). Every rank calls it."""
         from lightning_snapshot.format.manifest import step_dirname
 
-        self._readings.clear()
-        self._paths.clear()
-        if self.erasure is None or not self.node_leader:
+        self.objects.forget_readings()
+        if self.placement.erasure is None or not self.placement.node_leader:
             return
         prefix = step_dirname(step)
         for name in self.store.list(prefix):
             if name.endswith(EC):
                 self.store.delete(f"{prefix}/{name[: -len(EC)]}")
-                ec_dir = self.store._path(f"{prefix}/{name}")
+                ec_dir = self.store.files.path(f"{prefix}/{name}")
                 for entry in os.listdir(ec_dir) if ec_dir.is_dir() else []:
                     if entry == READING_FILE or (entry.startswith(".") and SHARE_FILE.match(entry)):
                         with contextlib.suppress(OSError):

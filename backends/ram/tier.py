@@ -27,20 +27,25 @@ node hash its shares (against ``layout.json``), treat corrupted ones as missing,
 let the failed ranks read again. :meth:`RamTier.finish_restore` frees what the restore added. Cross-node traffic
 runs on a gloo group of the trainers made for this tier, never on the trainer's main group from a background thread.
 
-This module holds the tier's options and process state. Its logic is in its base classes, one concern each:
-its place in the job, its node's store and the agent it hosts (:mod:`~lightning_snapshot.backends.ram.placement`),
-its bytes in the store (:mod:`~lightning_snapshot.backends.ram.store`), the erasure distribution before the commit
-(:mod:`~lightning_snapshot.backends.ram.distribution`) and the restore's protocol
-(:mod:`~lightning_snapshot.backends.ram.restoring`). The share files (:mod:`~lightning_snapshot.backends.ram.shares`),
-a node's inventory and rebuild (:mod:`~lightning_snapshot.backends.ram.rebuild`) and the node's memory directory and
-run name (:mod:`~lightning_snapshot.backends.ram.node`) have their own modules.
+This module holds the tier's options and delegates to its parts, one concern each, which it holds: its place in the
+job, its node's store and the agent it hosts (``placement``, :mod:`~lightning_snapshot.backends.ram.placement`), its
+bytes in the store (``objects``, :mod:`~lightning_snapshot.backends.ram.store`), the erasure distribution before the
+commit (``distribution``, :mod:`~lightning_snapshot.backends.ram.distribution`) and the restore's protocol
+(``restoring``, :mod:`~lightning_snapshot.backends.ram.restoring`). The share files
+(:mod:`~lightning_snapshot.backends.ram.shares`), a node's inventory and rebuild
+(:mod:`~lightning_snapshot.backends.ram.rebuild`) and the node's memory directory and run name
+(:mod:`~lightning_snapshot.backends.ram.node`) have their own modules.
 """
 
 from __future__ import annotations
 
+import builtins
 import datetime as _dt
-import re
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import TypeVar
 
+from lightning_snapshot.backends.base import Backend, NeededObjects, NodeAgent, node_steps
 from lightning_snapshot.backends.ram.distribution import ErasureDistribution
 from lightning_snapshot.backends.ram.node import (  # (all importable from here too, as before this module was split)
     JOB_ID_VARIABLES,  # noqa: F401
@@ -49,17 +54,19 @@ from lightning_snapshot.backends.ram.node import (  # (all importable from here 
     default_shm_base,
     job_ids,  # noqa: F401
 )
-from lightning_snapshot.backends.ram.node_store import node_store
-from lightning_snapshot.backends.ram.placement import parse_erasure
+from lightning_snapshot.backends.ram.node_store import NodeStore, node_store
+from lightning_snapshot.backends.ram.placement import RamPlacement
+from lightning_snapshot.backends.ram.rebuild import commit_kept
 from lightning_snapshot.backends.ram.restoring import RamRestore
-from lightning_snapshot.errors import ConfigError
+from lightning_snapshot.backends.ram.store import RamStore
+from lightning_snapshot.dist.comm import Comm
 
 __all__ = ["RamTier", "allocated_bytes", "default_shm_base", "node_store"]
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_T = TypeVar("_T")
 
 
-class RamTier(RamRestore, ErasureDistribution):
+class RamTier(Backend):
     """Snapshots in node memory, held by a per-node snapshot agent that outlives the trainer.
 
     Args:
@@ -112,27 +119,147 @@ class RamTier(RamRestore, ErasureDistribution):
             min_every=min_every,
             max_every=max_every,
         )
-        self.erasure = parse_erasure(erasure)
-        if name is not None and (not isinstance(name, str) or not _NAME.match(name)):
-            raise ConfigError(f"RamTier name must be 1-128 letters, digits, '.', '_' or '-', got {name!r}")
-        if isinstance(idle_timeout, bool) or not isinstance(idle_timeout, (int, float)) or idle_timeout <= 0:
-            raise ConfigError(f"idle_timeout must be a positive number of seconds, got {idle_timeout!r}")
-        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-            raise ConfigError(f"threads must be an integer >= 1 or None, got {threads!r}")
-        self.name = name
-        self.shm_base = shm_dir
-        self.idle_timeout = float(idle_timeout)
-        self.threads = threads
-        # topology (bind): single node until the callback says otherwise
-        self.node_rank, self.num_nodes, self.local_rank, self.ranks_per_node = 0, 1, 0, 1
-        self._init_process_state()
+        #: Its place in the job, its node's memory and store, the node's agent.
+        self.placement = RamPlacement(erasure, name, shm_dir, idle_timeout, threads)
+        #: Its bytes in the node's store (erasure coded on write; read from the data shares).
+        self.objects = RamStore(self.placement)
+        #: The shares of new objects, to their nodes before the commit.
+        self.distribution = ErasureDistribution(self.placement, self.objects)
+        #: The collective restore.
+        self.restoring = RamRestore(self.placement, self.objects)
 
-    _process_local = ("_store", "_pending", "_sources", "_readings", "_paths")
+    # ------------------------------------------------------------------------------------------- identity, parts
+    @property
+    def url(self) -> str:
+        return self.placement.url
 
-    def _init_process_state(self) -> None:
-        super()._init_process_state()
-        self._store = None
-        self._pending = {}
-        self._sources = {}  # key -> the object written, until distribute() sent its shares
-        self._readings = {}  # key -> where its data shares are (see prepare_restore)
-        self._paths = {}  # key -> its file, checked once (see read_into)
+    @property
+    def erasure(self) -> tuple[int, int] | None:
+        """``(k, m)``, or None (a node-local copy of each rank's data)."""
+        return self.placement.erasure
+
+    @property
+    def name(self) -> str | None:
+        """The run's name (None until :meth:`bind` gives the default)."""
+        return self.placement.name
+
+    @property
+    def idle_timeout(self) -> float:
+        return self.placement.idle_timeout
+
+    @property
+    def threads(self) -> int | None:
+        return self.placement.threads
+
+    @property
+    def node_dir(self) -> Path:
+        """This node's memory directory for this run (the agent's directory)."""
+        return self.placement.node_dir
+
+    @property
+    def store(self) -> NodeStore:
+        """The node's store: the files of its memory directory."""
+        return self.placement.store
+
+    @property
+    def node_leader(self) -> bool:
+        return self.placement.node_leader
+
+    @property
+    def bytes_read(self) -> int:  # type: ignore[override]  # (read-only: the node store's files count)
+        return self.objects.bytes_read
+
+    def held_bytes(self) -> int:
+        """Bytes of memory this node's RAM tier holds (its files, as allocated)."""
+        return self.placement.held_bytes()
+
+    # ------------------------------------------------------------------------------------------- set-up, agent
+    def bind(self, *, node_rank: int, num_nodes: int, local_rank: int, ranks_per_node: int, default_name: str) -> None:
+        """Place this tier in the job: which node this rank is on (called by the callback at set-up)."""
+        self.placement.bind(
+            node_rank=node_rank,
+            num_nodes=num_nodes,
+            local_rank=local_rank,
+            ranks_per_node=ranks_per_node,
+            default_name=default_name,
+        )
+
+    def propose_name(self, others: Sequence[str]) -> str:
+        """The default run name from this process (see ``name``; rank 0's is used)."""
+        return self.placement.propose_name(others)
+
+    def start_agent(self) -> None:
+        """Start the node's snapshot agent unless one answers (the node's first rank, at set-up)."""
+        self.placement.start_agent()
+
+    def connect_agent(
+        self, *, rank: int, world_size: int, run_id: str, tiers: Sequence[Backend], part_wait: float
+    ) -> NodeAgent:
+        """This rank's link to its node's agent (:class:`~lightning_snapshot.agent.AgentClient`)."""
+        return self.placement.connect_agent(
+            rank=rank, world_size=world_size, run_id=run_id, tiers=tiers, part_wait=part_wait
+        )
+
+    # ------------------------------------------------------------------------------------------- bytes
+    def write(self, key: str, buffers: Iterable[bytes | bytearray | memoryview]) -> int:
+        """Write ``key`` in the node's store; a data object is erasure coded (its shares wait for
+        :meth:`distribute`)."""
+        return self.objects.write(key, buffers)
+
+    def commit(self, key: str, data: bytes) -> None:
+        self.objects.commit(key, data)
+
+    def read(self, key: str) -> bytes:
+        return self.objects.read(key)
+
+    def read_view(self, key: str) -> memoryview:
+        return self.objects.read_view(key)
+
+    def read_into(self, key: str, offset: int, out: memoryview) -> None:
+        """Thread-safe. An erasure-coded object that :meth:`prepare_restore` made readable is read straight from
+        its data shares."""
+        self.objects.read_into(key, offset, out)
+
+    def list(self, prefix: str = "") -> builtins.list[str]:
+        return self.objects.list(prefix)
+
+    def delete(self, key: str) -> None:
+        self.objects.delete(key)
+
+    def exists(self, key: str) -> bool:
+        return self.objects.exists(key)
+
+    def require_exists(self) -> None:
+        self.objects.require_exists()
+
+    # ------------------------------------------------------------------------------------------- collective
+    def distribute(self, comm: Comm, prefix: str, run_id: str | None) -> None:
+        """Send every share of this rank's new objects to its node and keep the ones of this node (collective)."""
+        self.distribution.distribute(comm, prefix, run_id)
+
+    def _place_all_here(self) -> None:
+        """What :meth:`distribute` does, for one process standing for every node (benchmarks, unit tests)."""
+        self.distribution.place_all_here()
+
+    def collective_steps(self, comm: Comm) -> builtins.list[int]:
+        """Steps committed on any node, newest first (collective: every rank calls it; see
+        :func:`~lightning_snapshot.backends.base.node_steps`). The steps the nodes' agents kept here for trainers
+        that died are committed first, where every rank's objects are held
+        (:func:`~lightning_snapshot.backends.ram.rebuild.commit_kept`)."""
+        place = self.placement
+        commit_kept(place.store, comm, leader=place.node_leader, url=self.url, threads=place.threads)
+        return node_steps(self, comm)
+
+    def restore(self, comm: Comm, step: int, read: Callable[[], _T], needed: NeededObjects | None = None) -> _T:
+        """Restore ``step`` (collective; see :meth:`RamRestore.restore
+        <lightning_snapshot.backends.ram.restoring.RamRestore.restore>`). Every node makes each object of the step
+        it holds shares of readable, so ``needed`` is not used."""
+        return self.restoring.restore(comm, step, read)
+
+    def prepare_restore(self, comm: Comm, step: int, *, verify: bool = False) -> None:
+        """Make every object of ``step`` readable on this node, rebuilding erasure-coded ones (collective)."""
+        self.restoring.prepare_restore(comm, step, verify=verify)
+
+    def finish_restore(self, step: int) -> None:
+        """Free what :meth:`prepare_restore` added (every rank calls it)."""
+        self.restoring.finish_restore(step)

@@ -44,10 +44,10 @@ from lightning_snapshot.backends.ram.agent_protocol import (
     LOCK,
     SOCK,
     STATUS_VERSION,
-    _lock,
-    _open_log,
-    _Reader,
-    _send,
+    MessageReader,
+    open_log,
+    send_message,
+    take_lock,
 )
 
 __all__ = ["Agent", "run_agent"]
@@ -110,7 +110,7 @@ class Agent:
         return True
 
     def _connection(self, conn: socket.socket) -> None:
-        reader = _Reader(conn)
+        reader = MessageReader(conn)
         arenas: dict[int, Any] = {}
         entries: dict[int, dict[str, Any]] = {}
         hello: dict[str, Any] | None = None
@@ -121,7 +121,7 @@ class Agent:
         def reply(msg: dict[str, Any]) -> bool:
             with send_lock:
                 try:
-                    _send(conn, msg)
+                    send_message(conn, msg)
                     return True
                 except OSError:
                     return False  # the trainer is gone; the write itself went on
@@ -178,11 +178,11 @@ class Agent:
                     break
                 op = msg["op"]
                 if op == "ping":
-                    _send(conn, {"op": "reply", "ok": True, "pid": os.getpid()})
+                    send_message(conn, {"op": "reply", "ok": True, "pid": os.getpid()})
                 elif op == "status":
-                    _send(conn, {"op": "reply", "ok": True, **self.status()})
+                    send_message(conn, {"op": "reply", "ok": True, **self.status()})
                 elif op == "stop":
-                    _send(conn, {"op": "reply", "ok": True, "pid": os.getpid()})
+                    send_message(conn, {"op": "reply", "ok": True, "pid": os.getpid()})
                     self.stop.set()
                 elif op == "hello":
                     hello = msg
@@ -330,7 +330,7 @@ def _remove_own_files(node_dir: Path) -> None:
 
 def _log_to(path: Path) -> None:
     """Send this process' stdout and stderr (its log, and any crash) to the end of ``path``."""
-    fd = _open_log(path)
+    fd = open_log(path)
     try:
         if os.path.sameopenfile(fd, 2):
             return  # (started by ensure_agent: already there)
@@ -350,7 +350,7 @@ def run_agent(node_dir: Path, idle_timeout: float, log_path: Path | None = None)
     """
     node_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(node_dir, 0o700)
-    lock_fd = _lock(node_dir, log_path)
+    lock_fd = take_lock(node_dir, log_path)
     if lock_fd is None:
         return 3
     if log_path is not None:

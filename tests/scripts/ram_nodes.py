@@ -24,8 +24,10 @@ import torch.distributed as dist
 from lightning_snapshot.backends import LocalTier, RamTier
 from lightning_snapshot.dist.comm import GroupComm
 from lightning_snapshot.errors import SnapshotError
+from lightning_snapshot.format.manifest import step_dirname
 from lightning_snapshot.persist.writer import SnapshotJob, write_snapshot
 from lightning_snapshot.restore.loader import read_manifest, read_section
+from lightning_snapshot.restore.reads import needed_objects
 from lightning_snapshot.staging import stage
 
 
@@ -56,7 +58,8 @@ def restore(tier, comm: GroupComm, step: int, out: str, section: int) -> None:
                 read_section(tier, manifest, mine.tensors, mine.state),
             )
 
-        shared, mine = tier.restore(comm, step, read)
+        where = f"manifest of {step_dirname(step)} in the {tier.tier} tier {tier.url}"
+        shared, mine = tier.restore(comm, step, read, needed_objects(comm.world_size, where))
         torch.save({"shared": shared, "rank": mine["t"]}, out)
         print("LOADED", flush=True)
     except SnapshotError as e:

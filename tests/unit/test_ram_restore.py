@@ -49,7 +49,7 @@ def saved(tmp_path):
     }
     ram = _tier(tmp_path)
     write_snapshot(ram, LocalComm(), SnapshotJob(1, 0, stage(state, "shared"), stage({}, "rank")), "run")
-    ec_dir = ram.store._path(f"{step_dirname(1)}/run-shared-00000.bin.ec")
+    ec_dir = ram.store.files.path(f"{step_dirname(1)}/run-shared-00000.bin.ec")
     return ram, state, ec_dir
 
 
@@ -66,7 +66,7 @@ def test_all_shares_local_reads_the_data_shares_without_rebuilding(saved):
     ram.prepare_restore(LocalComm(), 1)
     reading = json.loads((ec_dir / "reading.json").read_text())
     assert reading["files"] == ["0", "1", "2", "3"]  # no whole object, no rebuilt share
-    assert not ram.store._path(f"{step_dirname(1)}/run-shared-00000.bin").exists()
+    assert not ram.store.files.path(f"{step_dirname(1)}/run-shared-00000.bin").exists()
     manifest = read_manifest(ram, 1)
     _check(read_section(ram, manifest, manifest.tensors, manifest.state), state)
     assert ram.read(f"{step_dirname(1)}/run-shared-00000.bin")[:8] == bytes(state["w"].view(torch.uint8)[:8])
