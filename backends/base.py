@@ -47,7 +47,9 @@ import os
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypedDict, TypeVar, runtime_checkable
+
+from typing_extensions import Unpack
 
 # (relative: the API page's static analysis, which sees backends/ as ``backends``, follows them to Backend's inherited
 # members)
@@ -72,6 +74,7 @@ __all__ = [
     "NeededObjects",
     "NodeAgent",
     "NodeAgentHosting",
+    "ScheduleOptionsKwargs",
     "SharedSlot",
     "StepObject",
 ]
@@ -103,6 +106,35 @@ class StepObject:
 NeededObjects = Callable[[bytes], Sequence[StepObject]]
 
 
+class ScheduleOptionsKwargs(TypedDict, total=False):
+    """The schedule options every tier takes, as keyword arguments (``LocalTier(path, every_n_train_steps=100,
+    keep_last=3)``), declared once here; :class:`Backend` validates them and reads them back.
+
+    Attributes:
+        every_n_train_steps: snapshot when ``global_step`` is a multiple of this (>= 1). When neither this nor
+            ``train_time_interval`` is given, it defaults to ``DEFAULT_EVERY_N_TRAIN_STEPS`` (100). ``"auto"``: the
+            callback picks the interval, in steps since the tier's last snapshot, from Young/Daly's
+            ``sqrt(2 x cost x MTBF)`` with the tier's measured cost and the callback's ``mtbf``, and re-estimates it
+            as training runs (see :mod:`lightning_snapshot.schedule.interval`); the attribute then holds the first
+            interval (``FIRST_AUTO_INTERVAL`` = 10 steps, within the bounds) and :attr:`Backend.auto_every` is True.
+        train_time_interval: also snapshot when this much wall time passed since the last snapshot of the tier
+            (a ``datetime.timedelta`` or seconds as a number).
+        keep_last: how many committed snapshots the tier keeps (>= 1), or ``None`` to keep all; default: the tier
+            class's :attr:`Backend.default_keep_last` (3; the RAM tier: 2). The newest snapshot is never deleted, nor
+            is the newest healthy one (no NaN or infinity recorded in its manifest).
+        min_every: the smallest interval (steps, >= 1) ``every_n_train_steps="auto"`` picks; only with ``"auto"``.
+            Default 1.
+        max_every: the largest interval (steps) ``every_n_train_steps="auto"`` picks; only with ``"auto"``. Default:
+            no bound.
+    """
+
+    every_n_train_steps: int | str | None
+    train_time_interval: _dt.timedelta | float | None
+    keep_last: int | None
+    min_every: int | None
+    max_every: int | None
+
+
 class Backend(Portable, abc.ABC):
     """A storage tier: where snapshots go, how often, and how many are kept.
 
@@ -111,20 +143,8 @@ class Backend(Portable, abc.ABC):
     before touching anything. ``tests/backend_conformance.py`` checks this contract; a new tier's tests subclass
     its ``BackendTests``.
 
-    Args:
-        every_n_train_steps: snapshot when ``global_step`` is a multiple of this (>= 1). When neither this nor
-            ``train_time_interval`` is given, it defaults to ``DEFAULT_EVERY_N_TRAIN_STEPS`` (100). ``"auto"``: the
-            callback picks the interval, in steps since the tier's last snapshot, from Young/Daly's
-            ``sqrt(2 x cost x MTBF)`` with the tier's measured cost and the callback's ``mtbf``, and re-estimates it
-            as training runs (see :mod:`lightning_snapshot.schedule.interval`); the attribute then holds the first
-            interval
-            (``FIRST_AUTO_INTERVAL`` = 10 steps, within the bounds) and :attr:`auto_every` is True.
-        train_time_interval: also snapshot when this much wall time passed since the last snapshot of the tier
-            (a ``datetime.timedelta`` or seconds as a number).
-        keep_last: how many committed snapshots the tier keeps (>= 1), or ``None`` to keep all. The newest
-            snapshot is never deleted, nor is the newest healthy one (no NaN or infinity recorded in its manifest).
-        min_every, max_every: bounds (steps, >= 1) of the interval ``every_n_train_steps="auto"`` picks; only
-            with ``"auto"``. Defaults: 1 and no bound.
+    Every tier takes the schedule options of :class:`ScheduleOptionsKwargs` as keyword arguments, declared there once
+    and validated here.
 
     Thread-safety: the engine calls one backend from one thread at a time, except ``read_into``, which it may call
     from up to :attr:`parallel_reads` threads at once.
@@ -184,15 +204,20 @@ class Backend(Portable, abc.ABC):
             raise ConfigError(f"tier spec names {spec['module']}.{spec['class']}, which is not a tier class")
         return cls(*spec["args"], **spec["kwargs"])
 
-    def __init__(
-        self,
-        *,
-        every_n_train_steps: int | str | None = None,
-        train_time_interval: _dt.timedelta | float | None = None,
-        keep_last: int | None = DEFAULT_KEEP_LAST,
-        min_every: int | None = None,
-        max_every: int | None = None,
-    ) -> None:
+    #: ``keep_last`` when the tier is given none
+    default_keep_last: int | None = DEFAULT_KEEP_LAST
+
+    def __init__(self, **schedule: Unpack[ScheduleOptionsKwargs]) -> None:
+        unknown = sorted(set(schedule) - set(ScheduleOptionsKwargs.__annotations__))
+        if unknown:
+            raise ConfigError(
+                f"{type(self).__name__} got unknown schedule option(s) {', '.join(unknown)}; the schedule options"
+                f" are {', '.join(ScheduleOptionsKwargs.__annotations__)}"
+            )
+        every_n_train_steps = schedule.get("every_n_train_steps")
+        train_time_interval = schedule.get("train_time_interval")
+        keep_last = schedule.get("keep_last", self.default_keep_last)
+        min_every, max_every = schedule.get("min_every"), schedule.get("max_every")
         #: the schedule options, validated: plain data (the callback's configuration builds the tier's schedule from
         #: them, and that schedule holds the interval in use)
         self.schedule_options = ScheduleOptions.of(every_n_train_steps, train_time_interval, min_every, max_every)

@@ -15,13 +15,14 @@ and the delegation.
 from __future__ import annotations
 
 import builtins
-import datetime as _dt
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
 
-from lightning_snapshot.backends.base import DEFAULT_KEEP_LAST, Backend, NeededObjects, node_steps
+from typing_extensions import Unpack
+
+from lightning_snapshot.backends.base import Backend, NeededObjects, ScheduleOptionsKwargs, node_steps
 from lightning_snapshot.backends.local_files import LocalFiles, dir_mode_for, parse_mode
 from lightning_snapshot.backends.local_layout import NODE_RANK_PLACEHOLDER, LocalLayout, resolve_path
 from lightning_snapshot.backends.local_transfers import NodeTransfers
@@ -50,8 +51,9 @@ class LocalTier(Backend):
     Args:
         path: the tier's root directory (created if missing). ``~`` is expanded; ``{node_rank}`` is replaced by the
             node's rank (each node its own directory: node-local; ``NODE_RANK`` or 0 until training binds it).
-        every_n_train_steps, train_time_interval, keep_last, min_every, max_every: see
-            :class:`~lightning_snapshot.backends.base.Backend`.
+        **schedule: the schedule options every tier takes (``every_n_train_steps``, ``train_time_interval``,
+            ``keep_last``, ``min_every``, ``max_every``):
+            :class:`~lightning_snapshot.backends.base.ScheduleOptionsKwargs`.
         node_local: ``None`` (default): detect at the start of training; ``True``: each node has its own directory;
             ``False``: one directory shared by all nodes.
         mode: permissions of the files the tier creates, exactly (e.g. ``0o600``: only the owner can read them);
@@ -77,22 +79,12 @@ class LocalTier(Backend):
     def __init__(
         self,
         path: str | os.PathLike[str],
-        every_n_train_steps: int | str | None = None,
-        train_time_interval: _dt.timedelta | float | None = None,
-        keep_last: int | None = DEFAULT_KEEP_LAST,
         *,
-        min_every: int | None = None,
-        max_every: int | None = None,
         node_local: bool | None = None,
         mode: int | str | None = None,
+        **schedule: Unpack[ScheduleOptionsKwargs],
     ) -> None:
-        super().__init__(
-            every_n_train_steps=every_n_train_steps,
-            train_time_interval=train_time_interval,
-            keep_last=keep_last,
-            min_every=min_every,
-            max_every=max_every,
-        )
+        super().__init__(**schedule)
         if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
             raise ConfigError(f"LocalTier path must be a non-empty path, got {path!r}")
         if node_local is not None and not isinstance(node_local, bool):

@@ -20,12 +20,13 @@ its options and the delegation.
 from __future__ import annotations
 
 import builtins
-import datetime as _dt
 import urllib.parse
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from lightning_snapshot.backends.base import DEFAULT_KEEP_LAST, Backend
+from typing_extensions import Unpack
+
+from lightning_snapshot.backends.base import Backend, ScheduleOptionsKwargs
 from lightning_snapshot.backends.object_store_access import StoreAccess
 from lightning_snapshot.backends.object_store_errors import redact, secret_values, unavailable_reason
 from lightning_snapshot.backends.object_store_uploads import Uploads
@@ -54,8 +55,9 @@ class ObjectStoreTier(Backend):
             ``storage_options``, the environment or the provider's usual chain.
         storage_options: passed to the fsspec filesystem (s3fs: ``key``, ``secret``, ``client_kwargs={"endpoint_url":
             ...}``, ...). Never logged, never written to a manifest, a metric or an error.
-        every_n_train_steps, train_time_interval, keep_last, min_every, max_every: see
-            :class:`~lightning_snapshot.backends.base.Backend`.
+        **schedule: the schedule options every tier takes (``every_n_train_steps``, ``train_time_interval``,
+            ``keep_last``, ``min_every``, ``max_every``):
+            :class:`~lightning_snapshot.backends.base.ScheduleOptionsKwargs`.
         part_size: multipart upload part size in bytes (>= 5 MiB, the S3 minimum).
         max_concurrency: parts uploaded at once.
         max_pending: snapshots that may wait for this tier at once (the one being uploaded included). When that many
@@ -80,26 +82,16 @@ class ObjectStoreTier(Backend):
         self,
         url: str,
         storage_options: Mapping[str, Any] | None = None,
-        every_n_train_steps: int | str | None = None,
-        train_time_interval: _dt.timedelta | float | None = None,
-        keep_last: int | None = DEFAULT_KEEP_LAST,
         *,
-        min_every: int | None = None,
-        max_every: int | None = None,
         part_size: int = 16 << 20,
         max_concurrency: int = 8,
         max_pending: int = 1,
         retry_initial: float = 1.0,
         retry_max: float = 60.0,
         drain_timeout: float | None = 300.0,
+        **schedule: Unpack[ScheduleOptionsKwargs],
     ) -> None:
-        super().__init__(
-            every_n_train_steps=every_n_train_steps,
-            train_time_interval=train_time_interval,
-            keep_last=keep_last,
-            min_every=min_every,
-            max_every=max_every,
-        )
+        super().__init__(**schedule)
         import fsspec
 
         if not isinstance(url, str) or "://" not in url:

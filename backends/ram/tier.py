@@ -40,12 +40,13 @@ commit (``distribution``, :mod:`~lightning_snapshot.backends.ram.distribution`) 
 from __future__ import annotations
 
 import builtins
-import datetime as _dt
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from lightning_snapshot.backends.base import Backend, NeededObjects, NodeAgent, node_steps
+from typing_extensions import Unpack
+
+from lightning_snapshot.backends.base import Backend, NeededObjects, NodeAgent, ScheduleOptionsKwargs, node_steps
 from lightning_snapshot.backends.ram.distribution import ErasureDistribution
 from lightning_snapshot.backends.ram.node import (  # (all importable from here too, as before this module was split)
     JOB_ID_VARIABLES,  # noqa: F401
@@ -70,9 +71,9 @@ class RamTier(Backend):
     """Snapshots in node memory, held by a per-node snapshot agent that outlives the trainer.
 
     Args:
-        every_n_train_steps, train_time_interval, keep_last, min_every, max_every: see
-            :class:`~lightning_snapshot.backends.base.Backend`
-            (``keep_last`` defaults to 2 here: memory is precious).
+        **schedule: the schedule options every tier takes
+            (:class:`~lightning_snapshot.backends.base.ScheduleOptionsKwargs`); ``keep_last`` defaults to 2 here:
+            memory is precious.
         erasure: ``None`` keeps a node-local copy of each rank's data (one-node jobs), or ``(k, m)``: each rank's data
             is split into ``k`` data and ``m`` parity shares (zfec) placed on ``k + m`` distinct nodes, so any ``m``
             nodes can be lost at ``(k + m) / k`` times the memory. Needs at least ``k + m`` nodes.
@@ -98,27 +99,19 @@ class RamTier(Backend):
     node_local = True
     read_once = False  # (each node reads its own memory: faster than a transfer over gloo)
 
+    default_keep_last = 2  # (memory is precious)
+
     def __init__(
         self,
-        every_n_train_steps: int | str | None = None,
-        train_time_interval: _dt.timedelta | float | None = None,
-        keep_last: int | None = 2,
-        erasure: tuple[int, int] | str | None = None,
         *,
-        min_every: int | None = None,
-        max_every: int | None = None,
+        erasure: tuple[int, int] | str | None = None,
         name: str | None = None,
         shm_dir: str | None = None,
         idle_timeout: float = 600.0,
         threads: int | None = None,
+        **schedule: Unpack[ScheduleOptionsKwargs],
     ) -> None:
-        super().__init__(
-            every_n_train_steps=every_n_train_steps,
-            train_time_interval=train_time_interval,
-            keep_last=keep_last,
-            min_every=min_every,
-            max_every=max_every,
-        )
+        super().__init__(**schedule)
         #: Its place in the job, its node's memory and store, the node's agent.
         self.placement = RamPlacement(erasure, name, shm_dir, idle_timeout, threads)
         #: Its bytes in the node's store (erasure coded on write; read from the data shares).
