@@ -394,9 +394,15 @@ class Backend(Portable, abc.ABC):
         if self.node_leader:
             self.commit(key, data)
 
-    def collective_steps(self, comm: Comm) -> builtins.list[int] | None:  # (``list`` here is the method above)
+    def collective_steps(
+        self, comm: Comm, objects: NeededObjects | None = None
+    ) -> builtins.list[int] | None:  # (``list`` here is the method above)
         """Steps committed on any node, newest first (collective: every rank calls it; :attr:`node_local` tiers,
-        whose nodes each hold their own). The default, None: the tier is listed by one rank, as a shared one."""
+        whose nodes each hold their own). The default, None: the tier is listed by one rank, as a shared one.
+
+        ``objects`` is the engine's reading of a step's manifest bytes into every object of the step (a tier moves
+        bytes and knows no manifest): the RAM tier commits a step its node agents kept for trainers that died only
+        where each of those objects is held; None: such a step stays uncommitted there (its durable copy remains)."""
         return None
 
     def restore(self, comm: Comm, step: int, read: Callable[[], _T], needed: NeededObjects | None = None) -> _T:

@@ -210,7 +210,7 @@ class LocalTier(Backend):
         :meth:`LocalLayout.settle_layout <lightning_snapshot.backends.local_layout.LocalLayout.settle_layout>`)."""
         return self.layout.settle_layout(comm, run_id)
 
-    def collective_steps(self, comm: Comm) -> builtins.list[int]:
+    def collective_steps(self, comm: Comm, objects: NeededObjects | None = None) -> builtins.list[int]:
         """Steps whose manifest any node holds, newest first (collective; node-local tiers: see
         :func:`~lightning_snapshot.backends.base.node_steps`)."""
         return node_steps(self, comm)

@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from lightning_snapshot.backends.base import NeededObjects
 from lightning_snapshot.backends.local import LocalTier
 from lightning_snapshot.backends.mapped_files import close_map, exchange, group_of, map_existing, map_new
 from lightning_snapshot.backends.ram import erasure as _ec
@@ -213,17 +214,18 @@ def _holdings(store: LocalTier, prefix: str, threads: int | None) -> dict[str, A
     return {"whole": whole, "shares": shares}
 
 
-def _missing_objects(text: str, prefix: str, held: list[dict[str, Any]]) -> list[str]:
-    """The objects of the manifest ``text`` of the step ``prefix`` that none of the nodes' :func:`_holdings` ``held``
-    holds whole (of their size) or as ``k`` good shares; a manifest that does not parse misses everything. Pure."""
-    from lightning_snapshot.format.manifest import Manifest
-
+def _missing_objects(text: str, prefix: str, held: list[dict[str, Any]], objects: NeededObjects | None) -> list[str]:
+    """The objects of the step ``prefix`` (``objects``: the engine's reading of its manifest ``text``) that none of
+    the nodes' :func:`_holdings` ``held`` holds whole (of their size) or as ``k`` good shares; a manifest the engine
+    cannot read misses everything, and so does every step when the engine gave no ``objects``. Pure."""
+    if objects is None:
+        return ["the list of its objects (the caller gave none)"]
     try:
-        manifest = Manifest.from_json(text, where=f"manifest proposed for {prefix} in the RAM tier")
+        listed = objects(text.encode())
     except Exception as e:  # noqa: BLE001 - not a manifest: nothing of it is committed
         return [f"its manifest ({type(e).__name__}: {e})"]
     missing = []
-    for obj in manifest.objects:
+    for obj in listed:
         key = f"{prefix}/{obj.key}"
         if any(h["whole"].get(key) == obj.nbytes for h in held):
             continue
@@ -237,7 +239,9 @@ def _missing_objects(text: str, prefix: str, held: list[dict[str, Any]]) -> list
     return missing
 
 
-def commit_kept(store: LocalTier, comm: Comm, *, leader: bool, url: str, threads: int | None) -> None:
+def commit_kept(
+    store: LocalTier, comm: Comm, objects: NeededObjects | None, *, leader: bool, url: str, threads: int | None
+) -> None:
     """Commit on every node the steps the nodes' snapshot agents kept in the RAM tier ``url`` for trainers that died
     before the trainers committed them there, but after the agents had committed them to a durable tier (collective:
     every rank of the tier's group calls it, before the tier is listed; ``leader``: this rank is its node's first,
@@ -270,7 +274,7 @@ def commit_kept(store: LocalTier, comm: Comm, *, leader: bool, url: str, threads
     first = comm.rank == 0
     for step, text in sorted(texts.items()):
         prefix = step_dirname(step)
-        missing = _missing_objects(text, prefix, [h[step] for h in held if step in h])
+        missing = _missing_objects(text, prefix, [h[step] for h in held if step in h], objects)
         if missing:
             if first:
                 log.warning(

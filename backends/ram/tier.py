@@ -234,13 +234,13 @@ class RamTier(Backend):
         """What :meth:`distribute` does, for one process standing for every node (benchmarks, unit tests)."""
         self.distribution.place_all_here()
 
-    def collective_steps(self, comm: Comm) -> builtins.list[int]:
+    def collective_steps(self, comm: Comm, objects: NeededObjects | None = None) -> builtins.list[int]:
         """Steps committed on any node, newest first (collective: every rank calls it; see
         :func:`~lightning_snapshot.backends.base.node_steps`). The steps the nodes' agents kept here for trainers
         that died are committed first, where every rank's objects are held
         (:func:`~lightning_snapshot.backends.ram.rebuild.commit_kept`)."""
         place = self.placement
-        commit_kept(place.store, comm, leader=place.node_leader, url=self.url, threads=place.threads)
+        commit_kept(place.store, comm, objects, leader=place.node_leader, url=self.url, threads=place.threads)
         return node_steps(self, comm)
 
     def restore(self, comm: Comm, step: int, read: Callable[[], _T], needed: NeededObjects | None = None) -> _T:

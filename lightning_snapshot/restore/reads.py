@@ -25,7 +25,7 @@ from lightning_snapshot.state.builtin import REGISTRY
 from lightning_snapshot.state.capture import check_model, is_sharded
 from lightning_snapshot.state.parts import Phase, RestoreContext
 
-__all__ = ["SnapshotReader", "needed_objects"]
+__all__ = ["SnapshotReader", "needed_objects", "step_objects"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,18 @@ def needed_objects(world_size: int, where: str) -> NeededObjects:
                 entries += section.tensors
         read = {f.object for t in entries for f in t.fragments}
         return [StepObject(o.key, o.nbytes, o.rank) for o in manifest.objects if o.key in read]
+
+    return objects
+
+
+def step_objects(where: str) -> NeededObjects:
+    """Every object of a snapshot, from its manifest's bytes, each with its size and the rank that wrote it: what a
+    RAM tier checks its nodes hold before it commits a step its node agents kept for trainers that died
+    (:meth:`~lightning_snapshot.backends.base.Backend.collective_steps`)."""
+
+    def objects(data: bytes) -> list[StepObject]:
+        manifest = Manifest.from_json(data, where=where)
+        return [StepObject(o.key, o.nbytes, o.rank) for o in manifest.objects]
 
     return objects
 

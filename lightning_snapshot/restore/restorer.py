@@ -35,7 +35,7 @@ from lightning_snapshot.restore.later_phases import Restored, Resumption
 from lightning_snapshot.restore.loader import resolve_source
 from lightning_snapshot.restore.policy import Candidate, plan_resume
 from lightning_snapshot.restore.progress import human_bytes
-from lightning_snapshot.restore.reads import SnapshotReader
+from lightning_snapshot.restore.reads import SnapshotReader, step_objects
 from lightning_snapshot.restore.records import read_candidate, record_restore
 from lightning_snapshot.restore.targets import Templates, restore_shared, templates
 from lightning_snapshot.state import fit_state as _fit_state
@@ -134,7 +134,10 @@ class Restorer:
         for i, tier in enumerate(self.tiers):
             if tier.node_local:  # a node-local tier: what any node holds
                 try:
-                    held = tier.collective_steps(self.tier_comms[i] if self.tier_comms else LocalComm())
+                    held = tier.collective_steps(
+                        self.tier_comms[i] if self.tier_comms else LocalComm(),
+                        step_objects(f"a manifest kept by the node agents in the {tier.tier} tier {tier.url!r}"),
+                    )
                 except SnapshotError as e:  # (on every rank alike: the ranks agree on a node's failed listing)
                     collective[i] = e
                     continue

@@ -15,8 +15,11 @@ from lightning_snapshot.format.manifest import MANIFEST_NAME, step_dirname
 from lightning_snapshot.persist.writer import SnapshotJob, committed_steps, write_snapshot
 from lightning_snapshot.restore.loader import read_manifest
 from lightning_snapshot.staging import stage
+from lightning_snapshot.restore.reads import step_objects
 
 STEP, RUN = 5, "run"
+#: the engine's reading of a kept manifest into the objects of its step (what the restorer passes the RAM tier)
+OBJECTS = step_objects("the manifest kept by the node agents")
 
 
 def _states() -> list[tuple]:
@@ -69,7 +72,7 @@ def test_kept_step_is_committed_on_every_node_only_once_every_rank_s_objects_are
         f"{RUN}-shared-00000.bin",
     ]
     with caplog.at_level(logging.WARNING):
-        assert run_ranks(2, lambda comm: rams[comm.rank].collective_steps(comm)) == [[], []]
+        assert run_ranks(2, lambda comm: rams[comm.rank].collective_steps(comm, OBJECTS)) == [[], []]
     assert (
         f"step {STEP}, kept by the snapshot agents for trainers that died, stays uncommitted: {RUN}-rank-00001.bin"
         in caplog.text
@@ -78,7 +81,7 @@ def test_kept_step_is_committed_on_every_node_only_once_every_rank_s_objects_are
 
     # once it has, the next listing commits it on both nodes, with the durable manifest's very bytes
     _keep(rams[1], durable, 1, states)
-    assert run_ranks(2, lambda comm: rams[comm.rank].collective_steps(comm)) == [[STEP], [STEP]]
+    assert run_ranks(2, lambda comm: rams[comm.rank].collective_steps(comm, OBJECTS)) == [[STEP], [STEP]]
     want = durable.read(f"{prefix}/{MANIFEST_NAME}")
     for node, ram in enumerate(rams):
         assert ram.store.read(f"{prefix}/{MANIFEST_NAME}") == want
@@ -111,6 +114,6 @@ def test_a_step_the_trainers_committed_on_some_node_is_left_as_it_is(tmp_path):
     trainers = b'{"the trainers": "manifest"}'  # (never parsed here: only compared)
     rams[0].store.commit(f"{prefix}/{MANIFEST_NAME}", trainers)
     _keep(rams[1], durable, 1, states)
-    assert run_ranks(2, lambda comm: rams[comm.rank].collective_steps(comm)) == [[STEP], [STEP]]
+    assert run_ranks(2, lambda comm: rams[comm.rank].collective_steps(comm, OBJECTS)) == [[STEP], [STEP]]
     assert rams[0].store.read(f"{prefix}/{MANIFEST_NAME}") == trainers
     assert not rams[1].store.exists(f"{prefix}/{MANIFEST_NAME}")  # (a restore gives it node 0's)
