@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_snapshot.dist.comm import Comm
+from lightning_snapshot.dist.comm import Comm, LocalComm
 
 __all__ = ["CaptureContext", "Part", "Phase", "Registry", "RestoreContext"]
 
@@ -121,7 +121,7 @@ class RestoreContext:
     pl_module: Any
     step: int
     where: str
-    comm: Comm | None = None
+    comm: Comm = field(default_factory=LocalComm)
     shared: Any = None
     exact: bool = True
     resumed: str | None = None
