@@ -72,22 +72,62 @@ def hooks(callback: Any) -> str | None:
     return str(callback.state_key) if base is not None and _taken(callback, base) else None
 
 
-def _split(cb: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The averaged model's live state (``AveragedModel.state_dict(keep_vars=True)``) as (its parameters and
-    ``n_averaged``; its buffers)."""
-    model = cb._average_model
-    state = model.state_dict(keep_vars=True)
-    buffers = {f"module.{name}" for name, _ in model.module.named_buffers()}
+def _plain_module(m: Any) -> bool:
+    """Whether ``m``'s ``state_dict`` is ``torch.nn.Module``'s own (no hooks, no extra state): then its entries are
+    its ``_parameters`` and persistent ``_buffers``, read directly (:func:`_split`)."""
+    from torch.nn import Module
+
+    cls = type(m)
     return (
-        {k: v for k, v in state.items() if k not in buffers},
-        {k: v for k, v in state.items() if k in buffers},
+        cls.state_dict is Module.state_dict
+        and cls._save_to_state_dict is Module._save_to_state_dict
+        and getattr(cls, "get_extra_state", Module.get_extra_state) is Module.get_extra_state
+        and not m._state_dict_hooks
+        and not m._state_dict_pre_hooks
     )
+
+
+def _split(cb: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The averaged model's live state (``AveragedModel.state_dict(keep_vars=True)``: the same names, order and
+    tensor objects) as (its parameters and ``n_averaged``; its buffers). Read from the modules' own dicts where every
+    module's ``state_dict`` is ``Module``'s (one walk, a fraction of ``state_dict``'s cost on the training thread);
+    else through ``state_dict``."""
+    model = cb._average_model
+    modules = list(model.named_modules(remove_duplicate=False))
+    if not all(_plain_module(m) for _, m in modules):
+        state = model.state_dict(keep_vars=True)
+        buffers = {f"module.{name}" for name, _ in model.module.named_buffers()}
+        return (
+            {k: v for k, v in state.items() if k not in buffers},
+            {k: v for k, v in state.items() if k in buffers},
+        )
+    params: dict[str, Any] = {}
+    bufs: dict[str, Any] = {}
+    for prefix, m in modules:
+        head = f"{prefix}." if prefix else ""
+        for name, p in m._parameters.items():
+            if p is not None:
+                params[head + name] = p
+        skip = m._non_persistent_buffers_set
+        for name, b in m._buffers.items():
+            if b is not None and name not in skip:
+                # (the averaged module's buffers are each rank's own; the AveragedModel's own, n_averaged, is not)
+                (bufs if prefix == "module" or prefix.startswith("module.") else params)[head + name] = b
+    return params, bufs
+
+
+def _splits(ctx: CaptureContext) -> list[tuple[Any, dict[str, Any], dict[str, Any]]]:
+    """(callback, parameters and ``n_averaged``, buffers) of each callback taken, once per capture."""
+    got = ctx.cache.get("weight_averaging")
+    if got is None:
+        got = ctx.cache["weight_averaging"] = [(cb, *_split(cb)) for cb in averagers(ctx.trainer)]
+    return got
 
 
 def capture(ctx: CaptureContext) -> dict[str, Any] | None:
     """(The tensor part) ``{state_key: {name: tensor}}``: each callback's averaged parameters and ``n_averaged``, the
     live tensors (the stager copies them); None when no callback is taken."""
-    out = {str(cb.state_key): _split(cb)[0] for cb in averagers(ctx.trainer)}
+    out = {str(cb.state_key): params for cb, params, _ in _splits(ctx)}
     return out or None
 
 
@@ -95,14 +135,14 @@ def capture_buffers(ctx: CaptureContext) -> dict[str, Any] | None:
     """(The per-rank part) ``{state_key: {name: tensor}}``: each callback's averaged buffers, this rank's own (an
     average of this rank's BatchNorm statistics, which DDP does not keep equal across the ranks); None when no
     callback is taken or none has buffers."""
-    out = {str(cb.state_key): buffers for cb in averagers(ctx.trainer) if (buffers := _split(cb)[1])}
+    out = {str(cb.state_key): buffers for cb, _, buffers in _splits(ctx) if buffers}
     return out or None
 
 
 def stable(ctx: CaptureContext) -> list[Any]:
     """The averaged parameters (not ``n_averaged``, copied at once): unchanged until the next optimizer step, and the
     same on every data-parallel rank."""
-    return [p for cb in averagers(ctx.trainer) for p in cb._average_model.module.parameters()]
+    return [t for _, params, _ in _splits(ctx) for k, t in params.items() if k.startswith("module.")]
 
 
 def _load(ctx: RestoreContext, state: Any, part: int) -> None:
