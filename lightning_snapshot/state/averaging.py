@@ -38,7 +38,7 @@ from lightning_snapshot.state.parts import CaptureContext, RestoreContext
 __all__ = ["averagers", "capture", "capture_buffers", "hooks", "restore", "restore_buffers", "stable"]
 
 
-def _weight_averaging() -> type | None:
+def _weight_averaging() -> Any:
     try:
         from lightning.pytorch.callbacks import WeightAveraging
     except ImportError:  # pragma: no cover - a Lightning before 2.6
@@ -46,7 +46,7 @@ def _weight_averaging() -> type | None:
     return WeightAveraging
 
 
-def _taken(cb: Any, base: type) -> bool:
+def _taken(cb: Any, base: Any) -> bool:
     cls = type(cb)
     return (
         isinstance(cb, base)
