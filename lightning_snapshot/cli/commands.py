@@ -483,7 +483,7 @@ def _add_plan(sub: Any) -> None:
 
 
 def _cmd_agent(args: argparse.Namespace) -> int:
-    from lightning_snapshot.backends.ram import agent
+    from lightning_snapshot import agent
 
     node_dir = Path(args.dir).expanduser().absolute()
     if node_dir.exists() and not node_dir.is_dir():
