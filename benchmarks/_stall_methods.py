@@ -350,8 +350,14 @@ def run_ours(bench: Bench, method: str) -> Row:
     if method == "ours-local-nohealth":
         writer.nonfinite_tensors = lambda staged: []  # every snapshot recorded healthy without looking
     copies = DeviceCopies()
+    extra: list[Callback] = []
+    if method.endswith("-ema"):
+        from lightning.pytorch.callbacks import EMAWeightAveraging
+
+        extra.append(EMAWeightAveraging(decay=0.999))
+        row.note = "with EMAWeightAveraging (its own update each step is in the wall-clock columns)"
     try:
-        run = train(bench, [callback])
+        run = train(bench, [callback], extra=extra)
     finally:
         background.close()
         copies.close()

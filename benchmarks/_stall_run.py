@@ -276,8 +276,16 @@ class Row:
     step_s: list[float] = field(default_factory=list)  # every optimizer step's duration
 
 
-def train(bench: Bench, method_callbacks: list[Callback], *, plugins: list[Any] | None = None) -> TrainRun:
-    """Train ``bench.steps`` steps with the method's callbacks between the probe and the tail callback."""
+def train(
+    bench: Bench,
+    method_callbacks: list[Callback],
+    *,
+    plugins: list[Any] | None = None,
+    extra: list[Callback] | None = None,
+) -> TrainRun:
+    """Train ``bench.steps`` steps with the method's callbacks between the probe and the tail callback; ``extra``
+    callbacks (part of the training, not of the method: ``EMAWeightAveraging``) after the method's, their hooks not
+    timed as the method's."""
     trim_memory()
     module = fresh_model(bench.cfg)
     probe = Probe(bench.schedule, bench.check_step)
@@ -300,7 +308,7 @@ def train(bench: Bench, method_callbacks: list[Callback], *, plugins: list[Any] 
         num_sanity_val_steps=0,
         limit_val_batches=0,
         log_every_n_steps=1,
-        callbacks=[probe, *(hooks.wrap(cb) for cb in method_callbacks), tail],
+        callbacks=[probe, *(hooks.wrap(cb) for cb in method_callbacks), *(extra or []), tail],
         plugins=plugins or None,
     )
     with warnings.catch_warnings(record=True) as caught, NoiseMeter() as cpu:

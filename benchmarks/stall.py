@@ -67,6 +67,7 @@ Usage::
                                             # (timed before training, and inside a fit as context)
     python benchmarks/stall.py --model many --layers 1950  # the same with 15,600 tensors
     python benchmarks/stall.py --steps 44 --every 5 --methods ours-local,dcp
+    python benchmarks/stall.py --quick --ema  # the stall with and without EMAWeightAveraging (ours-local, -ema)
 
 Other processes on the machine (a test run, say) show up as noise in the wall-clock columns. The ``noise`` column
 is the share of the CPUs other processes used during each run (from ``/proc/stat``); a run above 10% is flagged
@@ -104,7 +105,9 @@ from _stall_models import FULL, GB, MANY, MEDIUM, QUICK, fresh_model  # noqa: E4
 from _stall_run import Bench, Row, train  # noqa: E402
 
 REFERENCE = "ours-local"
-OURS = ("ours-ram", "ours-agent", "ours-local", "ours-local-nohealth", "ours-local-1buf")
+OURS = ("ours-ram", "ours-agent", "ours-local", "ours-local-nohealth", "ours-local-1buf", "ours-local-ema")
+#: the stall with EMAWeightAveraging (its averaged model staged with the weights) against the stall without it
+EMA_STALL_RATIO = 1.5
 
 
 METHODS = harness.Methods(baseline="none")
@@ -136,6 +139,12 @@ METHODS.add(
     "ours-local-1buf",
     lambda b: run_ours(b, "ours-local-1buf"),
     "the same with ``max_host_bytes`` set to one arena buffer (snapshots skipped if it is busy)",
+)
+METHODS.add(
+    "ours-local-ema",
+    lambda b: run_ours(b, "ours-local-ema"),
+    "``ours-local`` with Lightning's ``EMAWeightAveraging`` in the fit: its averaged model (a copy of the weights)"
+    " is snapshotted too; compared with ``ours-local`` for the stall per snapshot (``--ema`` runs the two)",
 )
 METHODS.add(
     "torch-save",
@@ -432,6 +441,16 @@ def targets(bench: Bench, rows: list[Row], base: Baseline, check: harness.Target
                         f" at the snapshot points ({fit_ref:.3f} ms; context, not a target)",
                         s / fit_ref,
                     )
+    plain, ema = by.get("ours-local"), by.get("ours-local-ema")
+    if plain and ema and plain.stall_ms and ema.stall_ms:
+        a, b = statistics.median(plain.stall_ms), statistics.median(ema.stall_ms)
+        check.check(
+            b <= EMA_STALL_RATIO * a,
+            f"ours-local-ema: median stall {b:.2f} ms with EMAWeightAveraging <= {EMA_STALL_RATIO} x ours-local's"
+            f" {a:.2f} ms without it = {EMA_STALL_RATIO * a:.2f} ms ({b / a:.2f}x)",
+            b,
+            EMA_STALL_RATIO * a,
+        )
     ref = by.get(REFERENCE)
     if ref and best:
         for name, fn in (("overhead", base.overhead), ("ovh p50", base.overhead_p50)):
@@ -536,6 +555,12 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join(METHODS.names),
         help=f"comma-separated subset of {','.join(METHODS.names)} (the baseline always runs)",
     )
+    parser.add_argument(
+        "--ema",
+        action="store_true",
+        help="the stall per snapshot with and without Lightning's EMAWeightAveraging: runs ours-local and"
+        " ours-local-ema (instead of --methods) and prints both",
+    )
     parser.add_argument("--dir", default=None, help="where snapshots are written (default: a temp dir in /tmp)")
     parser.add_argument(
         "--device",
@@ -581,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if every < 2 or steps < every:
         parser.error("need --every >= 2 and --steps >= --every")
-    methods = METHODS.schedule(METHODS.select(args.methods, parser))
+    methods = METHODS.schedule(METHODS.select("ours-local,ours-local-ema" if args.ema else args.methods, parser))
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
@@ -627,6 +652,14 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     report(bench, rows, out)
+    by = {r.method: r for r in rows if r.error is None}
+    if "ours-local" in by and "ours-local-ema" in by and by["ours-local"].stall_ms and by["ours-local-ema"].stall_ms:
+        a, b = (statistics.median(by[m].stall_ms) for m in ("ours-local", "ours-local-ema"))
+        out.say(
+            f"\nstall per snapshot (median snapshot/stall_ms): without EMAWeightAveraging {a:.2f} ms"
+            f" {[round(x, 1) for x in by['ours-local'].stall_ms]}, with it {b:.2f} ms"
+            f" {[round(x, 1) for x in by['ours-local-ema'].stall_ms]}: {b / a:.2f}x (target <= {EMA_STALL_RATIO}x)"
+        )
     foreign = sum(r.foreign_cpu_s for r in rows)
     out.say(f"\nother processes used {foreign:.0f} CPU-s during the training runs that were kept")
     if bench.replica_check is not None:

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ReplicaChecker", "Verdict", "checksums", "replicated_tensors", "verdict"]
+__all__ = ["ReplicaChecker", "Verdict", "checksums", "named_tensors", "replicated_tensors", "verdict"]
 
 #: The most disagreeing tensors a verdict names (a manifest records at most these, and the count).
 MAX_NAMED = 16
@@ -252,6 +252,28 @@ def replicated_tensors(
     return names, tensors, owners, param_names
 
 
+def named_tensors(tree: Any, wanted: Sequence[Any]) -> list[tuple[str, Any]]:
+    """The tensors of ``wanted`` found in ``tree`` (nested dicts and lists: the tensor parts' state), each with its
+    '/'-separated path, in the tree's order (each once)."""
+    ids = {id(t) for t in wanted}
+    out: list[tuple[str, Any]] = []
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, torch.Tensor):
+            if id(node) in ids:
+                ids.discard(id(node))
+                out.append((path, node))
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{path}/{k}" if path else str(k))
+        elif isinstance(node, (list, tuple)):
+            for i, v in enumerate(node):
+                walk(v, f"{path}/{i}" if path else str(i))
+
+    walk(tree, "")
+    return out
+
+
 class ReplicaChecker:
     """Which tensors each snapshot of a fit compares, and the comparison (see the module's docstring).
 
@@ -270,13 +292,20 @@ class ReplicaChecker:
         #: next checks (name -> checks left), so that the first check after they trained a step compares them
         self._watch: dict[str, int] = {}
 
-    def _planned(self, pl_module: Any, optimizers: Sequence[Any], ignored: set[str], key: Any) -> tuple[_Plan, list]:
+    def _planned(
+        self, pl_module: Any, optimizers: Sequence[Any], ignored: set[str], key: Any, extra: Any = None
+    ) -> tuple[_Plan, list]:
         plan = self._plan
         if plan is not None and key is not None and plan.key is key:
             tensors = [r() for r in plan.refs]  # (the capture plan held: the very same tensors)
             if all(t is not None for t in tensors):
                 return plan, tensors
         names, tensors, owners, param_ids = replicated_tensors(pl_module, optimizers, ignored)
+        for name, t in extra() if extra is not None else ():
+            if t.layout is torch.strided:
+                names.append(name)
+                tensors.append(t)
+                owners.append(name)
         sizes = [t.numel() * t.element_size() for t in tensors]
         total = max(1, sum(sizes))
         slices, before = [], 0
@@ -288,12 +317,20 @@ class ReplicaChecker:
         return plan, tensors
 
     def select(
-        self, pl_module: Any, optimizers: Sequence[Any], ignored: set[str], trained: Any, key: Any = None
+        self,
+        pl_module: Any,
+        optimizers: Sequence[Any],
+        ignored: set[str],
+        trained: Any,
+        key: Any = None,
+        extra: Any = None,
     ) -> tuple[list[str], list[Any]]:
         """The names and tensors this check compares. ``trained``: what the optimizers train now
         (:func:`~lightning_snapshot.state.capture.optimized_key`: parameter ids and their ``requires_grad``); ``key``:
-        an object that is the same while the tensors are (the capture plan's token), or None."""
-        plan, tensors = self._planned(pl_module, optimizers, ignored, key)
+        an object that is the same while the tensors are (the capture plan's token, which then vouches for
+        ``extra``'s too), or None; ``extra()``: more replicated tensors to compare, as (name, tensor) (the tensor
+        parts' stable tensors: an averaged model's parameters), called only when the tensors are listed anew."""
+        plan, tensors = self._planned(pl_module, optimizers, ignored, key, extra)
         ids, requires_grad = trained
         now = set(itertools.compress(ids, requires_grad))
         if self._trained is not None:

@@ -18,11 +18,12 @@ from lightning_snapshot.config import SnapshotConfig
 from lightning_snapshot.dist.agree import agree_on
 from lightning_snapshot.dist.comm import Comm
 from lightning_snapshot.errors import SnapshotError
-from lightning_snapshot.fit.replicas import ReplicaChecker, Verdict
+from lightning_snapshot.fit.replicas import ReplicaChecker, Verdict, named_tensors
 from lightning_snapshot.fit.reporting import Reporter
 from lightning_snapshot.schedule.schedules import FitSchedule
 from lightning_snapshot.staging.arena import AsyncStaged, HostArena, reserve_lead
 from lightning_snapshot.staging.live import Encoded
+from lightning_snapshot.state.builtin import capture_tensor_parts
 from lightning_snapshot.state.capture import capture_shared_live, frozen_predicate, optimized_key, raw_optimizer
 from lightning_snapshot.state.ddp_layout import is_ddp
 
@@ -60,6 +61,9 @@ class Stager:
         #: the capture plan's token of the state last staged
         self.capture_token: object | None = None
         self.replicas = ReplicaChecker(config.replica_check) if config.replica_check else None
+        #: the tensor parts' memory for the fit, and their state as last staged: (tree, stable tensors)
+        self._memo: dict[str, Any] = {}
+        self._parts: tuple[dict[str, Any], list[Any]] = ({}, [])
 
     def batch_start(self, trainer: Any) -> None:
         """``on_train_batch_start``: the point a snapshot is finished at when the loop fetched without its hook."""
@@ -102,14 +106,22 @@ class Stager:
         self._copied = True
         return True
 
+    def capture(self, trainer: Any, pl_module: Any) -> Any:
+        """The weights' state to stage: the model and optimizer state, and the tensor parts' (kept for
+        :meth:`frozen` and :meth:`check_replicas`)."""
+        self._parts = capture_tensor_parts(trainer, self._memo)
+        return capture_shared_live(trainer, pl_module, self.arena.live, self._parts[0])
+
     def frozen(self, trainer: Any) -> tuple[Callable[[Any], bool], Any]:
         """The frozen-tensor predicate, computed only if the arena asks (it does not while its plan holds), and
-        what it depends on (which parameters the optimizers train: a plan made under other ones is not reused)."""
+        what it depends on (which parameters the optimizers train: a plan made under other ones is not reused).
+        The tensor parts' stable tensors (as last captured) are frozen too."""
         made: list[Callable[[Any], bool]] = []
+        stable = self._parts[1]
 
         def frozen(t: Any) -> bool:
             if not made:
-                made.append(frozen_predicate(trainer.optimizers))
+                made.append(frozen_predicate(trainer.optimizers, stable))
             return made[0](t)
 
         return frozen, optimized_key(trainer.optimizers)
@@ -126,9 +138,10 @@ class Stager:
         if not self._planned:
             self._planned = True
             try:
+                state = self.capture(trainer, pl_module)
                 frozen, key = self.frozen(trainer)
                 arena.plan_ahead(
-                    capture_shared_live(trainer, pl_module, arena.live),
+                    state,
                     frozen,
                     rank=self.comm.rank,
                     world_size=self.comm.world_size,
@@ -155,7 +168,7 @@ class Stager:
         error: SnapshotError | None = None
         self._planned = True  # (the first snapshot plans itself if no earlier step did)
         try:  # every rank stages (and later writes) its own share of the replicated state
-            shared = capture_shared_live(trainer, pl_module, self.arena.live)
+            shared = self.capture(trainer, pl_module)
             frozen, key = self.frozen(trainer)
             self.capture_token = shared.token if isinstance(shared, Encoded) else None
             staged = self.arena.stage_async(
@@ -193,8 +206,14 @@ class Stager:
             return None
         ignored = set(getattr(model, "parameters_to_ignore", None) or ())
         optimizers = [raw_optimizer(o) for o in trainer.optimizers]
+        tree, stable = self._parts
         names, tensors = checker.select(
-            trainer.lightning_module, optimizers, ignored, optimized_key(optimizers), self.capture_token
+            trainer.lightning_module,
+            optimizers,
+            ignored,
+            optimized_key(optimizers),
+            self.capture_token,
+            extra=lambda: named_tensors(tree, stable),
         )
         result = checker.check(step, names, tensors, self.comm.all_gather_ints)
         self.reporter.metrics.add("snapshot/replicas_disagree", len(result.disagree))

@@ -21,7 +21,7 @@ from lightning_snapshot.restore.loader import ReadStats, read_manifest, read_sec
 from lightning_snapshot.restore.read_once import ReadOnce
 from lightning_snapshot.restore.read_once import enabled as read_once_enabled
 from lightning_snapshot.restore.targets import Templates, adopt_pruning, check_optimizers, restore_targets
-from lightning_snapshot.state.builtin import REGISTRY
+from lightning_snapshot.state.builtin import REGISTRY, capture_tensor_parts
 from lightning_snapshot.state.capture import check_model, is_sharded
 from lightning_snapshot.state.parts import Phase, RestoreContext
 
@@ -202,7 +202,9 @@ class SnapshotReader:
                 log.info("lightning-snapshot: %d pruned parameter(s) reparametrized as in the snapshot", len(pruned))
         # the model's own tensors are read into directly (verified chunk by chunk); under a sharded strategy the
         # optimizer state too, and each rank reads only its shards; the rest is allocated
-        return restore_targets(trainer, live, manifest.state, where)
+        # (and the tensor parts' live tensors: an averaged model is read into in place, resharded as the weights)
+        parts, _ = capture_tensor_parts(trainer, {})
+        return restore_targets(trainer, live, manifest.state, where, parts)
 
     def read_once(self, backend: Backend, where: str) -> ReadOnce | None:
         """The shared reader of a restore from ``backend`` (each byte read once in the job, then shared over the

@@ -322,7 +322,9 @@ class Restorer:
             if not (phase is Phase.SETUP and preloaded):  # (the callbacks' states, loaded at setup already)
                 REGISTRY.restore(phase, ctx, shared, rank_state)
 
-        restore_shared(trainer, pl_module, shared, where, live, parts)
+        restore_shared(
+            trainer, pl_module, shared, where, live, parts, replaced=lambda cb: REGISTRY.replaces_hooks(cb, shared)
+        )
         progress = trainer.fit_loop.epoch_progress.current
         # a snapshot taken when an epoch had just ended (the end of training) starts the next epoch from its
         # beginning; any other continues the epoch it was taken in (see patches.resume_loops)

@@ -143,15 +143,36 @@ def _rekey(saved: dict[str, Any], keys: list[list[Any]], where: str) -> dict[str
     }
 
 
-def restore_targets(trainer: Any, live: Templates, tree: Any, where: str) -> dict[str, Any]:
-    """Stored tensor name -> the live tensor to read it into, for the model and (sharded) the optimizer state.
+def _part_targets(saved: Any, live: Any, targets: dict[str, Any]) -> None:
+    """Add the targets of the tensor parts: where the stored skeleton ``saved`` and the live tree ``live`` (what the
+    parts' captures return now) both have a tensor at the same place (dict keys, list positions)."""
+    if isinstance(saved, _Ref):
+        if isinstance(live, torch.Tensor):
+            targets[saved.name] = live
+    elif isinstance(saved, dict) and isinstance(live, dict):
+        for k, v in saved.items():
+            if k in live:
+                _part_targets(v, live[k], targets)
+    elif isinstance(saved, list) and isinstance(live, (list, tuple)) and len(saved) == len(live):
+        for v, t in zip(saved, live, strict=True):
+            _part_targets(v, t, targets)
+
+
+def restore_targets(trainer: Any, live: Templates, tree: Any, where: str, parts: Any = None) -> dict[str, Any]:
+    """Stored tensor name -> the live tensor to read it into, for the model, (sharded) the optimizer state, and the
+    tensor parts (``parts``: their live state, the tree :meth:`~lightning_snapshot.state.parts.Registry.
+    capture_tensors` returns; each stored tensor goes into the live one at the same place).
 
     Under a sharded strategy the targets are DTensors, so each rank reads only its shard, from whatever layout the
-    snapshot was saved with (DDP's whole tensors, another sharding).
+    snapshot was saved with (DDP's whole tensors, another sharding); so are a tensor part's DTensors.
     """
     targets: dict[str, Any] = {}
     if not isinstance(tree, dict):
         return targets
+    if isinstance(parts, dict):
+        for key, value in parts.items():
+            if key in tree:
+                _part_targets(_skeleton(tree[key]), value, targets)
     saved_model = _skeleton(tree.get("state_dict"))
     if isinstance(saved_model, dict):
         for k, ref in saved_model.items():
@@ -226,6 +247,7 @@ def restore_shared(
     where: str,
     live: Templates | None = None,
     parts: Callable[[Phase], None] | None = None,
+    replaced: Callable[[Any], bool] | None = None,
 ) -> None:
     """Load the shared state into a trainer whose strategy is set up (optimizers exist): at ``on_fit_start``.
 
@@ -234,7 +256,8 @@ def restore_shared(
     templates the state was read into (see :func:`restore_targets`), applied with ``set_model_state_dict`` and
     ``set_optimizer_state_dict`` (Lightning's own loading hooks do nothing there). ``parts(phase)`` applies the state
     parts of a phase (:mod:`lightning_snapshot.state.builtin`): LOAD right after the weights, SETUP (the callbacks'
-    states, unless they were loaded at ``setup``) after the callbacks' ``on_load_checkpoint``.
+    states, unless they were loaded at ``setup``) after the callbacks' ``on_load_checkpoint``. ``replaced(callback)``:
+    a tensor part restores what that callback's ``on_load_checkpoint`` would (its LOAD phase), which is not called.
     """
     check_model(pl_module, ckpt.get("state_dict"), where)
     optimizer_states = ckpt.get("optimizer_states", [])
@@ -262,7 +285,8 @@ def restore_shared(
     # the callbacks' on_load_checkpoint, then their load_state_dict (Lightning's order; the states loaded at setup,
     # before the callbacks' on_fit_start, are not loaded again: ``parts`` knows)
     for cb in trainer.callbacks:
-        cb.on_load_checkpoint(trainer, pl_module, view)
+        if replaced is None or not replaced(cb):
+            cb.on_load_checkpoint(trainer, pl_module, view)
     if parts is not None:
         parts(Phase.SETUP)
     precision_key = type(trainer.precision_plugin).__qualname__

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from lightning_snapshot.errors import CaptureError
 from lightning_snapshot.format import tree as _tree
 from lightning_snapshot.staging.meta import dict_version, metadata_check
 
@@ -401,6 +402,8 @@ class LiveCapture:
         #: many the next failure skips (doubling: a state that cannot be planned costs a plan attempt rarely).
         self._skip = 0
         self._backoff = 1
+        #: the last :meth:`extend`: (the core's token, weak references to the added tensors, their keys, the token)
+        self._extended: tuple[object, list[weakref.ref[Any]], list[Any], object] | None = None
 
     def capture(
         self, head: dict[str, Any], module: _Module, optimizers: list[Any], full: Callable[[], dict[str, Any]]
@@ -431,5 +434,40 @@ class LiveCapture:
             self._skip, self._backoff = self._backoff, min(2 * self._backoff, 64)
         return encoded
 
+    def extend(self, core: Encoded, more: dict[str, Any]) -> Encoded:
+        """``core`` (:meth:`capture`'s result) with the tree ``more`` (tensor state beside the model's and the
+        optimizers': the tensor parts, :class:`~lightning_snapshot.state.parts.Part`) encoded and added under its
+        keys, which ``core`` must not have (CaptureError otherwise).
+
+        The result's token vouches for all its tensors: it is the previous call's while ``core``'s token is the one
+        that call had and ``more`` holds the very same tensor objects as then (weak references: a freed one never
+        matches), at the same addresses, with the same shapes, strides and dtypes; a new one otherwise; None when
+        ``core`` has none (then nothing vouches: the arena compares the tensors itself)."""
+        tree, named = _tree.encode(more, "")
+        clash = sorted(set(tree) & set(core.tree))
+        if clash:
+            raise CaptureError(f"the tensor parts' state uses the key(s) {clash} of the weights' state; rename them")
+        tensors = list(named.values())
+        token: object | None = None
+        if core.token is not None:
+            try:
+                keys = [(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors]
+            except (RuntimeError, TypeError, AttributeError):  # (a tensor without storage of its own)
+                keys = None
+            last = self._extended
+            if (
+                keys is not None
+                and last is not None
+                and last[0] is core.token
+                and last[2] == keys
+                and all(map(_is, map(_call, last[1]), tensors))
+            ):
+                token = last[3]
+            if token is None and keys is not None:
+                token = object()
+                self._extended = (core.token, [weakref.ref(t) for t in tensors], keys, token)
+        return Encoded({**core.tree, **tree}, [*core.names, *named], [*core.tensors, *tensors], token)
+
     def clear(self) -> None:
         self._plan = None
+        self._extended = None

@@ -25,6 +25,7 @@ from lightning_snapshot import data as _data
 from lightning_snapshot.data.rng import capture_rng, restore_rng
 from lightning_snapshot.dist.agree import agree_on
 from lightning_snapshot.errors import SnapshotError
+from lightning_snapshot.state import averaging as _averaging
 from lightning_snapshot.state import fit_checkpoints as _ckpts
 from lightning_snapshot.state import fit_metrics as _metrics
 from lightning_snapshot.state import fit_state as _fit
@@ -34,7 +35,7 @@ from lightning_snapshot.state.ddp_layout import DDP_LAYOUT_ENV, apply_layout, ca
 from lightning_snapshot.state.ddp_layout import enabled as ddp_layout_enabled
 from lightning_snapshot.state.parts import CaptureContext, Part, Phase, Registry, RestoreContext
 
-__all__ = ["REGISTRY", "capture_section", "register", "unregister"]
+__all__ = ["REGISTRY", "capture_section", "capture_tensor_parts", "register", "unregister"]
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ def capture_section(
     ctx = CaptureContext(trainer, pl_module, consumed=consumed, epoch=epoch, boundary=boundary, token=token, memo=memo)
 
     def late(parts: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
-        state = capture_late(trainer, pl_module, loader_states, parts)
+        state = capture_late(trainer, pl_module, loader_states, parts, REGISTRY.replaces_hooks)
         if unfinished:
             state["epoch"] = epoch
             for counters in state["loops"]["fit_loop"]["epoch_progress"].values():
@@ -85,6 +86,17 @@ def capture_section(
 
     section: dict[str, Any] = REGISTRY.capture(ctx, late)
     return section
+
+
+def capture_tensor_parts(trainer: Any, memo: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
+    """The tensor parts' live state and their stable tensors (:meth:`~lightning_snapshot.state.parts.Registry.
+    capture_tensors`), for the weights' stager (at each snapshot) and a restore's targets. ``memo``: the parts' memory
+    for the fit."""
+    trainer_module = trainer.lightning_module
+    ctx = CaptureContext(
+        trainer, trainer_module, consumed=0, epoch=trainer.current_epoch, boundary=False, token=None, memo=memo
+    )
+    return REGISTRY.capture_tensors(ctx)
 
 
 # ------------------------------------------------------------------------------------------------- per rank
@@ -328,6 +340,29 @@ register(
         lambda ctx, v: _ckpts.load_callback_states(ctx.trainer, v, exclude=ctx.owner),
         Phase.SETUP,
         path=("callbacks",),
+    )
+)
+# tensors: the averaged model of Lightning's WeightAveraging callbacks (EMAWeightAveraging), on the weights' path
+register(
+    Part(
+        "weight_averaging",
+        _averaging.capture,
+        _averaging.restore,
+        Phase.LOAD,
+        tensors=True,
+        stable=_averaging.stable,
+        hooks=_averaging.hooks,
+    )
+)
+# per rank: the averaged model's buffers (each rank's own: see state/averaging.py), after the part above
+register(
+    Part(
+        "weight_averaging_buffers",
+        _averaging.capture_buffers,
+        _averaging.restore_buffers,
+        Phase.LOAD,
+        per_rank=True,
+        resharded=True,
     )
 )
 # per rank, after the late state

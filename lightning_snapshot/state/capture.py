@@ -87,9 +87,10 @@ def _sharded_state_dicts(trainer: Any) -> tuple[dict[str, Any], list[dict[str, A
     )
 
 
-def capture_shared(trainer: Any, pl_module: Any) -> dict[str, Any]:
-    """The checkpoint-shaped tensor state of a step: model and optimizer. Tensors are live views: stage them before
-    training goes on.
+def capture_shared(trainer: Any, pl_module: Any, parts: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The checkpoint-shaped tensor state of a step: model and optimizer, and ``parts`` (the tensor parts' tree,
+    :meth:`~lightning_snapshot.state.parts.Registry.capture_tensors`: its keys are added as they are). Tensors are
+    live views: stage them before training goes on.
 
     Taken right before the next batch is fetched (parameters and optimizer state do not change until the next
     ``optimizer.step``), with the rest of the state (:func:`capture_late`).
@@ -109,6 +110,8 @@ def capture_shared(trainer: Any, pl_module: Any) -> dict[str, Any]:
         "state_dict": state_dict,
         "optimizer_states": optimizer_states,
     }
+    if parts:
+        ckpt.update(parts)
     return ckpt
 
 
@@ -127,19 +130,28 @@ def _plain_state_dicts(trainer: Any) -> bool:
     )
 
 
-def capture_shared_live(trainer: Any, pl_module: Any, live: LiveCapture) -> Encoded | dict[str, Any]:
+def capture_shared_live(
+    trainer: Any, pl_module: Any, live: LiveCapture, parts: dict[str, Any] | None = None
+) -> Encoded | dict[str, Any]:
     """:func:`capture_shared`, through the capture plan ``live`` where the strategy allows (then, while the plan
-    holds, already encoded, at a cost nearly constant in the number of tensors); the same state either way."""
+    holds, already encoded, at a cost nearly constant in the number of tensors; the tensor parts' tree ``parts`` is
+    encoded and added, :meth:`~lightning_snapshot.staging.live.LiveCapture.extend`); the same state either way."""
     if not _plain_state_dicts(trainer):
         live.clear()
-        return capture_shared(trainer, pl_module)
+        return capture_shared(trainer, pl_module, parts)
     head = {"global_step": trainer.global_step, "pytorch-lightning_version": lightning.__version__}
     optimizers = [raw_optimizer(opt) for opt in trainer.optimizers]
-    return live.capture(head, trainer.strategy.lightning_module, optimizers, lambda: capture_shared(trainer, pl_module))
+    core = live.capture(head, trainer.strategy.lightning_module, optimizers, lambda: capture_shared(trainer, pl_module))
+    if not parts:
+        return core
+    if not isinstance(core, Encoded):
+        core.update(parts)
+        return core
+    return live.extend(core, parts)
 
 
-def _overrides_on_save_checkpoint(trainer: Any, pl_module: Any) -> bool:
-    """Whether any callback or the ``LightningModule`` has an ``on_save_checkpoint`` of its own (Lightning's are
+def _overrides_on_save_checkpoint(callbacks: list[Any], pl_module: Any) -> bool:
+    """Whether any of ``callbacks`` or the ``LightningModule`` has an ``on_save_checkpoint`` of its own (Lightning's are
     no-ops): only then is the checkpoint dict for the hooks, with the model's ``state_dict``, worth making."""
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.core.hooks import CheckpointHooks
@@ -150,7 +162,7 @@ def _overrides_on_save_checkpoint(trainer: Any, pl_module: Any) -> bool:
         return True
     return any(
         "on_save_checkpoint" in vars(cb) or type(cb).on_save_checkpoint is not Callback.on_save_checkpoint
-        for cb in trainer.callbacks
+        for cb in callbacks
     )
 
 
@@ -159,6 +171,7 @@ def capture_late(
     pl_module: Any,
     loader_states: list[Any] | None = None,
     parts: Callable[[dict[str, Any]], None] | None = None,
+    replaced: Callable[[Any], bool] | None = None,
 ) -> dict[str, Any]:
     """The rest of the training state, as it is right before the next training step begins: after the previous
     step's validation, the callbacks that reacted to it, epoch-end hooks and scheduler steps.
@@ -166,7 +179,9 @@ def capture_late(
     ``loader_states``: the states of Lightning-restored (stateful) train loaders to record instead of their current
     ones (a loader without a length is fetched one batch ahead; the callback passes the state before that batch).
     ``parts``: captures the shared state parts into the late state (the callbacks' states, the fit state: see
-    :mod:`lightning_snapshot.state.builtin`), before the ``on_save_checkpoint`` hooks.
+    :mod:`lightning_snapshot.state.builtin`), before the ``on_save_checkpoint`` hooks. ``replaced(callback)``: a tensor
+    part stands for that callback's ``on_save_checkpoint`` (its tensors take the weights' path: see
+    :class:`~lightning_snapshot.state.parts.Part`), which is then not called.
 
     The ``on_save_checkpoint`` hooks are called here as Lightning's ``dump_checkpoint`` calls them (every callback's,
     then the ``LightningModule``'s), on a checkpoint dict that also holds the model's ``state_dict``; what they add is
@@ -204,7 +219,8 @@ def capture_late(
         dm_state = datamodule.state_dict()
         if dm_state:
             late[type(datamodule).__qualname__] = dm_state
-    if not _overrides_on_save_checkpoint(trainer, pl_module):
+    hooked = [cb for cb in trainer.callbacks if replaced is None or not replaced(cb)]
+    if not _overrides_on_save_checkpoint(hooked, pl_module):
         return late
     state_dict = trainer.strategy.lightning_module_state_dict() if not is_sharded(trainer.strategy) else {}
     ckpt = {
@@ -213,7 +229,7 @@ def capture_late(
         "pytorch-lightning_version": lightning.__version__,
         "state_dict": state_dict,
     }
-    for cb in trainer.callbacks:
+    for cb in hooked:
         cb.on_save_checkpoint(trainer, pl_module, ckpt)
     pl_module.on_save_checkpoint(ckpt)
     own = late["lightning_snapshot"]
@@ -321,10 +337,11 @@ def optimized_key(optimizers: Iterable[Any]) -> tuple[Any, ...]:
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
-def frozen_predicate(optimizers: Iterable[Any]) -> Callable[[torch.Tensor], bool]:
+def frozen_predicate(optimizers: Iterable[Any], stable: Iterable[Any] = ()) -> Callable[[torch.Tensor], bool]:
     """Which tensors stay unchanged until the next ``optimizer.step``: the parameters an optimizer trains (in one of
-    its parameter groups, requiring a gradient) and the optimizers' state. They are copied while the next
-    forward and backward run.
+    its parameter groups, requiring a gradient), the optimizers' state, and ``stable`` (the tensor parts' tensors
+    that declare so: :class:`~lightning_snapshot.state.parts.Part`). They are copied while the next forward and
+    backward run.
 
     Everything else must be copied at once: buffers (BatchNorm statistics) change in the next forward, and
     parameters that no optimizer trains (an EMA teacher, a frozen backbone) are the ones user code changes in place
@@ -342,6 +359,7 @@ def frozen_predicate(optimizers: Iterable[Any]) -> Callable[[torch.Tensor], bool
                 for v in state.values()
                 if isinstance(v, torch.Tensor) and v.numel()
             )
+    storages.update(local_tensor(t).untyped_storage().data_ptr() for t in stable if t.numel())
 
     def frozen(t: torch.Tensor) -> bool:
         t = local_tensor(t)  # a DTensor's storage is its local shard's

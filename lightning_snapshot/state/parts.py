@@ -17,6 +17,14 @@ snapshots always had):
 * **shared**: at ``path`` (default ``("lightning_snapshot", "fit_state", name)``) of the late state each rank stores
   in its section, next to Lightning's loops and schedulers; restored from this rank's own, or rank 0's after a change
   of the number of processes.
+* **tensors** (``tensors=True``): state that is tensors (an averaged copy of the model, an EMA teacher) takes the
+  weights' path: at ``path`` (default ``("tensor_parts", name)``) of the shared tensor state, beside ``state_dict``
+  and ``optimizer_states``. It is captured with the weights (:meth:`Registry.capture_tensors`), staged into the host
+  arena by the weights' stager (the tensors of ``stable`` in the background until the next ``optimizer.step``, the
+  others at once), written once under DDP (each replicated tensor by one rank; the others by rank 0, as buffers),
+  as each rank's shard where a tensor is a DTensor, replica-checked with the weights (the ``stable`` ones), and
+  read back by the weights' loader straight into the live tensors the part's ``capture`` returns at restore
+  (:meth:`Registry.tensor_targets`): resharded to this run's layout, whatever the world size it was saved with.
 
 The engine: :meth:`Registry.capture` (the pipeline, at each snapshot, right before the next batch is fetched),
 :meth:`Registry.restore` (the Restorer and the callback's hooks, at each phase). A part whose snapshot does not hold
@@ -27,16 +35,18 @@ here.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_snapshot.dist.comm import Comm, LocalComm
 
-__all__ = ["CaptureContext", "Part", "Phase", "Registry", "RestoreContext"]
+__all__ = ["TENSOR_PARTS", "CaptureContext", "Part", "Phase", "Registry", "RestoreContext"]
 
 #: keys of a rank's section the engine itself uses (no part may use them)
 _RESERVED = ("late", "exact")
+#: the key of the shared tensor state (beside ``state_dict`` and ``optimizer_states``) the tensor parts live under
+TENSOR_PARTS = "tensor_parts"
 
 
 class Phase(enum.Enum):
@@ -148,6 +158,21 @@ class Part:
         path: where it lives in a rank's section (per rank) or in the late state (shared); default from ``name``.
         resharded: (per rank) after a change of the number of processes, restore rank 0's state (``ctx.exact`` is
             False) instead of None.
+        tensors: the state is tensors that take the weights' path (see the module docstring). ``capture`` then
+            returns the *live* tensors (a tree of dicts and lists of tensors and plain values; no copies: the stager
+            copies them), is called on the training thread at every snapshot and once at each restore (its tensors
+            are the read's targets: ``ctx.consumed`` is 0 and ``ctx.boundary`` False there, and no capture may
+            depend on them), and must be cheap and without side effects. Not per rank.
+        stable: (tensors) ``stable(ctx)`` -> the captured tensors that do not change from the end of one
+            ``optimizer.step`` until the next begins and are the same on every data-parallel rank (an EMA of the
+            parameters): copied in the background, written by any one rank, compared across the ranks by the
+            replica check. The part's other tensors are copied on the training thread and written by rank 0 (as
+            the model's buffers). None: all of them are.
+        hooks: (tensors) ``hooks(callback)`` -> the key of the part's state that stands for that callback's
+            ``on_save_checkpoint``/``on_load_checkpoint`` (its tensors are in the part, not copied into the late
+            state), or None. At a restore the callback's ``on_load_checkpoint`` is then not called when the part's
+            state holds that key (the part's restore does what it would); a snapshot without it (an older one)
+            calls it as before.
     """
 
     name: str
@@ -157,13 +182,31 @@ class Part:
     per_rank: bool = False
     path: tuple[str, ...] = ()
     resharded: bool = False
+    tensors: bool = False
+    stable: Callable[[CaptureContext], Iterable[Any]] | None = None
+    hooks: Callable[[Any], str | None] | None = None
 
     def __post_init__(self) -> None:
+        if self.tensors and self.per_rank:
+            raise ValueError(
+                f"state part {self.name!r}: tensors=True takes the weights' path, which is shared, not per rank;"
+                " pass per_rank=False, or capture per-rank tensors as a per-rank part without tensors=True"
+            )
+        if (self.stable is not None or self.hooks is not None) and not self.tensors:
+            raise ValueError(f"state part {self.name!r}: stable= and hooks= apply to tensors=True parts only")
         if not self.path:
-            path = (self.name,) if self.per_rank else ("lightning_snapshot", "fit_state", self.name)
+            if self.tensors:
+                path: tuple[str, ...] = (TENSOR_PARTS, self.name)
+            else:
+                path = (self.name,) if self.per_rank else ("lightning_snapshot", "fit_state", self.name)
             object.__setattr__(self, "path", path)
         if self.per_rank and self.path[0] in _RESERVED:
             raise ValueError(f"state part {self.name!r}: a rank's section reserves {self.path[0]!r}")
+        if self.tensors and self.path[0] != TENSOR_PARTS:
+            raise ValueError(
+                f"state part {self.name!r}: a tensors=True part lives under {TENSOR_PARTS!r} of the shared tensor"
+                f" state; its path must start with it, not {self.path[0]!r}"
+            )
 
 
 def _get(tree: Any, path: tuple[str, ...]) -> Any:
@@ -208,7 +251,7 @@ class Registry:
     def capture_shared(self, ctx: CaptureContext, late: dict[str, Any]) -> None:
         """Capture the shared parts into ``late`` (the late state, as :func:`capture_late` builds it)."""
         for part in self._parts:
-            if not part.per_rank:
+            if not part.per_rank and not part.tensors:
                 _put(late, part.path, part.capture(ctx))
 
     def capture(self, ctx: CaptureContext, late: Callable[[Callable[[dict[str, Any]], None]], dict[str, Any]]) -> Any:
@@ -223,10 +266,44 @@ class Registry:
             if part.per_rank:
                 _, value = next(captured)
                 _put(section, part.path, value)
-            elif "late" not in section:
+            elif "late" not in section and not part.tensors:
                 section["late"] = core
         section.setdefault("late", core)
         return section
+
+    def capture_tensors(self, ctx: CaptureContext) -> tuple[dict[str, Any], list[Any]]:
+        """The tensor parts' live state, as the tree they add to the shared tensor state (``{TENSOR_PARTS: {...}}``;
+        empty when no part captured anything), and their ``stable`` tensors (see :class:`Part`). Training thread,
+        every rank, at each snapshot (and at a restore, for the read's targets)."""
+        tree: dict[str, Any] = {}
+        stable: list[Any] = []
+        for part in self._parts:
+            if not part.tensors:
+                continue
+            value = part.capture(ctx)
+            if value is None:
+                continue
+            _put(tree, part.path, value)
+            if part.stable is not None:
+                stable.extend(part.stable(ctx))
+        return tree, stable
+
+    def replaces_hooks(self, callback: Any, shared: Any = None) -> bool:
+        """Whether a tensor part stands for ``callback``'s checkpoint hooks (see :class:`Part`): at a snapshot
+        (``shared`` None), whether one claims it; at a restore, whether the snapshot's ``shared`` state holds that
+        part's state for it."""
+        for part in self._parts:
+            if part.hooks is None:
+                continue
+            key = part.hooks(callback)
+            if key is None:
+                continue
+            if shared is None:
+                return True
+            state = _get(shared, part.path)
+            if isinstance(state, dict) and key in state:
+                return True
+        return False
 
     def resized(self, saved: Any) -> dict[str, Any] | None:
         """The section a rank restores after a change of the number of processes, from rank 0's ``saved``: the late

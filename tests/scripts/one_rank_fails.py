@@ -46,10 +46,10 @@ rank = int(os.environ.get("LOCAL_RANK", "0"))
 if a.fail == "stage":
     capture = stager.capture_shared_live
 
-    def capture_shared_live(trainer, pl_module, live):
+    def capture_shared_live(trainer, pl_module, live, parts=None):
         if trainer.global_rank == 0 and trainer.global_step >= 4:
             raise CaptureError("injected: rank 0 cannot capture its share of the weights")
-        return capture(trainer, pl_module, live)
+        return capture(trainer, pl_module, live, parts)
 
     stager.capture_shared_live = capture_shared_live
 elif a.fail == "list":

@@ -360,6 +360,7 @@ def main() -> None:
         help="with --crash-at: wait until the newest step due is committed (not just any)",
     )
     p.add_argument("--no-resume", action="store_true")
+    p.add_argument("--ema", action="store_true", help="Lightning's EMAWeightAveraging (its averaged model is compared)")
     p.add_argument("--kill-before-commit", type=int, default=-1)
     p.add_argument("--s3", default=None, help="also snapshot to this s3:// URL (with --endpoint)")
     p.add_argument("--endpoint", default=None)
@@ -516,6 +517,10 @@ def main() -> None:
         )
     ]
     callbacks.append(ReportRestore(callbacks[0]))  # (before CrashAfterRestore: the restore is reported first)
+    if a.ema:
+        from lightning.pytorch.callbacks import EMAWeightAveraging
+
+        callbacks.append(EMAWeightAveraging(decay=0.9))
     if a.nan_at >= 0:
         callbacks.append(NanGradient(a.nan_at))
     if a.crash_after_restore:
@@ -578,6 +583,9 @@ def main() -> None:
         os.write(sys.stdout.fileno(), f"EXITING status={e.code} rank={trainer.global_rank}\n".encode())
         raise
     result = capture(trainer, model)
+    if a.ema:  # (the model's weights are the averaged ones now: on_train_end copied them in)
+        ema = next(cb for cb in callbacks if hasattr(cb, "_average_model"))
+        result["averaged"] = {k: v.detach().clone() for k, v in ema._average_model.state_dict().items()}
     out = a.out if trainer.global_rank == 0 else f"{a.out}.rank{trainer.global_rank}"
     torch.save(result, out)
     if torch.distributed.is_initialized():

@@ -28,8 +28,11 @@ FIT_STATE_KEYS = [
 def test_the_built_in_parts_are_the_keys_of_the_format():
     per_rank = [p.path for p in REGISTRY if p.per_rank]
     shared = [p.path for p in REGISTRY if not p.per_rank]
-    assert per_rank == [("rng",), ("loaders",), ("ddp_layout",)]
-    assert shared == [("lightning_snapshot", "fit_state", k) for k in FIT_STATE_KEYS] + [("callbacks",)]
+    assert per_rank == [("rng",), ("loaders",), ("weight_averaging_buffers",), ("ddp_layout",)]
+    assert shared == [("lightning_snapshot", "fit_state", k) for k in FIT_STATE_KEYS] + [
+        ("callbacks",),
+        ("tensor_parts", "weight_averaging"),  # (tensors: of the shared tensor state, beside state_dict)
+    ]
 
 
 def _ctx() -> CaptureContext:
