@@ -6,7 +6,10 @@ parts from the module that defines them); the parts, one job each:
 * :mod:`~lightning_snapshot.data.order`: the order arithmetic (pure: no I/O, no process group);
 * :mod:`~lightning_snapshot.data.samplers`: :class:`ResumableSampler` and :class:`DrawRecorder`;
 * :mod:`~lightning_snapshot.data.workers`: the iterator tracker and the loader workers' RNG;
-* :mod:`~lightning_snapshot.data.loaders`: install, capture (:func:`position`) and resume (:func:`plan_resume`).
+* :mod:`~lightning_snapshot.data.loaders`: install, capture (:func:`position`) and resume (:func:`plan_resume`);
+* :mod:`~lightning_snapshot.data.rng`: a process's RNG states (the snapshot's per-rank RNG, a resumed worker's).
+
+May import: nothing else of the package (it sits below the state parts that capture it).
 
 Lightning restores the position only of loaders that have ``state_dict``/``load_state_dict`` (torchdata's
 ``StatefulDataLoader``). A plain ``DataLoader`` resumed mid-epoch starts again at sample 0 and redraws its shuffle

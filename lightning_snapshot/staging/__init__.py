@@ -1,8 +1,9 @@
 """Staging: copy captured tensors into host memory so training can go on mutating the originals.
 
-Used by the snapshot pipeline (pipeline.py: :func:`stage`, and the arena), the persist threads (persist.py,
-writer.py: :class:`StagedState`, checksums, health) and the RAM tier's agent; its tensor helpers and checksums also
-by capture.py, loader.py, export.py, restore_records.py and backends/ram/shares.py.
+Used by the snapshot pipeline (fit/pipeline.py: :func:`stage`, and the arena), the persist threads
+(persist/threads.py, persist/writer.py: :class:`StagedState`, checksums, health) and the RAM tier's agent; its tensor
+helpers and checksums also by state/capture.py, restore/loader.py, cli/export.py, restore/records.py and
+backends/ram/shares.py. May import: format, plan, dist, errors.
 
 Two parts, one unit:
 
