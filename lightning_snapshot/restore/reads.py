@@ -13,11 +13,12 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lightning_snapshot.backends.base import Backend, NeededObjects, StepObject
+from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.dist.comm import Comm, LocalComm, TensorComm
 from lightning_snapshot.errors import SnapshotError
-from lightning_snapshot.format.manifest import Manifest, step_dirname
+from lightning_snapshot.format.manifest import step_dirname
 from lightning_snapshot.restore.loader import ReadStats, read_manifest, read_section
+from lightning_snapshot.restore.objects import needed_objects
 from lightning_snapshot.restore.read_once import ReadOnce
 from lightning_snapshot.restore.read_once import enabled as read_once_enabled
 from lightning_snapshot.restore.targets import Templates, adopt_pruning, check_optimizers, restore_targets
@@ -25,47 +26,9 @@ from lightning_snapshot.state.builtin import REGISTRY, capture_tensor_parts
 from lightning_snapshot.state.capture import check_model, is_sharded
 from lightning_snapshot.state.parts import Phase, RestoreContext
 
-__all__ = ["SnapshotReader", "needed_objects", "step_objects"]
+__all__ = ["SnapshotReader"]
 
 log = logging.getLogger(__name__)
-
-
-def needed_objects(world_size: int, where: str) -> NeededObjects:
-    """What a restore into ``world_size`` ranks reads of a snapshot, from its manifest's bytes: the objects of the
-    shared tensors and of the rank sections it restores (every rank's at the same world size; at another, rank 0's,
-    for the data position), each with its size and the rank that wrote it. A node-local tier fetches these to the
-    nodes that lack them (:meth:`~lightning_snapshot.backends.base.Backend.restore`): the tier moves bytes, the
-    manifest is read here.
-
-    Args:
-        world_size: the ranks of the restore.
-        where: the manifest, as its parsing errors name it.
-    """
-
-    def objects(data: bytes) -> list[StepObject]:
-        manifest = Manifest.from_json(data, where=where)
-        ranks = range(world_size) if manifest.world_size == world_size else [0]
-        entries = list(manifest.tensors)
-        for r in ranks:
-            section = manifest.rank_section(r)
-            if section is not None:
-                entries += section.tensors
-        read = {f.object for t in entries for f in t.fragments}
-        return [StepObject(o.key, o.nbytes, o.rank) for o in manifest.objects if o.key in read]
-
-    return objects
-
-
-def step_objects(where: str) -> NeededObjects:
-    """Every object of a snapshot, from its manifest's bytes, each with its size and the rank that wrote it: what a
-    RAM tier checks its nodes hold before it commits a step its node agents kept for trainers that died
-    (:meth:`~lightning_snapshot.backends.base.Backend.collective_steps`)."""
-
-    def objects(data: bytes) -> list[StepObject]:
-        manifest = Manifest.from_json(data, where=where)
-        return [StepObject(o.key, o.nbytes, o.rank) for o in manifest.objects]
-
-    return objects
 
 
 class SnapshotReader:

@@ -33,9 +33,10 @@ from lightning_snapshot.errors import (
 from lightning_snapshot.persist.commit import committed_steps
 from lightning_snapshot.restore.later_phases import Restored, Resumption
 from lightning_snapshot.restore.loader import resolve_source
+from lightning_snapshot.restore.objects import step_objects
 from lightning_snapshot.restore.policy import Candidate, plan_resume
 from lightning_snapshot.restore.progress import human_bytes
-from lightning_snapshot.restore.reads import SnapshotReader, step_objects
+from lightning_snapshot.restore.reads import SnapshotReader
 from lightning_snapshot.restore.records import read_candidate, record_restore
 from lightning_snapshot.restore.targets import Templates, restore_shared, templates
 from lightning_snapshot.state import fit_state as _fit_state

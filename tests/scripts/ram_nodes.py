@@ -27,7 +27,7 @@ from lightning_snapshot.errors import SnapshotError
 from lightning_snapshot.format.manifest import step_dirname
 from lightning_snapshot.persist.writer import SnapshotJob, write_snapshot
 from lightning_snapshot.restore.loader import read_manifest, read_section
-from lightning_snapshot.restore.reads import needed_objects
+from lightning_snapshot.restore.objects import needed_objects
 from lightning_snapshot.staging import stage
 
 

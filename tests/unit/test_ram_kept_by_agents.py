@@ -15,7 +15,7 @@ from lightning_snapshot.format.manifest import MANIFEST_NAME, step_dirname
 from lightning_snapshot.persist.writer import SnapshotJob, committed_steps, write_snapshot
 from lightning_snapshot.restore.loader import read_manifest
 from lightning_snapshot.staging import stage
-from lightning_snapshot.restore.reads import step_objects
+from lightning_snapshot.restore.objects import step_objects
 
 STEP, RUN = 5, "run"
 #: the engine's reading of a kept manifest into the objects of its step (what the restorer passes the RAM tier)
