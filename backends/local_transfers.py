@@ -148,9 +148,12 @@ class NodeTransfers:
             comm, f"opening the files to fetch {where_}", lambda: self.open_transfers(comm, mine, prefix)
         )
         sends, receives, received = opened.value or ([], [], [])
-        if not opened.ok:
+        if not opened.ok:  # (another rank could not open its side: nothing is sent, what this rank made goes)
             for mm, _peer in sends + receives:
                 close_map(mm)
+            for tmp, _path in received:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
             opened.result()
         if mine:
             exchange(group_of(comm), sends, receives)
@@ -205,6 +208,9 @@ class NodeTransfers:
         except BaseException:
             for mm, _peer in sends + receives:
                 close_map(mm)
+            for tmp, _path in received:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
             raise
         return sends, receives, received
 
