@@ -29,6 +29,15 @@ __all__ = ["NodeTransfers"]
 log = logging.getLogger(__name__)
 
 
+def _discard(sends: list[tuple[Any, int]], receives: list[tuple[Any, int]], received: list[tuple[Path, Path]]) -> None:
+    """Close the maps of transfers that will not run, and remove the temporary files made to receive into."""
+    for mm, _peer in sends + receives:
+        close_map(mm)
+    for tmp, _path in received:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
 class NodeTransfers:
     """The node-to-node restore of a node-local directory: :meth:`prepare_restore` and :meth:`finish_restore`.
 
@@ -149,11 +158,7 @@ class NodeTransfers:
         )
         sends, receives, received = opened.value or ([], [], [])
         if not opened.ok:  # (another rank could not open its side: nothing is sent, what this rank made goes)
-            for mm, _peer in sends + receives:
-                close_map(mm)
-            for tmp, _path in received:
-                with contextlib.suppress(OSError):
-                    tmp.unlink()
+            _discard(sends, receives, received)
             opened.result()
         if mine:
             exchange(group_of(comm), sends, receives)
@@ -206,11 +211,7 @@ class NodeTransfers:
                     mapped = map_new(tmp, nbytes, self.files.mode, self.files.file_mode)
                     receives.append((mapped, dist.get_global_rank(group_of(comm), src)))
         except BaseException:
-            for mm, _peer in sends + receives:
-                close_map(mm)
-            for tmp, _path in received:
-                with contextlib.suppress(OSError):
-                    tmp.unlink()
+            _discard(sends, receives, received)
             raise
         return sends, receives, received
 
