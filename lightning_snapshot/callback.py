@@ -24,7 +24,16 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Sin
 
 from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.config import SnapshotConfig
-from lightning_snapshot.dist.preempt import Preemption, spawned_rank_preempted, stop_if_preempted
+from lightning_snapshot.dist.preempt import (
+    Preemption,
+    exit_now,
+    exit_within,
+    requeue_slurm_job,
+    signal_name,
+    spawned_rank_preempted,
+    stop,
+    stop_if_preempted,
+)
 from lightning_snapshot.errors import ConfigError, Preempted
 from lightning_snapshot.fit.loaders import FitLoaders
 from lightning_snapshot.fit.pipeline import SnapshotPipeline
@@ -43,6 +52,9 @@ __all__ = ["DDP_LAYOUT_ENV", "SnapshotCallback"]
 log = logging.getLogger(__name__)
 
 _C = TypeVar("_C")
+
+#: seconds a preempted process may still take to clean up once its snapshot is durable (then it exits at once)
+_EXIT_WITHIN = 2.0
 
 
 class _Option:
@@ -269,8 +281,67 @@ class SnapshotCallback(Checkpoint):
             signals.append(self._requeue_signal)  # (Lightning's would save a checkpoint inside its handler)
         if not signals:
             return
-        preemption = self._preemption = Preemption(signals, session.step_comm)
+        store = session.store() if session.comm.world_size > 1 else None
+        preemption = self._preemption = Preemption(
+            signals,
+            session.step_comm,
+            store=store,
+            key=f"lightning_snapshot/{session.run_id}/preempted",
+            grace=self.config.sigterm_grace,
+            on_overdue=self._overdue,
+        )
         _patches.own_signals(self._patches, trainer, preemption.install, sigterm=signal.SIGTERM in signals)
+        _patches.watch_validation(
+            self._patches,
+            trainer,
+            hooked=lambda: self._hooked(trainer),
+            starting=lambda: self._validation_starting(trainer),
+            ended=self._validation_ended,
+            # (a sharded strategy's validation batches are collectives: every rank runs them all)
+            abandon=lambda: bool(preemption.known()[0]) and not is_sharded(trainer.strategy),
+            agree=lambda: self._validation_agree(trainer),
+        )
+
+    def _validation_starting(self, trainer: Any) -> None:
+        """A validation (or the sanity check) starts: the watcher asks for the other ranks' signals more often, and
+        inside training this rank's state is taken as it is before the validation (see ``SnapshotPipeline.arm``)."""
+        if self._preemption is not None:
+            self._preemption.outside = True
+        if self._pipeline is not None and not trainer.sanity_checking:
+            self._loaders.before_fetch(trainer)  # (a loader fetched ahead: its state before the next fetch)
+            self._pipeline.arm(trainer)
+
+    def _validation_ended(self) -> None:
+        if self._preemption is not None:
+            self._preemption.outside = False
+        if self._pipeline is not None:
+            self._pipeline.disarm()
+
+    def _validation_agree(self, trainer: Any) -> None:
+        """Every rank, once per validation, after its epoch-end hooks and before its results count: whether some
+        rank was signalled; if so the validation is abandoned (no metric logged, no end hook run) and the step before
+        it snapshotted with the state from before it."""
+        preemption, pipeline = self._preemption, self._pipeline
+        if preemption is None or pipeline is None:
+            return
+        signum = preemption.agree_now()
+        if signum:
+            abandoned = not trainer.sanity_checking and pipeline.armed_step() == trainer.global_step
+            stop(preemption, pipeline, trainer, self._requeue_signal, signum, abandoned=abandoned)
+
+    def _overdue(self, signum: int, since: float) -> None:
+        """The preemption watchdog (its own thread): the ranks could not reach a step boundary within half the grace
+        (a training step, a validation batch or a hook longer than that): the snapshots already handed to the tiers
+        are made durable, one error line says what is lost, and the process exits with 128 + the signal."""
+        pipeline = self._pipeline
+        try:
+            if pipeline is not None:
+                pipeline.overdue(signal_name(signum), since)
+            session = self._session
+            if signum == self._requeue_signal and session is not None and session.comm.rank == 0:
+                log.warning("lightning-snapshot: %s", requeue_slurm_job())
+        finally:
+            exit_now(128 + signum)
 
     def _hooked(self, trainer: Any) -> bool:
         """Whether the trainer's loops run with this callback (False while a tuner, such as LearningRateFinder, runs
@@ -293,7 +364,11 @@ class SnapshotCallback(Checkpoint):
             if self._pipeline is not None:
                 self._pipeline.pending = None
             # (after a preemption what sigterm_grace allowed is done: the rest is abandoned at once, before SIGKILL)
-            self._shutdown(abort=True, timeout=1.0 if isinstance(exception, Preempted) else None)
+            preempted = isinstance(exception, Preempted)
+            self._shutdown(abort=True, timeout=1.0 if preempted else None)
+            if preempted:
+                assert isinstance(exception, Preempted)
+                exit_within(int(exception.code or 0), _EXIT_WITHIN)
 
     def _shutdown(self, abort: bool, timeout: float | None = None) -> None:
         """Give the signals back, undo every patch, settle the snapshot in flight and close the fit's session."""

@@ -28,9 +28,10 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from lightning_snapshot.dist.comm import Comm
@@ -39,9 +40,12 @@ from lightning_snapshot.errors import ConfigError, Preempted
 __all__ = [
     "DEFAULT_SIGNALS",
     "Preemption",
+    "exit_now",
+    "exit_within",
     "parse_signals",
     "requeue_slurm_job",
     "spawned_rank_preempted",
+    "stop",
     "stop_if_preempted",
 ]
 
@@ -53,6 +57,9 @@ DEFAULT_SIGNALS = ("SIGTERM",)
 #: [signal number of the first preemption signal (0: none), time.monotonic() when it came]: set by the handler only
 #: (preallocated; the handler assigns into it and returns)
 _received: list[Any] = [0, 0.0]
+
+#: seconds past the grace after which a process still stopping exits at once
+_LAST_WORD = 3.0
 
 #: Signals that cannot be owned: they are not a preemption notice, or Python cannot handle them.
 _REFUSED = {"SIGKILL", "SIGSTOP", "SIGCHLD", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT", "SIGPIPE"}
@@ -119,7 +126,16 @@ class Preemption:
             local one). Called only from the training thread, at points every rank reaches together.
     """
 
-    def __init__(self, signals: Sequence[int], comm: Comm) -> None:
+    def __init__(
+        self,
+        signals: Sequence[int],
+        comm: Comm,
+        *,
+        store: Any = None,
+        key: str = "",
+        grace: float = 25.0,
+        on_overdue: Callable[[int, float], None] | None = None,
+    ) -> None:
         self.signals = tuple(signals)
         self.comm = comm
         self._previous: dict[int, Any] = {}
@@ -128,6 +144,21 @@ class Preemption:
         self._iter_init: Any = None
         #: the signal number the ranks agreed to stop for (0: none yet)
         self.agreed = 0
+        #: the job's key-value store (torch.distributed's default store; None in a single process) and this fit's key
+        #: in it: a signalled rank publishes its signal there, and the others learn it without a collective
+        self._store, self._key = store, key
+        self._peer: tuple[int, float] | None = None
+        self.grace = grace
+        #: called from the watchdog thread when a stop is known and the training thread has not taken it within half
+        #: the grace (a step or hook longer than that): makes what it can durable and exits the process
+        self.on_overdue = on_overdue
+        #: set by the training thread while it is outside a training step (validation, the sanity check): the watcher
+        #: then asks the store ten times a second instead of once
+        self.outside = False
+        #: set once the training thread took the stop (it makes the step durable itself)
+        self.handled = threading.Event()
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     # ------------------------------------------------------------------------------------------- ownership
     def install(self) -> bool:
@@ -147,6 +178,9 @@ class Preemption:
             self._previous[sig] = signal.getsignal(sig)
             signal.signal(sig, _record)
         self._guard_workers()
+        self._stop.clear()
+        self._watcher = threading.Thread(target=self._watch, name="lightning-snapshot-preemption", daemon=True)
+        self._watcher.start()
         return True
 
     def restore(self) -> None:
@@ -157,6 +191,7 @@ class Preemption:
                 signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
         self._previous = {}
         self._unguard_workers()
+        self._stop.set()
 
     @staticmethod
     def received() -> tuple[int, float]:
@@ -201,8 +236,70 @@ class Preemption:
                 log.debug("lightning-snapshot: the last preemption agreement did not complete: %s", e)
 
     def _local(self) -> int:
-        """The signal this process recorded (0: none)."""
-        return int(_received[0])
+        """The signal this rank knows of (0: none): its own, or one a peer published."""
+        return self.known()[0]
+
+    def known(self) -> tuple[int, float]:
+        """The stop this rank knows of without a collective (no I/O: the watcher thread reads the store): its own
+        signal, else one another rank published, or 0; and when it came (``time.monotonic()``)."""
+        if _received[0]:
+            return int(_received[0]), float(_received[1])
+        return self._peer if self._peer is not None else (0, 0.0)
+
+    def agree_now(self) -> int:
+        """Collective, at a point every rank reaches together outside the training step (the end of a validation):
+        the signal some rank knows of, or 0; the same on every rank. The per-step agreement still in flight is read
+        first (every rank started it)."""
+        if not self._previous or self.agreed:
+            return self.agreed
+        if self.comm.world_size == 1:
+            agreed = self.known()[0]
+        else:
+            pending, self._pending = self._pending, None
+            earlier = pending.result() if pending is not None else 0
+            agreed = max(earlier, self.comm.all_max(self.known()[0]))
+        if agreed:
+            self.agreed = agreed
+        return agreed
+
+    # ------------------------------------------------------------------------------------------- the watcher
+    def _watch(self) -> None:
+        """The watcher thread: publishes this rank's signal in the store and reads the others' (ten times a second
+        while the training thread is outside a step, once a second inside one), and runs :attr:`on_overdue` once when
+        a stop is known and the training thread has not taken it within half the grace."""
+        published = overdue = False
+        tick = 0
+        while not self._stop.wait(0.1):
+            tick += 1
+            if self._store is not None:
+                try:
+                    if _received[0] and not published:
+                        published = True
+                        wall = time.time() - (time.monotonic() - _received[1])
+                        self._store.set(self._key, f"{int(_received[0])} {wall!r}")
+                    elif self._peer is None and not _received[0] and (self.outside or tick % 10 == 0):
+                        if self._store.check([self._key]):
+                            sig, wall = self._store.get(self._key).decode().split()
+                            self._peer = (int(sig), time.monotonic() - max(0.0, time.time() - float(wall)))
+                except Exception as e:  # noqa: BLE001 - the per-step agreement still stops the ranks
+                    log.debug("lightning-snapshot: the preemption store could not be used: %s", e)
+            signum, since = self.known()
+            if not signum:
+                continue
+            now = time.monotonic()
+            if not overdue and self.on_overdue is not None and not self.handled.is_set() and now >= since + self.grace / 2:
+                overdue = True
+                self.on_overdue(signum, since)
+            elif now >= since + self.grace + _LAST_WORD:
+                # the stop path itself is stuck (a collective with a rank that is gone): the SIGKILL is due
+                log.error(
+                    "lightning-snapshot: %s: the process was still stopping %.0f s after the signal (sigterm_grace=%g):"
+                    " it exits now",
+                    signal_name(signum),
+                    now - since,
+                    self.grace,
+                )
+                exit_now(128 + signum)
 
     # ------------------------------------------------------------------------------------------- loader workers
     def _guard_workers(self) -> None:
@@ -350,17 +447,60 @@ def stop_if_preempted(preemption: Preemption | None, pipeline: Any, trainer: Any
     if preemption is None or pipeline is None:
         return
     signum = preemption.poll(trainer.global_step)
-    if not signum:
-        return
+    if signum:
+        stop(preemption, pipeline, trainer, requeue_signal, signum)
+
+
+def stop(
+    preemption: Preemption, pipeline: Any, trainer: Any, requeue_signal: int | None, signum: int, abandoned: bool = False
+) -> None:
+    """Every rank together, once the ranks agreed on ``signum``: the current step made durable in every tier within
+    the grace (``abandoned``: a validation was abandoned, and the snapshot holds the state from before it), then
+    :class:`Preempted` (``requeue_signal``: the SLURM job is requeued first)."""
+    preemption.handled.set()
     mine, since = preemption.received()
+    if not mine:
+        known, learned = preemption.known()
+        since = learned if known else time.monotonic()
     what = "the signal reached this rank" if mine else "the ranks agreed to stop (another rank was signalled)"
     name = signal_name(signum)
-    step, durable = pipeline.last_snapshot(
-        trainer, trainer.lightning_module, name, since if mine else time.monotonic(), what
-    )
+    step, durable = pipeline.last_snapshot(trainer, trainer.lightning_module, name, since, what, abandoned=abandoned)
     if signum == requeue_signal and trainer.global_rank == 0:
         log.warning("lightning-snapshot: %s", requeue_slurm_job())
     raise Preempted(signum, step, durable)
+
+
+def exit_within(code: int, seconds: float) -> None:
+    """Once a preempted step is durable: the process exits with ``code`` at the latest ``seconds`` from now, whatever
+    its cleanup still waits for (loader workers, process groups, a logger's upload), so that it never outlives
+    the grace it was given for the snapshot."""
+
+    def run() -> None:
+        time.sleep(seconds)
+        log.warning(
+            "lightning-snapshot: the preempted process was still cleaning up %.0f s after its snapshot was durable:"
+            " it exits now (status %d)",
+            seconds,
+            code,
+        )
+        exit_now(code)
+
+    threading.Thread(target=run, name="lightning-snapshot-exit", daemon=True).start()
+
+
+def exit_now(code: int) -> None:
+    """Flush the log handlers and the standard streams, and end the process with ``code`` at once."""
+    for handler in logging.getLogger().handlers:
+        try:
+            handler.flush()
+        except Exception:  # noqa: BLE001, S110 - exiting anyway
+            pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001, S110 - exiting anyway
+            pass
+    os._exit(code)
 
 
 def spawned_rank_preempted(exception: BaseException, signals: Sequence[int], fit_running: bool) -> None:

@@ -91,6 +91,10 @@ class SnapshotPipeline:
         self._ended = False  # the snapshot of the end of fit was taken
         #: the state parts' memory across the fit's snapshots (the module's walk kept while the plan holds, ...)
         self._memo: dict[str, Any] = {}
+        #: (step, this rank's state staged) as it was when the validation after that step started: what a preemption
+        #: that abandons that validation snapshots (see :meth:`arm`)
+        self._armed: tuple[int, Any] | None = None
+        self._abandoned = False
 
     # ------------------------------------------------------------------------------------------- steps
     def step_ended(self, trainer: Any, pl_module: Any) -> None:
@@ -193,9 +197,13 @@ class SnapshotPipeline:
                 return
         epoch = trainer.current_epoch
         error: SnapshotError | None = None
+        armed = self._armed if self._abandoned and self._armed is not None and self._armed[0] == step else None
         try:
-            consumed = max(0, trainer.fit_loop.epoch_loop.batch_progress.current.ready - consumed_offset)
-            private = stage(capture_section(trainer, consumed, token, self._fetch_states, self._memo), "rank")
+            if armed is not None:  # (the state from before the abandoned validation)
+                private = armed[1]
+            else:
+                consumed = max(0, trainer.fit_loop.epoch_loop.batch_progress.current.ready - consumed_offset)
+                private = stage(capture_section(trainer, consumed, token, self._fetch_states, self._memo), "rank")
         except SnapshotError as e:
             error = e
         shared.go.set()  # (the copy may start: what follows is cheap, or waits for the other ranks)
@@ -235,7 +243,6 @@ class SnapshotPipeline:
         for i in indices:
             self.schedule.closed(i, measured=False)
 
-    # ------------------------------------------------------------------------------------------- last snapshots
     def _final_snapshot(self, trainer: Any, pl_module: Any, step: int) -> None:
         """Stage the state of the last step for every tier (synchronously: training is over)."""
         if step <= self.start_step:
@@ -277,13 +284,48 @@ class SnapshotPipeline:
                     copy.fence_training()
         self.stager.inflight = None
 
+    # ------------------------------------------------------------------------------------------- validation
+    def arm(self, trainer: Any) -> None:
+        """A validation inside the fit is about to start (the training thread, every rank): this rank's state is
+        taken now (RNG, loops, callbacks, schedulers, data position: a few kilobytes, no collective), so that a
+        preemption which abandons that validation snapshots the step as it was before it, and the requeued run
+        validates it again in full. The weights are not copied: a validation leaves them as they were once its
+        epoch-end hooks ran (those that swap averaged weights in swap them back)."""
+        self._armed = None
+        step = trainer.global_step
+        if step <= self.start_step:
+            return  # (nothing trained in this fit: the step it started from is held already)
+        consumed = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        try:
+            section = capture_section(trainer, consumed, None, self._fetch_states, self._memo, validation_pending=True)
+            self._armed = (step, stage(section, "rank"))
+        except SnapshotError as e:
+            log.debug("lightning-snapshot: the state before the validation of step %d was not taken: %s", step, e)
+
+    def disarm(self) -> None:
+        """The validation ended (or training went on): the state taken before it is dropped."""
+        self._armed = None
+
+    def armed_step(self) -> int | None:
+        """The step whose state was taken before the validation running now, or None."""
+        return self._armed[0] if self._armed is not None else None
+
+    # ------------------------------------------------------------------------------------------- last snapshots
     def last_snapshot(
-        self, trainer: Any, pl_module: Any, reason: str, since: float, since_what: str = "the signal"
+        self,
+        trainer: Any,
+        pl_module: Any,
+        reason: str,
+        since: float,
+        since_what: str = "the signal",
+        abandoned: bool = False,
     ) -> tuple[int, bool]:
         """Preemption (every rank together, at the point a snapshot is taken): snapshot the current step into every
         tier (a snapshot of it already pending is extended to every tier: one capture) and wait until a durable tier
         holds it, within ``sigterm_grace`` seconds of ``since`` (``time.monotonic()`` when the signal came). Returns
-        the step and whether a durable tier holds it."""
+        the step and whether a durable tier holds it. ``abandoned``: a validation was abandoned, and the snapshot
+        takes this rank's state from before it (:meth:`arm`)."""
+        self._abandoned = abandoned
         grace = self.config.sigterm_grace
         deadline = since + grace
         step = trainer.global_step
@@ -323,6 +365,34 @@ class SnapshotPipeline:
                 [t.url for t in late] or "none",
             )
         return step, bool(durable)
+
+    def overdue(self, reason: str, since: float) -> tuple[int | None, int]:
+        """The watchdog's way (another thread), when a stop was known for half the grace and the training thread
+        did not reach a step boundary to take it (a training step, a validation batch or a hook longer than that):
+        the snapshots already handed to the tiers are waited for until the grace ends, and one error line says
+        which step is durable and how many steps are lost. Returns (that step or None, the step the job was at)."""
+        self.persister.wait_idle(max(0.0, since + self.config.sigterm_grace - time.monotonic()))
+        newest = dict(self.persister.newest)
+        durable = [s for i, s in newest.items() if self.tiers[i].durable]
+        held = [s for i, s in newest.items() if not self.tiers[i].durable]
+        best = max(durable) if durable else None
+        at = self.last_step
+        where = (
+            f"step {best} is the newest durable snapshot" if best is not None else "no snapshot of this fit is durable"
+        )
+        if held and (best is None or max(held) > best):
+            where += f" (step {max(held)} is held in node memory by the RAM tier)"
+        lost = at - best if best is not None else at - self.start_step
+        log.error(
+            "lightning-snapshot: %s: the job was at step %d and could not reach the next step boundary within"
+            " sigterm_grace=%g s (a training step, validation batch or hook outlasted it): %s; %d step(s) lost",
+            reason,
+            at,
+            self.config.sigterm_grace,
+            where,
+            lost,
+        )
+        return best, at
 
     def close(self) -> None:
         """Drop the snapshot still staged (it has no rank state) and settle the copy in flight (after an exception,

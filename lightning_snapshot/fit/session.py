@@ -96,6 +96,17 @@ class FitSession:
             for tier in self.tiers:
                 tier.abort_incomplete_uploads()  # multipart uploads left behind by a crashed run
 
+    def store(self) -> Any:
+        """The job's key-value store (torch.distributed's default group's), or None when there is none."""
+        try:
+            from torch.distributed import distributed_c10d as c10d
+
+            get = getattr(c10d, "_get_default_store", None)  # (private in torch: a store every rank reaches)
+            return get() if get is not None else None
+        except (ImportError, RuntimeError, ValueError) as e:
+            log.debug("lightning-snapshot: no default store (%s)", e)
+            return None
+
     def placement(self, trainer: Any) -> dict[str, int]:
         """Where this rank is in the job, as the tiers' ``bind`` takes it: its node, the number of nodes, its rank on
         the node and the ranks per node (at least 1)."""

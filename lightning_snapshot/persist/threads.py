@@ -277,6 +277,7 @@ class _TierWorker:
                         _describe(self.tier, e),
                     )
             job.ok[self.index] = True
+            self.p.newest[self.index] = max(job.step, self.p.newest.get(self.index, -1))
             stage_s = staged.copy_seconds if isinstance(staged, AsyncStaged) else None
             self.p.results.put(
                 PersistResult(
@@ -332,6 +333,8 @@ class Persister:
         self.arena = arena
         self.agent = agent
         self.results: queue.Queue[PersistResult] = queue.Queue()
+        #: per tier index, the newest step it committed in this fit (written by its worker; read from any thread)
+        self.newest: dict[int, int] = {}
         self._workers = [_TierWorker(self, i, t, c) for i, (t, c) in enumerate(zip(tiers, comms, strict=True))]
         # steps a slower tier still uploads from a local tier's committed copy: that tier's retention keeps them
         self._pins: dict[int, dict[int, int]] = {}
@@ -450,6 +453,16 @@ class Persister:
                 w.stop.set()
                 late.append(w.tier)
         return late
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until no tier has a snapshot queued or being written, stopping nothing
+        (any thread: the preemption's watchdog); whether they all finished."""
+        deadline = time.monotonic() + timeout
+        while any(w.jobs.unfinished_tasks for w in self._workers):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return True
 
     def close(self, timeout: float = 30.0, abort: bool = False) -> list[str]:
         """Stop every worker after what it has queued, waiting ``timeout`` seconds at most in all.

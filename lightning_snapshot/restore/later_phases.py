@@ -52,7 +52,8 @@ class Resumption:
         trainer, pl_module = ctx.trainer, ctx.pl_module
         self._apply(Phase.TRAIN_START)
         boundary = ctx.resumed == "boundary"
-        _patches.resume_loops(ctx.patches, trainer, boundary=boundary)
+        rerun = self.first_fetch if ctx.validation_pending and not boundary else None
+        _patches.resume_loops(ctx.patches, trainer, boundary=boundary, validate_first=rerun)
         if not boundary:
             _compat.reinstate_epoch_start_schedulers(trainer, pl_module)
         _compat.reinstate_swalr_after_averaging(trainer, pl_module)

@@ -55,12 +55,18 @@ def _walk(ctx: CaptureContext) -> _fit.Walk:
 
 
 def capture_section(
-    trainer: Any, consumed: int, token: object | None, fetch_states: Callable[[int], Any], memo: dict[str, Any]
+    trainer: Any,
+    consumed: int,
+    token: object | None,
+    fetch_states: Callable[[int], Any],
+    memo: dict[str, Any],
+    validation_pending: bool = False,
 ) -> dict[str, Any]:
     """This rank's section of the snapshot: the late state (loops, schedulers, ... and the shared state parts) and the
     per-rank state parts. ``consumed``: the epoch's batches consumed; ``token``: the capture plan's token (it vouches
     for the module's structure only once the late check confirmed it: see ``SnapshotPipeline._finish``);
-    ``fetch_states``: the train loaders' states recorded before a fetch; ``memo``: the parts' memory for the fit."""
+    ``fetch_states``: the train loaders' states recorded before a fetch; ``memo``: the parts' memory for the fit;
+    ``validation_pending``: taken as a validation starts (the resumed run validates again before it trains on)."""
     epoch_progress = trainer.fit_loop.epoch_progress.current
     ended = epoch_progress.ready == epoch_progress.processed  # the fit loop counted the epoch as finished
     batches = trainer.fit_loop.epoch_loop.batch_progress
@@ -74,6 +80,7 @@ def capture_section(
     loader_states = None if boundary else fetch_states(consumed)
     pl_module = trainer.lightning_module
     ctx = CaptureContext(trainer, pl_module, consumed=consumed, epoch=epoch, boundary=boundary, token=token, memo=memo)
+    ctx.validation_pending = validation_pending
 
     def late(parts: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
         state = capture_late(trainer, pl_module, loader_states, parts, REGISTRY.replaces_hooks)
@@ -230,6 +237,10 @@ def _made_at(ctx: RestoreContext, made: Any) -> None:
         _patches.make_loaders_at_epoch(ctx.patches, trainer, made, ctx.hooked, ctx.loaders.set_making_epoch)
 
 
+def _validation_pending(ctx: RestoreContext, pending: Any) -> None:
+    ctx.validation_pending = pending is True
+
+
 # ------------------------------------------------------------------------------------------------- the registry
 # per rank, in the order of a rank's section: RNG, loader positions (then the late state), DDP's bucket layout
 register(Part("rng", lambda ctx: capture_rng(), _restore_rng, Phase.FIRST_FETCH, per_rank=True))
@@ -316,6 +327,14 @@ register(
     )
 )
 register(Part("train_dl_epoch", lambda ctx: _fit.train_dl_epoch(ctx.trainer), _made_at, Phase.FIT_START))
+register(
+    Part(
+        "validation_pending",  # taken as a validation started, which a preemption abandoned: the resume runs it again
+        lambda ctx: True if ctx.validation_pending else None,
+        _validation_pending,
+        Phase.FIT_START,
+    )
+)
 register(
     Part(
         "stopped",

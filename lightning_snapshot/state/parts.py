@@ -104,6 +104,8 @@ class CaptureContext:
         self.epoch = epoch
         self.boundary = boundary
         self.token = token
+        #: taken as a validation started (a preemption abandoned it: the resumed run validates again first)
+        self.validation_pending = False
         self.memo = memo
         self.cache: dict[str, Any] = {}
 
@@ -125,6 +127,7 @@ class RestoreContext:
         loaders: the fit's :class:`~lightning_snapshot.fit.loaders.FitLoaders`.
         patches: the fit's :class:`~lightning_snapshot.state.patches.Patches`.
         hooked: whether the trainer's loops run with the callback now (False while a tuner runs them).
+        validation_pending: the snapshot was taken as a validation started: the resumed run validates first.
     """
 
     trainer: Any
@@ -139,6 +142,7 @@ class RestoreContext:
     loaders: Any = None
     patches: Any = None
     hooked: Callable[[], bool] = field(default=lambda: True)
+    validation_pending: bool = False
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ __all__ = [
     "resume_loops",
     "shift_batch_counters",
     "slurm_requeue_signal",
+    "watch_validation",
 ]
 
 
@@ -146,13 +147,19 @@ def make_loaders_at_epoch(
     patches.install(fit_loop, "setup_data", setup_data)
 
 
-def resume_loops(patches: Patches, trainer: Any, boundary: bool) -> None:
+def resume_loops(
+    patches: Patches, trainer: Any, boundary: bool, validate_first: Callable[[], None] | None = None
+) -> None:
     """After a restore, at ``on_train_start``: Lightning's restart logic is made for checkpoints taken inside a step
     (at ``on_train_batch_end``, on validation end, at epoch end); a snapshot is the state right before the next batch
     is fetched, so the restored loops must neither repeat nor skip anything from there.
 
     ``boundary``: the snapshot ended an epoch, and the next one starts as in a run that never stopped (its start
     hooks, a new loader iterator, counters from zero). Otherwise the run continues within the epoch.
+    ``validate_first``: the snapshot was taken as the validation after its step started, and a preemption abandoned
+    that validation: the resumed epoch loop runs the rest of that step first (``validate_first()`` puts the RNG back
+    as it was then; then the validation, which Lightning decides to run from counters that are as they were, the
+    plateau schedulers and the step's logging), before it fetches the next batch.
     """
     fit_loop = trainer.fit_loop
     epoch_loop = fit_loop.epoch_loop
@@ -170,8 +177,64 @@ def resume_loops(patches: Patches, trainer: Any, boundary: bool) -> None:
     def on_run_start(data_fetcher: Any) -> None:
         original(data_fetcher)
         epoch_loop._restarting = False
+        if validate_first is not None:
+            validate_first()
+            # the end of the step that was validating (``on_advance_end``), with its validation decided as then
+            patches.install(epoch_loop, "_should_check_val_fx", lambda fetcher: True, once=True)
+            # (a new validation, as the epoch loop's advance would set before it trains: the restored validation
+            # loop's counters are those of the previous validation, which it must not continue)
+            epoch_loop.val_loop.restarting = False
+            epoch_loop.on_advance_end(data_fetcher)
 
     patches.install(epoch_loop, "on_run_start", on_run_start, once=True)
+
+
+def watch_validation(
+    patches: Patches,
+    trainer: Any,
+    *,
+    hooked: Callable[[], bool],
+    starting: Callable[[], None],
+    ended: Callable[[], None],
+    abandon: Callable[[], bool],
+    agree: Callable[[], None],
+) -> None:
+    """The points of a validation a preemption needs (also the sanity check's; each only while ``hooked()``):
+
+    - ``starting()`` right before the validation loop runs (``val_loop.run``, before it makes its iterators and
+      calls any hook) and ``ended()`` after it, whether it ended or raised;
+    - before each validation batch: when ``abandon()`` is true the rest of the batches is skipped (a
+      ``StopIteration`` inside the batch's step is how the loop itself ends on an exhausted loader);
+    - ``agree()`` once the validation's epoch-end hooks ran (every rank reaches it, however many batches it ran;
+      hooks that swapped averaged weights in have swapped them back) and before its metrics are logged and its end
+      hooks run (``ModelCheckpoint``, ``EarlyStopping``): it raises to stop there.
+    """
+    val_loop = trainer.fit_loop.epoch_loop.val_loop
+    run, step, epoch_end = val_loop.run, val_loop._evaluation_step, val_loop._on_evaluation_epoch_end
+
+    def run_watched() -> Any:
+        if not hooked():
+            return run()
+        starting()
+        try:
+            return run()
+        finally:
+            ended()
+
+    def evaluation_step(*args: Any, **kwargs: Any) -> Any:
+        if hooked() and abandon():
+            raise StopIteration
+        return step(*args, **kwargs)
+
+    def on_evaluation_epoch_end(*args: Any, **kwargs: Any) -> Any:
+        result = epoch_end(*args, **kwargs)
+        if hooked():
+            agree()
+        return result
+
+    patches.install(val_loop, "run", run_watched)
+    patches.install(val_loop, "_evaluation_step", evaluation_step)
+    patches.install(val_loop, "_on_evaluation_epoch_end", on_evaluation_epoch_end)
 
 
 def shift_batch_counters(trainer: Any, consumed: int) -> None:

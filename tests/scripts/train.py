@@ -18,7 +18,7 @@ import time
 import lightning as L
 import numpy as np
 import torch
-from fingerprint import ReportRestore, capture
+from fingerprint import MemoryLogger, ReportRestore, capture, checkpoint_files
 from lightning.pytorch.callbacks import Checkpoint
 from processes import job_processes
 from torch import nn
@@ -324,6 +324,20 @@ class Rank0Delay(L.Callback):
             time.sleep(self.seconds)
 
 
+class TrainDelay(L.Callback):
+    """Every rank sleeps in the batch of one step (a training step longer than the grace)."""
+
+    test_harness = True
+
+    def __init__(self, step: str, seconds: str) -> None:
+        self.step, self.seconds = int(step), float(seconds)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step == self.step:
+            os.write(sys.stdout.fileno(), f"SLOW-STEP step={trainer.global_step}\n".encode())
+            time.sleep(self.seconds)
+
+
 def _print_captures() -> None:
     """Print a line each time this rank stages the model and optimizer state (a capture), with its step."""
     from lightning_snapshot.fit.stager import Stager
@@ -427,6 +441,14 @@ def main() -> None:
     p.add_argument("--signal", default="SIGTERM", help="the signal sent (and the one the callback owns)")
     p.add_argument("--val-every", type=int, default=0, help="validate every N training batches (0: never)")
     p.add_argument("--val-delay", type=float, default=0.0, help="seconds each validation batch sleeps")
+    p.add_argument("--val-samples", type=int, default=16, help="validation samples (batches of --batch-size)")
+    p.add_argument(
+        "--val-monitor",
+        action="store_true",
+        help="ModelCheckpoint monitoring val_loss (top 2, in DIR/../ckpts) and EarlyStopping on it, logged values kept",
+    )
+    p.add_argument("--sanity", type=int, default=0, help="num_sanity_val_steps (with --val-every)")
+    p.add_argument("--train-delay", default="", help="STEP:SECONDS: every rank sleeps in that step's batch")
     p.add_argument("--sigterm-grace", type=float, default=25.0)
     p.add_argument("--signal-again", type=float, default=0.0, help="send the signal again this many seconds later")
     p.add_argument("--rank0-delay", default="", help="STEP:SECONDS: rank 0 alone sleeps after that step's batch")
@@ -531,6 +553,14 @@ def main() -> None:
         callbacks.append(Raise(a.raise_at, a.raise_rank, tier))
     if a.rank0_delay:
         callbacks.append(Rank0Delay(*a.rank0_delay.split(":")))
+    if a.train_delay:
+        callbacks.append(TrainDelay(*a.train_delay.split(":")))
+    ckpt_dir = os.path.join(os.path.dirname(a.dir.rstrip("/")), "ckpts")
+    if a.val_monitor:
+        from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, monitor="val_loss", save_top_k=2, filename="{step}"))
+        callbacks.append(EarlyStopping(monitor="val_loss", patience=50))
     if a.print_captures:
         _print_captures()
     if a.signal_at >= 0:
@@ -556,8 +586,8 @@ def main() -> None:
     model.val_delay = a.val_delay
     val_loader = None
     if a.val_every:
-        val_loader = DataLoader(Squares(16), batch_size=a.batch_size, num_workers=a.workers)
-    validation = dict(val_check_interval=a.val_every, num_sanity_val_steps=0) if a.val_every else {}
+        val_loader = DataLoader(Squares(a.val_samples), batch_size=a.batch_size, num_workers=a.workers)
+    validation = dict(val_check_interval=a.val_every, num_sanity_val_steps=a.sanity) if a.val_every else {}
     if a.slurm_requeue:
         from lightning.pytorch.plugins.environments import SLURMEnvironment
 
@@ -571,7 +601,7 @@ def main() -> None:
         max_steps=a.max_steps,
         accumulate_grad_batches=a.accumulate,
         callbacks=callbacks,
-        logger=False,
+        logger=MemoryLogger() if a.val_monitor else False,
         enable_progress_bar=False,
         enable_model_summary=False,
         deterministic=True,
@@ -582,7 +612,10 @@ def main() -> None:
         sys.stdout.flush()
         os.write(sys.stdout.fileno(), f"EXITING status={e.code} rank={trainer.global_rank}\n".encode())
         raise
-    result = capture(trainer, model)
+    root = os.path.dirname(a.dir.rstrip("/")) if a.val_monitor else ""
+    result = capture(trainer, model, root, logger=trainer.logger if a.val_monitor else None)
+    if a.val_monitor:
+        result["checkpoint_files"] = checkpoint_files(ckpt_dir, os.path.dirname(a.dir.rstrip("/")))
     if a.ema:  # (the model's weights are the averaged ones now: on_train_end copied them in)
         ema = next(cb for cb in callbacks if hasattr(cb, "_average_model"))
         result["averaged"] = {k: v.detach().clone() for k, v in ema._average_model.state_dict().items()}
