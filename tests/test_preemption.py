@@ -147,7 +147,7 @@ def test_sigterm_to_the_main_process_of_a_job_lightning_launched(tmp_path, refer
 def test_sigterm_during_validation(tmp_path, references):
     """Validation runs after the 5th batch of each epoch (8 per rank): after steps 21, 29 and 37. The signal comes
     during the first batch of the validation after step 29, to every process (its loader workers included): the
-    ranks finish validation and stop at the next step boundary; the requeue does not validate step 29 again."""
+    ranks abandon that validation, step 29 is made durable, and the requeue validates step 29 again."""
     step = _preempt_and_requeue(
         tmp_path,
         references["validation"],
@@ -437,3 +437,167 @@ def test_a_rank_late_at_a_step_boundary_by_more_than_collective_timeout_does_not
     assert proc.returncode == 0, said[-6000:]
     assert "Timed out" not in said, said[-6000:]
     assert committed_steps(LocalTier(tmp_path / "local"))[0] == 12
+
+
+# ------------------------------------------------------------------------------------------ a validation longer than the grace
+# validation every 8 steps in one process (16 batches an epoch: after steps 8, 16, 24), every 5 in 2-rank DDP (8
+# batches an epoch per rank: after steps 5, 13, 21); each validation is 30 batches of 0.25 s per rank (7.5 s), longer
+# than sigterm_grace=5; ModelCheckpoint keeps the 2 best val_loss checkpoints, EarlyStopping watches val_loss, and
+# every value logged is compared
+LONG_VAL = (
+    "--every",
+    "10",
+    "--shuffle",
+    "--dropout",
+    "0.1",
+    "--workers",
+    "2",
+    "--augment",
+    "--val-monitor",
+    "--val-delay",
+    "0.25",
+    "--sigterm-grace",
+    "5",
+)
+EXITED = re.compile(r"EXITING status=(\d+) rank=(\d+) at=([\d.]+)")
+SENT_AT = re.compile(r"SIGNAL-SENT step=(\d+) to=\S+ at=([\d.]+)")
+
+
+@pytest.fixture(scope="module")
+def long_validation_reference(tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("ref-long-val")
+    run_script(
+        "train.py",
+        "--dir",
+        str(base / "local"),
+        "--out",
+        str(base / "out.pt"),
+        "--max-steps",
+        "30",
+        "--val-every",
+        "8",
+        "--val-samples",
+        "120",
+        *LONG_VAL,
+    )
+    return base
+
+
+def _abandoned_within_grace(proc: subprocess.CompletedProcess[str], ranks: int) -> tuple[int, int]:
+    """The preempted run: every rank exited 143 within the grace of the signal, having abandoned the validation
+    (it ran at most a few of its 30 batches after the signal). Returns (the step the signal came after, the step
+    held)."""
+    said = proc.stdout + proc.stderr
+    sent = SENT_AT.search(proc.stdout)
+    assert sent, said[-4000:]
+    signalled, sent_at = int(sent.group(1)), float(sent.group(2))
+    exits = EXITED.findall(proc.stdout)
+    assert sorted((s, r) for s, r, _ in exits) == [("143", str(r)) for r in range(ranks)], said[-4000:]
+    for _, rank, at in exits:
+        assert float(at) - sent_at < 5, (rank, float(at) - sent_at)  # within sigterm_grace
+    after = proc.stdout.count("VAL-BATCH-AFTER-SIGNAL")
+    assert after < 10 * ranks, (after, said[-3000:])  # (the validation had 29 batches to go on each rank)
+    held = HELD.findall(said)
+    assert held and {int(h[1]) for h in held} == {signalled}, (held, signalled)
+    return signalled, int(held[0][1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("at", [5, 16], ids=["mid-epoch", "end-of-epoch"])
+def test_sigterm_in_a_validation_longer_than_the_grace_one_process(tmp_path, long_validation_reference, at):
+    """One process with 2 loader workers, SIGTERM to it and its workers during the first batch of the validation
+    after step 8 (mid-epoch) or step 16 (the epoch's last batch: its validation, then the epoch's end): the
+    validation is abandoned, the step before it is durable, the process exits 143 within the grace; the requeue
+    validates that step again in full and ends bitwise equal, ModelCheckpoint's files and state, EarlyStopping's
+    state and every logged value included."""
+    run = tmp_path / "run"
+    args = ("--dir", str(run / "local"), "--out", str(run / "out.pt"), "--max-steps", "30", "--val-every", "8")
+    args += ("--val-samples", "120", *LONG_VAL)
+    proc = run_script(
+        "train.py", *args, "--signal-at", str(at), "--signal-during", "validation", "--signal-to", "tree", expect_rc=143
+    )
+    assert "DataLoader worker" not in proc.stdout + proc.stderr
+    signalled, step = _abandoned_within_grace(proc, 1)
+    assert step == (8 if at == 5 else 16)
+    assert committed_steps(LocalTier(run / "local"))[0] == step
+    # no trace of the abandoned validation: ModelCheckpoint saved nothing for it
+    saved = sorted(p.name for p in (run / "ckpts").iterdir()) if (run / "ckpts").exists() else []
+    assert saved == ([] if step == 8 else ["step=8.ckpt"]), saved
+    rerun = run_script("train.py", *args)
+    assert restores(rerun.stdout) == [(step, str(run / "local"), 0)], rerun.stdout[-2000:]
+    assert assert_bitwise_equal(long_validation_reference / "out.pt", run / "out.pt", since=step) > 0
+
+
+@pytest.mark.slow
+def test_sigterm_to_rank_1_in_a_validation_longer_than_the_grace_ddp(tmp_path):
+    """2-rank DDP under torchrun, 2 loader workers each: SIGTERM to rank 1 alone during the validation after step 13.
+    Rank 0 learns it without a collective per batch (the store), both ranks abandon the validation at whatever batch
+    they are, agree once, make step 13 durable and exit 143 within the grace; the requeue validates step 13 again and
+    ends bitwise equal on both ranks."""
+    common = ("--devices", "2", "--max-steps", "24", "--val-every", "5", "--val-samples", "240", *LONG_VAL)
+    ref = tmp_path / "ref"
+    assert _torchrun(ref, *common).returncode == 0
+    run = tmp_path / "run"
+    proc = _torchrun(run, *common, "--signal-at", "10", "--signal-during", "validation", "--signal-rank", "1")
+    assert proc.returncode != 0
+    signalled, step = _abandoned_within_grace(proc, 2)
+    assert step == 13
+    assert committed_steps(LocalTier(run / "local"))[0] == step
+    requeued = _torchrun(run, *common)
+    assert requeued.returncode == 0, (requeued.stdout + requeued.stderr)[-6000:]
+    assert sorted(restores(requeued.stdout)) == [(13, str(run / "local"), 0), (13, str(run / "local"), 1)]
+    for suffix in ("", ".rank1"):
+        assert assert_bitwise_equal(Path(f"{ref / 'out.pt'}{suffix}"), Path(f"{run / 'out.pt'}{suffix}"), since=13) > 0
+
+
+@pytest.mark.slow
+def test_a_training_step_longer_than_the_grace(tmp_path, one_process_reference):
+    """SIGTERM during the step after step 15, which then takes 30 s (grace 6 s): the step boundary never comes in
+    time, so the newest snapshot already captured (step 10) is what is durable, one error line says so and how many
+    steps are lost, and the process exits 143 within the grace; the rerun resumes from step 10, bitwise."""
+    run = tmp_path / "run"
+    args = ("--dir", str(run / "local"), "--out", str(run / "out.pt"), *ONE, "--sigterm-grace", "6")
+    proc = run_script(
+        "train.py",
+        *args,
+        "--signal-at",
+        "15",
+        "--signal-during",
+        "backward",
+        "--signal-to",
+        "tree",
+        "--train-delay",
+        "15:30",
+        expect_rc=143,
+    )
+    said = proc.stdout + proc.stderr
+    assert "SLOW-STEP step=15" in proc.stdout, said[-3000:]
+    assert (
+        "lightning-snapshot: SIGTERM: the job was at step 15 and could not reach the next step boundary within"
+        " sigterm_grace=6 s (a training step, validation batch or hook outlasted it): step 10 is the newest durable"
+        " snapshot; 5 step(s) lost"
+    ) in said, said[-3000:]
+    assert said.count("could not reach the next step boundary") == 1
+    assert committed_steps(LocalTier(run / "local"))[0] == 10
+    rerun = run_script("train.py", *args)
+    assert restores(rerun.stdout) == [(10, str(run / "local"), 0)], rerun.stdout[-2000:]
+    assert assert_bitwise_equal(one_process_reference / "out.pt", run / "out.pt", since=10) > 0
+
+
+@pytest.mark.slow
+def test_sigterm_during_the_sanity_check(tmp_path):
+    """SIGTERM during the sanity check of a fresh run: nothing was trained, the check is abandoned and the process
+    exits 143 at once; the rerun starts from the beginning and ends bitwise equal to an uninterrupted run."""
+    common = ("--max-steps", "12", "--val-every", "8", "--val-samples", "120", "--sanity", "20", *LONG_VAL)
+    ref = tmp_path / "ref"
+    run_script("train.py", "--dir", str(ref / "local"), "--out", str(ref / "out.pt"), *common)
+    run = tmp_path / "run"
+    args = ("--dir", str(run / "local"), "--out", str(run / "out.pt"), *common)
+    proc = run_script("train.py", *args, "--signal-at", "0", "--signal-during", "validation", expect_rc=143)
+    said = proc.stdout + proc.stderr
+    assert "at step 0, where this fit started; nothing to snapshot" in said, said[-3000:]
+    assert proc.stdout.count("VAL-BATCH-AFTER-SIGNAL") < 10, said[-3000:]
+    assert committed_steps(LocalTier(run / "local")) == []
+    rerun = run_script("train.py", *args)
+    assert restores(rerun.stdout) == []
+    assert assert_bitwise_equal(ref / "out.pt", run / "out.pt") > 0

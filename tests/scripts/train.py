@@ -299,6 +299,8 @@ class SendSignal(L.Callback):
             os.write(sys.stdout.fileno(), f"STEP-END step={trainer.global_step} rank={trainer.global_rank}\n".encode())
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        if self.sent:
+            os.write(sys.stdout.fileno(), f"VAL-BATCH-AFTER-SIGNAL rank={trainer.global_rank}\n".encode())
         if self.during == "validation" and trainer.training is False and trainer.state.fn == "fit":
             self._send(trainer)
 
@@ -610,7 +612,9 @@ def main() -> None:
         trainer.fit(model, loader, val_loader)
     except SystemExit as e:  # (a preemption: report the status each rank exits with)
         sys.stdout.flush()
-        os.write(sys.stdout.fileno(), f"EXITING status={e.code} rank={trainer.global_rank}\n".encode())
+        os.write(
+            sys.stdout.fileno(), f"EXITING status={e.code} rank={trainer.global_rank} at={time.time():.3f}\n".encode()
+        )
         raise
     root = os.path.dirname(a.dir.rstrip("/")) if a.val_monitor else ""
     result = capture(trainer, model, root, logger=trainer.logger if a.val_monitor else None)
