@@ -601,3 +601,81 @@ def test_sigterm_during_the_sanity_check(tmp_path):
     rerun = run_script("train.py", *args)
     assert restores(rerun.stdout) == []
     assert assert_bitwise_equal(ref / "out.pt", run / "out.pt") > 0
+
+
+# ------------------------------------------------------------------------------------------ 8 ranks on 2 nodes
+def _torchrun_nodes(base: Path, *args: str, nodes: int = 2, per_node: int = 4, timeout: int = 400) -> list[str]:
+    """One torchrun launcher per simulated node (static rendezvous on 127.0.0.1, each node its own memory directory
+    for the RAM tier's agent and its own disk for the local tier); returns each launcher's output."""
+    from conftest import rendezvous_port
+
+    port = rendezvous_port()
+    procs = []
+    for node in range(nodes):
+        env = {
+            **os.environ,
+            "PYTHONWARNINGS": "ignore::DeprecationWarning",
+            "LIGHTNING_SNAPSHOT_SHM_DIR": str(base / "shm" / f"node{node}"),
+        }
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node-rank", str(node)]
+        cmd += ["--nproc-per-node", str(per_node), "--master-addr", "127.0.0.1", "--master-port", str(port)]
+        cmd += [
+            str(SCRIPTS / "train.py"),
+            "--dir",
+            str(base / "local" / "node{node_rank}"),
+            "--out",
+            str(base / "out.pt"),
+        ]
+        cmd += ["--devices", str(per_node), "--num-nodes", str(nodes), *args]
+        procs.append(
+            subprocess.Popen(
+                cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        )
+    out = []
+    try:
+        for p in procs:
+            out.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    return out
+
+
+@pytest.mark.slow
+def test_eight_ranks_on_two_nodes_sigterm_to_each_launcher_requeue_from_node_memory(tmp_path):
+    """2 simulated nodes x 4 DDP ranks under torchrun, the RAM tier erasure coded 1+1 across the nodes (every step)
+    and each node's own disk (every 10 steps): SIGTERM to each node's torchrun after step 8. Every rank stops at the
+    same step with it durable and exits 143; the requeue restores that step from node memory on all 8 ranks and ends
+    bitwise equal to an uninterrupted run."""
+    from lightning_snapshot.agent import stop_agent
+
+    common = ("--max-steps", "16", "--every", "10", "--shuffle", "--dropout", "0.1", "--augment")
+    common += ("--ram-every", "1", "--ram-erasure", "1+1")
+    try:
+        ref = tmp_path / "ref"
+        said = _torchrun_nodes(ref, *common)
+        assert all("EXITING" not in s for s in said) and (ref / "out.pt.rank7").exists(), said[0][-3000:]
+        run = tmp_path / "run"
+        said = "".join(_torchrun_nodes(run, *common, "--signal-at", "8", "--signal-to", "launchers"))
+        held = HELD.findall(said)
+        assert held, said[-6000:]
+        step = int(held[0][1])
+        assert 8 <= step <= 12, held
+        assert sorted(re.findall(r"EXITING status=(\d+) rank=(\d+)", said)) == sorted(
+            ("143", str(r)) for r in range(8)
+        ), said[-6000:]
+        for r in range(8):  # no rank trained past the step held
+            ended = [int(s) for s in re.findall(rf"STEP-END step=(\d+) rank={r}\n", said)]
+            assert ended and max(ended) == step, (r, ended, step)
+        requeued = "".join(_torchrun_nodes(run, *common))
+    finally:
+        for sock in list(tmp_path.glob("*/shm/**/agent.sock")):
+            stop_agent(sock.parent)
+    assert sorted(restores(requeued)) == [(step, "ram://test?erasure=1+1", r) for r in range(8)], requeued[-4000:]
+    for r in range(8):
+        suffix = f".rank{r}" if r else ""
+        assert (
+            assert_bitwise_equal(Path(f"{ref / 'out.pt'}{suffix}"), Path(f"{run / 'out.pt'}{suffix}"), since=step) > 0
+        )

@@ -272,7 +272,9 @@ class SendSignal(L.Callback):
         self.sent = False
 
     def _send(self, trainer) -> None:
-        if self.sent or trainer.global_rank != self.rank or trainer.global_step < self.at:
+        # ("launchers": each node's torchrun, by its local rank 0)
+        sender = trainer.local_rank == 0 if self.to == "launchers" else trainer.global_rank == self.rank
+        if self.sent or not sender or trainer.global_step < self.at:
             return
         self.sent = True
         sys.stdout.flush()
@@ -285,7 +287,7 @@ class SendSignal(L.Callback):
             threading.Timer(self.again, os.kill, (os.getpid(), self.sig)).start()
         if self.to == "self":
             os.kill(os.getpid(), self.sig)
-        elif self.to == "launcher":
+        elif self.to in ("launcher", "launchers"):
             os.kill(os.getppid(), self.sig)
         else:  # "all": the torchrun job; "tree": this process and its loader workers
             # (sent by another process, as the cluster's agent does: a worker tells its parent's signal apart)
@@ -436,7 +438,10 @@ def main() -> None:
     )
     p.add_argument("--signal-at", type=int, default=-1, help="send a preemption signal at this global step...")
     p.add_argument(
-        "--signal-to", choices=["self", "launcher", "all", "tree"], default="self", help="...to these processes"
+        "--signal-to",
+        choices=["self", "launcher", "launchers", "all", "tree"],
+        default="self",
+        help="...to these processes ('launchers': each node's torchrun)",
     )
     p.add_argument("--signal-rank", type=int, default=0, help="...from (or, with 'self', to) this rank")
     p.add_argument("--signal-during", choices=["train", "validation", "backward", "accumulating"], default="train")
