@@ -27,7 +27,7 @@ from lightning_snapshot.config import SnapshotConfig
 from lightning_snapshot.dist.preempt import (
     Preemption,
     exit_now,
-    exit_within,
+    exit_promptly,
     requeue_slurm_job,
     signal_name,
     spawned_rank_preempted,
@@ -53,7 +53,8 @@ log = logging.getLogger(__name__)
 
 _C = TypeVar("_C")
 
-#: seconds a preempted process may still take to clean up once its snapshot is durable (then it exits at once)
+#: seconds a preempted process may still take to clean up once its snapshot is durable, at least (or until the grace
+#: ends, if later), before it exits at once
 _EXIT_WITHIN = 2.0
 
 
@@ -368,7 +369,7 @@ class SnapshotCallback(Checkpoint):
             self._shutdown(abort=True, timeout=1.0 if preempted else None)
             if preempted:
                 assert isinstance(exception, Preempted)
-                exit_within(int(exception.code or 0), _EXIT_WITHIN)
+                exit_promptly(int(exception.code or 0), _EXIT_WITHIN)
 
     def _shutdown(self, abort: bool, timeout: float | None = None) -> None:
         """Give the signals back, undo every patch, settle the snapshot in flight and close the fit's session."""

@@ -23,6 +23,7 @@ bookkeeping apart from the signal module: no I/O, no process group of its own (t
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import re
@@ -41,7 +42,7 @@ __all__ = [
     "DEFAULT_SIGNALS",
     "Preemption",
     "exit_now",
-    "exit_within",
+    "exit_promptly",
     "parse_signals",
     "requeue_slurm_job",
     "spawned_rank_preempted",
@@ -57,6 +58,9 @@ DEFAULT_SIGNALS = ("SIGTERM",)
 #: [signal number of the first preemption signal (0: none), time.monotonic() when it came]: set by the handler only
 #: (preallocated; the handler assigns into it and returns)
 _received: list[Any] = [0, 0.0]
+
+#: the grace of the fit that owns the signals (seconds)
+_grace: list[float] = [25.0]
 
 #: seconds past the grace after which a process still stopping exits at once
 _LAST_WORD = 3.0
@@ -174,6 +178,7 @@ class Preemption:
             )
             return False
         _received[0], _received[1] = 0, 0.0
+        _grace[0] = self.grace
         for sig in self.signals:
             self._previous[sig] = signal.getsignal(sig)
             signal.signal(sig, _record)
@@ -470,17 +475,23 @@ def stop(
     raise Preempted(signum, step, durable)
 
 
-def exit_within(code: int, seconds: float) -> None:
-    """Once a preempted step is durable: the process exits with ``code`` at the latest ``seconds`` from now, whatever
-    its cleanup still waits for (loader workers, process groups, a logger's upload), so that it never outlives
-    the grace it was given for the snapshot."""
+def exit_promptly(code: int, seconds: float) -> None:
+    """Once a preempted step is durable (``fit`` is raising :class:`Preempted`): the process exits with ``code`` as
+    soon as its Python code has run (the exception's way out through the caller's ``finally`` blocks, Lightning's
+    teardown, the exit handlers registered before this one), skipping the interpreter's own teardown, which takes
+    from about a second per process to many with many ranks on few cores (freeing every module, the process
+    groups' destructors); and at the latest ``seconds`` from now, or when the grace of the signal ends if that is
+    later, whatever its cleanup still waits for (a logger's upload), so that it never outlives the grace."""
+    atexit.register(exit_now, code)  # (run first: exit handlers run last-registered first)
+    since = float(_received[1]) if _received[0] else time.monotonic()
+    left = _grace[0] - (time.monotonic() - since)
 
     def run() -> None:
-        time.sleep(seconds)
+        time.sleep(max(seconds, left))
         log.warning(
             "lightning-snapshot: the preempted process was still cleaning up %.0f s after its snapshot was durable:"
             " it exits now (status %d)",
-            seconds,
+            max(seconds, left),
             code,
         )
         exit_now(code)

@@ -27,6 +27,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from lightning_snapshot import SnapshotCallback
 from lightning_snapshot.backends import LocalTier
 
+IMPORTED = time.time()  # (the imports are done: the restart timeline's first phase)
+
 
 class Squares(Dataset):
     """Regression samples; with ``augment`` each sample adds noise drawn from torch, numpy and python ``random`` (in
@@ -342,6 +344,44 @@ class TrainDelay(L.Callback):
             time.sleep(self.seconds)
 
 
+def _print_timeline() -> None:
+    """Print, per rank, when the phases of a start and of a stop end (``TIMELINE <phase> rank=R at=<time.time()>``):
+    imports done (printed by main), the trainer's process group formed (the callback's ``setup`` begins), the library's
+    session open (``setup`` returned), the restore done (``on_fit_start`` returned), the first step trained (its
+    ``on_train_batch_end``), and a preempted step durable (``last_snapshot`` returned)."""
+    from lightning_snapshot.fit.pipeline import SnapshotPipeline
+
+    def mark(phase: str, rank: int) -> None:
+        os.write(sys.stdout.fileno(), f"TIMELINE {phase} rank={rank} at={time.time():.4f}\n".encode())
+
+    def wrap(cls, name, before=None, after=None):
+        original = getattr(cls, name)
+
+        def run(self, trainer, *args, **kwargs):
+            if before:
+                mark(before, trainer.global_rank)
+            result = original(self, trainer, *args, **kwargs)
+            if after:
+                mark(after, trainer.global_rank)
+            return result
+
+        setattr(cls, name, run)
+
+    wrap(SnapshotCallback, "setup", before="rendezvous", after="session")
+    wrap(SnapshotCallback, "on_fit_start", after="restore")
+    first = []
+
+    def first_step(self, trainer, *args, **kwargs):
+        if not first:
+            first.append(1)
+            mark("first_step", trainer.global_rank)
+        return original_end(self, trainer, *args, **kwargs)
+
+    original_end = SnapshotCallback.on_train_batch_end
+    SnapshotCallback.on_train_batch_end = first_step
+    wrap(SnapshotPipeline, "last_snapshot", after="durable")
+
+
 def _print_captures() -> None:
     """Print a line each time this rank stages the model and optimizer state (a capture), with its step."""
     from lightning_snapshot.fit.stager import Stager
@@ -455,6 +495,7 @@ def main() -> None:
         help="ModelCheckpoint monitoring val_loss (top 2, in DIR/../ckpts) and EarlyStopping on it, logged values kept",
     )
     p.add_argument("--sanity", type=int, default=0, help="num_sanity_val_steps (with --val-every)")
+    p.add_argument("--timeline", action="store_true", help="print when each phase of a start and a stop ends")
     p.add_argument("--train-delay", default="", help="STEP:SECONDS: every rank sleeps in that step's batch")
     p.add_argument("--sigterm-grace", type=float, default=25.0)
     p.add_argument("--signal-again", type=float, default=0.0, help="send the signal again this many seconds later")
@@ -570,6 +611,16 @@ def main() -> None:
         callbacks.append(EarlyStopping(monitor="val_loss", patience=50))
     if a.print_captures:
         _print_captures()
+    if a.timeline:
+        import atexit
+
+        atexit.register(
+            lambda: os.write(
+                sys.stdout.fileno(), f"TIMELINE atexit_last rank={os.environ.get('RANK', '0')} at={time.time():.4f}\n".encode()
+            )
+        )
+        _print_timeline()
+        os.write(sys.stdout.fileno(), f"TIMELINE imports rank={os.environ.get('RANK', '0')} at={IMPORTED:.4f}\n".encode())
     if a.signal_at >= 0:
         callbacks.append(
             SendSignal(
@@ -620,6 +671,16 @@ def main() -> None:
         os.write(
             sys.stdout.fileno(), f"EXITING status={e.code} rank={trainer.global_rank} at={time.time():.3f}\n".encode()
         )
+        if a.timeline:
+            import atexit
+            import threading
+
+            rank = trainer.global_rank
+            atexit.register(
+                lambda: os.write(sys.stdout.fileno(), f"TIMELINE atexit_first rank={rank} at={time.time():.4f}\n".encode())
+            )
+            live = [t.name for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()]
+            os.write(sys.stdout.fileno(), f"NONDAEMON rank={rank} {live}\n".encode())
         raise
     root = os.path.dirname(a.dir.rstrip("/")) if a.val_monitor else ""
     result = capture(trainer, model, root, logger=trainer.logger if a.val_monitor else None)
