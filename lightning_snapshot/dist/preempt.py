@@ -62,6 +62,9 @@ _received: list[Any] = [0, 0.0]
 #: the grace of the fit that owns the signals (seconds)
 _grace: list[float] = [25.0]
 
+#: the share of the grace after which a stop no step boundary took is overdue (the rest is left for the writes)
+_OVERDUE = 0.75
+
 #: seconds past the grace after which a process still stopping exits at once
 _LAST_WORD = 3.0
 
@@ -153,8 +156,8 @@ class Preemption:
         self._store, self._key = store, key
         self._peer: tuple[int, float] | None = None
         self.grace = grace
-        #: called from the watchdog thread when a stop is known and the training thread has not taken it within half
-        #: the grace (a step or hook longer than that): makes what it can durable and exits the process
+        #: called from the watchdog thread when a stop is known and the training thread has not taken it within three
+        #: quarters of the grace (a step or hook longer than that): makes what it can durable and exits the process
         self.on_overdue = on_overdue
         #: set by the training thread while it is outside a training step (validation, the sanity check): the watcher
         #: then asks the store ten times a second instead of once
@@ -197,6 +200,9 @@ class Preemption:
         self._previous = {}
         self._unguard_workers()
         self._stop.set()
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None and watcher is not threading.current_thread():
+            watcher.join(timeout=1.0)  # (it wakes every 0.1 s; a store request in flight may take longer)
 
     @staticmethod
     def received() -> tuple[int, float]:
@@ -271,7 +277,7 @@ class Preemption:
     def _watch(self) -> None:
         """The watcher thread: publishes this rank's signal in the store and reads the others' (ten times a second
         while the training thread is outside a step, once a second inside one), and runs :attr:`on_overdue` once when
-        a stop is known and the training thread has not taken it within half the grace."""
+        a stop is known and the training thread has not taken it within three quarters of the grace."""
         published = overdue = False
         tick = 0
         while not self._stop.wait(0.1):
@@ -292,7 +298,12 @@ class Preemption:
             if not signum:
                 continue
             now = time.monotonic()
-            if not overdue and self.on_overdue is not None and not self.handled.is_set() and now >= since + self.grace / 2:
+            if (
+                not overdue
+                and self.on_overdue is not None
+                and not self.handled.is_set()
+                and now >= since + self.grace * _OVERDUE
+            ):
                 overdue = True
                 self.on_overdue(signum, since)
             elif now >= since + self.grace + _LAST_WORD:
@@ -482,7 +493,10 @@ def exit_promptly(code: int, seconds: float) -> None:
     from about a second per process to many with many ranks on few cores (freeing every module, the process
     groups' destructors); and at the latest ``seconds`` from now, or when the grace of the signal ends if that is
     later, whatever its cleanup still waits for (a logger's upload), so that it never outlives the grace."""
-    atexit.register(exit_now, code)  # (run first: exit handlers run last-registered first)
+    import multiprocessing
+
+    if multiprocessing.parent_process() is None:  # (a ddp_spawn rank ends through multiprocessing's own exit)
+        atexit.register(exit_now, code)  # (run first: exit handlers run last-registered first)
     since = float(_received[1]) if _received[0] else time.monotonic()
     left = _grace[0] - (time.monotonic() - since)
 

@@ -20,6 +20,7 @@ FIT_STATE_KEYS = [
     "grads",
     "metrics",
     "train_dl_epoch",
+    "validation_pending",
     "stopped",
     "generators",
 ]
