@@ -529,6 +529,26 @@ def test_sigterm_in_a_validation_longer_than_the_grace_one_process(tmp_path, lon
 
 
 @pytest.mark.slow
+def test_sigterm_in_a_validation_with_averaged_weights_swapped_in(tmp_path):
+    """EMAWeightAveraging validates with the averaged weights swapped into the model (and back at the validation's
+    epoch end): a validation abandoned after step 8 snapshots the trained weights, not the averaged ones, and the
+    requeue ends bitwise equal, the averaged model included."""
+    common = ("--max-steps", "24", "--val-every", "8", "--val-samples", "120", *LONG_VAL, "--ema")
+    ref = tmp_path / "ref"
+    run_script("train.py", "--dir", str(ref / "local"), "--out", str(ref / "out.pt"), *common)
+    run = tmp_path / "run"
+    args = ("--dir", str(run / "local"), "--out", str(run / "out.pt"), *common)
+    proc = run_script(
+        "train.py", *args, "--signal-at", "5", "--signal-during", "validation", "--signal-to", "tree", expect_rc=143
+    )
+    _, step = _abandoned_within_grace(proc, 1)
+    assert step == 8
+    rerun = run_script("train.py", *args)
+    assert restores(rerun.stdout) == [(8, str(run / "local"), 0)], rerun.stdout[-2000:]
+    assert assert_bitwise_equal(ref / "out.pt", run / "out.pt", since=8) > 0
+
+
+@pytest.mark.slow
 def test_sigterm_to_rank_1_in_a_validation_longer_than_the_grace_ddp(tmp_path):
     """2-rank DDP under torchrun, 2 loader workers each: SIGTERM to rank 1 alone during the validation after step 13.
     Rank 0 learns it without a collective per batch (the store), both ranks abandon the validation at whatever batch
