@@ -1,0 +1,213 @@
+"""The Fabric integration (``lightning_snapshot.fabric.FabricSnapshots``): a LitGPT-shaped Fabric loop
+(tests/scripts/fabric_train.py) killed with SIGKILL at a random optimizer step and run again ends bitwise equal to a
+run that never stopped: weights, optimizer, scheduler, every value of its ``state`` (each step's loss and a checksum of
+each batch trained on) and the torch, numpy and python RNG. Real processes, real SIGKILL, gloo under torchrun, moto on
+127.0.0.1 for the object store."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import SCRIPTS, restores, run_job, run_script
+
+from lightning_snapshot.backends import LocalTier
+from lightning_snapshot.persist.commit import committed_steps
+
+SCRIPT = "fabric_train.py"
+#: 48 samples in batches of 4 over 3 epochs, gradients accumulated over 2 batches: 18 optimizer steps (9 per rank
+#: under DDP on 2 ranks), each epoch ending mid-way between snapshot steps
+HARD = ("--shuffle", "--augment", "--dropout", "0.1", "--accum", "2")
+
+
+def assert_same(ref: Path, got: Path) -> int:
+    """Every tensor and value of two result files equal, bitwise; returns the number of tensors compared."""
+    a = torch.load(ref, weights_only=True)
+    b = torch.load(got, weights_only=True)
+    count = [0]
+
+    def same(x, y, path: str) -> None:
+        if isinstance(x, torch.Tensor):
+            assert isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.shape == y.shape, path
+            assert torch.equal(x, y), f"{path} differs"
+            count[0] += 1
+        elif isinstance(x, dict):
+            assert isinstance(y, dict) and set(x) == set(y), f"{path}: keys {set(x) ^ set(y)}"
+            for k in x:
+                same(x[k], y[k], f"{path}/{k}")
+        elif isinstance(x, (list, tuple)):
+            assert isinstance(y, (list, tuple)) and len(x) == len(y), f"{path}: {len(x)} vs {len(y)} items"
+            for i, (u, v) in enumerate(zip(x, y, strict=True)):
+                same(u, v, f"{path}[{i}]")
+        else:
+            assert x == y, f"{path}: {x!r} != {y!r}"
+
+    same(a, b, "")
+    return count[0]
+
+
+def _run(tiers: list[str], out: Path, *args: str, expect_kill: bool = False) -> subprocess.CompletedProcess[str]:
+    return run_script(SCRIPT, "--tiers", *tiers, "--out", str(out), *args, expect_kill=expect_kill, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One uninterrupted run per argument list (shared by the tests of this module)."""
+    made: dict[tuple[str, ...], Path] = {}
+
+    def get(*args: str) -> Path:
+        if args not in made:
+            base = tmp_path_factory.mktemp("fabric-ref")
+            _run([f"{base / 'snaps'}?every=100"], base / "ref.pt", *args)
+            made[args] = base / "ref.pt"
+        return made[args]
+
+    return get
+
+
+# ------------------------------------------------------------------------------------------------ one process
+@pytest.mark.parametrize(
+    "extra",
+    [(), ("--workers", "2")],
+    ids=["no-workers", "2-workers"],
+)
+def test_one_process_sigkill_at_a_random_step_resumes_bitwise(tmp_path, reference, crash_rng, extra):
+    """Shuffled loader with random augmentation (torch, numpy, python RNG, in the workers too), dropout and gradient
+    accumulation; snapshots every 2 steps into a local tier; SIGKILL in the middle of a random step."""
+    args = (*HARD, *extra)
+    ref = reference(*args)
+    kill = crash_rng.randrange(3, 18)
+    tier = f"{tmp_path / 'snaps'}?every=2"
+    _run([tier], tmp_path / "out.pt", *args, "--kill-at", str(kill), expect_kill=True)
+    newest = committed_steps(LocalTier(tmp_path / "snaps"))[0]  # (the newest may still have been on its way)
+    assert 2 <= newest <= kill - 1, (kill, newest)
+    proc = _run([tier], tmp_path / "out.pt", *args)
+    assert restores(proc.stdout) == [(newest, str(tmp_path / "snaps"), 0)], proc.stdout
+    assert assert_same(ref, tmp_path / "out.pt") > 0
+
+
+def test_a_run_with_snapshots_is_bitwise_equal_to_one_without_resuming_and_ends_with_its_last_step_committed(
+    tmp_path, reference
+):
+    """The library is neutral (a run that snapshots every step equals the reference, which snapshots never but at its
+    end), and ``close`` commits the last step (18) in every tier."""
+    proc = _run([f"{tmp_path / 'a'}?every=1&keep=2", f"{tmp_path / 'b'}?every=5"], tmp_path / "out.pt", *HARD)
+    assert not restores(proc.stdout)
+    assert assert_same(reference(*HARD), tmp_path / "out.pt") > 0
+    assert committed_steps(LocalTier(tmp_path / "a")) == [18, 17]
+    assert committed_steps(LocalTier(tmp_path / "b"))[0] == 18
+
+
+def test_stateful_dataloader_resumes_bitwise(tmp_path, reference):
+    """torchdata's StatefulDataLoader (shuffled, augmentation in the main process): its own state_dict is the data
+    position."""
+    pytest.importorskip("torchdata")
+    args = (*HARD, "--stateful")
+    ref = reference(*args)
+    tier = f"{tmp_path / 'snaps'}?every=3"
+    _run([tier], tmp_path / "out.pt", *args, "--kill-at", "11", expect_kill=True)
+    newest = committed_steps(LocalTier(tmp_path / "snaps"))[0]  # (9, or 6 when 9 was still being written)
+    proc = _run([tier], tmp_path / "out.pt", *args)
+    assert restores(proc.stdout) == [(newest, str(tmp_path / "snaps"), 0)], proc.stdout
+    assert assert_same(ref, tmp_path / "out.pt") > 0
+
+
+@pytest.mark.slow
+def test_ram_tier_restores_after_sigkill_bitwise(tmp_path, reference, shm):
+    """The RAM tier (its node agent outlives the killed trainer) every 2 steps, a local tier every 5: the newest step
+    comes from RAM."""
+    ref = reference(*HARD)
+    tiers = ["ram://fabric?every=2&erasure=none", f"{tmp_path / 'local'}?every=5"]
+    _run(tiers, tmp_path / "out.pt", *HARD, "--kill-at", "9", expect_kill=True)
+    assert committed_steps(LocalTier(tmp_path / "local"))[0] <= 5
+    proc = _run(tiers, tmp_path / "out.pt", *HARD)
+    # (step 8's copy was complete before step 9's optimizer step: the agent holds it)
+    assert [(s, url.split("?")[0]) for s, url, _ in restores(proc.stdout)] == [(8, "ram://fabric")], proc.stdout
+    assert assert_same(ref, tmp_path / "out.pt") > 0
+
+
+@pytest.mark.slow
+def test_object_store_tier_restores_after_sigkill_bitwise(tmp_path, reference, s3_server, bucket):
+    """An object store (moto's S3 server on 127.0.0.1) every 3 steps beside a local tier every 100."""
+    ref = reference(*HARD)
+    url = f"s3://{bucket}/run"
+    s3 = ("--s3", url, "--endpoint", s3_server.endpoint, "--s3-every", "3")
+    tier = f"{tmp_path / 'local'}?every=100"
+    _run([tier], tmp_path / "out.pt", *HARD, *s3, "--kill-at", "8", expect_kill=True)
+    proc = _run([tier], tmp_path / "out.pt", *HARD, *s3)
+    assert [s for s, u, _ in restores(proc.stdout) if u == url] in ([6], [3]), proc.stdout
+    assert assert_same(ref, tmp_path / "out.pt") > 0
+
+
+# ------------------------------------------------------------------------------------------------ torchrun
+def _torchrun(base: Path, *args: str, timeout: int = 240) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning", "LIGHTNING_SNAPSHOT_SHM_DIR": str(base)}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(SCRIPTS / SCRIPT),
+        "--strategy",
+        "ddp",
+        "--devices",
+        "2",
+        *args,
+    ]
+    return run_job(cmd, timeout, env)
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(tmp_path_factory):
+    base = tmp_path_factory.mktemp("fabric-ddp-ref")
+    proc = _torchrun(
+        base, "--tiers", f"{base / 'snaps'}?every=100", "--out", str(base / "ref.pt"), *HARD, "--workers", "1"
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return base / "ref.pt"
+
+
+@pytest.mark.slow
+def test_ddp_torchrun_sigkill_of_one_rank_resumes_both_bitwise(tmp_path, ddp_reference, crash_rng):
+    """DDP on 2 ranks under torchrun (gloo), one loader worker each, DistributedSampler (shuffled) with
+    augmentation, dropout and accumulation: SIGKILL of rank 1 at a random step; the rerun resumes both ranks."""
+    kill = crash_rng.randrange(3, 9)
+    tier = f"{tmp_path / 'snaps'}?every=2"
+    common = ("--tiers", tier, "--out", str(tmp_path / "out.pt"), *HARD, "--workers", "1")
+    proc = _torchrun(tmp_path, *common, "--kill-at", str(kill), "--kill-rank", "1")
+    assert proc.returncode != 0
+    newest = committed_steps(LocalTier(tmp_path / "snaps"))[0]
+    assert 2 <= newest <= kill - 1, (kill, newest)
+    proc = _torchrun(tmp_path, *common)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert sorted(restores(proc.stdout)) == [(newest, str(tmp_path / "snaps"), r) for r in (0, 1)], proc.stdout
+    for suffix in ("", ".rank1"):
+        assert assert_same(Path(f"{ddp_reference}{suffix}"), Path(f"{tmp_path / 'out.pt'}{suffix}")) > 0
+
+
+@pytest.mark.slow
+def test_ddp_sigterm_to_rank1_only_stops_both_at_one_step_exit_143_and_the_requeue_resumes_bitwise(
+    tmp_path, ddp_reference
+):
+    """SIGTERM to rank 1 only after step 5 (snapshots every 100 steps): both ranks agree to stop at the same step,
+    snapshot it durably, exit 143; the rerun resumes both ranks from it and ends bitwise equal."""
+    tier = f"{tmp_path / 'snaps'}?every=100"
+    common = ("--tiers", tier, "--out", str(tmp_path / "out.pt"), *HARD, "--workers", "1")
+    proc = _torchrun(tmp_path, *common, "--signal-at", "5", "--signal-rank", "1")
+    said = proc.stdout + proc.stderr
+    assert proc.returncode != 0, said[-4000:]
+    assert sorted(re.findall(r"EXITING status=(\d+) rank=(\d+)", proc.stdout)) == [("143", "0"), ("143", "1")], said
+    stopped = committed_steps(LocalTier(tmp_path / "snaps"))
+    assert len(stopped) == 1 and 5 <= stopped[0] <= 7, stopped
+    proc = _torchrun(tmp_path, *common)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert sorted(restores(proc.stdout)) == [(stopped[0], str(tmp_path / "snaps"), r) for r in (0, 1)], proc.stdout
+    for suffix in ("", ".rank1"):
+        assert assert_same(Path(f"{ddp_reference}{suffix}"), Path(f"{tmp_path / 'out.pt'}{suffix}")) > 0
