@@ -16,6 +16,7 @@ import os
 import random
 import signal
 import sys
+import time
 
 import lightning as L
 import numpy as np
@@ -80,6 +81,7 @@ def main() -> None:
     p.add_argument("--s3", default=None, help="also snapshot to this s3:// URL (moto at --endpoint)")
     p.add_argument("--endpoint", default=None)
     p.add_argument("--s3-every", type=int, default=3)
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step lasts longer (slow tiers keep up)")
     args = p.parse_args()
 
     fabric = L.Fabric(accelerator="cpu", devices=args.devices, strategy=args.strategy)
@@ -141,6 +143,7 @@ def main() -> None:
                 optimizer.zero_grad()
                 scheduler.step()
                 state["step"] = step
+                time.sleep(args.step_sleep)
                 state["losses"].append(float(loss.detach()))
                 if args.signal_at == step and rank == args.signal_rank:
                     os.kill(os.getpid(), signal.SIGTERM)
