@@ -22,9 +22,11 @@ threads (:class:`~lightning_snapshot.persist.threads.Persister`), the
 data position of :mod:`lightning_snapshot.data`, and :class:`~lightning_snapshot.dist.preempt.Preemption`. What is the
 Trainer's (loops, callbacks, Lightning's checkpoint hooks, the state parts) is not used here.
 
-A snapshot holds, in the shared section, ``global_step`` and the modules' and optimizers' state (``modules/<key>``,
-``optimizers/<key>``: DTensor shards under FSDP2/tensor parallel, never gathered); and in each rank's section that
-rank's RNG (torch, CUDA, numpy, python), its loaders' positions, the other objects' ``state_dict`` and the plain values.
+A snapshot holds, in the shared section, ``global_step``, the modules' weights as ``state_dict`` (one module: under
+its own names, as a Lightning checkpoint holds them, so ``lightning-snapshot export`` finds them; several: each name
+after ``<key>.``), the optimizers' state (``optimizers/<key>``) and ``fabric`` (where each module is); DTensor shards
+under FSDP2/tensor parallelism are stored as they are, never gathered. Each rank's section holds that rank's RNG
+(torch, CUDA, numpy, python), its loaders' positions, the other objects' ``state_dict`` and the plain values.
 """
 
 from __future__ import annotations
@@ -101,6 +103,18 @@ def _split(state: MutableMapping[str, Any]) -> dict[str, dict[str, Any]]:
         else:
             kinds["values"][key] = value
     return kinds
+
+
+def _module_prefixes(keys: list[str]) -> dict[str, str]:
+    """Where each module's weights are in the snapshot's ``state_dict``: as they are (one module), or after
+    ``<key>.`` (several)."""
+    if len(keys) == 1:
+        return {keys[0]: ""}
+    for a in keys:
+        for b in keys:
+            if a != b and b.startswith(f"{a}."):
+                raise ConfigError(f"FabricSnapshots: the state's modules {a!r} and {b!r} overlap; rename one of them")
+    return {k: f"{k}." for k in keys}
 
 
 class FabricSnapshots:
@@ -311,20 +325,34 @@ class FabricSnapshots:
         manifest = read_manifest(backend, step)
         kinds = _split(self._state)
         tree = manifest.state if isinstance(manifest.state, dict) else {}
-        raw = tree.get("modules")
-        saved_modules: dict[str, Any] = raw if isinstance(raw, dict) else {}
+        own = tree.get("fabric")
+        saved = own.get("modules") if isinstance(own, dict) else None
+        if not isinstance(saved, dict):
+            raise StateMismatchError(
+                f"the {where} was not taken by FabricSnapshots (it holds no 'fabric' record): resume it with the"
+                " callback it was taken with, or load it with lightning_snapshot.load_snapshot"
+            )
         targets: dict[str, Any] = {}
         for key, module in kinds["modules"].items():
-            if key not in saved_modules:
-                raise StateMismatchError(f"the {where} holds no module {key!r}: it was taken from another state")
+            prefix = saved.get(key)
+            if not isinstance(prefix, str):
+                raise StateMismatchError(
+                    f"the {where} holds no module {key!r} (it holds {sorted(saved)}): it was taken from another state;"
+                    " pass resume=False to start fresh"
+                )
             for name, t in module.state_dict().items():
                 if isinstance(t, torch.Tensor) and (is_dtensor(t) or (t.device.type == "cpu" and t.is_contiguous())):
-                    targets[f"modules/{key}/{name}"] = t
+                    targets[f"state_dict/{prefix}{name}"] = t
         shared = read_section(backend, manifest, manifest.tensors, manifest.state, targets=targets)
-        if not isinstance(shared, dict):
+        if not isinstance(shared, dict) or not isinstance(shared.get("state_dict"), dict):
             raise SnapshotError(f"the {where} holds no training state")
+        flat = shared["state_dict"]
+        shared["modules"] = {}
         for key, module in kinds["modules"].items():
-            check_model(module, shared["modules"].get(key), f"the {where} (module {key!r})")
+            prefix = saved[key]
+            sd = {name[len(prefix) :]: v for name, v in flat.items() if name.startswith(prefix)}
+            check_model(module, sd, f"the {where} (module {key!r})")
+            shared["modules"][key] = sd
         exact = manifest.world_size == self._comm.world_size
         if not exact:
             warnings.warn(
@@ -482,9 +510,15 @@ class FabricSnapshots:
         self._fence()
         kinds = _split(state)
         optimizers = [_raw_optimizer(o) for o in kinds["optimizers"].values()]
+        prefixes = _module_prefixes(list(kinds["modules"]))
         shared = {
             "global_step": step,
-            "modules": {k: m.state_dict() for k, m in kinds["modules"].items()},
+            # (one module's weights as a Lightning checkpoint's `state_dict`, so that `lightning-snapshot export`
+            # and `load_snapshot(keys=["state_dict"])` find them; several: each name prefixed by its key)
+            "state_dict": {
+                f"{prefixes[k]}{name}": t for k, m in kinds["modules"].items() for name, t in m.state_dict().items()
+            },
+            "fabric": {"modules": prefixes},
             "optimizers": {k: o.state_dict() for k, o in zip(kinds["optimizers"], optimizers, strict=True)},
         }
         frozen = _lazy_frozen(optimizers)

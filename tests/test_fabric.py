@@ -113,6 +113,17 @@ def test_a_run_with_snapshots_is_bitwise_equal_to_one_without_resuming_and_ends_
     assert assert_same(reference(*HARD), tmp_path / "out.pt") > 0
     assert committed_steps(LocalTier(tmp_path / "a")) == [18, 17]
     assert committed_steps(LocalTier(tmp_path / "b"))[0] == 18
+    # the CLI's export finds the weights (one module: under its own names) and load_snapshot reads them
+    from safetensors.torch import load_file
+
+    from lightning_snapshot import load_snapshot
+    from lightning_snapshot.cli.export import export_snapshot
+
+    weights = torch.load(tmp_path / "out.pt", weights_only=True)["model"]
+    exported = load_file(str(export_snapshot(tmp_path / "b", tmp_path / "model.safetensors", progress=False)))
+    loaded = load_snapshot(tmp_path / "a", keys=["state_dict"])["state_dict"]
+    for got in (exported, loaded):
+        assert set(got) == set(weights) and all(torch.equal(got[k], v) for k, v in weights.items())
 
 
 def test_stateful_dataloader_resumes_bitwise(tmp_path, reference):
@@ -228,3 +239,25 @@ def test_ddp_sigterm_to_rank1_only_stops_both_at_one_step_exit_143_and_the_reque
     assert sorted(restores(proc.stdout)) == [(stopped[0], str(tmp_path / "snaps"), r) for r in (0, 1)], proc.stdout
     for suffix in ("", ".rank1"):
         assert assert_same(Path(f"{ddp_reference}{suffix}"), Path(f"{tmp_path / 'out.pt'}{suffix}")) > 0
+
+
+# ------------------------------------------------------------------------------------------------ the example
+@pytest.mark.slow
+def test_the_fabric_gpt_example_resumes_after_its_sigkill_bitwise(tmp_path):
+    """examples/fabric_gpt.py as a user runs it: a reference run, a run with RAM, local and object-store (moto on
+    127.0.0.1) tiers SIGKILLed at step 37, the rerun resumed from the RAM tier's step 35, compared bitwise."""
+    pytest.importorskip("moto")
+    example = Path(__file__).parent.parent / "examples" / "fabric_gpt.py"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(
+        [sys.executable, str(example), "--workdir", str(tmp_path / "demo")],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # (step 35 from RAM; 30 when the kill came before step 35 reached the agent)
+    assert re.search(r"resumed from step (35|30) \(ram://fabric-gpt", proc.stdout), proc.stdout
+    assert "bitwise equal to the reference: True" in proc.stdout, proc.stdout
+    assert committed_steps(LocalTier(tmp_path / "demo" / "local"))[0] == 60
