@@ -51,6 +51,7 @@ from lightning_snapshot.dist.preempt import Preemption, signal_name
 from lightning_snapshot.errors import ConfigError, FormatVersionError, Preempted, SnapshotError, StateMismatchError
 from lightning_snapshot.fit.reporting import Reporter
 from lightning_snapshot.fit.session import FitSession
+from lightning_snapshot.format.tree import encode
 from lightning_snapshot.persist.threads import PersistJob
 from lightning_snapshot.restore.loader import read_manifest, read_section
 from lightning_snapshot.restore.restorer import Restorer
@@ -115,6 +116,31 @@ def _module_prefixes(keys: list[str]) -> dict[str, str]:
             if a != b and b.startswith(f"{a}."):
                 raise ConfigError(f"FabricSnapshots: the state's modules {a!r} and {b!r} overlap; rename one of them")
     return {k: f"{k}." for k in keys}
+
+
+def _sharded_optimizer_targets(kinds: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The live optimizer state of the optimizers that train DTensors (FSDP2, tensor parallelism), by the names the
+    snapshot gives it: each rank reads only its shards into them (a snapshot of another layout or world size is
+    resharded). An optimizer without state yet (made for this run) gets it first, as torch's distributed checkpoint
+    makes it (``get_optimizer_state_dict``)."""
+    targets: dict[str, Any] = {}
+    for key, opt in kinds["optimizers"].items():
+        raw = _raw_optimizer(opt)
+        params = [p for group in raw.param_groups for p in group["params"]]
+        if not any(is_dtensor(p) for p in params):
+            continue
+        if not raw.state:
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+            owned = {id(p) for p in params}
+            for module in kinds["modules"].values():
+                inner = getattr(module, "module", module)  # (Fabric's wrapper: the module the parameters are of)
+                if any(id(p) in owned for p in inner.parameters()):
+                    get_optimizer_state_dict(inner, raw)
+                    break
+        _, tensors = encode({"optimizers": {key: raw.state_dict()}})
+        targets.update({name: t for name, t in tensors.items() if is_dtensor(t)})
+    return targets
 
 
 class FabricSnapshots:
@@ -343,6 +369,7 @@ class FabricSnapshots:
             for name, t in module.state_dict().items():
                 if isinstance(t, torch.Tensor) and (is_dtensor(t) or (t.device.type == "cpu" and t.is_contiguous())):
                     targets[f"state_dict/{prefix}{name}"] = t
+        targets.update(_sharded_optimizer_targets(kinds))
         shared = read_section(backend, manifest, manifest.tensors, manifest.state, targets=targets)
         if not isinstance(shared, dict) or not isinstance(shared.get("state_dict"), dict):
             raise SnapshotError(f"the {where} holds no training state")

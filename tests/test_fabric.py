@@ -173,7 +173,7 @@ def test_object_store_tier_restores_after_sigkill_bitwise(tmp_path, reference, s
 
 
 # ------------------------------------------------------------------------------------------------ torchrun
-def _torchrun(base: Path, *args: str, timeout: int = 240) -> subprocess.CompletedProcess[str]:
+def _torchrun(base: Path, *args: str, timeout: int = 240, script: str = SCRIPT) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning", "LIGHTNING_SNAPSHOT_SHM_DIR": str(base)}
     cmd = [
         sys.executable,
@@ -182,9 +182,8 @@ def _torchrun(base: Path, *args: str, timeout: int = 240) -> subprocess.Complete
         "--standalone",
         "--nproc-per-node",
         "2",
-        str(SCRIPTS / SCRIPT),
-        "--strategy",
-        "ddp",
+        str(SCRIPTS / script),
+        *(("--strategy", "ddp") if script == SCRIPT else ()),
         "--devices",
         "2",
         *args,
@@ -239,6 +238,67 @@ def test_ddp_sigterm_to_rank1_only_stops_both_at_one_step_exit_143_and_the_reque
     assert sorted(restores(proc.stdout)) == [(stopped[0], str(tmp_path / "snaps"), r) for r in (0, 1)], proc.stdout
     for suffix in ("", ".rank1"):
         assert assert_same(Path(f"{ddp_reference}{suffix}"), Path(f"{tmp_path / 'out.pt'}{suffix}")) > 0
+
+
+# ------------------------------------------------------------------------------------------------ FSDP2, resharding
+def assert_same_full(ref: Path, got: Path) -> None:
+    """Two results of tests/scripts/fabric_fsdp.py (gathered weights and optimizer state by parameter name, the
+    learning rates, the step) equal, bitwise."""
+    a, b = torch.load(ref, weights_only=True), torch.load(got, weights_only=True)
+    assert a["step"] == b["step"] and a["lr"] == b["lr"], (a["step"], b["step"], a["lr"], b["lr"])
+    # (the optimizer state of a sharded parameter was read into DTensor shards, not loaded as full tensors)
+    assert a["layouts_match"] and b["layouts_match"]
+    assert assert_same_tree(a["model"], b["model"]) == 6  # (3 Linear layers)
+    assert assert_same_tree(a["optimizer"], b["optimizer"]) == 18  # (AdamW: step, exp_avg, exp_avg_sq per parameter)
+
+
+def assert_same_tree(a: dict, b: dict) -> int:
+    torch.save(a, "/dev/null")  # (plain tensors only)
+    count = 0
+    assert a.keys() == b.keys(), a.keys() ^ b.keys()
+    for k in a:
+        if isinstance(a[k], dict):
+            count += assert_same_tree(a[k], b[k])
+        else:
+            assert torch.equal(a[k], b[k]), k
+            count += 1
+    return count
+
+
+def _fsdp(base: Path, snaps: Path, out: Path, strategy: str, steps: int) -> None:
+    args = ("--dir", str(snaps), "--out", str(out), "--strategy", strategy, "--steps", str(steps))
+    if strategy == "single":
+        run_script("fabric_fsdp.py", *args, timeout=240)
+        return
+    proc = _torchrun(base, *args, script="fabric_fsdp.py")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    if steps == 0:
+        assert sorted(restores(proc.stdout)) == [(6, str(snaps), 0), (6, str(snaps), 1)], proc.stdout
+
+
+@pytest.mark.slow
+def test_fsdp2_snapshot_on_2_ranks_loads_into_one_process_ddp_and_fsdp2_exactly(tmp_path):
+    """ModelParallelStrategy (FSDP2, each Linear fully_shard-ed over 2 ranks) snapshots its DTensor shards, never
+    gathered; loaded into one process, into DDP on 2 ranks and into FSDP2 on 2 ranks, every weight, every AdamW state
+    tensor and the scheduler's learning rate equal the FSDP2 run's (gathered), bitwise."""
+    import shutil
+
+    _fsdp(tmp_path, tmp_path / "snaps", tmp_path / "full.pt", "fsdp", 6)
+    assert committed_steps(LocalTier(tmp_path / "snaps")) == [6, 3]
+    for strategy in ("single", "ddp", "fsdp"):
+        copy = tmp_path / f"snaps-{strategy}"  # (each load resumes and closes: it commits nothing new, on a copy)
+        shutil.copytree(tmp_path / "snaps", copy)
+        _fsdp(tmp_path, copy, tmp_path / f"{strategy}.pt", strategy, 0)
+        assert_same_full(tmp_path / "full.pt", tmp_path / f"{strategy}.pt")
+
+
+@pytest.mark.slow
+def test_one_process_snapshot_loads_into_fsdp2_shards_exactly(tmp_path):
+    """The other way: a snapshot of one process read by FSDP2 on 2 ranks, each rank reading only its shards of the
+    weights and of the optimizer state (made for the run, then read into)."""
+    _fsdp(tmp_path, tmp_path / "snaps", tmp_path / "full.pt", "single", 6)
+    _fsdp(tmp_path, tmp_path / "snaps", tmp_path / "fsdp.pt", "fsdp", 0)
+    assert_same_full(tmp_path / "full.pt", tmp_path / "fsdp.pt")
 
 
 # ------------------------------------------------------------------------------------------------ the example
