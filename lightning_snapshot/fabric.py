@@ -190,8 +190,10 @@ class FabricSnapshots:
     def __exit__(self, kind: Any, error: BaseException | None, tb: Any) -> None:
         if error is None:
             self.close()
+        elif isinstance(error, Preempted):  # (the stop step is durable: the rest is abandoned at once, before SIGKILL)
+            self._shutdown(drop=True, timeout=1.0)
         else:
-            self.close(abort=True, timeout=1.0 if isinstance(error, Preempted) else None)
+            self.close(abort=True)
 
     @property
     def _comm(self) -> Any:
@@ -239,27 +241,34 @@ class FabricSnapshots:
 
     def close(self, abort: bool = False, timeout: float | None = None) -> None:
         """End (collective): without ``abort``, the last step is snapshotted into every tier, and this returns once
-        every snapshot is durable (or failed: ``on_error``); with ``abort`` (the loop raised), what was handed over is
-        written for at most ``timeout`` seconds (default ``shutdown_timeout``). Threads, groups and the signals are
-        given back either way. Idempotent."""
+        every snapshot is durable (or failed: ``on_error``); with ``abort`` (the loop raised: the ``with`` block does
+        this), no snapshot is taken, and the ones handed over already are written for at most ``timeout`` seconds
+        (default ``shutdown_timeout``). Threads, process groups, the optimizers' hooks and the signals are given back
+        either way. Idempotent."""
         if self._session is None:
             return
         try:
             if not abort:
                 self._end()
         finally:
-            if self._preemption is not None:
-                self._preemption.restore()
-                self._preemption = None
-            for hook in self._hooks:
-                hook.remove()
-            self._hooks, self._hooked = [], set()
-            if self._inflight is not None:
-                with contextlib.suppress(Exception):  # (reported by the persist thread)
-                    self._inflight.fence_training()
-                self._inflight = None
-            session, self._session = self._session, None
-            session.close(abort, timeout)
+            self._shutdown(drop=False, timeout=timeout)
+
+    def _shutdown(self, drop: bool, timeout: float | None) -> None:
+        """Give everything back; ``drop``: snapshots still queued are dropped (after a preemption, whose snapshot
+        is durable already)."""
+        if self._preemption is not None:
+            self._preemption.restore()
+            self._preemption = None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks, self._hooked = [], set()
+        if self._inflight is not None:
+            with contextlib.suppress(Exception):  # (reported by the persist thread)
+                self._inflight.fence_training()
+            self._inflight = None
+        session, self._session = self._session, None
+        if session is not None:
+            session.close(drop, timeout)
 
     def _end(self) -> None:
         session, schedule = self._session, self._schedule

@@ -82,6 +82,80 @@ def reference(tmp_path_factory):
     return get
 
 
+# ------------------------------------------------------------------------------------------------ misuse
+def test_misuse_gets_errors_that_name_the_fix(tmp_path):
+    """In this process (one device): a step before resume, a key the format cannot hold, and a snapshot of another
+    state each fail with an error that says what to do; nothing is left running after each (the suite's thread and
+    shared-memory check)."""
+    import lightning as L
+    from torch import nn
+
+    from lightning_snapshot.errors import ConfigError, SnapshotError, StateMismatchError
+    from lightning_snapshot.fabric import FabricSnapshots
+
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    model = nn.Linear(2, 1)
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    tier = f"{tmp_path / 'snaps'}?every=1"
+    before = r"call FabricSnapshots.resume\(state\) once before the training loop"
+    with FabricSnapshots(fabric, tier) as snapshots, pytest.raises(ConfigError, match=before):
+        snapshots.step({"model": model})
+    with pytest.raises(ConfigError, match="without '/'"), FabricSnapshots(fabric, tier) as snapshots:
+        snapshots.resume({"model/a": model})
+    with FabricSnapshots(fabric, tier) as snapshots:  # (a snapshot of step 1 of {"model", "optimizer"})
+        snapshots.resume({"model": model, "optimizer": optimizer})
+        optimizer.step()
+        snapshots.step()
+    assert committed_steps(LocalTier(tmp_path / "snaps")) == [1]
+    with pytest.raises(SnapshotError) as raised, FabricSnapshots(fabric, tier) as snapshots:
+        snapshots.resume({"net": model, "optimizer": optimizer})
+    assert isinstance(raised.value, StateMismatchError), raised.value
+    assert "holds no module 'net' (it holds ['model'])" in str(raised.value)
+    assert "resume=False" in str(raised.value)
+
+
+def test_metrics_reach_fabrics_logger_and_a_raising_loop_still_ends_clean(tmp_path):
+    """The snapshot metrics go through ``fabric.log_dict`` to the loggers given to Fabric (a CSV logger here); a loop
+    that raises leaves the ``with`` block with its own exception, the snapshots handed over before it committed, and
+    no thread or shared memory of the library behind (the suite's check); the CLI verifies what was written."""
+    import csv
+
+    import lightning as L
+    from lightning.fabric.loggers import CSVLogger
+    from torch import nn
+
+    from lightning_snapshot.fabric import FabricSnapshots
+
+    fabric = L.Fabric(accelerator="cpu", devices=1, loggers=CSVLogger(tmp_path / "logs", name="run"))
+    model = nn.Linear(4, 1)
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters()))
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    with (
+        pytest.raises(RuntimeError, match="the loop failed"),
+        FabricSnapshots(fabric, f"{tmp_path}/snaps?every=2") as s,
+    ):
+        s.resume(state)
+        for _ in range(7):
+            fabric.backward(model(torch.randn(3, 4)).sum())
+            optimizer.step()
+            optimizer.zero_grad()
+            state["step"] += 1
+            s.step(state)
+        raise RuntimeError("the loop failed")
+    fabric.loggers[0].finalize("success")
+    assert committed_steps(LocalTier(tmp_path / "snaps"))[0] == 6  # (not 7: nothing is taken after the exception)
+    with open(next((tmp_path / "logs").glob("**/metrics.csv"))) as f:
+        logged = {k for row in csv.DictReader(f) for k, v in row.items() if v}
+    assert {"snapshot/stall_ms", "snapshot/bytes", "snapshot/local/persist_ms"} <= logged, logged
+    cli = subprocess.run(
+        [sys.executable, "-m", "lightning_snapshot.cli.main", "verify", str(tmp_path / "snaps")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+
+
 # ------------------------------------------------------------------------------------------------ one process
 @pytest.mark.parametrize(
     "extra",
