@@ -294,6 +294,22 @@ def test_ddp_torchrun_sigkill_of_one_rank_resumes_both_bitwise(tmp_path, ddp_ref
 
 
 @pytest.mark.slow
+def test_ddp_launched_by_fabric_itself_sigkill_of_rank_1_resumes_bitwise(tmp_path, ddp_reference):
+    """DDP started by ``fabric.launch()`` (no torchrun: Lightning starts rank 1 from rank 0): rank 1 SIGKILLed at
+    step 6, Lightning's launcher kills rank 0; the rerun resumes both ranks and ends equal to the torchrun reference
+    (the same job)."""
+    tier = f"{tmp_path / 'snaps'}?every=2"
+    common = ("--strategy", "ddp", "--devices", "2", *HARD, "--workers", "1")
+    _run([tier], tmp_path / "out.pt", *common, "--kill-at", "6", "--kill-rank", "1", expect_kill=True)
+    newest = _newest(tmp_path / "snaps")
+    assert newest in (0, 2, 4), newest
+    proc = _run([tier], tmp_path / "out.pt", *common)
+    assert sorted(restores(proc.stdout)) == _expected(newest, str(tmp_path / "snaps"), 2), proc.stdout
+    for suffix in ("", ".rank1"):
+        assert assert_same(Path(f"{ddp_reference}{suffix}"), Path(f"{tmp_path / 'out.pt'}{suffix}")) > 0
+
+
+@pytest.mark.slow
 def test_ddp_sigterm_to_rank1_only_stops_both_at_one_step_exit_143_and_the_requeue_resumes_bitwise(
     tmp_path, ddp_reference
 ):
