@@ -355,12 +355,16 @@ def assert_same_tree(a: dict, b: dict) -> int:
     return count
 
 
-def _fsdp(base: Path, snaps: Path, out: Path, strategy: str, steps: int) -> None:
-    args = ("--dir", str(snaps), "--out", str(out), "--strategy", strategy, "--steps", str(steps))
+def _fsdp(base: Path, snaps: Path, out: Path, strategy: str, steps: int, *extra: str) -> None:
+    """Train with tests/scripts/fabric_fsdp.py to step 6 (``steps`` 6) or resume at step 6 (``steps`` 0)."""
+    args = ("--dir", str(snaps), "--out", str(out), "--strategy", strategy, "--until", "6", *extra)
     if strategy == "single":
         run_script("fabric_fsdp.py", *args, timeout=240)
         return
     proc = _torchrun(base, *args, script="fabric_fsdp.py")
+    if "--kill-at" in extra:
+        assert proc.returncode != 0
+        return
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     if steps == 0:
         assert sorted(restores(proc.stdout)) == [(6, str(snaps), 0), (6, str(snaps), 1)], proc.stdout
@@ -389,6 +393,21 @@ def test_one_process_snapshot_loads_into_fsdp2_shards_exactly(tmp_path):
     _fsdp(tmp_path, tmp_path / "snaps", tmp_path / "full.pt", "single", 6)
     _fsdp(tmp_path, tmp_path / "snaps", tmp_path / "fsdp.pt", "fsdp", 0)
     assert_same_full(tmp_path / "full.pt", tmp_path / "fsdp.pt")
+
+
+@pytest.mark.slow
+def test_fsdp2_rank_sigkilled_and_requeued_resumes_bitwise(tmp_path):
+    """FSDP2 on 2 ranks, rank 1 SIGKILLed after step 5 (snapshot at step 3); the requeue resumes both ranks' shards
+    and ends at step 6 bitwise equal to a run that never stopped (weights and AdamW state, gathered)."""
+    _fsdp(tmp_path / "a", tmp_path / "ref", tmp_path / "ref.pt", "fsdp", 6)
+    _fsdp(tmp_path / "b", tmp_path / "snaps", tmp_path / "out.pt", "fsdp", 6, "--kill-at", "5")
+    newest = _newest(tmp_path / "snaps")  # (3; 0 when step 3 was still being written at the kill)
+    assert newest in (0, 3), newest
+    args = ("--dir", str(tmp_path / "snaps"), "--out", str(tmp_path / "out.pt"), "--strategy", "fsdp", "--until", "6")
+    proc = _torchrun(tmp_path / "b", *args, script="fabric_fsdp.py")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert sorted(restores(proc.stdout)) == _expected(newest, str(tmp_path / "snaps"), 2), proc.stdout
+    assert_same_full(tmp_path / "ref.pt", tmp_path / "out.pt")
 
 
 # ------------------------------------------------------------------------------------------------ the example

@@ -2,16 +2,18 @@
 snapshots into another strategy or world size; used by tests/test_fabric.py.
 
 Usage (under torchrun for --strategy fsdp/ddp with --devices 2):
-    python fabric_fsdp.py --dir SNAPDIR --out FULL.pt --strategy fsdp --devices 2 --steps 6
-        trains 6 steps (snapshots every 3 and at the end), then writes the full (gathered) weights and optimizer state
+    python fabric_fsdp.py --dir SNAPDIR --out FULL.pt --strategy fsdp --devices 2 --until 6 [--kill-at 5]
+        trains to step 6 (snapshots every 3 and at the end), then writes the full (gathered) weights and optimizer state
         by parameter name to FULL.pt (rank 0)
-    python fabric_fsdp.py --dir SNAPDIR --out LOADED.pt --strategy single|ddp|fsdp [--devices N] --steps 0
-        resumes from the newest snapshot in SNAPDIR and writes what it holds the same way, without training
+    python fabric_fsdp.py --dir SNAPDIR --out LOADED.pt --strategy single|ddp|fsdp [--devices N] --until 6
+        resumes from the newest snapshot in SNAPDIR (step 6: no training) and writes what it holds the same way
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 
 import lightning as L
 import torch
@@ -68,7 +70,8 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--strategy", default="single", choices=["single", "ddp", "fsdp"])
     p.add_argument("--devices", type=int, default=1)
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--until", type=int, default=6, help="train until this step (a resumed run: from its step)")
+    p.add_argument("--kill-at", type=int, default=None, help="SIGKILL rank 1 (or the only rank) after this step")
     args = p.parse_args()
 
     if args.strategy == "fsdp":
@@ -87,18 +90,21 @@ def main() -> None:
     optimizer = fabric.setup_optimizers(optimizer)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
-    g = torch.Generator().manual_seed(fabric.global_rank)
     with FabricSnapshots(fabric, f"{args.dir}?every=3") as snapshots:
         restored = snapshots.resume(state)
         if restored is not None:
             print(f"RESTORED step={restored} from={snapshots.restored_from[0]} rank={fabric.global_rank}", flush=True)
-        for _ in range(args.steps):
+        while state["step"] < args.until:
+            # (each step's data is a function of the step and the rank: a resumed run trains on the same)
+            g = torch.Generator().manual_seed(1000 * fabric.global_rank + state["step"])
             x, y = torch.randn(4, 12, generator=g), torch.randn(4, 1, generator=g)
             fabric.backward(nn.functional.mse_loss(model(x), y))
             optimizer.step()
             optimizer.zero_grad()
             scheduler.step()
             state["step"] += 1
+            if state["step"] == args.kill_at and fabric.global_rank == fabric.world_size - 1:
+                os.kill(os.getpid(), signal.SIGKILL)
             snapshots.step(state)
     result = full_state(model, optimizer)
     result["step"] = state["step"]
