@@ -39,9 +39,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _stall_models import FULL, QUICK, RandomTokens, fresh_model  # noqa: E402
+from _stall_models import FULL, QUICK, RandomTokens, fresh_model
 
-from lightning_snapshot.fabric import FabricSnapshots  # noqa: E402
+from lightning_snapshot.fabric import FabricSnapshots
 
 
 def run(method: str, cfg, steps: int, every: int, root: Path) -> dict:

@@ -9,10 +9,9 @@ A loop written with Fabric (LitGPT's style) adopts it in three places::
             ...                          # forward, backward, optimizer.step(), scheduler.step()
             snapshots.step(state)        # after each optimizer step: a snapshot when a tier is due
 
-``state`` is the user's dict (LitGPT's ``state``): modules, optimizers, LR schedulers and other objects with
-``state_dict``/``load_state_dict``, train loaders (from ``fabric.setup_dataloaders``, or torchdata's
-``StatefulDataLoader``) and plain values (numbers, strings, lists and dicts of them, tensors). :meth:`resume` puts a
-snapshot back into it in place (objects load their state; plain values are replaced in the dict).
+``state`` is the user's dict (LitGPT's ``state``): what each kind of entry becomes is
+:mod:`~lightning_snapshot.fabric.state`'s. This module decides when: the machinery's lifecycle, the resume (which
+snapshot, read and verified on every rank), the steps, the preemption stop, and the asynchronous snapshot itself.
 
 The parts are the engine's (``docs/architecture.md``): :class:`~lightning_snapshot.fit.session.FitSession` (groups,
 tiers, agent, arena, persist threads), :class:`~lightning_snapshot.schedule.schedules.FitSchedule` (when each tier is
@@ -21,12 +20,6 @@ threads (:class:`~lightning_snapshot.persist.threads.Persister`), the
 :class:`~lightning_snapshot.restore.restorer.Restorer`'s choice of snapshot (the resume policy) and its reader, the
 data position of :mod:`lightning_snapshot.data`, and :class:`~lightning_snapshot.dist.preempt.Preemption`. What is the
 Trainer's (loops, callbacks, Lightning's checkpoint hooks, the state parts) is not used here.
-
-A snapshot holds, in the shared section, ``global_step``, the modules' weights as ``state_dict`` (one module: under
-its own names, as a Lightning checkpoint holds them, so ``lightning-snapshot export`` finds them; several: each name
-after ``<key>.``), the optimizers' state (``optimizers/<key>``) and ``fabric`` (where each module is); DTensor shards
-under FSDP2/tensor parallelism are stored as they are, never gathered. Each rank's section holds that rank's RNG
-(torch, CUDA, numpy, python), its loaders' positions, the other objects' ``state_dict`` and the plain values.
 """
 
 from __future__ import annotations
@@ -38,109 +31,31 @@ import time
 import warnings
 from collections.abc import Callable, MutableMapping, Sequence
 from types import SimpleNamespace
-from typing import Any, cast
+from typing import Any
 
 import torch
 
 from lightning_snapshot import data as _data
 from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.config import SnapshotConfig
-from lightning_snapshot.data.rng import capture_rng, restore_rng
 from lightning_snapshot.dist.agree import agree_on
 from lightning_snapshot.dist.preempt import Preemption, signal_name
 from lightning_snapshot.errors import ConfigError, FormatVersionError, Preempted, SnapshotError, StateMismatchError
+from lightning_snapshot.fabric import state as fstate
 from lightning_snapshot.fit.reporting import Reporter
 from lightning_snapshot.fit.session import FitSession
-from lightning_snapshot.format.tree import encode
 from lightning_snapshot.persist.threads import PersistJob
 from lightning_snapshot.restore.loader import read_manifest, read_section
 from lightning_snapshot.restore.restorer import Restorer
 from lightning_snapshot.schedule.interval import default_mtbf
 from lightning_snapshot.schedule.schedules import FitSchedule
-from lightning_snapshot.staging import is_dtensor, stage
+from lightning_snapshot.staging import stage
 from lightning_snapshot.staging.arena import AsyncStaged
-from lightning_snapshot.state.capture import check_model, frozen_predicate, optimized_key
+from lightning_snapshot.state.capture import frozen_predicate, optimized_key
 
 __all__ = ["FabricSnapshots"]
 
 log = logging.getLogger(__name__)
-
-
-def _raw_optimizer(opt: Any) -> torch.optim.Optimizer:
-    """The torch optimizer (Fabric's ``_FabricOptimizer`` wraps it as ``.optimizer``)."""
-    inner = getattr(opt, "optimizer", opt)
-    return cast("torch.optim.Optimizer", inner if isinstance(inner, torch.optim.Optimizer) else opt)
-
-
-def _inner_loader(loader: Any) -> Any:
-    """The torch ``DataLoader`` of a loader from ``fabric.setup_dataloaders`` (or the loader itself)."""
-    return getattr(loader, "_dataloader", loader)  # (Fabric's _FabricDataLoader keeps it there)
-
-
-def _is_loader(value: Any) -> bool:
-    return isinstance(_inner_loader(value), torch.utils.data.DataLoader)
-
-
-def _split(state: MutableMapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """The user's ``state`` by kind: ``modules``, ``optimizers``, ``loaders``, ``objects`` (``state_dict`` and
-    ``load_state_dict``) and ``values`` (anything else, stored as it is)."""
-    if not isinstance(state, MutableMapping):
-        raise ConfigError(f"FabricSnapshots takes the training state as a dict (LitGPT's `state`), got {type(state)}")
-    kinds: dict[str, dict[str, Any]] = {k: {} for k in ("modules", "optimizers", "loaders", "objects", "values")}
-    for key, value in state.items():
-        if not isinstance(key, str) or not key or "/" in key or key.startswith("$"):
-            raise ConfigError(
-                f"FabricSnapshots: the state's keys must be non-empty strings without '/' (not starting with '$'),"
-                f" got {key!r}; rename that entry"
-            )
-        if isinstance(value, torch.nn.Module):
-            kinds["modules"][key] = value
-        elif isinstance(value, torch.optim.Optimizer):
-            kinds["optimizers"][key] = value
-        elif _is_loader(value):
-            kinds["loaders"][key] = value
-        elif callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
-            kinds["objects"][key] = value
-        else:
-            kinds["values"][key] = value
-    return kinds
-
-
-def _module_prefixes(keys: list[str]) -> dict[str, str]:
-    """Where each module's weights are in the snapshot's ``state_dict``: as they are (one module), or after
-    ``<key>.`` (several)."""
-    if len(keys) == 1:
-        return {keys[0]: ""}
-    for a in keys:
-        for b in keys:
-            if a != b and b.startswith(f"{a}."):
-                raise ConfigError(f"FabricSnapshots: the state's modules {a!r} and {b!r} overlap; rename one of them")
-    return {k: f"{k}." for k in keys}
-
-
-def _sharded_optimizer_targets(kinds: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The live optimizer state of the optimizers that train DTensors (FSDP2, tensor parallelism), by the names the
-    snapshot gives it: each rank reads only its shards into them (a snapshot of another layout or world size is
-    resharded). An optimizer without state yet (made for this run) gets it first, as torch's distributed checkpoint
-    makes it (``get_optimizer_state_dict``)."""
-    targets: dict[str, Any] = {}
-    for key, opt in kinds["optimizers"].items():
-        raw = _raw_optimizer(opt)
-        params = [p for group in raw.param_groups for p in group["params"]]
-        if not any(is_dtensor(p) for p in params):
-            continue
-        if not raw.state:
-            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-            owned = {id(p) for p in params}
-            for module in kinds["modules"].values():
-                inner = getattr(module, "module", module)  # (Fabric's wrapper: the module the parameters are of)
-                if any(id(p) in owned for p in inner.parameters()):
-                    get_optimizer_state_dict(inner, raw)
-                    break
-        _, tensors = encode({"optimizers": {key: raw.state_dict()}})
-        targets.update({name: t for name, t in tensors.items() if is_dtensor(t)})
-    return targets
 
 
 class FabricSnapshots:
@@ -223,9 +138,9 @@ class FabricSnapshots:
         before each optimizer's step (the weights and optimizer state are copied while the next forward and backward
         run)."""
         self._state = state
-        kinds = _split(state)
+        kinds = fstate.split(state)
         for loader in kinds["loaders"].values():
-            inner = _inner_loader(loader)
+            inner = fstate.inner_loader(loader)
             if not _data.is_stateful(inner):
                 _data.install(inner)
                 reason = _data.unsupported_reason(inner)
@@ -234,7 +149,7 @@ class FabricSnapshots:
                         f"lightning-snapshot cannot restore the exact position of a loader: {reason}.", stacklevel=2
                     )
         for opt in kinds["optimizers"].values():
-            raw = _raw_optimizer(opt)
+            raw = fstate.raw_optimizer(opt)
             if id(raw) not in self._hooked:
                 self._hooked.add(id(raw))
                 self._hooks.append(raw.register_step_pre_hook(self._before_optimizer_step))
@@ -312,7 +227,7 @@ class FabricSnapshots:
         reasons = []
         for backend, step in candidates:
             where = f"snapshot of step {step} in the {backend.tier} tier {backend.url!r}"
-            loaded: tuple[dict[str, Any], dict[str, Any], bool] | None = None
+            loaded: tuple[dict[str, Any], dict[str, Any], dict[str, Any], bool] | None = None
             fatal: SnapshotError | None = None
             error: BaseException | None = None
             try:
@@ -329,8 +244,8 @@ class FabricSnapshots:
                 elsewhere=f"restoring the {where} failed on another rank (see its log)",
             ).flags_or_raise()
             if everywhere and loaded is not None:
-                shared, rank_state, exact = loaded
-                self._apply(state, shared, rank_state, exact, where)
+                modules, shared, rank_state, exact = loaded
+                fstate.apply(state, modules, shared, rank_state, exact, where)
                 self._restorer.record_restored(backend, step)
                 seconds = time.monotonic() - t0
                 self.global_step = self._start_step = step
@@ -352,43 +267,16 @@ class FabricSnapshots:
             + ". The snapshots were left untouched: fix or move them, or pass resume=False to start fresh"
         )
 
-    def _read(self, backend: Backend, step: int) -> tuple[dict[str, Any], Any, bool]:
+    def _read(self, backend: Backend, step: int) -> tuple[dict[str, Any], dict[str, Any], Any, bool]:
         """Read the shared state (the modules' tensors straight into the live ones, each rank its own shards) and
         this rank's section (rank 0's after a change of the number of processes: then not ``exact``)."""
         assert self._state is not None and self._restorer is not None
         where = f"snapshot of step {step} in the {backend.tier} tier {backend.url!r}"
         manifest = read_manifest(backend, step)
-        kinds = _split(self._state)
-        tree = manifest.state if isinstance(manifest.state, dict) else {}
-        own = tree.get("fabric")
-        saved = own.get("modules") if isinstance(own, dict) else None
-        if not isinstance(saved, dict):
-            raise StateMismatchError(
-                f"the {where} was not taken by FabricSnapshots (it holds no 'fabric' record): resume it with the"
-                " callback it was taken with, or load it with lightning_snapshot.load_snapshot"
-            )
-        targets: dict[str, Any] = {}
-        for key, module in kinds["modules"].items():
-            prefix = saved.get(key)
-            if not isinstance(prefix, str):
-                raise StateMismatchError(
-                    f"the {where} holds no module {key!r} (it holds {sorted(saved)}): it was taken from another state;"
-                    " pass resume=False to start fresh"
-                )
-            for name, t in module.state_dict().items():
-                if isinstance(t, torch.Tensor) and (is_dtensor(t) or (t.device.type == "cpu" and t.is_contiguous())):
-                    targets[f"state_dict/{prefix}{name}"] = t
-        targets.update(_sharded_optimizer_targets(kinds))
+        kinds = fstate.split(self._state)
+        targets, prefixes = fstate.read_targets(kinds, manifest.state, where)
         shared = read_section(backend, manifest, manifest.tensors, manifest.state, targets=targets)
-        if not isinstance(shared, dict) or not isinstance(shared.get("state_dict"), dict):
-            raise SnapshotError(f"the {where} holds no training state")
-        flat = shared["state_dict"]
-        shared["modules"] = {}
-        for key, module in kinds["modules"].items():
-            prefix = saved[key]
-            sd = {name[len(prefix) :]: v for name, v in flat.items() if name.startswith(prefix)}
-            check_model(module, sd, f"the {where} (module {key!r})")
-            shared["modules"][key] = sd
+        modules = fstate.split_modules(kinds, shared, prefixes, where)
         exact = manifest.world_size == self._comm.world_size
         if not exact:
             warnings.warn(
@@ -401,51 +289,7 @@ class FabricSnapshots:
         rank_state = self._restorer.reader.rank_state(backend, manifest, self._comm.rank if exact else 0)
         if not isinstance(rank_state, dict):
             raise SnapshotError(f"the {where} has no state of rank {self._comm.rank if exact else 0}")
-        return shared, rank_state, exact
-
-    def _apply(
-        self, state: MutableMapping[str, Any], shared: dict[str, Any], rank: dict[str, Any], exact: bool, where: str
-    ) -> None:
-        """Put a snapshot read on every rank into ``state``."""
-        kinds = _split(state)
-        for key, module in kinds["modules"].items():
-            module.load_state_dict(shared["modules"][key])
-        saved_opts = shared.get("optimizers") or {}
-        for key, opt in kinds["optimizers"].items():
-            if key not in saved_opts:
-                raise StateMismatchError(f"the {where} holds no optimizer {key!r}")
-            try:
-                _raw_optimizer(opt).load_state_dict(saved_opts[key])
-            except (ValueError, KeyError) as e:
-                raise StateMismatchError(f"the {where} holds another optimizer as {key!r}: {e}") from e
-        objects = rank.get("objects") or {}
-        for key, obj in kinds["objects"].items():
-            if key in objects:
-                obj.load_state_dict(objects[key])
-        for key, value in (rank.get("values") or {}).items():
-            state[key] = value
-        loaders = rank.get("loaders") or {}
-        for key, loader in kinds["loaders"].items():
-            if key in loaders:
-                self._resume_loader(loader, loaders[key], exact)
-        if exact and isinstance(rank.get("rng"), dict):
-            restore_rng(rank["rng"])  # (last: nothing above may draw from it)
-
-    @staticmethod
-    def _resume_loader(loader: Any, saved: dict[str, Any], exact: bool) -> None:
-        inner = _inner_loader(loader)
-        calls = saved.get("iter_calls")
-        if saved.get("stateful") is not None and _data.is_stateful(inner):
-            inner.load_state_dict(saved["stateful"])
-            _iterate_once_without_drawing(inner)
-        position = saved.get("position")
-        if position is not None and not _data.is_stateful(inner):
-            sampler = _data.install(inner)
-            if sampler is not None:
-                _data.plan_resume(sampler, inner, position, exact, int(position["epoch"]))
-        if isinstance(calls, int) and hasattr(loader, "_num_iter_calls"):
-            # (Fabric's loader sets its sampler's epoch from how often it was iterated: the resumed epoch's again)
-            loader._num_iter_calls = calls - 1 if saved.get("current") else calls
+        return modules, shared, rank_state, exact
 
     # ------------------------------------------------------------------------------------------- steps
     def step(self, state: MutableMapping[str, Any] | None = None) -> None:
@@ -544,19 +388,9 @@ class FabricSnapshots:
         arena, persister, comm = session.arena, session.persister, session.comm
         t0 = time.perf_counter()
         self._fence()
-        kinds = _split(state)
-        optimizers = [_raw_optimizer(o) for o in kinds["optimizers"].values()]
-        prefixes = _module_prefixes(list(kinds["modules"]))
-        shared = {
-            "global_step": step,
-            # (one module's weights as a Lightning checkpoint's `state_dict`, so that `lightning-snapshot export`
-            # and `load_snapshot(keys=["state_dict"])` find them; several: each name prefixed by its key)
-            "state_dict": {
-                f"{prefixes[k]}{name}": t for k, m in kinds["modules"].items() for name, t in m.state_dict().items()
-            },
-            "fabric": {"modules": prefixes},
-            "optimizers": {k: o.state_dict() for k, o in zip(kinds["optimizers"], optimizers, strict=True)},
-        }
+        kinds = fstate.split(state)
+        optimizers = [fstate.raw_optimizer(o) for o in kinds["optimizers"].values()]
+        shared = fstate.shared_tree(kinds, step)
         frozen = _lazy_frozen(optimizers)
         staged: AsyncStaged | None = None
         error: SnapshotError | None = None
@@ -594,7 +428,7 @@ class FabricSnapshots:
         private = None
         error = None
         try:
-            private = stage(self._rank_tree(kinds, step), "rank")
+            private = stage(fstate.rank_tree(kinds, step), "rank")
         except SnapshotError as e:
             error = e
         staged.go.set()  # (the copy may start: what follows is cheap, or waits for the other ranks)
@@ -634,31 +468,6 @@ class FabricSnapshots:
         self._inflight = staged
         self._stall += time.perf_counter() - t0
 
-    def _rank_tree(self, kinds: dict[str, dict[str, Any]], step: int) -> dict[str, Any]:
-        """This rank's own state: its RNG, its loaders' positions, the objects' state and the plain values."""
-        loaders: dict[str, Any] = {}
-        for key, loader in kinds["loaders"].items():
-            inner = _inner_loader(loader)
-            calls = getattr(loader, "_num_iter_calls", None)
-            entry: dict[str, Any] = {"iter_calls": calls if isinstance(calls, int) else None}
-            if _data.is_stateful(inner):
-                entry["stateful"] = inner.state_dict()
-                entry["current"] = True
-            else:
-                epoch = max(0, (calls or 1) - 1) if isinstance(calls, int) else 0
-                consumed = _data.own_batches(inner, 0)
-                position = _data.position(inner, epoch, consumed)
-                entry["position"] = position
-                entry["current"] = position is not None
-            loaders[key] = entry
-        return {
-            "global_step": step,
-            "rng": capture_rng(),
-            "loaders": loaders,
-            "objects": {k: o.state_dict() for k, o in kinds["objects"].items()},
-            "values": dict(kinds["values"]),
-        }
-
     def _unmeasured(self, indices: list[int]) -> None:
         if self._schedule is not None:
             for i in indices:
@@ -685,19 +494,3 @@ def _lazy_frozen(optimizers: list[torch.optim.Optimizer]) -> Callable[[torch.Ten
         return made[0](t)
 
     return frozen
-
-
-def _iterate_once_without_drawing(loader: Any) -> None:
-    """The next iterator of a resumed stateful loader continues the interrupted one, whose state (base seed, sampler)
-    it loads: it is created with the global torch RNG put back after it (making an iterator draws a base seed from
-    it, which the interrupted run drew at its epoch's start, not at this point)."""
-    made = getattr(loader, "_get_iterator", None)
-    if not callable(made) or "_get_iterator" in vars(loader):
-        return
-
-    def get_iterator() -> Any:
-        vars(loader).pop("_get_iterator", None)  # (once)
-        with torch.random.fork_rng(devices=[]):
-            return made()
-
-    loader._get_iterator = get_iterator
