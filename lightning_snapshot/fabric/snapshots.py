@@ -321,12 +321,25 @@ class FabricSnapshots:
             due = session.comm.broadcast(due)  # (wall clocks differ across ranks; rank 0 decides)
         if due:
             t0 = time.perf_counter()
+            self._retune()
             self._reporter.stop_if_failed(session.comm)
             schedule.taken(due, step, now)
             schedule.opened(due)
             self._stall = time.perf_counter() - t0
             self._take(self._state, step, due)
         self._flush()
+
+    def _retune(self) -> None:
+        """New intervals for the ``every="auto"`` tiers from rank 0's measurements, at a step every rank snapshots (as
+        the callback's pipeline does)."""
+        assert self._schedule is not None
+        proposal = self._schedule.propose()
+        if proposal is None:
+            return
+        if self._comm.world_size > 1:
+            proposal = self._comm.broadcast(proposal)  # (the same snapshot steps on every rank)
+        for name, value in self._schedule.adopt(proposal, self._comm.rank, self._reporter.names).items():
+            self._reporter.metrics.add(name, value)
 
     def _preempted(self, signum: int, step: int) -> None:
         """Every rank agreed to stop at ``step``: snapshot it into every tier, wait until a durable tier holds it
