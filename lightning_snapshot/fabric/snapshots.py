@@ -141,13 +141,13 @@ class FabricSnapshots:
         kinds = fstate.split(state)
         for loader in kinds["loaders"].values():
             inner = fstate.inner_loader(loader)
-            if not _data.is_stateful(inner):
-                _data.install(inner)
-                reason = _data.unsupported_reason(inner)
-                if reason is not None:
-                    warnings.warn(
-                        f"lightning-snapshot cannot restore the exact position of a loader: {reason}.", stacklevel=2
-                    )
+            # (a stateful loader's own sampler, when it keeps no state, gets its draws recorded: DrawRecorder)
+            _data.install(inner)
+            reason = _data.unsupported_reason(inner)
+            if reason is not None:
+                warnings.warn(
+                    f"lightning-snapshot cannot restore the exact position of a loader: {reason}.", stacklevel=2
+                )
         for opt in kinds["optimizers"].values():
             raw = fstate.raw_optimizer(opt)
             if id(raw) not in self._hooked:

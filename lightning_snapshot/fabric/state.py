@@ -8,6 +8,7 @@ Layout of a snapshot's trees: ``docs/fabric.md`` ("What is captured").
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import MutableMapping
 from typing import Any, cast
 
@@ -133,13 +134,15 @@ def rank_tree(kinds: dict[str, dict[str, Any]], step: int) -> dict[str, Any]:
         inner = inner_loader(loader)
         calls = getattr(loader, "_num_iter_calls", None)
         entry: dict[str, Any] = {"iter_calls": calls if isinstance(calls, int) else None}
+        epoch = max(0, (calls or 1) - 1) if isinstance(calls, int) else 0
         if _data.is_stateful(inner):
             entry["stateful"] = inner.state_dict()
             entry["current"] = True
+            # (the RNG its stateless sampler drew the epoch's order from: under DDP Fabric wraps torchdata's
+            # RandomSampler in a DistributedSamplerWrapper, whose order the loader's own state does not hold)
+            entry["position"] = _data.position(inner, epoch, 0)
         else:
-            epoch = max(0, (calls or 1) - 1) if isinstance(calls, int) else 0
-            consumed = _data.own_batches(inner, 0)
-            position = _data.position(inner, epoch, consumed)
+            position = _data.position(inner, epoch, _data.own_batches(inner, 0))
             entry["position"] = position
             entry["current"] = position is not None
         loaders[key] = entry
@@ -240,10 +243,22 @@ def apply(
 def _resume_loader(loader: Any, saved: dict[str, Any], exact: bool) -> None:
     inner = inner_loader(loader)
     calls = saved.get("iter_calls")
+    position = saved.get("position")
     if saved.get("stateful") is not None and _data.is_stateful(inner):
         inner.load_state_dict(saved["stateful"])
         _iterate_once_without_drawing(inner)
-    position = saved.get("position")
+        workers = int(getattr(inner, "num_workers", 0) or 0)
+        if workers and _mid_epoch(saved["stateful"], inner):  # (the workers' RNG has moved on since the epoch began)
+            warnings.warn(
+                f"lightning-snapshot: the loader ({type(inner).__name__}) restores its own position, and its {workers}"
+                " worker processes restart their global RNG (torch, numpy, random) from their seeds: random"
+                " augmentation drawn there is not resumed exactly. Keep the augmentation's RNG in the dataset's"
+                " state_dict(), or use a torch DataLoader (lightning-snapshot restores its workers' RNG)",
+                stacklevel=3,
+            )
+        recorder = getattr(getattr(inner, "batch_sampler", None), "sampler", None)
+        if exact and isinstance(recorder, _data.DrawRecorder) and isinstance(position, dict):
+            recorder.replay = position.get("draw_rng")  # (the interrupted epoch's order is drawn again)
     if position is not None and not _data.is_stateful(inner):
         sampler = _data.install(inner)
         if sampler is not None:
@@ -251,6 +266,21 @@ def _resume_loader(loader: Any, saved: dict[str, Any], exact: bool) -> None:
     if isinstance(calls, int) and hasattr(loader, "_num_iter_calls"):
         # (Fabric's loader sets its sampler's epoch from how often it was iterated: the resumed epoch's again)
         loader._num_iter_calls = calls - 1 if saved.get("current") else calls
+
+
+def _mid_epoch(state: Any, loader: Any) -> bool:
+    """Whether a ``StatefulDataLoader`` state (torchdata 0.11: with workers, under ``_snapshot``) is inside its epoch:
+    past its first batch and before its last."""
+    if not isinstance(state, dict) or state.get("_iterator_finished"):
+        return False
+    snapshot = state.get("_snapshot")
+    main = snapshot.get("_main_snapshot") if isinstance(snapshot, dict) else state
+    yielded = int(main.get("_sampler_iter_yielded") or 0) if isinstance(main, dict) else 0
+    try:
+        length = len(loader)
+    except TypeError:  # (an iterable dataset without a length)
+        return yielded > 0
+    return 0 < yielded < length
 
 
 def _iterate_once_without_drawing(loader: Any) -> None:
