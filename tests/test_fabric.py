@@ -430,18 +430,35 @@ def test_one_process_snapshot_loads_into_fsdp2_shards_exactly(tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp2_rank_sigkilled_and_requeued_resumes_bitwise(tmp_path):
-    """FSDP2 on 2 ranks, rank 1 SIGKILLed after step 5 (snapshot at step 3); the requeue resumes both ranks' shards
-    and ends at step 6 bitwise equal to a run that never stopped (weights and AdamW state, gathered)."""
-    _fsdp(tmp_path / "a", tmp_path / "ref", tmp_path / "ref.pt", "fsdp", 6)
-    _fsdp(tmp_path / "b", tmp_path / "snaps", tmp_path / "out.pt", "fsdp", 6, "--kill-at", "5")
+@pytest.mark.parametrize("strategy", ["fsdp", "tp"])
+def test_sharded_rank_sigkilled_and_requeued_resumes_bitwise(tmp_path, strategy):
+    """FSDP2 (each Linear sharded over 2 ranks) or tensor parallelism (Megatron-style column/row split over 2 ranks):
+    rank 1 SIGKILLed after step 6 (snapshot at step 3); the requeue resumes both ranks' shards and ends at step 6
+    bitwise equal to a run that never stopped (weights and AdamW state, gathered)."""
+    _fsdp(tmp_path / "a", tmp_path / "ref", tmp_path / "ref.pt", strategy, 6)
+    _fsdp(tmp_path / "b", tmp_path / "snaps", tmp_path / "out.pt", strategy, 6, "--kill-at", "6")
     newest = _newest(tmp_path / "snaps")  # (3; 0 when step 3 was still being written at the kill)
     assert newest in (0, 3), newest
-    args = ("--dir", str(tmp_path / "snaps"), "--out", str(tmp_path / "out.pt"), "--strategy", "fsdp", "--until", "6")
+    args = ("--dir", str(tmp_path / "snaps"), "--out", str(tmp_path / "out.pt"), "--strategy", strategy, "--until", "6")
     proc = _torchrun(tmp_path / "b", *args, script="fabric_fsdp.py")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert sorted(restores(proc.stdout)) == _expected(newest, str(tmp_path / "snaps"), 2), proc.stdout
     assert_same_full(tmp_path / "ref.pt", tmp_path / "out.pt")
+
+
+@pytest.mark.slow
+def test_tensor_parallel_snapshot_loads_into_one_process_and_back_exactly(tmp_path):
+    """A snapshot of tensor parallelism on 2 ranks (DTensor shards split by rows and by columns, and replicated
+    plain tensors) loads exactly into one process; one of a single process loads exactly into tensor parallelism."""
+    import shutil
+
+    _fsdp(tmp_path, tmp_path / "tp", tmp_path / "tp.pt", "tp", 6)
+    shutil.copytree(tmp_path / "tp", tmp_path / "tp-copy")
+    _fsdp(tmp_path, tmp_path / "tp-copy", tmp_path / "tp-single.pt", "single", 0)
+    assert_same_full(tmp_path / "tp.pt", tmp_path / "tp-single.pt")
+    _fsdp(tmp_path, tmp_path / "one", tmp_path / "one.pt", "single", 6)
+    _fsdp(tmp_path, tmp_path / "one", tmp_path / "one-tp.pt", "tp", 0)
+    assert_same_full(tmp_path / "one.pt", tmp_path / "one-tp.pt")
 
 
 # ------------------------------------------------------------------------------------------------ the example

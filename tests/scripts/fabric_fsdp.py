@@ -33,6 +33,13 @@ def parallelize(model: nn.Module, mesh) -> nn.Module:
     return model
 
 
+def tensor_parallel(model: nn.Module, mesh) -> nn.Module:
+    """Megatron-style: the first Linear split by its outputs, the second by its inputs; the last one replicated."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    return parallelize_module(model, mesh["tensor_parallel"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """Weights and each parameter's optimizer state, gathered, by parameter name (collective under FSDP2)."""
 
@@ -68,7 +75,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--dir", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--strategy", default="single", choices=["single", "ddp", "fsdp"])
+    p.add_argument("--strategy", default="single", choices=["single", "ddp", "fsdp", "tp"])
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--until", type=int, default=6, help="train until this step (a resumed run: from its step)")
     p.add_argument("--kill-at", type=int, default=None, help="SIGKILL rank 1 (or the only rank) after this step")
@@ -78,6 +85,10 @@ def main() -> None:
         from lightning.fabric.strategies import ModelParallelStrategy
 
         strategy = ModelParallelStrategy(parallelize, data_parallel_size=args.devices, tensor_parallel_size=1)
+    elif args.strategy == "tp":
+        from lightning.fabric.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(tensor_parallel, data_parallel_size=1, tensor_parallel_size=args.devices)
     else:
         strategy = "ddp" if args.strategy == "ddp" else "auto"
     fabric = L.Fabric(accelerator="cpu", devices=args.devices, strategy=strategy)
@@ -86,7 +97,7 @@ def main() -> None:
     with fabric.init_module(empty_init=False):
         model = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 6), nn.ReLU(), nn.Linear(6, 1))
     model = fabric.setup(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)  # (DTensors beside plain tensors: tp)
     optimizer = fabric.setup_optimizers(optimizer)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
@@ -96,7 +107,8 @@ def main() -> None:
             print(f"RESTORED step={restored} from={snapshots.restored_from[0]} rank={fabric.global_rank}", flush=True)
         while state["step"] < args.until:
             # (each step's data is a function of the step and the rank: a resumed run trains on the same)
-            g = torch.Generator().manual_seed(1000 * fabric.global_rank + state["step"])
+            data_rank = 0 if args.strategy == "tp" else fabric.global_rank  # (tensor parallel: every rank the same)
+            g = torch.Generator().manual_seed(1000 * data_rank + state["step"])
             x, y = torch.randn(4, 12, generator=g), torch.randn(4, 1, generator=g)
             fabric.backward(nn.functional.mse_loss(model(x), y))
             optimizer.step()
