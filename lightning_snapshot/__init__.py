@@ -20,14 +20,19 @@ if _ilu.find_spec(__name__ + ".backends") is None and _os.path.isfile(
 ):
     __path__.append(_checkout_root)
 
-__all__ = ["SnapshotCallback", "SnapshotError", "__version__", "load_snapshot"]
+__all__ = ["FabricSnapshots", "SnapshotCallback", "SnapshotError", "__version__", "load_snapshot"]
 
 # Imported on first use (PEP 562), so that ``import lightning_snapshot`` (and ``lightning-snapshot --help``) does not
 # import torch and Lightning.
-_LAZY = {"SnapshotCallback": "lightning_snapshot.callback", "load_snapshot": "lightning_snapshot.restore.loader"}
+_LAZY = {
+    "FabricSnapshots": "lightning_snapshot.fabric",
+    "SnapshotCallback": "lightning_snapshot.callback",
+    "load_snapshot": "lightning_snapshot.restore.loader",
+}
 
 if TYPE_CHECKING:
     from lightning_snapshot.callback import SnapshotCallback
+    from lightning_snapshot.fabric import FabricSnapshots
     from lightning_snapshot.restore.loader import load_snapshot
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import uuid
-from typing import Any
+from typing import Any, Protocol
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
@@ -25,7 +25,7 @@ from lightning_snapshot.errors import ConfigError, TierUnavailableError
 from lightning_snapshot.persist.threads import Persister
 from lightning_snapshot.staging.arena import HostArena
 
-__all__ = ["FitSession"]
+__all__ = ["FitSession", "Job"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,14 @@ def _trainer_timeout(strategy: Any) -> dt.timedelta:
     from torch.distributed.distributed_c10d import default_pg_timeout
 
     return default_pg_timeout
+
+
+class Job(Protocol):
+    """What a session reads of the job it serves (the Trainer, or the Fabric integration's stand-in): the strategy
+    (``world_size``, ``global_rank``, ``node_rank``, ``local_rank``, its collectives and ``_timeout``) and the number of
+    nodes (optional: 1 when missing). Nothing else."""
+
+    strategy: Any
 
 
 class FitSession:
@@ -61,7 +69,7 @@ class FitSession:
         self.agent: NodeAgent | None = None
 
     @classmethod
-    def open(cls, config: SnapshotConfig, trainer: Any) -> FitSession:
+    def open(cls, config: SnapshotConfig, trainer: Job) -> FitSession:
         """Wire a fit (collective). On failure what was started is closed again and the error raised."""
         strategy = trainer.strategy
         prime_operators()  # (before the first collective of this fit: see forkprep)
@@ -74,7 +82,7 @@ class FitSession:
             raise
         return session
 
-    def _open(self, trainer: Any) -> None:
+    def _open(self, trainer: Job) -> None:
         config = self.config
         self.arena = HostArena(max_host_bytes=config.max_host_bytes, chunk_bytes=config.chunk_bytes)
         if self.comm.world_size > 1:
@@ -107,7 +115,7 @@ class FitSession:
             log.debug("lightning-snapshot: no default store (%s)", e)
             return None
 
-    def placement(self, trainer: Any) -> dict[str, int]:
+    def placement(self, trainer: Job) -> dict[str, int]:
         """Where this rank is in the job, as the tiers' ``bind`` takes it: its node, the number of nodes, its rank on
         the node and the ranks per node (at least 1)."""
         strategy = trainer.strategy
@@ -119,7 +127,7 @@ class FitSession:
             "ranks_per_node": max(1, self.comm.world_size // num_nodes),
         }
 
-    def _setup_node_local_tiers(self, trainer: Any) -> None:
+    def _setup_node_local_tiers(self, trainer: Job) -> None:
         """Tell each local tier which node this rank is on, and settle whether its directory is shared by all nodes
         or node-local (detected with probe files unless set; one log line each)."""
         placement = self.placement(trainer)
@@ -159,7 +167,7 @@ class FitSession:
                 f"lightning-snapshot cannot use its tiers, so training does not start: {agreed.text}"
             )
 
-    def _setup_node_agent(self, trainer: Any) -> None:
+    def _setup_node_agent(self, trainer: Job) -> None:
         """Place the tier that hosts a node agent (the RAM tier) in the job (which node this rank is on) and attach this
         rank to its node's agent."""
         ram = next((t for t in self.tiers if isinstance(t, NodeAgentHosting)), None)

@@ -204,7 +204,7 @@ class Restorer:
         )
         return [(c.step, c.tier) for c in plan.candidates], list(plan.warnings), plan.problem
 
-    def _record_restore(self, backend: Backend, step: int) -> None:
+    def record_restored(self, backend: Backend, step: int) -> None:
         """Collective, right after a restore from one of this callback's tiers and before training goes on: rank 0
         records it (the step's restore count + 1) in every tier holding that step; a tier that cannot be
         written gives a warning (the resume goes on)."""
@@ -331,7 +331,7 @@ class Restorer:
         # beginning; any other continues the epoch it was taken in (see patches.resume_loops)
         ctx.resumed = resumed = "boundary" if progress.ready == progress.processed else "mid"
         _fit_state.realias_lottery_tickets(trainer, trainer.current_epoch)
-        self._record_restore(backend, step)
+        self.record_restored(backend, step)
         parts(Phase.LOADED)  # (ModelCheckpoint's files and record, DDP's bucket layout: every rank together)
         seconds = time.monotonic() - t0
         job = self.stats.get("job_bytes_read") if self.stats is not None else None

@@ -1,0 +1,166 @@
+"""A Lightning Fabric training loop (LitGPT's shape) with FabricSnapshots, used by tests/test_fabric.py.
+
+Usage: python fabric_train.py --tiers URL [URL...] --out RESULT.pt [--epochs 3] [--kill-at STEP] [--kill-rank R]
+    [--workers 2] [--shuffle] [--augment] [--dropout 0.1] [--accum 2] [--stateful] [--strategy ddp --devices 2]
+    [--signal-at STEP --signal-rank R]
+
+Under torchrun (``--strategy ddp --devices 2``) every rank writes RESULT.pt (rank 0) or RESULT.pt.rank<R>. The result
+holds everything a resume must give back: weights, optimizer, scheduler, the values of ``state`` (with every step's
+loss and a checksum of every batch trained on), and the RNG of torch, numpy and python at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import sys
+import time
+
+import lightning as L
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_snapshot.fabric import FabricSnapshots
+
+
+class Squares(Dataset):
+    """Regression samples; with ``augment`` each sample adds noise from torch, numpy and python ``random``."""
+
+    def __init__(self, n: int, augment: bool) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = torch.randn(n, 1, generator=g)
+        self.augment = augment
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        x = self.x[i]
+        if self.augment:
+            x = x + 0.1 * torch.randn(8) + float(np.random.uniform(-0.1, 0.1)) + random.uniform(-0.1, 0.1)
+        return x, self.y[i]
+
+
+def result(model, optimizer, scheduler, state) -> dict:
+    return {
+        "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "values": {k: state[k] for k in ("step", "epoch", "iter_num", "losses", "batches")},
+        "torch_rng": torch.get_rng_state(),
+        "numpy_rng": torch.from_numpy(np.random.get_state()[1].astype(np.int64)),
+        "python_rng": torch.tensor(random.getstate()[1], dtype=torch.int64),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tiers", nargs="*", default=[])
+    p.add_argument("--out", required=True)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--samples", type=int, default=48)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--shuffle", action="store_true")
+    p.add_argument("--augment", action="store_true")
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--accum", type=int, default=1)
+    p.add_argument("--stateful", action="store_true", help="torchdata's StatefulDataLoader")
+    p.add_argument("--strategy", default="auto")
+    p.add_argument("--devices", type=int, default=1)
+    p.add_argument("--kill-at", type=int, default=None, help="SIGKILL right after this optimizer step")
+    p.add_argument("--kill-rank", type=int, default=0)
+    p.add_argument("--signal-at", type=int, default=None, help="SIGTERM to one rank after this step")
+    p.add_argument("--signal-rank", type=int, default=1)
+    p.add_argument("--no-resume", action="store_true")
+    p.add_argument("--s3", default=None, help="also snapshot to this s3:// URL (moto at --endpoint)")
+    p.add_argument("--endpoint", default=None)
+    p.add_argument("--s3-every", type=int, default=3)
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step lasts longer (slow tiers keep up)")
+    args = p.parse_args()
+
+    fabric = L.Fabric(accelerator="cpu", devices=args.devices, strategy=args.strategy)
+    fabric.launch()
+    fabric.seed_everything(1234)
+    rank = fabric.global_rank
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(args.dropout), nn.Linear(16, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = fabric.setup(model, optimizer)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.7)
+    dataset = Squares(args.samples, args.augment)
+    if args.stateful:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        loader = StatefulDataLoader(dataset, batch_size=args.batch_size, shuffle=args.shuffle, num_workers=args.workers)
+    else:
+        loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=args.shuffle, num_workers=args.workers)
+    loader = fabric.setup_dataloaders(loader)
+
+    state = {
+        "model": model,
+        "optimizer": optimizer,
+        "scheduler": scheduler,
+        "train_dataloader": loader,
+        "step": 0,
+        "epoch": 0,
+        "iter_num": 0,
+        "losses": [],
+        "batches": [],
+    }
+    tiers: list = list(args.tiers)
+    if args.s3:
+        from lightning_snapshot.backends import ObjectStoreTier
+
+        options = {
+            "key": "testing-key",
+            "secret": "testing-secret",
+            "client_kwargs": {"endpoint_url": args.endpoint, "region_name": "us-east-1"},
+        }
+        tiers.append(ObjectStoreTier(args.s3, storage_options=options, every_n_train_steps=args.s3_every))
+    snapshots = FabricSnapshots(fabric, tiers, resume=not args.no_resume)
+    with snapshots:
+        restored = snapshots.resume(state)
+        if restored is not None:
+            print(f"RESTORED step={restored} from={snapshots.restored_from[0]} rank={rank}", flush=True)
+        for epoch in range(state["epoch"], args.epochs):
+            for x, y in loader:
+                state["iter_num"] += 1
+                state["batches"].append(float(x.double().sum()))
+                loss = nn.functional.mse_loss(model(x), y)
+                fabric.backward(loss / args.accum)
+                if state["iter_num"] % args.accum:
+                    continue
+                step = state["step"] + 1
+                optimizer.step()
+                if args.kill_at == step and rank == args.kill_rank:
+                    os.kill(os.getpid(), signal.SIGKILL)  # (after the optimizer step, before the step is counted)
+                optimizer.zero_grad()
+                scheduler.step()
+                state["step"] = step
+                time.sleep(args.step_sleep)
+                state["losses"].append(float(loss.detach()))
+                if args.signal_at == step and rank == args.signal_rank:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                snapshots.step(state)
+            state["epoch"] = epoch + 1
+    out = args.out if rank == 0 else f"{args.out}.rank{rank}"
+    torch.save(result(model, optimizer, scheduler, state), out)
+    print(f"DONE step={state['step']} rank={rank}", flush=True)
+    if fabric.world_size > 1:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except SystemExit as e:
+        print(f"EXITING status={e.code} rank={os.environ.get('RANK', '0')}", flush=True)
+        sys.stdout.flush()
+        raise

@@ -1,0 +1,483 @@
+"""The Fabric integration (``lightning_snapshot.fabric.FabricSnapshots``): a LitGPT-shaped Fabric loop
+(tests/scripts/fabric_train.py) killed with SIGKILL at a random optimizer step and run again ends bitwise equal to a
+run that never stopped: weights, optimizer, scheduler, every value of its ``state`` (each step's loss and a checksum of
+each batch trained on) and the torch, numpy and python RNG. Real processes, real SIGKILL, gloo under torchrun, moto on
+127.0.0.1 for the object store."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import SCRIPTS, restores, run_job, run_script
+from train import s3_options
+
+from lightning_snapshot.backends import LocalTier, ObjectStoreTier
+from lightning_snapshot.persist.commit import committed_steps
+
+SCRIPT = "fabric_train.py"
+#: 48 samples in batches of 4 over 3 epochs, gradients accumulated over 2 batches: 18 optimizer steps (9 per rank
+#: under DDP on 2 ranks), each epoch ending mid-way between snapshot steps
+HARD = ("--shuffle", "--augment", "--dropout", "0.1", "--accum", "2")
+
+
+def assert_same(ref: Path, got: Path) -> int:
+    """Every tensor and value of two result files equal, bitwise; returns the number of tensors compared."""
+    a = torch.load(ref, weights_only=True)
+    b = torch.load(got, weights_only=True)
+    count = [0]
+
+    def same(x, y, path: str) -> None:
+        if isinstance(x, torch.Tensor):
+            assert isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.shape == y.shape, path
+            assert torch.equal(x, y), f"{path} differs"
+            count[0] += 1
+        elif isinstance(x, dict):
+            assert isinstance(y, dict) and set(x) == set(y), f"{path}: keys {set(x) ^ set(y)}"
+            for k in x:
+                same(x[k], y[k], f"{path}/{k}")
+        elif isinstance(x, (list, tuple)):
+            assert isinstance(y, (list, tuple)) and len(x) == len(y), f"{path}: {len(x)} vs {len(y)} items"
+            for i, (u, v) in enumerate(zip(x, y, strict=True)):
+                same(u, v, f"{path}[{i}]")
+        else:
+            assert x == y, f"{path}: {x!r} != {y!r}"
+
+    same(a, b, "")
+    return count[0]
+
+
+def _newest(path: Path) -> int:
+    """The newest step committed in the local tier at ``path`` (0: none yet)."""
+    steps = committed_steps(LocalTier(path))
+    return steps[0] if steps else 0
+
+
+def _expected(step: int, url: str, ranks: int = 1) -> list[tuple[int, str, int]]:
+    """The restores a rerun reports when ``step`` is the newest committed (none: 0, a fresh start)."""
+    return [(step, url, r) for r in range(ranks)] if step else []
+
+
+def _run(tiers: list[str], out: Path, *args: str, expect_kill: bool = False) -> subprocess.CompletedProcess[str]:
+    return run_script(SCRIPT, "--tiers", *tiers, "--out", str(out), *args, expect_kill=expect_kill, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One uninterrupted run per argument list (shared by the tests of this module)."""
+    made: dict[tuple[str, ...], Path] = {}
+
+    def get(*args: str) -> Path:
+        if args not in made:
+            base = tmp_path_factory.mktemp("fabric-ref")
+            _run([f"{base / 'snaps'}?every=100"], base / "ref.pt", *args)
+            made[args] = base / "ref.pt"
+        return made[args]
+
+    return get
+
+
+# ------------------------------------------------------------------------------------------------ misuse
+def test_misuse_gets_errors_that_name_the_fix(tmp_path):
+    """In this process (one device): a step before resume, a key the format cannot hold, and a snapshot of another
+    state each fail with an error that says what to do; nothing is left running after each (the suite's thread and
+    shared-memory check)."""
+    import lightning as L
+    from torch import nn
+
+    from lightning_snapshot.errors import ConfigError, SnapshotError, StateMismatchError
+    from lightning_snapshot.fabric import FabricSnapshots
+
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    model = nn.Linear(2, 1)
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    tier = f"{tmp_path / 'snaps'}?every=1"
+    before = r"call FabricSnapshots.resume\(state\) once before the training loop"
+    with FabricSnapshots(fabric, tier) as snapshots, pytest.raises(ConfigError, match=before):
+        snapshots.step({"model": model})
+    with pytest.raises(ConfigError, match="without '/'"), FabricSnapshots(fabric, tier) as snapshots:
+        snapshots.resume({"model/a": model})
+    with FabricSnapshots(fabric, tier) as snapshots:  # (a snapshot of step 1 of {"model", "optimizer"})
+        snapshots.resume({"model": model, "optimizer": optimizer})
+        optimizer.step()
+        snapshots.step()
+    assert committed_steps(LocalTier(tmp_path / "snaps")) == [1]
+    with pytest.raises(SnapshotError) as raised, FabricSnapshots(fabric, tier) as snapshots:
+        snapshots.resume({"net": model, "optimizer": optimizer})
+    assert isinstance(raised.value, StateMismatchError), raised.value
+    assert "holds no module 'net' (it holds ['model'])" in str(raised.value)
+    assert "resume=False" in str(raised.value)
+
+
+def test_metrics_reach_fabrics_logger_and_a_raising_loop_still_ends_clean(tmp_path):
+    """The snapshot metrics go through ``fabric.log_dict`` to the loggers given to Fabric (a CSV logger here); a loop
+    that raises leaves the ``with`` block with its own exception, the snapshots handed over before it committed, and
+    no thread or shared memory of the library behind (the suite's check); the CLI verifies what was written."""
+    import csv
+
+    import lightning as L
+    from lightning.fabric.loggers import CSVLogger
+    from torch import nn
+
+    from lightning_snapshot.fabric import FabricSnapshots
+
+    fabric = L.Fabric(accelerator="cpu", devices=1, loggers=CSVLogger(tmp_path / "logs", name="run"))
+    model = nn.Linear(4, 1)
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters()))
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    with (
+        pytest.raises(RuntimeError, match="the loop failed"),
+        FabricSnapshots(fabric, f"{tmp_path}/snaps?every=2") as s,
+    ):
+        s.resume(state)
+        for _ in range(7):
+            fabric.backward(model(torch.randn(3, 4)).sum())
+            optimizer.step()
+            optimizer.zero_grad()
+            state["step"] += 1
+            s.step(state)
+        raise RuntimeError("the loop failed")
+    fabric.loggers[0].finalize("success")
+    assert committed_steps(LocalTier(tmp_path / "snaps"))[0] == 6  # (not 7: nothing is taken after the exception)
+    with open(next((tmp_path / "logs").glob("**/metrics.csv"))) as f:
+        logged = {k for row in csv.DictReader(f) for k, v in row.items() if v}
+    assert {"snapshot/stall_ms", "snapshot/bytes", "snapshot/local/persist_ms"} <= logged, logged
+    cli = subprocess.run(
+        [sys.executable, "-m", "lightning_snapshot.cli.main", "verify", str(tmp_path / "snaps")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+
+
+# ------------------------------------------------------------------------------------------------ one process
+@pytest.mark.parametrize(
+    "extra",
+    [(), ("--workers", "2")],
+    ids=["no-workers", "2-workers"],
+)
+def test_one_process_sigkill_at_a_random_step_resumes_bitwise(tmp_path, reference, crash_rng, extra):
+    """Shuffled loader with random augmentation (torch, numpy, python RNG, in the workers too), dropout and gradient
+    accumulation; snapshots every 2 steps into a local tier; SIGKILL in the middle of a random step."""
+    args = (*HARD, *extra)
+    ref = reference(*args)
+    kill = crash_rng.randrange(3, 18)
+    tier = f"{tmp_path / 'snaps'}?every=2"
+    _run([tier], tmp_path / "out.pt", *args, "--kill-at", str(kill), expect_kill=True)
+    newest = _newest(tmp_path / "snaps")  # (the newest scheduled may still have been on its way)
+    assert newest <= kill - 1 and newest % 2 == 0 and (newest or kill <= 4), (kill, newest)
+    proc = _run([tier], tmp_path / "out.pt", *args)
+    assert restores(proc.stdout) == _expected(newest, str(tmp_path / "snaps")), proc.stdout
+    assert assert_same(ref, tmp_path / "out.pt") > 0
+
+
+def test_a_run_with_snapshots_is_bitwise_equal_to_one_without_resuming_and_ends_with_its_last_step_committed(
+    tmp_path, reference
+):
+    """The library is neutral (a run that snapshots every step equals the reference, which snapshots never but at its
+    end), and ``close`` commits the last step (18) in every tier."""
+    proc = _run([f"{tmp_path / 'a'}?every=1&keep=2", f"{tmp_path / 'b'}?every=5"], tmp_path / "out.pt", *HARD)
+    assert not restores(proc.stdout)
+    assert assert_same(reference(*HARD), tmp_path / "out.pt") > 0
+    assert committed_steps(LocalTier(tmp_path / "a")) == [18, 17]
+    assert committed_steps(LocalTier(tmp_path / "b"))[0] == 18
+    # the CLI's export finds the weights (one module: under its own names) and load_snapshot reads them
+    from safetensors.torch import load_file
+
+    from lightning_snapshot import load_snapshot
+    from lightning_snapshot.cli.export import export_snapshot
+
+    weights = torch.load(tmp_path / "out.pt", weights_only=True)["model"]
+    exported = load_file(str(export_snapshot(tmp_path / "b", tmp_path / "model.safetensors", progress=False)))
+    loaded = load_snapshot(tmp_path / "a", keys=["state_dict"])["state_dict"]
+    for got in (exported, loaded):
+        assert set(got) == set(weights) and all(torch.equal(got[k], v) for k, v in weights.items())
+
+
+def test_stateful_dataloader_resumes_bitwise(tmp_path, reference):
+    """torchdata's StatefulDataLoader (shuffled, augmentation in the main process): its own state_dict is the data
+    position."""
+    pytest.importorskip("torchdata")
+    args = (*HARD, "--stateful")
+    ref = reference(*args)
+    tier = f"{tmp_path / 'snaps'}?every=3"
+    _run([tier], tmp_path / "out.pt", *args, "--kill-at", "11", expect_kill=True)
+    newest = _newest(tmp_path / "snaps")  # (9, or an earlier one when 9 was still being written)
+    assert newest in (3, 6, 9), newest
+    proc = _run([tier], tmp_path / "out.pt", *args)
+    assert restores(proc.stdout) == _expected(newest, str(tmp_path / "snaps")), proc.stdout
+    assert assert_same(ref, tmp_path / "out.pt") > 0
+
+
+def test_stateful_dataloader_with_workers_resumed_mid_epoch_warns_that_their_augmentation_is_not_exact(tmp_path):
+    """With workers, a StatefulDataLoader restores its own position but its workers restart their RNG from their seeds
+    (a torch DataLoader's are restored): a resume inside an epoch says so, naming the fix."""
+    pytest.importorskip("torchdata")
+    args = (*HARD, "--stateful", "--workers", "2")
+    tier = f"{tmp_path / 'snaps'}?every=1"
+    _run([tier], tmp_path / "out.pt", *args, "--kill-at", "9", expect_kill=True)
+    assert _newest(tmp_path / "snaps") in (7, 8), "the test needs a snapshot inside the second epoch (6 steps each)"
+    proc = _run([tier], tmp_path / "out.pt", *args)
+    assert "worker processes restart their global RNG" in proc.stderr and "use a torch DataLoader" in proc.stderr
+
+
+@pytest.mark.slow
+def test_ram_tier_restores_after_sigkill_bitwise(tmp_path, reference, shm):
+    """The RAM tier (its node agent outlives the killed trainer) every 2 steps beside a local tier every 100 (which
+    holds nothing when the trainer is killed at step 9): the resume comes from RAM."""
+    ref = reference(*HARD)
+    tiers = ["ram://fabric?every=2&erasure=none", f"{tmp_path / 'local'}?every=100"]
+    _run(tiers, tmp_path / "out.pt", *HARD, "--kill-at", "9", expect_kill=True)
+    assert _newest(tmp_path / "local") == 0
+    proc = _run(tiers, tmp_path / "out.pt", *HARD)
+    # (step 8, or an earlier one when the kill came before step 8 reached the agent)
+    got = [(s, url.split("?")[0]) for s, url, _ in restores(proc.stdout)]
+    assert len(got) == 1 and got[0][1] == "ram://fabric" and got[0][0] in (2, 4, 6, 8), proc.stdout
+    assert assert_same(ref, tmp_path / "out.pt") > 0
+
+
+@pytest.mark.slow
+def test_object_store_tier_restores_after_sigkill_bitwise(tmp_path, reference, s3_server, bucket):
+    """An object store (moto's S3 server on 127.0.0.1) every 3 steps beside a local tier every 100."""
+    ref = reference(*HARD)
+    url = f"s3://{bucket}/run"
+    s3 = ("--s3", url, "--endpoint", s3_server.endpoint, "--s3-every", "3", "--step-sleep", "0.1")
+    tier = f"{tmp_path / 'local'}?every=100"
+    _run([tier], tmp_path / "out.pt", *HARD, *s3, "--kill-at", "14", expect_kill=True)
+    store = ObjectStoreTier(url, storage_options=s3_options(s3_server.endpoint))
+    newest = committed_steps(store)[0]  # (12, or an earlier one when 12 was still being uploaded)
+    assert newest in (3, 6, 9, 12) and not committed_steps(LocalTier(tmp_path / "local")), newest
+    proc = _run([tier], tmp_path / "out.pt", *HARD, *s3)
+    assert restores(proc.stdout) == [(newest, url, 0)], proc.stdout
+    assert assert_same(ref, tmp_path / "out.pt") > 0
+
+
+# ------------------------------------------------------------------------------------------------ torchrun
+def _torchrun(base: Path, *args: str, timeout: int = 240, script: str = SCRIPT) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning", "LIGHTNING_SNAPSHOT_SHM_DIR": str(base)}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(SCRIPTS / script),
+        *(("--strategy", "ddp") if script == SCRIPT else ()),
+        "--devices",
+        "2",
+        *args,
+    ]
+    return run_job(cmd, timeout, env)
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(tmp_path_factory):
+    base = tmp_path_factory.mktemp("fabric-ddp-ref")
+    proc = _torchrun(
+        base, "--tiers", f"{base / 'snaps'}?every=100", "--out", str(base / "ref.pt"), *HARD, "--workers", "1"
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return base / "ref.pt"
+
+
+@pytest.mark.slow
+def test_ddp_torchrun_sigkill_of_one_rank_resumes_both_bitwise(tmp_path, ddp_reference, crash_rng):
+    """DDP on 2 ranks under torchrun (gloo), one loader worker each, DistributedSampler (shuffled) with
+    augmentation, dropout and accumulation: SIGKILL of rank 1 at a random step; the rerun resumes both ranks."""
+    kill = crash_rng.randrange(3, 9)
+    tier = f"{tmp_path / 'snaps'}?every=2"
+    common = ("--tiers", tier, "--out", str(tmp_path / "out.pt"), *HARD, "--workers", "1")
+    proc = _torchrun(tmp_path, *common, "--kill-at", str(kill), "--kill-rank", "1")
+    assert proc.returncode != 0
+    newest = _newest(tmp_path / "snaps")
+    assert newest <= kill - 1 and newest % 2 == 0 and (newest or kill <= 4), (kill, newest)
+    proc = _torchrun(tmp_path, *common)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert sorted(restores(proc.stdout)) == _expected(newest, str(tmp_path / "snaps"), 2), proc.stdout
+    for suffix in ("", ".rank1"):
+        assert assert_same(Path(f"{ddp_reference}{suffix}"), Path(f"{tmp_path / 'out.pt'}{suffix}")) > 0
+
+
+@pytest.mark.slow
+def test_ddp_launched_by_fabric_itself_sigkill_of_rank_1_resumes_bitwise(tmp_path, ddp_reference):
+    """DDP started by ``fabric.launch()`` (no torchrun: Lightning starts rank 1 from rank 0): rank 1 SIGKILLed at
+    step 6, Lightning's launcher kills rank 0; the rerun resumes both ranks and ends equal to the torchrun reference
+    (the same job)."""
+    tier = f"{tmp_path / 'snaps'}?every=2"
+    common = ("--strategy", "ddp", "--devices", "2", *HARD, "--workers", "1")
+    _run([tier], tmp_path / "out.pt", *common, "--kill-at", "6", "--kill-rank", "1", expect_kill=True)
+    newest = _newest(tmp_path / "snaps")
+    assert newest in (0, 2, 4), newest
+    proc = _run([tier], tmp_path / "out.pt", *common)
+    assert sorted(restores(proc.stdout)) == _expected(newest, str(tmp_path / "snaps"), 2), proc.stdout
+    for suffix in ("", ".rank1"):
+        assert assert_same(Path(f"{ddp_reference}{suffix}"), Path(f"{tmp_path / 'out.pt'}{suffix}")) > 0
+
+
+@pytest.mark.slow
+def test_ddp_stateful_dataloader_resumes_bitwise(tmp_path):
+    """torchdata's StatefulDataLoader (shuffled) under DDP: Fabric wraps its RandomSampler in a
+    DistributedSamplerWrapper, which draws the epoch's order from the global RNG, and the loader's own state only
+    fast-forwards; the RNG of that draw is recorded and replayed (without it the resumed order differs)."""
+    pytest.importorskip("torchdata")
+    args = (*HARD, "--stateful")
+    ref = _torchrun(
+        tmp_path / "ref", "--tiers", f"{tmp_path / 'ref'}?every=100", "--out", str(tmp_path / "ref.pt"), *args
+    )
+    assert ref.returncode == 0, ref.stderr[-4000:]
+    common = ("--tiers", f"{tmp_path / 'snaps'}?every=3", "--out", str(tmp_path / "out.pt"), *args)
+    assert _torchrun(tmp_path, *common, "--kill-at", "7", "--kill-rank", "1").returncode != 0
+    newest = _newest(tmp_path / "snaps")
+    assert newest in (0, 3, 6), newest
+    proc = _torchrun(tmp_path, *common)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert sorted(restores(proc.stdout)) == _expected(newest, str(tmp_path / "snaps"), 2), proc.stdout
+    for suffix in ("", ".rank1"):
+        assert assert_same(Path(f"{tmp_path / 'ref.pt'}{suffix}"), Path(f"{tmp_path / 'out.pt'}{suffix}")) > 0
+
+
+@pytest.mark.slow
+def test_ddp_sigterm_to_rank1_only_stops_both_at_one_step_exit_143_and_the_requeue_resumes_bitwise(
+    tmp_path, ddp_reference
+):
+    """SIGTERM to rank 1 only after step 5 (snapshots every 100 steps): both ranks agree to stop at the same step,
+    snapshot it durably, exit 143; the rerun resumes both ranks from it and ends bitwise equal."""
+    tier = f"{tmp_path / 'snaps'}?every=100"
+    common = ("--tiers", tier, "--out", str(tmp_path / "out.pt"), *HARD, "--workers", "1")
+    proc = _torchrun(tmp_path, *common, "--signal-at", "5", "--signal-rank", "1")
+    said = proc.stdout + proc.stderr
+    assert proc.returncode != 0, said[-4000:]
+    assert sorted(re.findall(r"EXITING status=(\d+) rank=(\d+)", proc.stdout)) == [("143", "0"), ("143", "1")], said
+    stopped = committed_steps(LocalTier(tmp_path / "snaps"))
+    assert len(stopped) == 1 and 5 <= stopped[0] <= 7, stopped
+    proc = _torchrun(tmp_path, *common)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert sorted(restores(proc.stdout)) == [(stopped[0], str(tmp_path / "snaps"), r) for r in (0, 1)], proc.stdout
+    for suffix in ("", ".rank1"):
+        assert assert_same(Path(f"{ddp_reference}{suffix}"), Path(f"{tmp_path / 'out.pt'}{suffix}")) > 0
+
+
+# ------------------------------------------------------------------------------------------------ FSDP2, resharding
+def assert_same_full(ref: Path, got: Path) -> None:
+    """Two results of tests/scripts/fabric_fsdp.py (gathered weights and optimizer state by parameter name, the
+    learning rates, the step) equal, bitwise."""
+    a, b = torch.load(ref, weights_only=True), torch.load(got, weights_only=True)
+    assert a["step"] == b["step"] and a["lr"] == b["lr"], (a["step"], b["step"], a["lr"], b["lr"])
+    # (the optimizer state of a sharded parameter was read into DTensor shards, not loaded as full tensors)
+    assert a["layouts_match"] and b["layouts_match"]
+    assert assert_same_tree(a["model"], b["model"]) == 6  # (3 Linear layers)
+    assert assert_same_tree(a["optimizer"], b["optimizer"]) == 18  # (AdamW: step, exp_avg, exp_avg_sq per parameter)
+
+
+def assert_same_tree(a: dict, b: dict) -> int:
+    torch.save(a, "/dev/null")  # (plain tensors only)
+    count = 0
+    assert a.keys() == b.keys(), a.keys() ^ b.keys()
+    for k in a:
+        if isinstance(a[k], dict):
+            count += assert_same_tree(a[k], b[k])
+        else:
+            assert torch.equal(a[k], b[k]), k
+            count += 1
+    return count
+
+
+def _fsdp(base: Path, snaps: Path, out: Path, strategy: str, steps: int, *extra: str) -> None:
+    """Train with tests/scripts/fabric_fsdp.py to step 6 (``steps`` 6) or resume at step 6 (``steps`` 0)."""
+    args = ("--dir", str(snaps), "--out", str(out), "--strategy", strategy, "--until", "6", *extra)
+    if strategy == "single":
+        run_script("fabric_fsdp.py", *args, timeout=240)
+        return
+    proc = _torchrun(base, *args, script="fabric_fsdp.py")
+    if "--kill-at" in extra:
+        assert proc.returncode != 0
+        return
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    if steps == 0:
+        assert sorted(restores(proc.stdout)) == [(6, str(snaps), 0), (6, str(snaps), 1)], proc.stdout
+
+
+@pytest.mark.slow
+def test_fsdp2_snapshot_on_2_ranks_loads_into_one_process_ddp_and_fsdp2_exactly(tmp_path):
+    """ModelParallelStrategy (FSDP2, each Linear fully_shard-ed over 2 ranks) snapshots its DTensor shards, never
+    gathered; loaded into one process, into DDP on 2 ranks and into FSDP2 on 2 ranks, every weight, every AdamW state
+    tensor and the scheduler's learning rate equal the FSDP2 run's (gathered), bitwise."""
+    import shutil
+
+    _fsdp(tmp_path, tmp_path / "snaps", tmp_path / "full.pt", "fsdp", 6)
+    assert committed_steps(LocalTier(tmp_path / "snaps")) == [6, 3]
+    for strategy in ("single", "ddp", "fsdp"):
+        copy = tmp_path / f"snaps-{strategy}"  # (each load resumes and closes: it commits nothing new, on a copy)
+        shutil.copytree(tmp_path / "snaps", copy)
+        _fsdp(tmp_path, copy, tmp_path / f"{strategy}.pt", strategy, 0)
+        assert_same_full(tmp_path / "full.pt", tmp_path / f"{strategy}.pt")
+
+
+@pytest.mark.slow
+def test_one_process_snapshot_loads_into_fsdp2_shards_exactly(tmp_path):
+    """The other way: a snapshot of one process read by FSDP2 on 2 ranks, each rank reading only its shards of the
+    weights and of the optimizer state (made for the run, then read into)."""
+    _fsdp(tmp_path, tmp_path / "snaps", tmp_path / "full.pt", "single", 6)
+    _fsdp(tmp_path, tmp_path / "snaps", tmp_path / "fsdp.pt", "fsdp", 0)
+    assert_same_full(tmp_path / "full.pt", tmp_path / "fsdp.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fsdp", "tp"])
+def test_sharded_rank_sigkilled_and_requeued_resumes_bitwise(tmp_path, strategy):
+    """FSDP2 (each Linear sharded over 2 ranks) or tensor parallelism (Megatron-style column/row split over 2 ranks):
+    rank 1 SIGKILLed after step 6 (snapshot at step 3); the requeue resumes both ranks' shards and ends at step 6
+    bitwise equal to a run that never stopped (weights and AdamW state, gathered)."""
+    _fsdp(tmp_path / "a", tmp_path / "ref", tmp_path / "ref.pt", strategy, 6)
+    _fsdp(tmp_path / "b", tmp_path / "snaps", tmp_path / "out.pt", strategy, 6, "--kill-at", "6")
+    newest = _newest(tmp_path / "snaps")  # (3; 0 when step 3 was still being written at the kill)
+    assert newest in (0, 3), newest
+    args = ("--dir", str(tmp_path / "snaps"), "--out", str(tmp_path / "out.pt"), "--strategy", strategy, "--until", "6")
+    proc = _torchrun(tmp_path / "b", *args, script="fabric_fsdp.py")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert sorted(restores(proc.stdout)) == _expected(newest, str(tmp_path / "snaps"), 2), proc.stdout
+    assert_same_full(tmp_path / "ref.pt", tmp_path / "out.pt")
+
+
+@pytest.mark.slow
+def test_tensor_parallel_snapshot_loads_into_one_process_and_back_exactly(tmp_path):
+    """A snapshot of tensor parallelism on 2 ranks (DTensor shards split by rows and by columns, and replicated
+    plain tensors) loads exactly into one process; one of a single process loads exactly into tensor parallelism."""
+    import shutil
+
+    _fsdp(tmp_path, tmp_path / "tp", tmp_path / "tp.pt", "tp", 6)
+    shutil.copytree(tmp_path / "tp", tmp_path / "tp-copy")
+    _fsdp(tmp_path, tmp_path / "tp-copy", tmp_path / "tp-single.pt", "single", 0)
+    assert_same_full(tmp_path / "tp.pt", tmp_path / "tp-single.pt")
+    _fsdp(tmp_path, tmp_path / "one", tmp_path / "one.pt", "single", 6)
+    _fsdp(tmp_path, tmp_path / "one", tmp_path / "one-tp.pt", "tp", 0)
+    assert_same_full(tmp_path / "one.pt", tmp_path / "one-tp.pt")
+
+
+# ------------------------------------------------------------------------------------------------ the example
+@pytest.mark.slow
+def test_the_fabric_gpt_example_resumes_after_its_sigkill_bitwise(tmp_path):
+    """examples/fabric_gpt.py as a user runs it: a reference run, a run with RAM, local and object-store (moto on
+    127.0.0.1) tiers SIGKILLed at step 37, the rerun resumed from the RAM tier's step 35, compared bitwise."""
+    pytest.importorskip("moto")
+    example = Path(__file__).parent.parent / "examples" / "fabric_gpt.py"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(
+        [sys.executable, str(example), "--workdir", str(tmp_path / "demo")],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # (step 35 from RAM; 30 when the kill came before step 35 reached the agent)
+    assert re.search(r"resumed from step (35|30) \(ram://fabric-gpt", proc.stdout), proc.stdout
+    assert "bitwise equal to the reference: True" in proc.stdout, proc.stdout
+    assert committed_steps(LocalTier(tmp_path / "demo" / "local"))[0] == 60
