@@ -331,9 +331,9 @@ class SnapshotCallback(Checkpoint):
             stop(preemption, pipeline, trainer, self._requeue_signal, signum, abandoned=abandoned)
 
     def _overdue(self, signum: int, since: float) -> None:
-        """The preemption watchdog (its own thread): the ranks could not reach a step boundary within three quarters of the grace
-        (a training step, a validation batch or a hook longer than that): the snapshots already handed to the tiers
-        are made durable, one error line says what is lost, and the process exits with 128 + the signal."""
+        """The preemption watchdog (its own thread): the ranks could not reach a step boundary within three quarters of
+        the grace (a training step, a validation batch or a hook longer than that): the snapshots already handed to
+        the tiers are made durable, one error line says what is lost, and the process exits with 128 + the signal."""
         pipeline = self._pipeline
         try:
             if pipeline is not None:

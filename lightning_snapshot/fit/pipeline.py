@@ -367,9 +367,9 @@ class SnapshotPipeline:
         return step, bool(durable)
 
     def overdue(self, reason: str, since: float) -> tuple[int | None, int]:
-        """The watchdog's way (another thread), when a stop was known for three quarters of the grace and the training thread
-        did not reach a step boundary to take it (a training step, a validation batch or a hook longer than that):
-        the snapshots already handed to the tiers are waited for until the grace ends, and one error line says
+        """The watchdog's way (another thread), when a stop was known for three quarters of the grace and the training
+        thread did not reach a step boundary to take it (a training step, a validation batch or a hook longer than
+        that): the snapshots already handed to the tiers are waited for until the grace ends, and one error line says
         which step is durable and how many steps are lost. Returns (that step or None, the step the job was at)."""
         self.persister.wait_idle(max(0.0, since + self.config.sigterm_grace - time.monotonic()))
         newest = dict(self.persister.newest)
