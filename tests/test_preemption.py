@@ -605,6 +605,16 @@ def test_a_training_step_longer_than_the_grace(tmp_path, one_process_reference):
 
 
 @pytest.mark.slow
+def test_sigterm_in_an_epoch_end_hook(tmp_path, one_process_reference):
+    """SIGTERM from an ``on_train_epoch_end`` hook after step 16 (the first epoch's last step): the ranks stop between
+    the epochs, step 16 is durable, and the rerun starts the second epoch from it, bitwise."""
+    step, _ = _one(
+        tmp_path, one_process_reference, "--signal-at", "10", "--signal-during", "epoch_end", "--signal-to", "tree"
+    )
+    assert step == 16
+
+
+@pytest.mark.slow
 def test_sigterm_during_the_sanity_check(tmp_path):
     """SIGTERM during the sanity check of a fresh run: nothing was trained, the check is abandoned and the process
     exits 143 at once; the rerun starts from the beginning and ends bitwise equal to an uninterrupted run."""

@@ -308,6 +308,10 @@ class SendSignal(L.Callback):
         if self.during == "validation" and trainer.training is False and trainer.state.fn == "fit":
             self._send(trainer)
 
+    def on_train_epoch_end(self, trainer, pl_module):
+        if self.during == "epoch_end":  # (in an epoch-end hook, after the epoch's last step)
+            self._send(trainer)
+
     def on_after_backward(self, trainer, pl_module):
         # "backward": in the middle of a step; "accumulating": after the backward of a batch that does not step
         if self.during == "backward" or (
@@ -484,7 +488,9 @@ def main() -> None:
         help="...to these processes ('launchers': each node's torchrun)",
     )
     p.add_argument("--signal-rank", type=int, default=0, help="...from (or, with 'self', to) this rank")
-    p.add_argument("--signal-during", choices=["train", "validation", "backward", "accumulating"], default="train")
+    p.add_argument(
+        "--signal-during", choices=["train", "validation", "backward", "accumulating", "epoch_end"], default="train"
+    )
     p.add_argument("--signal", default="SIGTERM", help="the signal sent (and the one the callback owns)")
     p.add_argument("--val-every", type=int, default=0, help="validate every N training batches (0: never)")
     p.add_argument("--val-delay", type=float, default=0.0, help="seconds each validation batch sleeps")
