@@ -344,19 +344,26 @@ def test_ddp_stateful_dataloader_resumes_bitwise(tmp_path):
 
 
 @pytest.mark.slow
-def test_ddp_sigterm_to_rank1_only_stops_both_at_one_step_exit_143_and_the_requeue_resumes_bitwise(
-    tmp_path, ddp_reference
+@pytest.mark.parametrize(
+    "how",
+    [("--signal-rank", "1"), ("--signal-rank", "0", "--signal-launcher")],
+    ids=["to-rank1-only", "to-torchrun"],
+)
+def test_ddp_sigterm_stops_both_ranks_at_one_step_exit_143_and_the_requeue_resumes_bitwise(
+    tmp_path, ddp_reference, how
 ):
-    """SIGTERM to rank 1 only after step 5 (snapshots every 100 steps): both ranks agree to stop at the same step,
-    snapshot it durably, exit 143; the rerun resumes both ranks from it and ends bitwise equal."""
+    """SIGTERM after step 5 (snapshots every 100 steps) to rank 1 only, or to torchrun (which forwards it to every
+    rank): both ranks agree to stop at the same step, snapshot it durably, exit 143; the rerun resumes both ranks from
+    it and ends bitwise equal."""
     tier = f"{tmp_path / 'snaps'}?every=100"
     common = ("--tiers", tier, "--out", str(tmp_path / "out.pt"), *HARD, "--workers", "1")
-    proc = _torchrun(tmp_path, *common, "--signal-at", "5", "--signal-rank", "1")
+    proc = _torchrun(tmp_path, *common, "--signal-at", "5", *how)
     said = proc.stdout + proc.stderr
     assert proc.returncode != 0, said[-4000:]
     assert sorted(re.findall(r"EXITING status=(\d+) rank=(\d+)", proc.stdout)) == [("143", "0"), ("143", "1")], said
     stopped = committed_steps(LocalTier(tmp_path / "snaps"))
-    assert len(stopped) == 1 and 5 <= stopped[0] <= 7, stopped
+    assert len(stopped) == 1 and 5 <= stopped[0] <= 8, stopped
+    assert said.count(f"step {stopped[0]} is durable; stopping every rank") == 2, said[-4000:]
     proc = _torchrun(tmp_path, *common)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert sorted(restores(proc.stdout)) == [(stopped[0], str(tmp_path / "snaps"), r) for r in (0, 1)], proc.stdout

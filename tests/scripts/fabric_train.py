@@ -77,6 +77,7 @@ def main() -> None:
     p.add_argument("--kill-rank", type=int, default=0)
     p.add_argument("--signal-at", type=int, default=None, help="SIGTERM to one rank after this step")
     p.add_argument("--signal-rank", type=int, default=1)
+    p.add_argument("--signal-launcher", action="store_true", help="--signal-at sends SIGTERM to the parent (torchrun)")
     p.add_argument("--no-resume", action="store_true")
     p.add_argument("--s3", default=None, help="also snapshot to this s3:// URL (moto at --endpoint)")
     p.add_argument("--endpoint", default=None)
@@ -146,7 +147,7 @@ def main() -> None:
                 time.sleep(args.step_sleep)
                 state["losses"].append(float(loss.detach()))
                 if args.signal_at == step and rank == args.signal_rank:
-                    os.kill(os.getpid(), signal.SIGTERM)
+                    os.kill(os.getppid() if args.signal_launcher else os.getpid(), signal.SIGTERM)
                 snapshots.step(state)
             state["epoch"] = epoch + 1
     out = args.out if rank == 0 else f"{args.out}.rank{rank}"
