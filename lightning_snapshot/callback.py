@@ -298,8 +298,7 @@ class SnapshotCallback(Checkpoint):
             hooked=lambda: self._hooked(trainer),
             starting=lambda: self._validation_starting(trainer),
             ended=self._validation_ended,
-            # (a sharded strategy's validation batches are collectives: every rank runs them all)
-            abandon=lambda: bool(preemption.known()[0]) and not is_sharded(trainer.strategy),
+            abandon=preemption.stop_validation,
             agree=lambda: self._validation_agree(trainer),
         )
 
@@ -307,6 +306,8 @@ class SnapshotCallback(Checkpoint):
         """A validation (or the sanity check) starts: the watcher asks for the other ranks' signals more often, and
         inside training this rank's state is taken as it is before the validation (see ``SnapshotPipeline.arm``)."""
         if self._preemption is not None:
+            # (a sharded strategy's validation batches are collectives: the ranks stop before the same one)
+            self._preemption.validation_started(lockstep=is_sharded(trainer.strategy))
             self._preemption.outside = True
         if self._pipeline is not None and not trainer.sanity_checking:
             self._loaders.before_fetch(trainer)  # (a loader fetched ahead: its state before the next fetch)

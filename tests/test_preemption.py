@@ -571,6 +571,31 @@ def test_sigterm_to_rank_1_in_a_validation_longer_than_the_grace_ddp(tmp_path):
 
 
 @pytest.mark.slow
+def test_model_parallel_sigterm_to_rank_1_in_a_validation_longer_than_the_grace(tmp_path):
+    """ModelParallelStrategy (FSDP2) under torchrun, validation after every 10th step (30 batches of 0.25 s per rank),
+    SIGTERM to rank 1 alone in the validation after step 20: the ranks stop that validation before the same batch
+    (each says in the store how many it started; a sharded forward may be a collective), step 20 is durable, both
+    exit 143 within the grace, and the requeue validates step 20 again and ends bitwise equal."""
+    common = ("--strategy", "mp", "--max-steps", "30", "--every", "10", "--samples", "400", "--val-every", "10")
+    common += ("--val-samples", "240", "--val-delay", "0.25", "--sigterm-grace", "5")
+
+    def job(base: Path, *args: str) -> subprocess.CompletedProcess[str]:
+        return _torchrun(base, *args, script="reshard_train.py")
+
+    ref = job(tmp_path / "ref", *common)
+    assert ref.returncode == 0, ref.stderr[-4000:]
+    run = tmp_path / "run"
+    proc = job(run, *common, "--signal-at", "12", "--signal-during", "validation", "--signal-rank", "1")
+    assert proc.returncode != 0
+    _, step = _abandoned_within_grace(proc, 2)
+    assert step == 20 and committed_steps(LocalTier(run / "local"))[0] == 20
+    requeued = job(run, *common)
+    assert requeued.returncode == 0, requeued.stderr[-4000:]
+    assert sorted(re.findall(r"RESTORED step=(\d+) rank=(\d)", requeued.stdout)) == [("20", "0"), ("20", "1")]
+    assert assert_bitwise_equal(tmp_path / "ref" / "out.pt", run / "out.pt", since=20) > 0
+
+
+@pytest.mark.slow
 def test_a_training_step_longer_than_the_grace(tmp_path, one_process_reference):
     """SIGTERM during the step after step 15, which then takes 30 s (grace 6 s): the step boundary never comes in
     time, so the newest snapshot already captured (step 10) is what is durable, one error line says so and how many

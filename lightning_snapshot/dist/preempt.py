@@ -166,6 +166,13 @@ class Preemption:
         self.handled = threading.Event()
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
+        # a validation whose batches are collectives (a sharded strategy): the ranks stop before the same batch
+        self._val_lock = threading.Lock()
+        self._val_index = -1  # (the validations of this fit so far, the sanity check's included; -1: none yet)
+        self._val_started = 0  # (the batches this rank started in the validation running now)
+        self._val_published: int | None = None  # (what this rank published of it, once a stop is known)
+        self._val_stop: int | None = None  # (the batch every rank stops before)
+        self._val_lockstep = False
 
     # ------------------------------------------------------------------------------------------- ownership
     def install(self) -> bool:
@@ -273,6 +280,67 @@ class Preemption:
             self.agreed = agreed
         return agreed
 
+    # ------------------------------------------------------------------------------------------- validation
+    def validation_started(self, lockstep: bool) -> None:
+        """The training thread: a validation starts (the sanity check too; every rank counts the same ones).
+        ``lockstep``: its batches are collectives (a sharded strategy's forward gathers the weights), so the ranks
+        must stop it before the same batch."""
+        with self._val_lock:
+            self._val_index += 1
+            self._val_started = 0
+            self._val_published = self._val_stop = None
+            self._val_lockstep = lockstep and self._store is not None and self.comm.world_size > 1
+
+    def stop_validation(self) -> bool:
+        """The training thread, before each validation batch: whether to run no more of them (a stop is known). No
+        collective. When the batches are collectives the ranks stop before the same batch: each rank publishes in
+        the store how many it started when it learns of the stop (its watcher thread does it for a rank that is
+        inside a batch, held there by a rank that stopped), and every rank runs up to the most any rank started
+        (at most one more: the collectives keep the ranks within a batch of each other)."""
+        if not self._val_lockstep:
+            return bool(self.known()[0])
+        with self._val_lock:
+            if self._val_published is None:
+                if not self.known()[0]:
+                    self._val_started += 1
+                    return False
+                self._publish_started()
+        if self._val_stop is None:
+            self._val_stop = self._stop_batch()
+        with self._val_lock:
+            if self._val_started < self._val_stop:
+                self._val_started += 1
+                return False
+        return True
+
+    def _val_key(self, rank: int) -> str:
+        return f"{self._key}/validation{self._val_index}/rank{rank}"
+
+    def _publish_started(self) -> None:
+        """(holding ``_val_lock``) Publish the batches this rank started in the validation running now."""
+        self._val_published = self._val_started
+        try:
+            self._store.set(self._val_key(self.comm.rank), str(self._val_started))
+        except Exception as e:  # noqa: BLE001 - the waits below end with the grace; the watchdog then acts
+            log.warning("lightning-snapshot: could not publish where this rank stops its validation: %s", e)
+
+    def _stop_batch(self) -> int:
+        """The batch every rank stops its validation before: the most batches a rank started (waits for every
+        rank's number, which each publishes within a batch or its watcher's next look at the store)."""
+        keys = [self._val_key(r) for r in range(self.comm.world_size)]
+        deadline = time.monotonic() + max(1.0, self.grace)
+        try:
+            # (asked, not waited for in the store: a wait would hold the store's client from this rank's watcher,
+            # which must still publish this rank's signal for the others to learn of it)
+            while not self._store.check(keys):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"not every rank said where it stops within {self.grace:g} s")
+                time.sleep(0.005)
+            return max(int(self._store.get(k).decode()) for k in keys)
+        except Exception as e:  # noqa: BLE001 - the watchdog makes what it can durable within the grace
+            log.warning("lightning-snapshot: the ranks could not agree where to stop the validation: %s", e)
+            return self._val_started
+
     # ------------------------------------------------------------------------------------------- the watcher
     def _watch(self) -> None:
         """The watcher thread: publishes this rank's signal in the store and reads the others' (ten times a second
@@ -297,6 +365,10 @@ class Preemption:
             signum, since = self.known()
             if not signum:
                 continue
+            if self._val_lockstep and self.outside:  # (a rank held inside a validation batch by a rank that stopped)
+                with self._val_lock:
+                    if self._val_lockstep and self.outside and self._val_published is None:
+                        self._publish_started()
             now = time.monotonic()
             if (
                 not overdue

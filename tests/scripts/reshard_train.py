@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import signal
+import time
 
 import lightning as L
 import torch
@@ -89,6 +90,12 @@ class MLP(L.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y, _ = batch
         return nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):  # (under FSDP2 every forward gathers the weights: a collective)
+        x, y, _ = batch
+        if self.val_delay:
+            time.sleep(self.val_delay)
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
@@ -191,6 +198,11 @@ def main() -> None:
     p.add_argument("--signal-at", type=int, default=-1, help="SIGTERM at this global step (train.py's SendSignal)")
     p.add_argument("--signal-to", choices=["self", "launcher", "all"], default="launcher")
     p.add_argument("--signal-rank", type=int, default=0)
+    p.add_argument("--signal-during", choices=["train", "validation"], default="train")
+    p.add_argument("--val-every", type=int, default=0, help="validate every N training batches (0: never)")
+    p.add_argument("--val-samples", type=int, default=32)
+    p.add_argument("--val-delay", type=float, default=0.0, help="seconds each validation batch sleeps")
+    p.add_argument("--sigterm-grace", type=float, default=25.0)
     a = p.parse_args()
 
     write_reads = None
@@ -217,7 +229,7 @@ def main() -> None:
     else:
         tiers = [LocalTier(a.dir, every_n_train_steps=a.every, keep_last=2)]
     resume = (int(a.resume) if a.resume.isdigit() else a.resume) if a.resume else True
-    snapshots = SnapshotCallback(tiers, resume=resume, chunk_bytes=a.chunk_bytes)
+    snapshots = SnapshotCallback(tiers, resume=resume, chunk_bytes=a.chunk_bytes, sigterm_grace=a.sigterm_grace)
     callbacks = [snapshots, Dump({int(s) for s in a.dump_steps.split(",") if s}, a.dump_dir, a.dump_at_start)]
     record = Record()
     if a.record:
@@ -225,14 +237,19 @@ def main() -> None:
     if a.crash_at >= 0:
         callbacks.append(Crash(a.crash_at, tiers))
     if a.signal_at >= 0:
-        callbacks.append(SendSignal(a.signal_at, a.signal_to, a.signal_rank, "train", signal.SIGTERM))
+        callbacks.append(SendSignal(a.signal_at, a.signal_to, a.signal_rank, a.signal_during, signal.SIGTERM))
     if a.strategy == "mp":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         strategy = ModelParallelStrategy(data_parallel_size=a.devices // a.tp, tensor_parallel_size=a.tp)
     else:
         strategy = "ddp" if a.strategy == "ddp" else "auto"
+    model.val_delay = a.val_delay
+    val = {}
+    if a.val_every:
+        val = dict(val_check_interval=a.val_every, num_sanity_val_steps=0)
     trainer = L.Trainer(
+        **val,
         accelerator=a.accelerator,
         devices=a.devices if a.strategy != "single" else 1,
         num_nodes=a.num_nodes,
@@ -244,7 +261,12 @@ def main() -> None:
         enable_model_summary=False,
         deterministic=True,
     )
-    trainer.fit(model, loader)
+    val_loader = DataLoader(Data(a.val_samples), batch_size=4) if a.val_every else None
+    try:
+        trainer.fit(model, loader, val_loader)
+    except SystemExit as e:  # (a preemption: report the status each rank exits with)
+        os.write(1, f"EXITING status={e.code} rank={trainer.global_rank} at={time.time():.3f}\n".encode())
+        raise
     result = consolidated(trainer, model)
     if result is not None:
         torch.save(result, a.out)
