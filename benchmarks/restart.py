@@ -35,20 +35,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "tests" / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+from processes import children  # noqa: E402 - the test scripts' own reading of /proc
+
 TIMELINE = re.compile(r"TIMELINE (\w+) rank=(\d+) at=([\d.]+)")
 EXITING = re.compile(r"EXITING status=(\d+) rank=(\d+) at=([\d.]+)")
 SENT = re.compile(r"SIGNAL-SENT step=(\d+) to=\S+ at=([\d.]+)")
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else []:
-        try:
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                out.extend(int(c) for c in f.read().split())
-        except OSError:
-            pass
-    return out
 
 
 def _rank_of(pid: int) -> int | None:
@@ -78,13 +70,14 @@ def run_job(base: Path, nodes: int, per_node: int, *args: str, timeout: float = 
         cmd += [str(SCRIPTS / "train.py"), "--dir", str(base / "local" / "node{node_rank}"), "--out"]
         cmd += [str(base / "out.pt"), "--devices", str(per_node), "--num-nodes", str(nodes), "--timeline", *args]
         log = open(base / f"node{node}.log", "w")  # noqa: SIM115 - closed below
-        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log))
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        procs.append((proc, log))
     ranks: dict[int, int] = {}  # pid -> rank
     gone: dict[int, float] = {}  # rank -> time its process was gone
     deadline = time.monotonic() + timeout
     while any(p.poll() is None for p, _ in procs):
         for p, _ in procs:
-            for child in _children(p.pid):
+            for child in children(p.pid):
                 if child not in ranks:
                     rank = _rank_of(child)
                     if rank is not None:
@@ -105,7 +98,7 @@ def run_job(base: Path, nodes: int, per_node: int, *args: str, timeout: float = 
             raise TimeoutError(f"the job under {base} did not end within {timeout} s")
         time.sleep(0.01)
     output = ""
-    for p, log in procs:
+    for _, log in procs:
         log.close()
     for node in range(nodes):
         output += (base / f"node{node}.log").read_text()

@@ -14,10 +14,17 @@ def job_processes(root: int) -> list[int]:
     while todo:
         pid = todo.pop()
         found.append(pid)
-        for task in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else []:
-            try:
-                with open(f"/proc/{pid}/task/{task}/children") as f:
-                    todo.extend(int(c) for c in f.read().split())
-            except OSError:
-                pass
+        todo.extend(children(pid))
     return found
+
+
+def children(pid: int) -> list[int]:
+    """The direct children of ``pid`` (none once it is gone)."""
+    out: list[int] = []
+    for task in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else []:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out.extend(int(c) for c in f.read().split())
+        except OSError:
+            pass
+    return out
