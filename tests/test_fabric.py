@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -26,10 +27,11 @@ SCRIPT = "fabric_train.py"
 HARD = ("--shuffle", "--augment", "--dropout", "0.1", "--accum", "2")
 
 
-def assert_same(ref: Path, got: Path) -> int:
-    """Every tensor and value of two result files equal, bitwise; returns the number of tensors compared."""
-    a = torch.load(ref, weights_only=True)
-    b = torch.load(got, weights_only=True)
+def assert_same(ref: Path, got: Path, leave_out: tuple[str, ...] = ()) -> int:
+    """Every tensor and value of two result files equal, bitwise (but the top-level entries ``leave_out``); returns
+    the number of tensors compared."""
+    a = {k: v for k, v in torch.load(ref, weights_only=True).items() if k not in leave_out}
+    b = {k: v for k, v in torch.load(got, weights_only=True).items() if k not in leave_out}
     count = [0]
 
     def same(x, y, path: str) -> None:
@@ -369,6 +371,111 @@ def test_ddp_sigterm_stops_both_ranks_at_one_step_exit_143_and_the_requeue_resum
     assert sorted(restores(proc.stdout)) == [(stopped[0], str(tmp_path / "snaps"), r) for r in (0, 1)], proc.stdout
     for suffix in ("", ".rank1"):
         assert assert_same(Path(f"{ddp_reference}{suffix}"), Path(f"{tmp_path / 'out.pt'}{suffix}")) > 0
+
+
+# ----------------------------------------------------------------------------------------- another number of processes
+#: 48 samples in batches of 4, shuffled, 3 epochs, no accumulation: 6 optimizer steps an epoch on 2 ranks, 12 on one
+RESIZE = ("--shuffle", "--epochs", "3")
+#: what a snapshot taken with another number of processes does not give back (the warning says so)
+RNG = ("torch_rng", "numpy_rng", "python_rng")
+RNG_WARNING = "the per-rank RNG is not restored"
+
+
+def _trained(log: Path, ranks: int, upto: int | None = None) -> dict[int, list[int]]:
+    """Epoch -> the dataset indices of every batch the ranks of one run trained on (``--index-log``), of the optimizer
+    steps up to ``upto`` only (None: all)."""
+    epochs: dict[int, list[int]] = {}
+    for r in range(ranks):
+        for line in Path(f"{log}.rank{r}").read_text().splitlines():
+            epoch, step, *indices = map(int, line.split())
+            if upto is None or step <= upto:
+                epochs.setdefault(epoch, []).extend(indices)
+    return epochs
+
+
+def _assert_each_sample_once_per_epoch(
+    before: dict[int, list[int]], after: dict[int, list[int]], epochs: int, samples: int = 48
+) -> None:
+    """Across the interrupted run (``before``: up to its snapshot) and the resumed run (``after``), every sample of
+    every epoch was trained on exactly once."""
+    assert sorted(set(before) | set(after)) == list(range(epochs)), (sorted(before), sorted(after))
+    for e in range(epochs):
+        seen = Counter(before.get(e, []) + after.get(e, []))
+        missing = sorted(set(range(samples)) - set(seen))
+        repeated = sorted(i for i, n in seen.items() if n > 1)
+        assert not missing and not repeated and sorted(seen) == list(range(samples)), (
+            f"epoch {e}: skipped {missing}, trained twice {repeated}; before the snapshot {sorted(before.get(e, []))},"
+            f" after the resume {after.get(e, [])}"
+        )
+
+
+@pytest.mark.slow
+def test_ddp_snapshot_resumed_in_one_process_trains_each_sample_of_every_epoch_once(tmp_path):
+    """DDP on 2 ranks under torchrun (Fabric's DistributedSampler, shuffled) stopped by SIGTERM inside the second
+    epoch (the stop step is snapshotted durably, exit 143) and resumed in ONE process: the samples the two ranks
+    trained on up to the snapshot and those the one process trains on after it cover every sample of each of the 3
+    epochs exactly once; the resumed process starts from the weights, optimizer, scheduler and values the
+    interrupted run had at that step, bitwise, and says that the per-rank RNG is not restored."""
+    tier, snaps = f"{tmp_path / 'snaps'}?every=100", tmp_path / "snaps"
+    proc = _torchrun(
+        tmp_path,
+        *("--tiers", tier, "--out", str(tmp_path / "ddp.pt"), *RESIZE),
+        *("--index-log", str(tmp_path / "ddp-idx"), "--dump-weights", str(tmp_path / "ddp-dump")),
+        *("--signal-at", "8", "--signal-rank", "1"),
+    )
+    said = proc.stdout + proc.stderr
+    assert sorted(re.findall(r"EXITING status=(\d+) rank=(\d+)", proc.stdout)) == [("143", "0"), ("143", "1")], said
+    (stop,) = committed_steps(LocalTier(snaps))
+    assert 6 < stop < 12, f"the test needs a snapshot inside the second epoch (steps 7-11), got {stop}"
+    proc = _run(
+        [tier],
+        tmp_path / "one.pt",
+        *RESIZE,
+        "--index-log",
+        str(tmp_path / "one-idx"),
+        "--dump-weights",
+        str(tmp_path / "one-dump"),
+    )
+    assert restores(proc.stdout) == [(stop, str(snaps), 0)], proc.stdout
+    assert "taken with 2 process(es), this run has 1" in proc.stderr and RNG_WARNING in proc.stderr, proc.stderr
+    restored, saved = tmp_path / "one-dump" / "resumed.pt", tmp_path / "ddp-dump" / f"step-{stop}.pt"
+    assert assert_same(saved, restored, leave_out=RNG) > 0
+    before, after = _trained(tmp_path / "ddp-idx", 2, upto=stop), _trained(tmp_path / "one-idx", 1)
+    assert len(before[1]) == 2 * 4 * (stop - 6)  # (both ranks' batches of the second epoch up to the snapshot)
+    _assert_each_sample_once_per_epoch(before, after, epochs=3)
+
+
+@pytest.mark.slow
+def test_one_process_snapshot_resumed_on_2_ranks_trains_each_sample_of_every_epoch_once(tmp_path):
+    """The other way: one process (a shuffled RandomSampler) stopped by SIGTERM inside its second epoch, resumed by
+    DDP on 2 ranks under torchrun (Fabric's DistributedSampler): every sample of each epoch is trained on exactly once
+    across the two runs, and both ranks start from the weights, optimizer, scheduler and values of the snapshot's
+    step, with the warning that the per-rank RNG is not restored."""
+    tier, snaps = f"{tmp_path / 'snaps'}?every=100", tmp_path / "snaps"
+    run_script(
+        SCRIPT,
+        *("--tiers", tier, "--out", str(tmp_path / "one.pt"), *RESIZE),
+        *("--index-log", str(tmp_path / "one-idx"), "--dump-weights", str(tmp_path / "one-dump")),
+        *("--signal-at", "16", "--signal-rank", "0"),
+        expect_rc=143,
+        timeout=240,
+    )
+    (stop,) = committed_steps(LocalTier(snaps))
+    assert 12 < stop < 24, f"the test needs a snapshot inside the second epoch (steps 13-23), got {stop}"
+    proc = _torchrun(
+        tmp_path,
+        *("--tiers", tier, "--out", str(tmp_path / "ddp.pt"), *RESIZE),
+        *("--index-log", str(tmp_path / "ddp-idx"), "--dump-weights", str(tmp_path / "ddp-dump")),
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert sorted(restores(proc.stdout)) == [(stop, str(snaps), 0), (stop, str(snaps), 1)], proc.stdout
+    assert proc.stderr.count(RNG_WARNING) == 2, proc.stderr[-4000:]  # (each rank)
+    restored, saved = tmp_path / "ddp-dump" / "resumed.pt", tmp_path / "one-dump" / f"step-{stop}.pt"
+    assert assert_same(saved, restored, leave_out=RNG) > 0
+    assert assert_same(tmp_path / "ddp.pt", tmp_path / "ddp.pt.rank1", leave_out=(*RNG, "values")) > 0  # (replicas)
+    before, after = _trained(tmp_path / "one-idx", 1, upto=stop), _trained(tmp_path / "ddp-idx", 2)
+    assert len(before[1]) == 4 * (stop - 12)
+    _assert_each_sample_once_per_epoch(before, after, epochs=3)
 
 
 # ------------------------------------------------------------------------------------------------ FSDP2, resharding

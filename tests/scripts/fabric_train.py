@@ -2,11 +2,18 @@
 
 Usage: python fabric_train.py --tiers URL [URL...] --out RESULT.pt [--epochs 3] [--kill-at STEP] [--kill-rank R]
     [--workers 2] [--shuffle] [--augment] [--dropout 0.1] [--accum 2] [--stateful] [--strategy ddp --devices 2]
-    [--signal-at STEP --signal-rank R]
+    [--signal-at STEP --signal-rank R] [--index-log PATH] [--dump-weights DIR] [--own-sampler] [--mtbf SECONDS]
+    [--csv-logs DIR]
 
 Under torchrun (``--strategy ddp --devices 2``) every rank writes RESULT.pt (rank 0) or RESULT.pt.rank<R>. The result
 holds everything a resume must give back: weights, optimizer, scheduler, the values of ``state`` (with every step's
 loss and a checksum of every batch trained on), and the RNG of torch, numpy and python at the end.
+
+``--index-log PATH``: each rank appends one line per batch to ``PATH.rank<R>`` as it trains on it: ``epoch step
+i0 i1 ...`` (the optimizer step the batch counts toward, the dataset indices in it). ``--dump-weights DIR``: rank 0
+writes the result (as ``--out`` holds it) after each optimizer step to ``DIR/step-<N>.pt``, and right after
+``resume`` to ``DIR/resumed.pt``. ``--own-sampler``: the train loader is a plain ``DataLoader`` with the script's own
+``DistributedSampler`` (not set up by Fabric); the loop calls ``set_epoch`` itself.
 """
 
 from __future__ import annotations
@@ -30,11 +37,12 @@ from lightning_snapshot.fabric import FabricSnapshots
 class Squares(Dataset):
     """Regression samples; with ``augment`` each sample adds noise from torch, numpy and python ``random``."""
 
-    def __init__(self, n: int, augment: bool) -> None:
+    def __init__(self, n: int, augment: bool, with_index: bool = False) -> None:
         g = torch.Generator().manual_seed(0)
         self.x = torch.randn(n, 8, generator=g)
         self.y = torch.randn(n, 1, generator=g)
         self.augment = augment
+        self.with_index = with_index
 
     def __len__(self) -> int:
         return len(self.x)
@@ -43,7 +51,7 @@ class Squares(Dataset):
         x = self.x[i]
         if self.augment:
             x = x + 0.1 * torch.randn(8) + float(np.random.uniform(-0.1, 0.1)) + random.uniform(-0.1, 0.1)
-        return x, self.y[i]
+        return (x, self.y[i], i) if self.with_index else (x, self.y[i])
 
 
 def result(model, optimizer, scheduler, state) -> dict:
@@ -83,9 +91,19 @@ def main() -> None:
     p.add_argument("--endpoint", default=None)
     p.add_argument("--s3-every", type=int, default=3)
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step lasts longer (slow tiers keep up)")
+    p.add_argument("--index-log", default=None, help="each rank logs the dataset indices of every batch it trains on")
+    p.add_argument("--dump-weights", default=None, help="rank 0 writes the result after each step and after resume")
+    p.add_argument("--own-sampler", action="store_true", help="a plain DataLoader with its own DistributedSampler")
+    p.add_argument("--mtbf", default=None, help="FabricSnapshots(mtbf=...), for every=auto tiers")
+    p.add_argument("--csv-logs", default=None, help="a CSVLogger in this directory, given to Fabric")
     args = p.parse_args()
 
-    fabric = L.Fabric(accelerator="cpu", devices=args.devices, strategy=args.strategy)
+    loggers = None
+    if args.csv_logs:
+        from lightning.fabric.loggers import CSVLogger
+
+        loggers = CSVLogger(args.csv_logs, name="run")
+    fabric = L.Fabric(accelerator="cpu", devices=args.devices, strategy=args.strategy, loggers=loggers)
     fabric.launch()
     fabric.seed_everything(1234)
     rank = fabric.global_rank
@@ -94,14 +112,23 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, optimizer = fabric.setup(model, optimizer)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.7)
-    dataset = Squares(args.samples, args.augment)
-    if args.stateful:
+    dataset = Squares(args.samples, args.augment, with_index=args.index_log is not None)
+    own_sampler = None
+    if args.own_sampler:
+        from torch.utils.data import DistributedSampler
+
+        own_sampler = DistributedSampler(
+            dataset, num_replicas=fabric.world_size, rank=fabric.global_rank, shuffle=args.shuffle
+        )
+        loader = DataLoader(dataset, batch_size=args.batch_size, sampler=own_sampler, num_workers=args.workers)
+    elif args.stateful:
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         loader = StatefulDataLoader(dataset, batch_size=args.batch_size, shuffle=args.shuffle, num_workers=args.workers)
     else:
         loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=args.shuffle, num_workers=args.workers)
-    loader = fabric.setup_dataloaders(loader)
+    if own_sampler is None:
+        loader = fabric.setup_dataloaders(loader)
 
     state = {
         "model": model,
@@ -124,13 +151,23 @@ def main() -> None:
             "client_kwargs": {"endpoint_url": args.endpoint, "region_name": "us-east-1"},
         }
         tiers.append(ObjectStoreTier(args.s3, storage_options=options, every_n_train_steps=args.s3_every))
-    snapshots = FabricSnapshots(fabric, tiers, resume=not args.no_resume)
+    options = {"mtbf": args.mtbf} if args.mtbf is not None else {}
+    snapshots = FabricSnapshots(fabric, tiers, resume=not args.no_resume, **options)
+    index_log = open(f"{args.index_log}.rank{rank}", "a", buffering=1) if args.index_log else None  # noqa: SIM115
     with snapshots:
         restored = snapshots.resume(state)
         if restored is not None:
             print(f"RESTORED step={restored} from={snapshots.restored_from[0]} rank={rank}", flush=True)
+        if args.dump_weights and rank == 0:
+            os.makedirs(args.dump_weights, exist_ok=True)
+            torch.save(result(model, optimizer, scheduler, state), os.path.join(args.dump_weights, "resumed.pt"))
         for epoch in range(state["epoch"], args.epochs):
-            for x, y in loader:
+            if own_sampler is not None:
+                own_sampler.set_epoch(epoch)
+            for batch in loader:
+                x, y = batch[0], batch[1]
+                if index_log is not None:
+                    index_log.write(f"{epoch} {state['step'] + 1} {' '.join(str(int(i)) for i in batch[2])}\n")
                 state["iter_num"] += 1
                 state["batches"].append(float(x.double().sum()))
                 loss = nn.functional.mse_loss(model(x), y)
@@ -146,10 +183,15 @@ def main() -> None:
                 state["step"] = step
                 time.sleep(args.step_sleep)
                 state["losses"].append(float(loss.detach()))
+                if args.dump_weights and rank == 0:
+                    dump = os.path.join(args.dump_weights, f"step-{step}.pt")
+                    torch.save(result(model, optimizer, scheduler, state), dump)
                 if args.signal_at == step and rank == args.signal_rank:
                     os.kill(os.getppid() if args.signal_launcher else os.getpid(), signal.SIGTERM)
                 snapshots.step(state)
             state["epoch"] = epoch + 1
+    if loggers is not None:
+        fabric.logger.finalize("success")
     out = args.out if rank == 0 else f"{args.out}.rank{rank}"
     torch.save(result(model, optimizer, scheduler, state), out)
     print(f"DONE step={state['step']} rank={rank}", flush=True)
