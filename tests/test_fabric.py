@@ -260,6 +260,50 @@ def test_object_store_tier_restores_after_sigkill_bitwise(tmp_path, reference, s
     assert assert_same(ref, tmp_path / "out.pt") > 0
 
 
+# ------------------------------------------------------------------------------------------------ every=auto
+#: 48 samples in batches of 4 over 3 epochs: 36 optimizer steps
+AUTO = ("--shuffle", "--augment", "--dropout", "0.1")
+
+
+def _logged(logs: Path, name: str) -> dict[int, float]:
+    """Step -> the value of metric ``name`` in the CSV logger's file under ``logs`` (the logger given to Fabric)."""
+    import csv
+
+    (path,) = logs.glob("**/metrics.csv")
+    with open(path) as f:
+        return {int(row["step"]): float(row[name]) for row in csv.DictReader(f) if row.get(name)}
+
+
+@pytest.mark.slow
+def test_every_auto_tunes_the_interval_from_the_mtbf_and_resumes_bitwise(tmp_path, reference):
+    """A tier ``every=auto&min_every=2`` with ``mtbf`` 0.1 ms (Young/Daly's interval is then far below one step): the
+    first snapshot comes after 10 steps, the second 10 steps later (no cost measured before it), and from then on
+    every 2 steps; the chosen interval reaches the CSV logger given to Fabric at each snapshot step
+    (``snapshot/local/interval_steps``, with the measured ``cost_ms``) and the committed steps follow it. The run
+    ends bitwise equal to one with a fixed interval; a run SIGKILLed at step 27 resumes from a step of the tuned
+    interval and ends bitwise equal too."""
+    ref = reference(*AUTO)
+    tier = f"{tmp_path / 'auto'}?every=auto&min_every=2&keep=all"
+    auto = (*AUTO, "--mtbf", "0.0001", "--step-sleep", "0.02")
+    proc = _run([tier], tmp_path / "auto.pt", *auto, "--csv-logs", str(tmp_path / "logs"))
+    assert assert_same(ref, tmp_path / "auto.pt") > 0
+    due = {10: 10.0, 20: 2.0, **{s: 2.0 for s in range(22, 37, 2)}}
+    assert _logged(tmp_path / "logs", "snapshot/local/interval_steps") == due
+    assert set(_logged(tmp_path / "logs", "snapshot/local/cost_ms")) == set(due) - {10}  # (measured from step 20)
+    said = proc.stdout + proc.stderr
+    skipped = {int(s) for s in re.findall(r"skipped the snapshot of step (\d+)", said)}
+    skipped |= {int(s) for s in re.findall(r"step (\d+) skipped for the", said)}
+    assert committed_steps(LocalTier(tmp_path / "auto")) == sorted(set(due) - skipped, reverse=True), said[-4000:]
+
+    tier = f"{tmp_path / 'killed'}?every=auto&min_every=2&keep=all"
+    _run([tier], tmp_path / "out.pt", *auto, "--kill-at", "27", expect_kill=True)
+    newest = _newest(tmp_path / "killed")
+    assert newest in (22, 24, 26), f"expected a snapshot of the tuned interval before the kill, got {newest}"
+    proc = _run([tier], tmp_path / "out.pt", *auto)
+    assert restores(proc.stdout) == [(newest, str(tmp_path / "killed"), 0)], proc.stdout
+    assert assert_same(ref, tmp_path / "out.pt") > 0
+
+
 # ------------------------------------------------------------------------------------------------ torchrun
 def _torchrun(base: Path, *args: str, timeout: int = 240, script: str = SCRIPT) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning", "LIGHTNING_SNAPSHOT_SHM_DIR": str(base)}
