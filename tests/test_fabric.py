@@ -304,6 +304,61 @@ def test_every_auto_tunes_the_interval_from_the_mtbf_and_resumes_bitwise(tmp_pat
     assert assert_same(ref, tmp_path / "out.pt") > 0
 
 
+# ------------------------------------------------------------------------------------------------ the command
+def test_the_command_lists_inspects_copies_and_prunes_fabric_snapshots(tmp_path):
+    """``lightning-snapshot`` on a local tier written by a Fabric loop (every 3 steps, 2 epochs of 12 steps): ``list``
+    shows every snapshot step with the loop's epoch; ``inspect`` shows the model's weights and the AdamW state with
+    their shapes; ``copy --step 15`` into another directory gives a tier that a rerun resumes from (step 15, inside the
+    second epoch) and ends bitwise equal to the run that never stopped; ``gc --keep-last 2`` leaves the 2 newest,
+    which still verify."""
+    import json
+
+    from test_cli import cli
+
+    args = (*HARD[:4], "--epochs", "2")  # (shuffled, augmented, dropout: 24 optimizer steps)
+    snaps, copy = tmp_path / "snaps", tmp_path / "copy"
+    _run([f"{snaps}?every=3&keep=all"], tmp_path / "full.pt", *args)
+    steps = list(range(24, 0, -3))
+
+    rc, out, err = cli("list", str(snaps), "--json")
+    assert rc == 0, err
+    rows = json.loads(out)["snapshots"]
+    assert [(r["step"], r["epoch"], r["world_size"], r["health"]) for r in rows] == [
+        (s, (s - 1) // 12, 1, "healthy") for s in steps
+    ], rows
+    rc, out, _ = cli("list", str(snaps))
+    assert rc == 0 and [int(line.split()[0]) for line in out.splitlines()[1:]] == steps, out
+
+    rc, out, err = cli("inspect", str(snaps), "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert (doc["step"], doc["epoch"], doc["world_size"]) == (24, 1, 1)
+    weights = {"0.weight": [16, 8], "0.bias": [16], "3.weight": [1, 16], "3.bias": [1]}
+    adamw = {
+        f"optimizers/optimizer/state/{i}/{k}": [] if k == "step" else shape
+        for i, shape in enumerate(weights.values())
+        for k in ("step", "exp_avg", "exp_avg_sq")
+    }
+    shown = {t["name"]: t["shape"] for t in doc["tensors"]}
+    assert shown == {**{f"state_dict/{k}": v for k, v in weights.items()}, **adamw}, shown
+    rc, out, _ = cli("inspect", str(snaps / "step-000000000015"))
+    assert rc == 0 and out.startswith("step 15, epoch 1, world size 1,") and "state_dict/0.weight" in out, out
+
+    rc, out, err = cli("copy", str(snaps), str(copy), "--step", "15")
+    assert rc == 0 and "copied step 15 " in out, out + err
+    assert committed_steps(LocalTier(copy)) == [15]
+    proc = _run([f"{copy}?every=3"], tmp_path / "resumed.pt", *args)
+    assert restores(proc.stdout) == [(15, str(copy), 0)], proc.stdout
+    assert assert_same(tmp_path / "full.pt", tmp_path / "resumed.pt") > 0
+
+    rc, out, err = cli("gc", str(snaps), "--keep-last", "2")
+    assert rc == 0, err
+    assert committed_steps(LocalTier(snaps)) == [24, 21]
+    assert sorted(p.name for p in snaps.iterdir()) == ["step-000000000021", "step-000000000024"]
+    rc, out, err = cli("verify", str(snaps), "--all")
+    assert rc == 0 and out.count(": OK") == 2, out + err
+
+
 # ------------------------------------------------------------------------------------------------ torchrun
 def _torchrun(base: Path, *args: str, timeout: int = 240, script: str = SCRIPT) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning", "LIGHTNING_SNAPSHOT_SHM_DIR": str(base)}
