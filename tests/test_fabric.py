@@ -472,6 +472,30 @@ def test_ddp_sigterm_stops_both_ranks_at_one_step_exit_143_and_the_requeue_resum
         assert assert_same(Path(f"{ddp_reference}{suffix}"), Path(f"{tmp_path / 'out.pt'}{suffix}")) > 0
 
 
+@pytest.mark.slow
+def test_ddp_plain_dataloader_with_its_own_distributed_sampler_resumes_bitwise(tmp_path):
+    """A plain PyTorch loader that Fabric did not set up, under torchrun on 2 ranks: the user's own
+    ``DistributedSampler(shuffle=True)``, ``sampler.set_epoch(epoch)`` called by the loop, one loader worker with
+    random augmentation, dropout; rank 1 SIGKILLed at step 10 (inside the second epoch of 6 steps) with snapshots
+    every step: the rerun resumes both ranks from a step inside the second epoch and ends bitwise equal to a run that
+    never stopped."""
+    args = (*HARD[:4], "--workers", "1", "--own-sampler")
+    ref = _torchrun(
+        tmp_path / "ref", "--tiers", f"{tmp_path / 'ref'}?every=100", "--out", str(tmp_path / "ref.pt"), *args
+    )
+    assert ref.returncode == 0, ref.stderr[-4000:]
+    common = ("--tiers", f"{tmp_path / 'snaps'}?every=1", "--out", str(tmp_path / "out.pt"), *args)
+    killed = _torchrun(tmp_path, *common, "--kill-at", "10", "--kill-rank", "1", "--step-sleep", "0.1")
+    assert killed.returncode != 0
+    newest = _newest(tmp_path / "snaps")
+    assert newest in (7, 8, 9), f"the test needs a snapshot inside the second epoch (steps 7-11), got {newest}"
+    proc = _torchrun(tmp_path, *common)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert sorted(restores(proc.stdout)) == _expected(newest, str(tmp_path / "snaps"), 2), proc.stdout
+    for suffix in ("", ".rank1"):
+        assert assert_same(Path(f"{tmp_path / 'ref.pt'}{suffix}"), Path(f"{tmp_path / 'out.pt'}{suffix}")) > 0
+
+
 # ----------------------------------------------------------------------------------------- another number of processes
 #: 48 samples in batches of 4, shuffled, 3 epochs, no accumulation: 6 optimizer steps an epoch on 2 ranks, 12 on one
 RESIZE = ("--shuffle", "--epochs", "3")
