@@ -26,10 +26,9 @@ from lightning_snapshot.backends.base import Backend
 from lightning_snapshot.config import SnapshotConfig
 from lightning_snapshot.dist.preempt import (
     Preemption,
-    exit_now,
     exit_promptly,
-    requeue_slurm_job,
-    signal_name,
+    overdue,
+    slurm_requeue_signal,
     spawned_rank_preempted,
     stop,
     stop_if_preempted,
@@ -46,16 +45,13 @@ from lightning_snapshot.schedule.schedules import FitSchedule
 from lightning_snapshot.state import patches as _patches
 from lightning_snapshot.state.capture import check_placements, is_sharded
 from lightning_snapshot.state.ddp_layout import DDP_LAYOUT_ENV
+from lightning_snapshot.state.trainer import TrainerSource
 
 __all__ = ["DDP_LAYOUT_ENV", "SnapshotCallback"]
 
 log = logging.getLogger(__name__)
 
 _C = TypeVar("_C")
-
-#: seconds a preempted process may still take to clean up once its snapshot is durable, at least (or until the grace
-#: ends, if later), before it exits at once
-_EXIT_WITHIN = 2.0
 
 
 class _Option:
@@ -255,7 +251,7 @@ class SnapshotCallback(Checkpoint):
             session.persister,
             self._schedule,
             self._reporter,
-            self._loaders.state_before,
+            TrainerSource(trainer, self._loaders.state_before),
             trainer.global_step,
         )
         self._restorer = Restorer(config, session.comm, session.tier_comms, fit_ckpt_path)
@@ -277,7 +273,7 @@ class SnapshotCallback(Checkpoint):
         in-handler broadcast never runs; Lightning's teardown restores what was there before it)."""
         signals = list(self.config.preemption_signals)
         environment = getattr(trainer._accelerator_connector, "cluster_environment", None)  # private, as Lightning
-        self._requeue_signal = _patches.slurm_requeue_signal(environment)
+        self._requeue_signal = slurm_requeue_signal(environment)
         if signals and self._requeue_signal is not None and self._requeue_signal not in signals:
             signals.append(self._requeue_signal)  # (Lightning's would save a checkpoint inside its handler)
         if not signals:
@@ -311,7 +307,7 @@ class SnapshotCallback(Checkpoint):
             self._preemption.outside = True
         if self._pipeline is not None and not trainer.sanity_checking:
             self._loaders.before_fetch(trainer)  # (a loader fetched ahead: its state before the next fetch)
-            self._pipeline.arm(trainer)
+            self._pipeline.arm()
 
     def _validation_ended(self) -> None:
         if self._preemption is not None:
@@ -329,21 +325,13 @@ class SnapshotCallback(Checkpoint):
         signum = preemption.agree_now()
         if signum:
             abandoned = not trainer.sanity_checking and pipeline.armed_step() == trainer.global_step
-            stop(preemption, pipeline, trainer, self._requeue_signal, signum, abandoned=abandoned)
+            stop(preemption, pipeline, self._requeue_signal, signum, abandoned=abandoned)
 
     def _overdue(self, signum: int, since: float) -> None:
         """The preemption watchdog (its own thread): the ranks could not reach a step boundary within three quarters of
         the grace (a training step, a validation batch or a hook longer than that): the snapshots already handed to
         the tiers are made durable, one error line says what is lost, and the process exits with 128 + the signal."""
-        pipeline = self._pipeline
-        try:
-            if pipeline is not None:
-                pipeline.overdue(signal_name(signum), since)
-            session = self._session
-            if signum == self._requeue_signal and session is not None and session.comm.rank == 0:
-                log.warning("lightning-snapshot: %s", requeue_slurm_job())
-        finally:
-            exit_now(128 + signum)
+        overdue(self._pipeline, self._requeue_signal, signum, since)
 
     def _hooked(self, trainer: Any) -> bool:
         """Whether the trainer's loops run with this callback (False while a tuner, such as LearningRateFinder, runs
@@ -361,7 +349,7 @@ class SnapshotCallback(Checkpoint):
         spawned_rank_preempted(exception, self.config.preemption_signals, fit_running=self._session is not None)
         try:
             if type(exception).__name__ == "SIGTERMException" and self._pipeline is not None:
-                self._pipeline.last_snapshot(trainer, pl_module, "SIGTERM", time.monotonic())
+                self._pipeline.last_snapshot("SIGTERM", time.monotonic())
         finally:
             if self._pipeline is not None:
                 self._pipeline.pending = None
@@ -370,7 +358,7 @@ class SnapshotCallback(Checkpoint):
             self._shutdown(abort=True, timeout=1.0 if preempted else None)
             if preempted:
                 assert isinstance(exception, Preempted)
-                exit_promptly(int(exception.code or 0), _EXIT_WITHIN)
+                exit_promptly(int(exception.code or 0))
 
     def _shutdown(self, abort: bool, timeout: float | None = None) -> None:
         """Give the signals back, undo every patch, settle the snapshot in flight and close the fit's session."""
@@ -417,24 +405,24 @@ class SnapshotCallback(Checkpoint):
         callbacks and schedulers are taken at, and restored at."""
         self._first_fetch()
         self._loaders.before_fetch(trainer)
-        stop_if_preempted(self._preemption, self._pipeline, trainer, self._requeue_signal)
+        stop_if_preempted(self._preemption, self._pipeline, self._requeue_signal)
         self._finish_pending(trainer)
 
     def _between_epochs(self, trainer: Any) -> None:
-        stop_if_preempted(self._preemption, self._pipeline, trainer, self._requeue_signal)
+        stop_if_preempted(self._preemption, self._pipeline, self._requeue_signal)
         self._finish_pending(trainer)
 
     def _finish_pending(self, trainer: Any, consumed_offset: int = 0) -> None:
         if self._pipeline is not None:
-            self._pipeline.finish_pending(trainer, consumed_offset)
+            self._pipeline.finish_pending(consumed_offset)
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         if self._pipeline is not None:
-            self._pipeline.stager.fence_if_retrained(trainer)
+            self._pipeline.stager.fence_if_retrained()
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self._pipeline is not None:
-            self._pipeline.stager.batch_start(trainer)
+            self._pipeline.stager.batch_start()
         self._first_fetch()  # (a loop that fetched without the epoch loop's fetch hook)
         self._finish_pending(trainer, consumed_offset=1)
 
@@ -445,7 +433,7 @@ class SnapshotCallback(Checkpoint):
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._pipeline is not None:
-            self._pipeline.step_ended(trainer, pl_module)
+            self._pipeline.step_ended()
         self._reporter.metrics.flush(trainer)
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
@@ -466,20 +454,17 @@ class SnapshotCallback(Checkpoint):
         if self._preemption is not None:
             self._preemption.settle()  # (the last step's agreement: every rank started it)
         if self._pipeline is not None:
-            self._pipeline.end_of_fit(trainer, trainer.lightning_module)
+            self._pipeline.end_of_fit()
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._end_of_fit(trainer)  # (done already when the fit loop ended normally)
         # fit returns once every snapshot is durable (or failed); tiers with a drain_timeout (object stores) are
         # waited for that long at most
-        persister = self._session.persister if self._session is not None else None
-        late = persister.drain() if persister is not None else []
-        self._reporter.collect(persister, trainer.global_step, self._schedule)
-        self._reporter.late_tiers(late, persister)
+        if self._pipeline is not None:
+            self._pipeline.wait_written()
         self._reporter.metrics.flush(trainer)
-        if self._session is not None:
-            self._reporter.stop_if_failed(self._session.comm)
-            self._reporter.check_durable(self._session.comm)
+        if self._pipeline is not None:
+            self._pipeline.check_end()
 
     # ------------------------------------------------------------------------------------------- checkpoint state
     def state_dict(self) -> dict[str, Any]:

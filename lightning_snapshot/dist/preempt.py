@@ -43,14 +43,20 @@ __all__ = [
     "Preemption",
     "exit_now",
     "exit_promptly",
+    "overdue",
     "parse_signals",
     "requeue_slurm_job",
+    "slurm_requeue_signal",
     "spawned_rank_preempted",
     "stop",
     "stop_if_preempted",
 ]
 
 log = logging.getLogger(__name__)
+
+#: seconds a preempted process may still take to clean up once its snapshot is durable, at least (or until the grace
+#: ends, if later), before it exits at once (:func:`exit_promptly`)
+EXIT_WITHIN = 2.0
 
 #: The signals a fit owns unless told otherwise.
 DEFAULT_SIGNALS = ("SIGTERM",)
@@ -511,6 +517,17 @@ class _GuardWorker:
 os.register_at_fork(after_in_child=_after_fork)
 
 
+def slurm_requeue_signal(environment: Any) -> int | None:
+    """The signal of Lightning's SLURM auto-requeue (``SLURMEnvironment(auto_requeue=True)``, SIGUSR1 by default), or
+    None when the job does not requeue itself."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    if not isinstance(environment, SLURMEnvironment) or not environment.auto_requeue:
+        return None
+    signum = environment.requeue_signal
+    return int(signum) if signum is not None else None
+
+
 def requeue_slurm_job() -> str:
     """``scontrol requeue`` this SLURM job (what Lightning's auto-requeue does on its signal); returns what happened,
     for the log. Called by global rank 0 only, once the snapshot is durable."""
@@ -527,21 +544,19 @@ def requeue_slurm_job() -> str:
     return f"SLURM job {job} requeued"
 
 
-def stop_if_preempted(preemption: Preemption | None, pipeline: Any, trainer: Any, requeue_signal: int | None) -> None:
-    """The callback's check, once per optimizer step, at the point snapshots are taken: the ranks agree whether one of
+def stop_if_preempted(preemption: Preemption | None, pipeline: Any, requeue_signal: int | None) -> None:
+    """The integrations' check, once per optimizer step, at the point snapshots are taken (every rank): the ranks agree whether one of
     them was sent a preemption signal; if so every rank snapshots this step into every tier (``pipeline``), waits
     until a durable tier holds it (``sigterm_grace``), and stops with :class:`Preempted` (``requeue_signal``: the
     SLURM job is requeued first)."""
     if preemption is None or pipeline is None:
         return
-    signum = preemption.poll(trainer.global_step)
+    signum = preemption.poll(pipeline.source.step())
     if signum:
-        stop(preemption, pipeline, trainer, requeue_signal, signum)
+        stop(preemption, pipeline, requeue_signal, signum)
 
 
-def stop(
-    preemption: Preemption, pipeline: Any, trainer: Any, requeue_signal: int | None, signum: int, abandoned: bool = False
-) -> None:
+def stop(preemption: Preemption, pipeline: Any, requeue_signal: int | None, signum: int, abandoned: bool = False) -> None:
     """Every rank together, once the ranks agreed on ``signum``: the current step made durable in every tier within
     the grace (``abandoned``: a validation was abandoned, and the snapshot holds the state from before it), then
     :class:`Preempted` (``requeue_signal``: the SLURM job is requeued first)."""
@@ -552,13 +567,27 @@ def stop(
         since = learned if known else time.monotonic()
     what = "the signal reached this rank" if mine else "the ranks agreed to stop (another rank was signalled)"
     name = signal_name(signum)
-    step, durable = pipeline.last_snapshot(trainer, trainer.lightning_module, name, since, what, abandoned=abandoned)
-    if signum == requeue_signal and trainer.global_rank == 0:
+    step, durable = pipeline.last_snapshot(name, since, what, abandoned=abandoned)
+    if signum == requeue_signal and pipeline.comm.rank == 0:
         log.warning("lightning-snapshot: %s", requeue_slurm_job())
     raise Preempted(signum, step, durable)
 
 
-def exit_promptly(code: int, seconds: float) -> None:
+def overdue(pipeline: Any, requeue_signal: int | None, signum: int, since: float) -> None:
+    """The preemption watchdog's way (its own thread), when the ranks could not reach a step boundary within three
+    quarters of the grace (a training step, a validation batch or a hook longer than that): the snapshots already
+    handed to the tiers are made durable (``pipeline.overdue``: one error line says what is lost), the SLURM job is
+    requeued (``requeue_signal``), and the process exits with 128 + the signal."""
+    try:
+        if pipeline is not None:
+            pipeline.overdue(signal_name(signum), since)
+        if signum == requeue_signal and pipeline is not None and pipeline.comm.rank == 0:
+            log.warning("lightning-snapshot: %s", requeue_slurm_job())
+    finally:
+        exit_now(128 + signum)
+
+
+def exit_promptly(code: int, seconds: float = EXIT_WITHIN) -> None:
     """Once a preempted step is durable (``fit`` is raising :class:`Preempted`): the process exits with ``code`` as
     soon as its Python code has run (the exception's way out through the caller's ``finally`` blocks, Lightning's
     teardown, the exit handlers registered before this one), skipping the interpreter's own teardown, which takes

@@ -8,6 +8,7 @@ Layout of a snapshot's trees: ``docs/fabric.md`` ("What is captured").
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import MutableMapping
 from typing import Any, cast
@@ -19,15 +20,18 @@ from lightning_snapshot.data.rng import capture_rng, restore_rng
 from lightning_snapshot.errors import ConfigError, SnapshotError, StateMismatchError
 from lightning_snapshot.format.tree import encode
 from lightning_snapshot.staging import is_dtensor
+from lightning_snapshot.staging.live import LiveCapture
 from lightning_snapshot.state.capture import check_model
 
 __all__ = [
+    "FabricSource",
     "apply",
     "inner_loader",
     "module_prefixes",
     "rank_tree",
     "raw_optimizer",
     "read_targets",
+    "shared_head",
     "shared_tree",
     "split",
     "split_modules",
@@ -92,7 +96,7 @@ def _sharded_optimizer_targets(kinds: dict[str, dict[str, Any]]) -> dict[str, An
     resharded). An optimizer without state yet (made for this run) gets it first, as torch's distributed checkpoint
     makes it (``get_optimizer_state_dict``)."""
     targets: dict[str, Any] = {}
-    for key, opt in kinds["optimizers"].items():
+    for index, opt in enumerate(kinds["optimizers"].values()):
         raw = raw_optimizer(opt)
         params = [p for group in raw.param_groups for p in group["params"]]
         if not any(is_dtensor(p) for p in params):
@@ -106,25 +110,109 @@ def _sharded_optimizer_targets(kinds: dict[str, dict[str, Any]]) -> dict[str, An
                 if any(id(p) in owned for p in inner.parameters()):
                     get_optimizer_state_dict(inner, raw)
                     break
-        _, tensors = encode({"optimizers": {key: raw.state_dict()}})
+        _, tensors = encode({"optimizer_states": {str(index): raw.state_dict()}})
         targets.update({name: t for name, t in tensors.items() if is_dtensor(t)})
     return targets
 
 
 def shared_tree(kinds: dict[str, dict[str, Any]], step: int) -> dict[str, Any]:
     """What every rank holds alike (weights and optimizer state: staged in the background, each rank its share, DTensor
-    shards as they are)."""
-    prefixes = module_prefixes(list(kinds["modules"]))
+    shards as they are), laid out as the capture plan takes it (:class:`~lightning_snapshot.staging.live.LiveCapture`):
+    :func:`shared_head`, then the weights and the optimizers' states."""
+    return {
+        **shared_head(kinds, step),
+        "state_dict": {
+            name: t
+            for k, m in kinds["modules"].items()
+            for name, t in m.state_dict(prefix=module_prefixes(list(kinds["modules"]))[k]).items()
+        },
+        "optimizer_states": [raw_optimizer(o).state_dict() for o in kinds["optimizers"].values()],
+    }
+
+
+def shared_head(kinds: dict[str, dict[str, Any]], step: int) -> dict[str, Any]:
+    """The plain values before the tensors of :func:`shared_tree`: the step, and where each module's weights and each
+    optimizer's state are (one module's weights as a Lightning checkpoint's ``state_dict``, so that
+    ``lightning-snapshot export`` and ``load_snapshot(keys=["state_dict"])`` find them; several: each name prefixed by
+    its key; ``optimizer_states`` in the order of ``fabric/optimizers``)."""
     return {
         "global_step": step,
-        # (one module's weights as a Lightning checkpoint's `state_dict`, so that `lightning-snapshot export` and
-        # `load_snapshot(keys=["state_dict"])` find them; several: each name prefixed by its key)
-        "state_dict": {
-            f"{prefixes[k]}{name}": t for k, m in kinds["modules"].items() for name, t in m.state_dict().items()
-        },
-        "fabric": {"modules": prefixes},
-        "optimizers": {k: raw_optimizer(o).state_dict() for k, o in kinds["optimizers"].items()},
+        "fabric": {"modules": module_prefixes(list(kinds["modules"])), "optimizers": list(kinds["optimizers"])},
     }
+
+
+class FabricSource:
+    """The user's ``state`` as the snapshot pipeline takes it (:class:`~lightning_snapshot.fit.source.StateSource`).
+
+    Args:
+        state: the user's dict (followed as it is: entries added or replaced are snapshotted from the next step).
+        strategy: the Fabric strategy (the capture plan stands in for the ``state_dict()`` calls under one device and
+            DDP; the replica check compares DDP's replicas).
+    """
+
+    def __init__(self, state: MutableMapping[str, Any], strategy: Any) -> None:
+        self.state = state
+        self.strategy = strategy
+        #: the optimizer steps taken (counted on from a restored snapshot's)
+        self.global_step = 0
+        self._joined: tuple[tuple[int, ...], torch.nn.Module] | None = None
+
+    def step(self) -> int:
+        return self.global_step
+
+    def epoch(self) -> int:
+        epoch = self.state.get("epoch", 0)
+        return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else 0
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [raw_optimizer(o) for o in split(self.state)["optimizers"].values()]
+
+    def capture_shared(self, live: LiveCapture) -> tuple[Any, tuple[dict[str, Any], list[torch.Tensor]]]:
+        kinds = split(self.state)
+        module = self._module(kinds)
+        if module is None:
+            live.clear()
+            return shared_tree(kinds, self.global_step), ({}, [])
+        optimizers = [raw_optimizer(o) for o in kinds["optimizers"].values()]
+        head = shared_head(kinds, self.global_step)
+        full = functools.partial(shared_tree, kinds, self.global_step)
+        return live.capture(head, module, optimizers, full), ({}, [])
+
+    def capture_rank(self, token: object | None, consumed_offset: int, validation_pending: bool) -> dict[str, Any]:
+        return rank_tree(split(self.state), self.global_step)
+
+    def replicated(self) -> tuple[Any, set[str]] | None:
+        from lightning.fabric.strategies import DDPStrategy
+
+        if not isinstance(self.strategy, DDPStrategy):
+            return None
+        module = self._module(split(self.state))
+        if module is None:
+            return None
+        ignored: set[str] = set()
+        for key, wrapped in split(self.state)["modules"].items():
+            names = getattr(getattr(wrapped, "_forward_module", None), "parameters_to_ignore", None) or ()
+            prefix = module_prefixes(list(split(self.state)["modules"]))[key]
+            ignored.update(f"{prefix}{name}" for name in names)
+        return module, ignored
+
+    def _module(self, kinds: dict[str, dict[str, Any]]) -> torch.nn.Module | None:
+        """The one module whose ``state_dict()`` is the snapshot's ``state_dict`` (several: joined under their keys,
+        as :func:`shared_tree` names them), or None where the capture plan may not stand in for the strategy's
+        state dicts (a sharded one: DTensors, Fabric's FSDP)."""
+        from lightning.fabric.strategies import DDPStrategy, SingleDeviceStrategy
+
+        if type(self.strategy) not in (SingleDeviceStrategy, DDPStrategy) or not kinds["modules"]:
+            return None
+        inner = {k: getattr(m, "_original_module", m) for k, m in kinds["modules"].items()}
+        if any(is_dtensor(p) for m in inner.values() for p in m.parameters()):
+            return None
+        if len(inner) == 1:
+            return next(iter(inner.values()))
+        ids = tuple(id(m) for m in inner.values())
+        if self._joined is None or self._joined[0] != ids:
+            self._joined = (ids, torch.nn.ModuleDict(inner))
+        return self._joined[1]
 
 
 def rank_tree(kinds: dict[str, dict[str, Any]], step: int) -> dict[str, Any]:
@@ -218,10 +306,15 @@ def apply(
     kinds = split(state)
     for key, module in kinds["modules"].items():
         module.load_state_dict(modules[key])
-    saved_opts = shared.get("optimizers") or {}
+    own = shared.get("fabric")
+    keys = own.get("optimizers") if isinstance(own, dict) else None
+    states = shared.get("optimizer_states")
+    if not isinstance(keys, list) or not isinstance(states, list) or len(keys) != len(states):
+        raise SnapshotError(f"the {where} does not say which optimizer each saved optimizer state is of")
+    saved_opts = dict(zip(keys, states, strict=True))
     for key, opt in kinds["optimizers"].items():
         if key not in saved_opts:
-            raise StateMismatchError(f"the {where} holds no optimizer {key!r}")
+            raise StateMismatchError(f"the {where} holds no optimizer {key!r} (it holds {sorted(saved_opts)})")
         try:
             raw_optimizer(opt).load_state_dict(saved_opts[key])
         except (ValueError, KeyError) as e:

@@ -1,12 +1,15 @@
 """A snapshot's way on the training thread: due, stage, finish, hand over; and the fences that keep it exact.
 
-States of one fit's pipeline (one :class:`SnapshotPipeline`, made by the callback's ``setup``):
+States of one fit's pipeline (one :class:`SnapshotPipeline`, made by an integration as its training starts: the
+callback's ``setup``, ``FabricSnapshots.resume``). What the state is, the pipeline asks of a
+:class:`~lightning_snapshot.fit.source.StateSource`; when the integration calls it decides where its points are:
 
 - **idle**: nothing pending. At a step some tier is due (:class:`~lightning_snapshot.schedule.schedules.FitSchedule`),
   the
   snapshot of that step becomes *pending*.
 - **pending**: the whole state is taken right before the next batch is fetched (``finish``; between epochs or at the
-  end of fit when that comes first), after the step's validation, the callbacks reacting to it and epoch-end hooks,
+  end of fit when that comes first; under Fabric at once, in ``step``), after the step's validation, the callbacks
+  reacting to it and epoch-end hooks,
   which may change or replace the model's tensors (pruning, weight averaging): the model and optimizer state are
   *staged* (copied into the host arena in the background while the next step runs), then the rest (loops,
   callbacks, schedulers, RNG, data position) is taken, and ``finish`` hands the snapshot to the persist threads.
@@ -25,22 +28,19 @@ import contextlib
 import logging
 import time
 import warnings
-from collections.abc import Callable
 from typing import Any
-
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_snapshot.config import SnapshotConfig
 from lightning_snapshot.dist.agree import agree_on
 from lightning_snapshot.dist.comm import Comm
 from lightning_snapshot.errors import ReplicaMismatchError, SnapshotError
 from lightning_snapshot.fit.reporting import Reporter
+from lightning_snapshot.fit.source import StateSource
 from lightning_snapshot.fit.stager import Stager
 from lightning_snapshot.persist.threads import Persister, PersistJob
 from lightning_snapshot.schedule.schedules import FitSchedule
 from lightning_snapshot.staging import stage
 from lightning_snapshot.staging.arena import AsyncStaged, HostArena
-from lightning_snapshot.state.builtin import capture_section
 
 __all__ = ["SnapshotPipeline"]
 
@@ -51,14 +51,14 @@ class SnapshotPipeline:
     """One fit's snapshots on the training thread (see the module's docstring for its states).
 
     Args:
-        config: the callback's configuration.
-        comm: the trainer's collectives (every rank stages, finishes and skips together).
+        config: the snapshots' configuration.
+        comm: the job's collectives (every rank stages, finishes and skips together).
         arena: the host staging memory.
         persister: the persist threads the finished snapshots go to.
         schedule: which tiers are due.
         reporter: told what happens.
-        fetch_states: the train loaders' states recorded before a fetch, by the epoch's fetch index.
-        start_step: the trainer's ``global_step`` when the fit starts.
+        source: the training state (the integration's).
+        start_step: the step the training starts from.
     """
 
     def __init__(
@@ -69,7 +69,7 @@ class SnapshotPipeline:
         persister: Persister,
         schedule: FitSchedule,
         reporter: Reporter,
-        fetch_states: Callable[[int], Any],
+        source: StateSource,
         start_step: int,
     ) -> None:
         self.config = config
@@ -79,7 +79,7 @@ class SnapshotPipeline:
         self.persister = persister
         self.schedule = schedule
         self.reporter = reporter
-        self._fetch_states = fetch_states
+        self.source = source
         #: the step of the last optimizer step seen (a snapshot needs an optimizer step since this one)
         self.last_step = start_step
         self.start_step = start_step
@@ -87,37 +87,39 @@ class SnapshotPipeline:
         #: before the next fetch
         self.pending: tuple[int, AsyncStaged | None, list[int]] | None = None
         #: the weights and optimizer state on their way into the arena (the copy in flight, its fences)
-        self.stager = Stager(config, comm, arena, schedule, reporter)
+        self.stager = Stager(config, comm, arena, schedule, reporter, source)
         self._ended = False  # the snapshot of the end of fit was taken
-        #: the state parts' memory across the fit's snapshots (the module's walk kept while the plan holds, ...)
-        self._memo: dict[str, Any] = {}
         #: (step, this rank's state staged) as it was when the validation after that step started: what a preemption
         #: that abandons that validation snapshots (see :meth:`arm`)
         self._armed: tuple[int, Any] | None = None
         self._abandoned = False
+        #: the newest step handed to the persist threads, and the tiers it was handed to (the last snapshot of a fit
+        #: is not taken twice for a tier)
+        self._handed: tuple[int, set[int]] = (start_step, set(range(len(self.tiers))))
 
     # ------------------------------------------------------------------------------------------- steps
-    def step_ended(self, trainer: Any, pl_module: Any) -> None:
-        """``on_train_batch_end``: collect results; after an optimizer step, snapshot if due, else prepare."""
-        step = trainer.global_step
+    def step_ended(self) -> None:
+        """After each batch (``on_train_batch_end``; Fabric: each optimizer step): collect results; after an
+        optimizer step, snapshot if due, else prepare."""
+        step = self.source.step()
         if step != self.last_step:
             self.schedule.step_ended(time.perf_counter())
         self.reporter.collect(self.persister, step, self.schedule)
         if step != self.last_step:
             self.schedule.begin(self.last_step)  # (the step this fit started from)
             self.last_step = step
-            if not self._maybe_snapshot(trainer, pl_module, step):
-                self.stager.prepare_arena(trainer, pl_module, step)
+            if not self._maybe_snapshot(step):
+                self.stager.prepare_arena(step)
 
-    def finish_pending(self, trainer: Any, consumed_offset: int = 0) -> None:
+    def finish_pending(self, consumed_offset: int = 0) -> None:
         """If a snapshot is staged, finish it now (counted as stall)."""
         if self.pending is not None:
             t0 = time.perf_counter()
-            self._finish(trainer, consumed_offset)
+            self._finish(consumed_offset)
             self.stager.stall += time.perf_counter() - t0
 
     # ------------------------------------------------------------------------------------------- due
-    def _maybe_snapshot(self, trainer: Any, pl_module: Any, step: int) -> bool:
+    def _maybe_snapshot(self, step: int) -> bool:
         """Take the snapshot of ``step`` if one is due in some tier; returns whether one was due."""
         now = time.monotonic()
         due = self.schedule.due(step, now, self.start_step)
@@ -147,7 +149,7 @@ class SnapshotPipeline:
             self.reporter.metrics.add(name, value)
 
     # ------------------------------------------------------------------------------------------- finish
-    def _finish(self, trainer: Any, consumed_offset: int = 0) -> None:
+    def _finish(self, consumed_offset: int = 0) -> None:
         """Add the rest of the state (loops, callbacks, schedulers, this rank's RNG and data position) to the
         pending snapshot and hand it to the persist thread."""
         assert self.pending is not None
@@ -156,22 +158,22 @@ class SnapshotPipeline:
         if shared is None:  # (else staged synchronously just now: the last snapshot of fit)
             # (the background copy starts once this rank's state is taken: a copy running alongside would slow that
             # Python work down on a machine of few cores)
-            shared = self.stager.stage_shared(trainer, trainer.lightning_module, step, hold=True)
+            shared = self.stager.stage_shared(step, hold=True)
             if shared is None:
                 self._unmeasured(due)
                 return
             self.reporter.metrics.add("snapshot/bytes", shared.state.nbytes)
             self.stager.inflight = shared
         try:
-            self._hand_over(trainer, step, shared, due, consumed_offset)
+            self._hand_over(step, shared, due, consumed_offset)
         finally:
             shared.go.set()  # (whatever happened: nothing may wait for a copy that never starts)
 
-    def _hand_over(self, trainer: Any, step: int, shared: AsyncStaged, due: list[int], consumed_offset: int) -> None:
+    def _hand_over(self, step: int, shared: AsyncStaged, due: list[int], consumed_offset: int) -> None:
         """The rest of :meth:`_finish`: the replica check, this rank's state, and the hand-over."""
         # the capture plan's token vouches for the module's structure (as staged just now; see capture_section)
         token = self.stager.capture_token
-        replicas = self.stager.check_replicas(trainer, step)
+        replicas = self.stager.check_replicas(step)
         if replicas is not None and not replicas.ok:
             action = self.config.on_replica_mismatch
             if action == "warn":
@@ -195,15 +197,14 @@ class SnapshotPipeline:
                     "See the warning before this one.",
                 )
                 return
-        epoch = trainer.current_epoch
+        epoch = self.source.epoch()
         error: SnapshotError | None = None
         armed = self._armed if self._abandoned and self._armed is not None and self._armed[0] == step else None
         try:
             if armed is not None:  # (the state from before the abandoned validation)
                 private = armed[1]
             else:
-                consumed = max(0, trainer.fit_loop.epoch_loop.batch_progress.current.ready - consumed_offset)
-                private = stage(capture_section(trainer, consumed, token, self._fetch_states, self._memo), "rank")
+                private = stage(self.source.capture_rank(token, consumed_offset, False), "rank")
         except SnapshotError as e:
             error = e
         shared.go.set()  # (the copy may start: what follows is cheap, or waits for the other ranks)
@@ -237,26 +238,34 @@ class SnapshotPipeline:
         job.by_agent = by_agent
         self.persister.submit(job, accepted)
         self.reporter.handed_over(step, accepted)
+        if self._handed[0] != step:
+            self._handed = (step, set())
+        self._handed[1].update(accepted)
 
     def _unmeasured(self, indices: list[int]) -> None:
         """Snapshots of these tiers that will not be written: they end their cost measurement unmeasured."""
         for i in indices:
             self.schedule.closed(i, measured=False)
 
-    def _final_snapshot(self, trainer: Any, pl_module: Any, step: int) -> None:
-        """Stage the state of the last step for every tier (synchronously: training is over)."""
+    def _final_snapshot(self, step: int) -> None:
+        """Stage the state of the last step for every tier that was not handed it yet (synchronously: training is
+        over)."""
         if step <= self.start_step:
             return  # nothing trained in this fit: the step it started from is already held
+        handed = self._handed[1] if self._handed[0] == step else set()
+        missing = [i for i in range(len(self.tiers)) if i not in handed]
+        if not missing:
+            return  # (every tier has it: a step finished before the loop ended)
         if self.stager.inflight is not None:
             self.stager.inflight.fence_training()
             self.stager.inflight = None
-        staged = self.stager.stage_shared(trainer, pl_module, step, last=True)
+        staged = self.stager.stage_shared(step, last=True)
         if staged is None:
             return
         staged.settle()  # (training is over: nothing changes it while it is copied)
-        self.pending = (step, staged, list(range(len(self.tiers))))
+        self.pending = (step, staged, missing)
 
-    def end_of_fit(self, trainer: Any, pl_module: Any) -> None:
+    def end_of_fit(self) -> None:
         """Fit ends with a snapshot of its last step in every tier (a later, longer run continues from it), taken
         when the training loop ends, before any ``on_train_end`` hook: those may change the weights
         (``WeightAveraging`` copies the averaged weights into the model there), and a run that never stopped would
@@ -268,37 +277,48 @@ class SnapshotPipeline:
         # loop stopped after a batch that only accumulated gradients), and draining waits for its commit
         self.stager.fence()
         self.persister.drain()  # the last snapshot waits for room in every tier instead of being skipped
-        step = trainer.global_step
+        step = self.source.step()
         if self.pending is None or self.pending[0] != step:
             if self.pending is not None:
-                self._finish(trainer)
-            self._final_snapshot(trainer, pl_module, step)
+                self._finish()
+            self._final_snapshot(step)
         elif set(self.pending[2]) != set(range(len(self.tiers))):
             self.pending = (step, self.pending[1], list(range(len(self.tiers))))
         staged = self.pending[1] if self.pending is not None else self.stager.inflight
         if self.pending is not None:
-            self._finish(trainer)  # (which may stage the weights again: then that copy is the one in flight)
+            self._finish()  # (which may stage the weights again: then that copy is the one in flight)
         for copy in (staged, self.stager.inflight):
             if copy is not None:
                 with contextlib.suppress(Exception):  # the persist thread reports it
                     copy.fence_training()
         self.stager.inflight = None
 
+    def wait_written(self) -> None:
+        """After :meth:`end_of_fit`: wait until every snapshot handed over is written (tiers with a ``drain_timeout``,
+        object stores, that long at most), and report what was (the metrics are then ready to log)."""
+        late = self.persister.drain()
+        self.reporter.collect(self.persister, self.source.step(), self.schedule)
+        self.reporter.late_tiers(late, self.persister)
+
+    def check_end(self) -> None:
+        """After :meth:`wait_written` (collective): a snapshot that failed in the background on any rank stops every
+        rank (``on_error="raise"``), and the last snapshot due in a durable tier must be held by one."""
+        self.reporter.stop_if_failed(self.comm)
+        self.reporter.check_durable(self.comm)
+
     # ------------------------------------------------------------------------------------------- validation
-    def arm(self, trainer: Any) -> None:
+    def arm(self) -> None:
         """A validation inside the fit is about to start (the training thread, every rank): this rank's state is
         taken now (RNG, loops, callbacks, schedulers, data position: a few kilobytes, no collective), so that a
         preemption which abandons that validation snapshots the step as it was before it, and the requeued run
         validates it again in full. The weights are not copied: a validation leaves them as they were once its
         epoch-end hooks ran (those that swap averaged weights in swap them back)."""
         self._armed = None
-        step = trainer.global_step
+        step = self.source.step()
         if step <= self.start_step:
             return  # (nothing trained in this fit: the step it started from is held already)
-        consumed = trainer.fit_loop.epoch_loop.batch_progress.current.ready
         try:
-            section = capture_section(trainer, consumed, None, self._fetch_states, self._memo, validation_pending=True)
-            self._armed = (step, stage(section, "rank"))
+            self._armed = (step, stage(self.source.capture_rank(None, 0, True), "rank"))
         except SnapshotError as e:
             log.debug("lightning-snapshot: the state before the validation of step %d was not taken: %s", step, e)
 
@@ -313,8 +333,6 @@ class SnapshotPipeline:
     # ------------------------------------------------------------------------------------------- last snapshots
     def last_snapshot(
         self,
-        trainer: Any,
-        pl_module: Any,
         reason: str,
         since: float,
         since_what: str = "the signal",
@@ -328,17 +346,17 @@ class SnapshotPipeline:
         self._abandoned = abandoned
         grace = self.config.sigterm_grace
         deadline = since + grace
-        step = trainer.global_step
+        step = self.source.step()
         self.stager.fence()  # (training stopped between steps: the copy in flight is settled, not torn by it)
         self.persister.drain(timeout=max(0.0, (deadline - time.monotonic()) / 2))
         if self.pending is not None and self.pending[0] == step:
             self.pending = (step, self.pending[1], list(range(len(self.tiers))))
         elif step > self.start_step:
             if self.pending is not None:
-                self._finish(trainer)
-            self._final_snapshot(trainer, pl_module, step)
+                self._finish()
+            self._final_snapshot(step)
         if self.pending is not None:
-            self._finish(trainer)
+            self._finish()
         self.stager.fence()  # (the weights it staged: the persist threads commit once the copy is settled)
         late = self.persister.drain(timeout=max(0.0, deadline - time.monotonic()))
         self.reporter.collect(self.persister, step, self.schedule)
@@ -347,13 +365,21 @@ class SnapshotPipeline:
         durable = [t.url for i, t in enumerate(self.tiers) if t.durable and committed.get(i) == step]
         seconds = time.monotonic() - since
         if step <= self.start_step:  # (no optimizer step in this fit: nothing new to lose)
-            rank_zero_info(f"lightning-snapshot: {reason}: at step {step}, where this fit started; nothing to snapshot")
+            if self.comm.rank == 0:
+                log.warning(
+                    "lightning-snapshot: %s: at step %d, where this fit started; nothing to snapshot", reason, step
+                )
             return step, True
         if durable:
-            rank_zero_info(
-                f"lightning-snapshot: {reason}: step {step} is held by {', '.join(held)} ({seconds:.1f} s after"
-                f" {since_what})"
-            )
+            if self.comm.rank == 0:
+                log.warning(
+                    "lightning-snapshot: %s: step %d is held by %s (%.1f s after %s)",
+                    reason,
+                    step,
+                    ", ".join(held),
+                    seconds,
+                    since_what,
+                )
         else:
             log.error(
                 "lightning-snapshot: %s: step %d did not become durable within sigterm_grace=%s s"

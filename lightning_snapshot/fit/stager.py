@@ -20,12 +20,11 @@ from lightning_snapshot.dist.comm import Comm
 from lightning_snapshot.errors import SnapshotError
 from lightning_snapshot.fit.replicas import ReplicaChecker, Verdict, named_tensors
 from lightning_snapshot.fit.reporting import Reporter
+from lightning_snapshot.fit.source import StateSource
 from lightning_snapshot.schedule.schedules import FitSchedule
 from lightning_snapshot.staging.arena import AsyncStaged, HostArena, reserve_lead
 from lightning_snapshot.staging.live import Encoded
-from lightning_snapshot.state.builtin import capture_tensor_parts
-from lightning_snapshot.state.capture import capture_shared_live, frozen_predicate, optimized_key, raw_optimizer
-from lightning_snapshot.state.ddp_layout import is_ddp
+from lightning_snapshot.state.capture import frozen_predicate, optimized_key
 
 __all__ = ["Stager"]
 
@@ -37,16 +36,24 @@ class Stager:
     what was staged.
 
     Args:
-        config: the callback's configuration.
-        comm: the trainer's collectives (every rank stages together).
+        config: the snapshots' configuration.
+        comm: the job's collectives (every rank stages together).
         arena: the host staging memory.
         schedule: which tiers are due (to reserve a second buffer in time).
         reporter: told what happens.
+        source: the training state (the integration's).
     """
 
     def __init__(
-        self, config: SnapshotConfig, comm: Comm, arena: HostArena, schedule: FitSchedule, reporter: Reporter
+        self,
+        config: SnapshotConfig,
+        comm: Comm,
+        arena: HostArena,
+        schedule: FitSchedule,
+        reporter: Reporter,
+        source: StateSource,
     ) -> None:
+        self.source = source
         self.tiers = list(config.tiers)
         self.comm = comm
         self.arena = arena
@@ -61,13 +68,12 @@ class Stager:
         #: the capture plan's token of the state last staged
         self.capture_token: object | None = None
         self.replicas = ReplicaChecker(config.replica_check) if config.replica_check else None
-        #: the tensor parts' memory for the fit, and their state as last staged: (tree, stable tensors)
-        self._memo: dict[str, Any] = {}
+        #: the tensor parts' state as last staged: (tree, stable tensors)
         self._parts: tuple[dict[str, Any], list[Any]] = ({}, [])
 
-    def batch_start(self, trainer: Any) -> None:
+    def batch_start(self) -> None:
         """``on_train_batch_start``: the point a snapshot is finished at when the loop fetched without its hook."""
-        self.fence_if_retrained(trainer)
+        self.fence_if_retrained()
         if self.inflight is not None and self.inflight.copied.is_set():
             self.inflight.settle()  # (copied before training_step: committed without waiting for the step)
 
@@ -79,15 +85,16 @@ class Stager:
             return stall * 1000
         return None
 
-    def fence_if_retrained(self, trainer: Any) -> None:
+    def fence_if_retrained(self) -> None:
         """A snapshot in flight copies the parameters the optimizers trained when it was staged while training goes
         on. If a hook has frozen one since (``BackboneFinetuning``-style callbacks at an epoch's start, after that
         epoch's last snapshot was finished), code in the coming step may change it in place, even through ``.data``
         which no version counter sees: the copy is waited for now, before that step (counted as stall)."""
         staged = self.inflight
-        if staged is None or staged.fenced.is_set() or not trainer.optimizers:
+        if staged is None or staged.fenced.is_set():
             return
-        if optimized_key(trainer.optimizers) != staged.frozen_key:
+        optimizers = self.source.optimizers()
+        if optimizers and optimized_key(optimizers) != staged.frozen_key:
             self.fence()
 
     def fence(self) -> bool:
@@ -106,27 +113,28 @@ class Stager:
         self._copied = True
         return True
 
-    def capture(self, trainer: Any, pl_module: Any) -> Any:
+    def capture(self) -> Any:
         """The weights' state to stage: the model and optimizer state, and the tensor parts' (kept for
         :meth:`frozen` and :meth:`check_replicas`)."""
-        self._parts = capture_tensor_parts(trainer, self._memo)
-        return capture_shared_live(trainer, pl_module, self.arena.live, self._parts[0])
+        state, self._parts = self.source.capture_shared(self.arena.live)
+        return state
 
-    def frozen(self, trainer: Any) -> tuple[Callable[[Any], bool], Any]:
+    def frozen(self) -> tuple[Callable[[Any], bool], Any]:
         """The frozen-tensor predicate, computed only if the arena asks (it does not while its plan holds), and
         what it depends on (which parameters the optimizers train: a plan made under other ones is not reused).
         The tensor parts' stable tensors (as last captured) are frozen too."""
         made: list[Callable[[Any], bool]] = []
         stable = self._parts[1]
+        optimizers = self.source.optimizers()
 
         def frozen(t: Any) -> bool:
             if not made:
-                made.append(frozen_predicate(trainer.optimizers, stable))
+                made.append(frozen_predicate(optimizers, stable))
             return made[0](t)
 
-        return frozen, optimized_key(trainer.optimizers)
+        return frozen, optimized_key(optimizers)
 
-    def prepare_arena(self, trainer: Any, pl_module: Any, step: int) -> None:
+    def prepare_arena(self, step: int) -> None:
         """Off the snapshot steps, get the arena ready for the next snapshot, so that it does not wait.
 
         After the first optimizer step (the optimizer state exists, so the state has its size): plan the snapshot
@@ -138,8 +146,8 @@ class Stager:
         if not self._planned:
             self._planned = True
             try:
-                state = self.capture(trainer, pl_module)
-                frozen, key = self.frozen(trainer)
+                state = self.capture()
+                frozen, key = self.frozen()
                 arena.plan_ahead(
                     state,
                     frozen,
@@ -157,9 +165,7 @@ class Stager:
         if any(1 <= (self.schedule.steps_to_due(i, step) or 0) <= lead for i in range(len(self.tiers))):
             arena.reserve(size)
 
-    def stage_shared(
-        self, trainer: Any, pl_module: Any, step: int, last: bool = False, hold: bool = False
-    ) -> AsyncStaged | None:
+    def stage_shared(self, step: int, last: bool = False, hold: bool = False) -> AsyncStaged | None:
         """Stage the model and optimizer state of ``step`` (collective: every rank stages its own share, and they
         agree); None when some rank could not (an error is handled, an arena without room is reported). Parameters
         and optimizer state are copied in the background until the next optimizer step (:meth:`fence`); buffers,
@@ -168,8 +174,8 @@ class Stager:
         error: SnapshotError | None = None
         self._planned = True  # (the first snapshot plans itself if no earlier step did)
         try:  # every rank stages (and later writes) its own share of the replicated state
-            shared = self.capture(trainer, pl_module)
-            frozen, key = self.frozen(trainer)
+            shared = self.capture()
+            frozen, key = self.frozen()
             self.capture_token = shared.token if isinstance(shared, Encoded) else None
             staged = self.arena.stage_async(
                 shared, frozen, step, rank=self.comm.rank, world_size=self.comm.world_size, frozen_key=key, hold=hold
@@ -198,17 +204,18 @@ class Stager:
         self.reporter.skipped(step, reason, last)
         return None
 
-    def check_replicas(self, trainer: Any, step: int) -> Verdict | None:
+    def check_replicas(self, step: int) -> Verdict | None:
         """Under DDP, compare the replicas of the state this snapshot holds (collective; see
         :mod:`~lightning_snapshot.fit.replicas`). None: not checked."""
-        checker, model = self.replicas, trainer.strategy.model
-        if checker is None or self.comm.world_size < 2 or not is_ddp(model):
+        checker = self.replicas
+        replicated = self.source.replicated() if checker is not None and self.comm.world_size > 1 else None
+        if checker is None or replicated is None:
             return None
-        ignored = set(getattr(model, "parameters_to_ignore", None) or ())
-        optimizers = [raw_optimizer(o) for o in trainer.optimizers]
+        module, ignored = replicated
+        optimizers = self.source.optimizers()
         tree, stable = self._parts
         names, tensors = checker.select(
-            trainer.lightning_module,
+            module,
             optimizers,
             ignored,
             optimized_key(optimizers),

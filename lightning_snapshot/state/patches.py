@@ -25,7 +25,6 @@ __all__ = [
     "own_signals",
     "resume_loops",
     "shift_batch_counters",
-    "slurm_requeue_signal",
     "watch_validation",
 ]
 
@@ -269,14 +268,3 @@ def own_signals(patches: Patches, trainer: Any, install: Callable[[], bool], sig
     epoch_loop = trainer.fit_loop.epoch_loop
     if sigterm and hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
         patches.install(epoch_loop, "_broadcast_sigterm_tensor", lambda: None)
-
-
-def slurm_requeue_signal(environment: Any) -> int | None:
-    """The signal of Lightning's SLURM auto-requeue (``SLURMEnvironment(auto_requeue=True)``, SIGUSR1 by default), or
-    None when the job does not requeue itself."""
-    from lightning.fabric.plugins.environments import SLURMEnvironment
-
-    if not isinstance(environment, SLURMEnvironment) or not environment.auto_requeue:
-        return None
-    signum = environment.requeue_signal
-    return int(signum) if signum is not None else None

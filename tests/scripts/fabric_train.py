@@ -66,6 +66,11 @@ def result(model, optimizer, scheduler, state) -> dict:
     }
 
 
+def fabric_inner(model: nn.Module) -> nn.Module:
+    """The user's module inside Fabric's wrapper."""
+    return getattr(model, "_original_module", model)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tiers", nargs="*", default=[])
@@ -96,7 +101,15 @@ def main() -> None:
     p.add_argument("--own-sampler", action="store_true", help="a plain DataLoader with its own DistributedSampler")
     p.add_argument("--mtbf", default=None, help="FabricSnapshots(mtbf=...), for every=auto tiers")
     p.add_argument("--csv-logs", default=None, help="a CSVLogger in this directory, given to Fabric")
+    p.add_argument("--signal", default="SIGTERM", help="the signal --signal-at and --slow-at send")
+    p.add_argument("--slow-at", type=int, default=None, help="the signal comes inside this step, which then lasts")
+    p.add_argument("--slow-seconds", type=float, default=0.0, help="... this many seconds longer (before its step)")
+    p.add_argument("--sigterm-grace", type=float, default=None)
+    p.add_argument("--perturb-at", type=int, default=None, help="rank 1 changes one weight by 1 ulp after this step")
+    p.add_argument("--replica-check", type=int, default=None)
+    p.add_argument("--on-replica-mismatch", default=None)
     args = p.parse_args()
+    sent = getattr(signal, args.signal)
 
     loggers = None
     if args.csv_logs:
@@ -152,6 +165,9 @@ def main() -> None:
         }
         tiers.append(ObjectStoreTier(args.s3, storage_options=options, every_n_train_steps=args.s3_every))
     options = {"mtbf": args.mtbf} if args.mtbf is not None else {}
+    for name in ("sigterm_grace", "replica_check", "on_replica_mismatch"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
     snapshots = FabricSnapshots(fabric, tiers, resume=not args.no_resume, **options)
     index_log = open(f"{args.index_log}.rank{rank}", "a", buffering=1) if args.index_log else None  # noqa: SIM115
     with snapshots:
@@ -175,10 +191,17 @@ def main() -> None:
                 if state["iter_num"] % args.accum:
                     continue
                 step = state["step"] + 1
+                if args.slow_at == step and rank == args.signal_rank:
+                    os.kill(os.getpid(), sent)  # (a step longer than the grace: the watchdog's case)
+                    time.sleep(args.slow_seconds)
                 optimizer.step()
                 if args.kill_at == step and rank == args.kill_rank:
                     os.kill(os.getpid(), signal.SIGKILL)  # (after the optimizer step, before the step is counted)
                 optimizer.zero_grad()
+                if args.perturb_at == step and rank == 1:
+                    with torch.no_grad():  # (one replica of the last layer's first weight, by the smallest step)
+                        w = fabric_inner(model)[3].weight.view(-1)
+                        w[0] = torch.nextafter(w[0], w[0] + 1)
                 scheduler.step()
                 state["step"] = step
                 time.sleep(args.step_sleep)
@@ -187,7 +210,7 @@ def main() -> None:
                     dump = os.path.join(args.dump_weights, f"step-{step}.pt")
                     torch.save(result(model, optimizer, scheduler, state), dump)
                 if args.signal_at == step and rank == args.signal_rank:
-                    os.kill(os.getppid() if args.signal_launcher else os.getpid(), signal.SIGTERM)
+                    os.kill(os.getppid() if args.signal_launcher else os.getpid(), sent)
                 snapshots.step(state)
             state["epoch"] = epoch + 1
     if loggers is not None:

@@ -28,8 +28,8 @@ import os
 import lightning as L
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-import lightning_snapshot.fit.stager as stager
 import lightning_snapshot.persist.commit as commit
+import lightning_snapshot.state.trainer as source
 from lightning_snapshot import SnapshotCallback
 from lightning_snapshot.backends import LocalTier
 from lightning_snapshot.errors import CaptureError
@@ -44,14 +44,14 @@ a = p.parse_args()
 rank = int(os.environ.get("LOCAL_RANK", "0"))
 
 if a.fail == "stage":
-    capture = stager.capture_shared_live
+    capture = source.capture_shared_live
 
     def capture_shared_live(trainer, pl_module, live, parts=None):
         if trainer.global_rank == 0 and trainer.global_step >= 4:
             raise CaptureError("injected: rank 0 cannot capture its share of the weights")
         return capture(trainer, pl_module, live, parts)
 
-    stager.capture_shared_live = capture_shared_live
+    source.capture_shared_live = capture_shared_live
 elif a.fail == "list":
     listing = LocalTier.list
     listed: list[str] = []

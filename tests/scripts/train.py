@@ -392,9 +392,9 @@ def _print_captures() -> None:
 
     original = Stager.stage_shared
 
-    def stage_shared(self, trainer, pl_module, step, *args, **kwargs):
-        os.write(sys.stdout.fileno(), f"CAPTURE step={step} rank={trainer.global_rank}\n".encode())
-        return original(self, trainer, pl_module, step, *args, **kwargs)
+    def stage_shared(self, step, *args, **kwargs):
+        os.write(sys.stdout.fileno(), f"CAPTURE step={step} rank={self.comm.rank}\n".encode())
+        return original(self, step, *args, **kwargs)
 
     Stager.stage_shared = stage_shared
 
@@ -622,11 +622,14 @@ def main() -> None:
 
         atexit.register(
             lambda: os.write(
-                sys.stdout.fileno(), f"TIMELINE atexit_last rank={os.environ.get('RANK', '0')} at={time.time():.4f}\n".encode()
+                sys.stdout.fileno(),
+                f"TIMELINE atexit_last rank={os.environ.get('RANK', '0')} at={time.time():.4f}\n".encode(),
             )
         )
         _print_timeline()
-        os.write(sys.stdout.fileno(), f"TIMELINE imports rank={os.environ.get('RANK', '0')} at={IMPORTED:.4f}\n".encode())
+        os.write(
+            sys.stdout.fileno(), f"TIMELINE imports rank={os.environ.get('RANK', '0')} at={IMPORTED:.4f}\n".encode()
+        )
     if a.signal_at >= 0:
         callbacks.append(
             SendSignal(
@@ -683,7 +686,9 @@ def main() -> None:
 
             rank = trainer.global_rank
             atexit.register(
-                lambda: os.write(sys.stdout.fileno(), f"TIMELINE atexit_first rank={rank} at={time.time():.4f}\n".encode())
+                lambda: os.write(
+                    sys.stdout.fileno(), f"TIMELINE atexit_first rank={rank} at={time.time():.4f}\n".encode()
+                )
             )
             live = [t.name for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()]
             os.write(sys.stdout.fileno(), f"NONDAEMON rank={rank} {live}\n".encode())
