@@ -555,3 +555,25 @@ def launch_nodes(
             raise
         out.append(subprocess.CompletedProcess(p.args, p.returncode, so, se))
     return out
+
+
+def slurm_job(tmp_path: Path) -> tuple[dict[str, str], Path]:
+    """The environment of a one-task SLURM job (id 4242) whose ``scontrol`` is a stand-in on PATH that records its
+    arguments; returns that environment (to add to the process's) and the file the arguments go to."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    record = tmp_path / "scontrol.args"
+    (bindir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {record}\n')
+    (bindir / "scontrol").chmod(0o755)
+    env = {
+        "PATH": f"{bindir}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_NTASKS": "1",
+        "SLURM_NTASKS_PER_NODE": "1",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+        "SLURM_JOB_NAME": "train",
+        "SLURM_NODELIST": "127.0.0.1",
+    }
+    return env, record

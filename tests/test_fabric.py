@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SCRIPTS, restores, run_job, run_script
+from conftest import SCRIPTS, restores, run_job, run_script, slurm_job
 from train import s3_options
 
 from lightning_snapshot.backends import LocalTier, ObjectStoreTier
@@ -223,7 +223,8 @@ def test_stateful_dataloader_with_workers_resumed_mid_epoch_warns_that_their_aug
     pytest.importorskip("torchdata")
     args = (*HARD, "--stateful", "--workers", "2")
     tier = f"{tmp_path / 'snaps'}?every=1"
-    _run([tier], tmp_path / "out.pt", *args, "--kill-at", "9", expect_kill=True)
+    # (steps of 0.1 s at least: the snapshots of steps 7 and 8 are written before the kill even on a loaded machine)
+    _run([tier], tmp_path / "out.pt", *args, "--kill-at", "9", "--step-sleep", "0.1", expect_kill=True)
     assert _newest(tmp_path / "snaps") in (7, 8), "the test needs a snapshot inside the second epoch (6 steps each)"
     proc = _run([tier], tmp_path / "out.pt", *args)
     assert "worker processes restart their global RNG" in proc.stderr and "use a torch DataLoader" in proc.stderr
@@ -378,6 +379,16 @@ def _torchrun(base: Path, *args: str, timeout: int = 240, script: str = SCRIPT) 
     return run_job(cmd, timeout, env)
 
 
+def _requeued_ddp_equal(base: Path, common: tuple[str, ...], step: int, ref: Path) -> None:
+    """Run the 2-rank job ``common`` again under torchrun: both ranks restore ``step`` from ``base / "snaps"`` (0: a
+    fresh start) and end bitwise equal to ``ref`` (rank 1's: ``ref.rank1``)."""
+    proc = _torchrun(base, *common)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert sorted(restores(proc.stdout)) == _expected(step, str(base / "snaps"), 2), proc.stdout
+    for suffix in ("", ".rank1"):
+        assert assert_same(Path(f"{ref}{suffix}"), Path(f"{base / 'out.pt'}{suffix}")) > 0
+
+
 @pytest.fixture(scope="module")
 def ddp_reference(tmp_path_factory):
     base = tmp_path_factory.mktemp("fabric-ddp-ref")
@@ -399,11 +410,7 @@ def test_ddp_torchrun_sigkill_of_one_rank_resumes_both_bitwise(tmp_path, ddp_ref
     assert proc.returncode != 0
     newest = _newest(tmp_path / "snaps")
     assert newest <= kill - 1 and newest % 2 == 0 and (newest or kill <= 4), (kill, newest)
-    proc = _torchrun(tmp_path, *common)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert sorted(restores(proc.stdout)) == _expected(newest, str(tmp_path / "snaps"), 2), proc.stdout
-    for suffix in ("", ".rank1"):
-        assert assert_same(Path(f"{ddp_reference}{suffix}"), Path(f"{tmp_path / 'out.pt'}{suffix}")) > 0
+    _requeued_ddp_equal(tmp_path, common, newest, ddp_reference)
 
 
 @pytest.mark.slow
@@ -437,11 +444,7 @@ def test_ddp_stateful_dataloader_resumes_bitwise(tmp_path):
     assert _torchrun(tmp_path, *common, "--kill-at", "7", "--kill-rank", "1").returncode != 0
     newest = _newest(tmp_path / "snaps")
     assert newest in (0, 3, 6), newest
-    proc = _torchrun(tmp_path, *common)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert sorted(restores(proc.stdout)) == _expected(newest, str(tmp_path / "snaps"), 2), proc.stdout
-    for suffix in ("", ".rank1"):
-        assert assert_same(Path(f"{tmp_path / 'ref.pt'}{suffix}"), Path(f"{tmp_path / 'out.pt'}{suffix}")) > 0
+    _requeued_ddp_equal(tmp_path, common, newest, tmp_path / "ref.pt")
 
 
 @pytest.mark.slow
@@ -466,11 +469,7 @@ def test_ddp_sigterm_stops_both_ranks_at_one_step_exit_143_and_the_requeue_resum
     assert len(stopped) == 1 and 5 <= stopped[0] <= 8, stopped
     # (rank 0 says where the step is held, as the callback's preemption does)
     assert said.count(f"SIGTERM: step {stopped[0]} is held by {tmp_path / 'snaps'} (") == 1, said[-4000:]
-    proc = _torchrun(tmp_path, *common)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert sorted(restores(proc.stdout)) == [(stopped[0], str(tmp_path / "snaps"), r) for r in (0, 1)], proc.stdout
-    for suffix in ("", ".rank1"):
-        assert assert_same(Path(f"{ddp_reference}{suffix}"), Path(f"{tmp_path / 'out.pt'}{suffix}")) > 0
+    _requeued_ddp_equal(tmp_path, common, stopped[0], ddp_reference)
 
 
 @pytest.mark.slow
@@ -490,11 +489,7 @@ def test_ddp_plain_dataloader_with_its_own_distributed_sampler_resumes_bitwise(t
     assert killed.returncode != 0
     newest = _newest(tmp_path / "snaps")
     assert newest in (7, 8, 9), f"the test needs a snapshot inside the second epoch (steps 7-11), got {newest}"
-    proc = _torchrun(tmp_path, *common)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert sorted(restores(proc.stdout)) == _expected(newest, str(tmp_path / "snaps"), 2), proc.stdout
-    for suffix in ("", ".rank1"):
-        assert assert_same(Path(f"{tmp_path / 'ref.pt'}{suffix}"), Path(f"{tmp_path / 'out.pt'}{suffix}")) > 0
+    _requeued_ddp_equal(tmp_path, common, newest, tmp_path / "ref.pt")
 
 
 # ------------------------------------------------------------------------------------------------ preemption limits
@@ -530,22 +525,7 @@ def test_slurm_auto_requeue_signal_snapshots_requeues_and_exits_138(tmp_path, re
     import signal
 
     ref = reference(*HARD)
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    record = tmp_path / "scontrol.args"
-    (bindir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {record}\n')
-    (bindir / "scontrol").chmod(0o755)
-    slurm = {
-        "PATH": f"{bindir}:{os.environ['PATH']}",
-        "SLURM_JOB_ID": "4242",
-        "SLURM_NTASKS": "1",
-        "SLURM_NTASKS_PER_NODE": "1",
-        "SLURM_PROCID": "0",
-        "SLURM_LOCALID": "0",
-        "SLURM_NODEID": "0",
-        "SLURM_JOB_NAME": "train",
-        "SLURM_NODELIST": "127.0.0.1",
-    }
+    slurm, record = slurm_job(tmp_path)
     tier = f"{tmp_path / 'snaps'}?every=100"
     cmd = [sys.executable, str(SCRIPTS / SCRIPT), "--tiers", tier, "--out", str(tmp_path / "out.pt"), *HARD]
     env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning", **slurm}

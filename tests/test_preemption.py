@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import SCRIPTS, assert_bitwise_equal, restores, run_job, run_script
+from conftest import SCRIPTS, assert_bitwise_equal, restores, run_job, run_script, slurm_job
 
 from lightning_snapshot.backends import LocalTier
 from lightning_snapshot.persist.writer import committed_steps
@@ -251,23 +251,8 @@ def test_slurm_auto_requeue_signal_snapshots_requeues_and_exits_138(tmp_path, on
     """Lightning's SLURM auto-requeue (SLURMEnvironment(auto_requeue=True), SIGUSR1): the callback owns SIGUSR1 too
     (not listed in preemption_signals), snapshots the step, runs ``scontrol requeue <job>`` once it is durable (a
     stand-in scontrol on PATH records its arguments), and the process exits 128 + SIGUSR1."""
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    record = tmp_path / "scontrol.args"
-    (bindir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {record}\n')
-    (bindir / "scontrol").chmod(0o755)
-    env = {
-        "PATH": f"{bindir}:{os.environ['PATH']}",
-        "SLURM_JOB_ID": "4242",
-        "SLURM_NTASKS": "1",
-        "SLURM_NTASKS_PER_NODE": "1",
-        "SLURM_PROCID": "0",
-        "SLURM_LOCALID": "0",
-        "SLURM_NODEID": "0",
-        "SLURM_JOB_NAME": "train",
-        "SLURM_NODELIST": "127.0.0.1",
-        "LS_TEST_ZYGOTE": "0",
-    }
+    slurm, record = slurm_job(tmp_path)
+    env = {**slurm, "LS_TEST_ZYGOTE": "0"}
     _one(
         tmp_path,
         one_process_reference,
