@@ -22,6 +22,8 @@ from lightning_snapshot.backends import LocalTier, ObjectStoreTier
 from lightning_snapshot.persist.commit import committed_steps
 
 SCRIPT = "fabric_train.py"
+# (one worker runs them all: the uninterrupted reference runs of the module's fixtures are made once, not per worker)
+pytestmark = pytest.mark.xdist_group("test_fabric")
 #: 48 samples in batches of 4 over 3 epochs, gradients accumulated over 2 batches: 18 optimizer steps (9 per rank
 #: under DDP on 2 ranks), each epoch ending mid-way between snapshot steps
 HARD = ("--shuffle", "--augment", "--dropout", "0.1", "--accum", "2")

@@ -539,7 +539,8 @@ def test_sigterm_to_rank_1_in_a_validation_longer_than_the_grace_ddp(tmp_path):
     Rank 0 learns it without a collective per batch (the store), both ranks abandon the validation at whatever batch
     they are, agree once, make step 13 durable and exit 143 within the grace; the requeue validates step 13 again and
     ends bitwise equal on both ranks."""
-    common = ("--devices", "2", "--max-steps", "24", "--val-every", "5", "--val-samples", "240", *LONG_VAL)
+    # (16 steps: validations after steps 5 and 13 only, the one the signal comes in the last)
+    common = ("--devices", "2", "--max-steps", "16", "--val-every", "5", "--val-samples", "240", *LONG_VAL)
     ref = tmp_path / "ref"
     assert _torchrun(ref, *common).returncode == 0
     run = tmp_path / "run"
@@ -561,7 +562,8 @@ def test_model_parallel_sigterm_to_rank_1_in_a_validation_longer_than_the_grace(
     SIGTERM to rank 1 alone in the validation after step 20: the ranks stop that validation before the same batch
     (each says in the store how many it started; a sharded forward may be a collective), step 20 is durable, both
     exit 143 within the grace, and the requeue validates step 20 again and ends bitwise equal."""
-    common = ("--strategy", "mp", "--max-steps", "30", "--every", "10", "--samples", "400", "--val-every", "10")
+    # (22 steps: validations after steps 10 and 20 only, the one the signal comes in the last)
+    common = ("--strategy", "mp", "--max-steps", "22", "--every", "10", "--samples", "400", "--val-every", "10")
     common += ("--val-samples", "240", "--val-delay", "0.25", "--sigterm-grace", "5")
 
     def job(base: Path, *args: str) -> subprocess.CompletedProcess[str]:
