@@ -119,12 +119,11 @@ def shared_tree(kinds: dict[str, dict[str, Any]], step: int) -> dict[str, Any]:
     """What every rank holds alike (weights and optimizer state: staged in the background, each rank its share, DTensor
     shards as they are), laid out as the capture plan takes it (:class:`~lightning_snapshot.staging.live.LiveCapture`):
     :func:`shared_head`, then the weights and the optimizers' states."""
+    prefixes = module_prefixes(list(kinds["modules"]))
     return {
         **shared_head(kinds, step),
         "state_dict": {
-            name: t
-            for k, m in kinds["modules"].items()
-            for name, t in m.state_dict(prefix=module_prefixes(list(kinds["modules"]))[k]).items()
+            name: t for k, m in kinds["modules"].items() for name, t in m.state_dict(prefix=prefixes[k]).items()
         },
         "optimizer_states": [raw_optimizer(o).state_dict() for o in kinds["optimizers"].values()],
     }
@@ -186,14 +185,15 @@ class FabricSource:
 
         if not isinstance(self.strategy, DDPStrategy):
             return None
-        module = self._module(split(self.state))
+        kinds = split(self.state)
+        module = self._module(kinds)
         if module is None:
             return None
+        prefixes = module_prefixes(list(kinds["modules"]))
         ignored: set[str] = set()
-        for key, wrapped in split(self.state)["modules"].items():
+        for key, wrapped in kinds["modules"].items():
             names = getattr(getattr(wrapped, "_forward_module", None), "parameters_to_ignore", None) or ()
-            prefix = module_prefixes(list(split(self.state)["modules"]))[key]
-            ignored.update(f"{prefix}{name}" for name in names)
+            ignored.update(f"{prefixes[key]}{name}" for name in names)
         return module, ignored
 
     def _module(self, kinds: dict[str, dict[str, Any]]) -> torch.nn.Module | None:
